@@ -1,0 +1,1 @@
+"""shardc: a GShard-style SPMD sharding compiler for JAX."""
