@@ -1,1 +1,20 @@
-"""shardc: a GShard-style SPMD sharding compiler for JAX."""
+"""shardc: a GShard-style SPMD sharding compiler for JAX.
+
+    mesh = shardc.make_mesh({"data": 2, "model": 4})
+
+    @shardc.auto(mesh=mesh)
+    def train_step(params, opt_state, batch): ...
+
+    print(shardc.plan(train_step, params, opt_state, batch).explain())
+"""
+from annotations import UNCONSTRAINED, ShardingError, replicate, shard, split
+from shardc.auto import AutoFunction, auto, plan
+from shardc.plan import Plan, Reshard
+from shardc.rules.core import register_rule
+from shardc.sharding import Sharding, make_mesh
+
+__all__ = [
+    "auto", "plan", "make_mesh", "split", "replicate", "shard", "UNCONSTRAINED", "ShardingError",
+    "Plan", "Reshard", "Sharding", "AutoFunction", "register_rule",
+]
+__version__ = "0.1.0"

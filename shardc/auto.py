@@ -1,0 +1,258 @@
+"""`@shardc.auto`: trace, plan, lower and run a train step sharded over a mesh.
+
+    @shardc.auto(mesh=mesh)
+    def train_step(params, opt_state, batch): ...
+
+On the first call for an abstract signature (tree structure, shapes, dtypes, metadata) the step is
+traced to a jaxpr, hints are collected (in-program `split`/`replicate`/`shard`, Flax metadata on the
+inputs), propagated into a Plan, and the plan is lowered to `jax.jit` with in/out shardings. Later
+calls with the same signature reuse it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import time
+import warnings
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.sharding import Mesh
+from jax.tree_util import keystr
+
+import annotations as _annotations
+from annotations.errors import ShardingError, SourceLine, caller_source_line
+from shardc.ir.build import build_graph
+from shardc.ir.graph import Graph, Op
+from shardc.lower import jit_plan
+from shardc.metadata import input_hints
+from shardc.plan import Plan, build_plan
+from shardc.propagate import Cause, Seed, propagate
+from shardc.seeds import input_seed, program_seeds
+from shardc.sharding import make_mesh
+
+__all__ = ["auto", "AutoFunction", "plan", "Compiled"]
+
+
+@dataclasses.dataclass
+class Compiled:
+    """Everything made for one abstract signature."""
+
+    plan: Plan
+    closed_jaxpr: Any
+    in_tree: Any
+    out_tree: Any
+    jitted: Any
+    timings: dict[str, float]
+
+
+def _default_mesh() -> Mesh:
+    return make_mesh({"data": len(jax.devices())})
+
+
+class AutoFunction:
+    """A function planned and run sharded by shardc (what `@shardc.auto` returns)."""
+
+    def __init__(self, fun: Callable, *, mesh: Mesh | None = None, rules: Any = None,
+                 donate_argnums: int | Sequence[int] = (), topology: Any = None, search: Any = False,
+                 budget_s: float | None = None, seed: int = 0) -> None:
+        if not callable(fun):
+            raise TypeError(f"shardc.auto expects a function, got {type(fun).__name__}")
+        functools.update_wrapper(self, fun)
+        self.fun = fun
+        self.mesh = mesh
+        self.rules = rules
+        self.donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+        self.topology = topology
+        self.search = search
+        self.budget_s = budget_s
+        self.seed = seed
+        self._cache: dict[Any, Compiled] = {}
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise ShardingError(f"shardc.auto(mesh=...) needs a jax.sharding.Mesh (see shardc.make_mesh), got {type(mesh).__name__}")
+        if search not in (False, None):
+            warnings.warn("shardc.auto(search=...) is not implemented yet; planning uses propagation of the "
+                          "hints only (unhinted dims are replicated)", stacklevel=2)
+
+    # -- public --------------------------------------------------------------------------------------
+    def __call__(self, *args: Any) -> Any:
+        c = self._compiled(args)
+        flat = jax.tree_util.tree_leaves(args)
+        flat = [self._place(x, s) for x, s in zip(flat, c.plan.input_shardings())]
+        out = c.jitted(*flat)
+        return jax.tree_util.tree_unflatten(c.out_tree, out)
+
+    def plan(self, *args: Any) -> Plan:
+        """The plan for these arguments, without running."""
+        return self._compiled(args).plan
+
+    def lower(self, *args: Any) -> jax.stages.Lowered:
+        """The lowered program (over the flattened arguments), as `jax.jit(...).lower` gives."""
+        c = self._compiled(args)
+        return c.jitted.lower(*jax.tree_util.tree_leaves(args))
+
+    def compiled_info(self, *args: Any) -> Compiled:
+        return self._compiled(args)
+
+    # -- internals -----------------------------------------------------------------------------------
+    def _place(self, x: Any, sharding: Any) -> Any:
+        target = sharding.named(self._mesh())
+        current = getattr(x, "sharding", None)
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and current is not None \
+                and not current.is_equivalent_to(target, x.ndim):
+            return jax.device_put(x, target)
+        return x
+
+    def _mesh(self) -> Mesh:
+        if self.mesh is None:
+            self.mesh = _default_mesh()
+        return self.mesh
+
+    def _signature(self, args: Any) -> Any:
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        avals = []
+        for x in leaves:
+            try:
+                a = jax.typeof(x)
+                avals.append((tuple(a.shape), str(a.dtype), getattr(a, "weak_type", False)))
+            except TypeError:
+                avals.append(("static", repr(x)))
+        return tree, tuple(avals)
+
+    def _compiled(self, args: Any) -> Compiled:
+        key = self._signature(args)
+        c = self._cache.get(key)
+        if c is None:
+            c = self._build(args)
+            self._cache[key] = c
+        return c
+
+    def _trace(self, args: Any) -> tuple[Any, Any, Any]:
+        mesh = self._mesh()
+        flat, in_tree = jax.tree_util.tree_flatten(args)
+        out_tree_box: list[Any] = []
+
+        def flat_fun(*flat_args: Any) -> list[Any]:
+            out = self.fun(*jax.tree_util.tree_unflatten(in_tree, flat_args))
+            leaves, out_tree = jax.tree_util.tree_flatten(out)
+            out_tree_box.append(out_tree)
+            return leaves
+
+        for i, x in enumerate(flat):
+            try:
+                jax.typeof(x)
+            except TypeError:
+                path = keystr(jax.tree_util.tree_flatten_with_path(args)[0][i][0])
+                raise ShardingError(f"shardc.auto: argument leaf {path} is a {type(x).__name__}, not an array; "
+                                    f"pass arrays (or close over Python values)") from None
+        with _annotations.mesh_context(mesh), jax.set_mesh(mesh):
+            closed = jax.make_jaxpr(flat_fun)(*flat)
+        return closed, in_tree, out_tree_box[-1]
+
+    def _build(self, args: Any) -> Compiled:
+        mesh = self._mesh()
+        t0 = time.perf_counter()
+        closed, in_tree, out_tree = self._trace(args)
+        t1 = time.perf_counter()
+        in_paths = [keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+        out_paths = [f"out{keystr(p)}" for p in _paths_of(out_tree)]
+        graph = build_graph(closed, in_paths, out_paths)
+        t2 = time.perf_counter()
+        seeds = self._input_seeds(graph, args, mesh) + program_seeds(graph, mesh)
+        _tie_carried_state(graph, in_tree, out_tree, args)
+        prop = propagate(graph, dict(mesh.shape), seeds)
+        _check_ties(graph, prop)
+        notes = []
+        if graph.conservative_primitives:
+            notes.append("replicated (no sharding rule): " + ", ".join(sorted(graph.conservative_primitives)))
+        the_plan = build_plan(graph, mesh, prop, input_names=in_paths, output_names=out_paths, warnings=notes)
+        t3 = time.perf_counter()
+        donate = _flat_donate(self.donate_argnums, args)
+        jitted = jit_plan(the_plan, closed, donate)
+        timings = {"trace_s": t1 - t0, "graph_s": t2 - t1, "propagate_s": t3 - t2}
+        return Compiled(the_plan, closed, in_tree, out_tree, jitted, timings)
+
+    def _input_seeds(self, graph: Graph, args: Any, mesh: Mesh) -> list[Seed]:
+        hints = input_hints(args, mesh.axis_names, self.rules)
+        seeds = []
+        for i, h in enumerate(hints):
+            if h is None:
+                continue
+            seeds.append(input_seed(graph, i, h.dims, mesh, Cause("metadata", h.description, None)))
+        return seeds
+
+
+def _paths_of(tree: Any) -> list[Any]:
+    dummy = jax.tree_util.tree_unflatten(tree, list(range(tree.num_leaves)))
+    return [p for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
+
+
+def _flat_donate(donate_argnums: Sequence[int], args: Any) -> list[int]:
+    out, start = [], 0
+    for i, a in enumerate(args):
+        n = len(jax.tree_util.tree_leaves(a))
+        if i in donate_argnums:
+            out.extend(range(start, start + n))
+        start += n
+    return out
+
+
+def _tie_carried_state(graph: Graph, in_tree: Any, out_tree: Any, args: Any) -> None:
+    """Tie each output leaf that is the next step's version of an input leaf (same subtree structure,
+    same shapes) to that input, so both get one sharding and step 2 does not reshard."""
+    from shardc.ir.build import _tie_rule
+
+    arg_trees = [jax.tree_util.tree_structure(a) for a in args]
+    arg_starts, s = [], 0
+    for a in args:
+        arg_starts.append(s)
+        s += len(jax.tree_util.tree_leaves(a))
+    out_children = out_tree.children() if out_tree.num_nodes > 1 and out_tree.children() else [out_tree]
+    starts, s = [], 0
+    for c in out_children:
+        starts.append(s)
+        s += c.num_leaves
+    used: set[int] = set()
+    for ci, child in enumerate(out_children):
+        for ai, at in enumerate(arg_trees):
+            if ai in used or at != child or child.num_leaves == 0:
+                continue
+            pairs = [(graph.inputs[arg_starts[ai] + k], graph.outputs[starts[ci] + k]) for k in range(child.num_leaves)]
+            if all(graph.values[a].shape == graph.values[b].shape and graph.values[a].dtype == graph.values[b].dtype
+                   for a, b in pairs):
+                used.add(ai)
+                for a, b in pairs:
+                    if a != b:
+                        graph.add_op(Op(len(graph.ops), "tie", (a,), (b,), {}, _tie_rule(graph.values[a].shape),
+                                        region="io"))
+                break
+
+
+def _check_ties(graph: Graph, prop: Any) -> None:
+    """A loop carry or carried state pinned two different ways is a conflict the user must resolve."""
+    for op in graph.ops:
+        if op.primitive != "tie":
+            continue
+        a, b = op.inputs[0], op.outputs[0]
+        for d in range(graph.values[a].rank):
+            if prop.closed[a][d] and prop.closed[b][d] and prop.axes[a][d] != prop.axes[b][d]:
+                what = "a value carried to the next step" if op.region == "io" else "a loop/branch value"
+                raise ShardingError(
+                    f"conflicting hints on {what}: {graph.values[a].name} {graph.values[a].shape} dim {d} is "
+                    f"{prop.axes[a][d] or 'replicated'} ({prop.origin[a][d]}) but "
+                    f"{graph.values[b].name} dim {d} is {prop.axes[b][d] or 'replicated'} ({prop.origin[b][d]})")
+
+
+def auto(fun: Callable | None = None, **options: Any) -> Any:
+    """Decorator: `@shardc.auto` or `@shardc.auto(mesh=..., rules=..., donate_argnums=...)`."""
+    if fun is None:
+        return lambda f: AutoFunction(f, **options)
+    return AutoFunction(fun, **options)
+
+
+def plan(f: Any, *args: Any, mesh: Mesh | None = None, **options: Any) -> Plan:
+    """The Plan of `f` on these arguments. `f` is an `@shardc.auto` function or a plain one."""
+    if not isinstance(f, AutoFunction):
+        f = AutoFunction(f, mesh=mesh, **options)
+    return f.plan(*args)

@@ -1,0 +1,114 @@
+"""The graph IR: values (tensors) and ops over them, built once from a jaxpr and read by every pass."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import numpy as np
+
+from annotations.errors import SourceLine, is_library_file
+from shardc.rules.core import FactorRule
+
+__all__ = ["Value", "Op", "Graph", "source_line_of"]
+
+
+@dataclasses.dataclass(slots=True)
+class Value:
+    """One tensor of the program. `producer` is the op that defines it (None for inputs/constants)."""
+
+    id: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    name: str
+    producer: int | None = None
+    is_const: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        n = int(np.dtype(self.dtype).itemsize) if self.dtype is not None else 4
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+
+@dataclasses.dataclass(slots=True)
+class Op:
+    """One primitive application (or a `tie` joining a region's values to the outside)."""
+
+    id: int
+    primitive: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    params: Mapping[str, Any]
+    rule: FactorRule
+    conservative: bool = False
+    source_info: Any = None
+    region: str = ""
+
+    @property
+    def source(self) -> SourceLine | None:
+        return source_line_of(self.source_info)
+
+    @property
+    def is_hint(self) -> bool:
+        return self.primitive in ("shardc_hint", "sharding_constraint")
+
+
+def source_line_of(source_info: Any) -> SourceLine | None:
+    """The innermost user frame (not jax/flax/optax/shardc) of a jaxpr eqn's source_info."""
+    if source_info is None:
+        return None
+    tb = getattr(source_info, "traceback", None)
+    if tb is None:
+        return None
+    codes, lastis = tb.raw_frames()
+    for code, lasti in zip(codes, lastis):
+        if not is_library_file(code.co_filename):
+            line = code.co_firstlineno
+            try:
+                line = type(tb).code_addr2line(code, lasti)
+            except Exception:  # pragma: no cover - older jaxlib
+                pass
+            return SourceLine(code.co_filename, line, code.co_qualname)
+    return None
+
+
+@dataclasses.dataclass
+class Graph:
+    """Ops in program order over values. `inputs`/`outputs` are the flattened train-step args/results."""
+
+    values: list[Value] = dataclasses.field(default_factory=list)
+    ops: list[Op] = dataclasses.field(default_factory=list)
+    inputs: list[int] = dataclasses.field(default_factory=list)
+    outputs: list[int] = dataclasses.field(default_factory=list)
+    users: list[list[int]] = dataclasses.field(default_factory=list)
+    # value id of each top-level jaxpr variable, for lowering
+    top_level: dict[Any, int] = dataclasses.field(default_factory=dict)
+    # which eqn of the top-level jaxpr made which op ids
+    conservative_primitives: set[str] = dataclasses.field(default_factory=set)
+
+    def add_value(self, shape: tuple[int, ...], dtype: Any, name: str = "", *, is_const: bool = False) -> int:
+        vid = len(self.values)
+        self.values.append(Value(vid, tuple(int(s) for s in shape), np.dtype(dtype) if dtype is not None else None,
+                                 name or f"%{vid}", is_const=is_const))
+        self.users.append([])
+        return vid
+
+    def add_op(self, op: Op) -> int:
+        self.ops.append(op)
+        for v in op.inputs:
+            self.users[v].append(op.id)
+        for v in op.outputs:
+            if self.values[v].producer is None:
+                self.values[v].producer = op.id
+        return op.id
+
+    def hint_ops(self) -> list[Op]:
+        return [op for op in self.ops if op.is_hint]
+
+    def __repr__(self) -> str:
+        return f"Graph({len(self.ops)} ops, {len(self.values)} values, {len(self.inputs)} inputs)"
