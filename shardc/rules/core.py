@@ -13,11 +13,17 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
+import threading
+import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 __all__ = [
     "FactorKind",
     "FactorRule",
+    "HIGHER_ORDER_PRIMITIVES",
+    "NoShardingRuleWarning",
+    "conservative_rule",
+    "rule_or_conservative",
     "RuleFn",
     "einsum_rule",
     "register_rule",
@@ -47,7 +53,11 @@ class FactorRule:
     sizes: size of each factor. kinds: kind of each factor.
     blocked: factors along which propagation must not move shardings (they may still be sharded by a
     hint on every tensor that has them).
-    reduce_op: for reduction factors, the combiner ("sum", "max", "min", "prod", "and", "or").
+    reduce_op: for reduction factors, the combiner ("sum", "max", "min", "prod", "and", "or", "xor").
+
+    A factor that appears only in results is computed locally on every device (broadcast's new dims,
+    iota); one that appears only in operands is a reduction, or needs replication when the op cannot be
+    finished by a reduction (argmax's reduced dim, a reshape dim that does not line up).
     """
 
     operands: tuple[TensorFactors, ...]
@@ -74,8 +84,59 @@ class FactorRule:
             and f not in self.blocked
         )
 
+    def factor_dims(self, f: int) -> tuple[tuple[int, int, int], ...]:
+        """Where factor f occurs: (tensor index in operands+results, dim, position within the dim)."""
+        return tuple(
+            (t, d, tuple(dims).index(f))
+            for t, tensor in enumerate(self.tensors())
+            for d, dims in enumerate(tensor)
+            if f in dims
+        )
+
+    def __str__(self) -> str:
+        """Shardy-like notation: `([i, k], [k, j])->([i, j]) {i=8, j=16, k=8} reduction={k}`."""
+
+        def name(f: int) -> str:
+            letters = "ijklmnopqrstuvwxyzabcdefgh"
+            return letters[f] if f < len(letters) else f"f{f}"
+
+        def tensor(dims: TensorFactors) -> str:
+            return "[" + ", ".join("".join(name(f) for f in d) or "1" for d in dims) + "]"
+
+        text = (
+            "(" + ", ".join(tensor(t) for t in self.operands) + ")->("
+            + ", ".join(tensor(t) for t in self.results) + ")"
+        )
+        text += " {" + ", ".join(f"{name(f)}={n}" for f, n in enumerate(self.sizes)) + "}"
+        for kind in (FactorKind.REDUCTION, FactorKind.NEED_REPLICATION, FactorKind.PERMUTATION):
+            fs = [name(f) for f, k in enumerate(self.kinds) if k is kind]
+            if fs:
+                text += f" {kind.value}={{{', '.join(fs)}}}"
+        if self.blocked:
+            text += " blocked={" + ", ".join(name(f) for f in sorted(self.blocked)) + "}"
+        if FactorKind.REDUCTION in self.kinds and self.reduce_op != "sum":
+            text += f" reduce_op={self.reduce_op}"
+        return text
+
     def validate(self, operand_shapes: Sequence[Sequence[int]], result_shapes: Sequence[Sequence[int]]) -> None:
-        """Check that every dim's factors multiply to the dim size (a rule bug otherwise)."""
+        """Check the rule against the op's shapes (an AssertionError means a rule bug).
+
+        Every dim's factors multiply to the dim size; factor ids are in range and appear at most once per
+        tensor; sizes, kinds and blocked agree.
+        """
+        n = len(self.sizes)
+        if len(self.kinds) != n:
+            raise AssertionError(f"rule has {n} factor sizes but {len(self.kinds)} kinds")
+        if any(s < 0 for s in self.sizes):
+            raise AssertionError(f"negative factor size in {self.sizes}")
+        if not all(0 <= f < n for f in self.blocked):
+            raise AssertionError(f"blocked factors {sorted(self.blocked)} out of range")
+        for tensor in self.tensors():
+            seen = [f for dims in tensor for f in dims]
+            if not all(0 <= f < n for f in seen):
+                raise AssertionError(f"factor id out of range in {tensor}")
+            if len(seen) != len(set(seen)):
+                raise AssertionError(f"a factor appears twice in one tensor: {tensor}")
         for kind, tensors, shapes in (("operand", self.operands, operand_shapes), ("result", self.results, result_shapes)):
             if len(tensors) != len(shapes):
                 raise AssertionError(f"rule has {len(tensors)} {kind}s, op has {len(shapes)}")
@@ -219,6 +280,11 @@ def register_rule(primitive: Any, rule: RuleFn | str, **einsum_kwargs: Any) -> N
     """
     if isinstance(rule, str):
         spec = rule
+        if "->" not in spec:
+            raise ValueError(f"factor spec {spec!r} has no '->'")
+        for side in spec.split("->"):
+            for tensor_spec in side.split(","):
+                _parse_tensor(tensor_spec)  # fail at registration, not at the first use
 
         def from_string(ins, outs, params, _spec=spec):
             return einsum_rule(_spec, ins, outs, **einsum_kwargs)
@@ -249,3 +315,87 @@ def get_rule(primitive: Any) -> RuleFn | None:
 
 def registered_primitives() -> list[str]:
     return sorted(_REGISTRY)
+
+
+# Primitives that carry sub-jaxprs: the graph builder inlines them or turns them into regions with
+# data-flow edges, so they have no factor rule (`rule_or_conservative` must not be asked about them).
+HIGHER_ORDER_PRIMITIVES = frozenset({
+    "pjit", "jit", "closed_call", "core_call", "call",
+    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin",
+    "remat", "remat2", "checkpoint",
+    "scan", "while", "cond",
+    "shard_map", "custom_partitioning", "custom_linear_solve", "linear_call", "run_state",
+})
+
+
+class NoShardingRuleWarning(UserWarning):
+    """An op is replicated because shardc has no sharding rule for it (issued once per primitive)."""
+
+
+def conservative_rule(operand_shapes: Sequence[Sequence[int]], result_shapes: Sequence[Sequence[int]]) -> FactorRule:
+    """The rule of an op shardc knows nothing about: every dim of every tensor is its own
+    need-replication factor, so nothing stays sharded through the op and nothing propagates across it."""
+    sizes: list[int] = []
+
+    def tensor(shape: Sequence[int]) -> TensorFactors:
+        dims = []
+        for size in shape:
+            dims.append((len(sizes),))
+            sizes.append(int(size))
+        return tuple(dims)
+
+    operands = tuple(tensor(s) for s in operand_shapes)
+    results = tuple(tensor(s) for s in result_shapes)
+    return FactorRule(
+        operands=operands,
+        results=results,
+        sizes=tuple(sizes),
+        kinds=(FactorKind.NEED_REPLICATION,) * len(sizes),
+    )
+
+
+_WARNED: set[str] = set()
+_WARNED_LOCK = threading.Lock()
+
+
+def _warn_once(name: str, detail: str = "") -> None:
+    with _WARNED_LOCK:
+        if name in _WARNED:
+            return
+        _WARNED.add(name)
+    message = f"shardc has no sharding rule for primitive {name!r}; its operands and results are replicated"
+    if detail:
+        message += f" ({detail})"
+    warnings.warn(message, NoShardingRuleWarning, stacklevel=3)
+
+
+def rule_or_conservative(
+    primitive: Any,
+    operand_shapes: Sequence[Sequence[int]],
+    result_shapes: Sequence[Sequence[int]],
+    params: Mapping[str, Any] | None = None,
+) -> tuple[FactorRule, bool]:
+    """The factor rule of one op instance, and whether it is the conservative fallback.
+
+    Falls back to `conservative_rule` (with one `NoShardingRuleWarning` per primitive name per process)
+    when the primitive has no registered rule, when its rule returns None for this instance, or when the
+    rule fails (raises, or returns a rule that does not fit the shapes — a rule bug, named in the warning).
+    """
+    name = _name(primitive)
+    ins = [tuple(int(d) for d in s) for s in operand_shapes]
+    outs = [tuple(int(d) for d in s) for s in result_shapes]
+    fn = _REGISTRY.get(name)
+    if fn is None:
+        _warn_once(name)
+        return conservative_rule(ins, outs), True
+    try:
+        rule = fn(ins, outs, dict(params or {}))
+        if rule is not None:
+            rule.validate(ins, outs)
+    except Exception as e:  # a rule bug must not stop compilation; it is reported, once
+        _warn_once(name, f"its rule failed on operands {ins}, results {outs}: {type(e).__name__}: {e}")
+        return conservative_rule(ins, outs), True
+    if rule is None:
+        _warn_once(name, f"its rule does not cover operands {ins}, results {outs}")
+        return conservative_rule(ins, outs), True
+    return rule, False
