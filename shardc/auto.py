@@ -208,7 +208,8 @@ def _tie_carried_state(graph: Graph, in_tree: Any, out_tree: Any, args: Any) -> 
     for a in args:
         arg_starts.append(s)
         s += len(jax.tree_util.tree_leaves(a))
-    out_children = out_tree.children() if out_tree.num_nodes > 1 and out_tree.children() else [out_tree]
+    node = out_tree.node_data()
+    out_children = out_tree.children() if node is not None and node[0] in (tuple, list) else [out_tree]
     starts, s = [], 0
     for c in out_children:
         starts.append(s)

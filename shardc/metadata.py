@@ -52,8 +52,9 @@ def _is_meta(x: Any) -> bool:
 def _names_of(node: Any) -> tuple[tuple[Any, ...] | None, Any, str]:
     """(names, rules, kind) of a metadata box; names None when the box carries no partitioning."""
     from flax.core import meta
+    from flax.linen import spmd
 
-    if isinstance(node, meta.LogicallyPartitioned):
+    if isinstance(node, spmd.LogicallyPartitioned):
         return tuple(node.names), node.rules, "logical"
     if isinstance(node, meta.Partitioned):
         return tuple(node.names), None, "mesh"

@@ -35,8 +35,12 @@ class OpStrategy:
         for factors in dims:
             axes: list[str] = []
             for f in factors:
-                axes.extend(self.factor_axes[f])
-                if math.prod(mesh[a] for a in self.factor_axes[f]) != rule.sizes[f]:
+                fa = self.factor_axes[f]
+                axes.extend(fa)
+                n = 1
+                for a in fa:
+                    n *= mesh[a]
+                if n != rule.sizes[f]:
                     break
             out.append(tuple(axes))
         return Sharding(tuple(out))
@@ -207,7 +211,6 @@ def build_plan(graph: Graph, mesh: Mesh, prop: Propagation, *, input_names: Sequ
         strategies.append(strat)
         if op.primitive == "tie" and op.region == "io":
             continue
-        where = op.source
         for v, dims in zip(op.inputs, rule.operands):
             val = graph.values[v]
             if val.is_const and val.rank == 0:
@@ -222,7 +225,7 @@ def build_plan(graph: Graph, mesh: Mesh, prop: Propagation, *, input_names: Sequ
                          f"{_describe_origin(prop.origin[v])}")
                 reshards.append(Reshard(v, have, need, kind,
                                         reshard_bytes(have, need, val.shape, val.dtype.itemsize, sizes),
-                                        cause, where, consumer=op.id))
+                                        cause, op.source, consumer=op.id))
         partial = strat.partial_axes(rule)
         for v, dims in zip(op.outputs, rule.results):
             val = graph.values[v]
@@ -238,6 +241,6 @@ def build_plan(graph: Graph, mesh: Mesh, prop: Propagation, *, input_names: Sequ
                 cause = f"{what}; {val.name} {list(val.shape)} is {want}"
                 reshards.append(Reshard(v, made, want, kind,
                                         reshard_bytes(made, want, val.shape, val.dtype.itemsize, sizes),
-                                        cause, where, consumer=None))
+                                        cause, op.source, consumer=None))
     return Plan(graph, mesh, shardings, tuple(strategies), tuple(reshards),
                 tuple(tuple(o) for o in prop.origin), tuple(input_names), tuple(output_names), tuple(warnings))

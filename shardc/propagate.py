@@ -113,6 +113,7 @@ class _Propagator:
         self.origin: list[list[Cause | None]] = [[None for _ in v.shape] for v in graph.values]
         self.nbytes = [v.nbytes for v in graph.values]
         self.visits = 0
+        self._sizes: dict[Axes, int] = {}
         self.phase_of = []
         for op in graph.ops:
             if _pass_through_op(op.rule):
@@ -122,6 +123,13 @@ class _Propagator:
             else:
                 self.phase_of.append(1)
         del n
+
+    def size_of(self, axes: Axes) -> int:
+        """Number of devices along `axes` (memoised)."""
+        n = self._sizes.get(axes)
+        if n is None:
+            n = self._sizes[axes] = math.prod(self.mesh[a] for a in axes)
+        return n
 
     # -- seeds ------------------------------------------------------------------------------------
     def apply_seed(self, seed: Seed) -> None:
@@ -201,6 +209,8 @@ class _Propagator:
                 proj = projections[ti][d]
                 if proj is None:
                     continue
+                if not any(len(best[f]) > len(proj.get(f, ())) for f in factors):
+                    continue
                 new: list[str] = []
                 origin = None
                 for f in factors:
@@ -211,7 +221,7 @@ class _Propagator:
                         if origin is None and source[f] >= 0:
                             origin = self._origin_of_factor(op, source[f], f)
                     new.extend(want)
-                    if math.prod(self.mesh[a] for a in want) != sizes[f]:
+                    if self.size_of(want) != sizes[f]:
                         break
                 if len(new) <= len(vaxes[d]):
                     continue
@@ -237,11 +247,12 @@ class _Propagator:
         return None
 
     # -- driver -----------------------------------------------------------------------------------
-    def run_to_fixed_point(self, max_phase: int) -> None:
+    def run_to_fixed_point(self, max_phase: int, only_new: bool = False) -> None:
         ops = self.g.ops
         users = self.g.users
         allowed = [self.phase_of[op.id] <= max_phase for op in ops]
-        queue = deque(op.id for op in ops if allowed[op.id])
+        start = (lambda i: self.phase_of[i] == max_phase) if only_new else (lambda i: allowed[i])
+        queue = deque(op.id for op in ops if start(op.id))
         queued = [False] * len(ops)
         for i in queue:
             queued[i] = True
@@ -272,5 +283,7 @@ def propagate(graph: Graph, mesh: Mapping[str, int], seeds: Sequence[Seed]) -> P
             if s.priority == level:
                 p.apply_seed(s)
         for phase in (0, 1, 2):
-            p.run_to_fixed_point(phase)
+            # Ops of earlier phases are at their fixed point already; only newly allowed ops start
+            # queued (the first phase of a level starts with every op, as new seeds may touch any).
+            p.run_to_fixed_point(phase, only_new=phase > 0)
     return Propagation(p.axes, p.closed, p.origin, p.visits)

@@ -54,6 +54,7 @@ def _stack_rule(slice_shape: Sequence[int], length: int, *, stacked_is_operand: 
 class _Builder:
     def __init__(self) -> None:
         self.g = Graph()
+        self.rule_cache: dict[Any, tuple[FactorRule, bool]] = {}
 
     # -- values -----------------------------------------------------------------------------------
     def new_value(self, aval: Any, name: str = "", *, is_const: bool = False) -> int:
@@ -112,13 +113,25 @@ class _Builder:
                 outs = [self.new_value(v.aval) for v in eqn.outvars]
                 in_shapes = [self.g.values[v].shape for v in ins]
                 out_shapes = [self.g.values[v].shape for v in outs]
-                rule, conservative = rule_or_conservative(name, in_shapes, out_shapes, eqn.params)
+                rule, conservative = self.rule(name, in_shapes, out_shapes, eqn.params)
                 if conservative:
                     self.g.conservative_primitives.add(name)
                 self.add(name, ins, outs, eqn.params, rule, conservative=conservative,
                          source_info=eqn.source_info, region=region)
             for var, vid in zip(eqn.outvars, outs):
                 env[var] = vid
+
+    def rule(self, name: str, ins: list, outs: list, params: Any) -> tuple[FactorRule, bool]:
+        """The op's factor rule, memoised: a Transformer repeats the same op instances layer after layer."""
+        try:
+            key = (name, tuple(ins), tuple(outs), tuple(sorted(params.items())))
+            hash(key)
+        except TypeError:
+            return rule_or_conservative(name, ins, outs, params)
+        hit = self.rule_cache.get(key)
+        if hit is None:
+            hit = self.rule_cache[key] = rule_or_conservative(name, ins, outs, params)
+        return hit
 
     @staticmethod
     def _call_jaxpr(eqn: Any) -> Any:

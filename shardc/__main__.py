@@ -1,0 +1,5 @@
+import sys
+
+from shardc.cli import main
+
+sys.exit(main())
