@@ -44,7 +44,7 @@ class GPT(nn.Module):
     @nn.compact
     def __call__(self, ids):
         ids = split(ids, 0, "data")
-        x = nn.Embed(self.vocab, self.d, embedding_init=_kernel((None, "model")))(ids)
+        x = nn.Embed(self.vocab, self.d, embedding_init=_kernel(("model", None)))(ids)
         x = x + self.param("pos", nn.initializers.normal(0.02), (self.seq, self.d))[None]
         for _ in range(self.layers):
             x = Block(self.d, self.heads)(x)

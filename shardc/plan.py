@@ -159,20 +159,26 @@ def reshard_bytes(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: 
 
 
 def _strategy(op: Op, axes_of, nbytes, mesh: Mapping[str, int]) -> OpStrategy:
-    """Factor axes from the results (reduction factors from the largest operand); axes used once."""
+    """Factor axes taken from the op's tensors, largest first (results first among equals), each axis
+    used by one factor only: the layout of the biggest tensor is kept and the smaller ones move — as in
+    propagation's conflict resolution."""
     rule = op.rule
     nf = rule.num_factors
     chosen: list[Axes | None] = [None] * nf
-    tensors = [(v, dims, True) for v, dims in zip(op.outputs, rule.results)]
-    tensors += sorted(((v, dims, False) for v, dims in zip(op.inputs, rule.operands)), key=lambda t: -nbytes[t[0]])
+    tensors = [(v, dims, 0) for v, dims in zip(op.outputs, rule.results)]
+    tensors += [(v, dims, 1) for v, dims in zip(op.inputs, rule.operands)]
+    tensors.sort(key=lambda t: (-nbytes[t[0]], t[2]))
+    taken: set[str] = set()
     for v, dims, _ in tensors:
         for d, factors in enumerate(dims):
             if not factors:
                 continue
             proj, _complete = project_dim(axes_of(v)[d], factors, rule.sizes, mesh)
             for f in factors:
-                if chosen[f] is None and f in proj and proj[f]:
+                if chosen[f] is None and f in proj and proj[f] and not (taken & set(proj[f])) \
+                        and rule.kinds[f] not in (FactorKind.NEED_REPLICATION, FactorKind.PERMUTATION):
                     chosen[f] = proj[f]
+                    taken.update(proj[f])
     used: set[str] = set()
     out: list[Axes] = []
     for f in range(nf):

@@ -66,15 +66,36 @@ def source_line_of(source_info: Any) -> SourceLine | None:
     if tb is None:
         return None
     codes, lastis = tb.raw_frames()
-    for code, lasti in zip(codes, lastis):
-        if not is_library_file(code.co_filename):
-            line = code.co_firstlineno
-            try:
-                line = type(tb).code_addr2line(code, lasti)
-            except Exception:  # pragma: no cover - older jaxlib
-                pass
-            return SourceLine(code.co_filename, line, code.co_qualname)
+    frames = list(zip(codes, lastis))
+    # The user's own line; failing that (ops made inside Flax/optax), the innermost line outside JAX.
+    for keep in (lambda path: not is_library_file(path), lambda path: not _is_jax_file(path)):
+        for code, lasti in frames:
+            if keep(code.co_filename):
+                line = code.co_firstlineno
+                try:
+                    line = type(tb).code_addr2line(code, lasti)
+                except Exception:  # pragma: no cover - older jaxlib
+                    pass
+                return SourceLine(code.co_filename, line, code.co_qualname)
     return None
+
+
+_JAX_DIRS: tuple[str, ...] | None = None
+
+
+def _is_jax_file(path: str) -> bool:
+    global _JAX_DIRS
+    if _JAX_DIRS is None:
+        import os
+
+        import jax
+        import jaxlib
+
+        import annotations
+        import shardc
+
+        _JAX_DIRS = tuple(os.path.dirname(m.__file__) for m in (jax, jaxlib, annotations, shardc))
+    return path.startswith(_JAX_DIRS) or path.startswith("<")
 
 
 @dataclasses.dataclass
