@@ -1,0 +1,115 @@
+"""@shardc.auto's options and entry points: bare decorator, donation, logical rules from Flax's context,
+custom primitives with a user rule, regions (while, cond), and lowering."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+import shardc
+from shardc import split
+
+PS = jax.sharding.PartitionSpec
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return shardc.make_mesh({"data": 2, "model": 4})
+
+
+def test_bare_decorator_uses_every_device_on_one_axis():
+    @shardc.auto
+    def f(x):
+        return jnp.sin(split(x, 0, "data")) * 2
+
+    x = jnp.arange(16.0).reshape(8, 2)
+    np.testing.assert_allclose(f(x), jnp.sin(x) * 2, rtol=1e-6)
+    plan = f.plan(x)
+    assert plan.mesh_sizes == {"data": len(jax.devices())}
+    assert plan.output_shardings()[0].dims == (("data",), ())
+
+
+def test_donate_argnums(mesh):
+    def step(p, x):
+        return p - 0.1 * x.sum(0), (p ** 2).sum()
+
+    f = shardc.auto(step, mesh=mesh, donate_argnums=0)
+    p = jnp.ones((8,))
+    lowered = f.lower(p, jnp.ones((4, 8)))
+    assert "tf.aliasing_output" in lowered.as_text() or "jax.buffer_donor" in lowered.as_text()
+    new_p, loss = f(p, jnp.ones((4, 8)))
+    assert p.is_deleted()
+    np.testing.assert_allclose(new_p, jnp.full((8,), 0.6), rtol=1e-6)
+
+
+def test_logical_rules_from_flax_context(mesh):
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp")))(x)
+
+    x = jnp.ones((4, 6))
+    params = M().init(jax.random.key(0), x)["params"]
+    f = shardc.auto(lambda p, x: M().apply({"params": p}, x), mesh=mesh)
+    with nn.logical_axis_rules([("embed", None), ("mlp", "model")]):
+        plan = f.plan(params, x)
+        out = f(params, x)
+    kernel = [i for i, n in enumerate(plan.input_names) if "kernel" in n][0]
+    assert plan.input_shardings()[kernel].dims == ((), ("model",))
+    np.testing.assert_allclose(out, M().apply({"params": params}, x), rtol=1e-6)
+
+
+def test_user_rule_for_custom_primitive(mesh):
+    scale_p = Primitive("test_rowscale")  # y[i, j] = x[i, j] * s[i]
+    scale_p.def_impl(lambda x, s: x * s[:, None])
+    scale_p.def_abstract_eval(lambda x, s: x)
+    mlir.register_lowering(scale_p, mlir.lower_fun(lambda x, s: x * s[:, None], multiple_results=False))
+    shardc.register_rule(scale_p, "ij,i->ij")
+
+    def f(x, s):
+        return scale_p.bind(split(x, 0, "data"), s) + 1
+
+    x, s = jnp.ones((8, 4)), jnp.arange(8.0)
+    af = shardc.auto(f, mesh=mesh)
+    plan = af.plan(x, s)
+    assert plan.input_shardings()[1].dims == (("data",),)   # propagated through the user's rule
+    assert not plan.graph.conservative_primitives
+    np.testing.assert_allclose(af(x, s), x * s[:, None] + 1)
+
+
+def test_while_and_cond_regions(mesh):
+    def f(x, n):
+        x = split(x, 0, "data")
+        x = jax.lax.fori_loop(0, n, lambda i, c: jnp.tanh(c) + 1.0, x)
+        return jax.lax.cond(x.sum() > 0, lambda a: a * 2, lambda a: -a, x)
+
+    x = jnp.ones((8, 4))
+    af = shardc.auto(f, mesh=mesh)
+    plan = af.plan(x, 3)
+    assert plan.output_shardings()[0].dims == (("data",), ())
+    np.testing.assert_allclose(af(x, 3), jax.jit(f)(x, 3), rtol=1e-6)
+
+
+def test_lower_returns_jax_lowered(mesh):
+    f = shardc.auto(lambda x: split(x, 1, "model") @ jnp.ones((8, 2)), mesh=mesh)
+    lowered = f.lower(jnp.ones((4, 8)))
+    assert isinstance(lowered, jax.stages.Lowered)
+    compiled = lowered.compile()
+    assert "all-reduce" in compiled.as_text()
+
+
+def test_plan_is_cached_per_signature(mesh):
+    calls = []
+
+    def g(x):
+        calls.append(1)
+        return x * 2
+
+    f = shardc.auto(g, mesh=mesh)
+    f(jnp.ones((8, 2)))
+    f(jnp.ones((8, 2)))
+    assert len(calls) == 1
+    f(jnp.ones((16, 2)))
+    assert len(calls) == 2
