@@ -76,24 +76,25 @@ class AutoFunction:
                           "hints only (unhinted dims are replicated)", stacklevel=2)
 
     # -- public --------------------------------------------------------------------------------------
-    def __call__(self, *args: Any) -> Any:
-        c = self._compiled(args)
-        flat = jax.tree_util.tree_leaves(args)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        c = self._compiled(args, kwargs)
+        flat = jax.tree_util.tree_leaves((args, kwargs))
         flat = [self._place(x, s) for x, s in zip(flat, c.plan.input_shardings())]
         out = c.jitted(*flat)
         return jax.tree_util.tree_unflatten(c.out_tree, out)
 
-    def plan(self, *args: Any) -> Plan:
+    def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for these arguments, without running."""
-        return self._compiled(args).plan
+        return self._compiled(args, kwargs).plan
 
-    def lower(self, *args: Any) -> jax.stages.Lowered:
+    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The lowered program (over the flattened arguments), as `jax.jit(...).lower` gives."""
-        c = self._compiled(args)
-        return c.jitted.lower(*jax.tree_util.tree_leaves(args))
+        c = self._compiled(args, kwargs)
+        return c.jitted.lower(*jax.tree_util.tree_leaves((args, kwargs)))
 
-    def compiled_info(self, *args: Any) -> Compiled:
-        return self._compiled(args)
+    def compiled_info(self, *args: Any, **kwargs: Any) -> Compiled:
+        """Plan, jaxpr, trees, jitted function and timings for these arguments."""
+        return self._compiled(args, kwargs)
 
     # -- internals -----------------------------------------------------------------------------------
     def _place(self, x: Any, sharding: Any) -> Any:
@@ -109,8 +110,8 @@ class AutoFunction:
             self.mesh = _default_mesh()
         return self.mesh
 
-    def _signature(self, args: Any) -> Any:
-        leaves, tree = jax.tree_util.tree_flatten(args)
+    def _signature(self, call: Any) -> Any:
+        leaves, tree = jax.tree_util.tree_flatten(call)
         avals = []
         for x in leaves:
             try:
@@ -120,21 +121,22 @@ class AutoFunction:
                 avals.append(("static", repr(x)))
         return tree, tuple(avals)
 
-    def _compiled(self, args: Any) -> Compiled:
-        key = self._signature(args)
+    def _compiled(self, args: tuple, kwargs: dict) -> Compiled:
+        key = self._signature((args, kwargs))
         c = self._cache.get(key)
         if c is None:
-            c = self._build(args)
+            c = self._build(args, kwargs)
             self._cache[key] = c
         return c
 
-    def _trace(self, args: Any) -> tuple[Any, Any, Any]:
+    def _trace(self, call: tuple[tuple, dict]) -> tuple[Any, Any, Any]:
         mesh = self._mesh()
-        flat, in_tree = jax.tree_util.tree_flatten(args)
+        flat, in_tree = jax.tree_util.tree_flatten(call)
         out_tree_box: list[Any] = []
 
         def flat_fun(*flat_args: Any) -> list[Any]:
-            out = self.fun(*jax.tree_util.tree_unflatten(in_tree, flat_args))
+            args, kwargs = jax.tree_util.tree_unflatten(in_tree, flat_args)
+            out = self.fun(*args, **kwargs)
             leaves, out_tree = jax.tree_util.tree_flatten(out)
             out_tree_box.append(out_tree)
             return leaves
@@ -143,23 +145,25 @@ class AutoFunction:
             try:
                 jax.typeof(x)
             except TypeError:
-                path = keystr(jax.tree_util.tree_flatten_with_path(args)[0][i][0])
+                path = keystr(jax.tree_util.tree_flatten_with_path(call)[0][i][0][1:])
                 raise ShardingError(f"shardc.auto: argument leaf {path} is a {type(x).__name__}, not an array; "
                                     f"pass arrays (or close over Python values)") from None
         with _annotations.mesh_context(mesh), jax.set_mesh(mesh):
             closed = jax.make_jaxpr(flat_fun)(*flat)
         return closed, in_tree, out_tree_box[-1]
 
-    def _build(self, args: Any) -> Compiled:
+    def _build(self, args: tuple, kwargs: dict) -> Compiled:
         mesh = self._mesh()
         t0 = time.perf_counter()
-        closed, in_tree, out_tree = self._trace(args)
+        closed, in_tree, out_tree = self._trace((args, kwargs))
         t1 = time.perf_counter()
-        in_paths = [keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+        # Positional leaves come first, then keyword ones (sorted by name), as (args, kwargs) flattens.
+        roots = tuple(args) + tuple(kwargs[k] for k in sorted(kwargs))
+        in_paths = [keystr(p[1:]) for p, _ in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]]
         out_paths = [f"out{keystr(p)}" for p in _paths_of(out_tree)]
         graph = build_graph(closed, in_paths, out_paths)
         t2 = time.perf_counter()
-        seeds = self._input_seeds(graph, args, mesh) + program_seeds(graph, mesh)
+        seeds = self._input_seeds(graph, roots, mesh) + program_seeds(graph, mesh)
         _tie_carried_state(graph, in_tree, out_tree, args)
         prop = propagate(graph, dict(mesh.shape), seeds)
         _check_ties(graph, prop)

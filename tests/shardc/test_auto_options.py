@@ -113,3 +113,11 @@ def test_plan_is_cached_per_signature(mesh):
     assert len(calls) == 1
     f(jnp.ones((16, 2)))
     assert len(calls) == 2
+
+
+def test_keyword_arguments(mesh):
+    f = shardc.auto(lambda x, *, scale: split(x, 0, "data") * scale, mesh=mesh)
+    x = jnp.ones((8, 2))
+    np.testing.assert_allclose(f(x, scale=jnp.float32(3.0)), x * 3)
+    plan = f.plan(x, scale=jnp.float32(3.0))
+    assert plan.input_names == ("[0]", "['scale']")
