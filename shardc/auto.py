@@ -25,6 +25,7 @@ import annotations as _annotations
 from annotations.errors import ShardingError, SourceLine, caller_source_line
 from shardc.ir.build import build_graph
 from shardc.ir.graph import Graph, Op
+from shardc.distributed import check_plan_agreement, is_multiprocess, to_global
 from shardc.lower import jit_plan
 from shardc.metadata import input_hints
 from shardc.plan import Plan, build_plan
@@ -99,6 +100,9 @@ class AutoFunction:
     # -- internals -----------------------------------------------------------------------------------
     def _place(self, x: Any, sharding: Any) -> Any:
         target = sharding.named(self._mesh())
+        if not target.is_fully_addressable and not isinstance(x, jax.core.Tracer) \
+                and not (isinstance(x, jax.Array) and not x.is_fully_addressable):
+            return to_global(x, target)  # multi-process: a value every process holds in full
         current = getattr(x, "sharding", None)
         if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and current is not None \
                 and not current.is_equivalent_to(target, x.ndim):
@@ -171,6 +175,8 @@ class AutoFunction:
         if graph.conservative_primitives:
             notes.append("replicated (no sharding rule): " + ", ".join(sorted(graph.conservative_primitives)))
         the_plan = build_plan(graph, mesh, prop, input_names=in_paths, output_names=out_paths, warnings=notes)
+        if is_multiprocess():
+            check_plan_agreement(the_plan)
         t3 = time.perf_counter()
         donate = _flat_donate(self.donate_argnums, args)
         jitted = jit_plan(the_plan, closed, donate)
