@@ -1,0 +1,1 @@
+"""Parallel Computation Graph: explicit parallel ops, Z3-verified substitutions, rule generation."""

@@ -1,0 +1,250 @@
+"""Plan -> PCG: the program's ops with a chain of parallel ops wherever a sharding changes.
+
+Each op of the plan runs on local pieces laid out as its strategy says; where a value's sharding differs
+from what a consumer needs (or an op leaves partial sums), `reshard_ops` decomposes the change into
+parallel ops, one per axes group. With `fuse=False` (the default) only the primitive ops are used —
+Partition, Combine, Reduce — as Unity's PCG does; the substitution engine then fuses them into
+ReduceScatter/AllToAll where that pays. `fuse=True` emits the fused collectives directly.
+
+Ops that cannot run on local pieces (gather/scatter with sharded operands, convolutions, PRNG with a
+shape, reductions other than sum/max/min over sharded dims, ...) run replicated: their inputs are
+gathered first and their outputs sliced after, so the PCG stays exact.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+from jax.extend import core as jcore
+
+from annotations.errors import ShardingError
+from shardc.ir.build import CALL_PRIMITIVES, REGION_PRIMITIVES
+from shardc.pcg.graph import PCG, Compute, GraphBuilder
+from shardc.pcg.ops import AllToAll, Combine, CollectivePermute, ParallelOp, Partition, Reduce, ReduceScatter, group_size
+from shardc.plan import Plan
+from shardc.rules.elementwise import BINARY_ELEMENTWISE, NARY_ELEMENTWISE, UNARY_ELEMENTWISE
+from shardc.sharding import Sharding
+
+__all__ = ["build_pcg", "reshard_ops", "LOCAL_PRIMITIVES", "HINT_PRIMITIVES"]
+
+# Primitives whose per-device application to local pieces (laid out as the op's strategy says) computes
+# the local piece of the result (lowering localises shape params; see shardc.pcg.lower).
+LOCAL_PRIMITIVES = frozenset(UNARY_ELEMENTWISE + BINARY_ELEMENTWISE + NARY_ELEMENTWISE) - {
+    "random_seed", "random_clone", "random_fold_in", "random_gamma", "iota_2x32_shape", "platform_index",
+} | frozenset({
+    "dot_general", "transpose", "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "convert_element_type",
+    "reduce_sum", "reduce_max", "reduce_min", "iota", "select_n", "concatenate", "slice", "pad", "rev", "split",
+    "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "argmax", "argmin", "sort", "top_k",
+    "copy", "copy_p", "stop_gradient", "optimization_barrier",
+})
+HINT_PRIMITIVES = frozenset({"shardc_hint", "sharding_constraint"})
+_LOCAL_REDUCE_OPS = ("sum", "max", "min")
+
+
+def _op_eqns(closed_jaxpr: Any) -> Iterator[tuple[Any, list[Any]]]:
+    """The jaxpr eqns in the order `shardc.ir.build_graph` made ops from them, each with the constant
+    value (or None) of each input."""
+
+    def walk(jaxpr: Any, consts: Sequence[Any], known: dict) -> Iterator[tuple[Any, list[Any]]]:
+        for var, c in zip(jaxpr.constvars, consts):
+            known[var] = c
+        for eqn in jaxpr.eqns:
+            vals = [a.val if isinstance(a, jcore.Literal) else known.get(a) for a in eqn.invars]
+            name = eqn.primitive.name
+            key = CALL_PRIMITIVES.get(name)
+            inner = eqn.params.get(key) if key else None
+            if name in CALL_PRIMITIVES and inner is not None:
+                sub_jaxpr = inner.jaxpr if isinstance(inner, jcore.ClosedJaxpr) else inner
+                sub_consts = inner.consts if isinstance(inner, jcore.ClosedJaxpr) else []
+                sub_known = {v: c for v, c in zip(sub_jaxpr.invars, vals) if c is not None}
+                yield from walk(sub_jaxpr, sub_consts, sub_known)
+                continue
+            if name in REGION_PRIMITIVES:
+                raise ShardingError(f"the PCG does not model {name} regions yet (at {eqn.source_info.traceback})")
+            yield eqn, vals
+
+    yield from walk(closed_jaxpr.jaxpr, closed_jaxpr.consts, {})
+
+
+def _lcp(a: Sequence[str], b: Sequence[str]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def reshard_ops(src: Sharding, dst: Sharding, mesh: Mapping[str, int], *, fuse: bool = False) -> list[ParallelOp]:
+    """Parallel ops taking a tensor from `src` to `dst`, each on one axes group.
+
+    Without `fuse`: Combine the dims' extra minor axes, Reduce the partial axes, Partition the missing
+    ones, ordered so that a Combine/Reduce sits right before the Partition it could fuse with. With
+    `fuse`: AllToAll, ReduceScatter and CollectivePermute directly.
+    """
+    if dst.partial - src.partial:
+        raise ShardingError(f"cannot reshard {src} to {dst}: partial sums cannot be created")
+    if src.rank != dst.rank:
+        raise ShardingError(f"cannot reshard {src} to {dst}: ranks differ")
+    rank = src.rank
+    keep = [_lcp(src.dims[d], dst.dims[d]) for d in range(rank)]
+    rem = {d: src.dims[d][keep[d]:] for d in range(rank) if src.dims[d][keep[d]:]}
+    add = {d: dst.dims[d][keep[d]:] for d in range(rank) if dst.dims[d][keep[d]:]}
+    red = [a for a in mesh if a in src.partial - dst.partial]
+    ops: list[ParallelOp] = []
+    cur = src
+
+    def emit(op: ParallelOp) -> None:
+        nonlocal cur
+        cur = op.apply(cur)
+        ops.append(op)
+
+    if fuse:  # a dim re-split over other axes of the same degree: collective-permute
+        for d in list(rem):
+            if d in add and group_size(rem[d], mesh) == group_size(add[d], mesh):
+                others = {a for e, ax in enumerate(cur.dims) if e != d for a in ax} | cur.partial
+                if not set(add[d]) & others and not any(set(add[d]) & set(add.get(e, ())) for e in add if e != d):
+                    emit(CollectivePermute.of(d, rem.pop(d), add.pop(d)))
+    # Combine/Partition pairs (all-to-all candidates): a dim's removed axes are the start of another's
+    pairs = []
+    for d, g in list(rem.items()):
+        for e, a in add.items():
+            if e != d and a[:len(g)] == g and e not in [p[1] for p in pairs]:
+                pairs.append((d, e, g))
+                break
+    paired = {d for d, _, _ in pairs}
+    for d in sorted(set(rem) - paired):
+        emit(Combine(rem[d], d))
+    # Reduce/Partition pairs (reduce-scatter candidates): a dim's added axes start with partial axes
+    rs = []
+    for e, a in add.items():
+        run = []
+        for ax in a:
+            if ax not in red:
+                break
+            run.append(ax)
+        if run and e not in [p[1] for p in pairs]:
+            rs.append((e, tuple(run)))
+    rs_axes = {a for _, g in rs for a in g}
+    rest = tuple(a for a in red if a not in rs_axes)
+    if rest:
+        emit(Reduce(rest))
+    pending = list(pairs)
+    while pending:
+        for i, (d, e, g) in enumerate(pending):
+            if cur.dims[e] == dst.dims[e][:len(cur.dims[e])] and len(cur.dims[e]) == keep[e]:
+                break
+        else:
+            d, e, g = pending[0]  # a cycle (dims swapping axes): gather one side first
+            emit(Combine(g, d))
+            pending.pop(0)
+            continue
+        pending.pop(i)
+        if fuse:
+            emit(AllToAll(g, d, e))
+        else:
+            emit(Combine(g, d))
+            emit(Partition(g, e))
+    for e, g in rs:
+        if fuse:
+            emit(ReduceScatter(g, e))
+        else:
+            emit(Reduce(g))
+            emit(Partition(g, e))
+    for e in range(rank):
+        missing = dst.dims[e][len(cur.dims[e]):]
+        if cur.dims[e] != dst.dims[e][:len(cur.dims[e])]:
+            emit(Combine(cur.dims[e][keep[e]:], e))
+            missing = dst.dims[e][len(cur.dims[e]):]
+        if missing:
+            emit(Partition(missing, e))
+    if cur != dst:  # pragma: no cover - the steps above always reach dst
+        raise ShardingError(f"could not decompose the reshard {src} -> {dst} (reached {cur})")
+    return ops
+
+
+def _is_local(op: Any, partial: frozenset[str]) -> bool:
+    if op.primitive not in LOCAL_PRIMITIVES or op.conservative:
+        return False
+    return not partial or op.rule.reduce_op in _LOCAL_REDUCE_OPS
+
+
+def build_pcg(plan: Plan, closed_jaxpr: Any, *, fuse: bool = False) -> PCG:
+    """The PCG of a plan. `closed_jaxpr` is the program the plan was made from
+    (`AutoFunction.compiled_info(*args).closed_jaxpr`)."""
+    graph = plan.graph
+    sizes = plan.mesh_sizes
+    b = GraphBuilder(plan.mesh)
+    causes = {(r.value, r.consumer): r.cause for r in plan.reshards}
+    vmap: dict[int, int] = {}
+    memo: dict[tuple[int, Sharding], int] = {}
+
+    def value_tensor(v: int, const: Any = None) -> int:
+        if v not in vmap:
+            val = graph.values[v]
+            if const is not None:
+                vmap[v] = b.add_const(np.asarray(const, dtype=val.dtype), plan.shardings[v], val.name)
+            else:
+                raise ShardingError(f"PCG: value {val.name} {list(val.shape)} is used before it is defined")
+        return vmap[v]
+
+    def reshard(t: int, want: Sharding, cause: str) -> int:
+        have = b.tensors[t].sharding
+        if have == want:
+            return t
+        hit = memo.get((t, want))
+        if hit is None:
+            cur = t
+            for pop in reshard_ops(have, want, sizes, fuse=fuse):
+                cur = b.parallel(pop, cur, cause=cause)
+            hit = memo[(t, want)] = cur
+        return hit
+
+    for v in graph.inputs:
+        val = graph.values[v]
+        vmap[v] = b.add_tensor(val.shape, val.dtype, plan.shardings[v], val.name)
+    inputs = [vmap[v] for v in graph.inputs]
+    eqns = _op_eqns(plan_closed(closed_jaxpr))
+    for op in graph.ops:
+        if op.primitive == "tie" and op.region == "io":
+            continue
+        if op.region:
+            raise ShardingError(f"the PCG does not model loop/branch regions yet ({op.primitive} in {op.region})")
+        eqn, const_vals = next(eqns)
+        if eqn.primitive.name != op.primitive:  # pragma: no cover - the walks agree by construction
+            raise AssertionError(f"op {op.id} is {op.primitive} but the jaxpr walk is at {eqn.primitive.name}")
+        ins = [value_tensor(v, c) for v, c in zip(op.inputs, const_vals)]
+        if op.primitive in HINT_PRIMITIVES:
+            for v, t in zip(op.outputs, ins):
+                vmap[v] = reshard(t, plan.shardings[v], f"hint on {graph.values[v].name}")
+            continue
+        strat, rule = plan.strategies[op.id], op.rule
+        partial = strat.partial_axes(rule)
+        local = _is_local(op, partial)
+        args = []
+        for v, t, dims in zip(op.inputs, ins, rule.operands):
+            tensor = b.tensors[t]
+            if tensor.rank == 0:
+                args.append(t)
+                continue
+            need = strat.tensor_sharding(rule, dims, sizes) if local else Sharding(((),) * tensor.rank)
+            cause = causes.get((v, op.id)) or f"{op.primitive} needs {graph.values[v].name} as {need}"
+            args.append(reshard(t, need, cause))
+        outs = []
+        for v, dims in zip(op.outputs, rule.results):
+            val = graph.values[v]
+            made = Sharding(strat.tensor_sharding(rule, dims, sizes).dims, partial) if local \
+                else Sharding(((),) * val.rank)
+            outs.append(b.add_tensor(val.shape, val.dtype, made, val.name, rule.reduce_op))
+        b.add_node(Compute.of(eqn.primitive, eqn.params, op.source), args, outs)
+        for v, t in zip(op.outputs, outs):
+            cause = causes.get((v, None)) or f"{graph.values[v].name} is {plan.shardings[v]}"
+            vmap[v] = reshard(t, plan.shardings[v], cause)
+    outputs = []
+    for v in graph.outputs:
+        if v not in vmap:
+            raise ShardingError(f"PCG: output {graph.values[v].name} is a constant; not supported")
+        outputs.append(vmap[v])
+    return b.finish(inputs, outputs)
+
+
+def plan_closed(closed_jaxpr: Any) -> Any:
+    return closed_jaxpr

@@ -1,0 +1,269 @@
+"""The Parallel Computation Graph: compute ops of the program plus explicit parallel ops.
+
+Every tensor carries its `Sharding`; a compute node runs on each device's local pieces of its inputs
+(SPMD), and every change of sharding between a producer and a consumer is a chain of parallel-op nodes
+(`shardc.pcg.ops`). PCGs are immutable; rewrites build new ones with `GraphBuilder`.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import hashlib
+import math
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+from jax.sharding import Mesh
+
+from annotations.errors import SourceLine
+from shardc.pcg.ops import ParallelOp, comm_bytes
+from shardc.sharding import Sharding, mesh_shape
+
+__all__ = ["Tensor", "Compute", "Node", "PCG", "GraphBuilder"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Tensor:
+    """A value of the PCG: global shape, dtype, and how it is laid out over the mesh."""
+
+    id: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    sharding: Sharding
+    name: str = ""
+    reduce_op: str = "sum"  # how its partial values combine, when `sharding.partial` is not empty
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return int(np.dtype(self.dtype).itemsize)
+
+    def local_shape(self, mesh: Mapping[str, int]) -> tuple[int, ...]:
+        return self.sharding.local_shape(self.shape, mesh)
+
+    def local_bytes(self, mesh: Mapping[str, int]) -> int:
+        return self.itemsize * math.prod(self.local_shape(mesh))
+
+
+def _param_key(params: Mapping[str, Any]) -> str:
+    try:
+        text = repr(sorted(params.items(), key=lambda kv: kv[0]))
+    except Exception:  # pragma: no cover - exotic params
+        text = str(id(params))
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Compute:
+    """A primitive of the program, run on every device's local pieces (SPMD).
+
+    `prim` is the jax Primitive and `params` its global-shape params (lowering localises them);
+    `reduce_op` combines the partial results a sharded reduction factor leaves.
+    """
+
+    primitive: str
+    prim: Any = dataclasses.field(compare=False, repr=False)
+    params: Mapping[str, Any] = dataclasses.field(compare=False, repr=False)
+    pkey: str = ""
+    source: SourceLine | None = dataclasses.field(default=None, compare=False)
+    kind = "compute"
+
+    @classmethod
+    def of(cls, prim: Any, params: Mapping[str, Any], source: SourceLine | None = None) -> "Compute":
+        return cls(prim.name, prim, dict(params), _param_key(params), source)
+
+    def short(self) -> str:
+        return self.primitive
+
+    def __str__(self) -> str:
+        return self.primitive
+
+
+Operator = ParallelOp | Compute
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Node:
+    """One operator application; `cause` says why a parallel op is there."""
+
+    id: int
+    op: Operator
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    cause: str = dataclasses.field(default="", compare=False)
+
+    @property
+    def is_parallel(self) -> bool:
+        return isinstance(self.op, ParallelOp)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PCG:
+    """Tensors (by id), nodes in topological order, inputs/outputs, constants (tensor id -> array)."""
+
+    mesh: Mesh
+    tensors: tuple[Tensor, ...]
+    nodes: tuple[Node, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    consts: Mapping[int, Any] = dataclasses.field(default_factory=dict)
+
+    # -- structure ----------------------------------------------------------------------------------
+    @functools.cached_property
+    def mesh_sizes(self) -> dict[str, int]:
+        return mesh_shape(self.mesh)
+
+    @functools.cached_property
+    def _producers(self) -> dict[int, tuple[Node, int]]:
+        return {t: (n, i) for n in self.nodes for i, t in enumerate(n.outputs)}
+
+    @functools.cached_property
+    def _users(self) -> dict[int, list[Node]]:
+        users: dict[int, list[Node]] = collections.defaultdict(list)
+        for n in self.nodes:
+            for t in dict.fromkeys(n.inputs):
+                users[t].append(n)
+        return users
+
+    def producer(self, tid: int) -> tuple[Node, int] | None:
+        """The node making tensor `tid` and the output index, or None for inputs and constants."""
+        return self._producers.get(tid)
+
+    def users(self, tid: int) -> list[Node]:
+        return self._users.get(tid, [])
+
+    def tensor(self, tid: int) -> Tensor:
+        return self.tensors[tid]
+
+    def parallel_nodes(self) -> list[Node]:
+        return [n for n in self.nodes if n.is_parallel]
+
+    # -- summaries ----------------------------------------------------------------------------------
+    def collectives(self) -> collections.Counter:
+        """How many of each HLO collective the lowered program has (local slices not counted)."""
+        c: collections.Counter = collections.Counter()
+        for n in self.parallel_nodes():
+            if n.op.collective not in ("none", "slice") and self._moves(n):
+                c[n.op.collective] += 1
+        return c
+
+    def _moves(self, n: Node) -> bool:
+        from shardc.pcg.ops import group_size
+
+        return group_size(n.op.axes, self.mesh_sizes) > 1
+
+    def comm_bytes(self) -> float:
+        """Bytes each device sends over all parallel ops."""
+        m = self.mesh_sizes
+        return sum(comm_bytes(n.op, self.tensors[n.inputs[0]].local_bytes(m), m) for n in self.parallel_nodes())
+
+    def key(self) -> str:
+        """A structural hash (same nodes on same tensors -> same key), for deduplicating rewrites."""
+        h = hashlib.sha1()
+        names: dict[int, int] = {}
+        for t in self.inputs:
+            names[t] = len(names)
+        for t in self.consts:
+            names.setdefault(t, len(names))
+        for n in self.nodes:
+            h.update(repr((n.op, tuple(names.get(t, -1) for t in n.inputs))).encode())
+            for t in n.outputs:
+                names[t] = len(names)
+                h.update(str(self.tensors[t].sharding).encode())
+        h.update(repr(tuple(names.get(t, -1) for t in self.outputs)).encode())
+        return h.hexdigest()
+
+    def __str__(self) -> str:
+        lines = [f"PCG on mesh {self.mesh_sizes}: {len(self.nodes)} nodes, "
+                 f"{len(self.parallel_nodes())} parallel ops, {self.comm_bytes():.0f} B sent per device"]
+        for n in self.nodes:
+            outs = ", ".join(f"%{t}:{self.tensors[t].sharding}" for t in n.outputs)
+            ins = ", ".join(f"%{t}" for t in n.inputs)
+            lines.append(f"  {outs} = {n.op.short()}({ins})")
+        lines.append("  return " + ", ".join(f"%{t}" for t in self.outputs))
+        return "\n".join(lines)
+
+
+class GraphBuilder:
+    """Mutable construction of a PCG: add tensors and nodes, then `finish()` (topological order and
+    dead-node removal)."""
+
+    def __init__(self, mesh: Mesh, tensors: Iterable[Tensor] = (), consts: Mapping[int, Any] | None = None) -> None:
+        self.mesh = mesh
+        self.tensors: list[Tensor] = list(tensors)
+        self.nodes: list[tuple[float, Node]] = []
+        self.consts: dict[int, Any] = dict(consts or {})
+        self._next_node = 0
+
+    @property
+    def mesh_sizes(self) -> dict[str, int]:
+        return mesh_shape(self.mesh)
+
+    def add_tensor(self, shape: Sequence[int], dtype: Any, sharding: Sharding, name: str = "",
+                   reduce_op: str = "sum") -> int:
+        tid = len(self.tensors)
+        self.tensors.append(Tensor(tid, tuple(int(s) for s in shape), np.dtype(dtype), sharding, name, reduce_op))
+        return tid
+
+    def add_const(self, value: Any, sharding: Sharding | None = None, name: str = "constant") -> int:
+        arr = np.asarray(value)
+        tid = self.add_tensor(arr.shape, arr.dtype, sharding or Sharding(((),) * arr.ndim), name)
+        self.consts[tid] = value
+        return tid
+
+    def add_node(self, op: Operator, inputs: Sequence[int], outputs: Sequence[int], *, cause: str = "",
+                 order: float | None = None) -> Node:
+        node = Node(self._next_node, op, tuple(inputs), tuple(outputs), cause)
+        self._next_node += 1
+        self.nodes.append((float(len(self.nodes)) if order is None else order, node))
+        return node
+
+    def parallel(self, op: ParallelOp, tid: int, *, cause: str = "", order: float | None = None) -> int:
+        """Apply a parallel op to tensor `tid`; returns the new tensor."""
+        t = self.tensors[tid]
+        out = self.add_tensor(t.shape, t.dtype, op.apply(t.sharding), t.name, t.reduce_op)
+        self.add_node(op, [tid], [out], cause=cause, order=order)
+        return out
+
+    def finish(self, inputs: Sequence[int], outputs: Sequence[int]) -> PCG:
+        nodes = _toposort([n for _, n in sorted(self.nodes, key=lambda p: p[0])], set(inputs) | set(self.consts))
+        nodes = _dead_code(nodes, set(outputs))
+        live = {t for n in nodes for t in n.inputs} | set(outputs)
+        consts = {t: v for t, v in self.consts.items() if t in live}
+        return PCG(self.mesh, tuple(self.tensors), tuple(nodes), tuple(inputs), tuple(outputs), consts)
+
+
+def _toposort(nodes: list[Node], available: set[int]) -> list[Node]:
+    """Stable topological order: keep the given order where the data dependencies allow."""
+    ready = set(available)
+    out: list[Node] = []
+    pending = list(nodes)
+    while pending:
+        rest = []
+        progressed = False
+        for n in pending:
+            if all(t in ready for t in n.inputs):
+                out.append(n)
+                ready.update(n.outputs)
+                progressed = True
+            else:
+                rest.append(n)
+        if not progressed:
+            missing = sorted({t for n in rest for t in n.inputs if t not in ready})
+            raise ValueError(f"PCG has a cycle or undefined tensors {missing[:8]}")
+        pending = rest
+    return out
+
+
+def _dead_code(nodes: list[Node], outputs: set[int]) -> list[Node]:
+    needed = set(outputs)
+    keep: list[Node] = []
+    for n in reversed(nodes):
+        if any(t in needed for t in n.outputs):
+            keep.append(n)
+            needed.update(n.inputs)
+    return keep[::-1]

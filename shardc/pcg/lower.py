@@ -1,0 +1,182 @@
+"""PCG -> jax: one `shard_map` over the whole mesh in which every node is explicit.
+
+Compute nodes run on the local pieces (shape params such as reshape's `new_sizes` are localised, see
+`LOCALIZE`); each parallel op becomes exactly one local slice or one collective (`all_gather`, `psum`,
+`psum_scatter`, `all_to_all`, `ppermute`), so the compiled HLO has the collectives the PCG names.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from annotations.errors import ShardingError
+from shardc.pcg.graph import PCG, Compute, Node, Tensor
+from shardc.pcg.ops import (AllToAll, Combine, CollectivePermute, ParallelOp, Partition, Reduce, ReduceScatter,
+                            Replicate, group_size)
+from shardc.sharding import Sharding
+
+__all__ = ["lower_pcg", "pcg_function", "LOCALIZE", "local_slice"]
+
+
+def _axis(axes: Sequence[str]) -> Any:
+    return tuple(axes) if len(axes) > 1 else axes[0]
+
+
+def local_slice(x: Any, sharding: Sharding, mesh: Mapping[str, int]) -> Any:
+    """This device's piece of a replicated array `x` laid out as `sharding`."""
+    for d, axes in enumerate(sharding.dims):
+        if axes:
+            x = _slice_dim(x, d, axes, mesh)
+    return x
+
+
+def _slice_dim(x: Any, d: int, axes: Sequence[str], mesh: Mapping[str, int]) -> Any:
+    n = group_size(tuple(axes), mesh)
+    if x.shape[d] % n:
+        raise ShardingError(f"partition of dim {d} (size {x.shape[d]}) over {tuple(axes)} ({n} ways) is uneven")
+    size = x.shape[d] // n
+    i = jax.lax.axis_index(_axis(axes))
+    return jax.lax.dynamic_slice_in_dim(x, i * size, size, d)
+
+
+def _parallel(op: ParallelOp, x: Any, mesh: Mapping[str, int]) -> Any:
+    if group_size(op.axes, mesh) == 1 or isinstance(op, Replicate):
+        return x
+    name = _axis(op.axes)
+    if isinstance(op, Partition):
+        return _slice_dim(x, op.dim, op.axes, mesh)
+    if isinstance(op, Combine):
+        return jax.lax.all_gather(x, name, axis=op.dim, tiled=True)
+    if isinstance(op, Reduce):
+        fn = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}.get(op.op)
+        if fn is None:
+            raise ShardingError(f"{op}: no collective combines partial values with {op.op!r}")
+        return fn(x, name)
+    if isinstance(op, ReduceScatter):
+        return jax.lax.psum_scatter(x, name, scatter_dimension=op.dim, tiled=True)
+    if isinstance(op, AllToAll):
+        return jax.lax.all_to_all(x, name, op.dst, op.src, tiled=True)
+    if isinstance(op, CollectivePermute):
+        sizes = [mesh[a] for a in op.axes]
+
+        def lin(c: Sequence[int]) -> int:
+            v = 0
+            for ci, n in zip(c, sizes):
+                v = v * n + ci
+            return v
+
+        perm = [(lin(src), lin(dst)) for dst, src in op.source_of(mesh).items() if src != dst]
+        return jax.lax.ppermute(x, name, perm) if perm else x
+    raise NotImplementedError(type(op).__name__)  # pragma: no cover
+
+
+# -- compute nodes ---------------------------------------------------------------------------------
+
+Localizer = Callable[[Compute, list[Tensor], list[Tensor], Mapping[str, int]], dict]
+
+
+def _full_dims_only(node: Compute, tensor: Tensor, mesh: Mapping[str, int], starts: Sequence[int],
+                    limits: Sequence[int], strides: Sequence[int] | None) -> None:
+    for d, axes in enumerate(tensor.sharding.dims):
+        if axes and (starts[d] != 0 or limits[d] != tensor.shape[d] or (strides and strides[d] != 1)):
+            raise ShardingError(f"{node.primitive}: dim {d} of {tensor.name or 'operand'} {list(tensor.shape)} is "
+                                f"sharded over {axes} but the op takes a part of it")
+
+
+def _loc_shape(key: str) -> Localizer:
+    def fn(node, ins, outs, mesh):
+        return {**node.params, key: outs[0].local_shape(mesh)}
+    return fn
+
+
+def _loc_slice(node, ins, outs, mesh):
+    p = node.params
+    _full_dims_only(node, ins[0], mesh, p["start_indices"], p["limit_indices"], p["strides"])
+    local = ins[0].local_shape(mesh)
+    limits = tuple(local[d] if ins[0].sharding.dims[d] else lim for d, lim in enumerate(p["limit_indices"]))
+    return {**p, "limit_indices": limits}
+
+
+def _loc_pad(node, ins, outs, mesh):
+    for d, axes in enumerate(ins[0].sharding.dims):
+        if axes and tuple(node.params["padding_config"][d]) != (0, 0, 0):
+            raise ShardingError(f"pad: dim {d} is sharded over {axes} and padded")
+    return dict(node.params)
+
+
+LOCALIZE: dict[str, Localizer] = {
+    "reshape": _loc_shape("new_sizes"),
+    "broadcast_in_dim": _loc_shape("shape"),
+    "iota": _loc_shape("shape"),
+    "slice": _loc_slice,
+    "pad": _loc_pad,
+}
+
+
+def _compute(node: Node, op: Compute, args: list[Any], pcg: PCG) -> list[Any]:
+    mesh = pcg.mesh_sizes
+    ins = [pcg.tensors[t] for t in node.inputs]
+    outs = [pcg.tensors[t] for t in node.outputs]
+    params = LOCALIZE.get(op.primitive, lambda n, i, o, m: dict(n.params))(op, ins, outs, mesh)
+    if "sharding" in params:
+        params["sharding"] = None
+    if "out_sharding" in params:
+        params["out_sharding"] = None
+    res = op.prim.bind(*args, **params)
+    res = list(res) if op.prim.multiple_results else [res]
+    if op.primitive == "iota":
+        res = [_iota_offset(res[0], outs[0], params["dimension"], mesh)]
+    for r, t in zip(res, outs):
+        want = t.local_shape(mesh)
+        if tuple(r.shape) != tuple(want):
+            where = f" at {op.source}" if op.source else ""
+            raise ShardingError(f"{op.primitive}{where}: local result {tuple(r.shape)} but {t.name or 'the result'} "
+                                f"{list(t.shape)} as {t.sharding} needs {want}")
+    return res
+
+
+def _iota_offset(x: Any, t: Tensor, dim: int, mesh: Mapping[str, int]) -> Any:
+    axes = t.sharding.dims[dim]
+    if not axes:
+        return x
+    i = jax.lax.axis_index(_axis(axes))
+    return x + (i * x.shape[dim]).astype(x.dtype)
+
+
+# -- the program -----------------------------------------------------------------------------------
+
+def pcg_function(pcg: PCG) -> Callable[..., list[Any]]:
+    """The per-device body: local input pieces -> local output pieces."""
+    mesh = pcg.mesh_sizes
+
+    def body(*args: Any) -> list[Any]:
+        env: dict[int, Any] = dict(zip(pcg.inputs, args))
+        for t, value in pcg.consts.items():
+            tensor = pcg.tensors[t]
+            env[t] = local_slice(jnp.asarray(value, dtype=tensor.dtype), tensor.sharding, mesh)
+        for node in pcg.nodes:
+            vals = [env[t] for t in node.inputs]
+            if isinstance(node.op, ParallelOp):
+                outs = [_parallel(node.op, vals[0], mesh)]
+            else:
+                outs = _compute(node, node.op, vals, pcg)
+            env.update(zip(node.outputs, outs))
+        return [env[t] for t in pcg.outputs]
+
+    return body
+
+
+def lower_pcg(pcg: PCG, *, jit: bool = True) -> Callable[..., list[Any]]:
+    """A function of the flat global inputs returning the flat global outputs, computed as the PCG says."""
+    for t in list(pcg.inputs) + list(pcg.outputs):
+        s = pcg.tensors[t].sharding
+        if s.partial:
+            raise ShardingError(f"PCG input/output {pcg.tensors[t].name} holds partial sums ({s}); reduce it first")
+    in_specs = tuple(pcg.tensors[t].sharding.spec() for t in pcg.inputs)
+    out_specs = [pcg.tensors[t].sharding.spec() for t in pcg.outputs]
+    f = jax.shard_map(pcg_function(pcg), mesh=pcg.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return jax.jit(f) if jit else f
