@@ -79,14 +79,6 @@ def _parallel(op: ParallelOp, x: Any, mesh: Mapping[str, int]) -> Any:
 Localizer = Callable[[Compute, list[Tensor], list[Tensor], Mapping[str, int]], dict]
 
 
-def _full_dims_only(node: Compute, tensor: Tensor, mesh: Mapping[str, int], starts: Sequence[int],
-                    limits: Sequence[int], strides: Sequence[int] | None) -> None:
-    for d, axes in enumerate(tensor.sharding.dims):
-        if axes and (starts[d] != 0 or limits[d] != tensor.shape[d] or (strides and strides[d] != 1)):
-            raise ShardingError(f"{node.primitive}: dim {d} of {tensor.name or 'operand'} {list(tensor.shape)} is "
-                                f"sharded over {axes} but the op takes a part of it")
-
-
 def _loc_shape(key: str) -> Localizer:
     def fn(node, ins, outs, mesh):
         return {**node.params, key: outs[0].local_shape(mesh)}
@@ -94,11 +86,23 @@ def _loc_shape(key: str) -> Localizer:
 
 
 def _loc_slice(node, ins, outs, mesh):
+    """Sharded dims must be taken whole, or as chunk i of k equal chunks (then each device takes chunk i
+    of its own piece: the per-device meaning rewrites give it)."""
     p = node.params
-    _full_dims_only(node, ins[0], mesh, p["start_indices"], p["limit_indices"], p["strides"])
-    local = ins[0].local_shape(mesh)
-    limits = tuple(local[d] if ins[0].sharding.dims[d] else lim for d, lim in enumerate(p["limit_indices"]))
-    return {**p, "limit_indices": limits}
+    x = ins[0]
+    local = x.local_shape(mesh)
+    starts, limits = list(p["start_indices"]), list(p["limit_indices"])
+    for d, axes in enumerate(x.sharding.dims):
+        if not axes:
+            continue
+        start, stop, size = starts[d], limits[d], limits[d] - starts[d]
+        if (p["strides"] and p["strides"][d] != 1) or size <= 0 or x.shape[d] % size or start % size:
+            raise ShardingError(f"slice: dim {d} of {x.name or 'operand'} {list(x.shape)} is sharded over {axes} "
+                                f"but the op takes [{start}:{stop}] of it")
+        k = x.shape[d] // size
+        chunk = local[d] // k
+        starts[d], limits[d] = (start // size) * chunk, (start // size + 1) * chunk
+    return {**p, "start_indices": tuple(starts), "limit_indices": tuple(limits)}
 
 
 def _loc_pad(node, ins, outs, mesh):

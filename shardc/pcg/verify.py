@@ -207,7 +207,7 @@ def _check_instance(rule: Rule, env: dict[str, Any], n: int, rank: int, kinds: d
         for x, y, w in open_pairs:
             lv, rv = m.eval(_real(x), model_completion=True), m.eval(_real(y), model_completion=True)
             if not z3.is_true(z3.simplify(lv == rv)):
-                fns = [f"{d.name()} = {m[d]}" for d in m.decls() if d.arity() > 0]
+                fns = [f"{d.name()} = " + " ".join(str(m[d]).split()) for d in m.decls() if d.arity() > 0]
                 return "fail", (f"{where}: {w}: left {_num(lv)}, right {_num(rv)}; "
                                 f"inputs {_describe_inputs(inputs, m)}" + ("; " + "; ".join(fns) if fns else ""))
         return "fail", f"{where}: the solver found a difference"  # pragma: no cover

@@ -1,0 +1,40 @@
+"""The rule library: hand-written rules (`data/library.rules`) and generated ones (`data/generated.rules`,
+written by `python -m shardc generate-rules`)."""
+from __future__ import annotations
+
+import functools
+from importlib import resources
+from pathlib import Path
+
+from shardc.pcg.lang import Rule, parse_rules
+
+__all__ = ["library_rules", "generated_rules", "all_rules", "data_path", "LIBRARY_FILE", "GENERATED_FILE"]
+
+LIBRARY_FILE = "library.rules"
+GENERATED_FILE = "generated.rules"
+
+
+def data_path(name: str) -> Path:
+    return Path(str(resources.files("shardc.pcg").joinpath("data", name)))
+
+
+@functools.lru_cache(maxsize=None)
+def _load(name: str) -> tuple[Rule, ...]:
+    path = data_path(name)
+    if not path.exists():
+        return ()
+    return tuple(parse_rules(path.read_text()))
+
+
+def library_rules() -> list[Rule]:
+    """The hand-written rules."""
+    return list(_load(LIBRARY_FILE))
+
+
+def generated_rules() -> list[Rule]:
+    """The generated rules (empty until `python -m shardc generate-rules` has written them)."""
+    return list(_load(GENERATED_FILE))
+
+
+def all_rules() -> list[Rule]:
+    return library_rules() + generated_rules()

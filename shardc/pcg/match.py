@@ -1,0 +1,258 @@
+"""Matching rules against a PCG and applying them.
+
+`find_matches(pcg, rule)` yields every place the rule's left-hand side occurs: each LHS op matched to
+a node (`shardc.pcg.bind.match_node`), each tensor variable to a tensor, parameter variables to
+values, and all parallel ops to one axes group. `apply_match` builds the right-hand side, checks that
+every replaced output keeps its shape, dtype and layout, reroutes the consumers and drops the dead
+nodes. Only rules proved by `shardc.pcg.verify` are applied.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator
+
+from annotations.errors import ShardingError
+from shardc.pcg.bind import RewriteError, build_compute, build_parallel, match_node, node_kinds
+from shardc.pcg.graph import PCG, GraphBuilder, Node
+from shardc.pcg.lang import OPS, App, PVar, Rule, Term, Var, eval_param
+from shardc.pcg.ops import Axes, ParallelOp, group_size
+from shardc.pcg.verify import is_proved
+
+__all__ = ["Match", "find_matches", "apply_match", "UnprovedRuleError", "rewrites"]
+
+
+class UnprovedRuleError(RuntimeError):
+    """A rule was about to be applied without a proof."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Match:
+    rule: Rule
+    tensors: dict[str, int]
+    params: dict[str, Any]
+    axes: Axes | None
+    roots: tuple[int, ...]
+    nodes: frozenset[int]
+
+    def __str__(self) -> str:
+        where = ", ".join(f"{k}=%{v}" for k, v in self.tensors.items())
+        return f"{self.rule.name} at {', '.join(f'%{r}' for r in self.roots)} ({where})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _State:
+    tensors: dict[str, int]
+    params: dict[str, Any]
+    axes: Axes | None
+    nodes: frozenset[int]
+    deferred: tuple[tuple[Any, Any], ...] = ()
+
+    def bind_tensor(self, name: str, tid: int) -> "_State | None":
+        have = self.tensors.get(name)
+        if have is not None:
+            return self if have == tid else None
+        if tid in self.tensors.values():  # distinct variables are distinct tensors
+            return None
+        return dataclasses.replace(self, tensors={**self.tensors, name: tid})
+
+    def bind_params(self, exprs: tuple[Any, ...], values: tuple[Any, ...]) -> "_State | None":
+        params = dict(self.params)
+        deferred = list(self.deferred)
+        for e, v in zip(exprs, values):
+            if isinstance(e, PVar) and e.name != "n":
+                if e.name in params:
+                    if params[e.name] != v:
+                        return None
+                else:
+                    params[e.name] = v
+            elif isinstance(e, (int, float)) and not isinstance(v, (int, float)):
+                return None
+            elif isinstance(e, (int, float, tuple)) and not _has_vars(e):
+                if e != v:
+                    return None
+            else:
+                deferred.append((e, v))
+        return dataclasses.replace(self, params=params, deferred=tuple(deferred))
+
+    def bind_axes(self, axes: Axes) -> "_State | None":
+        if self.axes is not None:
+            return self if self.axes == axes else None
+        return dataclasses.replace(self, axes=axes)
+
+
+def _has_vars(e: Any) -> bool:
+    return isinstance(e, tuple) and any(isinstance(x, PVar) or _has_vars(x) for x in e)
+
+
+def _match(pcg: PCG, term: Term, tid: int, st: _State) -> Iterator[_State]:
+    if isinstance(term, Var):
+        nxt = st.bind_tensor(term.name, tid)
+        if nxt is not None:
+            yield nxt
+        return
+    prod = pcg.producer(tid)
+    if prod is None:
+        return
+    node, _ = prod
+    if len(node.outputs) != 1:
+        return
+    spec = OPS[term.op]
+    orders = [None]
+    if term.op in ("add", "mul", "ew2"):
+        orders.append((1, 0))
+    for order in orders:
+        got = match_node(pcg, node, term.op, spec.parallel)
+        if got is None:
+            return
+        values, args = got
+        if order is not None:
+            if term.op == "ew2" and (values[0].op.primitive not in ("add", "add_any", "mul", "max", "min", "and", "or")):
+                continue
+            args = [args[i] for i in order]
+        nxt = st.bind_params(term.params, values)
+        if nxt is not None and spec.parallel:
+            nxt = nxt.bind_axes(node.op.axes)
+        if nxt is None:
+            continue
+        nxt = dataclasses.replace(nxt, nodes=nxt.nodes | {node.id})
+        yield from _match_args(pcg, term.args, args, nxt)
+
+
+def _match_args(pcg: PCG, terms: tuple[Term, ...], tids: list[int], st: _State) -> Iterator[_State]:
+    if not terms:
+        yield st
+        return
+    for nxt in _match(pcg, terms[0], tids[0], st):
+        yield from _match_args(pcg, terms[1:], tids[1:], nxt)
+
+
+def _candidates(pcg: PCG, term: Term) -> list[int]:
+    if isinstance(term, Var):
+        return []
+    return [n.outputs[0] for n in pcg.nodes if len(n.outputs) == 1 and term.op in node_kinds(n)]
+
+
+def _final(pcg: PCG, rule: Rule, st: _State) -> dict[str, Any] | None:
+    env = dict(st.params)
+    for name, t in st.tensors.items():
+        env[f"rank:{name}"] = pcg.tensors[t].rank
+    if st.axes is not None:
+        env["n"] = group_size(st.axes, pcg.mesh_sizes)
+        if env["n"] == 1:
+            return None
+    try:
+        for e, v in st.deferred:
+            if eval_param(e, env) != v:
+                return None
+        if not all(c.holds(env) for c in rule.conds):
+            return None
+    except (KeyError, ValueError, IndexError, TypeError):
+        return None
+    kinds = rule.var_kinds()
+    for name, t in st.tensors.items():
+        if kinds.get(name) == "G":
+            if st.axes is None:
+                return None
+            s = pcg.tensors[t].sharding
+            if set(st.axes) & (s.axes() | s.partial):
+                return None
+    return env
+
+
+def find_matches(pcg: PCG, rule: Rule) -> Iterator[Match]:
+    """Every occurrence of the rule's left-hand side in the PCG."""
+    seen: set[tuple] = set()
+
+    def roots(i: int, st: _State, chosen: tuple[int, ...]) -> Iterator[tuple[_State, tuple[int, ...]]]:
+        if i == len(rule.lhs):
+            yield st, chosen
+            return
+        for tid in _candidates(pcg, rule.lhs[i]):
+            if tid in chosen:
+                continue
+            for nxt in _match(pcg, rule.lhs[i], tid, st):
+                yield from roots(i + 1, nxt, chosen + (tid,))
+
+    for st, chosen in roots(0, _State({}, {}, None, frozenset()), ()):
+        env = _final(pcg, rule, st)
+        if env is None:
+            continue
+        key = (chosen, tuple(sorted(st.tensors.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        yield Match(rule, st.tensors, env, st.axes, chosen, st.nodes)
+
+
+def apply_match(pcg: PCG, m: Match, *, require_proof: bool = True) -> PCG:
+    """The PCG with the match replaced by the rule's right-hand side (RewriteError if it cannot be
+    built here). Refuses rules that `verify_rule` has not proved."""
+    rule = m.rule
+    if require_proof and not is_proved(rule):
+        raise UnprovedRuleError(f"rule {rule.name} is not proved; run shardc.pcg.verify_rule on it first")
+    b = GraphBuilder(pcg.mesh, pcg.tensors, pcg.consts)
+    pos = {n.id: i for i, n in enumerate(pcg.nodes)}
+    anchor = max(pos[i] for i in m.nodes) + 0.5
+    cause = f"rule {rule.name}"
+    memo: dict[Any, int] = {}
+
+    def build(term: Term) -> int:
+        if isinstance(term, Var):
+            return m.tensors[term.name]
+        params = tuple(_value(p, m.params) for p in term.params)
+        args = tuple(build(a) for a in term.args)
+        key = (term.op, _hashable(params), args)
+        if key in memo:
+            return memo[key]
+        spec = OPS[term.op]
+        try:
+            if spec.parallel:
+                if m.axes is None:
+                    raise RewriteError(f"{rule.name}: the right-hand side needs an axes group the left does not bind")
+                op = build_parallel(term.op, params, m.axes)
+                out = b.parallel(op, args[0], cause=cause, order=anchor)
+            else:
+                out = build_compute(b, term.op, params, args, order=anchor, cause=cause)
+        except ShardingError as e:
+            raise RewriteError(str(e)) from None
+        memo[key] = out
+        return out
+
+    new_roots = [build(t) for t in rule.rhs]
+    replace: dict[int, int] = {}
+    for old, new in zip(m.roots, new_roots):
+        a, c = pcg.tensors[old], b.tensors[new]
+        if (a.shape, a.dtype, a.sharding) != (c.shape, c.dtype, c.sharding):
+            raise RewriteError(f"{rule.name}: %{old} {a.shape} {a.dtype} {a.sharding} would become "
+                               f"{c.shape} {c.dtype} {c.sharding}")
+        replace[old] = new
+    for i, n in enumerate(pcg.nodes):
+        b.add_node(n.op, [replace.get(t, t) for t in n.inputs], n.outputs, cause=n.cause, order=float(i))
+    outputs = [replace.get(t, t) for t in pcg.outputs]
+    try:
+        return b.finish(pcg.inputs, outputs)
+    except ValueError as e:  # a cycle: the replacement feeds on what it replaces
+        raise RewriteError(str(e)) from None
+
+
+def _value(p: Any, env: dict[str, Any]) -> Any:
+    if isinstance(p, PVar) and p.name in env:
+        return env[p.name]
+    return eval_param(p, env)
+
+
+def _hashable(x: Any) -> Any:
+    try:
+        hash(x)
+        return x
+    except TypeError:
+        return repr(x)
+
+
+def rewrites(pcg: PCG, rule: Rule) -> Iterator[tuple[Match, PCG]]:
+    """Every successful application of `rule` to `pcg`."""
+    for m in find_matches(pcg, rule):
+        try:
+            yield m, apply_match(pcg, m)
+        except RewriteError:
+            continue

@@ -1,0 +1,92 @@
+"""Rewriting a PCG with proved rules, keeping a rewrite only when the cost says it pays.
+
+Greedy steepest descent: at each step every match of every usable rule is applied, the cheapest result
+is kept if it is cheaper than the current PCG, and the search stops when no rewrite pays (or after
+`max_steps`). Rules are verified first; unproved ones are dropped, never applied.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+from shardc.pcg.costs import CostFn, bytes_moved
+from shardc.pcg.graph import PCG
+from shardc.pcg.lang import OPS, Rule, term_ops
+from shardc.pcg.library import all_rules
+from shardc.pcg.match import rewrites
+from shardc.pcg.verify import verify_rule
+
+__all__ = ["Step", "Optimized", "optimize", "usable_rules"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    rule: str
+    where: str
+    cost_before: float
+    cost_after: float
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.cost_before:.1f} -> {self.cost_after:.1f}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimized:
+    pcg: PCG
+    initial_cost: float
+    cost: float
+    steps: tuple[Step, ...]
+    candidates: int
+    seconds: float
+
+    def __str__(self) -> str:
+        lines = [f"{len(self.steps)} rewrites, cost {self.initial_cost:.1f} -> {self.cost:.1f} "
+                 f"({self.candidates} candidates, {self.seconds:.2f} s)"]
+        lines += [f"  {s}" for s in self.steps]
+        return "\n".join(lines)
+
+
+def usable_rules(rules: Sequence[Rule]) -> list[Rule]:
+    """Proved rules whose right-hand side can be built on a PCG: its parallel ops act on the group the
+    left-hand side binds (so the left has a parallel op too), and it has no device-shift permute."""
+    out = []
+    for r in rules:
+        lhs_par = any(OPS[a.op].parallel for t in r.lhs for a in term_ops(t))
+        rhs_ops = [a.op for t in r.rhs for a in term_ops(t)]
+        if any(OPS[o].parallel for o in rhs_ops) and not lhs_par:
+            continue
+        if "permute" in rhs_ops:
+            continue
+        if verify_rule(r).proved:
+            out.append(r)
+    return out
+
+
+def optimize(pcg: PCG, rules: Sequence[Rule] | None = None, *, cost_fn: CostFn = bytes_moved,
+             max_steps: int = 200) -> Optimized:
+    """Rewrite `pcg` with proved rules while the cost goes down."""
+    t0 = time.perf_counter()
+    rules = usable_rules(all_rules() if rules is None else rules)
+    current, cost = pcg, cost_fn(pcg)
+    initial = cost
+    steps: list[Step] = []
+    candidates = 0
+    seen = {pcg.key()}
+    for _ in range(max_steps):
+        best: tuple[float, PCG, str, str] | None = None
+        for rule in rules:
+            for m, new in rewrites(current, rule):
+                candidates += 1
+                k = new.key()
+                if k in seen:
+                    continue
+                seen.add(k)
+                c = cost_fn(new)
+                if c < cost - 1e-9 and (best is None or c < best[0]):
+                    best = (c, new, rule.name, str(m))
+        if best is None:
+            break
+        steps.append(Step(best[2], best[3], cost, best[0]))
+        cost, current = best[0], best[1]
+    return Optimized(current, initial, cost, tuple(steps), candidates, time.perf_counter() - t0)
