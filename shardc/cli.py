@@ -2,6 +2,8 @@
 
     python -m shardc rules          the primitives with a factor rule
     python -m shardc version
+    python -m shardc verify-rules   prove every PCG substitution rule with Z3 (or refute it)
+    python -m shardc generate-rules enumerate, fingerprint, verify and save generated PCG rules
 """
 from __future__ import annotations
 
@@ -28,11 +30,69 @@ def _version(_: argparse.Namespace) -> int:
     return 0
 
 
+def _verify_rules(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from shardc.pcg.lang import RuleSyntaxError, parse_rules
+    from shardc.pcg.library import all_rules, library_rules
+    from shardc.pcg.verify import verify_rule
+
+    if args.files:
+        rules = []
+        for f in args.files:
+            try:
+                rules += parse_rules(Path(f).read_text())
+            except RuleSyntaxError as e:
+                print(f"{f}: {e}")
+                return 2
+    else:
+        rules = library_rules() if args.library_only else all_rules()
+    t0 = time.perf_counter()
+    failed = 0
+    for r in rules:
+        v = verify_rule(r)
+        if v.proved:
+            print(f"{r.name}: proved ({v.instances} instances)")
+        else:
+            failed += 1
+            print(f"{r.name}: REFUTED  {r.text}")
+            print(f"    counterexample: {v.counterexample}")
+    dt = time.perf_counter() - t0
+    print(f"{len(rules) - failed} of {len(rules)} rules proved, {failed} refuted ({dt:.1f} s)")
+    return 1 if failed else 0
+
+
+def _generate_rules(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from shardc.pcg.generate import format_rules_file, generate_rules
+    from shardc.pcg.library import GENERATED_FILE, data_path
+
+    report = generate_rules(max_ops=args.max_ops, progress=print)
+    print(f"enumerated: {report.enumerated} terms ({report.well_typed} well-typed)")
+    print(f"candidates: {report.candidates} (equal fingerprints), redundant: {report.redundant}")
+    print(f"verified:   {report.verified} proved by Z3, {report.refuted} refuted")
+    print(f"kept:       {len(report.kept)} ({report.seconds:.1f} s)")
+    out = Path(args.out) if args.out else data_path(GENERATED_FILE)
+    out.write_text(format_rules_file(report, args.max_ops))
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardc", description="A GShard-style SPMD sharding compiler for JAX")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("rules", help="list the primitives with a factor rule").set_defaults(run=_rules)
     sub.add_parser("version", help="print versions").set_defaults(run=_version)
+    vr = sub.add_parser("verify-rules", help="prove PCG substitution rules with Z3; non-zero exit if any fails")
+    vr.add_argument("files", nargs="*", help="rule files to check (default: the library and the generated rules)")
+    vr.add_argument("--library-only", action="store_true", help="skip the generated rules")
+    vr.set_defaults(run=_verify_rules)
+    gr = sub.add_parser("generate-rules", help="generate, verify and save PCG rules (TASO-style)")
+    gr.add_argument("--max-ops", type=int, default=3, help="ops per pattern (default 3)")
+    gr.add_argument("--out", help="where to write (default: shardc/pcg/data/generated.rules)")
+    gr.set_defaults(run=_generate_rules)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -11,6 +11,7 @@ import time
 from typing import Sequence
 
 from shardc.pcg.costs import CostFn, bytes_moved
+from shardc.pcg.generate import ac_form
 from shardc.pcg.graph import PCG
 from shardc.pcg.lang import OPS, Rule, term_ops
 from shardc.pcg.library import all_rules
@@ -58,6 +59,8 @@ def usable_rules(rules: Sequence[Rule]) -> list[Rule]:
             continue
         if "permute" in rhs_ops:
             continue
+        if len(r.lhs) == len(r.rhs) == 1 and ac_form(r.lhs[0]) == ac_form(r.rhs[0]):
+            continue  # a pure reordering of adds/muls
         if verify_rule(r).proved:
             out.append(r)
     return out
