@@ -1,12 +1,19 @@
 """Plan -> jax: the traced program re-evaluated with sharding constraints, under jax.jit.
 
-The top-level jaxpr is evaluated eqn by eqn inside `jax.jit`. Every hint becomes a
-`with_sharding_constraint` to the plan's sharding of the hinted value (its open dims now decided), and
-so does every output of a *decision op* (dot_general, conv, gather/scatter, reductions — ops whose
-layout is a choice rather than a consequence). Inputs and outputs get the plan's shardings through
-`in_shardings`/`out_shardings` on the Auto mesh; XLA's partitioner inserts the collectives. Nested
-jaxprs (scan bodies, jit calls) are bound as they are; hints inside them lower through the hint
-primitive's own rule, on the mesh they were traced under.
+The jaxpr is evaluated eqn by eqn inside `jax.jit`, call-like eqns (jit, custom_jvp/vjp calls, remat)
+inlined exactly as the graph builder inlined them, so each primitive application meets the plan's op
+for it. The plan is enforced op by op, so that what XLA compiles is what the plan (and the simulator)
+says:
+
+* an operand the op needs in another layout is constrained to that layout just before the op (the
+  plan's reshard; XLA emits the collective for it);
+* each result is constrained to the layout the op's strategy produces (with partial sums this is where
+  XLA emits the all-reduce), then to the value's planned sharding if that differs;
+* hints become constraints to the plan's (now fully decided) sharding of the hinted value.
+
+Inputs and outputs get the plan's shardings through `in_shardings`/`out_shardings` on the Auto mesh.
+Loop and branch bodies (scan/while/cond) are bound unchanged: inside them only hints constrain
+(lowering through the hint primitive's own rule on the mesh they were traced under).
 """
 from __future__ import annotations
 
@@ -18,10 +25,12 @@ from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 
 from annotations.primitive import hint_p
+from shardc.ir.build import CALL_PRIMITIVES, REGION_PRIMITIVES
 from shardc.plan import Plan
 from shardc.rules.core import FactorKind
+from shardc.sharding import Sharding
 
-__all__ = ["plan_function", "is_decision_op", "DECISION_PRIMITIVES"]
+__all__ = ["plan_function", "is_decision_op", "DECISION_PRIMITIVES", "jit_plan", "in_out_shardings"]
 
 DECISION_PRIMITIVES = frozenset({
     "dot_general", "conv_general_dilated", "gather", "scatter", "scatter-add", "scatter_add",
@@ -40,50 +49,91 @@ def _constrain(x: Any, sharding: NamedSharding) -> Any:
     return jax.lax.with_sharding_constraint(x, sharding)
 
 
+def _call_jaxpr(eqn: Any) -> Any:
+    key = CALL_PRIMITIVES.get(eqn.primitive.name)
+    return eqn.params.get(key) if key else None
+
+
+def _in_region(region: str, prefix: str) -> bool:
+    return region == prefix or region.startswith(prefix + "/")
+
+
 def plan_function(plan: Plan, closed_jaxpr: Any) -> Callable[..., list[Any]]:
     """A function of the flat inputs that computes the program with the plan's constraints."""
     graph = plan.graph
     mesh = plan.mesh
-    jaxpr = closed_jaxpr.jaxpr
-    consts = closed_jaxpr.consts
-    top = graph.top_level
-    # Ops created for each top-level eqn: the graph builder made them in order, so the op producing a
-    # top-level outvar identifies whether that eqn was a decision.
-    decision_values: set[int] = set()
-    for op in graph.ops:
-        if op.region == "" and (op.is_hint or is_decision_op(op.primitive, op.rule)):
-            decision_values.update(op.outputs)
+    sizes = plan.mesh_sizes
+    needs: dict[int, dict[int, Sharding]] = {}
+    for r in plan.reshards:
+        if r.consumer is not None:
+            needs.setdefault(r.consumer, {})[r.value] = r.dst.without_partial()
 
-    def sharding_of(vid: int) -> NamedSharding:
-        return plan.shardings[vid].named(mesh)
+    def named(s: Sharding) -> NamedSharding:
+        return s.named(mesh)
+
+    def made_dims(op_id: int) -> list[Sharding]:
+        op = graph.ops[op_id]
+        strat = plan.strategies[op_id]
+        return [strat.tensor_sharding(op.rule, dims, sizes) for dims in op.rule.results]
+
+    def bind(eqn: Any, invals: list[Any]) -> list[Any]:
+        params = eqn.primitive.get_bind_params(eqn.params)
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=eqn.source_info.name_stack), \
+                eqn.ctx.manager:
+            ans = eqn.primitive.bind(*invals, **params)
+        return list(ans) if eqn.primitive.multiple_results else [ans]
 
     def run(*args: Any) -> list[Any]:
-        env: dict[Any, Any] = {}
+        next_op = [0]
 
-        def read(v: Any) -> Any:
-            return v.val if isinstance(v, jcore.Literal) else env[v]
+        def walk(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], region: str) -> list[Any]:
+            env: dict[Any, Any] = {}
 
-        for var, c in zip(jaxpr.constvars, consts):
-            env[var] = c
-        for var, a in zip(jaxpr.invars, args):
-            env[var] = a
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
-            if eqn.primitive is hint_p:
-                outs = [_constrain(invals[0], sharding_of(top[eqn.outvars[0]]))]
-            else:
-                params = eqn.primitive.get_bind_params(eqn.params)
-                with source_info_util.user_context(eqn.source_info.traceback,
-                                                   name_stack=eqn.source_info.name_stack), eqn.ctx.manager:
-                    ans = eqn.primitive.bind(*invals, **params)
-                outs = list(ans) if eqn.primitive.multiple_results else [ans]
-                for i, var in enumerate(eqn.outvars):
-                    vid = top.get(var)
-                    if vid is not None and vid in decision_values and not isinstance(var, jcore.DropVar):
-                        outs[i] = _constrain(outs[i], sharding_of(vid))
-            for var, val in zip(eqn.outvars, outs):
-                env[var] = val
-        return [read(v) for v in jaxpr.outvars]
+            def read(v: Any) -> Any:
+                return v.val if isinstance(v, jcore.Literal) else env[v]
+
+            for var, c in zip(jaxpr.constvars, consts):
+                env[var] = c
+            for var, a in zip(jaxpr.invars, args):
+                env[var] = a
+            for eqn in jaxpr.eqns:
+                invals = [read(v) for v in eqn.invars]
+                name = eqn.primitive.name
+                sub = _call_jaxpr(eqn)
+                if sub is not None:
+                    inner = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
+                    outs = walk(inner, sub.consts if isinstance(sub, jcore.ClosedJaxpr) else (), invals, region)
+                elif name in REGION_PRIMITIVES:
+                    for b in range(len(eqn.params["branches"]) if name == "cond" else 1):
+                        prefix = f"{region}/{name}{next_op[0]}" + (f".{b}" if name == "cond" else "")
+                        while next_op[0] < len(graph.ops) and _in_region(graph.ops[next_op[0]].region, prefix):
+                            next_op[0] += 1
+                    outs = bind(eqn, invals)
+                else:
+                    op = graph.ops[next_op[0]]
+                    next_op[0] += 1
+                    if op.primitive != name:  # the walk lost step with the graph: constrain nothing more
+                        raise AssertionError(f"lowering met {name} where the plan has op {op.id} ({op.primitive})")
+                    need = needs.get(op.id)
+                    if need:
+                        invals = [_constrain(x, named(need[v])) if v in need else x for x, v in zip(invals, op.inputs)]
+                    if eqn.primitive is hint_p:
+                        outs = [_constrain(invals[0], named(plan.shardings[op.outputs[0]]))]
+                    else:
+                        outs = bind(eqn, invals)
+                        made = made_dims(op.id)
+                        for i, (var, vid) in enumerate(zip(eqn.outvars, op.outputs)):
+                            if isinstance(var, jcore.DropVar) or not hasattr(outs[i], "shape") \
+                                    or len(made[i].dims) != len(outs[i].shape):
+                                continue
+                            outs[i] = _constrain(outs[i], named(made[i]))
+                            if made[i] != plan.shardings[vid]:
+                                outs[i] = _constrain(outs[i], named(plan.shardings[vid]))
+                for var, val in zip(eqn.outvars, outs):
+                    env[var] = val
+            return [read(v) for v in jaxpr.outvars]
+
+        return walk(closed_jaxpr.jaxpr, closed_jaxpr.consts, args, "")
 
     return run
 

@@ -1,0 +1,140 @@
+"""Collective costs on a topology: latency–bandwidth (alpha–beta) formulas, ring per level and
+hierarchical across levels.
+
+A collective over a set of mesh axes involves, at each topology level, a group of `n_l` devices (the
+`MeshMapping` says which). Its *payload* `B` is the size of the logical buffer per device: the operand of
+an all-reduce / reduce-scatter / all-to-all / collective-permute, the gathered result of an all-gather.
+With `bw_l` the per-device bandwidth of level `l` and `a_l` its per-step latency (see docs/simulator.md):
+
+* ring all-gather on one level:      (n-1)/n * B / bw + (n-1) a
+* ring reduce-scatter on one level:  (n-1)/n * B / bw + (n-1) a
+* ring all-reduce on one level:      2 (n-1)/n * B / bw + 2 (n-1) a   (reduce-scatter + all-gather)
+* all-to-all on one level:           (n-1)/n * B / bw + (n-1) a
+* collective-permute:                B / bw + a  on the outermost level the pairs cross
+
+Across levels (innermost l0 .. outermost lk), hierarchically: a reduce-scatter runs level by level outward
+on a shrinking buffer (B, B/n0, B/(n0 n1), ...); an all-gather is its mirror (outermost first, on the
+shard gathered so far); an all-reduce is reduce-scatter outward, all-reduce on the outermost level,
+all-gather inward; an all-to-all sends, at each level, the part of the buffer bound for peers first
+reached at that level. Each level's part is a separate *phase*, run on that level's link stream.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from shardc.cost.topology import MeshMapping, Topology
+
+__all__ = ["Collective", "Phase", "collective_phases", "collective_time", "ring_time"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Collective:
+    """One collective of a reshard: its kind, the mesh axes its groups span, its payload per device, and the
+    group size when it is not the product of the axes' sizes (a permute or partial gather inside an axis)."""
+
+    kind: str
+    axes: tuple[str, ...]
+    bytes: int
+    group: int | None = None
+
+    def group_size(self, mesh: dict[str, int]) -> int:
+        return self.group if self.group is not None else math.prod(mesh[a] for a in self.axes)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Phase:
+    """The part of a collective that runs on one topology level."""
+
+    level: str
+    kind: str
+    seconds: float
+    bytes: float  # bytes each device sends over this level
+
+
+def ring_time(kind: str, n: int, payload: float, bandwidth: float, latency: float) -> tuple[float, float]:
+    """(seconds, bytes sent per device) of a ring collective of `n` devices on one level."""
+    if n <= 1 or payload <= 0:
+        return 0.0, 0.0
+    frac = (n - 1) / n
+    if kind == "all-reduce":
+        sent = 2 * frac * payload
+        return sent / bandwidth + 2 * (n - 1) * latency, sent
+    if kind in ("all-gather", "reduce-scatter", "all-to-all"):
+        sent = frac * payload
+        return sent / bandwidth + (n - 1) * latency, sent
+    if kind == "collective-permute":
+        return payload / bandwidth + latency, payload
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def _levels(c: Collective, topo: Topology, mapping: MeshMapping, mesh: dict[str, int]) -> list[tuple[str, int]]:
+    groups = list(mapping.group(c.axes, topo.level_names))
+    if c.group is not None and groups:
+        # A group smaller than its axes (e.g. half of an axis): shrink from the outermost level inward.
+        want = c.group
+        total = math.prod(n for _, n in groups)
+        if want < total:
+            out = []
+            for lv, n in groups:
+                g = math.gcd(want, n)
+                if g > 1:
+                    out.append((lv, g))
+                    want //= g
+            groups = out
+    return groups
+
+
+def collective_phases(c: Collective, topo: Topology, mapping: MeshMapping, mesh: dict[str, int]) -> tuple[Phase, ...]:
+    """The per-level phases of a collective, in the order they run."""
+    groups = _levels(c, topo, mapping, mesh)
+    if not groups or c.bytes <= 0:
+        return ()
+    B = float(c.bytes)
+
+    def ph(kind: str, level: str, n: int, payload: float) -> Phase:
+        lv = topo.level(level)
+        t, sent = ring_time(kind, n, payload, lv.bandwidth, lv.latency)
+        return Phase(level, kind, t, sent)
+
+    if c.kind == "collective-permute":
+        return (ph("collective-permute", groups[-1][0], 2, B),)
+    if c.kind == "all-to-all":
+        total = math.prod(n for _, n in groups)
+        out, inner = [], 1
+        for lv, n in groups:
+            share = inner * (n - 1) / total  # fraction of the buffer first reaching peers at this level
+            level = topo.level(lv)
+            sent = share * B
+            out.append(Phase(lv, "all-to-all", sent / level.bandwidth + (n - 1) * level.latency, sent))
+            inner *= n
+        return tuple(out)
+    if c.kind == "reduce-scatter":
+        out, size = [], B
+        for lv, n in groups:
+            out.append(ph("reduce-scatter", lv, n, size))
+            size /= n
+        return tuple(out)
+    if c.kind == "all-gather":
+        sizes, size = [], B
+        for lv, n in groups:  # result size seen at each level, innermost gets the full buffer
+            sizes.append(size)
+            size /= n
+        return tuple(ph("all-gather", lv, n, s) for (lv, n), s in reversed(list(zip(groups, sizes))))
+    if c.kind == "all-reduce":
+        if len(groups) == 1:
+            return (ph("all-reduce", groups[0][0], groups[0][1], B),)
+        down, sizes, size = [], [], B
+        for lv, n in groups[:-1]:
+            down.append(ph("reduce-scatter", lv, n, size))
+            sizes.append(size)
+            size /= n
+        top = ph("all-reduce", groups[-1][0], groups[-1][1], size)
+        up = [ph("all-gather", lv, n, s) for (lv, n), s in reversed(list(zip(groups[:-1], sizes)))]
+        return tuple(down) + (top,) + tuple(up)
+    raise ValueError(f"unknown collective kind {c.kind!r}")
+
+
+def collective_time(c: Collective, topo: Topology, mapping: MeshMapping, mesh: dict[str, int]) -> float:
+    """Total seconds of a collective (its phases back to back)."""
+    return sum(p.seconds for p in collective_phases(c, topo, mapping, mesh))
