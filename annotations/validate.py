@@ -19,8 +19,15 @@ def _at(source: SourceLine | None) -> str:
     return f" (at {source})" if source is not None else ""
 
 
+def _dtype_name(dtype: Any) -> str:
+    try:
+        return np.dtype(dtype).name
+    except TypeError:  # JAX extended dtypes (typed PRNG keys) are not numpy dtypes
+        return str(dtype)
+
+
 def _tensor(shape: tuple[int, ...], dtype: Any) -> str:
-    return f"tensor {np.dtype(dtype).name}{list(shape)} (shape {tuple(shape)})"
+    return f"tensor {_dtype_name(dtype)}{list(shape)} (shape {tuple(shape)})"
 
 
 def check_array(kind: str, x: Any, source: SourceLine | None) -> tuple[tuple[int, ...], Any]:

@@ -10,10 +10,13 @@ calls with the same signature reuse it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
+import os
 import time
+import traceback
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -25,6 +28,7 @@ import annotations as _annotations
 from annotations.errors import ShardingError, SourceLine, caller_source_line
 from shardc.ir.build import build_graph
 from shardc.ir.graph import Graph, Op
+from shardc.carried import CarriedShapes
 from shardc.distributed import check_plan_agreement, is_multiprocess, to_global
 from shardc.lower import jit_plan
 from shardc.metadata import input_hints
@@ -63,13 +67,14 @@ class AutoFunction:
         functools.update_wrapper(self, fun)
         self.fun = fun
         self.mesh = mesh
-        self.rules = rules
-        self.donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+        self.rules = _check_rules(rules)
+        self.donate_argnums = _check_donate(donate_argnums)
         self.topology = topology
         self.search = search
         self.budget_s = budget_s
         self.seed = seed
         self._cache: dict[Any, Compiled] = {}
+        self._carried = CarriedShapes()
         if mesh is not None and not isinstance(mesh, Mesh):
             raise ShardingError(f"shardc.auto(mesh=...) needs a jax.sharding.Mesh (see shardc.make_mesh), got {type(mesh).__name__}")
         if search not in (False, None):
@@ -78,10 +83,12 @@ class AutoFunction:
 
     # -- public --------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        self._carried.check(tree, leaves, _describe(self.fun))
         c = self._compiled(args, kwargs)
-        flat = jax.tree_util.tree_leaves((args, kwargs))
-        flat = [self._place(x, s) for x, s in zip(flat, c.plan.input_shardings())]
+        flat = [self._place(x, s) for x, s in zip(leaves, c.plan.input_shardings())]
         out = c.jitted(*flat)
+        self._carried.record(tree, leaves, c.plan.input_names, out, c.plan.output_names)
         return jax.tree_util.tree_unflatten(c.out_tree, out)
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
@@ -165,21 +172,26 @@ class AutoFunction:
         roots = tuple(args) + tuple(kwargs[k] for k in sorted(kwargs))
         in_paths = [keystr(p[1:]) for p, _ in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]]
         out_paths = [f"out{keystr(p)}" for p in _paths_of(out_tree)]
-        graph = build_graph(closed, in_paths, out_paths)
+        with _internal_errors("building the graph of", self.fun):
+            graph = build_graph(closed, in_paths, out_paths)
         t2 = time.perf_counter()
-        seeds = self._input_seeds(graph, roots, mesh) + program_seeds(graph, mesh)
-        _tie_carried_state(graph, in_tree, out_tree, args)
-        prop = propagate(graph, dict(mesh.shape), seeds)
-        _check_ties(graph, prop)
+        with _internal_errors("collecting the hints of", self.fun):
+            seeds = self._input_seeds(graph, roots, mesh) + program_seeds(graph, mesh)
+            _tie_carried_state(graph, in_tree, out_tree, args)
+        with _internal_errors("propagating shardings in", self.fun):
+            prop = propagate(graph, dict(mesh.shape), seeds)
+            _check_ties(graph, prop)
         notes = []
         if graph.conservative_primitives:
             notes.append("replicated (no sharding rule): " + ", ".join(sorted(graph.conservative_primitives)))
-        the_plan = build_plan(graph, mesh, prop, input_names=in_paths, output_names=out_paths, warnings=notes)
+        with _internal_errors("planning", self.fun):
+            the_plan = build_plan(graph, mesh, prop, input_names=in_paths, output_names=out_paths, warnings=notes)
         if is_multiprocess():
             check_plan_agreement(the_plan)
         t3 = time.perf_counter()
-        donate = _flat_donate(self.donate_argnums, args)
-        jitted = jit_plan(the_plan, closed, donate)
+        donate = _flat_donate(self.donate_argnums, args, self.fun)
+        with _internal_errors("lowering", self.fun):
+            jitted = jit_plan(the_plan, closed, donate)
         timings = {"trace_s": t1 - t0, "graph_s": t2 - t1, "propagate_s": t3 - t2}
         return Compiled(the_plan, closed, in_tree, out_tree, jitted, timings)
 
@@ -193,12 +205,78 @@ class AutoFunction:
         return seeds
 
 
+def _describe(fun: Callable) -> str:
+    """`name (file:line)` of the user's function, for messages."""
+    name = getattr(fun, "__qualname__", None) or type(fun).__name__
+    code = getattr(inspect.unwrap(fun), "__code__", None)
+    if code is None:
+        return name
+    return f"{name} ({SourceLine(code.co_filename, code.co_firstlineno)})"
+
+
+def _check_rules(rules: Any) -> Any:
+    """Logical axis rules: pairs (logical name, mesh axis | tuple of mesh axes | None), or a dict."""
+    if rules is None:
+        return None
+    if isinstance(rules, dict):
+        rules = list(rules.items())
+    if isinstance(rules, (str, bytes)) or not isinstance(rules, Sequence):
+        raise ShardingError(f"shardc.auto(rules=...) needs a sequence of (logical axis, mesh axes) pairs such as "
+                            f"[('batch', 'data'), ('mlp', 'model'), ('embed', None)], got {type(rules).__name__} {rules!r:.60}")
+    for entry in rules:
+        ok = isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str)
+        physical = entry[1] if ok else None
+        ok = ok and (physical is None or isinstance(physical, str)
+                     or (isinstance(physical, (tuple, list)) and all(isinstance(a, str) for a in physical)))
+        if not ok:
+            raise ShardingError(f"shardc.auto(rules=...): entry {entry!r} is not a (logical axis name, mesh axis "
+                                f"name | tuple of names | None) pair")
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules)
+
+
+def _check_donate(donate_argnums: Any) -> tuple[int, ...]:
+    nums = (donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums
+    try:
+        nums = tuple(nums)
+    except TypeError:
+        nums = (donate_argnums,)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in nums):
+        raise ShardingError(f"shardc.auto(donate_argnums={donate_argnums!r}) needs non-negative ints "
+                            f"(positions of positional arguments)")
+    return nums
+
+
+@contextlib.contextmanager
+def _internal_errors(phase: str, fun: Callable) -> Any:
+    """An unexpected exception inside one of shardc's passes becomes a ShardingError that says which
+    function, which pass and which line of shardc failed, and that it is a shardc bug; the original is
+    kept as `.internal` (set SHARDC_DEBUG=1 to let it through unchanged, with its traceback)."""
+    try:
+        yield
+    except ShardingError:
+        raise
+    except Exception as e:
+        if os.environ.get("SHARDC_DEBUG"):
+            raise
+        frames = traceback.extract_tb(e.__traceback__)
+        at = f" at {SourceLine(frames[-1].filename, frames[-1].lineno, frames[-1].name)}" if frames else ""
+        err = ShardingError(f"shardc failed while {phase} {_describe(fun)}: internal {type(e).__name__}{at}: {e}. "
+                            f"This is a bug in shardc, not in your program; please report it "
+                            f"(SHARDC_DEBUG=1 shows the full traceback)")
+        err.internal = e  # type: ignore[attr-defined]
+        raise err from None
+
+
 def _paths_of(tree: Any) -> list[Any]:
     dummy = jax.tree_util.tree_unflatten(tree, list(range(tree.num_leaves)))
     return [p for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
 
 
-def _flat_donate(donate_argnums: Sequence[int], args: Any) -> list[int]:
+def _flat_donate(donate_argnums: Sequence[int], args: Any, fun: Callable) -> list[int]:
+    bad = [i for i in donate_argnums if i >= len(args)]
+    if bad:
+        raise ShardingError(f"shardc.auto(donate_argnums={tuple(donate_argnums)}): {_describe(fun)} was called with "
+                            f"{len(args)} positional argument(s), so there is no argument {bad[0]} to donate")
     out, start = [], 0
     for i, a in enumerate(args):
         n = len(jax.tree_util.tree_leaves(a))

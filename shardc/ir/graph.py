@@ -25,7 +25,7 @@ class Value:
 
     @property
     def nbytes(self) -> int:
-        n = int(np.dtype(self.dtype).itemsize) if self.dtype is not None else 4
+        n = int(self.dtype.itemsize) if self.dtype is not None else 4
         for s in self.shape:
             n *= s
         return n
@@ -98,6 +98,18 @@ def _is_jax_file(path: str) -> bool:
     return path.startswith(_JAX_DIRS) or path.startswith("<")
 
 
+def _dtype(dtype: Any) -> Any:
+    """A numpy dtype, or JAX's extended dtype as it is (typed PRNG keys: `key<fry>` has an itemsize
+    but is no numpy dtype)."""
+    if dtype is None:
+        return None
+    import jax
+
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return dtype
+    return np.dtype(dtype)
+
+
 @dataclasses.dataclass
 class Graph:
     """Ops in program order over values. `inputs`/`outputs` are the flattened train-step args/results."""
@@ -114,8 +126,8 @@ class Graph:
 
     def add_value(self, shape: tuple[int, ...], dtype: Any, name: str = "", *, is_const: bool = False) -> int:
         vid = len(self.values)
-        self.values.append(Value(vid, tuple(int(s) for s in shape), np.dtype(dtype) if dtype is not None else None,
-                                 name or f"%{vid}", is_const=is_const))
+        self.values.append(Value(vid, tuple(int(s) for s in shape), _dtype(dtype), name or f"%{vid}",
+                                 is_const=is_const))
         self.users.append([])
         return vid
 

@@ -1,0 +1,63 @@
+"""An unexpected exception inside one of shardc's passes reaches the user as one ShardingError that names
+the function, the pass and the failing line inside shardc and says it is a shardc bug (SHARDC_DEBUG=1
+lets the original through). A typed PRNG key argument (once such a crash) plans and runs."""
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import shardc
+
+auto_mod = importlib.import_module("shardc.auto")
+
+MESH = shardc.make_mesh({"data": 2, "model": 4})
+
+
+def _boom(*args, **kwargs):
+    raise KeyError("lost value 17")
+
+
+def step(x):  # the function named in the message
+    return shardc.split(x, 0, "data") * 2
+
+
+def test_internal_failure_becomes_a_sharding_error_naming_the_pass(monkeypatch):
+    monkeypatch.delenv("SHARDC_DEBUG", raising=False)
+    monkeypatch.setattr(auto_mod, "propagate", _boom)
+    with pytest.raises(shardc.ShardingError) as info:
+        shardc.auto(step, mesh=MESH).plan(jnp.ones((8, 4)))
+    msg = str(info.value)
+    for words in ("propagating shardings in step", "test_internal_errors.py:", "internal KeyError",
+                  "lost value 17", "bug in shardc", "SHARDC_DEBUG=1"):
+        assert words in msg, msg
+    assert isinstance(info.value.internal, KeyError)
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+def test_shardc_debug_lets_the_original_through(monkeypatch):
+    monkeypatch.setenv("SHARDC_DEBUG", "1")
+    monkeypatch.setattr(auto_mod, "build_plan", _boom)
+    with pytest.raises(KeyError, match="lost value 17"):
+        shardc.auto(step, mesh=MESH).plan(jnp.ones((8, 4)))
+
+
+def test_user_errors_pass_through_unchanged():
+    with pytest.raises(TypeError, match="dot_general"):
+        shardc.auto(lambda x: x @ x, mesh=MESH).plan(jnp.ones((8, 4)))
+
+
+def test_typed_prng_key_arguments_plan_and_run():
+    def f(key, x):
+        k1, k2 = jax.random.split(key)
+        return shardc.split(x, 0, "data") * jax.random.normal(k1, x.shape), k2
+
+    key, x = jax.random.key(0), jnp.ones((8, 4))
+    got, want = shardc.auto(f, mesh=MESH)(key, x), jax.jit(f)(key, x)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6)
+    np.testing.assert_array_equal(jax.random.key_data(got[1]), jax.random.key_data(want[1]))
+    ks = jax.random.split(key, 8)
+    draw = lambda ks: jax.vmap(lambda k: jax.random.uniform(k, (4,)))(ks)  # noqa: E731
+    got = shardc.auto(lambda ks: draw(shardc.split(ks, 0, "data")), mesh=MESH)(ks)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(draw)(ks)), rtol=1e-6)
