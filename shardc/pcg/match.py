@@ -9,6 +9,7 @@ nodes. Only rules proved by `shardc.pcg.verify` are applied.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Iterator
 
 from annotations.errors import ShardingError
@@ -126,10 +127,22 @@ def _match_args(pcg: PCG, terms: tuple[Term, ...], tids: list[int], st: _State) 
         yield from _match_args(pcg, terms[1:], tids[1:], nxt)
 
 
+_KIND_INDEX: "weakref.WeakKeyDictionary[PCG, dict[str, list[int]]]" = weakref.WeakKeyDictionary()
+
+
 def _candidates(pcg: PCG, term: Term) -> list[int]:
+    """Tensors made by a node that could be `term`'s op."""
     if isinstance(term, Var):
         return []
-    return [n.outputs[0] for n in pcg.nodes if len(n.outputs) == 1 and term.op in node_kinds(n)]
+    index = _KIND_INDEX.get(pcg)
+    if index is None:
+        index = {}
+        for n in pcg.nodes:
+            if len(n.outputs) == 1:
+                for k in node_kinds(n):
+                    index.setdefault(k, []).append(n.outputs[0])
+        _KIND_INDEX[pcg] = index
+    return index.get(term.op, [])
 
 
 def _final(pcg: PCG, rule: Rule, st: _State) -> dict[str, Any] | None:
