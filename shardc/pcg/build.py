@@ -25,7 +25,7 @@ from shardc.plan import Plan
 from shardc.rules.elementwise import BINARY_ELEMENTWISE, NARY_ELEMENTWISE, UNARY_ELEMENTWISE
 from shardc.sharding import Sharding
 
-__all__ = ["build_pcg", "reshard_ops", "LOCAL_PRIMITIVES", "HINT_PRIMITIVES"]
+__all__ = ["build_pcg", "reshard_ops", "LOCAL_PRIMITIVES", "HINT_PRIMITIVES", "REMATERIALIZE"]
 
 # Primitives whose per-device application to local pieces (laid out as the op's strategy says) computes
 # the local piece of the result (lowering localises shape params; see shardc.pcg.lower).
@@ -38,6 +38,9 @@ LOCAL_PRIMITIVES = frozenset(UNARY_ELEMENTWISE + BINARY_ELEMENTWISE + NARY_ELEME
     "copy", "copy_p", "stop_gradient", "optimization_barrier",
 })
 HINT_PRIMITIVES = frozenset({"shardc_hint", "sharding_constraint"})
+# Cheap ops of scalars only: where their result is needed in another layout, they are made again there
+# (every layout of a filled array or an iota is computed locally) instead of moved.
+REMATERIALIZE = frozenset({"broadcast_in_dim", "iota"})
 _LOCAL_REDUCE_OPS = ("sum", "max", "min")
 
 
@@ -176,6 +179,7 @@ def build_pcg(plan: Plan, closed_jaxpr: Any, *, fuse: bool = False) -> PCG:
     causes = {(r.value, r.consumer): r.cause for r in plan.reshards}
     vmap: dict[int, int] = {}
     memo: dict[tuple[int, Sharding], int] = {}
+    steps: dict[tuple[int, ParallelOp], int] = {}
 
     def value_tensor(v: int, const: Any = None) -> int:
         if v not in vmap:
@@ -186,23 +190,35 @@ def build_pcg(plan: Plan, closed_jaxpr: Any, *, fuse: bool = False) -> PCG:
                 raise ShardingError(f"PCG: value {val.name} {list(val.shape)} is used before it is defined")
         return vmap[v]
 
+    made_by: dict[int, tuple[Compute, list[int]]] = {}
+
     def reshard(t: int, want: Sharding, cause: str) -> int:
         have = b.tensors[t].sharding
         if have == want:
             return t
-        hit = memo.get((t, want))
-        if hit is None:
-            cur = t
-            for pop in reshard_ops(have, want, sizes, fuse=fuse):
-                cur = b.parallel(pop, cur, cause=cause)
-            hit = memo[(t, want)] = cur
-        return hit
+        if (t, want) in memo:
+            return memo[(t, want)]
+        if t in made_by:  # a broadcast of a scalar or an iota: make it again in the layout wanted
+            op, args = made_by[t]
+            tensor = b.tensors[t]
+            out = b.add_tensor(tensor.shape, tensor.dtype, want, tensor.name)
+            b.add_node(op, args, [out], cause=f"{op.primitive} made again as {want} ({cause})")
+            memo[(t, want)] = out
+            return out
+        cur = t
+        for pop in reshard_ops(have, want, sizes, fuse=fuse):
+            key = (cur, pop)
+            if key not in steps:  # a step shared with another chain from the same tensor is made once
+                steps[key] = b.parallel(pop, cur, cause=cause)
+            cur = steps[key]
+        memo[(t, want)] = cur
+        return cur
 
     for v in graph.inputs:
         val = graph.values[v]
         vmap[v] = b.add_tensor(val.shape, val.dtype, plan.shardings[v], val.name)
     inputs = [vmap[v] for v in graph.inputs]
-    eqns = _op_eqns(plan_closed(closed_jaxpr))
+    eqns = _op_eqns(closed_jaxpr)
     for op in graph.ops:
         if op.primitive == "tie" and op.region == "io":
             continue
@@ -234,7 +250,11 @@ def build_pcg(plan: Plan, closed_jaxpr: Any, *, fuse: bool = False) -> PCG:
             made = Sharding(strat.tensor_sharding(rule, dims, sizes).dims, partial) if local \
                 else Sharding(((),) * val.rank)
             outs.append(b.add_tensor(val.shape, val.dtype, made, val.name, rule.reduce_op))
-        b.add_node(Compute.of(eqn.primitive, eqn.params, op.source), args, outs)
+        compute = Compute.of(eqn.primitive, eqn.params, op.source)
+        b.add_node(compute, args, outs)
+        if op.primitive in REMATERIALIZE and all(b.tensors[a].rank == 0 and not b.tensors[a].sharding.partial
+                                                 for a in args) and not partial:
+            made_by[outs[0]] = (compute, args)
         for v, t in zip(op.outputs, outs):
             cause = causes.get((v, None)) or f"{graph.values[v].name} is {plan.shardings[v]}"
             vmap[v] = reshard(t, plan.shardings[v], cause)
@@ -245,6 +265,3 @@ def build_pcg(plan: Plan, closed_jaxpr: Any, *, fuse: bool = False) -> PCG:
         outputs.append(vmap[v])
     return b.finish(inputs, outputs)
 
-
-def plan_closed(closed_jaxpr: Any) -> Any:
-    return closed_jaxpr

@@ -153,8 +153,10 @@ def _iota_offset(x: Any, t: Tensor, dim: int, mesh: Mapping[str, int]) -> Any:
 
 # -- the program -----------------------------------------------------------------------------------
 
-def pcg_function(pcg: PCG) -> Callable[..., list[Any]]:
-    """The per-device body: local input pieces -> local output pieces."""
+def pcg_function(pcg: PCG, *, strict: bool = True) -> Callable[..., list[Any]]:
+    """The per-device body: local input pieces -> local output pieces. With `strict`, each collective's
+    operand passes an optimization barrier, so XLA keeps exactly the collectives the PCG names (it
+    would otherwise merge all-gathers of values it can prove equal, or fold ones of constants)."""
     mesh = pcg.mesh_sizes
 
     def body(*args: Any) -> list[Any]:
@@ -165,7 +167,10 @@ def pcg_function(pcg: PCG) -> Callable[..., list[Any]]:
         for node in pcg.nodes:
             vals = [env[t] for t in node.inputs]
             if isinstance(node.op, ParallelOp):
-                outs = [_parallel(node.op, vals[0], mesh)]
+                x = vals[0]
+                if strict and node.op.collective not in ("none", "slice") and group_size(node.op.axes, mesh) > 1:
+                    x = jax.lax.optimization_barrier(x)
+                outs = [_parallel(node.op, x, mesh)]
             else:
                 outs = _compute(node, node.op, vals, pcg)
             env.update(zip(node.outputs, outs))
@@ -174,13 +179,14 @@ def pcg_function(pcg: PCG) -> Callable[..., list[Any]]:
     return body
 
 
-def lower_pcg(pcg: PCG, *, jit: bool = True) -> Callable[..., list[Any]]:
-    """A function of the flat global inputs returning the flat global outputs, computed as the PCG says."""
+def lower_pcg(pcg: PCG, *, jit: bool = True, strict: bool = True) -> Callable[..., list[Any]]:
+    """A function of the flat global inputs returning the flat global outputs, computed as the PCG says
+    (`strict`: see `pcg_function`)."""
     for t in list(pcg.inputs) + list(pcg.outputs):
         s = pcg.tensors[t].sharding
         if s.partial:
             raise ShardingError(f"PCG input/output {pcg.tensors[t].name} holds partial sums ({s}); reduce it first")
     in_specs = tuple(pcg.tensors[t].sharding.spec() for t in pcg.inputs)
     out_specs = [pcg.tensors[t].sharding.spec() for t in pcg.outputs]
-    f = jax.shard_map(pcg_function(pcg), mesh=pcg.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    f = jax.shard_map(pcg_function(pcg, strict=strict), mesh=pcg.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
     return jax.jit(f) if jit else f
