@@ -9,12 +9,14 @@
 """
 from annotations import UNCONSTRAINED, ShardingError, replicate, shard, split
 from shardc.auto import AutoFunction, auto, plan
+from shardc.cost.topology import Topology
 from shardc.plan import Plan, Reshard
 from shardc.rules.core import register_rule
 from shardc.sharding import Sharding, make_mesh
+from shardc.sim import simulate
 
 __all__ = [
     "auto", "plan", "make_mesh", "split", "replicate", "shard", "UNCONSTRAINED", "ShardingError",
-    "Plan", "Reshard", "Sharding", "AutoFunction", "register_rule",
+    "Plan", "Reshard", "Sharding", "AutoFunction", "register_rule", "Topology", "simulate",
 ]
 __version__ = "0.1.0"

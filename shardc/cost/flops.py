@@ -1,0 +1,151 @@
+"""FLOPs and transcendentals of one op at its local (per-device) shapes, counted as XLA's
+`HloCostAnalysis` counts them, so predictions compare with `compiled.cost_analysis()`:
+
+* elementwise arithmetic, comparisons, selects, converts: one FLOP per result element;
+* transcendentals (exp, log, tanh, logistic, sqrt, rsqrt, pow, erf, sin, cos, ...): no FLOPs, one
+  transcendental per element;
+* `integer_pow(x, n)`: the multiplies of square-and-multiply (n=2: one; a negative n adds a divide);
+* reductions: (input elements - output elements) applications of the combiner (one FLOP each);
+* dot_general: 2 x result elements x contracted size; convolution: 2 x (output, kernel) positions;
+* data movement (broadcast, reshape, transpose, slice, concatenate, pad, gather, iota, copies): none;
+* scatter-add and friends: one FLOP per update element; sort: n log2 n.
+
+Rules live in one table keyed by primitive name (`FLOP_RULES`); unknown primitives count as zero.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+__all__ = ["OpCount", "FLOP_RULES", "count_op", "register_flops", "TRANSCENDENTAL", "ELEMENTWISE", "MOVEMENT"]
+
+Shape = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OpCount:
+    flops: float = 0.0
+    transcendentals: float = 0.0
+
+    def __add__(self, other: "OpCount") -> "OpCount":
+        return OpCount(self.flops + other.flops, self.transcendentals + other.transcendentals)
+
+
+FlopRule = Callable[[Sequence[Shape], Sequence[Shape], Mapping[str, Any]], OpCount]
+FLOP_RULES: dict[str, FlopRule] = {}
+
+
+def register_flops(*names: str) -> Callable[[FlopRule], FlopRule]:
+    def deco(fn: FlopRule) -> FlopRule:
+        for n in names:
+            FLOP_RULES[n] = fn
+        return fn
+
+    return deco
+
+
+def _n(shape: Shape) -> int:
+    return math.prod(shape)
+
+
+TRANSCENDENTAL = ("exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sqrt", "rsqrt", "cbrt", "pow",
+                  "sin", "cos", "tan", "atan2", "erf", "erfc", "erf_inv", "acosh", "asinh", "atanh", "asin",
+                  "acos", "atan", "sinh", "cosh", "lgamma", "digamma", "igamma", "random_gamma_grad")
+ELEMENTWISE = ("add", "sub", "mul", "div", "rem", "max", "min", "neg", "sign", "abs", "floor", "ceil", "round",
+               "select_n", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "convert_element_type",
+               "clamp", "is_finite", "add_any", "nextafter", "shift_left", "shift_right_logical",
+               "shift_right_arithmetic", "population_count", "clz", "imag", "real", "conj", "complex",
+               "square", "reduce_precision", "copysign", "stop_gradient_add")
+MOVEMENT = ("broadcast_in_dim", "reshape", "transpose", "slice", "dynamic_slice", "dynamic_update_slice",
+            "concatenate", "pad", "gather", "iota", "copy", "copy_p", "squeeze", "expand_dims", "rev", "split",
+            "stop_gradient", "sharding_constraint", "shardc_hint", "tie", "scan_slice", "scan_stack",
+            "random_wrap", "random_unwrap", "random_bits", "random_seed", "random_fold_in", "random_split",
+            "threefry2x32", "optimization_barrier", "device_put", "bitcast_convert_type", "psum", "pmax")
+
+
+@register_flops(*ELEMENTWISE)
+def _elementwise(ins, outs, params) -> OpCount:
+    return OpCount(flops=float(sum(_n(s) for s in outs)))
+
+
+@register_flops(*TRANSCENDENTAL)
+def _transcendental(ins, outs, params) -> OpCount:
+    return OpCount(transcendentals=float(sum(_n(s) for s in outs)))
+
+
+@register_flops(*MOVEMENT)
+def _movement(ins, outs, params) -> OpCount:
+    return OpCount()
+
+
+@register_flops("integer_pow")
+def _integer_pow(ins, outs, params) -> OpCount:
+    y = int(params.get("y", 2))
+    k = abs(y)
+    mults = max(k.bit_length() - 1 + bin(k).count("1") - 1, 0) if k else 0
+    if y < 0:
+        mults += 1
+    return OpCount(flops=float(mults * _n(outs[0])))
+
+
+@register_flops("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor")
+def _reduce(ins, outs, params) -> OpCount:
+    return OpCount(flops=float(max(_n(ins[0]) - _n(outs[0]), 0)))
+
+
+@register_flops("argmax", "argmin")
+def _argreduce(ins, outs, params) -> OpCount:
+    # A variadic reduce whose comparator does a compare, an equality test, two selects and a min/or.
+    return OpCount(flops=float(6 * max(_n(ins[0]) - _n(outs[0]), 0)))
+
+
+@register_flops("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
+def _cumulative(ins, outs, params) -> OpCount:
+    return OpCount(flops=float(_n(outs[0])))
+
+
+@register_flops("dot_general")
+def _dot(ins, outs, params) -> OpCount:
+    (lc, _rc), _ = params["dimension_numbers"]
+    k = math.prod(ins[0][d] for d in lc)
+    return OpCount(flops=2.0 * _n(outs[0]) * k)
+
+
+@register_flops("conv_general_dilated")
+def _conv(ins, outs, params) -> OpCount:
+    rhs = ins[1]
+    dn = params.get("dimension_numbers")
+    rhs_spec = tuple(range(len(rhs))) if dn is None else tuple(dn[1])
+    in_feat = rhs[rhs_spec[1]]  # input features per group
+    kernel = math.prod(rhs[d] for d in rhs_spec[2:])
+    # Output positions x kernel taps (taps over padding are not subtracted: an upper bound).
+    return OpCount(flops=2.0 * _n(outs[0]) * in_feat * kernel)
+
+
+@register_flops("scatter-add", "scatter_add", "scatter_mul", "scatter_min", "scatter_max", "scatter")
+def _scatter(ins, outs, params) -> OpCount:
+    updates = ins[2] if len(ins) > 2 else ins[-1]
+    return OpCount(flops=float(_n(updates)))
+
+
+@register_flops("sort")
+def _sort(ins, outs, params) -> OpCount:
+    n = _n(ins[0])
+    return OpCount(flops=float(n * max(math.ceil(math.log2(max(n, 1))), 0)))
+
+
+@register_flops("top_k")
+def _top_k(ins, outs, params) -> OpCount:
+    return OpCount()
+
+
+def count_op(primitive: str, ins: Sequence[Shape], outs: Sequence[Shape], params: Mapping[str, Any]) -> OpCount:
+    """FLOPs and transcendentals of one op at the given (local) shapes; zero for unknown primitives."""
+    rule = FLOP_RULES.get(primitive)
+    if rule is None:
+        return OpCount()
+    try:
+        return rule(ins, outs, params)
+    except (KeyError, IndexError, TypeError, ValueError):
+        return OpCount()

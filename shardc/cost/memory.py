@@ -1,0 +1,170 @@
+"""Per-device memory: arguments, outputs, donated buffers, and the peak of temporaries by liveness over
+program order.
+
+Peak = arguments + outputs - aliased (outputs written into donated inputs) + peak temporaries, which is
+how XLA's `memory_analysis()` accounts a compiled program. A temporary is a buffer made by one slot of the
+simulation and read by later ones: an op's result in the layout its strategy makes (partial sums are
+full-size), the result in its planned layout, each layout a reshard makes for consumers, and values the
+backward pass keeps (activations live until their last reader). It lives from the slot that makes it to
+the last slot that reads it. Values XLA fuses into their consumers and compile-time constants take no
+memory. Loop bodies are counted once (their buffers are reused across iterations).
+
+`update` recomputes only the buffers of the slots a delta simulation rebuilt; the peak is a prefix sum
+over slots (numpy), so an update costs O(changed buffers) plus one vectorised pass.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from shardc.cost.program import ProgramInfo
+
+__all__ = ["MemoryModel", "MemoryResult"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryResult:
+    arguments: int
+    outputs: int
+    aliased: int
+    temp_peak: int
+    peak_slot: int  # op index at which temporaries peak
+
+    @property
+    def peak(self) -> int:
+        return self.arguments + self.outputs - self.aliased + self.temp_peak
+
+
+class MemoryModel:
+    """Buffers of one device over the slots of a simulation. `keys` resolves interned key ids to
+    (canonical value, sharding) pairs (the simulation's TaskBuilder)."""
+
+    def __init__(self, graph: Any, info: ProgramInfo, mesh: Mapping[str, int], keys: Any) -> None:
+        self.graph = graph
+        self.info = info
+        self.mesh = dict(mesh)
+        self.keys = keys
+        self.n = len(graph.ops)
+        self._inputs = {info.canon[v] for v in graph.inputs}
+        self._outputs = {info.canon[v] for v in graph.outputs}
+        self.diff = np.zeros(self.n + 1, dtype=np.int64)
+        self.buffers: dict[int, tuple[int, int, int]] = {}  # key id -> (first slot, last slot, bytes)
+        self.owner: dict[int, int] = {}
+        self.readers: dict[int, set[int]] = {}
+        self._local: dict[int, int] = {}  # input/output value -> local bytes
+        self.args = self.outs = self.alias = 0
+
+    def _bytes(self, kid: int) -> int:
+        c, s = self.keys.key_list[kid]
+        if self.info.constant[c] or (self.info.fused[c] and kid not in self.keys.chain_keys):
+            return 0
+        v = self.graph.values[c]
+        item = int(v.dtype.itemsize) if v.dtype is not None else 4
+        return item * math.prod(-(-d // math.prod(self.mesh[a] for a in axes)) for d, axes in zip(v.shape, s.dims))
+
+    def _set(self, kid: int) -> None:
+        old = self.buffers.pop(kid, None)
+        if old is not None:
+            s, e, b = old
+            self.diff[s] -= b
+            self.diff[e + 1] += b
+        owner = self.owner.get(kid)
+        if owner is None:
+            return
+        c = self.keys.key_list[kid][0]
+        if c in self._inputs or c in self._outputs:
+            return  # counted with the arguments / outputs
+        b = self._bytes(kid)
+        if b == 0:
+            return
+        rs = self.readers.get(kid)
+        end = max(rs) if rs else owner
+        self.buffers[kid] = (owner, end, b)
+        self.diff[owner] += b
+        self.diff[end + 1] -= b
+
+    def _reads(self, slot: Any) -> set[int]:
+        flags = self.keys.is_value_key
+        return {d for t in slot.tasks for d in t.deps if flags[d]}
+
+    def full(self, plan: Any, slots: Sequence[Any], donated: Sequence[int] = ()) -> None:
+        self.diff[:] = 0
+        self.buffers.clear()
+        self.owner.clear()
+        self.readers.clear()
+        for s in slots:
+            for k in s.made:
+                self.owner.setdefault(k, s.op)
+            for k in self._reads(s):
+                self.readers.setdefault(k, set()).add(s.op)
+        for k in self.owner:
+            self._set(k)
+        self._local.clear()
+        self.io(plan, donated, None)
+
+    def update(self, plan: Any, slots: Sequence[Any], affected: Sequence[int], old_slots: Mapping[int, Any],
+               donated: Sequence[int] = (), values: Iterable[int] = ()) -> None:
+        touched: set[int] = set()
+        for i in affected:
+            old = old_slots[i]
+            for k in old.made:
+                if self.owner.get(k) == i:
+                    del self.owner[k]
+                    touched.add(k)
+            for k in self._reads(old):
+                rs = self.readers.get(k)
+                if rs is not None:
+                    rs.discard(i)
+                touched.add(k)
+        for i in affected:
+            new = slots[i]
+            for k in new.made:
+                if k not in self.owner:
+                    self.owner[k] = i
+                    touched.add(k)
+            for k in self._reads(new):
+                self.readers.setdefault(k, set()).add(i)
+                touched.add(k)
+        for k in touched:
+            self._set(k)
+        self.io(plan, donated, values)
+
+    def io(self, plan: Any, donated: Sequence[int], values: Iterable[int] | None) -> None:
+        """Arguments, outputs and aliased bytes (recomputed for `values` only, all when None)."""
+        g = self.graph
+        if values is None:
+            self._local.clear()
+        else:
+            for v in values:
+                self._local.pop(v, None)
+        local = self._local
+
+        def nbytes(v: int) -> int:
+            n = local.get(v)
+            if n is None:
+                n = local[v] = plan.local_bytes(v)
+            return n
+
+        self.args = sum(nbytes(v) for v in g.inputs)
+        self.outs = sum(nbytes(v) for v in g.outputs)
+        alias = 0
+        free = [g.inputs[i] for i in donated if i < len(g.inputs)]
+        for v in g.outputs:
+            val = g.values[v]
+            for j, u in enumerate(free):
+                w = g.values[u]
+                if w.shape == val.shape and w.dtype == val.dtype and plan.shardings[u] == plan.shardings[v]:
+                    alias += nbytes(v)
+                    free.pop(j)
+                    break
+        self.alias = alias
+
+    def result(self) -> MemoryResult:
+        if not self.n:
+            return MemoryResult(self.args, self.outs, self.alias, 0, 0)
+        live = np.cumsum(self.diff[: self.n])
+        i = int(np.argmax(live))
+        return MemoryResult(self.args, self.outs, self.alias, int(live[i]), i)

@@ -1,0 +1,183 @@
+"""The result of a simulation: step time, memory, communication, per-op breakdown, critical path."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from shardc.cost.memory import MemoryResult
+from shardc.cost.topology import MeshMapping, Topology
+from shardc.sim.tasks import PS, TASKS_PER_SLOT, Slot
+
+__all__ = ["SimResult", "OpTime"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OpTime:
+    """One op's share of the step."""
+
+    op: int
+    primitive: str
+    source: str
+    start: float  # seconds
+    end: float
+    compute: float  # seconds of compute
+    comm: float  # seconds of its collectives
+    flops: float
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _fmt_time(t: float) -> str:
+    if t >= 1:
+        return f"{t:.3f} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.3f} ms"
+    return f"{t * 1e6:.1f} us"
+
+
+@dataclasses.dataclass(eq=False)
+class SimResult:
+    """What one device does in one step of a plan on a topology (see `shardc.simulate`)."""
+
+    plan: Any
+    topology: Topology
+    mapping: MeshMapping
+    streams: tuple[str, ...]
+    makespan_ps: int
+    slots: Sequence[Slot]
+    starts: Sequence[Sequence[int]]
+    ends: Sequence[Sequence[int]]
+    binds: Sequence[Sequence[int]]  # the task each task waited for last (slot * TASKS_PER_SLOT + index), -1
+    payload: dict[str, int]  # collective kind -> payload bytes per device per step
+    xla_payload: dict[str, int]  # the same, loop bodies counted once (as the compiled HLO lists them)
+    wire: dict[tuple[str, str], float]  # (kind, level) -> bytes each device sends per step
+    flops: float  # per device per step
+    xla_flops: float  # as XLA's cost analysis counts them
+    transcendentals: float
+    memory: MemoryResult
+
+    def __post_init__(self) -> None:
+        # Snapshot: a later delta simulation replaces slots in the simulator's lists.
+        self.slots = list(self.slots)
+        self.starts = list(self.starts)
+        self.ends = list(self.ends)
+        self.binds = list(self.binds)
+
+    # -- headline numbers ----------------------------------------------------------------------------
+    @property
+    def step_time(self) -> float:
+        """Seconds per step."""
+        return self.makespan_ps / PS
+
+    @property
+    def peak_memory(self) -> int:
+        """Bytes per device at the peak."""
+        return self.memory.peak
+
+    @property
+    def comm_bytes(self) -> dict[str, int]:
+        """Payload bytes per device per step, by collective kind."""
+        return dict(self.payload)
+
+    @property
+    def comm_by_level(self) -> dict[str, dict[str, float]]:
+        """Bytes each device sends per step: kind -> topology level -> bytes."""
+        out: dict[str, dict[str, float]] = {}
+        for (kind, level), b in sorted(self.wire.items()):
+            out.setdefault(kind, {})[level] = b
+        return out
+
+    @property
+    def compute_time(self) -> float:
+        return sum(s.compute_ps for s in self.slots) / PS
+
+    @property
+    def comm_time(self) -> float:
+        return sum(s.comm_ps for s in self.slots) / PS
+
+    # -- breakdowns ----------------------------------------------------------------------------------
+    def per_op(self) -> list[OpTime]:
+        """Every op that does work: when it ran, its compute and communication time."""
+        g = self.plan.graph
+        out = []
+        for s, st, en in zip(self.slots, self.starts, self.ends):
+            if not s.tasks or (s.compute_ps == 0 and s.comm_ps == 0):
+                continue
+            op = g.ops[s.op]
+            src = op.source
+            out.append(OpTime(s.op, op.primitive, str(src) if src else "", min(st) / PS, max(en) / PS,
+                              s.compute_ps / PS, s.comm_ps / PS, s.flops))
+        return out
+
+    def critical_path(self) -> list[tuple[str, str, float, float]]:
+        """The chain of tasks that sets the step time: (task, stream, start s, end s), first to last."""
+        best, at = -1, -1
+        for si, en in enumerate(self.ends):
+            for ti, e in enumerate(en):
+                if e > best:
+                    best, at = e, si * TASKS_PER_SLOT + ti
+        path = []
+        seen = set()
+        while at >= 0 and at not in seen:
+            seen.add(at)
+            si, ti = divmod(at, TASKS_PER_SLOT)
+            t = self.slots[si].tasks[ti]
+            stream = self.streams[t.stream] if t.stream >= 0 else "-"
+            if t.dur:
+                path.append((t.name, stream, self.starts[si][ti] / PS, self.ends[si][ti] / PS))
+            at = self.binds[si][ti]
+        return path[::-1]
+
+    def tasks(self):
+        """(name, kind, stream, start s, end s, op id) of every task with a duration."""
+        for s, st, en in zip(self.slots, self.starts, self.ends):
+            for t, a, b in zip(s.tasks, st, en):
+                if t.dur and t.stream >= 0:
+                    yield t.name, t.kind, self.streams[t.stream], a / PS, b / PS, t.op
+
+    # -- output --------------------------------------------------------------------------------------
+    def to_chrome_trace(self, path: str) -> str:
+        """Write the timeline as Chrome trace JSON (opens in Perfetto or chrome://tracing)."""
+        from shardc.sim.timeline import chrome_trace
+
+        return chrome_trace(self, path)
+
+    def gantt(self, path: str, *, max_tasks: int = 4000) -> str:
+        """Write a PNG Gantt chart of the streams (needs matplotlib)."""
+        from shardc.sim.timeline import gantt
+
+        return gantt(self, path, max_tasks=max_tasks)
+
+    def summary(self, *, top: int = 8) -> str:
+        m = self.memory
+        lines = [
+            f"simulated on {self.topology.name} ({self.topology.num_devices} x {self.topology.device.name}); "
+            f"mesh axes: {self.mapping}",
+            f"step time {_fmt_time(self.step_time)} (compute {_fmt_time(self.compute_time)}, "
+            f"communication {_fmt_time(self.comm_time)}, {self.flops / 1e9:.3f} GFLOP per device)",
+            f"peak memory {_fmt_bytes(m.peak)} per device (arguments {_fmt_bytes(m.arguments)}, outputs "
+            f"{_fmt_bytes(m.outputs)}, donated {_fmt_bytes(m.aliased)}, temporaries {_fmt_bytes(m.temp_peak)}"
+            f"; capacity {_fmt_bytes(self.topology.device.memory)})",
+        ]
+        if self.payload:
+            by_kind = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in sorted(self.payload.items()))
+            lines.append(f"communication per device: {by_kind}")
+            levels = {}
+            for (kind, level), b in self.wire.items():
+                levels[level] = levels.get(level, 0.0) + b
+            lines.append("sent per device by level: " + ", ".join(f"{lv} {_fmt_bytes(b)}" for lv, b in levels.items()))
+        ops = sorted(self.per_op(), key=lambda o: -(o.compute + o.comm))[:top]
+        if ops:
+            lines.append("most expensive ops:")
+            for o in ops:
+                lines.append(f"  {o.primitive:<20} compute {_fmt_time(o.compute):>10}  comm {_fmt_time(o.comm):>10}  {o.source}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()

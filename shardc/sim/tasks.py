@@ -1,0 +1,260 @@
+"""Plan -> tasks of one representative device.
+
+Every device runs the same program, so one device's tasks describe the step. Each op of the graph gets a
+*slot* (program order) holding its tasks: the collectives that bring its operands to the layouts its
+strategy needs, its compute task, and the collectives that take its results (partial sums, other
+layouts) to their planned shardings. A task reads and writes *keys* — (canonical value, sharding) pairs —
+so a reshard needed by several consumers (or by CSE-merged values) is built once, by the first slot that
+needs it, as XLA's CSE does.
+
+Costs: compute tasks from the op-cost estimator at the op's local shapes; collectives from
+`shardc.cost.reshard` (which collectives XLA emits) and `shardc.cost.collectives` (their per-level
+phases, each a task on that level's stream). Durations are integer picoseconds, so full and delta
+simulation do exactly the same arithmetic.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+from shardc.cost.collectives import collective_phases
+from shardc.cost.estimator import AnalyticalEstimator, OpCostEstimator, OpKey
+from shardc.cost.flops import count_op
+from shardc.cost.program import FREE_PRIMITIVES, ProgramInfo, program_info
+from shardc.cost.reshard import reshard_collectives
+from shardc.cost.topology import MeshMapping, Topology
+from shardc.plan import Plan
+from shardc.sharding import Sharding
+
+__all__ = ["Task", "Slot", "TaskBuilder", "PS", "TASKS_PER_SLOT", "plan_needs"]
+
+PS = 10**12  # picoseconds per second
+TASKS_PER_SLOT = 1 << 12  # a task is named by slot * TASKS_PER_SLOT + index
+Key = tuple[int, Sharding]  # a value (canonical id) in a layout; interned to an int id by the builder
+
+
+@dataclasses.dataclass(slots=True)
+class Task:
+    name: str
+    kind: str  # "compute", "join" (no work: hints, ties), or a collective phase kind
+    stream: int  # index into TaskBuilder.streams; -1 for joins
+    dur: int  # picoseconds
+    deps: tuple[int, ...]  # interned keys it reads
+    outs: tuple[int, ...]  # interned keys it makes
+    op: int
+    level: str = ""
+    collective: str = ""  # the collective this phase belongs to
+
+
+@dataclasses.dataclass(slots=True)
+class Slot:
+    """The tasks of one op, and what they add to the step's totals."""
+
+    op: int
+    tasks: list[Task]
+    flops: int = 0  # per step (loop trips included)
+    xla_flops: int = 0  # as XLA's cost analysis counts them (loop bodies once, all-reduce elements added)
+    transcendentals: int = 0
+    compute_ps: int = 0
+    comm_ps: int = 0
+    payload: dict[str, int] = dataclasses.field(default_factory=dict)  # collective kind -> bytes per step
+    xla_payload: dict[str, int] = dataclasses.field(default_factory=dict)  # per kind, loop bodies once
+    wire: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)  # (kind, level) -> bytes sent
+    made: tuple[int, ...] = ()  # value keys this slot made (for ownership in delta rebuilds and memory)
+    sched: tuple = ()  # (deps, stream, dur, outs) per task: what the scheduler reads
+
+    def seal(self) -> "Slot":
+        if len(self.tasks) >= TASKS_PER_SLOT:
+            raise AssertionError(f"op {self.op} has {len(self.tasks)} tasks (at most {TASKS_PER_SLOT - 1})")
+        self.sched = tuple((t.deps, t.stream, t.dur, t.outs) for t in self.tasks)
+        return self
+
+
+class TaskBuilder:
+    """Builds slots for plans of one graph on one topology/mapping with one estimator."""
+
+    def __init__(self, graph: Any, topology: Topology, mapping: MeshMapping, mesh: Mapping[str, int],
+                 estimator: OpCostEstimator | None = None) -> None:
+        self.graph = graph
+        self.info: ProgramInfo = program_info(graph)
+        self.topology = topology
+        self.mapping = mapping
+        self.mesh = dict(mesh)
+        self.estimator = estimator if estimator is not None else AnalyticalEstimator(topology.device)
+        self.streams: list[str] = ["compute"]
+        if topology.overlap:
+            self.streams += [f"comm:{lv}" for lv in topology.level_names]
+        self._stream_of = {name: i for i, name in enumerate(self.streams)}
+        self._phase_memo: dict[Any, tuple] = {}
+        self._coll_memo: dict[Any, tuple] = {}
+        self._count_memo: dict[OpKey, Any] = {}
+        self._shape_memo: dict[Any, tuple[int, ...]] = {}
+        self.key_of: dict[Any, int] = {}
+        self.key_list: list[Any] = []
+        self.is_value_key: list[bool] = []
+        self.chain_keys: set[int] = set()  # keys made by collectives (always written to memory)
+        self.value_keys: dict[int, list[int]] = {}  # canonical value -> ids of its keys
+        vals = graph.values
+        self._dtype = [str(v.dtype) for v in vals]
+        self._itemsize = [int(v.dtype.itemsize) if v.dtype is not None else 4 for v in vals]
+
+    # -- keys ----------------------------------------------------------------------------------------
+    def canon(self, v: int) -> int:
+        return self.info.canon[v]
+
+    def kid(self, key: Any) -> int:
+        """The interned id of a key."""
+        i = self.key_of.get(key)
+        if i is None:
+            i = self.key_of[key] = len(self.key_list)
+            self.key_list.append(key)
+            self.is_value_key.append(len(key) == 2)
+            self.value_keys.setdefault(key[0], []).append(i)
+        return i
+
+    def initial_keys(self, plan: Plan) -> dict[int, int]:
+        """Keys ready before the step: the inputs at their planned shardings (owner -1)."""
+        return {self.kid((self.canon(v), plan.shardings[v])): -1 for v in self.graph.inputs}
+
+    def local_shape(self, v: int, s: Sharding) -> tuple[int, ...]:
+        shape = self.graph.values[v].shape
+        key = (shape, s.dims)
+        hit = self._shape_memo.get(key)
+        if hit is None:
+            hit = self._shape_memo[key] = s.local_shape(shape, self.mesh)
+        return hit
+
+    def comm_stream(self, level: str) -> int:
+        return self._stream_of.get(f"comm:{level}", 0)
+
+    # -- collectives ---------------------------------------------------------------------------------
+    def collectives(self, src: Sharding, dst: Sharding, v: int) -> tuple:
+        val = self.graph.values[v]
+        key = (src, dst, val.shape, self._itemsize[v])
+        hit = self._coll_memo.get(key)
+        if hit is None:
+            hit = self._coll_memo[key] = reshard_collectives(src, dst, val.shape, self._itemsize[v], self.mesh,
+                                                             reduce_scatter=self.topology.reduce_scatter)
+        return hit
+
+    def phases(self, c: Any) -> tuple:
+        hit = self._phase_memo.get(c)
+        if hit is None:
+            hit = self._phase_memo[c] = collective_phases(c, self.topology, self.mapping, self.mesh)
+        return hit
+
+    def chain(self, slot: Slot, src_key: Key, dst: Sharding, v: int, op: int, trips: int) -> Key:
+        """Tasks taking value `v` from `src_key` to `dst`; returns the key they produce."""
+        c, src = src_key
+        dst_key = (c, dst)
+        deps = (self.kid(src_key),)
+        tasks = []
+        val = self.graph.values[v]
+        for coll in self.collectives(src, dst, v):
+            slot.payload[coll.kind] = slot.payload.get(coll.kind, 0) + coll.bytes * trips
+            slot.xla_payload[coll.kind] = slot.xla_payload.get(coll.kind, 0) + coll.bytes
+            if coll.kind == "all-reduce":
+                slot.xla_flops += coll.bytes // self._itemsize[v]
+            name = f"{coll.kind}({','.join(coll.axes)}) {val.name}"
+            for ph in self.phases(coll):
+                dur = int(round(ph.seconds * trips * PS))
+                stream = self.comm_stream(ph.level)
+                k = self.kid((c, ("phase", len(slot.tasks) + len(tasks)), op))
+                tasks.append(Task(name, ph.kind, stream, dur, deps, (k,), op, ph.level, coll.kind))
+                wk = (coll.kind, ph.level)
+                slot.wire[wk] = slot.wire.get(wk, 0) + int(round(ph.bytes * trips))
+                slot.comm_ps += dur
+                deps = (k,)
+        out = self.kid(dst_key)
+        if len(deps) == 1 and deps[0] != self.kid(src_key):
+            self.chain_keys.add(out)
+        tasks.append(Task(f"{val.name} as {dst}", "join", -1, 0, deps, (out,), op))
+        slot.tasks.extend(tasks)
+        return dst_key
+
+    # -- slots ---------------------------------------------------------------------------------------
+    def build_slot(self, plan: Plan, op_id: int, keys: dict[int, int], needs: Mapping[tuple[int, int], Sharding]) -> Slot:
+        """The slot of one op; registers the keys it makes in `keys` (key id -> owning slot)."""
+        g, info = self.graph, self.info
+        op = g.ops[op_id]
+        slot = Slot(op_id, [])
+        if not info.live[op_id] or (op.primitive == "tie" and op.region == "io"):
+            return slot.seal()
+        trips = info.trips[op_id]
+        made_keys: list[int] = []
+        kid = self.kid
+
+        def made(key: Key) -> int:
+            i = kid(key)
+            keys[i] = op_id
+            made_keys.append(i)
+            return i
+
+        def have(v: int, s: Sharding) -> int:
+            """The key of value v at sharding s, building a reshard chain from its home layout if needed."""
+            c = self.canon(v)
+            i = kid((c, s))
+            if i in keys:
+                return i
+            if info.constant[c] or info.constant[v]:  # folded by XLA: ready, in any layout, at the start
+                slot.tasks.append(Task(f"constant {g.values[v].name}", "join", -1, 0, (), (i,), op_id))
+                return made((c, s))
+            home = (c, plan.shardings[c])
+            if kid(home) not in keys:  # made by an op XLA drops: ready at the start
+                slot.tasks.append(Task(g.values[v].name, "join", -1, 0, (), (kid(home),), op_id))
+                made(home)
+            return made(self.chain(slot, home, s, v, op_id, trips))
+
+        deps = []
+        need_shardings = []
+        for v in op.inputs:
+            need = needs.get((op_id, v), plan.shardings[v])
+            need_shardings.append(need)
+            deps.append(have(v, need))
+        strat = plan.strategies[op_id]
+        rule = op.rule
+        partial = strat.partial_axes(rule)
+        out_keys: list[Key] = []
+        for v, dims in zip(op.outputs, rule.results):
+            m = strat.tensor_sharding(rule, dims, self.mesh)
+            out_keys.append((self.canon(v), Sharding(m.dims, partial) if partial else m))
+        outs = tuple(kid(k) for k in out_keys)
+        free = op.primitive in FREE_PRIMITIVES or all(info.constant[self.canon(v)] for v in op.outputs)
+        if free:
+            slot.tasks.append(Task(op.primitive, "join", -1, 0, tuple(deps), outs, op_id))
+        else:
+            key = self._op_key(op, need_shardings, [k[1] for k in out_keys])
+            dur_s = self.estimator.op_time(key, op.params)
+            dur = int(round(dur_s * trips * PS))
+            slot.tasks.append(Task(op.primitive, "compute", 0, dur, tuple(deps), outs, op_id))
+            slot.compute_ps += dur
+            count = self._count_memo.get(key)
+            if count is None:
+                count = self._count_memo[key] = count_op(op.primitive, key.in_shapes, key.out_shapes, op.params)
+            slot.flops += int(round(count.flops)) * trips
+            slot.transcendentals += int(round(count.transcendentals)) * trips
+            slot.xla_flops += int(round(count.flops))
+        for k in out_keys:
+            made(k)
+        for v, k in zip(op.outputs, out_keys):
+            want = plan.shardings[v]
+            if k[1] != want:
+                made(self.chain(slot, k, want, v, op_id, trips))
+        slot.made = tuple(made_keys)
+        return slot.seal()
+
+    def _op_key(self, op: Any, ins: list[Sharding], outs: list[Sharding]) -> OpKey:
+        info = self.info
+        fused = info.fused
+        canon = info.canon
+        return OpKey(op.primitive, info.pkeys[op.id],
+                     tuple(self.local_shape(v, s) for v, s in zip(op.inputs, ins)),
+                     tuple(self.local_shape(v, s) for v, s in zip(op.outputs, outs)),
+                     tuple(self._dtype[v] for v in op.inputs), tuple(self._dtype[v] for v in op.outputs),
+                     tuple(fused[canon[v]] for v in op.inputs), tuple(fused[canon[v]] for v in op.outputs))
+
+
+def plan_needs(plan: Plan) -> dict[tuple[int, int], Sharding]:
+    """(consumer op, value) -> the layout the consumer needs, from the plan's reshards (as lowered)."""
+    return {(r.consumer, r.value): r.dst.without_partial() for r in plan.reshards if r.consumer is not None}

@@ -1,0 +1,106 @@
+"""Plans that differ from a plan in one op or one value — what a search proposes, and what delta
+simulation is for. The reshards of the touched ops are recomputed the way `shardc.plan.build_plan`
+computes them."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from shardc.plan import OpStrategy, Plan, Reshard, classify_reshard, reshard_bytes
+from shardc.rules.core import FactorKind
+from shardc.sharding import Sharding
+
+__all__ = ["with_strategy", "with_sharding", "legal_strategies"]
+
+
+def _op_reshards(plan: Plan, op_id: int, strategies: Sequence[OpStrategy], shardings: Sequence[Sharding]) -> list[Reshard]:
+    g = plan.graph
+    op = g.ops[op_id]
+    rule = op.rule
+    sizes = plan.mesh_sizes
+    strat = strategies[op_id]
+    out: list[Reshard] = []
+    if op.primitive == "tie" and op.region == "io":
+        return out
+    for v, dims in zip(op.inputs, rule.operands):
+        val = g.values[v]
+        if val.is_const and val.rank == 0:
+            continue
+        need = strat.tensor_sharding(rule, dims, sizes)
+        have = shardings[v]
+        if need != have:
+            kind = classify_reshard(have, need)
+            if kind != "none":
+                out.append(Reshard(v, have, need, kind, reshard_bytes(have, need, val.shape, val.dtype.itemsize, sizes),
+                                   f"{op.primitive} needs {val.name} as {need}", op.source, consumer=op_id))
+    partial = strat.partial_axes(rule)
+    for v, dims in zip(op.outputs, rule.results):
+        val = g.values[v]
+        made = Sharding(strat.tensor_sharding(rule, dims, sizes).dims, partial)
+        want = shardings[v]
+        if made != want:
+            kind = classify_reshard(made, want)
+            if kind not in ("none", "slice"):
+                out.append(Reshard(v, made, want, kind, reshard_bytes(made, want, val.shape, val.dtype.itemsize, sizes),
+                                   f"{op.primitive} makes {made}", op.source, consumer=None))
+    return out
+
+
+def _rebuild(plan: Plan, ops: set[int], strategies: list[OpStrategy], shardings: list[Sharding]) -> Plan:
+    kept = [r for r in plan.reshards
+            if not ((r.consumer is not None and r.consumer in ops) or
+                    (r.consumer is None and plan.graph.values[r.value].producer in ops))]
+    for i in sorted(ops):
+        kept.extend(_op_reshards(plan, i, strategies, shardings))
+    return dataclasses.replace(plan, shardings=tuple(shardings), strategies=tuple(strategies), reshards=tuple(kept))
+
+
+def with_strategy(plan: Plan, op_id: int, factor_axes: Sequence[Sequence[str]]) -> Plan:
+    """The plan with op `op_id` run under another strategy (its values keep their shardings)."""
+    strategies = list(plan.strategies)
+    strategies[op_id] = OpStrategy(tuple(tuple(a) for a in factor_axes))
+    return _rebuild(plan, {op_id}, strategies, list(plan.shardings))
+
+
+def with_sharding(plan: Plan, value: int, sharding: Sharding) -> Plan:
+    """The plan with one value in another layout (its producer and consumers reshard as needed)."""
+    g = plan.graph
+    shardings = list(plan.shardings)
+    shardings[value] = sharding
+    ops = set(g.users[value])
+    if g.values[value].producer is not None:
+        ops.add(g.values[value].producer)
+    return _rebuild(plan, ops, list(plan.strategies), shardings)
+
+
+def legal_strategies(plan: Plan, op_id: int, limit: int = 64) -> list[tuple[tuple[str, ...], ...]]:
+    """Some legal strategies of an op: each mesh axis on at most one factor, dividing it, never on a
+    need-replication or permutation factor (one axis per factor here; enough to propose changes)."""
+    op = plan.graph.ops[op_id]
+    rule = op.rule
+    sizes = plan.mesh_sizes
+    axes = list(sizes)
+    nf = rule.num_factors
+    out: list[tuple[tuple[str, ...], ...]] = [tuple(() for _ in range(nf))]
+
+    def ok(f: int, a: str) -> bool:
+        return rule.kinds[f] in (FactorKind.PASS_THROUGH, FactorKind.REDUCTION) and rule.sizes[f] % sizes[a] == 0
+
+    def rec(i: int, used: frozenset[str], cur: list[tuple[str, ...]]) -> None:
+        if len(out) >= limit:
+            return
+        if i == len(axes):
+            t = tuple(cur)
+            if t not in out:
+                out.append(t)
+            return
+        rec(i + 1, used, cur)
+        a = axes[i]
+        for f in range(nf):
+            if ok(f, a) and not cur[f]:
+                cur[f] = (a,)
+                rec(i + 1, used | {a}, cur)
+                cur[f] = ()
+
+    rec(0, frozenset(), [() for _ in range(nf)])
+    return out
