@@ -169,6 +169,23 @@ def _compute(pcg: PCG, node: Node, name: str) -> Matched | None:
         if p == "reduce_sum" and len(op.params["axes"]) == 1:
             return (op.params["axes"][0],), list(node.inputs)
         return None
+    if name in ("merge", "unmerge"):
+        if p != "reshape" or op.params.get("dimensions") is not None:
+            return None
+        return _reshape_kind(ins[0].shape, out.shape, name, list(node.inputs))
+    return None
+
+
+def _reshape_kind(a: tuple[int, ...], b: tuple[int, ...], name: str, args: list[int]) -> Matched | None:
+    """A reshape that merges dims d, d+1 (merge[d]) or splits dim d into (size/m, m) (unmerge[d, m])."""
+    if name == "merge" and len(b) == len(a) - 1:
+        for d in range(len(b)):
+            if a[:d] == b[:d] and a[d + 2:] == b[d + 1:] and a[d] * a[d + 1] == b[d]:
+                return (d,), args
+    if name == "unmerge" and len(b) == len(a) + 1:
+        for d in range(len(a)):
+            if a[:d] == b[:d] and a[d + 1:] == b[d + 2:] and b[d] * b[d + 1] == a[d]:
+                return (d, b[d + 1]), args
     return None
 
 
@@ -190,7 +207,7 @@ def node_kinds(node: Node) -> set[str]:
         kinds |= {"ew1", "ew2"}
     kinds |= {"add": {"add"}, "add_any": {"add"}, "sub": {"sub"}, "mul": {"mul", "scale"}, "neg": {"neg"},
               "dot_general": {"dot"}, "transpose": {"transpose"}, "concatenate": {"concat"}, "slice": {"chunk"},
-              "reduce_sum": {"sum"}}.get(p, set())
+              "reduce_sum": {"sum"}, "reshape": {"merge", "unmerge"}}.get(p, set())
     return kinds
 
 
@@ -242,6 +259,14 @@ def _transfer(name: str, params: Sequence[Any], ins: Sequence[Tensor]) -> Shardi
     if name == "sum":
         s, d = ss[0], params[0]
         return Sharding(s.dims[:d] + s.dims[d + 1:], s.partial | set(s.dims[d]))
+    if name == "merge":
+        s, d = ss[0], params[0]
+        if s.dims[d + 1]:
+            raise RewriteError(f"merge: dim {d + 1} of {s} is sharded")
+        return Sharding(s.dims[:d] + (s.dims[d],) + s.dims[d + 2:], s.partial)
+    if name == "unmerge":
+        s, d = ss[0], params[0]
+        return Sharding(s.dims[:d] + (s.dims[d], ()) + s.dims[d + 1:], s.partial)
     if name == "dot":
         x, w = ss
         if x.dims[-1] != w.dims[0]:
@@ -286,9 +311,17 @@ def build_compute(b: GraphBuilder, name: str, params: Sequence[Any], args: Seque
         "chunk": lambda x: jax.lax.slice_in_dim(x, params[1] * (x.shape[params[0]] // params[2]),
                                                 (params[1] + 1) * (x.shape[params[0]] // params[2]), axis=params[0]),
         "sum": lambda x: jax.lax.reduce_sum_p.bind(x, axes=(params[0],), out_sharding=None),
+        "merge": lambda x: jax.lax.reshape(x, x.shape[:params[0]] + (x.shape[params[0]] * x.shape[params[0] + 1],)
+                                          + x.shape[params[0] + 2:]),
+        "unmerge": lambda x: jax.lax.reshape(x, x.shape[:params[0]] + (x.shape[params[0]] // params[1], params[1])
+                                            + x.shape[params[0] + 1:]),
     }
     if name not in fns:
         raise RewriteError(f"cannot build {name}")  # pragma: no cover
+    if name == "merge" and params[0] + 1 >= ins[0].rank:
+        raise RewriteError("merge: no dim to merge with")
+    if name == "unmerge" and (params[1] <= 0 or ins[0].shape[params[0]] % params[1]):
+        raise RewriteError(f"unmerge: dim {params[0]} of {ins[0].shape} by {params[1]}")
     if name == "chunk" and (params[2] <= 0 or ins[0].shape[params[0]] % params[2]):
         raise RewriteError(f"chunk: dim {params[0]} of {ins[0].shape} does not split {params[2]} ways")
     jaxpr, eqn = _jaxpr_eqn(fns[name], ins)

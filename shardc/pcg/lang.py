@@ -14,7 +14,8 @@ together). A term is a tensor variable (`x`) or an op applied to terms, with par
 Parallel ops (`partition`, `combine`, `replicate`, `reduce`, `reduce_scatter`, `all_to_all`, `permute`)
 all work on the rule's one axes group, of degree `n`. Parameters are integers, parameter variables
 (bound by matching the LHS; a dim, a permutation, a scalar, an elementwise function), the degree `n`,
-and expressions over them (`d + 1`, `pos(p, d)`, `inv(p)`). `<=>` states both directions.
+and expressions over them (`d + 1`, `pos(p, d)`, `inv(p)`, `rank(x)`, `at(shape(x), d)` — the size of dim d of one device's piece of
+x). `<=>` states both directions.
 `global x` says x must be replicated over the group (the default is per-device: any layout).
 """
 from __future__ import annotations
@@ -83,6 +84,7 @@ PARAM_FUNCTIONS = {
     "inv": _inv,
     "at": lambda p, i: tuple(p)[i],
     "rank": len,  # rank(x) of a tensor variable x
+    "shape": tuple,  # shape(x): the shape of one device's piece of tensor variable x
 }
 
 
@@ -93,8 +95,8 @@ def eval_param(p: Any, env: Mapping[str, Any]) -> Any:
     if isinstance(p, tuple):
         return tuple(eval_param(x, env) for x in p)
     if isinstance(p, PCall):
-        if p.fn == "rank":  # rank of a tensor variable
-            return env[f"rank:{p.args[0]}"]
+        if p.fn in ("rank", "shape"):  # of a tensor variable (shape: of one device's piece)
+            return env[f"{p.fn}:{p.args[0]}"]
         return PARAM_FUNCTIONS[p.fn](*[eval_param(a, env) for a in p.args])
     if isinstance(p, PBin):
         a, b = eval_param(p.a, env), eval_param(p.b, env)
@@ -109,7 +111,7 @@ def param_vars(p: Any) -> set[str]:
     if isinstance(p, tuple):
         return set().union(*[param_vars(x) for x in p]) if p else set()
     if isinstance(p, PCall):
-        if p.fn == "rank":
+        if p.fn in ("rank", "shape"):
             return set()
         return set().union(*[param_vars(x) for x in p.args]) if p.args else set()
     if isinstance(p, PBin):
@@ -153,6 +155,8 @@ OPS: dict[str, OpSpec] = {s.name: s for s in [
     OpSpec("concat", 2, ("dim",)),
     OpSpec("chunk", 1, ("dim", "index", "int")),
     OpSpec("sum", 1, ("dim",), linear=True),
+    OpSpec("merge", 1, ("dim",), linear=True),  # reshape merging dims d and d+1
+    OpSpec("unmerge", 1, ("dim", "int"), linear=True),  # reshape splitting dim d into (size/m, m)
 ]}
 
 

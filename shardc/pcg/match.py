@@ -149,6 +149,7 @@ def _final(pcg: PCG, rule: Rule, st: _State) -> dict[str, Any] | None:
     env = dict(st.params)
     for name, t in st.tensors.items():
         env[f"rank:{name}"] = pcg.tensors[t].rank
+        env[f"shape:{name}"] = pcg.tensors[t].local_shape(pcg.mesh_sizes)
     if st.axes is not None:
         env["n"] = group_size(st.axes, pcg.mesh_sizes)
         if env["n"] == 1:

@@ -176,6 +176,18 @@ def _binary(fn: Callable[[Any, Any], Any], name: str) -> Callable[..., np.ndarra
     return op
 
 
+def _merge(m: Model, p: tuple, x: np.ndarray) -> np.ndarray:
+    d = _dim(x, p[0])
+    _need(d + 1 < x.ndim, f"merge: no dim after {d} in rank {x.ndim}")
+    return x.reshape(x.shape[:d] + (x.shape[d] * x.shape[d + 1],) + x.shape[d + 2:])
+
+
+def _unmerge(m: Model, p: tuple, x: np.ndarray) -> np.ndarray:
+    d, inner = _dim(x, p[0]), p[1]
+    _need(isinstance(inner, int) and inner > 0 and x.shape[d] % inner == 0, f"unmerge: {x.shape[d]} by {inner}")
+    return x.reshape(x.shape[:d] + (x.shape[d] // inner, inner) + x.shape[d + 1:])
+
+
 COMPUTE: dict[str, Callable[..., np.ndarray]] = {
     "add": _binary(lambda x, y: x + y, "add"),
     "sub": _binary(lambda x, y: x - y, "sub"),
@@ -189,6 +201,8 @@ COMPUTE: dict[str, Callable[..., np.ndarray]] = {
     "concat": _concat,
     "chunk": _chunk,
     "sum": lambda m, p, x: np.sum(x, axis=_dim(x, p[0])),
+    "merge": _merge,
+    "unmerge": _unmerge,
 }
 
 PARALLEL: dict[str, Callable[[Model, tuple, Val], Val]] = {

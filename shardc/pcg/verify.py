@@ -167,7 +167,7 @@ def _check_instance(rule: Rule, env: dict[str, Any], n: int, rank: int, kinds: d
     where = f"degree {n}, rank {rank}" + "".join(f", {k}={v}" for k, v in env.items() if k != "n")
     for shape in _shapes(n, rank):
         inputs = {v: _symbols(v, kinds[v], shape, n) for v in rule.vars()}
-        env = {**env, **{f"rank:{v}": len(shape) for v in inputs}}
+        env = {**env, **{f"rank:{v}": len(shape) for v in inputs}, **{f"shape:{v}": shape for v in inputs}}
         try:
             if not all(c.holds(env) for c in rule.conds):
                 continue

@@ -103,6 +103,23 @@ def test_all_gather_delayed_past_elementwise_and_dot(mesh):
     assert hlo == collections.Counter({"all-gather": 1})
 
 
+def test_all_gather_delayed_past_reshapes(mesh):
+    def f(x):
+        y = replicate(split(x, 0, "model"))
+        return jnp.tanh(y.reshape(64, 8)).reshape(64, 2, 4)
+
+    x = jax.random.normal(jax.random.key(5), (16, 4, 8))
+    pcg = pcg_of(f, mesh, x)
+    res = optimize(pcg)
+    names = [s.rule for s in res.steps]
+    assert {"combine_merge", "combine_ew1", "combine_unmerge_other"} <= set(names), res
+    assert pcg.producer(pcg.outputs[0])[0].op.primitive == "reshape"
+    assert res.pcg.producer(res.pcg.outputs[0])[0].op.kind == "combine"
+    out, hlo = run(res.pcg, x)
+    close(out[0], f(x))
+    assert hlo == collections.Counter({"all-gather": 1})
+
+
 def test_fused_matmuls_same_numbers(mesh):
     def f(x, w1, w2):
         x = split(x, 0, "data")
