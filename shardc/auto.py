@@ -190,6 +190,11 @@ class AutoFunction:
             check_plan_agreement(the_plan)
         t3 = time.perf_counter()
         donate = _flat_donate(self.donate_argnums, args, self.fun)
+        the_plan = dataclasses.replace(the_plan, program=closed, donated=tuple(donate))
+        if self.topology is not None:
+            from shardc.sim import simulate
+
+            the_plan = dataclasses.replace(the_plan, cost=simulate(the_plan, self.topology))
         with _internal_errors("lowering", self.fun):
             jitted = jit_plan(the_plan, closed, donate)
         timings = {"trace_s": t1 - t0, "graph_s": t2 - t1, "propagate_s": t3 - t2}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from jax.sharding import Mesh
 
@@ -76,6 +76,11 @@ class Plan:
     input_names: tuple[str, ...] = ()
     output_names: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
+    # Set by @shardc.auto: the traced program and donated flat inputs (so shardc.check can compile the
+    # plan), and the simulated cost when a topology was given (shardc.simulate's SimResult).
+    program: Any = None
+    donated: tuple[int, ...] = ()
+    cost: Any = None
 
     @property
     def mesh_sizes(self) -> dict[str, int]:

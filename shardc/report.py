@@ -40,6 +40,9 @@ def explain(plan: "Plan", *, max_rows: int = 60) -> str:
              f"{len(plan.reshards)} reshards moving {format_bytes(plan.total_reshard_bytes())} per device"]
     for w in plan.warnings:
         lines.append(f"note: {w}")
+    cost = getattr(plan, "cost", None)
+    if cost is not None:
+        lines += ["", "simulated cost:", cost.summary()]
 
     def rows_for(vids: list[int], names: list[str]) -> list[list[str]]:
         rows = []
