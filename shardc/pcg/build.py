@@ -164,10 +164,31 @@ def reshard_ops(src: Sharding, dst: Sharding, mesh: Mapping[str, int], *, fuse: 
     return ops
 
 
-def _is_local(op: Any, partial: frozenset[str]) -> bool:
+def _is_local(op: Any, strat: Any, partial: frozenset[str], sizes: Mapping[str, int]) -> bool:
     if op.primitive not in LOCAL_PRIMITIVES or op.conservative:
         return False
-    return not partial or op.rule.reduce_op in _LOCAL_REDUCE_OPS
+    if partial and op.rule.reduce_op not in _LOCAL_REDUCE_OPS:
+        return False
+    return _layouts_agree(op.rule, strat, sizes)
+
+
+def _layouts_agree(rule: Any, strat: Any, sizes: Mapping[str, int]) -> bool:
+    """Does every tensor of the op carry every sharded factor it has? A dim made of factors (i, j) can
+    only show j's axes if i is split completely (`OpStrategy.tensor_sharding` stops at the first factor
+    that is not); where a factor's axes are dropped from some tensor, the local pieces would not line
+    up and the op must run replicated."""
+    for tensor in rule.tensors():
+        for factors in tensor:
+            whole = True
+            for f in factors:
+                axes = strat.factor_axes[f]
+                if axes and not whole:
+                    return False
+                n = 1
+                for a in axes:
+                    n *= sizes[a]
+                whole = whole and n == rule.sizes[f]
+    return True
 
 
 def build_pcg(plan: Plan, closed_jaxpr: Any, *, fuse: bool = False) -> PCG:
@@ -234,7 +255,7 @@ def build_pcg(plan: Plan, closed_jaxpr: Any, *, fuse: bool = False) -> PCG:
             continue
         strat, rule = plan.strategies[op.id], op.rule
         partial = strat.partial_axes(rule)
-        local = _is_local(op, partial)
+        local = _is_local(op, strat, partial, sizes)
         args = []
         for v, t, dims in zip(op.inputs, ins, rule.operands):
             tensor = b.tensors[t]
