@@ -310,10 +310,11 @@ def rev_rule(ins, outs, params) -> FactorRule | None:
     return _per_dim(ins, outs, [d in dims for d in range(len(ins[0]))], PERM)
 
 
-@rule_for("iota")
+@rule_for("iota", "empty", "empty2")
 def iota_rule(ins, outs, params) -> FactorRule | None:
     """No operands; every result dim is a result-only pass-through factor (each device generates its own
-    block). Dynamic-shape operands are not supported."""
+    block). Also `empty`/`empty2` (uninitialised buffers, e.g. scan's stacked residuals under grad).
+    Dynamic-shape operands are not supported."""
     if ins or len(outs) != 1:
         return None
     b = RuleBuilder(ins, outs)
