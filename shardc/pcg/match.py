@@ -19,7 +19,7 @@ from shardc.pcg.lang import OPS, App, PVar, Rule, Term, Var, eval_param
 from shardc.pcg.ops import Axes, ParallelOp, group_size
 from shardc.pcg.verify import is_proved
 
-__all__ = ["Match", "find_matches", "apply_match", "UnprovedRuleError", "rewrites"]
+__all__ = ["Match", "find_matches", "apply_match", "UnprovedRuleError", "RewriteError", "rewrites"]
 
 
 class UnprovedRuleError(RuntimeError):

@@ -7,15 +7,16 @@ is kept if it is cheaper than the current PCG, and the search stops when no rewr
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence
 
 from shardc.pcg.costs import CostFn, bytes_moved
 from shardc.pcg.generate import ac_form
 from shardc.pcg.graph import PCG
 from shardc.pcg.lang import OPS, Rule, term_ops
 from shardc.pcg.library import all_rules
-from shardc.pcg.match import rewrites
+from shardc.pcg.match import Match, RewriteError, apply_match, find_matches
 from shardc.pcg.verify import verify_rule
 
 __all__ = ["Step", "Optimized", "optimize", "usable_rules"]
@@ -49,8 +50,9 @@ class Optimized:
 
 
 def usable_rules(rules: Sequence[Rule]) -> list[Rule]:
-    """Proved rules whose right-hand side can be built on a PCG: its parallel ops act on the group the
-    left-hand side binds (so the left has a parallel op too), and it has no device-shift permute."""
+    """Rules whose right-hand side can be built on a PCG: its parallel ops act on the group the left-hand
+    side binds (so the left has a parallel op too), it has no device-shift permute, and it does more
+    than reorder adds/muls. (Whether they are proved is checked when they first match.)"""
     out = []
     for r in rules:
         lhs_par = any(OPS[a.op].parallel for t in r.lhs for a in term_ops(t))
@@ -61,16 +63,25 @@ def usable_rules(rules: Sequence[Rule]) -> list[Rule]:
             continue
         if len(r.lhs) == len(r.rhs) == 1 and ac_form(r.lhs[0]) == ac_form(r.rhs[0]):
             continue  # a pure reordering of adds/muls
-        if verify_rule(r).proved:
-            out.append(r)
+        out.append(r)
     return out
+
+
+def _applied(pcg: PCG, matches: Iterable[Match]) -> Iterator[tuple[Match, PCG]]:
+    for m in matches:
+        try:
+            yield m, apply_match(pcg, m)
+        except RewriteError:
+            continue
 
 
 def optimize(pcg: PCG, rules: Sequence[Rule] | None = None, *, cost_fn: CostFn = bytes_moved,
              max_steps: int = 200) -> Optimized:
-    """Rewrite `pcg` with proved rules while the cost goes down."""
+    """Rewrite `pcg` with proved rules while the cost goes down. Rules are verified when they first
+    match (`verify_rule` caches verdicts); a refuted rule is dropped."""
     t0 = time.perf_counter()
     rules = usable_rules(all_rules() if rules is None else rules)
+    refuted: set[str] = set()
     current, cost = pcg, cost_fn(pcg)
     initial = cost
     steps: list[Step] = []
@@ -79,7 +90,16 @@ def optimize(pcg: PCG, rules: Sequence[Rule] | None = None, *, cost_fn: CostFn =
     for _ in range(max_steps):
         best: tuple[float, PCG, str, str] | None = None
         for rule in rules:
-            for m, new in rewrites(current, rule):
+            if rule.text in refuted:
+                continue
+            matches = find_matches(current, rule)
+            first = next(matches, None)
+            if first is None:
+                continue
+            if not verify_rule(rule).proved:  # an unproved rule is never applied
+                refuted.add(rule.text)
+                continue
+            for m, new in _applied(current, itertools.chain([first], matches)):
                 candidates += 1
                 k = new.key()
                 if k in seen:

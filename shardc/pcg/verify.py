@@ -161,57 +161,90 @@ def _num(v: Any) -> Any:
     return str(v)
 
 
+def _assignments(names: Sequence[str], n: int, rank: int) -> Iterator[tuple[bool, dict[str, tuple[int, ...]]]]:
+    """Input shapes to try: (is_base, var -> shape). First every input with the same shape (distinct
+    dims, then all equal); then each input alone with another shape, the rest all-equal, so that rules
+    whose inputs must differ in shape (a weight with n times the rows) are exercised too."""
+    base = _shapes(n, rank)
+    for s in base:
+        yield True, {v: s for v in names}
+    if n > 2:  # shape relations between inputs do not depend on the degree: explored at degree 2
+        return
+    alts = [(n * n,) + (n,) * (rank - 1), (n,) * (rank - 1) + (n * n,), (2 * n,) + (n,) * (rank - 1), base[0]]
+    alts = list(dict.fromkeys(a for a in alts if a != base[1]))
+    for v in names:
+        for a in alts:
+            yield False, {w: (a if w == v else base[1]) for w in names}
+
+
 def _check_instance(rule: Rule, env: dict[str, Any], n: int, rank: int, kinds: dict[str, str]) -> tuple[str, str | None]:
     """("skip", None) if the LHS is undefined at every shape tried, ("ok", None), or ("fail", why)."""
     model = _z3_model(n)
     where = f"degree {n}, rank {rank}" + "".join(f", {k}={v}" for k, v in env.items() if k != "n")
-    for shape in _shapes(n, rank):
-        inputs = {v: _symbols(v, kinds[v], shape, n) for v in rule.vars()}
-        env = {**env, **{f"rank:{v}": len(shape) for v in inputs}, **{f"shape:{v}": shape for v in inputs}}
+    checked = False
+    base_done = False
+    seen: set[tuple] = set()
+    for is_base, shapes in _assignments(rule.vars(), n, rank):
+        if is_base and base_done:
+            continue
+        key = tuple(sorted(shapes.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        inputs = {v: _symbols(v, kinds[v], shapes[v], n) for v in rule.vars()}
+        ienv = {**env, **{f"rank:{v}": len(shapes[v]) for v in inputs}, **{f"shape:{v}": shapes[v] for v in inputs}}
         try:
-            if not all(c.holds(env) for c in rule.conds):
+            if not all(c.holds(ienv) for c in rule.conds):
                 continue
         except (KeyError, ValueError, IndexError, TypeError):
             continue
         try:
             memo: dict = {}
-            lhs = [evaluate(t, inputs, env, model, memo) for t in rule.lhs]
+            lhs = [evaluate(t, inputs, ienv, model, memo) for t in rule.lhs]
         except IllTyped:
             continue
-        try:
-            memo = {}
-            rhs = [evaluate(t, inputs, env, model, memo) for t in rule.rhs]
-            pairs = []
-            for i, (a, b) in enumerate(zip(lhs, rhs)):
-                pairs += [(x, y, f"output {i} {w}") for x, y, w in flat_pairs(a, b, n)]
-        except IllTyped as e:
-            return "fail", f"{where}: with inputs {_describe_inputs(inputs, None)} the left side is defined but the right is not: {e}"
-        open_pairs = []
-        for x, y, w in pairs:
-            if x is y or (isinstance(x, z3.ExprRef) and isinstance(y, z3.ExprRef) and x.eq(y)):
-                continue
-            diff = z3.simplify(_real(x) - _real(y))
-            if not (z3.is_rational_value(diff) and diff.as_fraction() == 0):
-                open_pairs.append((x, y, w))
-        if not open_pairs:
-            return "ok", None
-        s = z3.Solver()
-        s.set("timeout", TIMEOUT_MS)
-        s.add(z3.Or([_real(x) != _real(y) for x, y, _ in open_pairs]))
-        res = s.check()
-        if res == z3.unsat:
-            return "ok", None
-        if res == z3.unknown:
-            return "fail", f"{where}: z3 could not decide ({s.reason_unknown()})"
-        m = s.model()
-        for x, y, w in open_pairs:
-            lv, rv = m.eval(_real(x), model_completion=True), m.eval(_real(y), model_completion=True)
-            if not z3.is_true(z3.simplify(lv == rv)):
-                fns = [f"{d.name()} = " + " ".join(str(m[d]).split()) for d in m.decls() if d.arity() > 0]
-                return "fail", (f"{where}: {w}: left {_num(lv)}, right {_num(rv)}; "
-                                f"inputs {_describe_inputs(inputs, m)}" + ("; " + "; ".join(fns) if fns else ""))
-        return "fail", f"{where}: the solver found a difference"  # pragma: no cover
-    return "skip", None
+        base_done = base_done or is_base
+        status, why = _compare(rule, lhs, inputs, ienv, model, n, where)
+        if status == "fail":
+            return status, why
+        checked = True
+    return ("ok", None) if checked else ("skip", None)
+
+
+def _compare(rule: Rule, lhs: list, inputs: dict, env: dict, model: Model, n: int, where: str) -> tuple[str, str | None]:
+    try:
+        memo: dict = {}
+        rhs = [evaluate(t, inputs, env, model, memo) for t in rule.rhs]
+        pairs = []
+        for i, (a, b) in enumerate(zip(lhs, rhs)):
+            pairs += [(x, y, f"output {i} {w}") for x, y, w in flat_pairs(a, b, n)]
+    except IllTyped as e:
+        return "fail", f"{where}: with inputs {_describe_inputs(inputs, None)} the left side is defined but the right is not: {e}"
+    open_pairs = []
+    for x, y, w in pairs:
+        if x is y or (isinstance(x, z3.ExprRef) and isinstance(y, z3.ExprRef) and x.eq(y)):
+            continue
+        diff = z3.simplify(_real(x) - _real(y))
+        if not (z3.is_rational_value(diff) and diff.as_fraction() == 0):
+            open_pairs.append((x, y, w))
+    if not open_pairs:
+        return "ok", None
+    s = z3.Solver()
+    s.set("timeout", TIMEOUT_MS)
+    s.add(z3.Or([_real(x) != _real(y) for x, y, _ in open_pairs]))
+    res = s.check()
+    if res == z3.unsat:
+        return "ok", None
+    if res == z3.unknown:
+        return "fail", f"{where}: z3 could not decide ({s.reason_unknown()})"
+    m = s.model()
+    for x, y, w in open_pairs:
+        lv, rv = m.eval(_real(x), model_completion=True), m.eval(_real(y), model_completion=True)
+        if not z3.is_true(z3.simplify(lv == rv)):
+            fns = [f"{d.name()} = " + " ".join(str(m[d]).split()) for d in m.decls() if d.arity() > 0]
+            return "fail", (f"{where}: {w}: left {_num(lv)}, right {_num(rv)}; "
+                            f"inputs {_describe_inputs(inputs, m)}" + ("; " + "; ".join(fns) if fns else ""))
+    return "fail", f"{where}: the solver found a difference"  # pragma: no cover
 
 
 def _real(x: Any) -> Any:
