@@ -11,7 +11,7 @@ See docs/pcg.md.
 from shardc.pcg.build import build_pcg, reshard_ops
 from shardc.pcg.costs import CostFn, bytes_moved, compute_work
 from shardc.pcg.generate import GenerationReport, generate_rules
-from shardc.pcg.graph import PCG, Compute, GraphBuilder, Node, Tensor
+from shardc.pcg.graph import PCG, CommTask, Compute, GraphBuilder, Node, Tensor
 from shardc.pcg.hlo import hlo_collectives
 from shardc.pcg.lang import Rule, RuleSyntaxError, parse_rule, parse_rules
 from shardc.pcg.library import all_rules, generated_rules, library_rules
@@ -23,7 +23,7 @@ from shardc.pcg.optimize import Optimized, Step, optimize
 from shardc.pcg.verify import Verdict, is_proved, verify_rule, verify_rules
 
 __all__ = [
-    "PCG", "Tensor", "Node", "Compute", "GraphBuilder", "build_pcg", "reshard_ops", "lower_pcg",
+    "PCG", "Tensor", "Node", "Compute", "CommTask", "GraphBuilder", "build_pcg", "reshard_ops", "lower_pcg",
     "ParallelOp", "Partition", "Combine", "Replicate", "Reduce", "ReduceScatter", "AllToAll", "CollectivePermute",
     "Rule", "RuleSyntaxError", "parse_rule", "parse_rules", "library_rules", "generated_rules", "all_rules",
     "Verdict", "verify_rule", "verify_rules", "is_proved",

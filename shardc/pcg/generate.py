@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
 import time
 from typing import Any, Callable, Iterator, Sequence
 

@@ -17,10 +17,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from annotations.errors import SourceLine
-from shardc.pcg.ops import ParallelOp, comm_bytes
+from shardc.pcg.ops import ParallelOp, comm_bytes, group_size
 from shardc.sharding import Sharding, mesh_shape
 
-__all__ = ["Tensor", "Compute", "Node", "PCG", "GraphBuilder"]
+__all__ = ["Tensor", "Compute", "Node", "PCG", "CommTask", "GraphBuilder"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -101,6 +101,19 @@ class Node:
         return isinstance(self.op, ParallelOp)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class CommTask:
+    """A collective of the PCG as a simulator sees it: kind, mesh axes, bytes per device."""
+
+    node: int
+    collective: str
+    axes: tuple[str, ...]
+    in_bytes: int
+    out_bytes: int
+    sent_bytes: float
+    cause: str = ""
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class PCG:
     """Tensors (by id), nodes in topological order, inputs/outputs, constants (tensor id -> array)."""
@@ -152,9 +165,20 @@ class PCG:
         return c
 
     def _moves(self, n: Node) -> bool:
-        from shardc.pcg.ops import group_size
-
         return group_size(n.op.axes, self.mesh_sizes) > 1
+
+    def communication(self) -> list["CommTask"]:
+        """One task per parallel op that moves data: what a simulator schedules on the links of the
+        op's mesh axes."""
+        m = self.mesh_sizes
+        out = []
+        for n in self.parallel_nodes():
+            if n.op.collective in ("none", "slice") or not self._moves(n):
+                continue
+            t_in, t_out = self.tensors[n.inputs[0]], self.tensors[n.outputs[0]]
+            out.append(CommTask(n.id, n.op.collective, n.op.axes, t_in.local_bytes(m), t_out.local_bytes(m),
+                                comm_bytes(n.op, t_in.local_bytes(m), m), n.cause))
+        return out
 
     def comm_bytes(self) -> float:
         """Bytes each device sends over all parallel ops."""

@@ -6,12 +6,10 @@ Compute nodes run on the local pieces (shape params such as reshape's `new_sizes
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from annotations.errors import ShardingError
 from shardc.pcg.graph import PCG, Compute, Node, Tensor

@@ -14,9 +14,9 @@ from typing import Any, Iterator
 
 from annotations.errors import ShardingError
 from shardc.pcg.bind import RewriteError, build_compute, build_parallel, match_node, node_kinds
-from shardc.pcg.graph import PCG, GraphBuilder, Node
-from shardc.pcg.lang import OPS, App, PVar, Rule, Term, Var, eval_param
-from shardc.pcg.ops import Axes, ParallelOp, group_size
+from shardc.pcg.graph import PCG, GraphBuilder
+from shardc.pcg.lang import OPS, PVar, Rule, Term, Var, eval_param
+from shardc.pcg.ops import Axes, group_size
 from shardc.pcg.verify import is_proved
 
 __all__ = ["Match", "find_matches", "apply_match", "UnprovedRuleError", "RewriteError", "rewrites"]

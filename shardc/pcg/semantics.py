@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from shardc.pcg.lang import App, Term, Var, eval_param
+from shardc.pcg.lang import PVar, Term, Var, eval_param
 
 __all__ = ["G", "D", "IllTyped", "Model", "evaluate", "SEMANTICS", "flat_pairs"]
 
@@ -247,8 +247,6 @@ def evaluate(term: Term, inputs: Mapping[str, Val], params: Mapping[str, Any], m
 
 
 def _param_value(p: Any, params: Mapping[str, Any], model: Model) -> Any:
-    from shardc.pcg.lang import PVar
-
     if isinstance(p, PVar) and p.name not in params:
         raise KeyError(p.name)
     return eval_param(p, params)

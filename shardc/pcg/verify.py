@@ -24,7 +24,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 import z3
 
-from shardc.pcg.lang import App, OPS, Rule, term_ops
+from shardc.pcg.lang import OPS, Rule, term_ops
 from shardc.pcg.semantics import D, G, IllTyped, Model, evaluate, flat_pairs
 
 __all__ = ["Verdict", "verify_rule", "verify_rules", "is_proved", "CHECKS", "clear_cache"]

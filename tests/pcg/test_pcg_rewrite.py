@@ -120,6 +120,33 @@ def test_all_gather_delayed_past_reshapes(mesh):
     assert hlo == collections.Counter({"all-gather": 1})
 
 
+def test_matmul_reassociation_when_sizes_favour_it(mesh):
+    def f(x, a, b):
+        return (split(x, 0, "data") @ a) @ b
+
+    k = jax.random.split(jax.random.key(6), 3)
+    args = (jax.random.normal(k[0], (16, 64)), jax.random.normal(k[1], (64, 64)), jax.random.normal(k[2], (64, 2)))
+    pcg = pcg_of(f, mesh, *args)
+    res = optimize(pcg)
+    assert [s.rule for s in res.steps] == ["dot_assoc"]
+    out, _ = run(res.pcg, *args)
+    close(out[0], f(*args), 1e-4)
+    # the other way round it does not pay
+    assert optimize(res.pcg).steps == ()
+
+
+def test_comm_tasks_for_a_simulator(mesh):
+    def f(x, w):
+        return split(x, 0, "data") @ split(w, 0, "model")
+
+    x, w = jnp.ones((8, 16)), jnp.ones((16, 4))
+    pcg = pcg_of(f, mesh, x, w)
+    tasks = pcg.communication()
+    assert [(t.collective, t.axes) for t in tasks] == [("all-reduce", ("model",))]
+    assert tasks[0].in_bytes == 4 * 4 * 4 and tasks[0].sent_bytes == 2 * 64 * 3 / 4
+    assert "partial" in tasks[0].cause
+
+
 def test_fused_matmuls_same_numbers(mesh):
     def f(x, w1, w2):
         x = split(x, 0, "data")
