@@ -183,9 +183,10 @@ def _check_instance(rule: Rule, env: dict[str, Any], n: int, rank: int, kinds: d
     where = f"degree {n}, rank {rank}" + "".join(f", {k}={v}" for k, v in env.items() if k != "n")
     checked = False
     base_done = False
+    shape_fail: str | None = None
     seen: set[tuple] = set()
     for is_base, shapes in _assignments(rule.vars(), n, rank):
-        if is_base and base_done:
+        if is_base and base_done and not shape_fail:  # another base shape only to find a wrong value
             continue
         key = tuple(sorted(shapes.items()))
         if key in seen:
@@ -207,7 +208,12 @@ def _check_instance(rule: Rule, env: dict[str, Any], n: int, rank: int, kinds: d
         status, why = _compare(rule, lhs, inputs, ienv, model, n, where)
         if status == "fail":
             return status, why
+        if status == "shape":
+            shape_fail = shape_fail or why
+            continue
         checked = True
+    if shape_fail:
+        return "shape", shape_fail
     return ("ok", None) if checked else ("skip", None)
 
 
@@ -219,7 +225,7 @@ def _compare(rule: Rule, lhs: list, inputs: dict, env: dict, model: Model, n: in
         for i, (a, b) in enumerate(zip(lhs, rhs)):
             pairs += [(x, y, f"output {i} {w}") for x, y, w in flat_pairs(a, b, n)]
     except IllTyped as e:
-        return "fail", f"{where}: with inputs {_describe_inputs(inputs, None)} the left side is defined but the right is not: {e}"
+        return "shape", f"{where}: with inputs {_describe_inputs(inputs, None)} the left side is defined but the right is not: {e}"
     open_pairs = []
     for x, y, w in pairs:
         if x is y or (isinstance(x, z3.ExprRef) and isinstance(y, z3.ExprRef) and x.eq(y)):
@@ -265,14 +271,20 @@ def verify_rule(rule: Rule, checks: Sequence[tuple[int, int]] = CHECKS, *, use_c
     verdict: Verdict | None = None
 
     def run(n: int, r: int) -> Verdict | None:
+        """A refutation at degree n, rank r (a wrong value is preferred over a wrong shape), or None."""
         nonlocal count
+        shape_fail = None
         for env in instances(rule, n, r):
             status, why = _check_instance(rule, env, n, r, kinds)
             if status == "fail":
                 return Verdict(rule, False, count, time.perf_counter() - t0, why)
+            if status == "shape":
+                shape_fail = shape_fail or why
             if status == "ok":
                 count += 1
                 per_degree[n] = per_degree.get(n, 0) + 1
+        if shape_fail:
+            return Verdict(rule, False, count, time.perf_counter() - t0, shape_fail)
         return None
 
     plan = [(n, r) for n, rank in checks for r in (sorted(fixed) if fixed else [rank])]
