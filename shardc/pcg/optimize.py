@@ -2,7 +2,8 @@
 
 Greedy steepest descent: at each step every match of every usable rule is applied, the cheapest result
 is kept if it is cheaper than the current PCG, and the search stops when no rewrite pays (or after
-`max_steps`). Rules are verified first; unproved ones are dropped, never applied.
+`max_steps`). A rule is verified with Z3 the first time it matches; an unproved one is dropped, never
+applied.
 """
 from __future__ import annotations
 
