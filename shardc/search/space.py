@@ -1,0 +1,235 @@
+"""The search space: mesh shapes x strategies of decision ops.
+
+A *decision* is a choice of mesh axes for the factors of a decision op (`dot_general`, gather/scatter,
+convolution) or for the dims of a graph input. Decisions of structurally identical ops (same primitive,
+shapes, dtypes and params: the layers of a Transformer) form one *group* that shares a choice, so the
+space does not grow with depth. A point of the space (`Assignment`) becomes extra seeds of lower
+priority than the user's hints; propagation fills in every other op.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import re
+from typing import Mapping, Sequence
+
+from shardc.ir.graph import Graph
+from shardc.plan import OpStrategy
+from shardc.propagate import Cause, Seed
+
+__all__ = ["DECISION_PRIMITIVES", "DEFAULT_AXIS_NAMES", "Group", "Space", "Assignment", "mesh_candidates",
+           "build_space", "seeds_for"]
+
+Axes = tuple[str, ...]
+DECISION_PRIMITIVES = frozenset({"dot_general", "gather", "scatter", "scatter-add", "scatter_add", "scatter-mul",
+                                 "scatter_mul", "conv_general_dilated"})
+DEFAULT_AXIS_NAMES = ("data", "model", "expert")
+SEARCH_CAUSE = Cause("search", "chosen by the strategy search")
+Assignment = tuple[int, ...]  # group index -> strategy index
+
+
+def _ordered_factorisations(n: int, parts: int) -> list[tuple[int, ...]]:
+    """Ordered tuples of `parts` integers >= 2 whose product is n."""
+    if parts == 1:
+        return [(n,)] if n >= 2 else []
+    out = []
+    for d in range(2, n + 1):
+        if n % d == 0:
+            out.extend((d,) + rest for rest in _ordered_factorisations(n // d, parts - 1))
+    return out
+
+
+def mesh_candidates(num_devices: int, required_axes: Sequence[str] = (), *, max_axes: int = 3,
+                    fixed: Mapping[str, int] | None = None) -> list[dict[str, int]]:
+    """Mesh shapes to try: factorisations of `num_devices` into 1..max_axes named axes (the user's mesh
+    alone when given). Axis names start with `required_axes` (those the hints name), then the defaults;
+    a required axis the factorisation has no room for gets size 1."""
+    if fixed is not None:
+        return [dict(fixed)]
+    req = list(dict.fromkeys(required_axes))
+    names = req + [a for a in DEFAULT_AXIS_NAMES + ("axis3", "axis4") if a not in req]
+    out: list[dict[str, int]] = []
+    seen: set[tuple] = set()
+    if num_devices == 1:
+        return [{a: 1 for a in (req or ["data"])}]
+    for parts in range(1, max_axes + 1):
+        for sizes in _ordered_factorisations(num_devices, parts):
+            n_axes = max(parts, len(req))
+            full = list(sizes) + [1] * (n_axes - parts)
+            mesh = dict(zip(names[:n_axes], full))
+            key = tuple(mesh.items())
+            if key not in seen:
+                seen.add(key)
+                out.append(mesh)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Ops (or graph inputs) that share one decision, and the legal choices for it."""
+
+    kind: str  # "op" or "input"
+    members: tuple[int, ...]  # op ids, or graph-input value ids
+    signature: str
+    choices: tuple[tuple[Axes, ...], ...]  # per choice: axes per factor (op) or per dim (input)
+
+    @property
+    def size(self) -> int:
+        return len(self.choices)
+
+
+@dataclasses.dataclass(frozen=True)
+class Space:
+    """All groups of one graph on one mesh; assignment 0 (choice 0 everywhere) is "decide nothing"."""
+
+    graph: Graph
+    mesh: dict[str, int]
+    groups: tuple[Group, ...]
+    pinned: frozenset[tuple[int, int]]  # (value, dim) pinned by the user's hints
+
+    def size(self) -> int:
+        return math.prod(g.size for g in self.groups)
+
+    def all_assignments(self):
+        return itertools.product(*(range(g.size) for g in self.groups))
+
+    def neutral(self) -> Assignment:
+        return tuple(0 for _ in self.groups)
+
+
+def _assignments(slots: Sequence[int], mesh: Mapping[str, int], axis_names: Sequence[str]) -> list[tuple[Axes, ...]]:
+    """Every way to give each mesh axis (size > 1) to at most one slot whose size it divides (several
+    axes on one slot in mesh order, product dividing the size). Choice 0 is all-empty."""
+    axes = [a for a in axis_names if mesh[a] > 1]
+    out: list[tuple[Axes, ...]] = []
+    for pick in itertools.product(range(len(slots) + 1), repeat=len(axes)):
+        per = [[] for _ in slots]
+        for a, p in zip(axes, pick):
+            if p:
+                per[p - 1].append(a)
+        if all(size % math.prod(mesh[a] for a in ax) == 0 for size, ax in zip(slots, per)):
+            out.append(tuple(tuple(ax) for ax in per))
+    out.sort(key=lambda c: (sum(len(a) for a in c), c))
+    return out
+
+
+def _signature(graph: Graph, op) -> str:
+    shapes = [(graph.values[v].shape, str(graph.values[v].dtype)) for v in op.inputs + op.outputs]
+    params = sorted((k, repr(v)) for k, v in op.params.items() if k not in ("jaxpr", "call_jaxpr"))
+    return f"{op.primitive}|{shapes}|{params}"
+
+
+def _input_signature(graph: Graph, vid: int) -> str:
+    v = graph.values[vid]
+    name = re.sub(r"\d+", "#", v.name or "")
+    return f"input|{v.shape}|{v.dtype}|{name}"
+
+
+def build_space(graph: Graph, mesh: Mapping[str, int], user_seeds: Sequence[Seed] = (), *,
+                inputs: bool = True, max_choices: int = 64) -> Space:
+    """Group the decision ops and inputs of `graph` and list each group's legal choices on `mesh`.
+
+    Choices respect the user's pinned dims: an op whose operand/result dim the user pinned gets only
+    choices that agree with the pin on that dim's factors (and do not reuse the pinned axes elsewhere);
+    a fully pinned input is no decision at all."""
+    mesh = dict(mesh)
+    names = list(mesh)
+    pinned: dict[tuple[int, int], Axes] = {}
+    for s in user_seeds:
+        for d, ax in enumerate(s.dims):
+            if ax is not None:
+                pinned[(s.value, d)] = tuple(ax)
+    by_sig: dict[str, list[int]] = {}
+    for op in graph.ops:
+        if op.primitive in DECISION_PRIMITIVES and op.rule.num_factors:
+            by_sig.setdefault(_signature(graph, op), []).append(op.id)
+    groups: list[Group] = []
+    for sig, members in by_sig.items():
+        op = graph.ops[members[0]]
+        choices = [c for c in _assignments(op.rule.sizes, mesh, names)
+                   if _op_choice_ok(graph, [graph.ops[m] for m in members], c, pinned, mesh)]
+        if len(choices) > 1:
+            groups.append(Group("op", tuple(members), sig, tuple(choices[:max_choices])))
+    if inputs:
+        by_isig: dict[str, list[int]] = {}
+        for vid in graph.inputs:
+            v = graph.values[vid]
+            if v.rank == 0 or all((vid, d) in pinned for d in range(v.rank)):
+                continue
+            by_isig.setdefault(_input_signature(graph, vid), []).append(vid)
+        for sig, members in by_isig.items():
+            v = graph.values[members[0]]
+            choices = [c for c in _assignments(v.shape, mesh, names)
+                       if all(_dims_ok(m, c, pinned) for m in members)]
+            if len(choices) > 1:
+                groups.append(Group("input", tuple(members), sig, tuple(choices[:max_choices])))
+    return Space(graph, mesh, tuple(groups), frozenset(pinned))
+
+
+def _dims_ok(vid: int, dims: Sequence[Axes], pinned: Mapping[tuple[int, int], Axes]) -> bool:
+    """A choice of dims for a value: pinned dims must match; pinned axes are not reused on other dims."""
+    used = {a for (v, d), ax in pinned.items() if v == vid for a in ax}
+    for d, ax in enumerate(dims):
+        p = pinned.get((vid, d))
+        if p is not None:
+            if ax != p:
+                return False
+        elif used & set(ax):
+            return False
+    return True
+
+
+def _op_choice_ok(graph: Graph, ops, choice, pinned, mesh) -> bool:
+    for op in ops:
+        st = OpStrategy(choice)
+        for v, dims in zip(op.inputs + op.outputs, op.rule.operands + op.rule.results):
+            if any((v, d) in pinned for d in range(len(dims))):
+                sh = st.tensor_sharding(op.rule, dims, mesh)
+                if not _dims_ok(v, sh.dims, pinned):
+                    return False
+    return True
+
+
+def seeds_for(space: Space, assignment: Assignment, user_seeds: Sequence[Seed] = ()) -> list[Seed]:
+    """Seeds (priority 1) that realise `assignment`: inputs first, then ops' operands and results; a dim
+    the user pinned or an earlier decision set is left alone, and no axis is put twice on one value."""
+    g = space.graph
+    pinned_vals: dict[int, dict[int, Axes]] = {}
+    for s in user_seeds:
+        for d, ax in enumerate(s.dims):
+            if ax is not None:
+                pinned_vals.setdefault(s.value, {})[d] = tuple(ax)
+    chosen: dict[int, dict[int, Axes]] = {}
+
+    def put(vid: int, dims: Sequence[Axes]) -> None:
+        cur = chosen.setdefault(vid, {})
+        pins = pinned_vals.get(vid, {})
+        used = {a for ax in list(cur.values()) + list(pins.values()) for a in ax}
+        for d, ax in enumerate(dims):
+            if d in cur or d in pins:
+                continue
+            if used & set(ax):
+                ax = ()
+            cur[d] = ax
+            used.update(ax)
+
+    order = sorted(range(len(space.groups)), key=lambda i: space.groups[i].kind != "input")
+    for gi in order:
+        grp, c = space.groups[gi], assignment[gi]
+        if c == 0:
+            continue
+        choice = grp.choices[c]
+        for m in grp.members:
+            if grp.kind == "input":
+                put(m, choice)
+            else:
+                op = g.ops[m]
+                st = OpStrategy(choice)
+                for v, dims in zip(op.inputs + op.outputs, op.rule.operands + op.rule.results):
+                    put(v, st.tensor_sharding(op.rule, dims, space.mesh).dims)
+    seeds = []
+    for vid, dims in chosen.items():
+        rank = g.values[vid].rank
+        seeds.append(Seed(vid, tuple(dims.get(d) for d in range(rank)), SEARCH_CAUSE, 1))
+    return seeds
