@@ -1,0 +1,168 @@
+"""Baseline strategies as seeds (priority 1, under the user's hints): data parallel, FSDP/ZeRO-3, Megatron
+tensor parallel + data parallel, expert parallel, and the user's hints alone.
+
+Inputs are told apart by the graph: an input tied to an output (carried train-step state: params,
+optimizer state) is *state*; any other input is *data* (its dim 0 is the batch).
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable, Mapping, Sequence
+
+from shardc.ir.graph import Graph
+from shardc.propagate import Cause, Seed
+
+__all__ = ["BASELINES", "baseline_seeds", "state_inputs", "data_inputs"]
+
+Axes = tuple[str, ...]
+_ROW = re.compile(r"(out|o_proj|\bo\b|'o'|down|wo\b|fc2|c_proj|proj_out|dense_?1)", re.I)
+
+
+def state_inputs(graph: Graph) -> list[int]:
+    """Graph inputs carried to the next step (tied to an output)."""
+    carried = {op.inputs[0] for op in graph.ops if op.primitive == "tie" and op.region == "io"}
+    return [v for v in graph.inputs if v in carried]
+
+
+def data_inputs(graph: Graph) -> list[int]:
+    state = set(state_inputs(graph))
+    return [v for v in graph.inputs if v not in state and graph.values[v].rank >= 1]
+
+
+def _fit(axes: Sequence[str], size: int, mesh: Mapping[str, int]) -> Axes:
+    """The longest prefix of `axes` whose device count divides `size`."""
+    out: list[str] = []
+    n = 1
+    for a in axes:
+        if mesh[a] > 1 and size % (n * mesh[a]) == 0:
+            out.append(a)
+            n *= mesh[a]
+    return tuple(out)
+
+
+def _cause(name: str) -> Cause:
+    return Cause("baseline", f"{name} baseline")
+
+
+def _batch(graph: Graph, mesh: Mapping[str, int], axes: Sequence[str], name: str) -> list[Seed]:
+    seeds = []
+    for v in data_inputs(graph):
+        val = graph.values[v]
+        dims: list[Axes | None] = [None] * val.rank
+        dims[0] = _fit(axes, val.shape[0], mesh)
+        seeds.append(Seed(v, tuple(dims), _cause(name), 1))
+    return seeds
+
+
+def _replicated_state(graph: Graph, name: str) -> list[Seed]:
+    return [Seed(v, tuple(() for _ in graph.values[v].shape), _cause(name), 1) for v in state_inputs(graph)]
+
+
+def data_parallel(graph: Graph, mesh: Mapping[str, int]) -> list[Seed]:
+    """Batch over every mesh axis; parameters and optimizer state replicated."""
+    return _batch(graph, mesh, list(mesh), "data-parallel") + _replicated_state(graph, "data-parallel")
+
+
+def fsdp(graph: Graph, mesh: Mapping[str, int]) -> list[Seed]:
+    """ZeRO-3: batch over every axis; each piece of state sharded over every axis on its largest divisible
+    dim (gathered where it is used)."""
+    seeds = _batch(graph, mesh, list(mesh), "fsdp")
+    for v in state_inputs(graph):
+        val = graph.values[v]
+        dims: list[Axes] = [() for _ in val.shape]
+        for d in sorted(range(val.rank), key=lambda d: -val.shape[d]):
+            ax = _fit(list(mesh), val.shape[d], mesh)
+            if ax:
+                dims[d] = ax
+                break
+        seeds.append(Seed(v, tuple(dims), _cause("fsdp"), 1))
+    return seeds
+
+
+def _split_axes(mesh: Mapping[str, int]) -> tuple[list[str], str | None]:
+    """(data axes, model axis): the last axis of size > 1 is the model axis when there are two or more."""
+    big = [a for a in mesh if mesh[a] > 1]
+    if len(big) < 2:
+        return big, None
+    return big[:-1], big[-1]
+
+
+def megatron(graph: Graph, mesh: Mapping[str, int]) -> list[Seed]:
+    """Tensor parallel on the last mesh axis (column-parallel for expanding/input projections, row-parallel
+    for output/down projections, chosen by name then by shape) with data parallel on the others."""
+    data, model = _split_axes(mesh)
+    seeds = _batch(graph, mesh, data, "megatron")
+    if model is None:
+        return seeds
+    for v in state_inputs(graph):
+        val = graph.values[v]
+        dims: list[Axes] = [() for _ in val.shape]
+        if val.rank == 2:
+            d_in, d_out = val.shape
+            row = bool(_ROW.search(val.name or "")) or d_in > d_out
+            d = 0 if row else 1
+            if val.shape[d] % mesh[model] == 0:
+                dims[d] = (model,)
+        elif val.rank >= 3 and val.shape[-1] % mesh[model] == 0:
+            dims[-1] = (model,)
+        seeds.append(Seed(v, tuple(dims), _cause("megatron"), 1))
+    return seeds
+
+
+def expert_parallel(graph: Graph, mesh: Mapping[str, int]) -> list[Seed] | None:
+    """MoE: the expert dim (dim 0 of rank-3+ state) on the last mesh axis, data parallel on the others;
+    None when the program has no expert weights."""
+    data, model = _split_axes(mesh)
+    axis = model or (data[-1] if data else None)
+    if axis is None:
+        return None
+    experts = [v for v in state_inputs(graph) if graph.values[v].rank >= 3 and graph.values[v].shape[0] % mesh[axis] == 0
+               and graph.values[v].shape[0] > 1]
+    if not experts:
+        return None
+    seeds = _batch(graph, mesh, data if model else list(mesh), "expert-parallel")
+    for v in experts:
+        val = graph.values[v]
+        seeds.append(Seed(v, ((axis,),) + tuple(() for _ in val.shape[1:]), _cause("expert-parallel"), 1))
+    return seeds
+
+
+def hints_only(graph: Graph, mesh: Mapping[str, int]) -> list[Seed]:
+    """No seeds beyond the user's: what plain propagation of the hints gives."""
+    return []
+
+
+BASELINES: dict[str, Callable[[Graph, Mapping[str, int]], list[Seed] | None]] = {
+    "hints": hints_only, "data-parallel": data_parallel, "fsdp": fsdp, "megatron": megatron,
+    "expert-parallel": expert_parallel,
+}
+
+
+def baseline_seeds(name: str, graph: Graph, mesh: Mapping[str, int], user_seeds: Sequence[Seed] = ()) -> list[Seed] | None:
+    """The seeds of baseline `name` on this mesh, minus the dims the user pinned (hints win); None when
+    the baseline does not apply (e.g. expert parallel without experts, Megatron on a 1-axis mesh)."""
+    if name == "megatron" and _split_axes(mesh)[1] is None:
+        return None
+    seeds = BASELINES[name](graph, mesh)
+    if seeds is None:
+        return None
+    pinned: dict[int, dict[int, Axes]] = {}
+    for s in user_seeds:
+        for d, ax in enumerate(s.dims):
+            if ax is not None:
+                pinned.setdefault(s.value, {})[d] = tuple(ax)
+    out = []
+    for s in seeds:
+        pins = pinned.get(s.value, {})
+        used = {a for ax in pins.values() for a in ax}
+        dims = []
+        for d, ax in enumerate(s.dims):
+            if d in pins or ax is None:
+                dims.append(None)
+            else:
+                keep = tuple(a for a in ax if a not in used)
+                dims.append(keep)
+                used.update(keep)
+        if any(x is not None for x in dims):
+            out.append(Seed(s.value, tuple(dims), s.cause, s.priority))
+    return out
