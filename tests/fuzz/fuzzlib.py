@@ -31,6 +31,8 @@ from hypothesis import strategies as st
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import flax.linen as nn
+
 import shardc
 from annotations import UNCONSTRAINED
 from annotations.primitive import resolve_dims
@@ -193,6 +195,13 @@ def apply_step(step: Step, vals: Sequence[Any], mesh: tuple[tuple[str, int], ...
         return lax.fori_loop(0, step.attr("n"), lambda i, c: _maybe_hint(0.9 * c + 0.1 * jnp.sin(c), inner), a[0])
     if k == "cond":
         return lax.cond(jnp.sum(a[0]) > 0, jnp.tanh, lambda v: v * 0.5 - 0.1, a[0])
+    if k == "jit_chain":  # a nested jit (inlined by shardc's graph builder) with a hint inside
+        return jax.jit(lambda v: _maybe_hint(jnp.tanh(v) * 1.5, step.attr("inner")))(a[0])
+    if k == "remat_chain":
+        return jax.checkpoint(lambda v: _maybe_hint(jnp.sin(v) * v, step.attr("inner")))(a[0])
+    if k == "vmap_hint":  # a hint written per row, vmapped over dim `dim`
+        d = step.attr("dim")
+        return jax.vmap(lambda r: _shard(r, step.attr("spec")), in_axes=d, out_axes=d)(a[0])
     if k == "hint":
         return _hint(a[0], step, mesh)
     raise ValueError(f"unknown step kind {k!r}")
@@ -213,6 +222,16 @@ def _weights(shape: tuple[int, ...], salt: int) -> np.ndarray:
     return np.cos(np.arange(n, dtype=np.float32) * 0.7 + salt).reshape(shape).astype(np.float32)
 
 
+def _box(x: Any, step: Step) -> Any:
+    """An input with Flax partitioning metadata (`meta`: per-dim mesh axes) is passed boxed."""
+    meta = step.attr("meta")
+    return x if meta is None else nn.Partitioned(x, names=meta)
+
+
+def _unbox(x: Any) -> Any:
+    return x.value if isinstance(x, nn.Partitioned) else x
+
+
 def program_function(prog: Program) -> Callable[..., Any]:
     """What is compiled: outputs and gradients (step mode: outputs and updated float inputs)."""
     inputs, floats = prog.inputs, prog.float_inputs
@@ -223,7 +242,7 @@ def program_function(prog: Program) -> Callable[..., Any]:
             cts = tuple(jnp.asarray(w) for w in weights)
         else:
             *args, cts = args
-        by_id = dict(zip(inputs, args))
+        by_id = dict(zip(inputs, [_unbox(a) for a in args]))
 
         def f(*fl: Any) -> tuple[Any, ...]:
             env = dict(by_id)
@@ -242,7 +261,8 @@ def program_function(prog: Program) -> Callable[..., Any]:
         env = dict(zip(floats, params))
         env.update(zip(ints, rest))
         outs, grads = with_grads(*[env[i] for i in inputs], *rest[len(ints):])
-        return outs, tuple(p - 0.1 * g for p, g in zip(params, grads))
+        new = [_unbox(p) - 0.1 * g for p, g in zip(params, grads)]
+        return outs, tuple(_box(n, prog.steps[i]) for n, i in zip(new, floats))
 
     return train_step
 
@@ -254,7 +274,7 @@ def make_args(prog: Program, seed: int = 0) -> tuple[Any, ...]:
     for i in prog.inputs:
         s = prog.steps[i]
         if s.dtype == "float32":
-            vals[i] = rng.uniform(-1, 1, s.shape).astype(np.float32)
+            vals[i] = _box(rng.uniform(-1, 1, s.shape).astype(np.float32), s)
         else:
             vals[i] = rng.integers(0, s.attr("high"), s.shape).astype(np.int32)
     cts = () if prog.const_cotangents else \
@@ -343,6 +363,10 @@ class _Gen:
         return tuple(dims)
 
     def new_input(self, shape: Sequence[int]) -> int:
+        if self.coin(1):  # Flax partitioning metadata on the argument: a seed on a graph input
+            meta = tuple(None if e in ("?", None) else (e[0] if len(e) == 1 else e) for e in self.spec(shape))
+            if any(meta):
+                return self.add("input", (), shape, meta=meta)
         return self.add("input", (), shape)
 
     def same_shape_operand(self, shape: tuple[int, ...]) -> int:
@@ -619,6 +643,20 @@ class _Gen:
         sa = self.shape(a)
         return self.add("fori", (a,), sa, n=self.pick([1, 2, 3]), inner=self.inner_spec(sa))
 
+    def jit_chain(self) -> int:
+        a = self.operand(lambda s: len(s) >= 1)
+        return self.add("jit_chain", (a,), self.shape(a), inner=self.inner_spec(self.shape(a)))
+
+    def remat_chain(self) -> int:
+        a = self.operand(lambda s: len(s) >= 1)
+        return self.add("remat_chain", (a,), self.shape(a), inner=self.inner_spec(self.shape(a)))
+
+    def vmap_hint(self) -> int:
+        a = self.operand(lambda s: len(s) >= 2)
+        sa = self.shape(a)
+        d = self.draw(st.integers(0, len(sa) - 1))
+        return self.add("vmap_hint", (a,), sa, dim=d, spec=self.spec(sa[:d] + sa[d + 1:]))
+
     def cond(self) -> int:
         a = self.operand(lambda s: len(s) >= 1)
         return self.add("cond", (a,), self.shape(a))
@@ -631,7 +669,8 @@ def _tuplify(x: Any) -> Any:
 OPS = ("einsum", "einsum", "unary", "binary", "reshape", "reshape", "transpose", "reduce", "broadcast",
        "concat", "slice_", "gather", "pad", "rev", "cumsum", "dynamic_slice", "hint", "hint", "hint", "hint")
 # Beyond the issue's list: scatters, selects, sorts, argmax and control flow (regions joined by ties).
-EXTRA_OPS = ("scatter_add", "update_slice", "where", "sort", "argmax", "scan", "fori", "cond")
+EXTRA_OPS = ("scatter_add", "update_slice", "where", "sort", "argmax", "scan", "fori", "cond",
+             "jit_chain", "remat_chain", "vmap_hint")
 
 
 @st.composite
@@ -708,6 +747,33 @@ def _check_hints(plan: shardc.Plan) -> int:
                 raise FuzzFailure(f"hint {spec.describe()} on {plan.graph.values[vid].shape}: dim {d} planned "
                                   f"{placed[d]} but hinted {want}")
     return n
+
+
+def _check_metadata(prog: Program, plan: shardc.Plan) -> int:
+    """Inputs with Flax metadata are placed as the metadata says; returns the number of dims checked."""
+    n = 0
+    for k, i in enumerate(prog.float_inputs if prog.step_mode else prog.inputs):
+        meta = prog.steps[i].attr("meta")
+        if meta is None:
+            continue
+        want = tuple(() if e is None else ((e,) if isinstance(e, str) else tuple(e)) for e in meta)
+        got = plan.shardings[plan.graph.inputs[k]].dims
+        n += len(want)
+        if got != want:
+            raise FuzzFailure(f"input {plan.input_names[k]} has metadata {meta} but is planned {got}")
+    return n
+
+
+def _check_shardings_well_formed(plan: shardc.Plan) -> None:
+    """Every planned sharding names mesh axes once each and divides its dims evenly."""
+    sizes = plan.mesh_sizes
+    for v, sh in zip(plan.graph.values, plan.shardings):
+        axes = [a for d in sh.dims for a in d]
+        if len(axes) != len(set(axes)) or any(a not in sizes for a in axes) or len(sh.dims) != len(v.shape):
+            raise FuzzFailure(f"value {v.name} {v.shape} planned {sh}: bad axes")
+        for d, (size, ax) in enumerate(zip(v.shape, sh.dims)):
+            if size % math.prod(sizes[a] for a in ax):
+                raise FuzzFailure(f"value {v.name} {v.shape} planned {sh}: dim {d} not divisible")
 
 
 @dataclasses.dataclass
@@ -790,7 +856,8 @@ def check_program(prog: Program, seed: int = 0) -> Outcome:
     for i, (s, p, y) in enumerate(zip(out_s, planned_out, jax.tree.leaves(got))):
         _same_sharding(s, p.named(mesh), y.ndim, f"output {plan.output_names[i]}")
         _same_sharding(y.sharding, p.named(mesh), y.ndim, f"returned array {plan.output_names[i]}")
-    hints = _check_hints(plan)
+    hints = _check_hints(plan) + _check_metadata(prog, plan)
+    _check_shardings_well_formed(plan)
     if prog.step_mode and upstream is None:  # a second step takes the first's carried state as it comes out
         args2 = (jax.tree.leaves(got)[-len(prog.float_inputs):], *args[1:])
         args2 = (tuple(args2[0]), *args2[1:])
@@ -799,3 +866,66 @@ def check_program(prog: Program, seed: int = 0) -> Outcome:
         _results_close(got2, ref2, "step 2 result")
     sharded = sum(1 for sh in plan.shardings if sh.axes())
     return Outcome(hints, len(plan.reshards), sharded, len(plan.shardings), upstream)
+
+
+# ----------------------------------------------------------------------------------------- shrinking
+
+
+def _drop_step(prog: Program, i: int, replacement: int | None) -> Program | None:
+    """`prog` without step i; its uses read `replacement` instead (None: the step must be unused)."""
+    steps: list[Step] = []
+    new_id: dict[int, int | None] = {}
+    for j, s in enumerate(prog.steps):
+        if j == i:
+            new_id[j] = new_id.get(replacement) if replacement is not None else None
+            continue
+        args = tuple(new_id[a] for a in s.args)
+        if any(a is None for a in args):
+            return None
+        new_id[j] = len(steps)
+        steps.append(dataclasses.replace(s, args=args))  # type: ignore[arg-type]
+    outs = tuple(dict.fromkeys(o2 for o in prog.outputs if (o2 := new_id.get(o)) is not None))
+    if not outs:
+        return None
+    return dataclasses.replace(prog, steps=tuple(steps), outputs=outs)
+
+
+def _well_formed(prog: Program) -> bool:
+    used = {a for s in prog.steps for a in s.args} | set(prog.outputs)
+    return bool(prog.inputs) and all(i in used for i in prog.inputs)
+
+
+def shrink_program(prog: Program, fails: Callable[[Program], bool], budget: int = 200) -> Program:
+    """A smaller program that still `fails`: drop outputs, drop steps (or bypass them by an argument of
+    the same shape), leave train-step mode — greedily, until nothing more goes or `budget` tries."""
+    tries = 0
+
+    def still_fails(q: Program | None) -> bool:
+        nonlocal tries
+        if q is None or not _well_formed(q) or tries >= budget:
+            return False
+        tries += 1
+        return fails(q)
+
+    changed = True
+    while changed and tries < budget:
+        changed = False
+        for o in list(prog.outputs):
+            q = dataclasses.replace(prog, outputs=tuple(x for x in prog.outputs if x != o))
+            if q.outputs and still_fails(q):
+                prog, changed = q, True
+        for i in reversed(range(len(prog.steps))):
+            if i >= len(prog.steps):
+                continue
+            s = prog.steps[i]
+            for r in [None] + [a for a in s.args if prog.steps[a].shape == s.shape]:
+                q = _drop_step(prog, i, r)
+                if still_fails(q):
+                    prog, changed = q, True  # type: ignore[assignment]
+                    break
+        for flag in ("step_mode", "const_cotangents"):
+            if getattr(prog, flag):
+                q = dataclasses.replace(prog, **{flag: False})
+                if still_fails(q):
+                    prog, changed = q, True
+    return prog

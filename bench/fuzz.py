@@ -1,0 +1,224 @@
+"""Fuzz soak: many more generated programs than CI runs, failures recorded and shrunk.
+
+    python bench/fuzz.py [--minutes 30] [--seed 0] [--chunk 100] [--max-ops 12] [--const-cotangents]
+                         [--out bench/fuzz_failures.jsonl] [--write]
+
+Programs come from `tests/fuzz/fuzzlib.programs` (hypothesis) and are checked by
+`fuzzlib.check_program` (sharded == unsharded forward and gradients, compiled shardings == plan,
+hints placed as hinted, no conservative fallback). Work runs in child processes of `--chunk` programs
+each (seeds `--seed`, `--seed`+1, ...), so a crash inside XLA ends one chunk, not the soak: the program
+that was running is recorded as a crash and re-run alone to see whether it reproduces.
+
+Every failure is shrunk (fuzzlib.shrink_program) and appended to `--out` as one JSON line: kind
+(fail / crash / upstream), error, seed, the program's repr (paste it into
+tests/fuzz/test_fuzz_regressions.py) and its pseudo-code. `--write` puts the summary in
+docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+FUZZ_DIR = os.path.join(REPO, "tests", "fuzz")
+
+
+def _setup_child() -> None:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.path[:0] = [REPO, FUZZ_DIR]
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+
+
+def _error_kind(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def child_chunk(seed: int, count: int, max_ops: int, const_cotangents: bool, progress: str, results: str) -> None:
+    """Check `count` programs drawn with hypothesis seed `seed`; one JSON line per program in `results`."""
+    _setup_child()
+    import warnings
+
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hseed
+
+    import fuzzlib
+
+    warnings.simplefilter("ignore")
+    out = open(results, "a")
+
+    @hseed(seed)
+    @settings(max_examples=count, deadline=None, database=None, phases=(Phase.generate,),
+              suppress_health_check=list(HealthCheck))
+    @given(fuzzlib.programs(max_ops=max_ops, const_cotangents=const_cotangents))
+    def run(prog: fuzzlib.Program) -> None:
+        with open(progress, "w") as f:
+            f.write(repr(prog))
+        t0 = time.perf_counter()
+        rec = {"seed": seed, "program": repr(prog)}
+        try:
+            o = fuzzlib.check_program(prog)
+            rec.update(kind="upstream" if o.upstream_bug else "ok", error=o.upstream_bug, hints=o.hints_checked,
+                       reshards=o.reshards, sharded=o.sharded_values, values=o.values)
+        except Exception as e:  # noqa: BLE001 - every failure is recorded
+            rec.update(kind="fail", error=_error_kind(e))
+        rec["seconds"] = round(time.perf_counter() - t0, 3)
+        out.write(json.dumps(rec) + "\n")
+        out.flush()
+
+    run()
+
+
+def child_one(program: str, results: str, shrink: bool) -> None:
+    """Re-run one program (a crash candidate, or a failure to shrink); one JSON line in `results`."""
+    _setup_child()
+    import warnings
+
+    import fuzzlib
+    from fuzzlib import Program, Step  # noqa: F401 - for eval of the repr
+
+    warnings.simplefilter("ignore")
+    prog = eval(program)  # noqa: S307 - our own repr
+    rec: dict = {"program": program}
+    try:
+        fuzzlib.check_program(prog)
+        rec.update(kind="ok")
+    except Exception as e:  # noqa: BLE001
+        rec.update(kind="fail", error=_error_kind(e))
+        if shrink:
+            first = _error_kind(e).split(":")[0]
+
+            def fails(q: fuzzlib.Program) -> bool:
+                try:
+                    fuzzlib.check_program(q)
+                    return False
+                except Exception as e2:  # noqa: BLE001
+                    return _error_kind(e2).split(":")[0] == first
+
+            small = fuzzlib.shrink_program(prog, fails)
+            rec.update(shrunk=repr(small), pseudo=fuzzlib.describe(small))
+    with open(results, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def _spawn(args: list[str], timeout: float) -> int:
+    cmd = [sys.executable, os.path.abspath(__file__), *args]
+    try:
+        return subprocess.run(cmd, timeout=timeout, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+    except subprocess.TimeoutExpired:
+        return -999
+
+
+def _read_lines(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _describe(program: str) -> str:
+    _setup_child()
+    import fuzzlib
+    from fuzzlib import Program, Step  # noqa: F401
+
+    return fuzzlib.describe(eval(program))  # noqa: S307
+
+
+def soak(args: argparse.Namespace) -> None:
+    work = tempfile.mkdtemp(prefix="shardc-fuzz-")
+    results, progress = os.path.join(work, "results.jsonl"), os.path.join(work, "progress.txt")
+    deadline = time.time() + 60 * args.minutes
+    seed, chunks, crashes = args.seed, 0, []
+    t0 = time.time()
+    while time.time() < deadline:
+        before = len(_read_lines(results))
+        if os.path.exists(progress):
+            os.remove(progress)
+        rc = _spawn(["--child-chunk", str(seed), str(args.chunk), str(args.max_ops), str(int(args.const_cotangents)),
+                     progress, results], timeout=max(60.0, deadline - time.time() + 120))
+        done = len(_read_lines(results)) - before
+        if rc != 0 and os.path.exists(progress):
+            crashed = open(progress).read()
+            again = os.path.join(work, "again.jsonl")
+            rc2 = _spawn(["--child-one", crashed, again, "0"], timeout=600)
+            crashes.append({"kind": "crash", "seed": seed, "program": crashed, "returncode": rc,
+                            "reproduces": rc2 != 0, "error": f"child process died (exit {rc}) after {done} programs"})
+        chunks += 1
+        seed += 1
+        print(f"chunk {chunks} (seed {seed - 1}): {done} programs, exit {rc}, "
+              f"{len(_read_lines(results))} total, {time.time() - t0:.0f} s", flush=True)
+    elapsed = time.time() - t0
+    recs = _read_lines(results)
+    kinds = Counter(r["kind"] for r in recs)
+    failures = [r for r in recs if r["kind"] != "ok"] + crashes
+    # shrink and record every failure (upstream ones too: they are XLA's, but worth keeping)
+    shrink_dir = os.path.join(work, "shrunk.jsonl")
+    recorded = []
+    for r in failures:
+        if r["kind"] == "fail":
+            _spawn(["--child-one", r["program"], shrink_dir, "1"], timeout=1800)
+            last = (_read_lines(shrink_dir) or [{}])[-1]
+            r = {**r, "shrunk": last.get("shrunk"), "pseudo": last.get("pseudo")}
+        else:
+            r = {**r, "pseudo": _describe(r["program"])}
+        recorded.append(r)
+    if recorded:
+        with open(args.out, "a") as f:
+            for r in recorded:
+                f.write(json.dumps({**r, "found": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+    errors = Counter(r.get("error") or r["kind"] for r in recorded)
+    per_s = len(recs) / elapsed if elapsed else 0.0
+    summary = [
+        "| programs | seconds | programs/s | ok | fail | upstream (XLA) | crash | hinted dims checked | reshards |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| {len(recs)} | {elapsed:.0f} | {per_s:.1f} | {kinds['ok']} | {kinds['fail']} | {kinds['upstream']} | "
+        f"{len(crashes)} | {sum(r.get('hints', 0) for r in recs)} | {sum(r.get('reshards', 0) for r in recs)} |",
+    ]
+    print("\n".join(summary))
+    for e, n in errors.most_common():
+        print(f"  {n} x {e}")
+    if recorded:
+        print(f"failures appended to {args.out}")
+    if args.write:
+        sys.path.insert(0, REPO)
+        from bench.propagate import write_section
+
+        lines = "\n".join(f"- {n} x {e}" for e, n in errors.most_common()) or "- none"
+        write_section("fuzz", f"`python bench/fuzz.py --minutes {args.minutes} --seed {args.seed} --max-ops "
+                      f"{args.max_ops}{' --const-cotangents' if args.const_cotangents else ''}` "
+                      f"({os.cpu_count()} cores; each program checked sharded vs unsharded, forward and "
+                      f"gradients, compiled shardings vs plan, hints).\n\n" + "\n".join(summary)
+                      + "\n\nFailures (shrunk programs in `bench/fuzz_failures.jsonl`):\n\n" + lines + "\n")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child-chunk":
+        s, n, m, c, progress, results = sys.argv[2:8]
+        child_chunk(int(s), int(n), int(m), bool(int(c)), progress, results)
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--child-one":
+        child_one(sys.argv[2], sys.argv[3], bool(int(sys.argv[4])))
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=30)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chunk", type=int, default=100)
+    ap.add_argument("--max-ops", type=int, default=12)
+    ap.add_argument("--const-cotangents", action="store_true",
+                    help="close over the gradient's output cotangents as constants (XLA folds them)")
+    ap.add_argument("--out", default=os.path.join(HERE, "fuzz_failures.jsonl"))
+    ap.add_argument("--write", action="store_true")
+    soak(ap.parse_args())
+
+
+if __name__ == "__main__":
+    main()
