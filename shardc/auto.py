@@ -36,6 +36,7 @@ from shardc.plan import Plan, build_plan
 from shardc.propagate import Cause, Seed, propagate
 from shardc.seeds import input_seed, program_seeds
 from shardc.sharding import make_mesh
+import shardc.search.integrate as _search
 
 __all__ = ["auto", "AutoFunction", "plan", "Compiled"]
 
@@ -77,9 +78,8 @@ class AutoFunction:
         self._carried = CarriedShapes()
         if mesh is not None and not isinstance(mesh, Mesh):
             raise ShardingError(f"shardc.auto(mesh=...) needs a jax.sharding.Mesh (see shardc.make_mesh), got {type(mesh).__name__}")
-        if search not in (False, None):
-            warnings.warn("shardc.auto(search=...) is not implemented yet; planning uses propagation of the "
-                          "hints only (unhinted dims are replicated)", stacklevel=2)
+        self._mesh_given = mesh is not None
+        self._search_resume: Any = None  # (graph key, SearchReport) while retracing under a searched mesh
 
     # -- public --------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -178,14 +178,23 @@ class AutoFunction:
         with _internal_errors("collecting the hints of", self.fun):
             seeds = self._input_seeds(graph, roots, mesh) + program_seeds(graph, mesh)
             _tie_carried_state(graph, in_tree, out_tree, args)
-        with _internal_errors("propagating shardings in", self.fun):
-            prop = propagate(graph, dict(mesh.shape), seeds)
-            _check_ties(graph, prop)
         notes = []
         if graph.conservative_primitives:
             notes.append("replicated (no sharding rule): " + ", ".join(sorted(graph.conservative_primitives)))
-        with _internal_errors("planning", self.fun):
-            the_plan = build_plan(graph, mesh, prop, input_names=in_paths, output_names=out_paths, warnings=notes)
+        if _search.enabled(self.search):
+            with _internal_errors("searching a plan for", self.fun):
+                the_plan = _search.plan_by_search(
+                    self, graph, lambda m: self._input_seeds(graph, roots, m) + program_seeds(graph, m), in_paths,
+                    out_paths, notes, closed, _flat_donate(self.donate_argnums, args, self.fun), self._mesh_given)
+            if the_plan.mesh_sizes != dict(mesh.shape):  # retrace under the chosen mesh, keeping the decisions
+                self.mesh, self._search_resume = the_plan.mesh, the_plan.search
+                return self._build(args, kwargs)
+        else:
+            with _internal_errors("propagating shardings in", self.fun):
+                prop = propagate(graph, dict(mesh.shape), seeds)
+                _check_ties(graph, prop)
+            with _internal_errors("planning", self.fun):
+                the_plan = build_plan(graph, mesh, prop, input_names=in_paths, output_names=out_paths, warnings=notes)
         if is_multiprocess():
             check_plan_agreement(the_plan)
         t3 = time.perf_counter()

@@ -81,6 +81,7 @@ class Plan:
     program: Any = None
     donated: tuple[int, ...] = ()
     cost: Any = None
+    search: Any = None  # set by the strategy search: its SearchReport (baselines beside the chosen plan)
 
     @property
     def mesh_sizes(self) -> dict[str, int]:

@@ -43,6 +43,9 @@ def explain(plan: "Plan", *, max_rows: int = 60) -> str:
     cost = getattr(plan, "cost", None)
     if cost is not None:
         lines += ["", "simulated cost:", cost.summary()]
+    search = getattr(plan, "search", None)
+    if search is not None:
+        lines += ["", search.summary()]
 
     def rows_for(vids: list[int], names: list[str]) -> list[list[str]]:
         rows = []

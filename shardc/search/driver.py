@@ -1,0 +1,199 @@
+"""The search driver: for each candidate mesh, score the baselines, run DP and/or MCMC from them, and keep
+the fastest plan that fits in memory. Also plan save/load (JSON)."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import time
+from typing import Any, Mapping, Sequence
+
+import jax
+
+from annotations.errors import ShardingError
+from shardc.plan import Plan
+from shardc.propagate import Seed
+from shardc.report import format_bytes
+from shardc.search.baselines import BASELINES, baseline_seeds
+from shardc.search.dp import chain_dp
+from shardc.search.evaluate import INVALID, Evaluator, Problem, Score, plan_from_seeds
+from shardc.search.mcmc import mcmc
+from shardc.search.space import SEARCH_CAUSE, Assignment, Space, build_space, seeds_for
+from shardc.sharding import make_mesh
+
+__all__ = ["SearchReport", "search_plan", "save_plan", "load_plan", "graph_key"]
+
+
+@dataclasses.dataclass
+class Candidate:
+    name: str
+    mesh: dict[str, int]
+    score: Score
+
+
+@dataclasses.dataclass
+class SearchReport:
+    """What the search tried and why the chosen plan won (shown by `plan.explain()`)."""
+
+    chosen: Candidate
+    baselines: list[Candidate]
+    meshes: list[dict[str, int]]
+    evaluations: int
+    seconds: float
+    method: str
+    seeds: tuple[Seed, ...] = ()
+
+    def summary(self) -> str:
+        rows = [self.chosen] + sorted(self.baselines, key=lambda c: c.score.key)
+        lines = [f"strategy search ({self.method}): {self.evaluations} simulated plans over {len(self.meshes)} "
+                 f"mesh shape(s) in {self.seconds:.1f} s"]
+        w = max(len(c.name) for c in rows)
+        for c in rows:
+            mesh = ",".join(f"{a}={n}" for a, n in c.mesh.items())
+            s = c.score
+            t = f"{s.time * 1e3:.3f} ms" if math.isfinite(s.time) else "n/a"
+            fit = "" if s.feasible else "  (does not fit memory)"
+            lines.append(f"  {c.name.ljust(w)}  mesh({mesh})  time {t}  peak {format_bytes(s.peak)}  "
+                         f"comm {format_bytes(s.comm)}{fit}")
+        best_base = min((c for c in self.baselines if c.score.feasible), key=lambda c: c.score.time, default=None)
+        if best_base is not None and self.chosen.name == "search":
+            lines.append(f"  chosen: the searched plan, {best_base.score.time / self.chosen.score.time:.2f}x the speed of "
+                         f"the best baseline ({best_base.name})")
+        elif self.chosen.name != "search":
+            lines.append(f"  chosen: the {self.chosen.name} baseline (the search found nothing faster)")
+        return "\n".join(lines)
+
+
+def _mesh_of(sizes: Mapping[str, int]):
+    n = math.prod(sizes.values())
+    return make_mesh(dict(sizes), jax.devices()[:n])
+
+
+def project(space: Space, plan: Plan) -> Assignment:
+    """The assignment closest to `plan`: per group, the choice equal to its first member's strategy (op) or
+    sharding (input), else 0."""
+    out = []
+    for g in space.groups:
+        m = g.members[0]
+        want = plan.strategies[m].factor_axes if g.kind == "op" else plan.shardings[m].dims
+        out.append(g.choices.index(tuple(want)) if tuple(want) in g.choices else 0)
+    return tuple(out)
+
+
+def search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, method: Any = True,
+                budget_s: float | None = 30.0, seed: int = 0, max_steps: int = 2000, progress: bool | None = None,
+                baselines: Sequence[str] = tuple(BASELINES)) -> tuple[Plan, SearchReport]:
+    """Search every mesh in `meshes` and return the best plan (fits memory, lowest simulated step time)
+    with its report. `method`: True (DP then MCMC), "dp", "mcmc"."""
+    from tqdm.auto import tqdm
+
+    t0 = time.perf_counter()
+    method_name = {True: "dp+mcmc", "dp": "dp", "mcmc": "mcmc"}.get(method, str(method))
+    bar = tqdm(desc="shardc search", unit="plan", disable=(None if progress is None else not progress), leave=False)
+    best: tuple[Score, Plan, Candidate, tuple[Seed, ...]] | None = None
+    cands: list[Candidate] = []
+    smallest_peak = math.inf
+    evaluations = 0
+    per_mesh = None if budget_s is None else budget_s / max(len(meshes), 1)
+    tried: list[dict[str, int]] = []
+    for sizes in meshes:
+        sizes = dict(sizes)
+        mesh = _mesh_of(sizes)
+        try:
+            user = list(problem.user_seeds(mesh)) if callable(problem.user_seeds) else list(problem.user_seeds or ())
+        except ShardingError:
+            continue  # the hints do not fit this mesh
+        tried.append(sizes)
+        t_mesh = time.perf_counter()
+        space = build_space(problem.graph, sizes, user)
+        ev = Evaluator(problem, mesh, space, user)
+
+        def consider(name: str, plan: Plan, score: Score, extra: tuple[Seed, ...]) -> None:
+            nonlocal best, smallest_peak
+            smallest_peak = min(smallest_peak, score.peak)
+            c = Candidate(name, sizes, score)
+            if name != "search":
+                cands.append(c)
+            if best is None or score.key < best[0].key:
+                best = (score, plan, c, extra)
+
+        starts: list[Assignment] = [space.neutral()]
+        for name in baselines:
+            try:
+                extra = baseline_seeds(name, problem.graph, sizes, user)
+                if extra is None:
+                    continue
+                plan = plan_from_seeds(problem, mesh, user + extra)
+                score = ev.score_plan(plan)[0]
+            except ShardingError:
+                continue
+            bar.update(1)
+            consider(name, plan, score, tuple(extra))
+            starts.append(project(space, plan))
+        if method in (True, "dp"):
+            budget = 400 if method is True else 4000
+            a, _ = chain_dp(ev, min(starts, key=lambda s: ev.score(s).key), max_evals=budget,
+                            on_eval=lambda: bar.update(1))
+            starts.append(a)
+        if method in (True, "mcmc"):
+            left = None if per_mesh is None else max(per_mesh - (time.perf_counter() - t_mesh), 0.0)
+            a, _, _ = mcmc(ev, starts, seed=seed, max_steps=max_steps, budget_s=left,
+                           on_step=lambda i, s: bar.update(1))
+            starts.append(a)
+        a = min(starts, key=lambda s: (ev.score(s).key, s))
+        extra = tuple(seeds_for(space, a, user))
+        try:
+            plan = ev.plan(a)
+            consider("search", plan, ev.score_plan(plan)[0], extra)
+        except ShardingError:
+            pass
+        evaluations += ev.evaluations
+    bar.close()
+    if best is None:
+        raise ShardingError(f"strategy search: no mesh of {[dict(m) for m in meshes]} accepts the program's hints")
+    score, plan, chosen, extra = best
+    if not score.feasible:
+        raise ShardingError(
+            f"no plan fits in device memory: the smallest simulated peak found is {format_bytes(smallest_peak)} per "
+            f"device (limit {format_bytes(ev.limit)}); use more devices, a smaller batch, or donate the state")
+    report = SearchReport(chosen, cands, tried, evaluations, time.perf_counter() - t0, method_name, extra)
+    return dataclasses.replace(plan, search=report), report
+
+
+# -- save / load ----------------------------------------------------------------------------------------
+def graph_key(graph: Any) -> str:
+    """A fingerprint of the traced program (primitives, shapes, dtypes, wiring)."""
+    h = hashlib.sha256()
+    for v in graph.values:
+        h.update(f"{v.shape}{v.dtype};".encode())
+    for op in graph.ops:
+        h.update(f"{op.primitive}{op.inputs}{op.outputs};".encode())
+    return h.hexdigest()[:20]
+
+
+def save_plan(plan: Plan, path: str) -> None:
+    """Write the decisions behind a searched plan (mesh + search seeds) as JSON."""
+    report = getattr(plan, "search", None)
+    seeds = report.seeds if report is not None else ()
+    data = {"version": 1, "graph": graph_key(plan.graph), "mesh": plan.mesh_sizes,
+            "seeds": [{"value": s.value, "dims": [None if d is None else list(d) for d in s.dims],
+                       "cause": s.cause.description} for s in seeds]}
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
+def load_plan(path: str, problem: Problem) -> Plan:
+    """Rebuild a saved plan for the same program (a ShardingError if the program changed)."""
+    from shardc.propagate import Cause
+
+    with open(path) as f:
+        data = json.load(f)
+    if data.get("graph") != graph_key(problem.graph):
+        raise ShardingError(f"saved plan {path} was made for a different program (graph fingerprint "
+                            f"{data.get('graph')} != {graph_key(problem.graph)}); delete it to search again")
+    mesh = _mesh_of(data["mesh"])
+    user = list(problem.user_seeds(mesh)) if callable(problem.user_seeds) else list(problem.user_seeds or ())
+    extra = [Seed(s["value"], tuple(None if d is None else tuple(d) for d in s["dims"]),
+                  Cause(SEARCH_CAUSE.kind, s.get("cause", SEARCH_CAUSE.description)), 1) for s in data["seeds"]]
+    return plan_from_seeds(problem, mesh, user + extra)

@@ -1,0 +1,75 @@
+"""`@shardc.auto(search=...)`: plan a traced program by strategy search instead of hint propagation alone.
+
+search: True (DP then MCMC), "dp", "mcmc", or a path ending in ".json" (load the plan saved there when it
+matches the program, else search with DP+MCMC and save it). mesh=None lets the search choose the mesh
+shape over all the devices; a given mesh is the only one tried. topology: what the simulator models
+(default: an H100 preset big enough for the devices).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Callable, Sequence
+
+import jax
+
+from shardc.plan import Plan
+from shardc.search.driver import graph_key, load_plan, save_plan, search_plan
+from shardc.search.evaluate import Problem, plan_from_seeds
+from shardc.search.space import mesh_candidates
+from shardc.sharding import mesh_shape
+
+__all__ = ["enabled", "default_topology", "plan_by_search"]
+
+_PLAN_CACHE: dict[tuple, Any] = {}  # (graph key, mesh, topology, method, seed) -> (mesh sizes, seeds)
+
+
+def enabled(search: Any) -> bool:
+    return search not in (False, None)
+
+
+def default_topology(num_devices: int) -> str:
+    return "h100-sxm-8" if num_devices <= 8 else f"h100-sxm-8x{math.ceil(num_devices / 8)}"
+
+
+def _hinted_axes(graph: Any) -> list[str]:
+    out: list[str] = []
+    for op in graph.ops:
+        spec = op.params.get("spec") if op.primitive == "shardc_hint" else None
+        for d in getattr(spec, "dims", None) or ():
+            for a in (d if isinstance(d, (tuple, list)) else (d,)):
+                if isinstance(a, str) and a not in out:
+                    out.append(a)
+    return out
+
+
+def plan_by_search(af: Any, graph: Any, user_seeds: Callable, in_paths: Sequence[str], out_paths: Sequence[str],
+                   notes: Sequence[str], closed: Any, donate: Sequence[int], mesh_given: bool) -> Plan:
+    """The searched plan of this program (its mesh may differ from `af.mesh` when mesh_given is False)."""
+    n = len(jax.devices())
+    topology = af.topology if af.topology is not None else default_topology(n)
+    problem = Problem(graph, user_seeds, topology, list(in_paths), list(out_paths), list(notes), tuple(donate), closed)
+    resume, af._search_resume = getattr(af, "_search_resume", None), None
+    if resume is not None:  # retraced under the mesh the search chose: rebuild its plan
+        user = list(user_seeds(af.mesh))
+        plan = plan_from_seeds(problem, af.mesh, user + list(resume.seeds))
+        return dataclasses.replace(plan, search=resume)
+    path = af.search if isinstance(af.search, str) and af.search.endswith(".json") else None
+    if path is not None and os.path.exists(path):
+        return load_plan(path, problem)
+    fixed = mesh_shape(af.mesh) if mesh_given else None
+    meshes = mesh_candidates(n, _hinted_axes(graph), fixed=fixed)
+    method = True if path is not None else af.search
+    key = (graph_key(graph), tuple(tuple(m.items()) for m in meshes), str(topology), str(method), af.seed, af.budget_s)
+    cached = _PLAN_CACHE.get(key)
+    if cached is not None:  # the same traced program planned before in this process
+        user = list(user_seeds(af.mesh)) if mesh_given else None
+        if user is not None:
+            return dataclasses.replace(plan_from_seeds(problem, af.mesh, user + list(cached.seeds)), search=cached)
+    budget = af.budget_s if af.budget_s is not None else 30.0
+    plan, report = search_plan(problem, meshes, method=method, budget_s=budget, seed=af.seed)
+    _PLAN_CACHE[key] = report
+    if path is not None:
+        save_plan(plan, path)
+    return plan
