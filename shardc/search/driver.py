@@ -45,7 +45,11 @@ class SearchReport:
     seeds: tuple[Seed, ...] = ()
 
     def summary(self) -> str:
-        rows = [self.chosen] + sorted(self.baselines, key=lambda c: c.score.key)
+        per_name: dict[str, Candidate] = {}
+        for c in self.baselines:  # each baseline on its best mesh
+            if c.name not in per_name or c.score.key < per_name[c.name].score.key:
+                per_name[c.name] = c
+        rows = [self.chosen] + sorted(per_name.values(), key=lambda c: c.score.key)
         lines = [f"strategy search ({self.method}): {self.evaluations} simulated plans over {len(self.meshes)} "
                  f"mesh shape(s) in {self.seconds:.1f} s"]
         w = max(len(c.name) for c in rows)

@@ -1,0 +1,72 @@
+"""The search space: mesh candidates, decision groups shared by repeated layers, legal choices only."""
+import math
+
+import jax
+import jax.numpy as jnp
+
+from shardc.propagate import Cause, Seed
+from shardc.search.space import build_space, mesh_candidates, seeds_for
+from search_models import graph_of
+
+
+def test_mesh_candidates_factorise_the_device_count():
+    ms = mesh_candidates(8)
+    assert {"data": 8} in ms and {"data": 2, "model": 4} in ms and {"data": 2, "model": 2, "expert": 2} in ms
+    assert all(math.prod(m.values()) == 8 and 1 <= len(m) <= 3 for m in ms)
+    assert len({tuple(m.items()) for m in ms}) == len(ms)
+    assert mesh_candidates(8, fixed={"x": 8}) == [{"x": 8}]
+    for m in mesh_candidates(8, ["model", "data"]):
+        assert "model" in m and "data" in m
+
+
+def _deep_mlp(depth):
+    def f(x, ws):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return x
+    return f, (jnp.ones((64, 32)), [jnp.ones((32, 32))] * depth)
+
+
+def test_repeated_layers_share_decisions():
+    sizes = []
+    for depth in (2, 6):
+        f, args = _deep_mlp(depth)
+        g, *_ = graph_of(lambda x, *ws: f(x, ws), (args[0], *args[1]))
+        sp = build_space(g, {"data": 2, "model": 2})
+        ops = [grp for grp in sp.groups if grp.kind == "op"]
+        assert len(ops) == 1 and len(ops[0].members) == depth
+        sizes.append(len(sp.groups))
+    assert sizes[0] == sizes[1]
+
+
+def test_choices_are_legal():
+    g, *_ = graph_of(lambda x, w: x @ w, (jnp.ones((6, 8)), jnp.ones((8, 4))))
+    mesh = {"data": 2, "model": 4}
+    sp = build_space(g, mesh)
+    assert sp.groups
+    for grp in sp.groups:
+        sizes = g.ops[grp.members[0]].rule.sizes if grp.kind == "op" else g.values[grp.members[0]].shape
+        for c in grp.choices:
+            axes = [a for ax in c for a in ax]
+            assert len(axes) == len(set(axes))  # no axis twice
+            for size, ax in zip(sizes, c):
+                assert size % math.prod(mesh[a] for a in ax) == 0  # divisible
+    # dim of size 6 can take "data" (2) but never "model" (4)
+    x_group = next(grp for grp in sp.groups if grp.kind == "input" and g.inputs[0] in grp.members)
+    assert all("model" not in c[0] for c in x_group.choices) and any(c[0] == ("data",) for c in x_group.choices)
+
+
+def test_pinned_dims_are_respected():
+    g, *_ = graph_of(lambda x, w: x @ w, (jnp.ones((8, 8)), jnp.ones((8, 8))))
+    mesh = {"data": 2, "model": 2}
+    x = g.inputs[0]
+    user = [Seed(x, (("data",), None), Cause("hint", "test"))]
+    sp = build_space(g, mesh, user)
+    dot = next(grp for grp in sp.groups if grp.kind == "op")
+    rule = g.ops[dot.members[0]].rule
+    for c in dot.choices:  # the dot's factor on x's dim 0 is always on "data"
+        f = rule.operands[0][0][0]
+        assert c[f] == ("data",)
+    for a in sp.all_assignments():
+        for s in seeds_for(sp, a, user):
+            assert not (s.value == x and s.dims[0] is not None)
