@@ -159,14 +159,29 @@ class AutoFunction:
                 path = keystr(jax.tree_util.tree_flatten_with_path(call)[0][i][0][1:])
                 raise ShardingError(f"shardc.auto: argument leaf {path} is a {type(x).__name__}, not an array; "
                                     f"pass arrays (or close over Python values)") from None
-        with _annotations.mesh_context(mesh), jax.set_mesh(mesh):
-            closed = jax.make_jaxpr(flat_fun)(*flat)
+        if inspect.isfunction(self.fun):  # JAX's tracing errors then name the user's function, not ours
+            flat_fun.__name__, flat_fun.__qualname__ = self.fun.__name__, self.fun.__qualname__
+            flat_fun.__code__ = flat_fun.__code__.replace(co_filename=self.fun.__code__.co_filename,
+                                                         co_firstlineno=self.fun.__code__.co_firstlineno,
+                                                         co_name=self.fun.__code__.co_name)
+        try:
+            with _annotations.mesh_context(mesh), jax.set_mesh(mesh):
+                closed = jax.make_jaxpr(flat_fun)(*flat)
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError,
+                jax.errors.TracerBoolConversionError, TypeError) as e:
+            if isinstance(e, TypeError) and "concrete" not in str(e):
+                raise
+            e.add_note("shardc.auto traces every argument as an array (Python ints and floats too); pass values "
+                       "that must stay static, such as shapes or step counts, by closing over them "
+                       "(functools.partial) instead")
+            raise
         return closed, in_tree, out_tree_box[-1]
 
     def _build(self, args: tuple, kwargs: dict) -> Compiled:
         mesh = self._mesh()
         t0 = time.perf_counter()
-        closed, in_tree, out_tree = self._trace((args, kwargs))
+        closed, in_tree, out_tree = _search.trace(self, self._trace, (args, kwargs))
+        mesh = self._mesh()  # the search may have chosen a tracing mesh that has the axes the program names
         t1 = time.perf_counter()
         # Positional leaves come first, then keyword ones (sorted by name), as (args, kwargs) flattens.
         roots = tuple(args) + tuple(kwargs[k] for k in sorted(kwargs))
@@ -345,6 +360,37 @@ def _check_ties(graph: Graph, prop: Any) -> None:
                     f"conflicting hints on {what}: {graph.values[a].name} {graph.values[a].shape} dim {d} is "
                     f"{prop.axes[a][d] or 'replicated'} ({prop.origin[a][d]}) but "
                     f"{graph.values[b].name} dim {d} is {prop.axes[b][d] or 'replicated'} ({prop.origin[b][d]})")
+    _check_branch_results(graph, prop)
+
+
+def _check_branch_results(graph: Graph, prop: Any) -> None:
+    """Branches of one lax.cond/switch that hint a result must hint it alike: XLA rejects (an internal
+    RET_CHECK) a conditional whose branches return a value with different shardings — one dim split
+    over different axes, or split in one branch and left open in another — so name the hints."""
+    sources: dict[int, list[int]] = {}
+    for op in graph.ops:
+        if op.primitive == "tie" and "/cond" in op.region:
+            sources.setdefault(op.outputs[0], []).append(op.inputs[0])  # branch result -> cond result
+    for out, srcs in sources.items():
+        hinted = [s for s in srcs if any(prop.closed[s])]  # operand ties have one source: skipped here
+        if len(hinted) < 2:
+            continue
+        val = graph.values[out]
+        for d in range(val.rank):
+            seen = {prop.axes[s][d] if prop.closed[s][d] else None: s for s in hinted}
+            split_ways = [a for a in seen if a]
+            if len(split_ways) > 1 or (split_ways and None in seen):
+                a = split_ways[0]
+                b = split_ways[1] if len(split_ways) > 1 else None
+                why_a = prop.origin[seen[a]][d]
+                why_b = prop.origin[seen[b]][d] if b is not None else \
+                    next(o for o, c in zip(prop.origin[seen[None]], prop.closed[seen[None]]) if c)
+                raise ShardingError(
+                    f"conflicting hints on a result of lax.cond/switch: {val.dtype}{list(val.shape)} dim {d} is "
+                    f"split over {'+'.join(a)} in one branch ({why_a}) but "
+                    + (f"over {'+'.join(b)}" if b is not None else "left open") + f" in another ({why_b}); "
+                    f"every branch that hints it must give it the same sharding — hint it the same way in "
+                    f"each branch, or hint the result of the cond instead")
 
 
 def auto(fun: Callable | None = None, **options: Any) -> Any:

@@ -179,6 +179,24 @@ def conflicting_pinned_hints_on_carried_state():
     plan(lambda p: jax.tree.map(lambda v: shard(v * 2, ("data", None)), p), boxed)  # BAD
 
 
+@case("conflicting hints on a result of lax.cond/switch", "dim 1", "model", "data", "in another")
+def cond_branches_pin_a_result_differently():
+    def f(v):
+        return jax.lax.cond(v.sum() > 0, lambda u: shard(u * 2, ("data", shardc.UNCONSTRAINED)),
+                            lambda u: shard(u * 3, ("data", "model")), v)  # BAD
+
+    plan(f, jnp.ones((8, 8)))
+
+
+@case("conflicting hints on a result of lax.cond/switch", "dim 0", "split over data", "left open")
+def switch_branch_splits_what_another_leaves_open():
+    def f(v):
+        branches = [lambda u: split(u, 0, "data"), lambda u: u * 2, lambda u: split(u, 1, "model")]  # BAD
+        return jax.lax.switch(jnp.int32(v.sum()) % 3, branches, v)
+
+    plan(f, jnp.ones((8, 8)))
+
+
 # ------------------------------------------------------------------------------------------ meshes
 
 

@@ -61,3 +61,18 @@ def test_typed_prng_key_arguments_plan_and_run():
     draw = lambda ks: jax.vmap(lambda k: jax.random.uniform(k, (4,)))(ks)  # noqa: E731
     got = shardc.auto(lambda ks: draw(shardc.split(ks, 0, "data")), mesh=MESH)(ks)
     np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(draw)(ks)), rtol=1e-6)
+
+
+def test_tracing_errors_name_the_users_function_and_explain_static_values():
+    def step(x):  # returns a string: JAX's error must name `step`, not shardc's wrapper
+        return x, "not an array"
+
+    with pytest.raises(TypeError, match=r"function step at .*test_internal_errors.py"):
+        shardc.auto(step, mesh=MESH).plan(jnp.ones((8, 4)))
+
+    def reshape(x, n):
+        return x.reshape(n, -1)
+
+    with pytest.raises(TypeError, match="concrete") as info:
+        shardc.auto(reshape, mesh=MESH).plan(jnp.ones((8, 4)), 4)
+    assert any("functools.partial" in n for n in getattr(info.value, "__notes__", []))
