@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from typing import Any, Callable, Sequence
 
 import jax
@@ -20,7 +21,7 @@ from shardc.search.evaluate import Problem, plan_from_seeds
 from shardc.search.space import mesh_candidates
 from shardc.sharding import mesh_shape
 
-__all__ = ["enabled", "default_topology", "plan_by_search"]
+__all__ = ["enabled", "default_topology", "plan_by_search", "trace"]
 
 _PLAN_CACHE: dict[tuple, Any] = {}  # (graph key, mesh, topology, method, seed) -> (mesh sizes, seeds)
 
@@ -31,6 +32,32 @@ def enabled(search: Any) -> bool:
 
 def default_topology(num_devices: int) -> str:
     return "h100-sxm-8" if num_devices <= 8 else f"h100-sxm-8x{math.ceil(num_devices / 8)}"
+
+
+_AXIS_ERR = re.compile(r"unknown mesh axis '([^']+)'|Resource axis: ([\w-]+) of")
+
+
+def trace(af: Any, trace_fn: Callable, call: Any) -> Any:
+    """Trace `call`; when the search chooses the mesh and the program names an axis the tracing mesh lacks
+    (Flax metadata, hints, sharding constraints), retry on a mesh that has every axis named so far."""
+    from shardc.sharding import make_mesh
+
+    required: list[str] = []
+    n = len(jax.devices())
+    while True:
+        try:
+            return trace_fn(call)
+        except Exception as e:
+            m = _AXIS_ERR.search(str(e))
+            if getattr(af, "_mesh_given", True) or not enabled(af.search) or m is None or len(required) >= 3:
+                raise
+            axis = m.group(1) or m.group(2)
+            if axis in required:
+                raise
+            required.append(axis)
+            cands = mesh_candidates(n, required)
+            full = [c for c in cands if all(c[a] > 1 for a in required)]
+            af.mesh = make_mesh((full or cands)[0], jax.devices()[:n])
 
 
 def _hinted_axes(graph: Any) -> list[str]:
