@@ -193,8 +193,10 @@ def apply_step(step: Step, vals: Sequence[Any], mesh: tuple[tuple[str, int], ...
     if k == "fori":
         inner = step.attr("inner")
         return lax.fori_loop(0, step.attr("n"), lambda i, c: _maybe_hint(0.9 * c + 0.1 * jnp.sin(c), inner), a[0])
-    if k == "cond":
-        return lax.cond(jnp.sum(a[0]) > 0, jnp.tanh, lambda v: v * 0.5 - 0.1, a[0])
+    if k == "cond":  # both branches hint their result alike (differently is a ShardingError: test_bad_inputs)
+        inner = step.attr("inner")
+        return lax.cond(jnp.sum(a[0]) > 0, lambda v: _maybe_hint(jnp.tanh(v), inner),
+                        lambda v: _maybe_hint(v * 0.5 - 0.1, inner), a[0])
     if k == "jit_chain":  # a nested jit (inlined by shardc's graph builder) with a hint inside
         return jax.jit(lambda v: _maybe_hint(jnp.tanh(v) * 1.5, step.attr("inner")))(a[0])
     if k == "remat_chain":
@@ -659,7 +661,7 @@ class _Gen:
 
     def cond(self) -> int:
         a = self.operand(lambda s: len(s) >= 1)
-        return self.add("cond", (a,), self.shape(a))
+        return self.add("cond", (a,), self.shape(a), inner=self.inner_spec(self.shape(a)))
 
 
 def _tuplify(x: Any) -> Any:
