@@ -11,6 +11,7 @@ The result is checked with a full simulation and, in the driver, refined by MCMC
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable
 
 from shardc.search.evaluate import Evaluator, Score
@@ -23,15 +24,30 @@ def _cost(s: Score) -> float:
     return s.time if s.feasible else math.inf
 
 
-def chain_dp(ev: Evaluator, base: Assignment, *, max_evals: int = 4000,
+class _OutOfTime(Exception):
+    pass
+
+
+def chain_dp(ev: Evaluator, base: Assignment, *, max_evals: int = 4000, deadline: float | None = None,
              on_eval: Callable[[], None] | None = None) -> tuple[Assignment, Score]:
-    """The chain DP around `base`; returns the assignment found and its simulated score."""
+    """The chain DP around `base`; returns the assignment found and its simulated score (`base` itself when
+    the deadline, a `time.perf_counter()` value, passes first)."""
+    try:
+        return _chain_dp(ev, base, max_evals, deadline, on_eval)
+    except _OutOfTime:
+        return base, ev.score(base)
+
+
+def _chain_dp(ev: Evaluator, base: Assignment, max_evals: int, deadline: float | None,
+              on_eval: Callable[[], None] | None) -> tuple[Assignment, Score]:
     groups = ev.space.groups
     n = len(groups)
     if n == 0:
         return base, ev.score(base)
 
     def f(a: Assignment) -> float:
+        if deadline is not None and time.perf_counter() > deadline:
+            raise _OutOfTime
         if on_eval is not None:
             on_eval()
         return _cost(ev.score(a))

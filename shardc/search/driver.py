@@ -86,10 +86,13 @@ def project(space: Space, plan: Plan) -> Assignment:
 
 
 def search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, method: Any = True,
-                budget_s: float | None = 30.0, seed: int = 0, max_steps: int = 2000, progress: bool | None = None,
+                budget_s: float | None = 30.0, seed: int = 0, max_steps: int = 2000, progress: bool | None = None, max_meshes: int = 2,
                 baselines: Sequence[str] = tuple(BASELINES)) -> tuple[Plan, SearchReport]:
     """Search every mesh in `meshes` and return the best plan (fits memory, lowest simulated step time)
-    with its report. `method`: True (DP then MCMC), "dp", "mcmc"."""
+    with its report. `method`: True (DP then MCMC), "dp", "mcmc". Every baseline is scored on every mesh;
+    the search then runs on the `max_meshes` meshes whose best baseline is fastest. `budget_s` bounds the
+    search phase (baselines are always scored); with budget_s=None, `max_steps` alone bounds it and the
+    result is deterministic for a seed."""
     from tqdm.auto import tqdm
 
     t0 = time.perf_counter()
@@ -99,8 +102,20 @@ def search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, method
     cands: list[Candidate] = []
     smallest_peak = math.inf
     evaluations = 0
-    per_mesh = None if budget_s is None else budget_s / max(len(meshes), 1)
     tried: list[dict[str, int]] = []
+    deadline = None if budget_s is None else t0 + budget_s
+
+    def consider(name: str, sizes: dict[str, int], plan: Plan, score: Score, extra: tuple[Seed, ...]) -> None:
+        nonlocal best, smallest_peak
+        smallest_peak = min(smallest_peak, score.peak)
+        c = Candidate(name, sizes, score)
+        if name != "search":
+            cands.append(c)
+        if best is None or score.key < best[0].key:
+            best = (score, plan, c, extra)
+
+    # Phase 1: every baseline on every mesh.
+    states = []
     for sizes in meshes:
         sizes = dict(sizes)
         mesh = _mesh_of(sizes)
@@ -109,20 +124,10 @@ def search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, method
         except ShardingError:
             continue  # the hints do not fit this mesh
         tried.append(sizes)
-        t_mesh = time.perf_counter()
         space = build_space(problem.graph, sizes, user)
         ev = Evaluator(problem, mesh, space, user)
-
-        def consider(name: str, plan: Plan, score: Score, extra: tuple[Seed, ...]) -> None:
-            nonlocal best, smallest_peak
-            smallest_peak = min(smallest_peak, score.peak)
-            c = Candidate(name, sizes, score)
-            if name != "search":
-                cands.append(c)
-            if best is None or score.key < best[0].key:
-                best = (score, plan, c, extra)
-
         starts: list[Assignment] = [space.neutral()]
+        top = INVALID
         for name in baselines:
             try:
                 extra = baseline_seeds(name, problem.graph, sizes, user)
@@ -133,26 +138,35 @@ def search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, method
             except ShardingError:
                 continue
             bar.update(1)
-            consider(name, plan, score, tuple(extra))
+            consider(name, sizes, plan, score, tuple(extra))
             starts.append(project(space, plan))
+            top = min(top, score, key=lambda x: x.key)
+        states.append((top.key, len(states), sizes, user, ev, starts))
+    # Phase 2: search the most promising meshes (by their best baseline), sharing what is left of the budget.
+    states.sort(key=lambda st: (st[0], st[1]))
+    states = states[:max_meshes]
+    for i, (_, _, sizes, user, ev, starts) in enumerate(states):
+        t_mesh = time.perf_counter()
+        mesh_deadline = None if deadline is None else t_mesh + max(deadline - t_mesh, 0.0) / (len(states) - i)
         if method in (True, "dp"):
-            budget = 400 if method is True else 4000
-            a, _ = chain_dp(ev, min(starts, key=lambda s: ev.score(s).key), max_evals=budget,
-                            on_eval=lambda: bar.update(1))
+            dp_deadline = mesh_deadline if method == "dp" or mesh_deadline is None else (t_mesh + mesh_deadline) / 2
+            a, _ = chain_dp(ev, min(starts, key=lambda s: (ev.score(s).key, s)), max_evals=400 if method is True else 4000,
+                            deadline=dp_deadline, on_eval=lambda: bar.update(1))
             starts.append(a)
         if method in (True, "mcmc"):
-            left = None if per_mesh is None else max(per_mesh - (time.perf_counter() - t_mesh), 0.0)
+            left = None if mesh_deadline is None else max(mesh_deadline - time.perf_counter(), 0.0)
             a, _, _ = mcmc(ev, starts, seed=seed, max_steps=max_steps, budget_s=left,
                            on_step=lambda i, s: bar.update(1))
             starts.append(a)
         a = min(starts, key=lambda s: (ev.score(s).key, s))
-        extra = tuple(seeds_for(space, a, user))
+        extra = tuple(seeds_for(ev.space, a, user))
         try:
             plan = ev.plan(a)
-            consider("search", plan, ev.score_plan(plan)[0], extra)
+            consider("search", sizes, plan, ev.score_plan(plan)[0], extra)
         except ShardingError:
             pass
-        evaluations += ev.evaluations
+    evaluations = sum(st[4].evaluations for st in states)
+    limit = states[0][4].limit if states else math.inf
     bar.close()
     if best is None:
         raise ShardingError(f"strategy search: no mesh of {[dict(m) for m in meshes]} accepts the program's hints")
@@ -160,7 +174,7 @@ def search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, method
     if not score.feasible:
         raise ShardingError(
             f"no plan fits in device memory: the smallest simulated peak found is {format_bytes(smallest_peak)} per "
-            f"device (limit {format_bytes(ev.limit)}); use more devices, a smaller batch, or donate the state")
+            f"device (limit {format_bytes(limit)}); use more devices, a smaller batch, or donate the state")
     report = SearchReport(chosen, cands, tried, evaluations, time.perf_counter() - t0, method_name, extra)
     return dataclasses.replace(plan, search=report), report
 
