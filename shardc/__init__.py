@@ -14,9 +14,10 @@ from shardc.plan import Plan, Reshard
 from shardc.rules.core import register_rule
 from shardc.sharding import Sharding, make_mesh
 from shardc.sim import simulate
+from shardc.search import baselines
 
 __all__ = [
     "auto", "plan", "make_mesh", "split", "replicate", "shard", "UNCONSTRAINED", "ShardingError",
-    "Plan", "Reshard", "Sharding", "AutoFunction", "register_rule", "Topology", "simulate",
+    "Plan", "Reshard", "Sharding", "AutoFunction", "register_rule", "Topology", "simulate", "baselines",
 ]
 __version__ = "0.1.0"

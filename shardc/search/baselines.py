@@ -12,7 +12,7 @@ from typing import Callable, Mapping, Sequence
 from shardc.ir.graph import Graph
 from shardc.propagate import Cause, Seed
 
-__all__ = ["BASELINES", "baseline_seeds", "state_inputs", "data_inputs"]
+__all__ = ["BASELINES", "baseline_seeds", "baseline_plan", "state_inputs", "data_inputs"]
 
 Axes = tuple[str, ...]
 _ROW = re.compile(r"(out|o_proj|\bo\b|'o'|down|wo\b|fc2|c_proj|proj_out|dense_?1)", re.I)
@@ -166,3 +166,14 @@ def baseline_seeds(name: str, graph: Graph, mesh: Mapping[str, int], user_seeds:
         if any(x is not None for x in dims):
             out.append(Seed(s.value, tuple(dims), s.cause, s.priority))
     return out
+
+
+def baseline_plan(name: str, problem, mesh):
+    """Baseline `name` as a Plan of `problem` (a shardc.search.evaluate.Problem) on a jax Mesh, or None when
+    it does not apply."""
+    from shardc.search.evaluate import plan_from_seeds
+    from shardc.sharding import mesh_shape
+
+    user = list(problem.user_seeds(mesh)) if callable(problem.user_seeds) else list(problem.user_seeds or ())
+    extra = baseline_seeds(name, problem.graph, mesh_shape(mesh), user)
+    return None if extra is None else plan_from_seeds(problem, mesh, user + extra)

@@ -15,10 +15,16 @@ def mlp_args(b=1024, d=512, f=2048):
 
 
 def graph_of(fun, args, names=None):
-    closed = jax.make_jaxpr(fun)(*args)
+    """The graph of fun(*args); outputs that are the next version of an argument are tied to it (carried
+    train-step state), as @shardc.auto does."""
+    from shardc.auto import _tie_carried_state
+
+    closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
     names = names or [f"arg{i}" for i in range(len(args))]
     outs = [f"out{i}" for i in range(len(closed.jaxpr.outvars))]
-    return build_graph(closed, names, outs), closed, names, outs
+    g = build_graph(closed, names, outs)
+    _tie_carried_state(g, None, jax.tree_util.tree_structure(out_shape), args)
+    return g, closed, names, outs
 
 
 def problem_of(fun, args, *, topology="h100-sxm-8", seeds=(), memory_limit=None):

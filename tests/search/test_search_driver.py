@@ -67,3 +67,19 @@ def test_save_and_load(tmp_path):
     other = problem_of(_step, mlp_args(b=512))
     with pytest.raises(ShardingError, match="different program"):
         load_plan(path, other)
+
+
+def test_baselines_are_plans():
+    import shardc
+    from shardc.sharding import make_mesh
+
+    pb = problem_of(_step, mlp_args())
+    mesh = make_mesh({"data": 2, "model": 2}, jax.devices()[:4])
+    x, w1 = pb.graph.inputs[0], pb.graph.inputs[1]
+    dp = shardc.baselines.baseline_plan("data-parallel", pb, mesh)
+    assert dp.shardings[x].dims[0] == ("data", "model") and dp.shardings[w1].is_replicated()
+    fsdp = shardc.baselines.baseline_plan("fsdp", pb, mesh)
+    assert not fsdp.shardings[w1].is_replicated()
+    meg = shardc.baselines.baseline_plan("megatron", pb, mesh)
+    assert meg.shardings[x].dims[0] == ("data",) and "model" in meg.shardings[w1].axes()
+    assert shardc.baselines.baseline_plan("expert-parallel", pb, mesh) is None  # no experts here
