@@ -61,7 +61,9 @@ class SearchReport:
             lines.append(f"  {c.name.ljust(w)}  mesh({mesh})  time {t}  peak {format_bytes(s.peak)}  "
                          f"comm {format_bytes(s.comm)}{fit}")
         best_base = min((c for c in self.baselines if c.score.feasible), key=lambda c: c.score.time, default=None)
-        if best_base is not None and self.chosen.name == "search":
+        if best_base is not None and self.chosen.name == "search" and best_base.score.time <= self.chosen.score.time:
+            lines.append(f"  chosen: the searched plan, as fast as the best baseline ({best_base.name})")
+        elif best_base is not None and self.chosen.name == "search":
             lines.append(f"  chosen: the searched plan, {best_base.score.time / self.chosen.score.time:.2f}x the speed of "
                          f"the best baseline ({best_base.name})")
         elif self.chosen.name != "search":
@@ -117,6 +119,8 @@ def search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, method
     # Phase 1: every baseline on every mesh.
     states = []
     for sizes in meshes:
+        if deadline is not None and states and time.perf_counter() > t0 + budget_s / 2:
+            break  # half the budget is spent on baselines: search the meshes scored so far
         sizes = dict(sizes)
         mesh = _mesh_of(sizes)
         try:
