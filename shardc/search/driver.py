@@ -137,7 +137,7 @@ def search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, method
                 extra = baseline_seeds(name, problem.graph, sizes, user)
                 if extra is None:
                     continue
-                plan = plan_from_seeds(problem, mesh, user + extra)
+                plan = ev.plan_with(extra)
                 score = ev.score_plan(plan)[0]
             except ShardingError:
                 continue

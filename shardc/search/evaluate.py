@@ -10,7 +10,7 @@ from jax.sharding import Mesh
 from annotations.errors import ShardingError
 from shardc.ir.graph import Graph
 from shardc.plan import Plan, build_plan
-from shardc.propagate import Seed, propagate
+from shardc.propagate import Propagation, Seed, propagate
 from shardc.search.space import Assignment, Space, seeds_for
 from shardc.sharding import mesh_shape
 from shardc.sim import Simulator, as_topology
@@ -51,11 +51,42 @@ class Score:
 INVALID = Score(math.inf, math.inf, math.inf, False)
 
 
-def plan_from_seeds(problem: Problem, mesh: Mesh, seeds: Sequence[Seed]) -> Plan:
-    """Propagate the user's seeds plus `seeds` and build the plan (with program and donation recorded)."""
+class UserPropagation:
+    """Propagation of the user's seeds done once; `run(extra)` continues from it with the search's seeds
+    (priority 1), giving exactly what `propagate(graph, mesh, user + extra)` gives."""
+
+    def __init__(self, graph: Graph, mesh: dict[str, int], user_seeds: Sequence[Seed]) -> None:
+        from shardc.propagate import _Propagator
+
+        assert all(s.priority == 0 for s in user_seeds)
+        self.p = p = _Propagator(graph, mesh)
+        for s in user_seeds:
+            p.apply_seed(s)
+        for phase in (0, 1, 2):
+            p.run_to_fixed_point(phase, only_new=phase > 0)
+        self.base = ([list(a) for a in p.axes], [list(c) for c in p.closed], [list(o) for o in p.origin], p.visits)
+
+    def run(self, extra: Sequence[Seed]) -> Propagation:
+        p = self.p
+        axes, closed, origin, visits = self.base
+        p.axes, p.closed, p.origin, p.visits = [list(a) for a in axes], [list(c) for c in closed], \
+            [list(o) for o in origin], visits
+        for level in sorted({s.priority for s in extra}):
+            for s in extra:
+                if s.priority == level:
+                    p.apply_seed(s)
+            for phase in (0, 1, 2):
+                p.run_to_fixed_point(phase, only_new=phase > 0)
+        return Propagation(p.axes, p.closed, p.origin, p.visits)
+
+
+def plan_from_seeds(problem: Problem, mesh: Mesh, seeds: Sequence[Seed], *,
+                    base: UserPropagation | None = None) -> Plan:
+    """Propagate `seeds` (the user's and the search's; with `base`, only the search's, continuing from the
+    user's propagation) and build the plan (with program and donation recorded)."""
     from shardc.auto import _check_ties
 
-    prop = propagate(problem.graph, mesh_shape(mesh), list(seeds))
+    prop = base.run(list(seeds)) if base is not None else propagate(problem.graph, mesh_shape(mesh), list(seeds))
     _check_ties(problem.graph, prop)
     plan = build_plan(problem.graph, mesh, prop, input_names=problem.input_names,
                       output_names=problem.output_names, warnings=list(problem.warnings))
@@ -73,10 +104,17 @@ class Evaluator:
         self.sim = Simulator(problem.graph, self.topology, self.topology.map_mesh(sizes), sizes)
         self.limit = problem.memory_limit if problem.memory_limit is not None else self.topology.device.memory
         self.cache: dict[Assignment, Score] = {}
+        self._base: UserPropagation | None = None
         self.evaluations = 0
 
     def plan(self, assignment: Assignment) -> Plan:
-        return plan_from_seeds(self.problem, self.mesh, self.user_seeds + seeds_for(self.space, assignment, self.user_seeds))
+        return self.plan_with(seeds_for(self.space, assignment, self.user_seeds))
+
+    def plan_with(self, extra: Sequence[Seed]) -> Plan:
+        """The plan of the user's seeds plus `extra` (priority >= 1)."""
+        if self._base is None:
+            self._base = UserPropagation(self.problem.graph, mesh_shape(self.mesh), self.user_seeds)
+        return plan_from_seeds(self.problem, self.mesh, extra, base=self._base)
 
     def score_plan(self, plan: Plan) -> tuple[Score, Any]:
         self.evaluations += 1

@@ -70,3 +70,22 @@ def test_pinned_dims_are_respected():
     for a in sp.all_assignments():
         for s in seeds_for(sp, a, user):
             assert not (s.value == x and s.dims[0] is not None)
+
+
+def test_continued_propagation_equals_full_propagation():
+    from shardc.propagate import propagate
+    from shardc.search.evaluate import UserPropagation
+    from search_models import mlp_args, mlp_forward
+
+    g, *_ = graph_of(mlp_forward, mlp_args(64, 32, 64))
+    mesh = {"data": 2, "model": 2}
+    user = [Seed(g.inputs[1], ((), ("model",)), Cause("hint", "test"))]
+    sp = build_space(g, mesh, user)
+    base = UserPropagation(g, mesh, user)
+    for k, a in enumerate(sp.all_assignments()):
+        if k % 97:
+            continue
+        extra = seeds_for(sp, a, user)
+        full = propagate(g, mesh, user + extra)
+        again = base.run(extra)
+        assert again.axes == full.axes and again.closed == full.closed
