@@ -49,7 +49,7 @@ class SearchReport:
         for c in self.baselines:  # each baseline on its best mesh
             if c.name not in per_name or c.score.key < per_name[c.name].score.key:
                 per_name[c.name] = c
-        rows = [self.chosen] + sorted(per_name.values(), key=lambda c: c.score.key)
+        rows = [self.chosen] + sorted((c for c in per_name.values() if c is not self.chosen), key=lambda c: c.score.key)
         lines = [f"strategy search ({self.method}): {self.evaluations} simulated plans over {len(self.meshes)} "
                  f"mesh shape(s) in {self.seconds:.1f} s"]
         w = max(len(c.name) for c in rows)
@@ -152,7 +152,10 @@ def search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, method
     for i, (_, _, sizes, user, ev, starts) in enumerate(states):
         t_mesh = time.perf_counter()
         mesh_deadline = None if deadline is None else t_mesh + max(deadline - t_mesh, 0.0) / (len(states) - i)
-        if method in (True, "dp"):
+        t_eval = (time.perf_counter() - t0) / max(sum(st[4].evaluations for st in states), 1)
+        dp_evals = sum(g.size for g in ev.space.groups) + 400
+        skip_dp = method is True and mesh_deadline is not None and dp_evals * t_eval > (mesh_deadline - t_mesh) / 2
+        if method in (True, "dp") and not skip_dp:  # (DP+MCMC skips a DP that cannot finish in its share)
             dp_deadline = mesh_deadline if method == "dp" or mesh_deadline is None else (t_mesh + mesh_deadline) / 2
             a, _ = chain_dp(ev, min(starts, key=lambda s: (ev.score(s).key, s)), max_evals=400 if method is True else 4000,
                             deadline=dp_deadline, on_eval=lambda: bar.update(1))
