@@ -1,6 +1,7 @@
 """Metropolis-Hastings over assignments (FlexFlow §6), scored by the simulator.
 
-Each step re-draws one group's choice (a symmetric proposal). A better proposal is always taken; a worse
+Each step re-draws one group's choice (a symmetric proposal given the group; groups are picked in
+proportion to the bytes their members touch, so the heavy ops are revisited most). A better proposal is always taken; a worse
 one with probability exp(-beta * (cost_new - cost_cur) / cost_ref), where cost_ref is the best time so
 far, so beta is relative to the cost's magnitude (beta=20: a 5% slower plan is taken with p = 1/e).
 The chain restarts from the best state every `restart_every` steps and stops when the budget (steps or
@@ -39,6 +40,15 @@ def _accept(new: Score, cur: Score, ref: float, beta: float, rng: random.Random)
     return rng.random() < math.exp(-beta * (new.time - cur.time) / max(ref, 1e-30))
 
 
+def _weight(ev: Evaluator, gi: int) -> float:
+    """Proposal weight of a group: the bytes its members touch (heavy ops are re-drawn more often)."""
+    g = ev.space.graph
+    grp = ev.space.groups[gi]
+    if grp.kind == "input":
+        return float(sum(g.values[v].nbytes for v in grp.members))
+    return float(sum(g.values[v].nbytes for m in grp.members for v in g.ops[m].inputs + g.ops[m].outputs))
+
+
 def mcmc(ev: Evaluator, starts: Sequence[Assignment], *, seed: int = 0, max_steps: int = 2000,
          budget_s: float | None = None, beta: float = 20.0, restart_every: int | None = None,
          on_step: Callable[[int, Score], Any] | None = None) -> tuple[Assignment, Score, MCMCStats]:
@@ -52,6 +62,7 @@ def mcmc(ev: Evaluator, starts: Sequence[Assignment], *, seed: int = 0, max_step
     if not groups:
         stats.stopped = "no decisions"
         return best, best_score, stats
+    weights = [_weight(ev, i) for i in groups]
     restart_every = restart_every or max(10, max_steps // 10)
     t0 = time.perf_counter()
     last_gain_step, last_gain_t = 0, t0
@@ -63,7 +74,7 @@ def mcmc(ev: Evaluator, starts: Sequence[Assignment], *, seed: int = 0, max_step
         if step - last_gain_step > max_steps // 2 or (budget_s is not None and now - last_gain_t > budget_s / 2):
             stats.stopped = "no improvement for half the budget"
             break
-        gi = rng.choice(groups)
+        gi = rng.choices(groups, weights)[0]
         k = rng.randrange(ev.space.groups[gi].size - 1)
         k = k + 1 if k >= cur[gi] else k
         prop = cur[:gi] + (k,) + cur[gi + 1:]
