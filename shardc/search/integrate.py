@@ -95,7 +95,12 @@ def plan_by_search(af: Any, graph: Any, user_seeds: Callable, in_paths: Sequence
         if user is not None:
             return dataclasses.replace(plan_from_seeds(problem, af.mesh, user + list(cached.seeds)), search=cached)
     budget = af.budget_s if af.budget_s is not None else 30.0
-    plan, report = search_plan(problem, meshes, method=method, budget_s=budget, seed=af.seed)
+    from shardc.distributed import is_multiprocess
+
+    steps = 2000
+    if is_multiprocess():  # bounded by steps only (about 4 per second of budget), so every process agrees
+        budget, steps, method = None, int(min(2000, max(50, 4 * budget))), ("mcmc" if method is True else method)
+    plan, report = search_plan(problem, meshes, method=method, budget_s=budget, seed=af.seed, max_steps=steps)
     _PLAN_CACHE[key] = report
     if path is not None:
         save_plan(plan, path)
