@@ -84,6 +84,8 @@ class AutoFunction:
     # -- public --------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            return self._inline(args, kwargs)
         self._carried.check(tree, leaves, _describe(self.fun))
         c = self._compiled(args, kwargs)
         flat = [self._place(x, s) for x, s in zip(leaves, c.plan.input_shardings())]
@@ -105,6 +107,18 @@ class AutoFunction:
         return self._compiled(args, kwargs)
 
     # -- internals -----------------------------------------------------------------------------------
+    def _inline(self, args: tuple, kwargs: dict) -> Any:
+        """Called while something else traces (another @shardc.auto function, jax.jit, grad, vmap):
+        the function becomes part of that program, its hints written against this mesh."""
+        outer = _annotations.current_mesh()
+        if outer is not None and self.mesh is not None and outer != self.mesh:
+            raise ShardingError(
+                f"{_describe(self.fun)} is a @shardc.auto function on mesh {dict(self.mesh.shape)} called "
+                f"inside a program planned on mesh {dict(outer.shape)}; a nested call becomes part of the outer "
+                f"program, so give both the same mesh (or call the undecorated function)")
+        with _annotations.mesh_context(outer if outer is not None else self._mesh()):
+            return self.fun(*args, **kwargs)
+
     def _place(self, x: Any, sharding: Any) -> Any:
         target = sharding.named(self._mesh())
         if not target.is_fully_addressable and not isinstance(x, jax.core.Tracer) \

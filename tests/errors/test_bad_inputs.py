@@ -226,6 +226,14 @@ def mesh_with_explicit_axes():
     plan(lambda x: split(x, 0, "a"), mesh=mesh)  # BAD
 
 
+@case("@shardc.auto function on mesh {'data': 2, 'model': 4}", "planned on mesh {'a': 8}", "same mesh",
+      "test_bad_inputs.py")
+def nested_auto_function_on_another_mesh():
+    inner = shardc.auto(lambda u: split(u, 1, "model") * 2, mesh=MESH)  # BAD
+    outer = shardc.auto(lambda v: inner(v), mesh=shardc.make_mesh({"a": 8}))
+    outer(X)
+
+
 # ------------------------------------------------------------------------------------------ Flax metadata and rules
 
 

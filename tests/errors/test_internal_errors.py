@@ -76,3 +76,13 @@ def test_tracing_errors_name_the_users_function_and_explain_static_values():
     with pytest.raises(TypeError, match="concrete") as info:
         shardc.auto(reshape, mesh=MESH).plan(jnp.ones((8, 4)), 4)
     assert any("functools.partial" in n for n in getattr(info.value, "__notes__", []))
+
+
+def test_auto_function_called_inside_another_is_inlined():
+    x = jnp.arange(64, dtype=jnp.float32).reshape(8, 8) / 64
+    inner = shardc.auto(lambda u: shardc.split(u, 1, "model") * 2, mesh=MESH)
+    outer = shardc.auto(lambda v: inner(shardc.split(v, 0, "data")) + 1, mesh=MESH)
+    np.testing.assert_allclose(np.asarray(outer(x)), np.asarray(x * 2 + 1), rtol=1e-6)
+    hints = [op.params["spec"].describe() for op in outer.plan(x).graph.ops if op.primitive == "shardc_hint"]
+    assert hints == ["split[data | ?]", "split[? | model]"]
+    np.testing.assert_allclose(np.asarray(jax.grad(lambda v: inner(v).sum())(x)), 2.0)
