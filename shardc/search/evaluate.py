@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import deque
 from typing import Any, Sequence
 
 from jax.sharding import Mesh
@@ -71,13 +72,50 @@ class UserPropagation:
         axes, closed, origin, visits = self.base
         p.axes, p.closed, p.origin, p.visits = [list(a) for a in axes], [list(c) for c in closed], \
             [list(o) for o in origin], visits
+        # Stamps: an op whose tensors did not change since its last visit is at its fixed point, so its
+        # visit would change nothing and is skipped (the queue order is the one propagate() uses).
+        self.clock = 0
+        self.value_stamp = [0] * len(p.axes)
+        self.op_stamp = [0] * len(p.g.ops)
         for level in sorted({s.priority for s in extra}):
             for s in extra:
                 if s.priority == level:
                     p.apply_seed(s)
+                    self.clock += 1
+                    self.value_stamp[s.value] = self.clock
             for phase in (0, 1, 2):
-                p.run_to_fixed_point(phase, only_new=phase > 0)
+                self._run(phase, only_new=phase > 0)
         return Propagation(p.axes, p.closed, p.origin, p.visits)
+
+    def _run(self, max_phase: int, only_new: bool) -> None:
+        """`_Propagator.run_to_fixed_point`, skipping ops none of whose tensors changed since their visit."""
+        p = self.p
+        ops, users, values = p.g.ops, p.g.users, p.g.values
+        vstamp, ostamp = self.value_stamp, self.op_stamp
+        allowed = [ph <= max_phase for ph in p.phase_of]
+        queue = deque(i for i, ph in enumerate(p.phase_of) if (ph == max_phase if only_new else allowed[i]))
+        queued = [False] * len(ops)
+        for i in queue:
+            queued[i] = True
+        while queue:
+            oid = queue.popleft()
+            queued[oid] = False
+            op = ops[oid]
+            seen = ostamp[oid]
+            if not any(vstamp[v] > seen for v in op.inputs) and not any(vstamp[v] > seen for v in op.outputs):
+                continue
+            self.clock += 1
+            ostamp[oid] = self.clock
+            for v in p.visit(op):
+                self.clock += 1
+                vstamp[v] = self.clock
+                neighbours = list(users[v])
+                if values[v].producer is not None:
+                    neighbours.append(values[v].producer)
+                for n in neighbours:
+                    if allowed[n] and not queued[n]:
+                        queued[n] = True
+                        queue.append(n)
 
 
 def plan_from_seeds(problem: Problem, mesh: Mesh, seeds: Sequence[Seed], *,

@@ -83,9 +83,9 @@ def test_continued_propagation_equals_full_propagation():
     sp = build_space(g, mesh, user)
     base = UserPropagation(g, mesh, user)
     for k, a in enumerate(sp.all_assignments()):
-        if k % 97:
+        if k % 13:
             continue
         extra = seeds_for(sp, a, user)
         full = propagate(g, mesh, user + extra)
         again = base.run(extra)
-        assert again.axes == full.axes and again.closed == full.closed
+        assert again.axes == full.axes and again.closed == full.closed and again.origin == full.origin
