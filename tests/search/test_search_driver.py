@@ -1,7 +1,6 @@
 """The driver: never worse than the best baseline, deterministic for a seed, hints kept, memory as a hard
 limit, save/load."""
 import jax
-import jax.numpy as jnp
 import pytest
 
 from shardc import ShardingError
