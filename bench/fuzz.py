@@ -68,7 +68,7 @@ def child_chunk(seed: int, count: int, max_ops: int, const_cotangents: bool, pro
         try:
             o = fuzzlib.check_program(prog)
             rec.update(kind="upstream" if o.upstream_bug else "ok", error=o.upstream_bug, hints=o.hints_checked,
-                       reshards=o.reshards, sharded=o.sharded_values, values=o.values)
+                       reshards=o.reshards, sharded=o.sharded_values, values=o.values, rounding=o.rounding)
         except Exception as e:  # noqa: BLE001 - every failure is recorded
             rec.update(kind="fail", error=_error_kind(e))
         rec["seconds"] = round(time.perf_counter() - t0, 3)
@@ -178,10 +178,13 @@ def soak(args: argparse.Namespace) -> None:
     errors = Counter(r.get("error") or r["kind"] for r in recorded)
     per_s = len(recs) / elapsed if elapsed else 0.0
     summary = [
-        "| programs | seconds | programs/s | ok | fail | upstream (XLA) | crash | hinted dims checked | reshards |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        f"| {len(recs)} | {elapsed:.0f} | {per_s:.1f} | {kinds['ok']} | {kinds['fail']} | {kinds['upstream']} | "
-        f"{len(crashes)} | {sum(r.get('hints', 0) for r in recs)} | {sum(r.get('reshards', 0) for r in recs)} |",
+        "| programs | seconds | programs/s | ok | of which float64-adjudicated | fail | upstream (XLA) | crash "
+        "| hinted dims checked | reshards | sharded values |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| {len(recs)} | {elapsed:.0f} | {per_s:.1f} | {kinds['ok']} | {sum(bool(r.get('rounding')) for r in recs)} | "
+        f"{kinds['fail']} | {kinds['upstream']} | {len(crashes)} | {sum(r.get('hints', 0) for r in recs)} | "
+        f"{sum(r.get('reshards', 0) for r in recs)} | {sum(r.get('sharded', 0) for r in recs)} / "
+        f"{sum(r.get('values', 0) for r in recs)} |",
     ]
     print("\n".join(summary))
     for e, n in errors.most_common():
