@@ -79,7 +79,7 @@ class AutoFunction:
         if mesh is not None and not isinstance(mesh, Mesh):
             raise ShardingError(f"shardc.auto(mesh=...) needs a jax.sharding.Mesh (see shardc.make_mesh), got {type(mesh).__name__}")
         self._mesh_given = mesh is not None
-        self._search_resume: Any = None  # (graph key, SearchReport) while retracing under a searched mesh
+        self._search_resume: Any = None  # the SearchReport while retracing under the mesh the search chose
 
     # -- public --------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
