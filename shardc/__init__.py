@@ -9,6 +9,7 @@
 """
 from annotations import UNCONSTRAINED, ShardingError, replicate, shard, split
 from shardc.auto import AutoFunction, auto, plan
+from shardc.check import check
 from shardc.cost.topology import Topology
 from shardc.plan import Plan, Reshard
 from shardc.rules.core import register_rule

@@ -40,7 +40,7 @@ class MemoryResult:
 
 class MemoryModel:
     """Buffers of one device over the slots of a simulation. `keys` resolves interned key ids to
-    (canonical value, sharding) pairs (the simulation's TaskBuilder)."""
+    (canonical value, sharding, origin) triples (the simulation's TaskBuilder)."""
 
     def __init__(self, graph: Any, info: ProgramInfo, mesh: Mapping[str, int], keys: Any) -> None:
         self.graph = graph
@@ -55,10 +55,11 @@ class MemoryModel:
         self.owner: dict[int, int] = {}
         self.readers: dict[int, set[int]] = {}
         self._local: dict[int, int] = {}  # input/output value -> local bytes
+        self.bounds: dict[int, tuple[int, int]] = {}  # key id -> (starts no earlier, ends no earlier) slots
         self.args = self.outs = self.alias = 0
 
     def _bytes(self, kid: int) -> int:
-        c, s = self.keys.key_list[kid]
+        c, s, _ = self.keys.key_list[kid]
         if self.info.constant[c] or (self.info.fused[c] and kid not in self.keys.chain_keys):
             return 0
         v = self.graph.values[c]
@@ -74,7 +75,7 @@ class MemoryModel:
         owner = self.owner.get(kid)
         if owner is None:
             return
-        c = self.keys.key_list[kid][0]
+        c, _, origin = self.keys.key_list[kid]
         if c in self._inputs or c in self._outputs:
             return  # counted with the arguments / outputs
         b = self._bytes(kid)
@@ -82,21 +83,33 @@ class MemoryModel:
             return
         rs = self.readers.get(kid)
         end = max(rs) if rs else owner
-        self.buffers[kid] = (owner, end, b)
-        self.diff[owner] += b
+        lo, hi = self.bounds.get(kid, (-1, -1))
+        if origin == 0:  # a value stays alive while the fused values recomputed from it are read
+            hi = max(hi, self.info.kept[c])
+        start = max(owner, lo)
+        end = max(end, hi, start)
+        self.buffers[kid] = (start, end, b)
+        self.diff[start] += b
         self.diff[end + 1] -= b
 
     def _reads(self, slot: Any) -> set[int]:
         flags = self.keys.is_value_key
         return {d for t in slot.tasks for d in t.deps if flags[d]}
 
-    def full(self, plan: Any, slots: Sequence[Any], donated: Sequence[int] = ()) -> None:
+    def _makes(self, slot: Any) -> set[int]:
+        flags = self.keys.is_value_key
+        return {k for t in slot.tasks for k in t.outs if flags[k]}
+
+    def full(self, plan: Any, slots: Sequence[Any], donated: Sequence[int] = (),
+             bounds: Mapping[int, tuple[int, int]] | None = None) -> None:
+        """`bounds`: buffers merged collectives hold longer (key id -> (start no earlier, end no earlier))."""
+        self.bounds = dict(bounds or {})
         self.diff[:] = 0
         self.buffers.clear()
         self.owner.clear()
         self.readers.clear()
         for s in slots:
-            for k in s.made:
+            for k in self._makes(s):
                 self.owner.setdefault(k, s.op)
             for k in self._reads(s):
                 self.readers.setdefault(k, set()).add(s.op)
@@ -106,11 +119,17 @@ class MemoryModel:
         self.io(plan, donated, None)
 
     def update(self, plan: Any, slots: Sequence[Any], affected: Sequence[int], old_slots: Mapping[int, Any],
-               donated: Sequence[int] = (), values: Iterable[int] = ()) -> None:
+               donated: Sequence[int] = (), values: Iterable[int] = (),
+               bounds: tuple[Mapping[int, tuple[int, int]], Mapping[int, tuple[int, int]]] | None = None) -> None:
+        """Recompute the buffers of rebuilt slots (and of keys whose `bounds` changed: (before, after))."""
         touched: set[int] = set()
+        if bounds is not None:
+            before, after = bounds
+            touched.update(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+            self.bounds = dict(after)
         for i in affected:
             old = old_slots[i]
-            for k in old.made:
+            for k in self._makes(old):
                 if self.owner.get(k) == i:
                     del self.owner[k]
                     touched.add(k)
@@ -121,7 +140,7 @@ class MemoryModel:
                 touched.add(k)
         for i in affected:
             new = slots[i]
-            for k in new.made:
+            for k in self._makes(new):
                 if k not in self.owner:
                     self.owner[k] = i
                     touched.add(k)
@@ -149,7 +168,8 @@ class MemoryModel:
             return n
 
         self.args = sum(nbytes(v) for v in g.inputs)
-        self.outs = sum(nbytes(v) for v in g.outputs)
+        # A tuple of outputs also holds its table of pointers (8 bytes each), as XLA counts it.
+        self.outs = sum(nbytes(v) for v in g.outputs) + (8 * len(g.outputs) if len(g.outputs) > 1 else 0)
         alias = 0
         free = [g.inputs[i] for i in donated if i < len(g.inputs)]
         for v in g.outputs:

@@ -4,8 +4,12 @@
   reshards (`canon` maps every value to the one XLA keeps);
 * dead ops (nothing they make reaches an output) are removed by XLA's DCE;
 * constant ops (all inputs are compile-time constants) are folded;
-* fused values: an elementwise-like op whose every consumer is elementwise-like or a reduction is fused
-  into its consumers, so its result is never written to memory (XLA's loop and input fusion);
+* fused values: XLA fuses an elementwise-like op into its consumers when they are all elementwise-like
+  or reductions — duplicating it into each when it is cheap, not when it is expensive (transcendentals,
+  divides: those are fused only into a single consumer) — so its result is never written to memory.
+  A value with several readers, some of them far away (`SAVED_DISTANCE` ops: saved for the backward
+  pass), is materialised instead. A fused value read late keeps the values it is recomputed from alive
+  (`kept`).
 * loop regions run `trips` times (scan length; 1 when XLA cannot know it).
 
 Computed once per Graph (`program_info(graph)`, cached on the graph object) and shared by every plan of it.
@@ -31,6 +35,12 @@ REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
 FREE_PRIMITIVES = frozenset({"shardc_hint", "sharding_constraint", "tie", "scan_slice", "scan_stack",
                              "stop_gradient", "optimization_barrier"})
 _NOT_MERGED = frozenset({"tie", "scan_slice", "scan_stack"})
+# XLA duplicates cheap producers into each consumer, but not these (InstructionFusion::IsExpensive).
+EXPENSIVE = frozenset(TRANSCENDENTAL) | {"div", "rem"}
+# A value read both near its producer and this many ops later (saved for the backward pass) is kept in
+# memory rather than recomputed there. Calibrated against XLA:CPU's memory_analysis() on 14 MLP,
+# Transformer and GPT plans (docs/simulator.md).
+SAVED_DISTANCE = 200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +53,7 @@ class ProgramInfo:
     trips: tuple[int, ...]  # per op: how many times it runs per step
     last_use: tuple[int, ...]  # per canonical value: the last live op reading it (-1 if none)
     pkeys: tuple[Any, ...]  # per op: its params as a hashable key
+    kept: tuple[int, ...]  # per canonical value: last op reading a fused value recomputed from it (-1: none)
 
     def counts(self, op_id: int) -> bool:
         """Whether an op does work in the compiled program."""
@@ -120,8 +131,38 @@ def _analyse(graph: Graph) -> ProgramInfo:
             users = consumers[v]
             if v in outputs or not users:
                 continue
-            fused[v] = all(graph.ops[u].primitive in FUSIBLE or graph.ops[u].primitive in REDUCTIONS
-                           for u in users)
+            fused[v] = (all(graph.ops[u].primitive in FUSIBLE or graph.ops[u].primitive in REDUCTIONS for u in users)
+                        and (op.primitive not in EXPENSIVE or len(users) == 1)
+                        and not (len(users) > 1 and max(users) - op.id > SAVED_DISTANCE))
+    # A fused value is recomputed where it is read, from the materialised values it is made of: those
+    # stay alive until its last reader.
+    kept = [-1] * nv
+    frontier: dict[int, frozenset[int]] = {}
+
+    def made_of(v: int) -> frozenset[int]:
+        hit = frontier.get(v)
+        if hit is None:
+            p = graph.values[v].producer
+            out: set[int] = set()
+            if p is not None:
+                for u in graph.ops[p].inputs:
+                    c = canon[u]
+                    if fused[c]:
+                        out |= made_of(c)
+                    elif not constant[c]:
+                        out.add(c)
+            hit = frontier[v] = frozenset(out)
+        return hit
+
+    for op in graph.ops:
+        if not live[op.id]:
+            continue
+        for v in op.inputs:
+            c = canon[v]
+            if fused[c]:
+                for m in made_of(c):
+                    if kept[m] < op.id:
+                        kept[m] = op.id
 
     trips = [1] * no
     lengths: dict[str, int] = {}
@@ -137,4 +178,4 @@ def _analyse(graph: Graph) -> ProgramInfo:
                     n *= lengths.get("/".join(parts[: i + 1]), 1)
                 trips[op.id] = n
     return ProgramInfo(tuple(live), tuple(constant), tuple(canon), tuple(duplicate), tuple(fused),
-                       tuple(trips), tuple(last_use), pkeys)
+                       tuple(trips), tuple(last_use), pkeys, tuple(kept))

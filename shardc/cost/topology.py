@@ -95,6 +95,8 @@ class Topology:
     overlap: bool = True  # collectives run on their own streams, overlapping compute
     reduce_scatter: bool = True  # the backend has a native reduce-scatter (XLA:CPU lowers it to an all-reduce)
     source: str = ""
+    combine_bytes: float = 30 * 2**20  # XLA merges independent all-reduces up to this many bytes (GPU default)
+    combine_count: int = 256
 
     @property
     def num_devices(self) -> int:
@@ -174,7 +176,8 @@ class Topology:
         if len({lv.name for lv in levels}) != len(levels):
             raise ShardingError(f"topology level names repeat: {[lv.name for lv in levels]}")
         return cls(str(d.get("name", "custom")), device, levels, bool(d.get("overlap", True)),
-                   bool(d.get("reduce_scatter", True)), str(d.get("source", "")))
+                   bool(d.get("reduce_scatter", True)), str(d.get("source", "")),
+                   _num(d.get("combine_bytes", 30 * 2**20)), int(d.get("combine_count", 256)))
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "Topology":
@@ -196,6 +199,7 @@ class Topology:
                        "vector_efficiency": self.device.vector_efficiency, "op_overhead": self.device.op_overhead},
             "levels": [dataclasses.asdict(lv) for lv in self.levels],
             "overlap": self.overlap, "reduce_scatter": self.reduce_scatter, "source": self.source,
+            "combine_bytes": self.combine_bytes, "combine_count": self.combine_count,
         }
 
     def __str__(self) -> str:

@@ -20,6 +20,7 @@ from shardc.cost.estimator import OpCostEstimator
 from shardc.cost.memory import MemoryModel
 from shardc.cost.topology import MeshMapping, Topology
 from shardc.plan import Plan
+from shardc.sim.combine import Combiner
 from shardc.sim.result import SimResult
 from shardc.sim.tasks import TASKS_PER_SLOT, Slot, TaskBuilder, plan_needs
 
@@ -29,7 +30,7 @@ __all__ = ["Simulator"]
 @dataclasses.dataclass
 class _State:
     plan: Plan
-    slots: list[Slot]
+    slots: list[Slot]  # one per op
     keys: dict  # key id -> owning slot (-1: inputs)
     ready: list  # key id -> ready time (ps)
     who: list  # key id -> (slot, task) that made it
@@ -42,6 +43,8 @@ class _State:
     makespan: int = 0
     totals: "_Totals | None" = None
     inputs: set = dataclasses.field(default_factory=set)  # key ids of the inputs
+    ar_slots: set = dataclasses.field(default_factory=set)  # slots with all-reduces that may merge
+    groups: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -86,6 +89,7 @@ class Simulator:
         self.mapping = mapping
         self._last: _State | None = None
         self._users_cache: dict[int, list[int]] | None = None
+        self._combiner: Combiner | None = None
 
     @property
     def graph(self) -> Any:
@@ -99,12 +103,14 @@ class Simulator:
         needs = plan_needs(plan)
         slots = [b.build_slot(plan, i, keys, needs) for i in range(len(self.graph.ops))]
         n = len(slots)
-        state = _State(plan, slots, keys, [], [], [[] for _ in slots], [[] for _ in slots], [[] for _ in slots],
-                       [()] * n, [()] * n, [0] * n)
+        state = _State(plan, slots, keys, [], [], [[] for _ in slots], [[] for _ in slots],
+                       [[] for _ in slots], [()] * n, [()] * n, [0] * n)
         state.totals = _Totals.of(slots)
         state.inputs = {k for k, owner in keys.items() if owner == -1}
+        state.ar_slots = {s.op for s in slots if s.ars}
         self._schedule(state, 0)
-        self.memory.full(plan, slots, donated)
+        state.groups = self._groups(state)
+        self.memory.full(plan, slots, donated, Combiner.lifetimes(slots, state.groups))
         self._last = state
         return self._result(state)
 
@@ -118,10 +124,6 @@ class Simulator:
         if found is None:
             return self.full(plan, donated)
         affected, values = found
-        if not affected:
-            old.plan = plan
-            self.memory.io(plan, donated, ())
-            return self._result(old)
         b = self.builder
         keys = old.keys
         drop = {k for s in affected for k in old.slots[s].made if keys.get(k) == s}
@@ -145,10 +147,24 @@ class Simulator:
             old.totals.add(old.slots[s], -1)
             old.totals.add(new, 1)
             old.slots[s] = new
+            (old.ar_slots.add if new.ars else old.ar_slots.discard)(s)
         old.plan = plan
-        self._schedule(old, affected[0])
-        self.memory.update(plan, old.slots, affected, old_slots, donated, values)
+        if affected:
+            self._schedule(old, affected[0])
+        old_groups = old.groups
+        old.groups = self._groups(old)
+        bounds = None
+        if old.groups != old_groups:
+            before = Combiner.lifetimes([old_slots.get(i, s) for i, s in enumerate(old.slots)], old_groups)
+            bounds = (before, Combiner.lifetimes(old.slots, old.groups))
+        self.memory.update(plan, old.slots, affected, old_slots, donated, values, bounds)
         return self._result(old)
+
+    def _groups(self, st: _State) -> list:
+        if self._combiner is None:
+            self._combiner = Combiner(self.graph, self.builder.info.canon, self.builder.key_list)
+        return self._combiner.groups(st.slots, sorted(st.ar_slots), self.topology.combine_bytes,
+                                     self.topology.combine_count)
 
     # -- internals -----------------------------------------------------------------------------------
     def _affected(self, a: Plan, b: Plan) -> tuple[list[int], set[int]] | None:

@@ -31,7 +31,12 @@ __all__ = ["Task", "Slot", "TaskBuilder", "PS", "TASKS_PER_SLOT", "plan_needs"]
 
 PS = 10**12  # picoseconds per second
 TASKS_PER_SLOT = 1 << 12  # a task is named by slot * TASKS_PER_SLOT + index
-Key = tuple[int, Sharding]  # a value (canonical id) in a layout; interned to an int id by the builder
+# A value key: (canonical value id, sharding, origin). origin 0: the value in its planned layout or a
+# layout resharded from it (what consumers read; identical reshards of it are one, as XLA's CSE makes
+# them); origin 1: the layout an op's strategy makes before it is resharded to the planned one (a
+# separate buffer, never reused by consumers). Keys are interned to ints by the builder.
+Key = tuple[int, Sharding, int]
+HOME, MADE = 0, 1
 
 
 @dataclasses.dataclass(slots=True)
@@ -45,6 +50,20 @@ class Task:
     op: int
     level: str = ""
     collective: str = ""  # the collective this phase belongs to
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ArEntry:
+    """A reshard that is a single all-reduce: tasks [first, first + count) of its slot (phases and the
+    final join), reading `src` and making `dst`."""
+
+    first: int
+    count: int
+    axes: tuple[str, ...]
+    bytes: int
+    src: int
+    dst: int
+    name: str
 
 
 @dataclasses.dataclass(slots=True)
@@ -63,6 +82,7 @@ class Slot:
     wire: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)  # (kind, level) -> bytes sent
     made: tuple[int, ...] = ()  # value keys this slot made (for ownership in delta rebuilds and memory)
     sched: tuple = ()  # (deps, stream, dur, outs) per task: what the scheduler reads
+    ars: tuple["ArEntry", ...] = ()  # all-reduces XLA may combine with others (see shardc.sim.combine)
 
     def seal(self) -> "Slot":
         if len(self.tasks) >= TASKS_PER_SLOT:
@@ -109,13 +129,14 @@ class TaskBuilder:
         if i is None:
             i = self.key_of[key] = len(self.key_list)
             self.key_list.append(key)
-            self.is_value_key.append(len(key) == 2)
-            self.value_keys.setdefault(key[0], []).append(i)
+            self.is_value_key.append(len(key) == 3)
+            if len(key) == 3:
+                self.value_keys.setdefault(key[0], []).append(i)
         return i
 
     def initial_keys(self, plan: Plan) -> dict[int, int]:
         """Keys ready before the step: the inputs at their planned shardings (owner -1)."""
-        return {self.kid((self.canon(v), plan.shardings[v])): -1 for v in self.graph.inputs}
+        return {self.kid((self.canon(v), plan.shardings[v], HOME)): -1 for v in self.graph.inputs}
 
     def local_shape(self, v: int, s: Sharding) -> tuple[int, ...]:
         shape = self.graph.values[v].shape
@@ -146,12 +167,14 @@ class TaskBuilder:
 
     def chain(self, slot: Slot, src_key: Key, dst: Sharding, v: int, op: int, trips: int) -> Key:
         """Tasks taking value `v` from `src_key` to `dst`; returns the key they produce."""
-        c, src = src_key
-        dst_key = (c, dst)
+        c, src, _ = src_key
+        dst_key = (c, dst, HOME)
         deps = (self.kid(src_key),)
         tasks = []
         val = self.graph.values[v]
-        for coll in self.collectives(src, dst, v):
+        colls = self.collectives(src, dst, v)
+        first = len(slot.tasks)
+        for coll in colls:
             slot.payload[coll.kind] = slot.payload.get(coll.kind, 0) + coll.bytes * trips
             slot.xla_payload[coll.kind] = slot.xla_payload.get(coll.kind, 0) + coll.bytes
             if coll.kind == "all-reduce":
@@ -160,7 +183,7 @@ class TaskBuilder:
             for ph in self.phases(coll):
                 dur = int(round(ph.seconds * trips * PS))
                 stream = self.comm_stream(ph.level)
-                k = self.kid((c, ("phase", len(slot.tasks) + len(tasks)), op))
+                k = self.kid(("phase", c, len(slot.tasks) + len(tasks), op))
                 tasks.append(Task(name, ph.kind, stream, dur, deps, (k,), op, ph.level, coll.kind))
                 wk = (coll.kind, ph.level)
                 slot.wire[wk] = slot.wire.get(wk, 0) + int(round(ph.bytes * trips))
@@ -171,6 +194,9 @@ class TaskBuilder:
             self.chain_keys.add(out)
         tasks.append(Task(f"{val.name} as {dst}", "join", -1, 0, deps, (out,), op))
         slot.tasks.extend(tasks)
+        if len(colls) == 1 and colls[0].kind == "all-reduce" and trips == 1 and len(tasks) > 1:
+            slot.ars += (ArEntry(first, len(tasks), colls[0].axes, colls[0].bytes, self.kid(src_key), out,
+                                 tasks[0].name),)
         return dst_key
 
     # -- slots ---------------------------------------------------------------------------------------
@@ -194,13 +220,13 @@ class TaskBuilder:
         def have(v: int, s: Sharding) -> int:
             """The key of value v at sharding s, building a reshard chain from its home layout if needed."""
             c = self.canon(v)
-            i = kid((c, s))
+            i = kid((c, s, HOME))
             if i in keys:
                 return i
             if info.constant[c] or info.constant[v]:  # folded by XLA: ready, in any layout, at the start
                 slot.tasks.append(Task(f"constant {g.values[v].name}", "join", -1, 0, (), (i,), op_id))
-                return made((c, s))
-            home = (c, plan.shardings[c])
+                return made((c, s, HOME))
+            home = (c, plan.shardings[c], HOME)
             if kid(home) not in keys:  # made by an op XLA drops: ready at the start
                 slot.tasks.append(Task(g.values[v].name, "join", -1, 0, (), (kid(home),), op_id))
                 made(home)
@@ -218,7 +244,8 @@ class TaskBuilder:
         out_keys: list[Key] = []
         for v, dims in zip(op.outputs, rule.results):
             m = strat.tensor_sharding(rule, dims, self.mesh)
-            out_keys.append((self.canon(v), Sharding(m.dims, partial) if partial else m))
+            m = Sharding(m.dims, partial) if partial else m
+            out_keys.append((self.canon(v), m, HOME if m == plan.shardings[v] else MADE))
         outs = tuple(kid(k) for k in out_keys)
         free = op.primitive in FREE_PRIMITIVES or all(info.constant[self.canon(v)] for v in op.outputs)
         if free:

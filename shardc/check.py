@@ -1,0 +1,153 @@
+"""Fidelity of the simulator against the compiled program.
+
+    report = shardc.check(plan)          # a plan made by @shardc.auto / shardc.plan
+    report = shardc.check(step, *args)   # or an @shardc.auto function and its arguments
+    print(report); report.ok
+
+The plan is lowered and compiled on the local backend, and per device:
+
+* collective bytes by kind — read from `compiled.as_text()` (tuple-shaped, async and combined forms,
+  loop bodies times their trip count; `shardc.cost.hlo`) — against the simulation's payloads;
+* FLOPs — `compiled.cost_analysis()["flops"]` — against the simulation's count in XLA's convention
+  (loop bodies once, all-reduce elements included);
+* memory — arguments + outputs - aliased + temporaries of `compiled.memory_analysis()` — against the
+  simulated peak.
+
+Bounds: 5% for bytes and FLOPs, 20% for memory. A disagreement means the plan or the cost model is wrong.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from annotations.errors import ShardingError
+from shardc.cost.hlo import COLLECTIVE_KINDS, collectives
+from shardc.cost.topology import Device, Level, Topology
+
+__all__ = ["check", "CheckReport", "CheckRow", "compiled_stats", "BOUNDS"]
+
+BOUNDS = {"bytes": 0.05, "flops": 0.05, "memory": 0.20}
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckRow:
+    quantity: str
+    predicted: float
+    compiled: float
+    bound: float
+
+    @property
+    def error(self) -> float:
+        if self.compiled == 0:
+            return 0.0 if self.predicted == 0 else float("inf")
+        return abs(self.predicted - self.compiled) / abs(self.compiled)
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.bound
+
+
+@dataclasses.dataclass
+class CheckReport:
+    rows: list[CheckRow]
+    compiled_collectives: list[Any]
+    simulation: Any
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.rows)
+
+    def row(self, quantity: str) -> CheckRow:
+        for r in self.rows:
+            if r.quantity == quantity:
+                return r
+        raise KeyError(quantity)
+
+    def failures(self) -> list[CheckRow]:
+        return [r for r in self.rows if not r.ok]
+
+    def assert_ok(self) -> None:
+        if not self.ok:
+            raise AssertionError("simulation disagrees with the compiled program:\n" + str(self))
+
+    def __str__(self) -> str:
+        head = ["quantity", "predicted", "compiled", "error", "bound", ""]
+        body = []
+        for r in self.rows:
+            err = "inf" if r.error == float("inf") else f"{100 * r.error:.2f}%"
+            body.append([r.quantity, f"{r.predicted:,.0f}", f"{r.compiled:,.0f}", err, f"{100 * r.bound:.0f}%",
+                         "ok" if r.ok else "MISMATCH"])
+        widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+        lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+        lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(b, widths))) for b in body]
+        return "\n".join(lines)
+
+
+def _host_topology(platform: str) -> Topology:
+    """A nominal topology of the local backend: the check compares bytes, FLOPs and memory, not time.
+    XLA:CPU lowers a reduce-scatter to an all-reduce and a local slice."""
+    dev = Device(f"{platform}-device", {"float32": 1e11}, mem_bandwidth=1e10, memory=2**40)
+    n = len(jax.devices())
+    return Topology(f"{platform}-nominal", dev, (Level("host", n, 1e10, 1e-6),), overlap=False,
+                    reduce_scatter=platform not in ("cpu",),
+                    combine_bytes=float("inf") if platform == "cpu" else 30 * 2**20)
+
+
+def compiled_stats(compiled: Any, mesh_shape: list[tuple[str, int]]) -> dict[str, Any]:
+    """Collectives, FLOPs and memory of a compiled program, per device."""
+    colls = collectives(compiled.as_text(), mesh_shape)
+    by_kind: dict[str, int] = {}
+    for c in colls:
+        by_kind[c.kind] = by_kind.get(c.kind, 0) + c.total_bytes
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    mem = compiled.memory_analysis()
+    peak = None
+    if mem is not None:
+        peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+                + mem.temp_size_in_bytes)
+    return {"collectives": colls, "bytes": by_kind, "flops": float(cost.get("flops", 0.0)) if cost else 0.0,
+            "memory": peak, "memory_analysis": mem}
+
+
+def _compile(plan: Any) -> Any:
+    from shardc.lower import jit_plan
+
+    if plan.program is None:
+        raise ShardingError("shardc.check needs a plan made by @shardc.auto or shardc.plan (it records the traced "
+                            "program); or call shardc.check(step, *args) with the @shardc.auto function")
+    g = plan.graph
+    avals = [jax.ShapeDtypeStruct(g.values[v].shape, g.values[v].dtype) for v in g.inputs]
+    return jit_plan(plan, plan.program, plan.donated).lower(*avals).compile()
+
+
+def check(plan_or_fn: Any, *args: Any, topology: Any = None, **kwargs: Any) -> CheckReport:
+    """Compile a plan and compare the simulator's collective bytes (by kind), FLOPs and memory with it."""
+    from shardc.auto import AutoFunction
+    from shardc.sim import as_topology, simulate
+
+    if isinstance(plan_or_fn, AutoFunction):
+        plan = plan_or_fn.plan(*args, **kwargs)
+        compiled = plan_or_fn.lower(*args, **kwargs).compile()
+    else:
+        plan = plan_or_fn
+        compiled = _compile(plan)
+    platform = jax.default_backend()
+    topo = _host_topology(platform) if topology is None else as_topology(topology)
+    # What XLA does on this backend: XLA:CPU has no reduce-scatter and merges all-reduces without a size limit.
+    topo = dataclasses.replace(topo, reduce_scatter=platform not in ("cpu",),
+                               combine_bytes=float("inf") if platform == "cpu" else topo.combine_bytes)
+    sim = simulate(plan, topo)
+    stats = compiled_stats(compiled, list(plan.mesh_sizes.items()))
+    rows = []
+    for kind in COLLECTIVE_KINDS:
+        p, c = sim.payload.get(kind, 0), stats["bytes"].get(kind, 0)
+        if p or c:
+            rows.append(CheckRow(f"{kind} bytes", p, c, BOUNDS["bytes"]))
+    rows.append(CheckRow("FLOPs", sim.xla_flops, stats["flops"], BOUNDS["flops"]))
+    if stats["memory"] is not None:
+        rows.append(CheckRow("peak memory bytes", sim.peak_memory, stats["memory"], BOUNDS["memory"]))
+    return CheckReport(rows, stats["collectives"], sim)
