@@ -198,7 +198,12 @@ _EN_ADV = "today yesterday often slowly quickly".split()
 _SYLL = "ka ri mo tu ne sa lo vi pe zu da go fi ha ju be".split()
 
 
+_IRREGULAR = {"wolf": "wolves", "child": "children", "fish": "fish"}
+
+
 def _plural(noun: str) -> str:
+    if noun in _IRREGULAR:
+        return _IRREGULAR[noun]
     return noun + ("es" if noun.endswith(("s", "x", "sh", "ch")) else "s")
 
 
@@ -232,8 +237,9 @@ def synthetic_pairs(n: int, seed: int = 0) -> list[tuple[str, str]]:
             definite = rng.random() < 0.6
             noun = rng.choice(_EN_NOUNS)
             adjs = rng.sample(_EN_ADJ, rng.choice((0, 0, 1, 1, 2)))
-            det = "the" if definite else ("some" if plural else "a")
-            en = " ".join([det] + adjs + [_plural(noun) if plural else noun])
+            words = adjs + [_plural(noun) if plural else noun]
+            det = "the" if definite else ("some" if plural else ("an" if words[0][0] in "aeiou" else "a"))
+            en = " ".join([det] + words)
             case = "n" if role == "subj" else "m"
             z_noun = ("le" if definite else "") + lex[noun] + ("i" if plural else "") + case
             z = " ".join([z_noun] + [lex[a] + ("i" if plural else "") for a in adjs])

@@ -85,8 +85,12 @@ def compute_capacity(
 
 def _check_logits(logits, paddings):
     logits = jnp.asarray(logits)
+    if logits.ndim == 2:  # [S, E]: a single group
+        logits = logits[None]
+        if paddings is not None:
+            paddings = jnp.asarray(paddings)[None]
     if logits.ndim != 3:
-        raise ValueError(f"gating logits must be [G, S, E], got shape {logits.shape}")
+        raise ValueError(f"gating logits must be [G, S, E] (or [S, E]), got shape {logits.shape}")
     logits = logits.astype(jnp.float32)
     g, s, _ = logits.shape
     if paddings is None:
@@ -98,6 +102,12 @@ def _check_logits(logits, paddings):
         # 1 / True marks a padding token (lingvo convention).
         nonpad = jnp.logical_not(paddings.astype(jnp.bool_)).astype(jnp.int32)
     return logits, nonpad
+
+
+def _squeeze_single_group(out: GatingOutput, squeeze: bool) -> GatingOutput:
+    if not squeeze:
+        return out
+    return GatingOutput(out.combine_weights[0], out.dispatch_mask[0], out.aux_loss)
 
 
 def _is_key(x) -> bool:
@@ -174,7 +184,8 @@ def top2_gating(
 
     Args:
       logits: ``[G, S, E]`` router logits (computed with ``einsum('GSM,ME->GSE')``); upcast to float32.
-      paddings: optional ``[G, S]``; 1 / True marks a padding token.
+        ``[S, E]`` is taken as one group (outputs are then ``[S, E, C]``).
+      paddings: optional ``[G, S]`` (``[S]`` for 2-D logits); 1 / True marks a padding token.
       rng: PRNG key for the ``"random"`` second-expert policy. ``None`` makes routing deterministic
         (evaluation / decoding): every second choice is kept, as with ``"all"``.
       capacity_factor: ``C = ceil(capacity_factor * S / E)``; 2.0 is the paper's ``2S/E``.
@@ -195,13 +206,15 @@ def top2_gating(
         raise ValueError(
             f"second_expert_policy must be one of {SECOND_EXPERT_POLICIES}, got {second_expert_policy!r}"
         )
+    squeeze = jnp.ndim(logits) == 2
     logits, nonpad = _check_logits(logits, paddings)
     g, s, e = logits.shape
     if e < 2:
         raise ValueError(f"top-2 gating needs at least 2 experts, got E={e}")
     c = _resolve_capacity(s, e, capacity_factor, expert_capacity, min_capacity)
     use_rng = second_expert_policy == "random" and rng is not None
-    return _top2(logits, nonpad, rng if use_rng else None, c, use_rng, float(second_expert_threshold))
+    out = _top2(logits, nonpad, rng if use_rng else None, c, use_rng, float(second_expert_threshold))
+    return _squeeze_single_group(out, squeeze)
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))
@@ -272,10 +285,11 @@ def top1_gating(
     """
     paddings, rng = _split_key(paddings, rng, key, None)
     del rng
+    squeeze = jnp.ndim(logits) == 2
     logits, nonpad = _check_logits(logits, paddings)
     g, s, e = logits.shape
     c = _resolve_capacity(s, e, capacity_factor, expert_capacity, min_capacity)
-    return _top1(logits, nonpad, c)
+    return _squeeze_single_group(_top1(logits, nonpad, c), squeeze)
 
 
 @functools.partial(jax.jit, static_argnums=(2,))

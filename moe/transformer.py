@@ -8,7 +8,8 @@ loss of the MoE layers; :func:`loss_fn` adds it with weight ``aux_loss_weight``.
 
 Greedy decoding keeps a key/value cache per decoder layer (:meth:`Transformer.decode_step`), so a
 sentence of length L costs L single-token decoder passes. MoE layers route the tokens of one decoding
-step as one group without a capacity limit (``decode_capacity`` = no drops).
+step (one per sentence) as one group, deterministically, with capacity from ``decode_capacity_factor``
+(None: C = S, nothing dropped, at E/2 times the expert compute).
 """
 from __future__ import annotations
 
@@ -59,7 +60,9 @@ class TransformerConfig:
     bos_id: int = 1
     eos_id: int = 2
     dtype: Any = jnp.float32
-    decode: bool = False  # set by decoding: MoE routes one group per step, no capacity limit
+    decode: bool = False  # set by greedy_decode: MoE routes one group per decoding step
+    # Capacity factor of a decoding step's group (one token per sentence); None = C = S, nothing dropped.
+    decode_capacity_factor: float | None = None
 
     def is_moe(self, layer: int) -> bool:
         return self.num_experts > 0 and self.moe_every > 0 and layer % self.moe_every == self.moe_every - 1
@@ -133,10 +136,13 @@ class FeedForward(nn.Module):
             y = nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic)
             return nn.Dense(cfg.d_model, dtype=cfg.dtype, name="wo")(y), None
         if cfg.decode:
-            # One decoding step: route all tokens of the step as one group, never drop.
-            # (No sharding hints either: a decoding step's single group cannot be split.)
-            kw = dict(num_groups=1, group_size=None, expert_capacity=int(np.prod(x.shape[:-1])),
-                      group_axes=None, expert_axes=None)
+            # One decoding step: route the step's tokens (one per sentence) as one group, with capacity
+            # ceil(decode_capacity_factor * S / E), or C = S (never drop) when that is None.
+            # (No sharding hints: a decoding step's single group cannot be split.)
+            s = int(np.prod(x.shape[:-1]))
+            cap = s if cfg.decode_capacity_factor is None else max(
+                1, min(s, math.ceil(cfg.decode_capacity_factor * s / cfg.num_experts)))
+            kw = dict(num_groups=1, group_size=None, expert_capacity=cap, group_axes=None, expert_axes=None)
         else:
             kw = dict(num_groups=cfg.num_groups, group_size=cfg.group_size, expert_capacity=None,
                       group_axes=cfg.group_axes, expert_axes=cfg.expert_axes)
@@ -311,7 +317,7 @@ def loss_fn(logits, targets, aux_loss, cfg: TransformerConfig, label_smoothing: 
 def greedy_decode(params, cfg: TransformerConfig, src, max_len: int):
     """Greedy translation of ``src`` [B, Ls] (numpy/jax int); returns [B, max_len] token ids (after BOS).
 
-    Deterministic; runs MoE layers without capacity limit. jit this (``jax.jit(greedy_decode,
+    Deterministic (no random routing, no dropout). jit this (``jax.jit(greedy_decode,
     static_argnums=(1, 3))``).
     """
     dcfg = dataclasses.replace(cfg, decode=True, dropout_rate=0.0)
@@ -323,14 +329,19 @@ def greedy_decode(params, cfg: TransformerConfig, src, max_len: int):
     done = jnp.zeros((b,), bool)
     out = jnp.full((b, max_len), cfg.pad_id, jnp.int32)
 
-    def body(i, carry):
-        token, cache, done, out = carry
+    def cond(carry):
+        i, _, _, done, _ = carry
+        return (i < max_len) & ~jnp.all(done)
+
+    def body(carry):
+        i, token, cache, done, out = carry
         logits, cache = model.apply({"params": params}, enc, src, token, cache, i, method=Transformer.decode_step)
         nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         nxt = jnp.where(done, cfg.pad_id, nxt)
         out = out.at[:, i].set(nxt)
         done = done | (nxt == cfg.eos_id)
-        return nxt[:, None], cache, done, out
+        return i + 1, nxt[:, None], cache, done, out
 
-    _, _, _, out = jax.lax.fori_loop(0, max_len, body, (token, cache, done, out))
+    # Stops as soon as every sentence has produced EOS.
+    _, _, _, _, out = jax.lax.while_loop(cond, body, (jnp.int32(0), token, cache, done, out))
     return out

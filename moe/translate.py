@@ -54,7 +54,8 @@ from moe.transformer import Transformer, TransformerConfig, greedy_decode, loss_
 MODEL_PRESETS = {
     # d_model, heads, mlp_dim, encoder layers, decoder layers, experts
     "tiny": dict(d_model=64, num_heads=2, mlp_dim=128, num_encoder_layers=2, num_decoder_layers=2, num_experts=4),
-    "small": dict(d_model=256, num_heads=4, mlp_dim=1024, num_encoder_layers=3, num_decoder_layers=3, num_experts=8),
+    "small": dict(d_model=256, num_heads=4, mlp_dim=1024, num_encoder_layers=2, num_decoder_layers=2, num_experts=8),
+    "medium": dict(d_model=256, num_heads=4, mlp_dim=1024, num_encoder_layers=4, num_decoder_layers=4, num_experts=8),
     "base": dict(d_model=512, num_heads=8, mlp_dim=2048, num_encoder_layers=6, num_decoder_layers=6, num_experts=16),
 }
 
@@ -64,10 +65,10 @@ MODEL_PRESETS = {
 
 def _compile_step(fn, mesh, donate_argnums=(), example_args=None, mode="auto", in_shardings=None,
                   out_shardings=None):
-    """The one place where the train step is compiled. Returns ``(step, compiler name, plan text)``.
+    """The one place where the train step is compiled. Returns ``(step, compiler name, plan or None)``.
 
-    ``mode="auto"``: ``@shardc.auto`` when shardc provides it and can plan the step (its
-    ``plan.explain()`` is returned for printing), else ``jax.jit`` run under ``jax.set_mesh(mesh)``
+    ``mode="auto"``: ``@shardc.auto`` when shardc provides it and can plan the step (its ``Plan`` is
+    returned; ``plan.explain()`` prints it), else ``jax.jit`` run under ``jax.set_mesh(mesh)``
     (the layers' split/replicate hints then lower to sharding constraints). ``"shardc"`` insists on
     shardc (errors propagate); ``"jit"`` skips it.
     """
@@ -83,8 +84,8 @@ def _compile_step(fn, mesh, donate_argnums=(), example_args=None, mode="auto", i
         if auto is not None:
             try:
                 step = auto(mesh=mesh, donate_argnums=donate_argnums)(fn)
-                text = step.plan(*example_args).explain() if example_args is not None else None
-                return step, "shardc.auto", text
+                plan = step.plan(*example_args) if example_args is not None else None
+                return step, "shardc.auto", plan
             except Exception as e:  # noqa: BLE001 - fall back, loudly
                 if mode == "shardc":
                     raise
@@ -136,20 +137,22 @@ def build_args(argv=None):
     p.add_argument("--synthetic-size", type=int, default=20000, help="training pairs of the synthetic task")
     p.add_argument("--test-every", type=int, default=50, help="hold out every N-th pair for BLEU (default 50)")
     p.add_argument("--holdout-books", default=None, help="sparv: hold out whole books instead, e.g. Ruth,Jude")
-    p.add_argument("--vocab-size", type=int, default=8000, help="joint BPE vocabulary size")
+    p.add_argument("--vocab-size", type=int, default=4000, help="joint BPE vocabulary size")
     p.add_argument("--max-len", type=int, default=64, help="max subword tokens per side (longer pairs skipped)")
     p.add_argument("--buckets", default="24,40,64", help="length buckets (one compiled shape each)")
     p.add_argument("--model", default="small", choices=sorted(MODEL_PRESETS), help="model size preset")
     p.add_argument("--experts", type=int, default=None, help="experts per MoE layer (default: preset)")
     p.add_argument("--layers", type=int, default=None, help="encoder and decoder layers (default: preset)")
     p.add_argument("--d-model", type=int, default=None)
-    p.add_argument("--steps", type=int, default=1400, help="training steps")
+    p.add_argument("--steps", type=int, default=600, help="training steps")
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch and side")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (Adam, warmup + cosine decay)")
-    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=150)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--aux-weight", type=float, default=0.01, help="weight of the MoE load-balancing loss")
     p.add_argument("--capacity-factor", type=float, default=2.0, help="training capacity factor (2.0 = 2S/E)")
+    p.add_argument("--decode-capacity-factor", type=float, default=2.0,
+                   help="capacity factor of a decoding step's group (0: C = S, never drop)")
     p.add_argument("--second-expert-policy", default="random", choices=["random", "all"])
     p.add_argument("--mesh", default="data=2,expert=4", help="mesh axes, e.g. expert=8 or data=2,expert=4")
     p.add_argument("--compiler", default="auto", choices=["auto", "shardc", "jit"],
@@ -210,22 +213,35 @@ def bleu(hyps, refs) -> float:
 
 
 class Translator:
-    """Greedy decoding of held-out sentences in fixed-shape batches (one compilation)."""
+    """Greedy decoding of held-out sentences in fixed-shape batches (one compilation).
+
+    Decoding is a long chain of small steps, so it runs unsharded: the parameters are copied to a few
+    single devices (one per CPU core) and batches are dispatched to them round robin; JAX's asynchronous
+    dispatch runs them concurrently.
+    """
 
     def __init__(self, cfg: TransformerConfig, tok: BPETokenizer, max_len: int, batch: int = 64):
         self.cfg, self.tok, self.max_len, self.batch = cfg, tok, max_len, batch
         self._fn = jax.jit(greedy_decode, static_argnums=(1, 3))
+        n = max(1, min(len(jax.local_devices()), os.cpu_count() or 1))
+        self.devices = jax.local_devices()[:n]
 
     def __call__(self, params, sources: list[str]) -> list[str]:
         out = [""] * len(sources)
         enc = [self.tok.encode(s)[: self.max_len] for s in sources]
         order = np.argsort([len(e) for e in enc], kind="stable")
-        for start in range(0, len(order), self.batch):
+        copies = [jax.device_put(params, d) for d in self.devices]
+        pending = []
+        for k, start in enumerate(range(0, len(order), self.batch)):
             idx = order[start : start + self.batch]
             src = np.zeros((self.batch, self.max_len), np.int32)
             for r, i in enumerate(idx):
                 src[r, : len(enc[i])] = enc[i]
-            ids = np.asarray(self._fn(params, self.cfg, jnp.asarray(src), self.max_len + 8))
+            d = k % len(self.devices)
+            ids = self._fn(copies[d], self.cfg, jax.device_put(src, self.devices[d]), self.max_len + 8)
+            pending.append((idx, ids))
+        for idx, ids in pending:
+            ids = np.asarray(ids)
             for r, i in enumerate(idx):
                 out[i] = self.tok.decode(ids[r])
         return out
@@ -262,6 +278,7 @@ def save_plot(path: Path, history: list[dict], evals: list[dict]) -> None:
 def main(argv=None) -> dict:
     args = build_args(argv)
     t_start = time.time()
+    cpu_start = time.process_time()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else out_dir / "checkpoints"
@@ -332,13 +349,20 @@ def main(argv=None) -> dict:
           f"{cfg.capacity_factor}, policy {cfg.second_expert_policy}), {n_params / 1e6:.1f}M parameters "
           f"({n_expert / 1e6:.1f}M in experts)")
 
+    needs_rng = cfg.dropout_rate > 0 or cfg.second_expert_policy == "random"
+
     def train_step(state, batch, key_data):
         # The step's rng arrives as raw uint32 key data (jax.random.key_data), not a typed key array.
-        dkey, gkey = jax.random.split(jax.random.wrap_key_data(key_data))
+        # Without dropout and with the "all" policy the step uses no randomness at all (no key-typed values).
+        if needs_rng:
+            dkey, gkey = jax.random.split(jax.random.wrap_key_data(key_data))
+            rngs = {"dropout": dkey, "gating": gkey}
+        else:
+            rngs = {}
 
         def lf(params):
             logits, aux = model.apply({"params": params}, batch["src"], batch["tgt_in"], deterministic=False,
-                                      rngs={"dropout": dkey, "gating": gkey})
+                                      rngs=rngs)
             return loss_fn(logits, batch["tgt_out"], aux, cfg)
 
         grads, metrics = jax.grad(lf, has_aux=True)(state["params"])
@@ -403,12 +427,15 @@ def main(argv=None) -> dict:
     batch0 = jax.tree.map(jnp.asarray, stream.batch(start_step))
     print(f"plan    mesh {dict(mesh.shape)}, compiler {args.compiler} ...", flush=True)
     t0 = time.time()
-    step_fn, compiler, explained = _compile_step(
+    step_fn, compiler, plan = _compile_step(
         train_step, mesh, donate_argnums=(0,), example_args=(state, batch0, step_key(start_step)), mode=args.compiler,
         in_shardings=(state_sh, batch_sh, replicated), out_shardings=(state_sh, replicated),
     )
-    if explained is not None:
-        print(explained)
+    if plan is not None:
+        (out_dir / "plan.txt").write_text(plan.explain(max_rows=100_000))
+        lines = plan.explain(max_rows=0).splitlines()
+        print("\n".join([lines[0]] + [ln for ln in lines[1:] if ln.startswith(("note", "reshards"))]))
+        print(f"        full plan (every tensor's sharding and its cause): {out_dir / 'plan.txt'}")
     else:
         print("plan    jax.jit: the MoE layers' split/replicate hints + Flax partitioning metadata, XLA propagates")
     print(f"        {compiler} ready in {time.time() - t0:.1f}s")
@@ -424,8 +451,10 @@ def main(argv=None) -> dict:
                              args.max_len * n_dev, batch_multiple=n_dev)
     val_batches = [val_stream.make(np.arange(k, min(k + n_dev * 8, len(keep))), args.max_len)
                    for k in range(0, len(keep), n_dev * 8)]
-    translator = Translator(dataclasses.replace(cfg, group_axes=None, expert_axes=None, batch_axes=None), tok,
-                            args.max_len)
+    translator = Translator(
+        dataclasses.replace(cfg, group_axes=None, expert_axes=None, batch_axes=None,
+                            decode_capacity_factor=args.decode_capacity_factor or None),
+        tok, args.max_len)
 
     def evaluate(params, n_bleu=None):
         tot, cnt = 0.0, 0.0
@@ -531,6 +560,8 @@ def main(argv=None) -> dict:
         "total_time_s": total, "final_train_loss": history[-1]["loss"] if history else None,
         "epochs": stream.epoch_of(step), "compiler": compiler, "mesh": dict(mesh.shape),
         "model": args.model, "params_m": n_params / 1e6, "stopped_early": stopped_early,
+        "cpu_time_s": time.process_time() - cpu_start, "cpus": os.cpu_count(),
+        "load_avg_1m_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"done in {total / 60:.1f} min (training {train_time / 60:.1f} min, {step} steps, "

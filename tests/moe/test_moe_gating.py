@@ -231,7 +231,7 @@ def test_jit_and_grad_through_combine():
 
 def test_errors():
     with pytest.raises(ValueError):
-        moe.top2_gating(jnp.zeros((4, 8)))
+        moe.top2_gating(jnp.zeros((4,)))
     with pytest.raises(ValueError):
         moe.top2_gating(jnp.zeros((1, 4, 1)))
     with pytest.raises(ValueError):
@@ -269,3 +269,12 @@ def test_routing_stats():
     np.testing.assert_allclose(float(st.two_experts), 2 / 8)
     np.testing.assert_allclose(float(st.dropped), 6 / 8)
     np.testing.assert_allclose(np.asarray(st.expert_load), [1.0, 1.0, 0.0, 0.0])
+
+
+def test_single_group_2d_logits():
+    logits = _rand_logits(11, 1, 16, 4)
+    a = moe.top2_gating(logits[0], expert_capacity=6)
+    b = moe.top2_gating(logits, expert_capacity=6)
+    assert a.combine_weights.shape == (16, 4, 6)
+    np.testing.assert_array_equal(np.asarray(a.dispatch_mask), np.asarray(b.dispatch_mask)[0])
+    assert float(a.aux_loss) == float(b.aux_loss)

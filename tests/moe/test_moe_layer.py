@@ -27,7 +27,7 @@ def _collectives(txt: str) -> dict:
 
 
 def _init(m, x):
-    v = m.init({"params": jax.random.key(1)}, x)
+    v = jax.jit(m.init)({"params": jax.random.key(1)}, x)
     return nn.unbox(v)["params"], nn.get_partition_spec(v)["params"]
 
 
@@ -36,7 +36,7 @@ def test_equals_per_token_loop_reference():
     # capacity >= S and the "all" policy: nothing dropped, every token gets its top-2 experts.
     m = MoeFeedForward(num_experts=4, hidden_dim=48, num_groups=2, expert_capacity=32, second_expert_policy="all")
     params, _ = _init(m, x)
-    y, aux = m.apply({"params": params}, x)
+    y, aux = jax.jit(m.apply)({"params": params}, x)
     ref = reference_moe_loop(x.reshape(-1, 32), params["gate"], params["wi"], params["wo"])
     np.testing.assert_allclose(np.asarray(y).reshape(-1, 32), ref, atol=1e-5, rtol=1e-5)
     assert np.isfinite(float(aux))
@@ -47,11 +47,11 @@ def test_dropped_tokens_and_padding_give_zero_output():
     pad = jnp.zeros((2, 8), jnp.int32).at[:, 6:].set(1)
     m = MoeFeedForward(num_experts=4, hidden_dim=16, num_groups=1, expert_capacity=16, second_expert_policy="all")
     params, _ = _init(m, x)
-    y, _ = m.apply({"params": params}, x, pad)
+    y, _ = jax.jit(m.apply)({"params": params}, x, pad)
     assert np.abs(np.asarray(y)[:, 6:]).max() == 0.0
     # One group of 16 tokens, 4 experts x capacity 1 = 4 slots: at least 12 tokens get no expert.
     m1 = MoeFeedForward(num_experts=4, hidden_dim=16, num_groups=1, expert_capacity=1, second_expert_policy="all")
-    y1, _ = m1.apply({"params": params}, x)
+    y1, _ = jax.jit(m1.apply)({"params": params}, x)
     zero_rows = (np.abs(np.asarray(y1).reshape(-1, 16)).max(-1) == 0).sum()
     assert zero_rows >= 12
 
@@ -188,13 +188,34 @@ def test_functional_core_top1_router():
     gk = jax.random.normal(jax.random.key(1), (8, 4))
     wi = jax.random.normal(jax.random.key(2), (4, 8, 12))
     wo = jax.random.normal(jax.random.key(3), (4, 12, 8))
-    y, gating = moe_ffn(x, gk, wi, wo, router="top1", expert_capacity=16)
+    y, gating = jax.jit(lambda *a: moe_ffn(*a, router="top1", expert_capacity=16))(x, gk, wi, wo)
     # Top-1 without drops: y = p_max * FFN_argmax(x).
     p = jax.nn.softmax(jnp.einsum("gsm,me->gse", x, gk), -1)
     e = np.asarray(jnp.argmax(p, -1))
-    xf, yf, pf = np.asarray(x), np.asarray(y), np.asarray(p)
+    xf, yf, pf, wif, wof = (np.asarray(a) for a in (x, y, p, wi, wo))
     for g in range(2):
         for s in range(16):
-            h = np.maximum(xf[g, s] @ np.asarray(wi[e[g, s]]), 0)
-            np.testing.assert_allclose(yf[g, s], pf[g, s, e[g, s]] * (h @ np.asarray(wo[e[g, s]])), rtol=1e-4, atol=1e-4)
+            h = np.maximum(xf[g, s] @ wif[e[g, s]], 0)
+            np.testing.assert_allclose(yf[g, s], pf[g, s, e[g, s]] * (h @ wof[e[g, s]]), rtol=1e-4, atol=1e-4)
     assert moe.GatingOutput is type(gating)
+
+
+def test_shardc_auto_forward_has_two_all_to_alls_and_no_input_all_gather():
+    shardc = pytest.importorskip("shardc")
+    if not hasattr(shardc, "auto"):
+        pytest.skip("shardc.auto not available")
+    mesh = shardc.make_mesh({"expert": 8})
+    x = jax.random.normal(jax.random.key(0), (16, 32, 16))
+    m = MoeFeedForward(num_experts=8, hidden_dim=32, num_groups=8, second_expert_policy="all")
+    params, _ = _init(m, x)
+    y0, _ = m.apply({"params": params}, x)
+
+    @shardc.auto(mesh=mesh)
+    def fwd(p, x):
+        return m.apply({"params": p}, x)
+
+    y1, _ = fwd(params, x)
+    np.testing.assert_allclose(np.asarray(y0), np.asarray(y1), atol=1e-5)
+    counts = _collectives(fwd.lower(params, x).compile().as_text())
+    assert counts["all-to-all"] == 2, counts
+    assert counts["all-gather"] == 0, counts

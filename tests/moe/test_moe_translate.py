@@ -1,7 +1,9 @@
 """The translation example end to end on the synthetic task (tiny model, a few steps), and bit-for-bit resume."""
 import json
 
+import jax
 import numpy as np
+import pytest
 
 from moe import translate
 
@@ -12,7 +14,30 @@ COMMON = [
 ]
 
 
-def test_example_runs_end_to_end_and_resume_is_bit_for_bit(tmp_path):
+@pytest.fixture
+def compilation_cache(tmp_path):
+    """A persistent compilation cache for this test only: the three runs compile the same programs."""
+    try:
+        from jax._src import compilation_cache as cc
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    old = {n: getattr(jax.config, n) for n in names}
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax-cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    cc.reset_cache()
+    try:
+        yield
+    finally:
+        for n, v in old.items():
+            jax.config.update(n, v)
+        cc.reset_cache()
+
+
+def test_example_runs_end_to_end_and_resume_is_bit_for_bit(tmp_path, compilation_cache):
     # Uninterrupted run, with the final evaluation (BLEU vs the copy baseline, samples, plot).
     full = translate.main(COMMON + ["--out", str(tmp_path / "full"), "--ckpt-every", "0",
                                     "--eval-sentences", "16", "--samples", "1"])
