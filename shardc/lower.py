@@ -145,8 +145,21 @@ def in_out_shardings(plan: Plan) -> tuple[list[NamedSharding], list[NamedShardin
     return ins, outs
 
 
+# XLA CPU's scatter expander (with algsimp after it) miscompiles a scatter-add into a dim sharded over
+# the mesh whose result is added to a resharded value — wrong numbers, silently; pure JAX too (pinned by
+# tests/fuzz/test_fuzz_regressions.py::test_xla_cpu_scatter_add_into_a_sharded_dim). XLA CPU runs
+# scatters natively without that pass, so shardc compiles without it on CPU.
+CPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "scatter_expander"}
+
+
+def compiler_options(plan: Plan) -> dict[str, str] | None:
+    """XLA options for the plan's platform (workarounds for known miscompilations)."""
+    platform = next(iter(plan.mesh.devices.flat)).platform
+    return dict(CPU_COMPILER_OPTIONS) if platform == "cpu" else None
+
+
 def jit_plan(plan: Plan, closed_jaxpr: Any, donate: Sequence[int] = ()) -> Any:
     """`jax.jit` of the planned program over flat inputs, with the plan's in/out shardings."""
     ins, outs = in_out_shardings(plan)
     return jax.jit(plan_function(plan, closed_jaxpr), in_shardings=ins, out_shardings=outs,
-                   donate_argnums=tuple(donate))
+                   donate_argnums=tuple(donate), compiler_options=compiler_options(plan))

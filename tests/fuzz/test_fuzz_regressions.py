@@ -10,10 +10,12 @@ Fixed in the oracle:
   run than the unsharded one; such mismatches are now adjudicated against float64.
 
 Upstream (XLA), pinned with a pure-JAX reproduction that fails today (strict xfail, so the day XLA is
-fixed this file says so) and with the fuzz program, which the oracle attributes to XLA only because
-shardc's own program computes the right numbers once the faulty pass is disabled:
+fixed this file says so):
 * XLA CPU: a scatter-add into a dim sharded over the mesh (the gradient of `take` on a sharded dim),
   added to a value resharded onto that dim, loses the other shards' values (algsimp + scatter expander).
+  shardc now compiles without the scatter expander on CPU (`shardc.lower.CPU_COMPILER_OPTIONS`), so the
+  fuzz program that found it computes the right numbers; before, the oracle attributed it to XLA
+  (shardc's own compiled program reproduced the wrong numbers exactly and was right without the pass).
 """
 import warnings
 
@@ -148,9 +150,18 @@ def test_xla_cpu_scatter_bug_is_not_in_the_pipeline_without_scatter_expansion():
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
-def test_fuzz_program_hitting_the_xla_scatter_bug_is_attributed_to_xla():
-    out = fuzzlib.check_program(XLA_SCATTER_PROGRAM)  # raises FuzzFailure if shardc's own program were wrong
-    assert out.upstream_bug is None or "scatter expander" in out.upstream_bug
+def test_fuzz_program_that_hit_the_xla_scatter_bug_is_right_under_shardc():
+    out = fuzzlib.check_program(XLA_SCATTER_PROGRAM)  # raises FuzzFailure if shardc's result were wrong
+    assert out.upstream_bug is None and not out.rounding
+
+
+def test_xla_scatter_bug_attribution_when_the_workaround_is_off(monkeypatch):
+    """Without shardc's CPU workaround the same program is wrong, and the oracle attributes it to XLA."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("shardc.lower"), "CPU_COMPILER_OPTIONS", {})
+    out = fuzzlib.check_program(XLA_SCATTER_PROGRAM)
+    assert out.upstream_bug is not None and "scatter expander" in out.upstream_bug
 
 
 def test_oracle_still_fails_programs_that_are_wrong_in_shardc(monkeypatch):
