@@ -50,10 +50,12 @@ class MemoryModel:
         self.n = len(graph.ops)
         self._inputs = {info.canon[v] for v in graph.inputs}
         self._outputs = {info.canon[v] for v in graph.outputs}
-        self.diff = np.zeros(self.n + 1, dtype=np.int64)
-        self.buffers: dict[int, tuple[int, int, int]] = {}  # key id -> (first slot, last slot, bytes)
-        self.owner: dict[int, int] = {}
-        self.readers: dict[int, set[int]] = {}
+        # Two positions per slot: 2s while its operands' reshards and the op run, 2s+1 while the op's
+        # results are resharded (the op's inputs may be freed by then).
+        self.diff = np.zeros(2 * self.n + 1, dtype=np.int64)
+        self.buffers: dict[int, tuple[int, int, int]] = {}  # key id -> (first, last position, bytes)
+        self.owner: dict[int, tuple[int, int]] = {}  # key id -> (slot, position) that makes it
+        self.readers: dict[int, dict[int, int]] = {}  # key id -> {slot: last position it reads the key}
         self._local: dict[int, int] = {}  # input/output value -> local bytes
         self.bounds: dict[int, tuple[int, int]] = {}  # key id -> (starts no earlier, ends no earlier) slots
         self.args = self.outs = self.alias = 0
@@ -82,23 +84,39 @@ class MemoryModel:
         if b == 0:
             return
         rs = self.readers.get(kid)
-        end = max(rs) if rs else owner
+        end = max(rs.values()) if rs else owner[1]
         lo, hi = self.bounds.get(kid, (-1, -1))
-        if origin == 0:  # a value stays alive while the fused values recomputed from it are read
-            hi = max(hi, self.info.kept[c])
-        start = max(owner, lo)
+        lo, hi = 2 * lo + 1 if lo >= 0 else -1, 2 * hi + 1 if hi >= 0 else -1  # merged all-reduces: output phase
+        if origin == 0 and self.info.kept[c] >= 0:  # alive while fused values recomputed from it are read
+            hi = max(hi, 2 * self.info.kept[c])
+        start = max(owner[1], lo)
         end = max(end, hi, start)
         self.buffers[kid] = (start, end, b)
         self.diff[start] += b
         self.diff[end + 1] -= b
 
-    def _reads(self, slot: Any) -> set[int]:
+    def _reads(self, slot: Any) -> dict[int, int]:
+        """Key id -> the last position at which the slot reads it."""
         flags = self.keys.is_value_key
-        return {d for t in slot.tasks for d in t.deps if flags[d]}
+        out: dict[int, int] = {}
+        base = 2 * slot.op
+        for i, t in enumerate(slot.tasks):
+            pos = base + (i > slot.at)
+            for d in t.deps:
+                if flags[d]:
+                    out[d] = pos
+        return out
 
-    def _makes(self, slot: Any) -> set[int]:
+    def _makes(self, slot: Any) -> dict[int, int]:
+        """Key id -> the position at which the slot makes it."""
         flags = self.keys.is_value_key
-        return {k for t in slot.tasks for k in t.outs if flags[k]}
+        out: dict[int, int] = {}
+        base = 2 * slot.op
+        for i, t in enumerate(slot.tasks):
+            for k in t.outs:
+                if flags[k] and k not in out:
+                    out[k] = base + (i > slot.at)
+        return out
 
     def full(self, plan: Any, slots: Sequence[Any], donated: Sequence[int] = (),
              bounds: Mapping[int, tuple[int, int]] | None = None) -> None:
@@ -109,10 +127,10 @@ class MemoryModel:
         self.owner.clear()
         self.readers.clear()
         for s in slots:
-            for k in self._makes(s):
-                self.owner.setdefault(k, s.op)
-            for k in self._reads(s):
-                self.readers.setdefault(k, set()).add(s.op)
+            for k, pos in self._makes(s).items():
+                self.owner.setdefault(k, (s.op, pos))
+            for k, pos in self._reads(s).items():
+                self.readers.setdefault(k, {})[s.op] = pos
         for k in self.owner:
             self._set(k)
         self._local.clear()
@@ -130,22 +148,22 @@ class MemoryModel:
         for i in affected:
             old = old_slots[i]
             for k in self._makes(old):
-                if self.owner.get(k) == i:
+                if self.owner.get(k, (None,))[0] == i:
                     del self.owner[k]
                     touched.add(k)
             for k in self._reads(old):
                 rs = self.readers.get(k)
                 if rs is not None:
-                    rs.discard(i)
+                    rs.pop(i, None)
                 touched.add(k)
         for i in affected:
             new = slots[i]
-            for k in self._makes(new):
+            for k, pos in self._makes(new).items():
                 if k not in self.owner:
-                    self.owner[k] = i
+                    self.owner[k] = (i, pos)
                     touched.add(k)
-            for k in self._reads(new):
-                self.readers.setdefault(k, set()).add(i)
+            for k, pos in self._reads(new).items():
+                self.readers.setdefault(k, {})[i] = pos
                 touched.add(k)
         for k in touched:
             self._set(k)
@@ -185,6 +203,6 @@ class MemoryModel:
     def result(self) -> MemoryResult:
         if not self.n:
             return MemoryResult(self.args, self.outs, self.alias, 0, 0)
-        live = np.cumsum(self.diff[: self.n])
+        live = np.cumsum(self.diff[: 2 * self.n])
         i = int(np.argmax(live))
-        return MemoryResult(self.args, self.outs, self.alias, int(live[i]), i)
+        return MemoryResult(self.args, self.outs, self.alias, int(live[i]), i // 2)

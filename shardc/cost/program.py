@@ -125,6 +125,11 @@ def _analyse(graph: Graph) -> ProgramInfo:
     fused = [False] * nv
     outputs = {canon[v] for v in graph.outputs}
     for op in graph.ops:
+        if op.primitive in FREE_PRIMITIVES and live[op.id]:  # no buffer of their own (a constraint's reshard
+            for v in op.outputs:                             # is a collective, which makes its own)
+                if canon[v] not in outputs and not constant[canon[v]]:
+                    fused[canon[v]] = True
+    for op in graph.ops:
         if op.primitive not in FUSIBLE or not live[op.id]:
             continue
         for v in op.outputs:

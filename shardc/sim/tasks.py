@@ -83,6 +83,7 @@ class Slot:
     made: tuple[int, ...] = ()  # value keys this slot made (for ownership in delta rebuilds and memory)
     sched: tuple = ()  # (deps, stream, dur, outs) per task: what the scheduler reads
     ars: tuple["ArEntry", ...] = ()  # all-reduces XLA may combine with others (see shardc.sim.combine)
+    at: int = 0  # index of the op's own task: tasks after it take its results to their planned layouts
 
     def seal(self) -> "Slot":
         if len(self.tasks) >= TASKS_PER_SLOT:
@@ -248,6 +249,7 @@ class TaskBuilder:
             out_keys.append((self.canon(v), m, HOME if m == plan.shardings[v] else MADE))
         outs = tuple(kid(k) for k in out_keys)
         free = op.primitive in FREE_PRIMITIVES or all(info.constant[self.canon(v)] for v in op.outputs)
+        slot.at = len(slot.tasks)
         if free:
             slot.tasks.append(Task(op.primitive, "join", -1, 0, tuple(deps), outs, op_id))
         else:
