@@ -84,12 +84,14 @@ def main() -> None:
     rows = [
         ("program", f"{args.layers}-layer GPT train step (Adam), {neqns} jaxpr eqns, {len(plan.graph.ops)} ops, "
                     f"mesh data=2 x model=4, {args.topology}"),
-        ("simulated step time", f"{base.step_time * 1e3:.3f} ms, peak memory {base.peak_memory / 2**20:.1f} MiB/device"),
+        ("simulated step time",
+         f"{base.step_time * 1e3:.3f} ms, peak memory {base.peak_memory / 2**20:.1f} MiB/device"),
         ("full simulation, cold caches (`shardc.simulate`)", f"{full_cold * 1e3:.0f} ms"),
         ("full simulation, warm caches (`Simulator.full`)", f"{full_warm * 1e3:.0f} ms"),
         ("delta simulation, one-op change (median of {})".format(args.changes), f"{d_med * 1e3:.2f} ms"),
         ("delta speedup over warm full: median / p10 / p90",
-         f"{statistics.median(speed):.1f}x / {sorted(speed)[len(speed) // 10]:.1f}x / {sorted(speed)[9 * len(speed) // 10]:.1f}x"),
+         f"{statistics.median(speed):.1f}x / {sorted(speed)[len(speed) // 10]:.1f}x / "
+         f"{sorted(speed)[9 * len(speed) // 10]:.1f}x"),
         ("delta speedup over cold full (median)", f"{full_cold / d_med:.1f}x"),
         ("delta result identical to full", f"{equal}/{args.changes}"),
     ]

@@ -81,7 +81,8 @@ class CheckReport:
                          "ok" if r.ok else "MISMATCH"])
         widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
         lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
-        lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(b, widths))) for b in body]
+        lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(b, widths)))
+                  for b in body]
         return "\n".join(lines)
 
 
@@ -92,7 +93,7 @@ def _host_topology(platform: str) -> Topology:
     n = len(jax.devices())
     return Topology(f"{platform}-nominal", dev, (Level("host", n, 1e10, 1e-6),), overlap=False,
                     reduce_scatter=platform not in ("cpu",),
-                    combine_bytes=float("inf") if platform == "cpu" else 30 * 2**20)
+                    combine_bytes=float("inf") if platform == "cpu" else 30 * 2**20, backend=platform)
 
 
 def compiled_stats(compiled: Any, mesh_shape: list[tuple[str, int]]) -> dict[str, Any]:
@@ -138,7 +139,7 @@ def check(plan_or_fn: Any, *args: Any, topology: Any = None, **kwargs: Any) -> C
     platform = jax.default_backend()
     topo = _host_topology(platform) if topology is None else as_topology(topology)
     # What XLA does on this backend: XLA:CPU has no reduce-scatter and merges all-reduces without a size limit.
-    topo = dataclasses.replace(topo, reduce_scatter=platform not in ("cpu",),
+    topo = dataclasses.replace(topo, reduce_scatter=platform not in ("cpu",), backend=platform,
                                combine_bytes=float("inf") if platform == "cpu" else topo.combine_bytes)
     sim = simulate(plan, topo)
     stats = compiled_stats(compiled, list(plan.mesh_sizes.items()))

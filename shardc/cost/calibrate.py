@@ -122,4 +122,4 @@ def cpu_host(*, refresh: bool = False) -> Topology:
                  op_overhead=m["overhead"])
     return Topology("cpu-host", dev, (Level("host", n, m["link_bandwidth"], m["latency"]),), overlap=False,
                     reduce_scatter=False, source=f"measured on {platform.node()} ({os.cpu_count()} cores, {n} devices)",
-                    combine_bytes=float("inf"))
+                    combine_bytes=float("inf"), backend="cpu")

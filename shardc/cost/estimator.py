@@ -92,7 +92,8 @@ class AnalyticalEstimator:
     _memo: dict[OpKey, float] = dataclasses.field(default_factory=dict, repr=False)
 
     def count(self, key: OpKey, params: Any = None) -> OpCount:
-        return count_op(key.primitive, key.in_shapes, key.out_shapes, params if params is not None else params_dict(key))
+        p = params if params is not None else params_dict(key)
+        return count_op(key.primitive, key.in_shapes, key.out_shapes, p)
 
     def op_time(self, key: OpKey, params: Any = None) -> float:
         t = self._memo.get(key)

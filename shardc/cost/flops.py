@@ -5,7 +5,8 @@
 * transcendentals (exp, log, tanh, logistic, sqrt, rsqrt, pow, erf, sin, cos, ...): no FLOPs, one
   transcendental per element;
 * `integer_pow(x, n)`: the multiplies of square-and-multiply (n=2: one; a negative n adds a divide);
-* reductions: (input elements - output elements) applications of the combiner (one FLOP each);
+* reductions: (input elements - output elements) applications of the combiner (one FLOP each); on
+  XLA:CPU a long reduction becomes a tree (windows of 32, padded), counted as XLA:CPU counts it;
 * dot_general: 2 x result elements x contracted size; convolution: 2 x (output, kernel) positions;
 * data movement (broadcast, reshape, transpose, slice, concatenate, pad, gather, iota, copies): none;
 * scatter-add and friends: one FLOP per update element; sort: n log2 n.
@@ -90,8 +91,20 @@ def _integer_pow(ins, outs, params) -> OpCount:
 
 
 @register_flops("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor")
-def _reduce(ins, outs, params) -> OpCount:
+def _reduce(ins, outs, params, backend: str = "") -> OpCount:
+    out = max(_n(outs[0]), 1)
+    n = _n(ins[0]) // out
+    if backend == "cpu":  # XLA:CPU's tree reduction: padded windows of 32, then the window results
+        return OpCount(flops=float(out * _tree_reduce_steps(n)))
     return OpCount(flops=float(max(_n(ins[0]) - _n(outs[0]), 0)))
+
+
+def _tree_reduce_steps(n: int, window: int = 32) -> int:
+    """Combiner applications per output of XLA:CPU's TreeReductionRewriter for a reduction of n values."""
+    if n <= window:
+        return max(n - 1, 0)
+    m = -(-n // window)
+    return (window - 1) * m + _tree_reduce_steps(m, window)
 
 
 @register_flops("argmax", "argmin")
@@ -140,12 +153,19 @@ def _top_k(ins, outs, params) -> OpCount:
     return OpCount()
 
 
-def count_op(primitive: str, ins: Sequence[Shape], outs: Sequence[Shape], params: Mapping[str, Any]) -> OpCount:
-    """FLOPs and transcendentals of one op at the given (local) shapes; zero for unknown primitives."""
+def count_op(primitive: str, ins: Sequence[Shape], outs: Sequence[Shape], params: Mapping[str, Any],
+             backend: str = "") -> OpCount:
+    """FLOPs and transcendentals of one op at the given (local) shapes; zero for unknown primitives.
+    `backend` ("cpu", "gpu", "tpu" or "") selects backend-specific rewrites XLA counts (reductions)."""
     rule = FLOP_RULES.get(primitive)
     if rule is None:
         return OpCount()
     try:
+        if rule in _BACKEND_AWARE:
+            return rule(ins, outs, params, backend)
         return rule(ins, outs, params)
     except (KeyError, IndexError, TypeError, ValueError):
         return OpCount()
+
+
+_BACKEND_AWARE = {_reduce}

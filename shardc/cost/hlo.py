@@ -323,7 +323,8 @@ def _axes_of_groups(groups: Sequence[Sequence[int]], mesh_shape: Sequence[tuple[
     return tuple(names[d] for d in sorted(varying))
 
 
-def collectives(hlo_text: str | HloModuleText, mesh_shape: Sequence[tuple[str, int]] | None = None) -> list[HloCollective]:
+def collectives(hlo_text: str | HloModuleText,
+                mesh_shape: Sequence[tuple[str, int]] | None = None) -> list[HloCollective]:
     """Every collective of the module with its payload, group size, mesh axes and execution count.
 
     `mesh_shape` is the mesh as (axis, size) pairs in mesh order; partition i of the program is the
@@ -341,7 +342,8 @@ def collectives(hlo_text: str | HloModuleText, mesh_shape: Sequence[tuple[str, i
             kind = _OPCODE_KIND.get(ins.opcode)
             if kind is None:
                 continue
-            operand_shapes = [s if s else (mod.shape_of(comp, o) or "") for o, s in zip(ins.operands, ins.operand_shapes)]
+            operand_shapes = [s if s else (mod.shape_of(comp, o) or "")
+                              for o, s in zip(ins.operands, ins.operand_shapes)]
             if kind == "collective-permute":
                 operand_shapes = operand_shapes[:1]
                 pairs = _pairs(ins.attrs)

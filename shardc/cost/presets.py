@@ -48,7 +48,7 @@ def _h100(nodes: int) -> Topology:
     if nodes > 1:
         levels.append(Level("infiniband", nodes, 50e9, 8e-6))
     name = "h100-sxm-8" if nodes == 1 else f"h100-sxm-8x{nodes}"
-    return Topology(name, _H100, tuple(levels), source=_SOURCES["h100"])
+    return Topology(name, _H100, tuple(levels), source=_SOURCES["h100"], backend="gpu")
 
 
 def _tpu(kind: str, n: int) -> Topology:
@@ -56,13 +56,16 @@ def _tpu(kind: str, n: int) -> Topology:
         if n % 2 or n < 2:
             raise ShardingError(f"tpu-v4-{n}: the suffix counts TensorCores (2 per chip), so it must be even")
         chips = n // 2
-        return Topology(f"tpu-v4-{n}", _V4, (Level("ici", chips, 268e9, 2e-6),), source=_SOURCES["v4"])
+        return Topology(f"tpu-v4-{n}", _V4, (Level("ici", chips, 268e9, 2e-6),), source=_SOURCES["v4"],
+                        backend="tpu")
     if n <= 8:
-        return Topology(f"tpu-v5e-{n}", _V5E, (Level("ici", n, 200e9, 2e-6),), source=_SOURCES["v5e"])
+        return Topology(f"tpu-v5e-{n}", _V5E, (Level("ici", n, 200e9, 2e-6),), source=_SOURCES["v5e"],
+                        backend="tpu")
     if n % 8:
         raise ShardingError(f"tpu-v5e-{n}: slices above one host come in multiples of 8 chips")
     # ICI spans the whole slice; the per-host split only matters for the mapping's "inside a host" query.
-    return Topology(f"tpu-v5e-{n}", _V5E, (Level("ici", n, 200e9, 2e-6),), source=_SOURCES["v5e"])
+    return Topology(f"tpu-v5e-{n}", _V5E, (Level("ici", n, 200e9, 2e-6),), source=_SOURCES["v5e"],
+                    backend="tpu")
 
 
 PRESETS = ("h100-sxm-8", "h100-sxm-8x2", "h100-sxm-8x8", "h100-sxm-8x64", "a100-40g-8",
@@ -78,7 +81,8 @@ def preset(name: str) -> Topology:
     if m:
         return _h100(int(m.group(1)))
     if key == "a100-40g-8":
-        return Topology("a100-40g-8", _A100, (Level("nvlink", 8, 300e9, 3e-6),), source=_SOURCES["a100"])
+        return Topology("a100-40g-8", _A100, (Level("nvlink", 8, 300e9, 3e-6),), source=_SOURCES["a100"],
+                        backend="gpu")
     m = re.fullmatch(r"tpu-(v4|v5e)-(\d+)", key)
     if m:
         return _tpu(m.group(1), int(m.group(2)))

@@ -83,7 +83,8 @@ def _slices_only(cur: Dims, target: Dims) -> bool:
     return all(_is_prefix(c, t) for c, t in zip(cur, target))
 
 
-def _dims_reshard(cur: Dims, dst: Dims, shape: Sequence[int], itemsize: int, mesh: Mapping[str, int]) -> list[Collective]:
+def _dims_reshard(cur: Dims, dst: Dims, shape: Sequence[int], itemsize: int,
+                  mesh: Mapping[str, int]) -> list[Collective]:
     if cur == dst or _slices_only(cur, dst):
         return []
     n, m = _tiles(cur, mesh), _tiles(dst, mesh)
@@ -109,13 +110,15 @@ def _dims_reshard(cur: Dims, dst: Dims, shape: Sequence[int], itemsize: int, mes
         state = cur
         for d, e, group in chain:
             out.append(Collective("all-to-all", _ordered(group, mesh), _local(state, shape, itemsize, mesh)))
-            state = tuple(s[: len(s) - len(group)] if i == d else (s + group if i == e else s) for i, s in enumerate(state))
+            state = tuple(s[: len(s) - len(group)] if i == d else (s + group if i == e else s)
+                          for i, s in enumerate(state))
         return out
     replicated: Dims = tuple(() for _ in cur)
     return _gather(cur, replicated, shape, itemsize, mesh)
 
 
-def _all_to_all(cur: Dims, dst: Dims, n: tuple[int, ...], m: tuple[int, ...]) -> tuple[int, int, tuple[str, ...]] | None:
+def _all_to_all(cur: Dims, dst: Dims, n: tuple[int, ...],
+                m: tuple[int, ...]) -> tuple[int, int, tuple[str, ...]] | None:
     """XLA's all-to-all pattern: exactly two dims change shard counts, one down by k and one up by k."""
     diff = [i for i in range(len(n)) if n[i] != m[i]]
     if len(diff) != 2:

@@ -97,6 +97,7 @@ class Topology:
     source: str = ""
     combine_bytes: float = 30 * 2**20  # XLA merges independent all-reduces up to this many bytes (GPU default)
     combine_count: int = 256
+    backend: str = ""  # "cpu", "gpu" or "tpu": selects backend-specific rewrites XLA makes (and counts)
 
     @property
     def num_devices(self) -> int:
@@ -120,7 +121,8 @@ class Topology:
         names = list(order) if order is not None else list(mesh)
         total = math.prod(mesh[a] for a in names)
         if total > self.num_devices:
-            raise ShardingError(f"mesh {dict(mesh)} needs {total} devices; topology {self.name!r} has {self.num_devices}")
+            raise ShardingError(f"mesh {dict(mesh)} needs {total} devices; "
+                                f"topology {self.name!r} has {self.num_devices}")
         free = [[lv.name, lv.size] for lv in self.levels]
         out: list[tuple[str, tuple[tuple[str, int], ...]]] = []
         li = 0
@@ -177,7 +179,8 @@ class Topology:
             raise ShardingError(f"topology level names repeat: {[lv.name for lv in levels]}")
         return cls(str(d.get("name", "custom")), device, levels, bool(d.get("overlap", True)),
                    bool(d.get("reduce_scatter", True)), str(d.get("source", "")),
-                   _num(d.get("combine_bytes", 30 * 2**20)), int(d.get("combine_count", 256)))
+                   _num(d.get("combine_bytes", 30 * 2**20)), int(d.get("combine_count", 256)),
+                   str(d.get("backend", "")))
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "Topology":
@@ -199,11 +202,12 @@ class Topology:
                        "vector_efficiency": self.device.vector_efficiency, "op_overhead": self.device.op_overhead},
             "levels": [dataclasses.asdict(lv) for lv in self.levels],
             "overlap": self.overlap, "reduce_scatter": self.reduce_scatter, "source": self.source,
-            "combine_bytes": self.combine_bytes, "combine_count": self.combine_count,
+            "combine_bytes": self.combine_bytes, "combine_count": self.combine_count, "backend": self.backend,
         }
 
     def __str__(self) -> str:
-        lv = " x ".join(f"{l.size} on {l.name} ({l.bandwidth / 1e9:.0f} GB/s, {l.latency * 1e6:.1f} us)" for l in self.levels)
+        lv = " x ".join(f"{x.size} on {x.name} ({x.bandwidth / 1e9:.0f} GB/s, {x.latency * 1e6:.1f} us)"
+                        for x in self.levels)
         return f"Topology {self.name}: {self.num_devices} x {self.device.name}; {lv}"
 
 

@@ -32,7 +32,8 @@ def as_topology(topology: Any) -> Topology:
         if s.endswith((".json", ".yaml", ".yml")) or os.path.exists(s):
             return Topology.from_file(s)
         return Topology.preset(s)
-    raise ShardingError(f"a topology is a shardc.Topology, a preset name, a dict or a file path; got {type(topology).__name__}")
+    raise ShardingError("a topology is a shardc.Topology, a preset name, a dict or a file path; "
+                        f"got {type(topology).__name__}")
 
 
 def _mapping(topo: Topology, mesh: Mapping[str, int], mapping: Any) -> MeshMapping:

@@ -176,7 +176,8 @@ class SimResult:
         if ops:
             lines.append("most expensive ops:")
             for o in ops:
-                lines.append(f"  {o.primitive:<20} compute {_fmt_time(o.compute):>10}  comm {_fmt_time(o.comm):>10}  {o.source}")
+                lines.append(f"  {o.primitive:<20} compute {_fmt_time(o.compute):>10}  "
+                             f"comm {_fmt_time(o.comm):>10}  {o.source}")
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -201,7 +201,8 @@ class TaskBuilder:
         return dst_key
 
     # -- slots ---------------------------------------------------------------------------------------
-    def build_slot(self, plan: Plan, op_id: int, keys: dict[int, int], needs: Mapping[tuple[int, int], Sharding]) -> Slot:
+    def build_slot(self, plan: Plan, op_id: int, keys: dict[int, int],
+                   needs: Mapping[tuple[int, int], Sharding]) -> Slot:
         """The slot of one op; registers the keys it makes in `keys` (key id -> owning slot)."""
         g, info = self.graph, self.info
         op = g.ops[op_id]
@@ -260,7 +261,8 @@ class TaskBuilder:
             slot.compute_ps += dur
             count = self._count_memo.get(key)
             if count is None:
-                count = self._count_memo[key] = count_op(op.primitive, key.in_shapes, key.out_shapes, op.params)
+                count = self._count_memo[key] = count_op(op.primitive, key.in_shapes, key.out_shapes, op.params,
+                                                         self.topology.backend)
             slot.flops += int(round(count.flops)) * trips
             slot.transcendentals += int(round(count.transcendentals)) * trips
             slot.xla_flops += int(round(count.flops))

@@ -10,7 +10,8 @@ __all__ = ["chrome_trace", "gantt"]
 def chrome_trace(result: Any, path: str) -> str:
     """One track per stream; each task is a complete event ("X") with its op and source line."""
     g = result.plan.graph
-    events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "device 0 (representative)"}}]
+    events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0,
+                                     "args": {"name": "device 0 (representative)"}}]
     for i, s in enumerate(result.streams):
         events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": s}})
         events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": i, "args": {"sort_index": i}})

@@ -13,7 +13,8 @@ from shardc.sharding import Sharding
 __all__ = ["with_strategy", "with_sharding", "legal_strategies"]
 
 
-def _op_reshards(plan: Plan, op_id: int, strategies: Sequence[OpStrategy], shardings: Sequence[Sharding]) -> list[Reshard]:
+def _op_reshards(plan: Plan, op_id: int, strategies: Sequence[OpStrategy],
+                 shardings: Sequence[Sharding]) -> list[Reshard]:
     g = plan.graph
     op = g.ops[op_id]
     rule = op.rule
