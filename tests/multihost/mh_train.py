@@ -61,8 +61,9 @@ def batch_rows(step: int, rows: slice) -> dict[str, Any]:
     return {"x": x[rows], "y": y[rows]}
 
 
-def train(steps: int = STEPS) -> dict[str, Any]:
-    """Train on the global devices (whatever jax.distributed set up); returns losses and plan digest."""
+def train(steps: int = STEPS, search: bool = False) -> dict[str, Any]:
+    """Train on the global devices (whatever jax.distributed set up); returns losses and plan digest.
+    With `search`, shardc's strategy search plans the step (bounded by steps on a multi-process job)."""
     import jax
     import numpy as np
 
@@ -74,18 +75,21 @@ def train(steps: int = STEPS) -> dict[str, Any]:
     params = jax.tree.map(np.asarray, model.init(jax.random.key(0), np.ones((BATCH, D_IN), np.float32))["params"],
                           is_leaf=lambda x: hasattr(x, "shape"))
     opt_state = tx.init(params)
-    step = shardc.auto(train_step, mesh=mesh)
+    step = shardc.auto(train_step, mesh=mesh, search=True, budget_s=2.0) if search else \
+        shardc.auto(train_step, mesh=mesh)
     n, p = jax.process_count(), jax.process_index()
     per = BATCH // n
-    losses, digest, fingerprint = [], None, None
+    losses, digest, fingerprint, searched = [], None, None, False
     for i in range(steps):
         batch = global_batch(batch_rows(i, slice(p * per, (p + 1) * per)), mesh, "data")
         if digest is None:
             plan = step.plan(params, opt_state, batch)
             digest, fingerprint = check_plan_agreement(plan), plan.fingerprint()
+            searched = getattr(plan, "search", None) is not None
         params, opt_state, loss = step(params, opt_state, batch)
         losses.append(float(loss))
     return {"process": p, "processes": n, "losses": losses, "digest": digest, "fingerprint": fingerprint,
+            "searched": searched,
             "devices": [d.id for d in jax.local_devices()]}
 
 
@@ -140,6 +144,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--disagree", action="store_true")
+    ap.add_argument("--search", action="store_true")
     args = ap.parse_args()
     local = 8 // args.num_processes
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local}"
@@ -153,7 +158,7 @@ def main() -> None:
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}", num_processes=args.num_processes,
                                process_id=args.process_id, initialization_timeout=60,
                                coordinator_bind_address=f"127.0.0.1:{args.port}")
-    result = train()
+    result = train(search=args.search)
     if args.disagree:
         result["disagree"] = disagree()
     with open(args.out, "w") as f:

@@ -26,7 +26,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_two_processes(tmp_path):
+def _run_two_processes(tmp_path, *extra):
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
@@ -35,7 +35,7 @@ def _run_two_processes(tmp_path):
         out = tmp_path / f"process{i}.json"
         log = open(tmp_path / f"process{i}.log", "w")
         cmd = [sys.executable, os.path.join(HERE, "mh_train.py"), "--process-id", str(i), "--num-processes", "2",
-               "--port", str(port), "--out", str(out), "--disagree"]
+               "--port", str(port), "--out", str(out), *extra]
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO), log))
         outs.append(out)
     try:
@@ -54,11 +54,16 @@ def _run_two_processes(tmp_path):
 
 @pytest.fixture(scope="module")
 def two_process_results(tmp_path_factory):
-    return _run_two_processes(tmp_path_factory.mktemp("multihost"))
+    return _run_two_processes(tmp_path_factory.mktemp("multihost"), "--disagree")
 
 
-def test_two_processes_train_like_one(two_process_results):
-    single = mh_train.train()
+@pytest.fixture(scope="module")
+def single_process_result():
+    return mh_train.train()
+
+
+def test_two_processes_train_like_one(two_process_results, single_process_result):
+    single = single_process_result
     assert single["processes"] == 1
     r0, r1 = two_process_results
     assert (r0["processes"], r1["processes"]) == (2, 2)
@@ -70,6 +75,14 @@ def test_two_processes_train_like_one(two_process_results):
     # The same plan everywhere (device ids differ between the runs, the layouts do not).
     assert r0["digest"] == r1["digest"]
     assert r0["fingerprint"] == r1["fingerprint"] == single["fingerprint"]
+
+
+def test_two_processes_agree_on_a_searched_plan(tmp_path, single_process_result):
+    r0, r1 = _run_two_processes(tmp_path, "--search")
+    assert r0["searched"] and r1["searched"]
+    assert r0["digest"] == r1["digest"]  # the search is bounded by steps on a multi-process job: same plan
+    np.testing.assert_allclose(r0["losses"], r1["losses"], rtol=0, atol=0)
+    np.testing.assert_allclose(r0["losses"], single_process_result["losses"], rtol=1e-5, atol=1e-6)
 
 
 def test_processes_that_plan_differently_fail_loudly(two_process_results):
