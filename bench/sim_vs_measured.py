@@ -4,8 +4,8 @@
 
 A 2-layer Transformer train step (Adam) is planned 12 ways (data parallel, Megatron, FSDP, mixed, on
 several mesh shapes; the plans differ only in their hints). Each plan is simulated on the measured
-`cpu-host` topology and run on the 8 XLA:CPU devices (fastest of `--repeat` steps after warm-up: other
-processes on the machine only ever add time).
+`cpu-host` topology and run on the 8 XLA:CPU devices (round-robin over the plans, fastest of `--repeat`
+steps of each after warm-up: other processes on the machine only ever add time).
 Reports Kendall's tau between the two orders (target >= 0.7) and the table; `--write` records them in
 docs/benchmarks.md.
 """
@@ -121,24 +121,38 @@ def build(mesh_axes, opts, batch=16, seq=64):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--estimator", choices=["roofline", "profile"], default="roofline")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
 
     topo = shardc.Topology.preset("cpu-host")
-    rows = []
+    estimator = None
+    if args.estimator == "profile":
+        from shardc.cost.calibrate import contention
+        from shardc.cost.profile import ProfilingEstimator
+
+        estimator = ProfilingEstimator(topo.device, scale=contention())
+    built = []
     for name, mesh_axes, opts in PLANS:
         f, params, opt, x = build(mesh_axes, opts)
         plan = f.plan(params, opt, x)
-        sim = shardc.simulate(plan, topo)
+        sim = shardc.simulate(plan, topo, estimator=estimator)
         for _ in range(2):
             params, opt, _loss = f(params, opt, x)
         jax.block_until_ready(params)
-        ts = []
-        for _ in range(args.repeat):
+        built.append([name, f, params, opt, x, sim, []])
+    # Round-robin: each round runs every plan once, so a busy moment on the machine hits all plans alike;
+    # the fastest run of each plan is kept (other processes only ever add time).
+    for _ in range(args.repeat):
+        for b in built:
+            name, f, params, opt, x, sim, ts = b
             t0 = time.perf_counter()
             params, opt, loss = f(params, opt, x)
             jax.block_until_ready(loss)
             ts.append(time.perf_counter() - t0)
+            b[2], b[3] = params, opt
+    rows = []
+    for name, f, params, opt, x, sim, ts in built:
         measured = min(ts)
         rows.append((name, sim.step_time, measured, sim.comm_time, sim.peak_memory))
         print(f"{name:52s} simulated {sim.step_time * 1e3:8.2f} ms  measured {measured * 1e3:8.2f} ms", flush=True)
@@ -157,7 +171,8 @@ def main() -> None:
         write_section("sim_vs_measured", f"`python bench/sim_vs_measured.py --repeat {args.repeat}`: a 2-layer "
                       f"Transformer train step (d=256, ff=1024, batch 16 x 64 tokens, Adam) planned 12 ways, simulated "
                       f"on the measured `cpu-host` topology ({topo.source}) and run on the 8 XLA:CPU devices "
-                      f"({os.cpu_count()} cores, jax {jax.__version__}).\n\n" + summary + table)
+                      f"({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end of the run, "
+                      f"jax {jax.__version__}).\n\n" + summary + table)
 
 
 if __name__ == "__main__":

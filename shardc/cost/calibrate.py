@@ -6,6 +6,8 @@ All devices run at once, as they do in a sharded step, so the rates are per devi
 * matmul FLOP/s: a data-parallel float32 matmul over every device;
 * memory bandwidth: a data-parallel elementwise op on large arrays (bytes read + written);
 * per-op overhead: a chain of tiny dependent matmuls (one XLA thunk each);
+* contention: how much faster one device runs the matmul alone than each device runs it with all busy
+  (ops profiled alone, `shardc.cost.profile`, are scaled by it);
 * link bandwidth and latency: all-reduces of two sizes over all devices, fitted to the ring formula
   t = 2(n-1) a + 2(n-1)/n B / bw.
 
@@ -24,9 +26,9 @@ from typing import Any, Callable
 from shardc.cost.cache import DiskCache
 from shardc.cost.topology import Device, Level, Topology
 
-__all__ = ["cpu_host", "measure_cpu_host"]
+__all__ = ["cpu_host", "measure_cpu_host", "contention"]
 
-_VERSION = 1
+_VERSION = 2
 
 
 def _median_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 2) -> float:
@@ -62,6 +64,9 @@ def measure_cpu_host() -> dict[str, float]:
     mm = jax.jit(lambda a, b: a @ b, out_shardings=rows)
     t = _median_time(lambda: mm(x, w))
     flops = 2.0 * m * m * m / t
+    x1 = jax.device_put(jnp.ones((m, m), jnp.float32), devs[0])
+    w1 = jax.device_put(jnp.ones((m, m), jnp.float32), devs[0])
+    alone = 2.0 * m * m * m / _median_time(lambda: jax.jit(lambda a, b: a @ b)(x1, w1))
 
     big = jax.device_put(jnp.ones((n * 1024, 1024), jnp.float32), rows)
     ew = jax.jit(lambda a: a * 1.5 + 0.5, out_shardings=rows)
@@ -92,7 +97,7 @@ def measure_cpu_host() -> dict[str, float]:
     link_bw = frac * (big_b - small_b) / max(t_big - t_small, 1e-9)
     latency = max(t_small - frac * small_b / link_bw, 1e-7) / steps
     return {"flops": flops, "bandwidth": bandwidth, "overhead": overhead, "link_bandwidth": link_bw,
-            "latency": latency, "devices": float(n)}
+            "latency": latency, "devices": float(n), "contention": max(alone / flops, 1.0)}
 
 
 def _host_key() -> str:
@@ -120,6 +125,13 @@ def cpu_host(*, refresh: bool = False) -> Topology:
                                     "float16": m["flops"] / 2, "int8": m["flops"]},
                  mem_bandwidth=m["bandwidth"], memory=ram / max(n, 1), matmul_efficiency=1.0, vector_efficiency=1.0,
                  op_overhead=m["overhead"])
-    return Topology("cpu-host", dev, (Level("host", n, m["link_bandwidth"], m["latency"]),), overlap=False,
+    topo = Topology("cpu-host", dev, (Level("host", n, m["link_bandwidth"], m["latency"]),), overlap=False,
                     reduce_scatter=False, source=f"measured on {platform.node()} ({os.cpu_count()} cores, {n} devices)",
                     combine_bytes=float("inf"), backend="cpu")
+    return topo
+
+
+def contention() -> float:
+    """How many times slower an op runs on one device while all devices are busy (from the cpu-host cache)."""
+    cpu_host()
+    return float(DiskCache("cpu-host").get(_host_key()).get("contention", 1.0))

@@ -72,6 +72,7 @@ class ProfilingEstimator:
     warmup: int = 2
     cache: DiskCache | None = None
     fallback: Any = None
+    scale: float = 1.0  # multiplies measured times (e.g. shardc.cost.calibrate.contention() on the CPU host)
     measured: int = 0  # ops measured in this process (cache misses)
     _memo: dict[OpKey, float] = dataclasses.field(default_factory=dict, repr=False)
 
@@ -108,7 +109,7 @@ class ProfilingEstimator:
                     hit = -1.0
                 self.cache.put(ck, hit)
                 self.measured += 1
-            t = float(hit) if hit >= 0 else self.fallback.op_time(key, p)
+            t = float(hit) * self.scale if hit >= 0 else self.fallback.op_time(key, p)
         self._memo[key] = t
         return t
 
