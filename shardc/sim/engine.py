@@ -10,6 +10,9 @@ and of the producers and consumers of the values whose layout changed. Those slo
 program order, so reshard ownership is what a full build gives); the schedule is replayed from the first
 rebuilt slot, starting from the stream state recorded there; everything before it is reused. The integer
 arithmetic is the same as a full run's, so the result is identical, not approximately equal.
+
+Memory (`shardc.cost.memory`) is updated for the buffers the rebuilt slots make or read, and for the
+all-reduces XLA merges (`shardc.sim.combine`), regrouped on every run (a pass over the all-reduces only).
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ class _State:
     slots: list[Slot]  # one per op
     keys: dict  # key id -> owning slot (-1: inputs)
     ready: list  # key id -> ready time (ps)
-    who: list  # key id -> (slot, task) that made it
+    who: list  # key id -> the task that made it (slot * TASKS_PER_SLOT + index)
     starts: list[list[int]]  # per slot, per task
     ends: list[list[int]]
     bind: list[list[int]]  # per slot, per task: the task it waited for last (slot * TASKS_PER_SLOT + index), or -1
