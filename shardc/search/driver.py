@@ -119,8 +119,8 @@ def search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, method
     # Phase 1: every baseline on every mesh.
     states = []
     for sizes in meshes:
-        if deadline is not None and states and time.perf_counter() > t0 + budget_s / 2:
-            break  # half the budget is spent on baselines: search the meshes scored so far
+        if deadline is not None and len(states) >= max_meshes and time.perf_counter() > t0 + budget_s / 2:
+            break  # half the budget is spent on baselines: search the meshes scored so far (at least max_meshes)
         sizes = dict(sizes)
         mesh = _mesh_of(sizes)
         try:
