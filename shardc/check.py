@@ -130,12 +130,8 @@ def check(plan_or_fn: Any, *args: Any, topology: Any = None, **kwargs: Any) -> C
     from shardc.auto import AutoFunction
     from shardc.sim import as_topology, simulate
 
-    if isinstance(plan_or_fn, AutoFunction):
-        plan = plan_or_fn.plan(*args, **kwargs)
-        compiled = plan_or_fn.lower(*args, **kwargs).compile()
-    else:
-        plan = plan_or_fn
-        compiled = _compile(plan)
+    plan = plan_or_fn.plan(*args, **kwargs) if isinstance(plan_or_fn, AutoFunction) else plan_or_fn
+    compiled = _compile(plan)
     platform = jax.default_backend()
     topo = _host_topology(platform) if topology is None else as_topology(topology)
     # What XLA does on this backend: XLA:CPU has no reduce-scatter and merges all-reduces without a size limit.

@@ -125,8 +125,10 @@ def _analyse(graph: Graph) -> ProgramInfo:
     fused = [False] * nv
     outputs = {canon[v] for v in graph.outputs}
     for op in graph.ops:
-        if op.primitive in FREE_PRIMITIVES and live[op.id]:  # no buffer of their own (a constraint's reshard
-            for v in op.outputs:                             # is a collective, which makes its own)
+        # Hints, constraints, ties and scan slices have no buffer of their own (a constraint that moves data
+        # is a collective, which makes one); a scan's stacked outputs do.
+        if op.primitive in FREE_PRIMITIVES and op.primitive != "scan_stack" and live[op.id]:
+            for v in op.outputs:
                 if canon[v] not in outputs and not constant[canon[v]]:
                     fused[canon[v]] = True
     for op in graph.ops:

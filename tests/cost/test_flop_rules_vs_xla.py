@@ -23,6 +23,9 @@ CASES = {
     "integer_pow": (lambda x: x ** 3, (X,)),
     "select_n": (lambda x: jnp.where(x > 0, x, 2 * x), (X,)),
     "transpose": (lambda x: x.T, (X,)),
+    "argmax": (lambda x: jnp.argmax(x, axis=1), (X,)),
+    "cumsum": (lambda x: jnp.cumsum(x, axis=1), (X,)),
+    "cumsum_short": (lambda x: jnp.cumsum(x, axis=0), (jnp.ones((8, 5)),)),
 }
 
 
