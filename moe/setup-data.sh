@@ -4,8 +4,18 @@
 #   sword-text-kjv    King James Version (SWORD module engKJV2006eb, public domain)
 #   trans-de-en       Ding German-English dictionary with example sentences (GPL-2+), for --corpus trans-de-en
 # Usage: sudo sh moe/setup-data.sh        (non-interactive; about 12 MB of .debs)
+# scripts/setup.sh runs it; it is the one place that knows these packages. Exits 0 when they are installed.
 set -eu
 PACKAGES="sword-text-sparv sword-text-kjv trans-de-en"
+
+missing=""
+for p in $PACKAGES; do
+    dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"
+done
+if [ -z "$missing" ] && command -v dpkg >/dev/null 2>&1; then
+    echo "moe data packages already installed: $PACKAGES"
+    exit 0
+fi
 
 if [ "$(id -u)" -ne 0 ]; then
     if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
@@ -26,6 +36,6 @@ if ! command -v apt-get >/dev/null 2>&1; then
 fi
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -q
-apt-get install -y -q --no-install-recommends $PACKAGES
+apt-get install -y -q --no-install-recommends $PACKAGES >/dev/null
 echo "Installed: $PACKAGES"
 ls -d /usr/share/sword/modules/texts/ztext/spaRV1909eb /usr/share/sword/modules/texts/ztext/engKJV2006eb /usr/share/trans/de-en

@@ -63,35 +63,26 @@ MODEL_PRESETS = {
 # ----------------------------------------------------------------------------- shardc hook
 
 
-def _compile_step(fn, mesh, donate_argnums=(), example_args=None, mode="auto", in_shardings=None,
+def _compile_step(fn, mesh, donate_argnums=(), example_args=None, mode="shardc", in_shardings=None,
                   out_shardings=None):
     """The one place where the train step is compiled. Returns ``(step, compiler name, plan or None)``.
 
-    ``mode="auto"``: ``@shardc.auto`` when shardc provides it and can plan the step (its ``Plan`` is
-    returned; ``plan.explain()`` prints it), else ``jax.jit`` run under ``jax.set_mesh(mesh)``
-    (the layers' split/replicate hints then lower to sharding constraints). ``"shardc"`` insists on
-    shardc (errors propagate); ``"jit"`` skips it.
+    ``mode="shardc"`` (the default): ``@shardc.auto(mesh=..., donate_argnums=...)``; its ``Plan`` is returned
+    (``plan.explain()`` prints it). A step shardc cannot plan is an error, never a silent fallback.
+    ``mode="jit"``: plain ``jax.jit`` under ``jax.set_mesh(mesh)``, where the layers' split/replicate hints
+    lower to sharding constraints (for comparison, or to train past a shardc bug).
     """
-    if mode in ("auto", "shardc"):
-        try:
-            import shardc
+    if mode == "shardc":
+        import shardc
 
-            auto = getattr(shardc, "auto", None)
-        except ImportError:  # pragma: no cover
-            auto = None
-        if auto is None and mode == "shardc":
-            raise SystemExit("--compiler shardc: shardc.auto is not available")
-        if auto is not None:
-            try:
-                step = auto(mesh=mesh, donate_argnums=donate_argnums)(fn)
-                plan = step.plan(*example_args) if example_args is not None else None
-                return step, "shardc.auto", plan
-            except Exception as e:  # noqa: BLE001 - fall back, loudly
-                if mode == "shardc":
-                    raise
-                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                print(f"*** shardc.auto could not plan the train step ({type(e).__name__}: {first[:200]});"
-                      f" falling back to jax.jit with the same hints (--compiler shardc to see the error)")
+        step = shardc.auto(mesh=mesh, donate_argnums=donate_argnums)(fn)
+        try:
+            plan = step.plan(*example_args) if example_args is not None else None
+        except shardc.ShardingError:
+            print("*** shardc could not plan the train step (error below); `--compiler jit` trains the same model "
+                  "with plain jax.jit and the same hints", flush=True)
+            raise
+        return step, "shardc.auto", plan
     jitted = jax.jit(fn, donate_argnums=donate_argnums, in_shardings=in_shardings, out_shardings=out_shardings)
 
     def run(*args):
@@ -155,8 +146,8 @@ def build_args(argv=None):
                    help="capacity factor of a decoding step's group (0: C = S, never drop)")
     p.add_argument("--second-expert-policy", default="random", choices=["random", "all"])
     p.add_argument("--mesh", default="data=2,expert=4", help="mesh axes, e.g. expert=8 or data=2,expert=4")
-    p.add_argument("--compiler", default="auto", choices=["auto", "shardc", "jit"],
-                   help="auto: @shardc.auto, falling back to jax.jit if it cannot plan the step")
+    p.add_argument("--compiler", default="shardc", choices=["shardc", "jit"],
+                   help="shardc: @shardc.auto (default); jit: plain jax.jit with the same hints, for comparison")
     p.add_argument("--devices", type=int, default=8, help="virtual CPU devices (sets XLA_FLAGS before JAX starts)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/moe-translate", help="output dir (loss curve, samples, summary)")
@@ -405,6 +396,15 @@ def main(argv=None) -> dict:
             history, evals = meta["history"], meta["evals"]
             if meta.get("seed") != args.seed:
                 raise SystemExit(f"checkpoint was written with --seed {meta.get('seed')}, not {args.seed}")
+            saved = meta.get("args", {})
+            changed = [k for k in ("corpus", "data", "model", "steps", "lr", "warmup", "batch_tokens", "buckets",
+                                   "vocab_size", "max_len", "mesh", "dropout", "capacity_factor",
+                                   "second_expert_policy", "aux_weight", "experts", "layers", "d_model")
+                       if k in saved and saved[k] != getattr(args, k)]
+            if changed:
+                print("*** resuming with different " + ", ".join(f"--{k.replace('_', '-')} ({saved[k]} -> "
+                                                               f"{getattr(args, k)})" for k in changed)
+                      + ": the continuation is not the uninterrupted run")
             start_step = int(state["step"])
             print(f"resume  from step {start_step} in {ckpt_dir}")
     if tok_path.parent.exists() or args.ckpt_every > 0:
