@@ -1,0 +1,295 @@
+"""The model-zoo benchmark: every baseline, the user's hints under XLA's own propagation, and shardc's search,
+on H100 and TPU topologies (simulated step time, per-device peak memory, communication, planning time,
+fraction of ideal).
+
+    python -m bench.zoo [--models mlp,gpt12] [--topologies h100-sxm-8,tpu-v5e-8] [--budget 60] [--write]
+
+Rows, per (model, topology):
+
+* each baseline of `shardc.baselines` on its best mesh (every mesh the search scores), as the search
+  reports it; planning time = tracing + that baseline's propagation, plan and simulation on its mesh;
+* `xla`: the same hints (Flax metadata as `in_shardings`, shardc hints as sharding constraints) compiled by
+  plain `jax.jit` on the hints baseline's mesh, so XLA's own sharding propagation decides the rest. The
+  compiled program is costed from its HLO — communication and memory exactly as `shardc.check` reads them,
+  and time as an HLO roofline (per-device FLOPs at the matmul efficiency or bytes at the memory efficiency,
+  whichever is slower, plus every collective by the topology's formulas, not overlapped), because shardc's
+  simulator costs plans, not HLO. The roofline of shardc's own hints plan is given beside it for calibration.
+  Needs as many local devices as the topology (not available for 64 devices);
+* `search`: `@shardc.auto(search=True, budget_s=...)` (DP + MCMC), planning time = the whole call.
+
+fraction of ideal = total FLOPs / (devices x peak FLOP/s of the dtype) / step time.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import math
+import os
+import sys
+import time
+from typing import Any
+
+if __name__ == "__main__":  # 8 local CPU devices, as the tests have
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+
+import shardc
+from shardc.report import format_bytes
+
+TOPOLOGIES = ("h100-sxm-8", "tpu-v5e-8", "h100-sxm-8x8")
+
+
+@dataclasses.dataclass
+class Row:
+    model: str
+    topology: str
+    name: str
+    mesh: str = ""
+    time: float = math.nan
+    peak: float = math.nan
+    comm: float = math.nan
+    plan_s: float = math.nan
+    fits: bool = True
+    ideal: float = math.nan
+    note: str = ""
+
+
+@contextlib.contextmanager
+def _capture_problem():
+    """Record the Problem and meshes `@shardc.auto(search=...)` hands to the search driver."""
+    import shardc.search.integrate as integ
+
+    box: dict[str, Any] = {}
+    real = integ.search_plan
+
+    def wrapped(problem, meshes, **kw):
+        box["problem"], box["meshes"] = problem, list(meshes)
+        return real(problem, meshes, **kw)
+
+    integ.search_plan = wrapped
+    try:
+        yield box
+    finally:
+        integ.search_plan = real
+
+
+def total_flops(graph) -> float:
+    """FLOPs of one unsharded step (loop bodies times their trip counts)."""
+    from shardc.cost.flops import count_op
+    from shardc.cost.program import program_info
+
+    info = program_info(graph)
+    total = 0.0
+    for op in graph.ops:
+        if not info.counts(op.id):
+            continue
+        ins = [graph.values[v].shape for v in op.inputs]
+        outs = [graph.values[v].shape for v in op.outputs]
+        total += count_op(op.primitive, ins, outs, op.params).flops * info.trips[op.id]
+    return total
+
+
+def _mesh_str(sizes: dict) -> str:
+    return "x".join(f"{a}{n}" for a, n in sizes.items() if n > 1) or "1"
+
+
+def _trace_mesh():
+    return shardc.make_mesh({"data": 2, "model": 2, "expert": 2})
+
+
+def hlo_roofline(compiled: Any, sizes: dict, topo) -> dict:
+    """Time (HLO roofline), collective bytes and peak memory per device of a compiled SPMD program."""
+    from shardc.check import compiled_stats
+    from shardc.cost.collectives import Collective, collective_time
+
+    stats = compiled_stats(compiled, list(sizes.items()))
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+    dev = topo.device
+    t_flops = stats["flops"] / (dev.flops_per_s("float32") * dev.matmul_efficiency)
+    t_bytes = float(cost.get("bytes accessed", 0.0)) / (dev.mem_bandwidth * dev.vector_efficiency)
+    mapping = topo.map_mesh(sizes)
+    t_comm = 0.0
+    for c in stats["collectives"]:
+        axes = tuple(c.axes or ())
+        if not axes or c.bytes <= 0:
+            continue
+        group = c.group_size if c.group_size != math.prod(sizes[a] for a in axes) else None
+        t_comm += c.count * collective_time(Collective(c.kind, axes, c.bytes, group), topo, mapping, dict(sizes))
+    return {"time": max(t_flops, t_bytes) + t_comm, "comm": float(sum(stats["bytes"].values())),
+            "peak": float(stats["memory"] or 0.0), "t_compute": max(t_flops, t_bytes), "t_comm": t_comm}
+
+
+def _named_shardings(args: Any, mesh) -> Any:
+    """Flax partitioning metadata as NamedShardings (axes the mesh lacks dropped); other leaves replicated."""
+    import flax.linen as nn
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def one(spec):
+        if not isinstance(spec, PartitionSpec):
+            spec = PartitionSpec()
+        keep = []
+        for d in spec:
+            names = d if isinstance(d, tuple) else (d,)
+            names = tuple(a for a in names if a is not None and mesh.shape.get(a, 1) > 1)
+            keep.append(names[0] if len(names) == 1 else (names or None))
+        return NamedSharding(mesh, PartitionSpec(*keep))
+
+    specs = nn.get_partition_spec(args)
+    return jax.tree_util.tree_map(one, specs, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
+
+
+def xla_compile(step, args, sizes: dict):
+    """`jax.jit` of the step with the user's hints only (XLA propagates the rest), compiled for the local
+    devices."""
+    from annotations import mesh_context
+
+    mesh = shardc.make_mesh(dict(sizes), jax.devices()[: math.prod(sizes.values())])
+    with mesh_context(mesh), jax.set_mesh(mesh):
+        jitted = jax.jit(step, in_shardings=_named_shardings(args, mesh), donate_argnums=(0, 1))
+        return jitted.lower(*args).compile()
+
+
+def plan_compile(plan):
+    from shardc.lower import jit_plan
+
+    g = plan.graph
+    avals = [jax.ShapeDtypeStruct(g.values[v].shape, g.values[v].dtype) for v in g.inputs]
+    return jit_plan(plan, plan.program, plan.donated).lower(*avals).compile()
+
+
+def run_model(zm, topology: str, budget: float, *, xla: bool = True) -> list[Row]:
+    from shardc.search.baselines import baseline_plan
+    from shardc.sim import as_topology, simulate
+
+    topo = as_topology(topology)
+    n = topo.num_devices
+    rows: list[Row] = []
+    t0 = time.perf_counter()
+    step, args = zm.build(_trace_mesh())
+    with _capture_problem() as box:
+        t1 = time.perf_counter()
+        af = shardc.auto(step, search=True, topology=topology, budget_s=budget, donate_argnums=(0, 1))
+        try:
+            plan = af.plan(*args)
+        except shardc.ShardingError as e:
+            return [Row(zm.name, topology, "search", note=f"not yet plannable: {str(e).splitlines()[0][:120]}")]
+        search_s = time.perf_counter() - t1
+    report = plan.search
+    problem = box["problem"]
+    if math.prod(report.chosen.mesh.values()) != n:
+        return [Row(zm.name, topology, "search", note=f"not yet plannable: the search planned for "
+                    f"{math.prod(report.chosen.mesh.values())} devices, the topology has {n}")]
+    flops = total_flops(problem.graph)
+    peak = topo.device.flops_per_s("float32")
+
+    def ideal(t: float) -> float:
+        return flops / (n * peak) / t if t > 0 and math.isfinite(t) else math.nan
+
+    per_name: dict[str, Any] = {}
+    for c in report.baselines:
+        if c.name not in per_name or c.score.key < per_name[c.name].score.key:
+            per_name[c.name] = c
+    trace_s = af._cache and next(iter(af._cache.values())).timings.get("trace_s", 0.0) or 0.0
+    from shardc.search.driver import _mesh_of
+
+    for name, c in per_name.items():
+        tb = time.perf_counter()
+        bp = baseline_plan(name, problem, _mesh_of(c.mesh))
+        simulate(bp, topo)
+        plan_s = trace_s + time.perf_counter() - tb
+        s = c.score
+        rows.append(Row(zm.name, topology, name, _mesh_str(c.mesh), s.time, s.peak, s.comm, plan_s, s.feasible,
+                        ideal(s.time) if s.feasible else math.nan))
+    ch = report.chosen
+    note = "" if ch.name == "search" else f"= {ch.name} (nothing faster found)"
+    rows.append(Row(zm.name, topology, "search", _mesh_str(ch.mesh), ch.score.time, ch.score.peak, ch.score.comm,
+                    search_s, ch.score.feasible, ideal(ch.score.time), note))
+    if xla and "hints" in per_name:
+        sizes = per_name["hints"].mesh
+        if n > len(jax.devices()):
+            rows.append(Row(zm.name, topology, "xla", _mesh_str(sizes), note=f"needs {n} local devices to compile"))
+        else:
+            try:
+                tx = time.perf_counter()
+                r = hlo_roofline(xla_compile(step, args, sizes), sizes, topo)
+                xs = time.perf_counter() - tx
+                cal = hlo_roofline(plan_compile(baseline_plan("hints", problem, _mesh_of(sizes))), sizes, topo)
+                rows.append(Row(zm.name, topology, "xla", _mesh_str(sizes), r["time"], r["peak"], r["comm"], xs,
+                                r["peak"] <= topo.device.memory, ideal(r["time"]),
+                                f"HLO roofline; shardc hints plan by the same roofline: {cal['time'] * 1e3:.2f} ms, "
+                                f"{format_bytes(cal['comm'])}, {format_bytes(cal['peak'])}"))
+            except Exception as e:  # noqa: BLE001 - a benchmark row, not a crash
+                rows.append(Row(zm.name, topology, "xla", _mesh_str(sizes), note=f"{type(e).__name__}: {str(e)[:100]}"))
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    head = "| model | topology | plan | mesh | step time | peak / device | comm / device | planning | ideal | note |"
+    out = [head, "|" + "---|" * 10]
+    best_base: dict[tuple, float] = {}
+    for r in rows:
+        if r.name not in ("search", "xla") and r.fits and math.isfinite(r.time):
+            k = (r.model, r.topology)
+            best_base[k] = min(best_base.get(k, math.inf), r.time)
+    for r in rows:
+        t = f"{r.time * 1e3:.2f} ms" if math.isfinite(r.time) else "–"
+        if r.name == "search" and math.isfinite(r.time) and (r.model, r.topology) in best_base:
+            t += f" ({best_base[(r.model, r.topology)] / r.time:.2f}x)"
+        if not r.fits:
+            t += " (OOM)"
+        pk = format_bytes(r.peak) if math.isfinite(r.peak) else "–"
+        cm = format_bytes(r.comm) if math.isfinite(r.comm) else "–"
+        ps = f"{r.plan_s:.1f} s" if math.isfinite(r.plan_s) else "–"
+        idl = f"{100 * r.ideal:.0f}%" if math.isfinite(r.ideal) else "–"
+        out.append(f"| {r.model} | {r.topology} | {r.name} | {r.mesh} | {t} | {pk} | {cm} | {ps} | {idl} | {r.note} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    from bench.zoo_models import zoo
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="")
+    ap.add_argument("--topologies", default=",".join(TOPOLOGIES))
+    ap.add_argument("--budget", type=float, default=60.0)
+    ap.add_argument("--scale", default="full")
+    ap.add_argument("--no-xla", action="store_true")
+    ap.add_argument("--write", action="store_true")
+    ap.add_argument("--out", default="", help="also append rows as they come to this file")
+    a = ap.parse_args()
+    models = [m for m in zoo(a.scale) if not a.models or m.name in a.models.split(",")]
+    rows: list[Row] = []
+    for topology in a.topologies.split(","):
+        for zm in models:
+            t = time.perf_counter()
+            new = run_model(zm, topology, a.budget, xla=not a.no_xla)
+            rows += new
+            print(table(new).split("\n", 2)[2], f"  [{time.perf_counter() - t:.0f} s]", flush=True)
+            if a.out:
+                with open(a.out, "a") as f:
+                    f.write(table(new).split("\n", 2)[2] + "\n")
+    print(table(rows))
+    if a.write:
+        from bench.propagate import write_section
+        from bench.zoo_models import zoo as _zoo
+
+        notes = "\n".join(f"- `{m.name}` ({m.family}): {m.note}" for m in _zoo(a.scale))
+        write_section("zoo", f"`python -m bench.zoo --budget {a.budget:g} --write` ({os.cpu_count()} cores shared, jax "
+                      f"{jax.__version__}). Models (`bench/zoo_models.py`, float32, abstract arguments):\n\n{notes}\n\n"
+                      + table(rows) + "\n\n" + ZOO_NOTES)
+
+
+ZOO_NOTES = """Baselines are each on their best mesh among those the search scores. `(1.23x)` after the search's
+time is the best fitting baseline's time over the search's. `xla` = the same hints under plain `jax.jit`
+(XLA's propagation), costed from its compiled HLO by a roofline (see the docstring of `bench/zoo.py`);
+its communication and memory are what the compiled program does, its time is comparable to the roofline of
+shardc's hints plan given in the note, not to the simulated times. Planning times are on a 2-core machine
+shared with other jobs.
+"""
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""The model zoo of `bench/zoo.py` (FlexFlow's benchmark families): an MLP, a CNN, an LSTM LM (small Flax
+linen models defined here), the GPT-style LM of `bench/gpt.py` and the MoE translation Transformer of
+`moe/transformer.py`. Each `ZooModel` gives a train step and *abstract* arguments (`jax.ShapeDtypeStruct`s,
+made with `jax.eval_shape`), so a model far larger than this machine's memory can be planned and simulated.
+
+Hints: the LMs carry Megatron-style partitioning metadata (axis "model") and a batch hint (axis "data"),
+the MoE model its GShard hints (axis "expert"); the MLP, CNN and LSTM carry only a batch hint.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from shardc import split
+
+__all__ = ["ZooModel", "MLP", "CNN", "LSTMLM", "zoo"]
+
+
+class MLP(nn.Module):
+    """A deep ReLU MLP (FlexFlow's "MLP" family)."""
+
+    widths: tuple[int, ...] = (8192, 8192, 8192, 8192)
+    out: int = 1024
+
+    @nn.compact
+    def __call__(self, x):
+        x = split(x, 0, "data")
+        for w in self.widths:
+            x = nn.relu(nn.Dense(w)(x))
+        return nn.Dense(self.out)(x)
+
+
+class CNN(nn.Module):
+    """A VGG-style CNN: conv-conv-pool stages, then a classifier (FlexFlow's CNN family)."""
+
+    channels: tuple[int, ...] = (64, 128, 256, 512)
+    classes: int = 1000
+    hidden: int = 4096
+
+    @nn.compact
+    def __call__(self, x):
+        x = split(x, 0, "data")
+        for c in self.channels:
+            x = nn.relu(nn.Conv(c, (3, 3))(x))
+            x = nn.relu(nn.Conv(c, (3, 3))(x))
+            x = nn.max_pool(x, (2, 2), (2, 2))
+        x = x.reshape(x.shape[0], -1)
+        x = nn.relu(nn.Dense(self.hidden)(x))
+        return nn.Dense(self.classes)(x)
+
+
+class LSTMLM(nn.Module):
+    """A stacked LSTM language model (FlexFlow's RNNLM family); the time loop is a scan."""
+
+    vocab: int = 32768
+    hidden: int = 2048
+    layers: int = 2
+
+    @nn.compact
+    def __call__(self, ids):
+        ids = split(ids, 0, "data")
+        x = nn.Embed(self.vocab, self.hidden)(ids)
+        for _ in range(self.layers):
+            x = nn.RNN(nn.OptimizedLSTMCell(self.hidden))(x)
+        return nn.Dense(self.vocab)(x)
+
+
+def _classifier_step(model: nn.Module, tx: optax.GradientTransformation) -> Callable:
+    def step(params, opt_state, x, y):
+        def loss_fn(p):
+            logits = model.apply({"params": p}, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def _lm_step(model: nn.Module, tx: optax.GradientTransformation) -> Callable:
+    def step(params, opt_state, ids):
+        def loss_fn(p):
+            logits = model.apply({"params": p}, ids[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+@dataclasses.dataclass
+class ZooModel:
+    """A zoo entry: `build(mesh)` -> (train step, abstract args) traced under `mesh` (the MoE model has a fixed
+    number of groups, so its program does not depend on the mesh)."""
+
+    name: str
+    family: str
+    build: Callable[[Any], tuple[Callable, tuple]]
+    note: str = ""
+
+
+def _abstract(init: Callable, *args) -> Any:
+    return jax.eval_shape(init, *args)
+
+
+def _classifier(model: nn.Module, x_shape: tuple[int, ...], classes: int):
+    def build(mesh):
+        tx = optax.adam(1e-3)
+        x = jax.ShapeDtypeStruct(x_shape, jnp.float32)
+        y = jax.ShapeDtypeStruct((x_shape[0],), jnp.int32)
+        params = _abstract(lambda k: model.init(k, jnp.zeros(x_shape, jnp.float32))["params"], jax.random.key(0))
+        opt = _abstract(tx.init, params)
+        return _classifier_step(model, tx), (params, opt, x, y)
+
+    return build
+
+
+def _lstm(batch: int, seq: int, **kw):
+    model = LSTMLM(**kw)
+
+    def build(mesh):
+        tx = optax.adam(1e-3)
+        ids = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
+        params = _abstract(lambda k: model.init(k, jnp.zeros((batch, seq), jnp.int32))["params"], jax.random.key(0))
+        return _lm_step(model, tx), (params, _abstract(tx.init, params), ids)
+
+    return build
+
+
+def _gpt(layers: int, batch: int, seq: int, **kw):
+    from bench.gpt import GPT, make_train_step
+
+    model = GPT(layers=layers, seq=seq, **kw)
+
+    def build(mesh):
+        tx = optax.adamw(1e-3)
+        ids = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
+        with jax.set_mesh(mesh):
+            params = _abstract(lambda k: model.init(k, jnp.zeros((batch, seq), jnp.int32))["params"],
+                               jax.random.key(1))
+        return make_train_step(model, tx), (params, _abstract(tx.init, params), ids)
+
+    return build
+
+
+def _moe(batch: int, length: int, **kw):
+    from moe.transformer import Transformer, TransformerConfig, loss_fn
+
+    def build(mesh):
+        cfg = TransformerConfig(**kw)
+        model = Transformer(cfg)
+        tx = optax.adam(1e-3)
+        src = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+        zeros = jnp.zeros((batch, length), jnp.int32)
+        with jax.set_mesh(mesh):
+            from annotations import mesh_context
+
+            with mesh_context(mesh):
+                params = _abstract(lambda k: model.init(k, zeros, zeros)["params"], jax.random.key(0))
+
+        def step(params, opt_state, src, tgt_in, tgt_out):
+            def loss(p):
+                logits, aux = model.apply({"params": p}, src, tgt_in)
+                return loss_fn(logits, tgt_out, aux, cfg)[0]
+
+            value, grads = jax.value_and_grad(loss)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, value
+
+        return step, (params, _abstract(tx.init, params), src, src, src)
+
+    return build
+
+
+def zoo(scale: str = "full") -> list[ZooModel]:
+    """The zoo. scale="full": the benchmark sizes; "tiny": the same families, small (for smoke runs)."""
+    tiny = scale == "tiny"
+    return [
+        ZooModel("mlp", "MLP", _classifier(MLP((512,) * 4 if tiny else (8192,) * 4, 128 if tiny else 1024),
+                                           (64, 256) if tiny else (1024, 1024), 128 if tiny else 1024),
+                 "4x Dense(8192), batch 1024, Adam"),
+        ZooModel("cnn", "CNN", _classifier(CNN((8, 16) if tiny else (64, 128, 256, 512), 10 if tiny else 1000,
+                                               64 if tiny else 4096),
+                                           (16, 16, 16, 3) if tiny else (256, 64, 64, 3), 10 if tiny else 1000),
+                 "VGG-style, 8 convs (64-512 ch) + 2 Dense, 64x64 images, batch 256, Adam"),
+        ZooModel("lstm", "RNNLM", _lstm(16 if tiny else 256, 8 if tiny else 64,
+                                        **({"vocab": 256, "hidden": 64} if tiny else {})),
+                 "2-layer LSTM, hidden 2048, vocab 32k, seq 64, batch 256, Adam"),
+        ZooModel("gpt12", "Transformer LM", _gpt(2 if tiny else 12, 8 if tiny else 16, 32 if tiny else 1024,
+                                                 **({} if tiny else {"vocab": 32768, "d": 1024, "heads": 16})),
+                 "12 layers, d 1024, seq 1024, vocab 32k, batch 16, AdamW"),
+        ZooModel("gpt12-xl", "Transformer LM (memory-tight)",
+                 _gpt(2 if tiny else 12, 8 if tiny else 8, 32 if tiny else 2048,
+                      **({} if tiny else {"vocab": 32768, "d": 4096, "heads": 32})),
+                 "12 layers, d 4096 (2.7 B params), seq 2048, batch 8, AdamW: data parallel does not fit"),
+        ZooModel("moe", "MoE Transformer", _moe(8 if tiny else 64, 16 if tiny else 256,
+                                               **({"vocab_size": 256, "d_model": 64, "mlp_dim": 128,
+                                                   "num_encoder_layers": 2, "num_decoder_layers": 2, "num_groups": 8} if tiny else
+                                                  {"vocab_size": 32000, "d_model": 1024, "num_heads": 16,
+                                                   "mlp_dim": 4096, "num_experts": 64,
+                                                   "num_encoder_layers": 6, "num_decoder_layers": 6, "num_groups": 64})),
+                 "GShard translation Transformer, 6+6 layers, d 1024, 64 experts every other FFN, batch 64x256"),
+    ]
