@@ -9,10 +9,14 @@ ReduceScatter/AllToAll where that pays. `fuse=True` emits the fused collectives 
 Ops that cannot run on local pieces (gather/scatter with sharded operands, convolutions, PRNG with a
 shape, reductions other than sum/max/min over sharded dims, ...) run replicated: their inputs are
 gathered first and their outputs sliced after, so the PCG stays exact.
+
+Loops and branches (`scan`, `while`, `cond`) become `Region` nodes: each body is a PCG of its own built
+from the plan's layouts of the body values, taking and giving the region's values in fixed boundary
+layouts (the plan's layouts of the body's parameters; a scan's stacked arrays keep dim 0 unsharded).
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 from jax.extend import core as jcore
@@ -25,7 +29,7 @@ from shardc.plan import Plan
 from shardc.rules.elementwise import BINARY_ELEMENTWISE, NARY_ELEMENTWISE, UNARY_ELEMENTWISE
 from shardc.sharding import Sharding
 
-__all__ = ["build_pcg", "reshard_ops", "LOCAL_PRIMITIVES", "HINT_PRIMITIVES", "REMATERIALIZE"]
+__all__ = ["build_pcg", "reshard_ops", "Scope", "Walker", "LOCAL_PRIMITIVES", "HINT_PRIMITIVES", "REMATERIALIZE"]
 
 # Primitives whose per-device application to local pieces (laid out as the op's strategy says) computes
 # the local piece of the result (lowering localises shape params; see shardc.pcg.lower).
@@ -42,31 +46,6 @@ HINT_PRIMITIVES = frozenset({"shardc_hint", "sharding_constraint"})
 # (every layout of a filled array or an iota is computed locally) instead of moved.
 REMATERIALIZE = frozenset({"broadcast_in_dim", "iota"})
 _LOCAL_REDUCE_OPS = ("sum", "max", "min")
-
-
-def _op_eqns(closed_jaxpr: Any) -> Iterator[tuple[Any, list[Any]]]:
-    """The jaxpr eqns in the order `shardc.ir.build_graph` made ops from them, each with the constant
-    value (or None) of each input."""
-
-    def walk(jaxpr: Any, consts: Sequence[Any], known: dict) -> Iterator[tuple[Any, list[Any]]]:
-        for var, c in zip(jaxpr.constvars, consts):
-            known[var] = c
-        for eqn in jaxpr.eqns:
-            vals = [a.val if isinstance(a, jcore.Literal) else known.get(a) for a in eqn.invars]
-            name = eqn.primitive.name
-            key = CALL_PRIMITIVES.get(name)
-            inner = eqn.params.get(key) if key else None
-            if name in CALL_PRIMITIVES and inner is not None:
-                sub_jaxpr = inner.jaxpr if isinstance(inner, jcore.ClosedJaxpr) else inner
-                sub_consts = inner.consts if isinstance(inner, jcore.ClosedJaxpr) else []
-                sub_known = {v: c for v, c in zip(sub_jaxpr.invars, vals) if c is not None}
-                yield from walk(sub_jaxpr, sub_consts, sub_known)
-                continue
-            if name in REGION_PRIMITIVES:
-                raise ShardingError(f"the PCG does not model {name} regions yet (at {eqn.source_info.traceback})")
-            yield eqn, vals
-
-    yield from walk(closed_jaxpr.jaxpr, closed_jaxpr.consts, {})
 
 
 def _lcp(a: Sequence[str], b: Sequence[str]) -> int:
@@ -191,68 +170,63 @@ def _layouts_agree(rule: Any, strat: Any, sizes: Mapping[str, int]) -> bool:
     return True
 
 
-def build_pcg(plan: Plan, closed_jaxpr: Any, *, fuse: bool = False) -> PCG:
-    """The PCG of a plan. `closed_jaxpr` is the program the plan was made from
-    (`AutoFunction.compiled_info(*args).closed_jaxpr`)."""
-    graph = plan.graph
-    sizes = plan.mesh_sizes
-    b = GraphBuilder(plan.mesh)
-    causes = {(r.value, r.consumer): r.cause for r in plan.reshards}
-    vmap: dict[int, int] = {}
-    memo: dict[tuple[int, Sharding], int] = {}
-    steps: dict[tuple[int, ParallelOp], int] = {}
+class Scope:
+    """One PCG under construction — the program, or a loop/branch body — from the plan's ops."""
 
-    def value_tensor(v: int, const: Any = None) -> int:
-        if v not in vmap:
-            val = graph.values[v]
-            if const is not None:
-                vmap[v] = b.add_const(np.asarray(const, dtype=val.dtype), plan.shardings[v], val.name)
-            else:
+    def __init__(self, ctx: "Walker") -> None:
+        self.ctx = ctx
+        self.b = GraphBuilder(ctx.plan.mesh)
+        self.vmap: dict[int, int] = {}  # graph value -> tensor
+        self.memo: dict[tuple[int, Sharding], int] = {}
+        self.steps: dict[tuple[int, ParallelOp], int] = {}
+        self.made_by: dict[int, tuple[Compute, list[int]]] = {}
+
+    def value_tensor(self, v: int, const: Any = None) -> int:
+        if v not in self.vmap:
+            val = self.ctx.graph.values[v]
+            if const is None:
                 raise ShardingError(f"PCG: value {val.name} {list(val.shape)} is used before it is defined")
-        return vmap[v]
+            self.vmap[v] = self.b.add_const(np.asarray(const, dtype=val.dtype), self.ctx.plan.shardings[v], val.name)
+        return self.vmap[v]
 
-    made_by: dict[int, tuple[Compute, list[int]]] = {}
+    def input(self, v: int, layout: Sharding) -> int:
+        """A PCG input for graph value `v` (shape/dtype of v) in `layout`."""
+        val = self.ctx.graph.values[v]
+        return self.b.add_tensor(val.shape, val.dtype, layout, val.name)
 
-    def reshard(t: int, want: Sharding, cause: str) -> int:
+    def reshard(self, t: int, want: Sharding, cause: str) -> int:
+        b = self.b
         have = b.tensors[t].sharding
         if have == want:
             return t
-        if (t, want) in memo:
-            return memo[(t, want)]
-        if t in made_by:  # a broadcast of a scalar or an iota: make it again in the layout wanted
-            op, args = made_by[t]
+        if (t, want) in self.memo:
+            return self.memo[(t, want)]
+        if t in self.made_by:  # a broadcast of a scalar or an iota: make it again in the layout wanted
+            op, args = self.made_by[t]
             tensor = b.tensors[t]
             out = b.add_tensor(tensor.shape, tensor.dtype, want, tensor.name)
             b.add_node(op, args, [out], cause=f"{op.primitive} made again as {want} ({cause})")
-            memo[(t, want)] = out
+            self.memo[(t, want)] = out
             return out
         cur = t
-        for pop in reshard_ops(have, want, sizes, fuse=fuse):
+        for pop in reshard_ops(have, want, self.ctx.sizes, fuse=self.ctx.fuse):
             key = (cur, pop)
-            if key not in steps:  # a step shared with another chain from the same tensor is made once
-                steps[key] = b.parallel(pop, cur, cause=cause)
-            cur = steps[key]
-        memo[(t, want)] = cur
+            if key not in self.steps:  # a step shared with another chain from the same tensor is made once
+                self.steps[key] = b.parallel(pop, cur, cause=cause)
+            cur = self.steps[key]
+        self.memo[(t, want)] = cur
         return cur
 
-    for v in graph.inputs:
-        val = graph.values[v]
-        vmap[v] = b.add_tensor(val.shape, val.dtype, plan.shardings[v], val.name)
-    inputs = [vmap[v] for v in graph.inputs]
-    eqns = _op_eqns(closed_jaxpr)
-    for op in graph.ops:
-        if op.primitive == "tie" and op.region == "io":
-            continue
-        if op.region:
-            raise ShardingError(f"the PCG does not model loop/branch regions yet ({op.primitive} in {op.region})")
-        eqn, const_vals = next(eqns)
-        if eqn.primitive.name != op.primitive:  # pragma: no cover - the walks agree by construction
-            raise AssertionError(f"op {op.id} is {op.primitive} but the jaxpr walk is at {eqn.primitive.name}")
-        ins = [value_tensor(v, c) for v, c in zip(op.inputs, const_vals)]
+    def op(self, op: Any, eqn: Any, const_vals: Sequence[Any]) -> None:
+        """One plan op: its operands resharded to what its strategy needs, the compute node, its results
+        resharded to their planned layouts."""
+        ctx, b = self.ctx, self.b
+        graph, plan, sizes = ctx.graph, ctx.plan, ctx.sizes
+        ins = [self.value_tensor(v, c) for v, c in zip(op.inputs, const_vals)]
         if op.primitive in HINT_PRIMITIVES:
             for v, t in zip(op.outputs, ins):
-                vmap[v] = reshard(t, plan.shardings[v], f"hint on {graph.values[v].name}")
-            continue
+                self.vmap[v] = self.reshard(t, plan.shardings[v], f"hint on {graph.values[v].name}")
+            return
         strat, rule = plan.strategies[op.id], op.rule
         partial = strat.partial_axes(rule)
         local = _is_local(op, strat, partial, sizes)
@@ -263,8 +237,8 @@ def build_pcg(plan: Plan, closed_jaxpr: Any, *, fuse: bool = False) -> PCG:
                 args.append(t)
                 continue
             need = strat.tensor_sharding(rule, dims, sizes) if local else Sharding(((),) * tensor.rank)
-            cause = causes.get((v, op.id)) or f"{op.primitive} needs {graph.values[v].name} as {need}"
-            args.append(reshard(t, need, cause))
+            cause = ctx.causes.get((v, op.id)) or f"{op.primitive} needs {graph.values[v].name} as {need}"
+            args.append(self.reshard(t, need, cause))
         outs = []
         for v, dims in zip(op.outputs, rule.results):
             val = graph.values[v]
@@ -275,14 +249,100 @@ def build_pcg(plan: Plan, closed_jaxpr: Any, *, fuse: bool = False) -> PCG:
         b.add_node(compute, args, outs)
         if op.primitive in REMATERIALIZE and all(b.tensors[a].rank == 0 and not b.tensors[a].sharding.partial
                                                  for a in args) and not partial:
-            made_by[outs[0]] = (compute, args)
+            self.made_by[outs[0]] = (compute, args)
         for v, t in zip(op.outputs, outs):
-            cause = causes.get((v, None)) or f"{graph.values[v].name} is {plan.shardings[v]}"
-            vmap[v] = reshard(t, plan.shardings[v], cause)
+            cause = ctx.causes.get((v, None)) or f"{graph.values[v].name} is {plan.shardings[v]}"
+            self.vmap[v] = self.reshard(t, plan.shardings[v], cause)
+
+    def outer(self, v: int | None, const: Any) -> int:
+        """The tensor of a region operand: graph value `v`, or a literal made a constant here."""
+        if v is None:
+            return self.b.add_const(np.asarray(const), name="literal")
+        return self.value_tensor(v, const)
+
+
+class Walker:
+    """Walks the jaxpr and the plan's ops in lockstep (the order `shardc.ir.build_graph` made ops in)."""
+
+    def __init__(self, plan: Plan, fuse: bool) -> None:
+        self.plan = plan
+        self.graph = plan.graph
+        self.sizes = plan.mesh_sizes
+        self.fuse = fuse
+        self.causes = {(r.value, r.consumer): r.cause for r in plan.reshards}
+        self.i = 0  # next graph op
+
+    def next_op(self) -> Any:
+        ops = self.graph.ops
+        while self.i < len(ops) and ops[self.i].primitive == "tie" and ops[self.i].region == "io":
+            self.i += 1
+        if self.i >= len(ops):  # pragma: no cover - the walks agree by construction
+            raise AssertionError("the jaxpr has more ops than the plan")
+        op = ops[self.i]
+        self.i += 1
+        return op
+
+    def take(self, n: int, *kinds: str) -> list[Any]:
+        """The next n graph ops, which must be region boundary ops of the given kinds."""
+        out = [self.next_op() for _ in range(n)]
+        for op in out:
+            if op.primitive not in kinds:  # pragma: no cover - the walks agree by construction
+                raise AssertionError(f"op {op.id} is {op.primitive}, expected one of {kinds}")
+        return out
+
+    def walk(self, scope: Scope, jaxpr: Any, consts: Sequence[Any], args: Sequence[tuple[int | None, Any]]
+             ) -> list[tuple[int | None, Any]]:
+        """Add `jaxpr`'s ops to `scope`; args/results are (graph value or None for a literal, constant
+        value or None) per invar/outvar."""
+        env: dict[Any, tuple[int | None, Any]] = {}
+        for var, c in zip(jaxpr.constvars, consts):
+            env[var] = (None, c)
+        for var, a in zip(jaxpr.invars, args):
+            env[var] = a
+
+        def read(atom: Any) -> tuple[int | None, Any]:
+            if isinstance(atom, jcore.Literal):
+                return None, np.asarray(atom.val, dtype=atom.aval.dtype)
+            return env[atom]
+
+        for eqn in jaxpr.eqns:
+            ins = [read(a) for a in eqn.invars]
+            name = eqn.primitive.name
+            key = CALL_PRIMITIVES.get(name)
+            inner = eqn.params.get(key) if key else None
+            if name in CALL_PRIMITIVES and inner is not None:
+                sub = inner.jaxpr if isinstance(inner, jcore.ClosedJaxpr) else inner
+                sub_consts = inner.consts if isinstance(inner, jcore.ClosedJaxpr) else []
+                outs = self.walk(scope, sub, sub_consts, ins)
+            elif name in REGION_PRIMITIVES:
+                from shardc.pcg.regions import REGION_BUILDERS
+
+                outs = REGION_BUILDERS[name](self, scope, eqn, ins)
+            else:
+                op = self.next_op()
+                if op.primitive != name:  # pragma: no cover - the walks agree by construction
+                    raise AssertionError(f"op {op.id} is {op.primitive} but the jaxpr walk is at {name}")
+                scope.op(op, eqn, [c for _, c in ins])
+                outs = [(v, None) for v in op.outputs]
+            for var, o in zip(eqn.outvars, outs):
+                env[var] = o
+        return [read(a) for a in jaxpr.outvars]
+
+
+def build_pcg(plan: Plan, closed_jaxpr: Any, *, fuse: bool = False) -> PCG:
+    """The PCG of a plan. `closed_jaxpr` is the program the plan was made from
+    (`AutoFunction.compiled_info(*args).closed_jaxpr`)."""
+    graph = plan.graph
+    walker = Walker(plan, fuse)
+    scope = Scope(walker)
+    for v in graph.inputs:
+        scope.vmap[v] = scope.input(v, plan.shardings[v])
+    inputs = [scope.vmap[v] for v in graph.inputs]
+    jaxpr = closed_jaxpr.jaxpr
+    walker.walk(scope, jaxpr, closed_jaxpr.consts, [(v, None) for v in graph.inputs])
     outputs = []
     for v in graph.outputs:
-        if v not in vmap:
+        if v not in scope.vmap:
             raise ShardingError(f"PCG: output {graph.values[v].name} is a constant; not supported")
-        outputs.append(vmap[v])
-    return b.finish(inputs, outputs)
-
+        outputs.append(scope.vmap[v])
+    return scope.b.finish(inputs, outputs)

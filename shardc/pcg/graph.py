@@ -20,7 +20,7 @@ from annotations.errors import SourceLine
 from shardc.pcg.ops import ParallelOp, comm_bytes, group_size
 from shardc.sharding import Sharding, mesh_shape
 
-__all__ = ["Tensor", "Compute", "Node", "PCG", "CommTask", "GraphBuilder"]
+__all__ = ["Tensor", "Compute", "Region", "Node", "PCG", "CommTask", "GraphBuilder"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -83,7 +83,43 @@ class Compute:
         return self.primitive
 
 
-Operator = ParallelOp | Compute
+@dataclasses.dataclass(frozen=True, slots=True)
+class Region:
+    """A loop or branch of the program (`scan`, `while`, `cond`) whose bodies are PCGs of their own.
+
+    The node's inputs and outputs are the region's operands and results in the eqn's order, in fixed
+    *boundary* layouts: each body PCG takes its inputs and gives its outputs in exactly those layouts
+    (a scan's stacked operands/results have the scanned dim 0 unsharded and the body sees one slice).
+    `bodies`: scan -> (body,), while -> (cond, body), cond -> one per branch. `params` are the eqn's
+    params other than its jaxprs (length, reverse, num_consts, num_carry, ...). `trips`: how many times
+    a body runs per step (scan length; 1 for while, which XLA cannot count, and cond).
+    """
+
+    primitive: str
+    params: Mapping[str, Any] = dataclasses.field(compare=False, repr=False)
+    bodies: tuple["PCG", ...] = dataclasses.field(compare=False, repr=False)
+    bkey: str = ""
+    trips: int = 1
+    source: SourceLine | None = dataclasses.field(default=None, compare=False)
+    kind = "region"
+
+    @classmethod
+    def of(cls, primitive: str, params: Mapping[str, Any], bodies: Sequence["PCG"], trips: int,
+           source: SourceLine | None = None) -> "Region":
+        key = hashlib.sha1(repr((primitive, _param_key(params), [b.key() for b in bodies])).encode()).hexdigest()[:12]
+        return cls(primitive, dict(params), tuple(bodies), key, int(trips), source)
+
+    def with_bodies(self, bodies: Sequence["PCG"]) -> "Region":
+        return Region.of(self.primitive, self.params, bodies, self.trips, self.source)
+
+    def short(self) -> str:
+        return f"{self.primitive}[{len(self.bodies)} bodies, {self.trips} trips]"
+
+    def __str__(self) -> str:
+        return self.short()
+
+
+Operator = ParallelOp | Compute | Region
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -99,6 +135,10 @@ class Node:
     @property
     def is_parallel(self) -> bool:
         return isinstance(self.op, ParallelOp)
+
+    @property
+    def is_region(self) -> bool:
+        return isinstance(self.op, Region)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -155,13 +195,20 @@ class PCG:
     def parallel_nodes(self) -> list[Node]:
         return [n for n in self.nodes if n.is_parallel]
 
+    def region_nodes(self) -> list[Node]:
+        return [n for n in self.nodes if n.is_region]
+
     # -- summaries ----------------------------------------------------------------------------------
     def collectives(self) -> collections.Counter:
-        """How many of each HLO collective the lowered program has (local slices not counted)."""
+        """How many of each HLO collective the lowered program has (local slices not counted); a loop or
+        branch body counts once, as its HLO computation holds it once."""
         c: collections.Counter = collections.Counter()
         for n in self.parallel_nodes():
             if n.op.collective not in ("none", "slice") and self._moves(n):
                 c[n.op.collective] += 1
+        for n in self.region_nodes():
+            for body in n.op.bodies:
+                c.update(body.collectives())
         return c
 
     def _moves(self, n: Node) -> bool:
@@ -181,9 +228,10 @@ class PCG:
         return out
 
     def comm_bytes(self) -> float:
-        """Bytes each device sends over all parallel ops."""
+        """Bytes each device sends over all parallel ops per step (loop bodies times their trips)."""
         m = self.mesh_sizes
-        return sum(comm_bytes(n.op, self.tensors[n.inputs[0]].local_bytes(m), m) for n in self.parallel_nodes())
+        own = sum(comm_bytes(n.op, self.tensors[n.inputs[0]].local_bytes(m), m) for n in self.parallel_nodes())
+        return own + sum(n.op.trips * sum(b.comm_bytes() for b in n.op.bodies) for n in self.region_nodes())
 
     def key(self) -> str:
         """A structural hash (same nodes on same tensors -> same key), for deduplicating rewrites."""
@@ -208,6 +256,8 @@ class PCG:
             outs = ", ".join(f"%{t}:{self.tensors[t].sharding}" for t in n.outputs)
             ins = ", ".join(f"%{t}" for t in n.inputs)
             lines.append(f"  {outs} = {n.op.short()}({ins})")
+            for i, body in enumerate(n.op.bodies if n.is_region else ()):
+                lines.extend("    " + ln for ln in [f"body {i}:"] + str(body).splitlines())
         lines.append("  return " + ", ".join(f"%{t}" for t in self.outputs))
         return "\n".join(lines)
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from annotations.errors import ShardingError
-from shardc.pcg.graph import PCG, Compute, Node, Tensor
+from shardc.pcg.graph import PCG, Compute, Node, Region, Tensor
 from shardc.pcg.ops import (AllToAll, Combine, CollectivePermute, ParallelOp, Partition, Reduce, ReduceScatter,
                             Replicate, group_size)
 from shardc.sharding import Sharding
@@ -149,6 +149,36 @@ def _iota_offset(x: Any, t: Tensor, dim: int, mesh: Mapping[str, int]) -> Any:
     return x + (i * x.shape[dim]).astype(x.dtype)
 
 
+# -- loops and branches ----------------------------------------------------------------------------
+
+def _region(node: Node, op: Region, args: list[Any], strict: bool) -> list[Any]:
+    """A scan / while / cond whose bodies are the region's PCGs, run on the local pieces."""
+    fns = [pcg_function(b, strict=strict) for b in op.bodies]
+    p = op.params
+    if op.primitive == "scan":
+        nc, nk = p["num_consts"], p["num_carry"]
+        consts, init, xs = args[:nc], args[nc:nc + nk], args[nc + nk:]
+        body = fns[0]
+
+        def step(carry: Any, x: Any) -> tuple[Any, Any]:
+            out = body(*consts, *carry, *x)
+            return [o.astype(c.dtype) for o, c in zip(out[:nk], carry)], out[nk:]
+
+        carry, ys = jax.lax.scan(step, list(init), list(xs), length=p["length"], reverse=p["reverse"],
+                                 unroll=p.get("unroll", 1))
+        return list(carry) + list(ys)
+    if op.primitive == "while":
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        cc, bc, init = args[:cn], args[cn:cn + bn], args[cn + bn:]
+        cond, body = fns
+        out = jax.lax.while_loop(lambda c: cond(*cc, *c)[0],
+                                 lambda c: [o.astype(x.dtype) for o, x in zip(body(*bc, *c), c)], list(init))
+        return list(out)
+    if op.primitive == "cond":
+        return list(jax.lax.switch(args[0], [lambda *a, f=f: list(f(*a)) for f in fns], *args[1:]))
+    raise NotImplementedError(op.primitive)  # pragma: no cover
+
+
 # -- the program -----------------------------------------------------------------------------------
 
 def pcg_function(pcg: PCG, *, strict: bool = True) -> Callable[..., list[Any]]:
@@ -169,6 +199,8 @@ def pcg_function(pcg: PCG, *, strict: bool = True) -> Callable[..., list[Any]]:
                 if strict and node.op.collective not in ("none", "slice") and group_size(node.op.axes, mesh) > 1:
                     x = jax.lax.optimization_barrier(x)
                 outs = [_parallel(node.op, x, mesh)]
+            elif isinstance(node.op, Region):
+                outs = _region(node, node.op, vals, strict)
             else:
                 outs = _compute(node, node.op, vals, pcg)
             env.update(zip(node.outputs, outs))

@@ -1,8 +1,11 @@
-"""Rewriting a PCG with proved rules, keeping a rewrite only when the cost says it pays.
+"""Rewriting a PCG with proved rules, keeping a rewrite only when the simulator says it pays.
 
 Greedy steepest descent: at each step every match of every usable rule is applied, the cheapest result
 is kept if it is cheaper than the current PCG, and the search stops when no rewrite pays (or after
-`max_steps`). A rule is verified with Z3 the first time it matches; an unproved one is dropped, never
+`max_steps`). The cost is the simulated step time on a topology (`shardc.pcg.simcost.SimCost`, default
+`h100-sxm-8`) unless another `cost_fn` is given. Loop and branch bodies are optimized first, each as a
+PCG of its own (their boundary layouts are fixed), and a new body is kept when the whole PCG's cost
+goes down. A rule is verified with Z3 the first time it matches; an unproved one is dropped, never
 applied.
 """
 from __future__ import annotations
@@ -10,17 +13,18 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
-from shardc.pcg.costs import CostFn, bytes_moved
+from shardc.pcg.costs import CostFn
 from shardc.pcg.generate import ac_form
-from shardc.pcg.graph import PCG
+from shardc.pcg.graph import PCG, Region
 from shardc.pcg.lang import OPS, Rule, term_ops
 from shardc.pcg.library import all_rules
 from shardc.pcg.match import Match, RewriteError, apply_match, find_matches
+from shardc.pcg.simcost import DEFAULT_TOPOLOGY, SimCost
 from shardc.pcg.verify import verify_rule
 
-__all__ = ["Step", "Optimized", "optimize", "usable_rules"]
+__all__ = ["Step", "Optimized", "Lookahead", "optimize", "usable_rules"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +35,7 @@ class Step:
     cost_after: float
 
     def __str__(self) -> str:
-        return f"{self.where}: {self.cost_before:.1f} -> {self.cost_after:.1f}"
+        return f"{self.where}: {_fmt(self.cost_before)} -> {_fmt(self.cost_after)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,10 +48,15 @@ class Optimized:
     seconds: float
 
     def __str__(self) -> str:
-        lines = [f"{len(self.steps)} rewrites, cost {self.initial_cost:.1f} -> {self.cost:.1f} "
+        lines = [f"{len(self.steps)} rewrites, cost {_fmt(self.initial_cost)} -> {_fmt(self.cost)} "
                  f"({self.candidates} candidates, {self.seconds:.2f} s)"]
         lines += [f"  {s}" for s in self.steps]
         return "\n".join(lines)
+
+
+def _fmt(c: float) -> str:
+    """Seconds (simulated step times) in us, other costs as they are."""
+    return f"{c * 1e6:.2f} us" if 0 < c < 1 else f"{c:.1f}"
 
 
 def usable_rules(rules: Sequence[Rule]) -> list[Rule]:
@@ -76,41 +85,134 @@ def _applied(pcg: PCG, matches: Iterable[Match]) -> Iterator[tuple[Match, PCG]]:
             continue
 
 
-def optimize(pcg: PCG, rules: Sequence[Rule] | None = None, *, cost_fn: CostFn = bytes_moved,
-             max_steps: int = 200) -> Optimized:
-    """Rewrite `pcg` with proved rules while the cost goes down. Rules are verified when they first
-    match (`verify_rule` caches verdicts); a refuted rule is dropped."""
-    t0 = time.perf_counter()
-    rules = usable_rules(all_rules() if rules is None else rules)
-    refuted: set[str] = set()
-    current, cost = pcg, cost_fn(pcg)
-    initial = cost
+def _with_region(pcg: PCG, node_id: int, op: Region) -> PCG:
+    nodes = tuple(dataclasses.replace(n, op=op) if n.id == node_id else n for n in pcg.nodes)
+    return dataclasses.replace(pcg, nodes=nodes)
+
+
+def _optimize_bodies(pcg: PCG, rules: list[Rule], cost_fn: CostFn, cost: float, max_steps: int,
+                     refuted: set[str], search: "Lookahead") -> tuple[PCG, float, list[Step], int]:
+    """Optimize every loop/branch body as a PCG of its own; keep a region's new bodies when the whole
+    PCG's cost goes down."""
     steps: list[Step] = []
     candidates = 0
-    seen = {pcg.key()}
-    for _ in range(max_steps):
-        best: tuple[float, PCG, str, str] | None = None
-        for rule in rules:
-            if rule.text in refuted:
-                continue
-            matches = find_matches(current, rule)
-            first = next(matches, None)
-            if first is None:
-                continue
-            if not verify_rule(rule).proved:  # an unproved rule is never applied
-                refuted.add(rule.text)
-                continue
-            for m, new in _applied(current, itertools.chain([first], matches)):
-                candidates += 1
+    for node in pcg.region_nodes():
+        op: Region = node.op
+        bodies, inner = [], []
+        for i, body in enumerate(op.bodies):
+            res = _descend(body, rules, cost_fn, max_steps, refuted, search)
+            candidates += res.candidates
+            bodies.append(res.pcg)
+            inner += [dataclasses.replace(s, where=f"{op.primitive} %{node.outputs[0] if node.outputs else ''} "
+                                                     f"body {i}: {s.where}") for s in res.steps]
+        if not inner:
+            continue
+        new = _with_region(pcg, node.id, op.with_bodies(bodies))
+        c = cost_fn(new)
+        if c < cost - 1e-15:
+            steps += [dataclasses.replace(s, cost_before=cost, cost_after=c) for s in inner]
+            pcg, cost = new, c
+    return pcg, cost, steps, candidates
+
+
+@dataclasses.dataclass(frozen=True)
+class Lookahead:
+    """When no single rewrite pays: follow up to `beam` rewrites that cost at most `alpha` times the
+    current cost with rewrites of the nodes they made, up to `depth` rewrites in all, and take the
+    first sequence that pays (a Combine moved across an elementwise op loses a fusion before moving on
+    across a dot pays)."""
+
+    depth: int = 3
+    beam: int = 4
+    alpha: float = 1.3
+
+
+def _candidates(pcg: PCG, rules: list[Rule], refuted: set[str], new_from: int | None = None
+                ) -> Iterator[tuple[Rule, Match, PCG]]:
+    """Every applicable rewrite of `pcg` by a proved rule (with `new_from`: only matches that touch a
+    node making a tensor numbered `new_from` or above, i.e. made by the last rewrite)."""
+    fresh = None if new_from is None else {n.id for n in pcg.nodes if any(t >= new_from for t in n.outputs)}
+    for rule in rules:
+        if rule.text in refuted:
+            continue
+        matches = find_matches(pcg, rule)
+        if fresh is not None:
+            matches = (m for m in matches if m.nodes & fresh)
+        first = next(matches, None)
+        if first is None:
+            continue
+        if not verify_rule(rule).proved:  # an unproved rule is never applied
+            refuted.add(rule.text)
+            continue
+        for m, new in _applied(pcg, itertools.chain([first], matches)):
+            yield rule, m, new
+
+
+def _lookahead(base: PCG, cost: float, near: list[tuple[float, PCG, Step]], rules: list[Rule], cost_fn: CostFn,
+               search: Lookahead, refuted: set[str], seen: set[str]) -> tuple[tuple[list[Step], PCG] | None, int]:
+    frontier = [(c, p, [s], len(base.tensors)) for c, p, s in sorted(near, key=lambda e: e[0])[:search.beam]]
+    n = 0
+    for _ in range(search.depth - 1):
+        nxt = []
+        for _, p, path, new_from in frontier:
+            for rule, m, new in _candidates(p, rules, refuted, new_from):
+                n += 1
                 k = new.key()
                 if k in seen:
                     continue
                 seen.add(k)
                 c = cost_fn(new)
-                if c < cost - 1e-9 and (best is None or c < best[0]):
-                    best = (c, new, rule.name, str(m))
-        if best is None:
+                step = Step(rule.name, str(m), path[-1].cost_after, c)
+                if c < cost * (1 - 1e-12):
+                    return (path + [step], new), n
+                if c <= cost * search.alpha:
+                    nxt.append((c, new, path + [step], len(p.tensors)))
+        frontier = sorted(nxt, key=lambda e: e[0])[:search.beam]
+    return None, n
+
+
+def _descend(pcg: PCG, rules: list[Rule], cost_fn: CostFn, max_steps: int, refuted: set[str],
+             search: Lookahead = Lookahead()) -> Optimized:
+    t0 = time.perf_counter()
+    current, cost = pcg, cost_fn(pcg)
+    initial = cost
+    current, cost, steps, candidates = _optimize_bodies(current, rules, cost_fn, cost, max_steps, refuted, search)
+    seen = {current.key()}
+    for _ in range(max_steps):
+        best: tuple[float, PCG, str, str] | None = None
+        near: list[tuple[float, PCG, Step]] = []  # rewrites within alpha of the current cost
+        for rule, m, new in _candidates(current, rules, refuted):
+            candidates += 1
+            k = new.key()
+            if k in seen:
+                continue
+            seen.add(k)
+            c = cost_fn(new)
+            if c < cost * (1 - 1e-12) and (best is None or c < best[0]):
+                best = (c, new, rule.name, str(m))
+            elif c <= cost * search.alpha:
+                near.append((c, new, Step(rule.name, str(m), cost, c)))
+        if best is not None:
+            steps.append(Step(best[2], best[3], cost, best[0]))
+            cost, current = best[0], best[1]
+            continue
+        found, n = _lookahead(current, cost, near, rules, cost_fn, search, refuted, seen)
+        candidates += n
+        if found is None:
             break
-        steps.append(Step(best[2], best[3], cost, best[0]))
-        cost, current = best[0], best[1]
+        path, current = found
+        cost = path[-1].cost_after
+        steps += path
     return Optimized(current, initial, cost, tuple(steps), candidates, time.perf_counter() - t0)
+
+
+def optimize(pcg: PCG, rules: Sequence[Rule] | None = None, *, cost_fn: CostFn | None = None,
+             topology: Any = DEFAULT_TOPOLOGY, max_steps: int = 200,
+             lookahead: Lookahead | None = Lookahead()) -> Optimized:
+    """Rewrite `pcg` with proved rules while the cost goes down: by default the step time shardc's
+    simulator gives the PCG on `topology` (`SimCost`); `cost_fn` replaces it (e.g. `bytes_moved`).
+    Rules are verified when they first match (`verify_rule` caches verdicts); a refuted rule is
+    dropped. `lookahead=None` makes it purely greedy (one rewrite at a time must pay)."""
+    usable = usable_rules(all_rules() if rules is None else rules)
+    search = lookahead if lookahead is not None else Lookahead(depth=1)
+    return _descend(pcg, usable, cost_fn if cost_fn is not None else SimCost(topology), max_steps, set(), search)

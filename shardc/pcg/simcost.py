@@ -1,0 +1,268 @@
+"""Pricing a PCG with shardc's simulator (`shardc.sim`): the cost that decides whether a rewrite pays.
+
+A PCG is not a plan of the original program (rewrites add and remove compute ops), so it is turned into
+one of its own — a `shardc.ir.Graph` with one op per PCG node and a `Plan` that gives every value the
+PCG tensor's layout — and simulated as it is:
+
+* a compute node is an op whose strategy makes exactly its tensors' layouts (one factor per dim, and
+  a reduction factor over the axes its result holds partial sums on), priced by the simulator's op-cost
+  estimator at the local shapes;
+* a parallel node is a free identity op (`shardc_hint`) that makes its input's layout while the plan
+  wants its output's: the simulator's reshard of that one change is the op's one communication task
+  (`shardc.cost.reshard`: Combine -> all-gather, Reduce -> all-reduce, ReduceScatter -> reduce-scatter,
+  AllToAll -> all-to-all, CollectivePermute -> collective-permute; Partition and Replicate move
+  nothing);
+* a region node's bodies are inlined with the region tags and `tie` / `scan_slice` / `scan_stack`
+  boundary ops the graph builder uses, so the simulator runs a scan body `length` times.
+
+`SimCost(topology)` is a `CostFn` (seconds per step, memoised by the PCG's structural key);
+`simulate_pcg(pcg, topology)` returns the `PCGSimulation` (the `SimResult` and which op is which node).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from shardc.ir.graph import Graph, Op
+from shardc.pcg.graph import PCG, Compute, Node, Region
+from shardc.pcg.ops import group_size
+from shardc.plan import OpStrategy, Plan
+from shardc.rules.core import FactorKind, FactorRule
+from shardc.sharding import Sharding
+
+__all__ = ["SimCost", "PCGSimulation", "simulate_pcg", "pcg_plan", "DEFAULT_TOPOLOGY"]
+
+DEFAULT_TOPOLOGY = "h100-sxm-8"
+
+
+@dataclasses.dataclass
+class _Emitter:
+    """Builds the graph, the layouts and the strategies of the simulated plan."""
+
+    mesh: Mapping[str, int]
+    graph: Graph = dataclasses.field(default_factory=Graph)
+    shardings: list[Sharding] = dataclasses.field(default_factory=list)
+    strategies: list[OpStrategy] = dataclasses.field(default_factory=list)
+    origin: dict[int, tuple[tuple[int, ...], int]] = dataclasses.field(default_factory=dict)  # op -> (path, node)
+
+    def value(self, shape: tuple[int, ...], dtype: Any, layout: Sharding, name: str, *, const: bool = False) -> int:
+        v = self.graph.add_value(shape, dtype, name, is_const=const)
+        self.shardings.append(layout)
+        return v
+
+    def op(self, primitive: str, ins: list[int], outs: list[int], params: Mapping[str, Any], rule: FactorRule,
+           axes: tuple[tuple[str, ...], ...], region: str, where: tuple[tuple[int, ...], int] | None = None,
+           source: Any = None) -> None:
+        i = len(self.graph.ops)
+        self.graph.add_op(Op(i, primitive, tuple(ins), tuple(outs), params, rule, region=region))
+        self.strategies.append(OpStrategy(axes))
+        if where is not None:
+            self.origin[i] = where
+
+    def ordered(self, axes: frozenset[str]) -> tuple[str, ...]:
+        return tuple(a for a in self.mesh if a in axes)
+
+
+def _dims_rule(layouts: list[Sharding], shapes: list[tuple[int, ...]], n_operands: int,
+               partial: frozenset[str], emit: _Emitter) -> tuple[FactorRule, tuple[tuple[str, ...], ...]]:
+    """A rule with one pass-through factor per dim of every tensor (plus one reduction factor for the
+    partial axes), and the strategy that lays each tensor out as given."""
+    tensors, sizes, kinds, axes = [], [], [], []
+    for lay, shape in zip(layouts, shapes):
+        dims = []
+        for d, size in enumerate(shape):
+            dims.append((len(sizes),))
+            sizes.append(int(size))
+            kinds.append(FactorKind.PASS_THROUGH)
+            axes.append(tuple(lay.dims[d]))
+        tensors.append(tuple(dims))
+    if partial:
+        sizes.append(max(1, group_size(emit.ordered(partial), emit.mesh)))
+        kinds.append(FactorKind.REDUCTION)
+        axes.append(emit.ordered(partial))
+    rule = FactorRule(tuple(tensors[:n_operands]), tuple(tensors[n_operands:]), tuple(sizes), tuple(kinds))
+    return rule, tuple(axes)
+
+
+def _stack_rule(stacked: Sharding, shape: tuple[int, ...], length: int, *, operand: bool
+                ) -> tuple[FactorRule, tuple[tuple[str, ...], ...]]:
+    r = len(shape)
+    inner = tuple((i + 1,) for i in range(r))
+    outer = ((0,),) + inner
+    sizes = (int(length),) + tuple(int(s) for s in shape)
+    kinds = (FactorKind.NEED_REPLICATION,) + (FactorKind.PASS_THROUGH,) * r
+    axes = ((),) + tuple(stacked.dims[1:])
+    if operand:
+        return FactorRule((outer,), (inner,), sizes, kinds), axes
+    return FactorRule((inner,), (outer,), sizes, kinds), axes
+
+
+def _emit(pcg: PCG, emit: _Emitter, args: list[int], region: str, path: tuple[int, ...]) -> list[int]:
+    """Add `pcg`'s nodes with its inputs bound to values `args`; returns the values of its outputs."""
+    vals: dict[int, int] = dict(zip(pcg.inputs, args))
+
+    def val(t: int) -> int:
+        if t not in vals:
+            tensor = pcg.tensors[t]
+            vals[t] = emit.value(tensor.shape, tensor.dtype, tensor.sharding, tensor.name or f"%{t}",
+                                 const=t in pcg.consts)
+        return vals[t]
+
+    for n in pcg.nodes:
+        ins = [val(t) for t in n.inputs]
+        if isinstance(n.op, Region):
+            outs = _emit_region(pcg, n, emit, ins, region, path)
+            for t, v in zip(n.outputs, outs):
+                vals[t] = v
+            continue
+        outs = [val(t) for t in n.outputs]
+        tin = [pcg.tensors[t] for t in n.inputs]
+        tout = [pcg.tensors[t] for t in n.outputs]
+        if n.is_parallel:  # makes its input's layout; the plan wants its output's: one reshard
+            src = tin[0].sharding
+            rule, axes = _dims_rule([src, src], [tin[0].shape, tout[0].shape], 1, src.partial, emit)
+            emit.op("shardc_hint", ins, outs, {}, rule, axes, region, (path, n.id))
+        else:
+            partial = frozenset().union(*(t.sharding.partial for t in tout)) if tout else frozenset()
+            rule, axes = _dims_rule([t.sharding for t in tin + tout], [t.shape for t in tin + tout], len(tin),
+                                    partial, emit)
+            emit.op(n.op.primitive, ins, outs, n.op.params, rule, axes, region, (path, n.id), n.op.source)
+    return [val(t) for t in pcg.outputs]
+
+
+def _tie(emit: _Emitter, a: int, layout: Sharding, region: str) -> int:
+    v = emit.graph.values[a]
+    b = emit.value(v.shape, v.dtype, layout, v.name)
+    rule, axes = _dims_rule([layout, layout], [v.shape, v.shape], 1, frozenset(), emit)
+    emit.op("tie", [a], [b], {}, rule, axes, region)
+    return b
+
+
+def _emit_region(pcg: PCG, n: Node, emit: _Emitter, ins: list[int], region: str, path: tuple[int, ...]) -> list[int]:
+    op: Region = n.op
+    here = f"{region}/{op.primitive}{len(emit.graph.ops)}"
+    lay = [pcg.tensors[t].sharding for t in n.outputs]
+    if op.primitive == "scan":
+        nc, nk = op.params["num_consts"], op.params["num_carry"]
+        body = op.bodies[0]
+        # the trip count, for the simulator (a scan with no scanned operand would otherwise run once)
+        mark = emit.value((op.trips,), "float32", Sharding(((),)), "trips", const=True)
+        inner = emit.value((), "float32", Sharding(()), "trip")
+        rule, axes = _stack_rule(Sharding(((),)), (), op.trips, operand=True)
+        emit.op("scan_slice", [mark], [inner], {}, rule, axes, here)
+        body_args = []
+        for i, (a, t) in enumerate(zip(ins, body.inputs)):
+            s = body.tensors[t].sharding
+            if i < nc + nk:
+                body_args.append(_tie(emit, a, s, here))
+            else:
+                v = emit.value(body.tensors[t].shape, body.tensors[t].dtype, s, body.tensors[t].name)
+                rule, axes = _stack_rule(emit.shardings[a], body.tensors[t].shape, op.trips, operand=True)
+                emit.op("scan_slice", [a], [v], {}, rule, axes, here)
+                body_args.append(v)
+        outs = _emit(body, emit, body_args, here, path + (n.id, 0))
+        res = []
+        for i, (o, s) in enumerate(zip(outs, lay)):
+            if i < nk:
+                res.append(_tie(emit, o, s, here))
+            else:
+                v = emit.graph.values[o]
+                r = emit.value((op.trips,) + v.shape, v.dtype, s, v.name)
+                rule, axes = _stack_rule(s, v.shape, op.trips, operand=False)
+                emit.op("scan_stack", [o], [r], {}, rule, axes, here)
+                res.append(r)
+        return res
+    if op.primitive == "while":
+        cn = op.params["cond_nconsts"]
+        cond, body = op.bodies
+        cargs = [_tie(emit, a, emit.shardings[a], here) for a in ins[:cn] + ins[-len(lay):]]
+        _emit(cond, emit, cargs, here, path + (n.id, 0))
+        bargs = [_tie(emit, a, emit.shardings[a], here) for a in ins[cn:]]
+        outs = _emit(body, emit, bargs, here, path + (n.id, 1))
+        return [_tie(emit, o, s, here) for o, s in zip(outs, lay)]
+    if op.primitive == "cond":
+        res: list[int] | None = None
+        for b, body in enumerate(op.bodies):
+            tag = f"{here}.{b}"
+            args = [_tie(emit, a, emit.shardings[a], tag) for a in ins[1:]]
+            outs = _emit(body, emit, args, tag, path + (n.id, b))
+            if res is None:
+                res = [_tie(emit, o, s, tag) for o, s in zip(outs, lay)]
+            else:  # the other branches write the same results
+                for o, r in zip(outs, res):
+                    v = emit.graph.values[o]
+                    rule, axes = _dims_rule([emit.shardings[r]] * 2, [v.shape] * 2, 1, frozenset(), emit)
+                    emit.op("tie", [o], [r], {}, rule, axes, tag)
+        return res or []
+    raise NotImplementedError(op.primitive)  # pragma: no cover
+
+
+def pcg_plan(pcg: PCG) -> tuple[Plan, dict[int, tuple[tuple[int, ...], int]]]:
+    """The PCG as a plan of a graph of its own, and for each op of that graph that stands for a PCG node,
+    (path of region node ids and body indices, node id)."""
+    emit = _Emitter(pcg.mesh_sizes)
+    ins = [emit.value(pcg.tensors[t].shape, pcg.tensors[t].dtype, pcg.tensors[t].sharding,
+                      pcg.tensors[t].name or f"arg{i}") for i, t in enumerate(pcg.inputs)]
+    emit.graph.inputs = list(ins)
+    emit.graph.outputs = _emit(pcg, emit, ins, "", ())
+    plan = Plan(emit.graph, pcg.mesh, tuple(emit.shardings), tuple(emit.strategies), (),
+                tuple(() for _ in emit.shardings))
+    return plan, emit.origin
+
+
+@dataclasses.dataclass(frozen=True)
+class PCGSimulation:
+    """A simulated PCG: the simulator's result on the PCG's plan, and which op stands for which node."""
+
+    pcg: PCG
+    plan: Plan
+    result: Any  # shardc.sim.SimResult
+    origin: Mapping[int, tuple[tuple[int, ...], int]]
+
+    @property
+    def step_time(self) -> float:
+        return self.result.step_time
+
+    def comm_tasks(self) -> list[tuple[tuple[int, ...], int, str]]:
+        """(region path, PCG node id, collective) for every collective the simulator scheduled, one per
+        parallel op that moves data."""
+        out = []
+        for slot in self.result.slots:
+            kinds = list(dict.fromkeys(t.collective for t in slot.tasks if t.collective))
+            if kinds and slot.op in self.origin:
+                path, node = self.origin[slot.op]
+                out.extend((path, node, k) for k in kinds)
+        return out
+
+
+def simulate_pcg(pcg: PCG, topology: Any = DEFAULT_TOPOLOGY, *, estimator: Any = None) -> PCGSimulation:
+    """Simulate one step of the PCG on `topology` (a Topology, a preset name, a dict or a file)."""
+    from shardc.sim import simulator_for
+
+    plan, origin = pcg_plan(pcg)
+    sim = simulator_for(plan, topology, estimator=estimator)
+    return PCGSimulation(pcg, plan, sim.full(plan), origin)
+
+
+class SimCost:
+    """`CostFn`: the simulated step time of a PCG in seconds, on one topology (memoised per PCG key)."""
+
+    def __init__(self, topology: Any = DEFAULT_TOPOLOGY, *, estimator: Any = None) -> None:
+        from shardc.sim import as_topology
+        from shardc.cost.estimator import AnalyticalEstimator
+
+        self.topology = as_topology(topology)
+        self.estimator = estimator if estimator is not None else AnalyticalEstimator(self.topology.device)
+        self._memo: dict[str, float] = {}
+        self.simulations = 0
+
+    def __call__(self, pcg: PCG) -> float:
+        k = pcg.key() + repr([(pcg.tensors[t].shape, str(pcg.tensors[t].dtype)) for t in pcg.inputs])
+        hit = self._memo.get(k)
+        if hit is None:
+            hit = self._memo[k] = simulate_pcg(pcg, self.topology, estimator=self.estimator).step_time
+            self.simulations += 1
+        return hit
+
+    def __repr__(self) -> str:
+        return f"SimCost({self.topology.name})"
