@@ -19,7 +19,7 @@ from shardc.propagate import Cause, Propagation, project_dim
 from shardc.rules.core import FactorKind, FactorRule
 from shardc.sharding import Sharding, mesh_shape
 
-__all__ = ["OpStrategy", "Reshard", "Plan", "build_plan", "classify_reshard", "reshard_bytes"]
+__all__ = ["OpStrategy", "Reshard", "Plan", "PlanBuilder", "build_plan", "classify_reshard", "reshard_bytes"]
 
 Axes = tuple[str, ...]
 
@@ -208,22 +208,102 @@ def _describe_origin(origins: Sequence[Cause | None]) -> str:
 
 def build_plan(graph: Graph, mesh: Mesh, prop: Propagation, *, input_names: Sequence[str] = (),
                output_names: Sequence[str] = (), warnings: Sequence[str] = ()) -> Plan:
-    sizes = mesh_shape(mesh)
-    shardings = tuple(Sharding(tuple(a)) for a in prop.axes)
-    nbytes = [v.nbytes for v in graph.values]
-    strategies: list[OpStrategy] = []
-    reshards: list[Reshard] = []
+    """The plan of a propagation result (strategies and reshards of every op)."""
+    return PlanBuilder(graph, mesh, input_names=input_names, output_names=output_names,
+                       warnings=warnings).build(prop)
 
-    def axes_of(v: int):
-        return shardings[v].dims
 
-    for op in graph.ops:
-        rule = op.rule
-        strat = _strategy(op, axes_of, nbytes, sizes)
-        strategies.append(strat)
+_Entry = tuple[OpStrategy, tuple[tuple[bool, int, Sharding, Sharding, str, int], ...]]
+
+
+class PlanBuilder:
+    """Builds plans of one graph on one mesh, incrementally.
+
+    `build(prop)` plans every op; `build(prop, changed=values)` — with `values` a superset of the values
+    whose axes or origins differ from the previous build's propagation — replans only the ops that read or
+    make them and reuses the rest (unchanged shardings and strategies are the same objects, which the
+    simulator's delta relies on). Both give the plan `build_plan` gives. Each op's strategy and reshards
+    depend only on its rule, its tensors' shapes and shardings and the mesh, so they are memoised across
+    structurally identical ops (the layers of a model) and across builds."""
+
+    def __init__(self, graph: Graph, mesh: Mesh, *, input_names: Sequence[str] = (),
+                 output_names: Sequence[str] = (), warnings: Sequence[str] = ()) -> None:
+        self.graph, self.mesh = graph, mesh
+        self.sizes = mesh_shape(mesh)
+        self.names = (tuple(input_names), tuple(output_names), tuple(warnings))
+        self.nbytes = [v.nbytes for v in graph.values]
+        self._memo: dict[tuple, _Entry] = {}
+        self._sources: dict[int, SourceLine | None] = {}
+        classes: dict[tuple, int] = {}
+        self._class: list[int] = []
+        for op in graph.ops:
+            vals = [graph.values[v] for v in op.inputs + op.outputs]
+            key = (op.rule, op.primitive == "tie" and op.region == "io",
+                   tuple((v.shape, v.dtype.itemsize if v.dtype is not None else 4, v.nbytes) for v in vals),
+                   tuple(graph.values[v].is_const and graph.values[v].rank == 0 for v in op.inputs))
+            self._class.append(classes.setdefault(key, len(classes)))
+        self._users: list[list[int]] | None = None
+        self.shardings: list[Sharding] = []
+        self.origins: list[tuple[Cause | None, ...]] = []
+        self.axes: list[tuple[Axes, ...]] = []
+        self.strategies: list[OpStrategy] = []
+        self.reshards: list[tuple[Reshard, ...]] = []
+
+    def build(self, prop: Propagation, changed: Any = None) -> Plan:
+        graph = self.graph
+        if changed is None or not self.strategies:
+            self.axes = [tuple(a) for a in prop.axes]
+            self.shardings = [Sharding(a) for a in self.axes]
+            self.origins = [tuple(o) for o in prop.origin]
+            self.strategies, self.reshards = [], []
+            for op in graph.ops:
+                strat, rs = self._op(op)
+                self.strategies.append(strat)
+                self.reshards.append(rs)
+        else:
+            if self._users is None:  # value -> every op that reads or makes it
+                self._users = [[] for _ in graph.values]
+                for op in graph.ops:
+                    for v in dict.fromkeys(op.inputs + op.outputs):
+                        self._users[v].append(op.id)
+            ops: set[int] = set()
+            for v in changed:
+                axes, origin = tuple(prop.axes[v]), tuple(prop.origin[v])
+                if axes != self.axes[v]:
+                    self.axes[v] = axes
+                    self.shardings[v] = Sharding(axes)
+                elif origin == self.origins[v]:
+                    continue
+                self.origins[v] = origin
+                ops.update(self._users[v])
+            for i in ops:
+                strat, rs = self._op(graph.ops[i])
+                if strat != self.strategies[i]:
+                    self.strategies[i] = strat
+                self.reshards[i] = rs
+        return Plan(graph, self.mesh, tuple(self.shardings), tuple(self.strategies),
+                    tuple(r for rs in self.reshards for r in rs), tuple(self.origins), *self.names)
+
+    def _op(self, op: Op) -> tuple[OpStrategy, tuple[Reshard, ...]]:
+        tensors = op.inputs + op.outputs
+        key = (self._class[op.id], tuple([self.axes[v] for v in tensors]))
+        entry = self._memo.get(key)
+        if entry is None:
+            entry = self._memo[key] = self._entry(op)
+        strat, specs = entry
+        if not specs:
+            return strat, ()
+        return strat, tuple(self._reshard(op, *spec) for spec in specs)
+
+    def _entry(self, op: Op) -> _Entry:
+        """An op's strategy and its reshards as (on an operand?, tensor index, src, dst, kind, bytes)."""
+        graph, sizes, rule = self.graph, self.sizes, op.rule
+        shardings = self.shardings
+        strat = _strategy(op, lambda v: shardings[v].dims, self.nbytes, sizes)
+        specs: list[tuple[bool, int, Sharding, Sharding, str, int]] = []
         if op.primitive == "tie" and op.region == "io":
-            continue
-        for v, dims in zip(op.inputs, rule.operands):
+            return strat, ()
+        for i, (v, dims) in enumerate(zip(op.inputs, rule.operands)):
             val = graph.values[v]
             if val.is_const and val.rank == 0:
                 continue
@@ -233,13 +313,10 @@ def build_plan(graph: Graph, mesh: Mesh, prop: Propagation, *, input_names: Sequ
                 kind = classify_reshard(have, need)
                 if kind == "none":
                     continue
-                cause = (f"{op.primitive} needs {val.name} {list(val.shape)} as {need}, it is {have}"
-                         f"{_describe_origin(prop.origin[v])}")
-                reshards.append(Reshard(v, have, need, kind,
-                                        reshard_bytes(have, need, val.shape, val.dtype.itemsize, sizes),
-                                        cause, op.source, consumer=op.id))
+                specs.append((True, i, have, need, kind,
+                              reshard_bytes(have, need, val.shape, val.dtype.itemsize, sizes)))
         partial = strat.partial_axes(rule)
-        for v, dims in zip(op.outputs, rule.results):
+        for i, (v, dims) in enumerate(zip(op.outputs, rule.results)):
             val = graph.values[v]
             made = strat.tensor_sharding(rule, dims, sizes)
             made = Sharding(made.dims, partial)
@@ -248,11 +325,24 @@ def build_plan(graph: Graph, mesh: Mesh, prop: Propagation, *, input_names: Sequ
                 kind = classify_reshard(made, want)
                 if kind in ("none", "slice"):
                     continue
-                what = (f"partial {rule.reduce_op}s over {','.join(sorted(partial))} from {op.primitive}"
-                        if partial else f"{op.primitive} makes {made}")
-                cause = f"{what}; {val.name} {list(val.shape)} is {want}"
-                reshards.append(Reshard(v, made, want, kind,
-                                        reshard_bytes(made, want, val.shape, val.dtype.itemsize, sizes),
-                                        cause, op.source, consumer=None))
-    return Plan(graph, mesh, shardings, tuple(strategies), tuple(reshards),
-                tuple(tuple(o) for o in prop.origin), tuple(input_names), tuple(output_names), tuple(warnings))
+                specs.append((False, i, made, want, kind,
+                              reshard_bytes(made, want, val.shape, val.dtype.itemsize, sizes)))
+        return strat, tuple(specs)
+
+    def _reshard(self, op: Op, operand: bool, i: int, src: Sharding, dst: Sharding, kind: str, nbytes: int) -> Reshard:
+        if op.id not in self._sources:
+            self._sources[op.id] = op.source
+        source = self._sources[op.id]
+        if operand:
+            v = op.inputs[i]
+            val = self.graph.values[v]
+            cause = (f"{op.primitive} needs {val.name} {list(val.shape)} as {dst}, it is {src}"
+                     f"{_describe_origin(self.origins[v])}")
+            return Reshard(v, src, dst, kind, nbytes, cause, source, consumer=op.id)
+        v = op.outputs[i]
+        val = self.graph.values[v]
+        partial = src.partial
+        what = (f"partial {op.rule.reduce_op}s over {','.join(sorted(partial))} from {op.primitive}"
+                if partial else f"{op.primitive} makes {src}")
+        return Reshard(v, src, dst, kind, nbytes, f"{what}; {val.name} {list(val.shape)} is {dst}", source,
+                       consumer=None)

@@ -114,6 +114,21 @@ class _Propagator:
         self.nbytes = [v.nbytes for v in graph.values]
         self.visits = 0
         self._sizes: dict[Axes, int] = {}
+        # Visit memo: an op's visit depends only on its rule, its tensors' sizes, their axes and closed
+        # flags (and the mesh), so structurally identical ops in the same state (the layers of a model,
+        # the candidates of a search) share one computation. Ops reading one value twice are not memoised.
+        self._memo: dict[tuple, list] = {}
+        classes: dict[tuple, int] = {}
+        self._class: list[int] = []
+        for op in graph.ops:
+            tensors = op.inputs + op.outputs
+            if len(set(tensors)) < len(tensors):
+                self._class.append(-1)
+            else:
+                self._class.append(classes.setdefault((op.rule, tuple(self.nbytes[v] for v in tensors)), len(classes)))
+        # Copy-on-write (see `fork`): shared[v] means the per-dim lists of v belong to another state.
+        self._shared: list[bool] | None = None
+        self.touched: list[int] = []
         self.phase_of = []
         for op in graph.ops:
             if _pass_through_op(op.rule):
@@ -131,9 +146,26 @@ class _Propagator:
             n = self._sizes[axes] = math.prod(self.mesh[a] for a in axes)
         return n
 
+    def fork(self, axes: list, closed: list, origin: list, visits: int) -> None:
+        """Continue from a saved state (outer lists are copied; per-value lists are copied on first
+        write, and the values written are listed in `touched`)."""
+        self.axes, self.closed, self.origin, self.visits = list(axes), list(closed), list(origin), visits
+        self._shared = [True] * len(axes)
+        self.touched = []
+
+    def _own(self, v: int) -> None:
+        sh = self._shared
+        if sh is not None and sh[v]:
+            sh[v] = False
+            self.axes[v] = list(self.axes[v])
+            self.closed[v] = list(self.closed[v])
+            self.origin[v] = list(self.origin[v])
+            self.touched.append(v)
+
     # -- seeds ------------------------------------------------------------------------------------
     def apply_seed(self, seed: Seed) -> None:
         v = self.g.values[seed.value]
+        self._own(seed.value)
         for d, want in enumerate(seed.dims):
             if want is None:
                 continue
@@ -149,19 +181,44 @@ class _Propagator:
 
     # -- one op -----------------------------------------------------------------------------------
     def visit(self, op: Op) -> list[int]:
+        """Move shardings along the factors of `op`; returns the values whose axes grew."""
+        cls = self._class[op.id]
+        if cls < 0 or op.rule.num_factors == 0:
+            return self._visit_direct(op)
         self.visits += 1
-        rule = op.rule
         tensors = op.inputs + op.outputs
+        axes, closed = self.axes, self.closed
+        key = (cls, tuple([tuple(axes[v]) for v in tensors]), tuple([tuple(closed[v]) for v in tensors]))
+        writes = self._memo.get(key)
+        if writes is None:
+            writes = self._memo[key] = self._writes(op, tensors)
+        changed: list[int] = []
+        for ti, d, new_t, refs in writes:
+            v = tensors[ti]
+            origin = None
+            for src, f in refs:
+                origin = self._origin_of_factor(op, src, f)
+                if origin is not None:
+                    break
+            self._own(v)
+            self.axes[v][d] = new_t
+            self.origin[v][d] = origin
+            changed.append(v)
+        return changed
+
+    def _writes(self, op: Op, tensors: list[int]) -> list[tuple[int, int, Axes, tuple[tuple[int, int], ...]]]:
+        """What visiting `op` writes, without writing it: (tensor index, dim, new axes, where its origin
+        comes from: (source tensor index, factor) candidates, the first with an origin wins)."""
+        rule = op.rule
         tfs = rule.operands + rule.results
         nf = rule.num_factors
-        if nf == 0:
-            return []
         sizes = rule.sizes
+        local = [list(self.axes[v]) for v in tensors]
         cands: list[list[tuple[Axes, int]]] = [[] for _ in range(nf)]
         projections: list[list[dict[int, Axes] | None]] = []
-        for ti, (v, dims) in enumerate(zip(tensors, tfs)):
+        for ti, dims in enumerate(tfs):
             per_dim: list[dict[int, Axes] | None] = []
-            vaxes = self.axes[v]
+            vaxes = local[ti]
             for d, factors in enumerate(dims):
                 if not factors:
                     per_dim.append(None)
@@ -172,7 +229,49 @@ class _Propagator:
                     for f in factors:
                         cands[f].append((proj.get(f, ()), ti))
             projections.append(per_dim)
+        best, source = self._best(rule, tensors, cands)
+        writes = []
+        for ti, dims in enumerate(tfs):
+            vaxes = local[ti]
+            vclosed = self.closed[tensors[ti]]
+            for d, factors in enumerate(dims):
+                if not factors or vclosed[d]:
+                    continue
+                proj = projections[ti][d]
+                if proj is None:
+                    continue
+                if not any(len(best[f]) > len(proj.get(f, ())) for f in factors):
+                    continue
+                new: list[str] = []
+                refs: list[tuple[int, int]] = []
+                for f in factors:
+                    cur = proj.get(f, ())
+                    want = cur
+                    if best[f] and len(best[f]) > len(cur) and best[f][: len(cur)] == cur:
+                        want = best[f]
+                        if source[f] >= 0:
+                            refs.append((source[f], f))
+                    new.extend(want)
+                    if self.size_of(want) != sizes[f]:
+                        break
+                if len(new) <= len(vaxes[d]):
+                    continue
+                others = {a for dd, ax in enumerate(vaxes) if dd != d for a in ax}
+                cut = len(new)
+                for k, a in enumerate(new):
+                    if a in others or a in new[:k]:
+                        cut = k
+                        break
+                new_t = tuple(new[:cut])
+                if len(new_t) > len(vaxes[d]) and new_t[: len(vaxes[d])] == vaxes[d]:
+                    vaxes[d] = new_t
+                    writes.append((ti, d, new_t, tuple(refs)))
+        return writes
 
+    def _best(self, rule: FactorRule, tensors: list[int], cands: list[list[tuple[Axes, int]]]) -> tuple[list[Axes], list[int]]:
+        """Per factor: the axes it gets and the tensor they come from (-1: none)."""
+        nf = rule.num_factors
+        sizes = rule.sizes
         best: list[Axes] = [()] * nf
         source: list[int] = [-1] * nf
         for f in range(nf):
@@ -198,6 +297,35 @@ class _Propagator:
                 keep.append(a)
             best[f] = tuple(keep)
             used.update(keep)
+        return best, source
+
+    def _visit_direct(self, op: Op) -> list[int]:
+        """`visit` without the memo (ops that read one value twice)."""
+        self.visits += 1
+        rule = op.rule
+        tensors = op.inputs + op.outputs
+        tfs = rule.operands + rule.results
+        nf = rule.num_factors
+        if nf == 0:
+            return []
+        sizes = rule.sizes
+        cands: list[list[tuple[Axes, int]]] = [[] for _ in range(nf)]
+        projections: list[list[dict[int, Axes] | None]] = []
+        for ti, (v, dims) in enumerate(zip(tensors, tfs)):
+            per_dim: list[dict[int, Axes] | None] = []
+            vaxes = self.axes[v]
+            for d, factors in enumerate(dims):
+                if not factors:
+                    per_dim.append(None)
+                    continue
+                proj, complete = project_dim(vaxes[d], factors, sizes, self.mesh)
+                per_dim.append(proj if complete else None)
+                if complete:
+                    for f in factors:
+                        cands[f].append((proj.get(f, ()), ti))
+            projections.append(per_dim)
+
+        best, source = self._best(rule, tensors, cands)
 
         changed: list[int] = []
         for ti, (v, dims) in enumerate(zip(tensors, tfs)):
@@ -233,6 +361,8 @@ class _Propagator:
                         break
                 new_t = tuple(new[:cut])
                 if len(new_t) > len(vaxes[d]) and new_t[: len(vaxes[d])] == vaxes[d]:
+                    self._own(v)
+                    vaxes = self.axes[v]
                     vaxes[d] = new_t
                     self.origin[v][d] = origin
                     changed.append(v)

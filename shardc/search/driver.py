@@ -16,8 +16,8 @@ from shardc.plan import Plan
 from shardc.propagate import Seed
 from shardc.report import format_bytes
 from shardc.search.baselines import BASELINES, baseline_seeds
-from shardc.search.dp import chain_dp
-from shardc.search.evaluate import INVALID, Evaluator, Problem, Score, plan_from_seeds
+from shardc.search.dp import sp_dp
+from shardc.search.evaluate import INVALID, Evaluator, Problem, Score, paused_gc, plan_from_seeds
 from shardc.search.mcmc import mcmc
 from shardc.search.space import SEARCH_CAUSE, Assignment, Space, build_space, seeds_for
 from shardc.sharding import make_mesh
@@ -87,7 +87,13 @@ def project(space: Space, plan: Plan) -> Assignment:
     return tuple(out)
 
 
-def search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, method: Any = True,
+def search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], **options: Any) -> tuple[Plan, SearchReport]:
+    """Search every mesh in `meshes` and return the best plan with its report (see `_search_plan`)."""
+    with paused_gc():
+        return _search_plan(problem, meshes, **options)
+
+
+def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, method: Any = True,
                 budget_s: float | None = 30.0, seed: int = 0, max_steps: int = 2000, progress: bool | None = None, max_meshes: int = 2,
                 baselines: Sequence[str] = tuple(BASELINES)) -> tuple[Plan, SearchReport]:
     """Search every mesh in `meshes` and return the best plan (fits memory, lowest simulated step time)
@@ -157,7 +163,7 @@ def search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, method
         skip_dp = method is True and mesh_deadline is not None and dp_evals * t_eval > (mesh_deadline - t_mesh) / 2
         if method in (True, "dp") and not skip_dp:  # (DP+MCMC skips a DP that cannot finish in its share)
             dp_deadline = mesh_deadline if method == "dp" or mesh_deadline is None else (t_mesh + mesh_deadline) / 2
-            a, _ = chain_dp(ev, min(starts, key=lambda s: (ev.score(s).key, s)), max_evals=400 if method is True else 4000,
+            a, _ = sp_dp(ev, min(starts, key=lambda s: (ev.score(s).key, s)), max_evals=400 if method is True else 4000,
                             deadline=dp_deadline, on_eval=lambda: bar.update(1))
             starts.append(a)
         if method in (True, "mcmc"):
