@@ -243,21 +243,22 @@ def solve_pairwise(domains: Sequence[Sequence[int]], unary: Sequence[Mapping[int
 
 def sp_dp(ev: Evaluator, base: Assignment, *, max_evals: int = 4000, deadline: float | None = None,
           on_eval: Callable[[], None] | None = None, edges: set[tuple[int, int]] | None = None,
-          polish: bool = True) -> tuple[Assignment, Score]:
+          polish: bool = True, domains: Sequence[Sequence[int]] | None = None) -> tuple[Assignment, Score]:
     """The series-parallel DP around `base` over the decision graph (`edges`: default `decision_graph`).
     Unary terms are measured for every choice (at most max_evals/2 per group), pair terms for the best k
     choices of each group by unary cost, with k as large as `max_evals` allows. The minimiser is then
-    simulated and, with `polish`, improved by single-group moves until none helps. Returns `base` when the
-    deadline (a `time.perf_counter()` value) passes first."""
+    simulated and, with `polish`, improved by single-group moves until none helps. `domains` restricts each
+    group's candidates (e.g. to the choices the baselines make: the DP then mixes baselines per layer kind).
+    Returns `base` when the deadline (a `time.perf_counter()` value) passes first."""
     try:
-        return _sp_dp(ev, base, max_evals, deadline, on_eval, edges, polish)
+        return _sp_dp(ev, base, max_evals, deadline, on_eval, edges, polish, domains)
     except _OutOfTime:
         return base, ev.score(base)
 
 
 def _sp_dp(ev: Evaluator, base: Assignment, max_evals: int, deadline: float | None,
            on_eval: Callable[[], None] | None, edges: set[tuple[int, int]] | None,
-           polish: bool) -> tuple[Assignment, Score]:
+           polish: bool, only: Sequence[Sequence[int]] | None) -> tuple[Assignment, Score]:
     groups = ev.space.groups
     n = len(groups)
     if n == 0:
@@ -273,7 +274,8 @@ def _sp_dp(ev: Evaluator, base: Assignment, max_evals: int, deadline: float | No
     per_group = max(2, max_evals // (2 * n))
     unary: list[dict[int, float]] = []
     for gi, grp in enumerate(groups):
-        cand = sorted(set(range(min(grp.size, per_group))) | {base[gi]})
+        first = range(min(grp.size, per_group)) if only is None else only[gi]
+        cand = sorted(set(first) | {base[gi]})
         unary.append({s: f(with_({gi: s})) - ref for s in cand})
     budget = max(max_evals - sum(len(u) for u in unary), 4 * max(len(edges), 1))
     k = max(2, int(math.sqrt(budget / max(len(edges), 1))))
@@ -288,7 +290,10 @@ def _sp_dp(ev: Evaluator, base: Assignment, max_evals: int, deadline: float | No
         return c if math.isfinite(c) else big
 
     pair: dict[tuple[int, int], dict[tuple[int, int], float]] = {}
-    for a, b in sorted(edges):
+    for a, b in sorted(edges, key=lambda e: (-len(domains[e[0]]) * len(domains[e[1]]), e)):
+        if len(domains[a]) == 1 or len(domains[b]) == 1:
+            pair[(a, b)] = {(xa, xb): 0.0 for xa in domains[a] for xb in domains[b]}
+            continue
         table = {}
         for xa in domains[a]:
             for xb in domains[b]:

@@ -19,7 +19,8 @@ from shardc.search.baselines import BASELINES, baseline_seeds
 from shardc.search.dp import sp_dp
 from shardc.search.evaluate import INVALID, Evaluator, Problem, Score, paused_gc, plan_from_seeds
 from shardc.search.mcmc import mcmc
-from shardc.search.space import SEARCH_CAUSE, Assignment, Space, build_space, seeds_for
+from shardc.search.space import (SEARCH_CAUSE, Assignment, Space, build_space, mixing_domains,
+                                 plan_choices, project_plan, seeds_for)
 from shardc.sharding import make_mesh
 
 __all__ = ["SearchReport", "search_plan", "save_plan", "load_plan", "graph_key"]
@@ -77,14 +78,8 @@ def _mesh_of(sizes: Mapping[str, int]):
 
 
 def project(space: Space, plan: Plan) -> Assignment:
-    """The assignment closest to `plan`: per group, the choice equal to its first member's strategy (op) or
-    sharding (input), else 0."""
-    out = []
-    for g in space.groups:
-        m = g.members[0]
-        want = plan.strategies[m].factor_axes if g.kind == "op" else plan.shardings[m].dims
-        out.append(g.choices.index(tuple(want)) if tuple(want) in g.choices else 0)
-    return tuple(out)
+    """The point of the space that reproduces `plan` (a baseline): see `space.project_plan`."""
+    return project_plan(space, plan)
 
 
 def search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], **options: Any) -> tuple[Plan, SearchReport]:
@@ -137,6 +132,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
         space = build_space(problem.graph, sizes, user)
         ev = Evaluator(problem, mesh, space, user)
         starts: list[Assignment] = [space.neutral()]
+        mixes: list[Assignment] = []
         top = INVALID
         for name in baselines:
             try:
@@ -150,21 +146,24 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
             bar.update(1)
             consider(name, sizes, plan, score, tuple(extra))
             starts.append(project(space, plan))
+            mixes.append(plan_choices(space, plan))
             top = min(top, score, key=lambda x: x.key)
-        states.append((top.key, len(states), sizes, user, ev, starts))
+        states.append((top.key, len(states), sizes, user, ev, starts, mixes))
     # Phase 2: search the most promising meshes (by their best baseline), sharing what is left of the budget.
     states.sort(key=lambda st: (st[0], st[1]))
     states = states[:max_meshes]
-    for i, (_, _, sizes, user, ev, starts) in enumerate(states):
+    for i, (_, _, sizes, user, ev, starts, mixes) in enumerate(states):
         t_mesh = time.perf_counter()
         mesh_deadline = None if deadline is None else t_mesh + max(deadline - t_mesh, 0.0) / (len(states) - i)
         t_eval = (time.perf_counter() - t0) / max(sum(st[4].evaluations for st in states), 1)
-        dp_evals = sum(g.size for g in ev.space.groups) + 400
+        base = min(starts, key=lambda s: (ev.score(s).key, s))
+        doms = mixing_domains(ev.space, mixes + [base])  # the DP mixes the baselines per kind of layer
+        dp_evals = 2 * sum(len(d) - 1 for d in doms) + 10
         skip_dp = method is True and mesh_deadline is not None and dp_evals * t_eval > (mesh_deadline - t_mesh) / 2
         if method in (True, "dp") and not skip_dp:  # (DP+MCMC skips a DP that cannot finish in its share)
             dp_deadline = mesh_deadline if method == "dp" or mesh_deadline is None else (t_mesh + mesh_deadline) / 2
-            a, _ = sp_dp(ev, min(starts, key=lambda s: (ev.score(s).key, s)), max_evals=400 if method is True else 4000,
-                            deadline=dp_deadline, on_eval=lambda: bar.update(1))
+            a, _ = sp_dp(ev, base, max_evals=400 if method is True else 4000, deadline=dp_deadline,
+                         on_eval=lambda: bar.update(1), domains=doms)
             starts.append(a)
         if method in (True, "mcmc"):
             left = None if mesh_deadline is None else max(mesh_deadline - time.perf_counter(), 0.0)

@@ -86,7 +86,7 @@ def plan_by_search(af: Any, graph: Any, user_seeds: Callable, in_paths: Sequence
     if path is not None and os.path.exists(path):
         return load_plan(path, problem)
     fixed = mesh_shape(af.mesh) if mesh_given else None
-    meshes = mesh_candidates(n, _hinted_axes(graph), fixed=fixed)
+    meshes = mesh_candidates(n, _hinted_axes(graph), fixed=fixed, topology=topology)
     method = True if path is not None else af.search
     key = (graph_key(graph), tuple(tuple(m.items()) for m in meshes), str(topology), str(method), af.seed, af.budget_s)
     cached = _PLAN_CACHE.get(key)

@@ -12,14 +12,14 @@ import dataclasses
 import itertools
 import math
 import re
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from shardc.ir.graph import Graph
 from shardc.plan import OpStrategy
 from shardc.propagate import Cause, Seed
 
-__all__ = ["DECISION_PRIMITIVES", "DEFAULT_AXIS_NAMES", "Group", "Space", "Assignment", "mesh_candidates",
-           "build_space", "seeds_for"]
+__all__ = ["DECISION_PRIMITIVES", "DEFAULT_AXIS_NAMES", "Group", "Space", "Assignment", "mesh_candidates", "mesh_orders",
+           "build_space", "seeds_for", "project_plan", "plan_choices", "mixing_domains"]
 
 Axes = tuple[str, ...]
 DECISION_PRIMITIVES = frozenset({"dot_general", "gather", "scatter", "scatter-add", "scatter_add", "scatter-mul",
@@ -41,10 +41,15 @@ def _ordered_factorisations(n: int, parts: int) -> list[tuple[int, ...]]:
 
 
 def mesh_candidates(num_devices: int, required_axes: Sequence[str] = (), *, max_axes: int = 3,
-                    fixed: Mapping[str, int] | None = None) -> list[dict[str, int]]:
+                    fixed: Mapping[str, int] | None = None, topology: Any = None) -> list[dict[str, int]]:
     """Mesh shapes to try: factorisations of `num_devices` into 1..max_axes named axes (the user's mesh
     alone when given). Axis names start with `required_axes` (those the hints name), then the defaults;
-    a required axis the factorisation has no room for gets size 1."""
+    a required axis the factorisation has no room for gets size 1.
+
+    The order of a mesh's axes is its mapping onto the topology's levels: the last axis is the innermost
+    (inside a node). With a `topology` of more than one level (e.g. `h100-sxm-8x8`), each mesh with another
+    of its axes innermost is a candidate too (`mesh_orders`), so which axis lies inside a node is a choice of the
+    search (each variant follows its mesh)."""
     if fixed is not None:
         return [dict(fixed)]
     req = list(dict.fromkeys(required_axes))
@@ -62,7 +67,28 @@ def mesh_candidates(num_devices: int, required_axes: Sequence[str] = (), *, max_
             if key not in seen:
                 seen.add(key)
                 out.append(mesh)
+    if len(_levels(topology)) <= 1:
+        return out
+    return list({tuple(m.items()): m for mesh in out for m in mesh_orders(mesh)}.values())
+
+
+def mesh_orders(mesh: Mapping[str, int]) -> list[dict[str, int]]:
+    """`mesh` as given, then with each other axis (of size > 1) moved innermost (last), the others keeping
+    their order: the choices of which axis lies inside a node. Axes of size 1 stay where they are."""
+    big = [a for a in mesh if mesh[a] > 1]
+    out = [dict(mesh)]
+    for a in reversed(big[:-1]):
+        order = [b for b in big if b != a] + [a]
+        out.append({**{b: mesh[b] for b in order}, **{b: n for b, n in mesh.items() if n == 1}})
     return out
+
+
+def _levels(topology: Any) -> list[int]:
+    if topology is None:
+        return []
+    from shardc.sim import as_topology
+
+    return [lv.size for lv in as_topology(topology).levels]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,3 +259,25 @@ def seeds_for(space: Space, assignment: Assignment, user_seeds: Sequence[Seed] =
         rank = g.values[vid].rank
         seeds.append(Seed(vid, tuple(dims.get(d) for d in range(rank)), SEARCH_CAUSE, 1))
     return seeds
+
+
+def plan_choices(space: Space, plan) -> Assignment:
+    """Per group, the choice equal to `plan`'s strategy of its first member (op) or sharding (input), else 0."""
+    out = []
+    for g in space.groups:
+        m = g.members[0]
+        want = tuple(plan.strategies[m].factor_axes if g.kind == "op" else plan.shardings[m].dims)
+        out.append(g.choices.index(want) if want in g.choices else 0)
+    return tuple(out)
+
+
+def project_plan(space: Space, plan) -> Assignment:
+    """The point of the space that gives `plan` back when its decisions are made by seeding the graph inputs
+    (every baseline is): the inputs' choices of `plan_choices`, op groups left to propagation (0)."""
+    return tuple(c if g.kind == "input" else 0 for g, c in zip(space.groups, plan_choices(space, plan)))
+
+
+def mixing_domains(space: Space, points: Sequence[Assignment]) -> list[list[int]]:
+    """Per group, "decide nothing" and every choice one of `points` makes: the space in which a DP mixes
+    several plans (e.g. the baselines) per kind of layer."""
+    return [sorted({0} | {p[i] for p in points}) for i in range(len(space.groups))]
