@@ -8,7 +8,7 @@
     print(shardc.plan(train_step, params, opt_state, batch).explain())
 """
 from annotations import UNCONSTRAINED, ShardingError, replicate, shard, split
-from shardc.auto import AutoFunction, auto, plan
+from shardc.auto import AutoFunction, auto, plan, plan_for
 from shardc.check import check
 from shardc.cost.topology import Topology
 from shardc.plan import Plan, Reshard
@@ -18,7 +18,7 @@ from shardc.sim import simulate
 from shardc.search import baselines
 
 __all__ = [
-    "auto", "plan", "make_mesh", "split", "replicate", "shard", "UNCONSTRAINED", "ShardingError",
+    "auto", "plan", "plan_for", "make_mesh", "split", "replicate", "shard", "UNCONSTRAINED", "ShardingError",
     "Plan", "Reshard", "Sharding", "AutoFunction", "register_rule", "Topology", "simulate", "baselines",
 ]
 __version__ = "0.1.0"

@@ -32,13 +32,13 @@ from shardc.carried import CarriedShapes
 from shardc.distributed import check_plan_agreement, is_multiprocess, to_global
 from shardc.lower import jit_plan
 from shardc.metadata import input_hints
-from shardc.plan import Plan, build_plan
+from shardc.plan import Plan, build_plan, is_abstract, require_devices
 from shardc.propagate import Cause, Seed, propagate
 from shardc.seeds import input_seed, program_seeds
 from shardc.sharding import make_mesh
 import shardc.search.integrate as _search
 
-__all__ = ["auto", "AutoFunction", "plan", "Compiled"]
+__all__ = ["auto", "AutoFunction", "plan", "plan_for", "Compiled"]
 
 
 @dataclasses.dataclass
@@ -62,7 +62,7 @@ class AutoFunction:
 
     def __init__(self, fun: Callable, *, mesh: Mesh | None = None, rules: Any = None,
                  donate_argnums: int | Sequence[int] = (), topology: Any = None, search: Any = False,
-                 budget_s: float | None = None, seed: int = 0) -> None:
+                 budget_s: float | None = None, seed: int = 0, devices: int | None = None) -> None:
         if not callable(fun):
             raise TypeError(f"shardc.auto expects a function, got {type(fun).__name__}")
         functools.update_wrapper(self, fun)
@@ -80,6 +80,12 @@ class AutoFunction:
             raise ShardingError(f"shardc.auto(mesh=...) needs a jax.sharding.Mesh (see shardc.make_mesh), got {type(mesh).__name__}")
         self._mesh_given = mesh is not None
         self._search_resume: Any = None  # the SearchReport while retracing under the mesh the search chose
+        # devices: plan for this many devices (the search's mesh shapes; more than this host has gives a
+        # plan that can be simulated and explained but not run, see shardc.plan_for).
+        if devices is not None and (not isinstance(devices, int) or devices < 1 or not _search.enabled(search)):
+            raise ShardingError(f"shardc.auto(devices={devices!r}) needs a positive int and search=True (the "
+                                f"search chooses a mesh of that many devices)")
+        self.devices = devices
 
     # -- public --------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -88,6 +94,7 @@ class AutoFunction:
             return self._inline(args, kwargs)
         self._carried.check(tree, leaves, _describe(self.fun))
         c = self._compiled(args, kwargs)
+        require_devices(c.plan)
         flat = [self._place(x, s) for x, s in zip(leaves, c.plan.input_shardings())]
         out = c.jitted(*flat)
         self._carried.record(tree, leaves, c.plan.input_names, out, c.plan.output_names)
@@ -100,6 +107,7 @@ class AutoFunction:
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The lowered program (over the flattened arguments), as `jax.jit(...).lower` gives."""
         c = self._compiled(args, kwargs)
+        require_devices(c.plan)
         return c.jitted.lower(*jax.tree_util.tree_leaves((args, kwargs)))
 
     def compiled_info(self, *args: Any, **kwargs: Any) -> Compiled:
@@ -215,7 +223,8 @@ class AutoFunction:
                 the_plan = _search.plan_by_search(
                     self, graph, lambda m: self._input_seeds(graph, roots, m) + program_seeds(graph, m), in_paths,
                     out_paths, notes, closed, _flat_donate(self.donate_argnums, args, self.fun), self._mesh_given)
-            if the_plan.mesh_sizes != dict(mesh.shape):  # retrace under the chosen mesh, keeping the decisions
+            if the_plan.mesh_sizes != dict(mesh.shape) and not is_abstract(the_plan.mesh):
+                # retrace under the chosen mesh, keeping the decisions
                 self.mesh, self._search_resume = the_plan.mesh, the_plan.search
                 return self._build(args, kwargs)
         else:
@@ -234,7 +243,7 @@ class AutoFunction:
 
             the_plan = dataclasses.replace(the_plan, cost=simulate(the_plan, self.topology))
         with _internal_errors("lowering", self.fun):
-            jitted = jit_plan(the_plan, closed, donate)
+            jitted = None if is_abstract(the_plan.mesh) else jit_plan(the_plan, closed, donate)
         timings = {"trace_s": t1 - t0, "graph_s": t2 - t1, "propagate_s": t3 - t2}
         return Compiled(the_plan, closed, in_tree, out_tree, jitted, timings)
 
@@ -419,3 +428,17 @@ def plan(f: Any, *args: Any, mesh: Mesh | None = None, **options: Any) -> Plan:
     if not isinstance(f, AutoFunction):
         f = AutoFunction(f, mesh=mesh, **options)
     return f.plan(*args)
+
+
+def plan_for(f: Any, *args: Any, topology: Any, devices: int | None = None, search: Any = True,
+             **options: Any) -> Plan:
+    """The searched Plan of `f(*args)` for `topology` (all of its devices unless `devices` is given), which
+    may have more devices than this host: e.g. plan for `"h100-sxm-8x8"` (64 GPUs) on an 8-device machine.
+    Such a plan lives on a mesh shape without devices (`jax.sharding.AbstractMesh`): `plan.explain()`,
+    `plan.search`, `shardc.simulate(plan, topology)` and `save_plan` work; running or lowering it raises a
+    ShardingError. Other options are those of `shardc.auto` (budget_s, seed, rules, donate_argnums)."""
+    from shardc.sim import as_topology
+
+    n = devices if devices is not None else as_topology(topology).num_devices
+    fun = f.fun if isinstance(f, AutoFunction) else f
+    return AutoFunction(fun, topology=topology, search=search, devices=n, **options).plan(*args)

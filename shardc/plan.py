@@ -11,17 +11,44 @@ import dataclasses
 import math
 from typing import Any, Mapping, Sequence
 
-from jax.sharding import Mesh
+import jax
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from annotations.errors import SourceLine
+from annotations.errors import ShardingError, SourceLine
 from shardc.ir.graph import Graph, Op
 from shardc.propagate import Cause, Propagation, project_dim
 from shardc.rules.core import FactorKind, FactorRule
 from shardc.sharding import Sharding, mesh_shape
 
-__all__ = ["OpStrategy", "Reshard", "Plan", "PlanBuilder", "build_plan", "classify_reshard", "reshard_bytes"]
+__all__ = ["OpStrategy", "Reshard", "Plan", "PlanBuilder", "build_plan", "abstract_mesh", "is_abstract", "require_devices", "classify_reshard", "reshard_bytes"]
 
 Axes = tuple[str, ...]
+
+
+def abstract_mesh(sizes: Mapping[str, int]) -> AbstractMesh:
+    """A mesh shape without devices (all axes Auto): plans, propagation and simulation need only the axis
+    sizes, so a plan can be made for more devices than this host has; only running it needs devices."""
+    names = tuple(sizes)
+    return AbstractMesh(tuple(int(sizes[a]) for a in names), names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def is_abstract(mesh: Any) -> bool:
+    """True for a mesh without devices (`abstract_mesh`)."""
+    return isinstance(mesh, AbstractMesh)
+
+
+def require_devices(plan: "Plan") -> None:
+    """A ShardingError unless `plan`'s mesh is made of real devices (it can be lowered and run)."""
+    if not is_abstract(plan.mesh):
+        return
+    sizes = plan.mesh_sizes
+    n = math.prod(sizes.values())
+    mesh = ",".join(f"{a}={k}" for a, k in sizes.items())
+    raise ShardingError(
+        f"this plan is for {n} devices (mesh {mesh}) but this process has {len(jax.devices())} "
+        f"({jax.default_backend()}); a plan made for a larger topology can be simulated and inspected "
+        f"(plan.explain(), shardc.simulate(plan, topology), save_plan) but not run here: run it on {n} "
+        f"devices, or plan for this host's devices")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -68,7 +95,7 @@ class Plan:
     """A sharding per value, a strategy per op, the reshards, on one mesh."""
 
     graph: Graph
-    mesh: Mesh
+    mesh: Mesh  # or a jax AbstractMesh (`abstract_mesh`): a plan for more devices than this host has
     shardings: tuple[Sharding, ...]
     strategies: tuple[OpStrategy, ...]
     reshards: tuple[Reshard, ...]

@@ -81,8 +81,8 @@ def replicated(rank: int) -> Sharding:
 
 
 def mesh_shape(mesh: Mesh) -> dict[str, int]:
-    """Axis name -> size, in mesh order."""
-    return dict(zip(mesh.axis_names, mesh.devices.shape))
+    """Axis name -> size, in mesh order (a jax Mesh or an AbstractMesh)."""
+    return dict(mesh.shape)
 
 
 def make_mesh(axes: Mapping[str, int] | Sequence[tuple[str, int]], devices: Iterable[jax.Device] | None = None) -> Mesh:

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 import jax
 
 from annotations.errors import ShardingError
-from shardc.plan import Plan
+from shardc.plan import Plan, abstract_mesh
 from shardc.propagate import Seed
 from shardc.report import format_bytes
 from shardc.search.baselines import BASELINES, baseline_seeds
@@ -73,7 +73,11 @@ class SearchReport:
 
 
 def _mesh_of(sizes: Mapping[str, int]):
+    """A mesh of this host's devices, or a mesh shape without devices when it needs more than the host has
+    (the plan can then be simulated and inspected, not run)."""
     n = math.prod(sizes.values())
+    if n > len(jax.devices()):
+        return abstract_mesh(sizes)
     return make_mesh(dict(sizes), jax.devices()[:n])
 
 

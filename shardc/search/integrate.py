@@ -74,7 +74,7 @@ def _hinted_axes(graph: Any) -> list[str]:
 def plan_by_search(af: Any, graph: Any, user_seeds: Callable, in_paths: Sequence[str], out_paths: Sequence[str],
                    notes: Sequence[str], closed: Any, donate: Sequence[int], mesh_given: bool) -> Plan:
     """The searched plan of this program (its mesh may differ from `af.mesh` when mesh_given is False)."""
-    n = len(jax.devices())
+    n = getattr(af, "devices", None) or len(jax.devices())
     topology = af.topology if af.topology is not None else default_topology(n)
     problem = Problem(graph, user_seeds, topology, list(in_paths), list(out_paths), list(notes), tuple(donate), closed)
     resume, af._search_resume = getattr(af, "_search_resume", None), None

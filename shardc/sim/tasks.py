@@ -110,6 +110,9 @@ class TaskBuilder:
         self._phase_memo: dict[Any, tuple] = {}
         self._coll_memo: dict[Any, tuple] = {}
         self._count_memo: dict[OpKey, Any] = {}
+        self._cost_class: dict[int, int] = {}  # op id -> class of ops with the same cost at the same layouts
+        self._cost_classes: dict[tuple, int] = {}
+        self._cost_memo: dict[tuple, tuple[float, Any]] = {}
         self._shape_memo: dict[Any, tuple[int, ...]] = {}
         self.key_of: dict[Any, int] = {}
         self.key_list: list[Any] = []
@@ -254,15 +257,10 @@ class TaskBuilder:
         if free:
             slot.tasks.append(Task(op.primitive, "join", -1, 0, tuple(deps), outs, op_id))
         else:
-            key = self._op_key(op, need_shardings, [k[1] for k in out_keys])
-            dur_s = self.estimator.op_time(key, op.params)
+            dur_s, count = self._op_cost(op, need_shardings, [k[1] for k in out_keys])
             dur = int(round(dur_s * trips * PS))
             slot.tasks.append(Task(op.primitive, "compute", 0, dur, tuple(deps), outs, op_id))
             slot.compute_ps += dur
-            count = self._count_memo.get(key)
-            if count is None:
-                count = self._count_memo[key] = count_op(op.primitive, key.in_shapes, key.out_shapes, op.params,
-                                                         self.topology.backend)
             slot.flops += int(round(count.flops)) * trips
             slot.transcendentals += int(round(count.transcendentals)) * trips
             slot.xla_flops += int(round(count.flops))
@@ -274,6 +272,28 @@ class TaskBuilder:
                 made(self.chain(slot, k, want, v, op_id, trips))
         slot.made = tuple(made_keys)
         return slot.seal()
+
+    def _op_cost(self, op: Any, ins: list[Sharding], outs: list[Sharding]) -> tuple[float, Any]:
+        """Seconds and FLOP count of one op at these layouts, memoised over ops with the same primitive,
+        params, shapes, dtypes and fusion (the layers of a model) and the same local shapes."""
+        cls = self._cost_class.get(op.id)
+        if cls is None:
+            info = self.info
+            fused, canon, vals = info.fused, info.canon, self.graph.values
+            ck = (op.primitive, info.pkeys[op.id], tuple(vals[v].shape for v in op.inputs + op.outputs),
+                  tuple(self._dtype[v] for v in op.inputs + op.outputs),
+                  tuple(fused[canon[v]] for v in op.inputs + op.outputs), len(op.inputs))
+            cls = self._cost_class[op.id] = self._cost_classes.setdefault(ck, len(self._cost_classes))
+        mk = (cls, tuple([s.dims for s in ins]), tuple([s.dims for s in outs]))
+        hit = self._cost_memo.get(mk)
+        if hit is None:
+            key = self._op_key(op, ins, outs)
+            count = self._count_memo.get(key)
+            if count is None:
+                count = self._count_memo[key] = count_op(op.primitive, key.in_shapes, key.out_shapes, op.params,
+                                                         self.topology.backend)
+            hit = self._cost_memo[mk] = (self.estimator.op_time(key, op.params), count)
+        return hit
 
     def _op_key(self, op: Any, ins: list[Sharding], outs: list[Sharding]) -> OpKey:
         info = self.info
