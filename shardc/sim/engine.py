@@ -105,6 +105,9 @@ class Simulator:
         keys = b.initial_keys(plan)
         needs = plan_needs(plan)
         slots = [b.build_slot(plan, i, keys, needs) for i in range(len(self.graph.ops))]
+        b.chain_keys.clear()
+        for s in slots:
+            self._chained(s, 1)
         n = len(slots)
         state = _State(plan, slots, keys, [], [], [[] for _ in slots], [[] for _ in slots],
                        [[] for _ in slots], [()] * n, [()] * n, [0] * n)
@@ -149,19 +152,29 @@ class Simulator:
             new = b.build_slot(plan, s, keys, needs)
             old.totals.add(old.slots[s], -1)
             old.totals.add(new, 1)
+            self._chained(old.slots[s], -1)
+            self._chained(new, 1)
             old.slots[s] = new
             (old.ar_slots.add if new.ars else old.ar_slots.discard)(s)
         old.plan = plan
         if affected:
             self._schedule(old, affected[0])
-        old_groups = old.groups
         old.groups = self._groups(old)
-        bounds = None
-        if old.groups != old_groups:
-            before = Combiner.lifetimes([old_slots.get(i, s) for i, s in enumerate(old.slots)], old_groups)
-            bounds = (before, Combiner.lifetimes(old.slots, old.groups))
+        # Compare the lifetimes, not the groups: equal groups may hold rebuilt all-reduces of other keys.
+        after = Combiner.lifetimes(old.slots, old.groups)
+        bounds = None if after == self.memory.bounds else (self.memory.bounds, after)
         self.memory.update(plan, old.slots, affected, old_slots, donated, values, bounds)
         return self._result(old)
+
+    def _chained(self, slot: Any, sign: int) -> None:
+        """Count the keys `slot` makes by collectives in (sign 1) or out of (sign -1) the builder's chain_keys."""
+        ck = self.builder.chain_keys
+        for k in slot.chained:
+            n = ck.get(k, 0) + sign
+            if n:
+                ck[k] = n
+            else:
+                del ck[k]
 
     def _groups(self, st: _State) -> list:
         if self._combiner is None:

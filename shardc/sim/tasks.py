@@ -84,6 +84,7 @@ class Slot:
     sched: tuple = ()  # (deps, stream, dur, outs) per task: what the scheduler reads
     ars: tuple["ArEntry", ...] = ()  # all-reduces XLA may combine with others (see shardc.sim.combine)
     at: int = 0  # index of the op's own task: tasks after it take its results to their planned layouts
+    chained: tuple[int, ...] = ()  # value keys this slot makes by collectives
 
     def seal(self) -> "Slot":
         if len(self.tasks) >= TASKS_PER_SLOT:
@@ -117,7 +118,9 @@ class TaskBuilder:
         self.key_of: dict[Any, int] = {}
         self.key_list: list[Any] = []
         self.is_value_key: list[bool] = []
-        self.chain_keys: set[int] = set()  # keys made by collectives (always written to memory)
+        # Keys made by collectives in the current plan's slots (always written to memory), with the number
+        # of slots making them so; kept by the Simulator from `Slot.chained` (full and delta runs alike).
+        self.chain_keys: dict[int, int] = {}
         self.value_keys: dict[int, list[int]] = {}  # canonical value -> ids of its keys
         vals = graph.values
         self._dtype = [str(v.dtype) for v in vals]
@@ -195,7 +198,7 @@ class TaskBuilder:
                 deps = (k,)
         out = self.kid(dst_key)
         if len(deps) == 1 and deps[0] != self.kid(src_key):
-            self.chain_keys.add(out)
+            slot.chained += (out,)
         tasks.append(Task(f"{val.name} as {dst}", "join", -1, 0, deps, (out,), op))
         slot.tasks.extend(tasks)
         if len(colls) == 1 and colls[0].kind == "all-reduce" and trips == 1 and len(tasks) > 1:
