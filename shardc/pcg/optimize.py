@@ -123,15 +123,15 @@ class Lookahead:
     across a dot pays)."""
 
     depth: int = 3
-    beam: int = 4
-    alpha: float = 1.3
+    beam: int = 8
+    alpha: float = 1.5
 
 
 def _candidates(pcg: PCG, rules: list[Rule], refuted: set[str], new_from: int | None = None
                 ) -> Iterator[tuple[Rule, Match, PCG]]:
-    """Every applicable rewrite of `pcg` by a proved rule (with `new_from`: only matches that touch a
-    node making a tensor numbered `new_from` or above, i.e. made by the last rewrite)."""
-    fresh = None if new_from is None else {n.id for n in pcg.nodes if any(t >= new_from for t in n.outputs)}
+    """Every applicable rewrite of `pcg` by a proved rule (with `new_from`: only matches near the last
+    rewrite, see `_near`)."""
+    fresh = None if new_from is None else _near(pcg, new_from)
     for rule in rules:
         if rule.text in refuted:
             continue
@@ -146,6 +146,21 @@ def _candidates(pcg: PCG, rules: list[Rule], refuted: set[str], new_from: int | 
             continue
         for m, new in _applied(pcg, itertools.chain([first], matches)):
             yield rule, m, new
+
+
+def _near(pcg: PCG, new_from: int) -> set[int]:
+    """Nodes near the last rewrite: those making tensors numbered `new_from` or above (what it built),
+    their readers, and the producers of the readers' other operands (a sibling chain that can now be
+    merged, as in Reduce(x) + Reduce(y))."""
+    made = {n.id for n in pcg.nodes if any(t >= new_from for t in n.outputs)}
+    readers = {u.id: u for n in pcg.nodes if n.id in made for t in n.outputs for u in pcg.users(t)}
+    near = made | set(readers)
+    for u in readers.values():
+        for t in u.inputs:
+            p = pcg.producer(t)
+            if p is not None:
+                near.add(p[0].id)
+    return near
 
 
 def _lookahead(base: PCG, cost: float, near: list[tuple[float, PCG, Step]], rules: list[Rule], cost_fn: CostFn,

@@ -110,10 +110,11 @@ def test_all_gather_delayed_past_reshapes(mesh):
 
     x = jax.random.normal(jax.random.key(5), (16, 4, 8))
     pcg = pcg_of(f, mesh, x)
-    # the simulator sees no gain (the same bytes move; XLA fuses the elementwise op either way), so this
-    # exercises the rule family under the bytes-moved cost, whose compute tie-breaker favours gathering late
-    assert optimize(pcg).steps == ()
-    res = optimize(pcg, cost_fn=bytes_moved)
+    # the same bytes move; no single step pays in the simulator (the first breaks a fusion) but the
+    # sequence does (tanh runs on a quarter of the rows)
+    assert optimize(pcg, lookahead=None).steps == ()
+    res = optimize(pcg)
+    assert res.cost < res.initial_cost and res.steps[0].cost_after > res.initial_cost
     names = [s.rule for s in res.steps]
     assert {"combine_merge", "combine_ew1", "combine_unmerge_other"} <= set(names), res
     assert pcg.producer(pcg.outputs[0])[0].op.primitive == "reshape"
