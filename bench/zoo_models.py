@@ -3,8 +3,9 @@ linen models defined here), the GPT-style LM of `bench/gpt.py` and the MoE trans
 `moe/transformer.py`. Each `ZooModel` gives a train step and *abstract* arguments (`jax.ShapeDtypeStruct`s,
 made with `jax.eval_shape`), so a model far larger than this machine's memory can be planned and simulated.
 
-Hints: the LMs carry Megatron-style partitioning metadata (axis "model") and a batch hint (axis "data"),
-the MoE model its GShard hints (axis "expert"); the MLP, CNN and LSTM carry only a batch hint.
+Hints: the MoE model carries its GShard hints (axis "expert"); the others only a batch hint (axis "data").
+The GPT's Megatron partitioning metadata is stripped: it pins every weight, and hints are never overridden,
+so with it every baseline and the search would be Megatron's weight layout plus something.
 """
 from __future__ import annotations
 
@@ -98,8 +99,9 @@ def _lm_step(model: nn.Module, tx: optax.GradientTransformation) -> Callable:
 
 @dataclasses.dataclass
 class ZooModel:
-    """A zoo entry: `build(mesh)` -> (train step, abstract args) traced under `mesh` (the MoE model has a fixed
-    number of groups, so its program does not depend on the mesh)."""
+    """A zoo entry: `build(mesh, scale)` -> (train step, abstract args) traced under `mesh`, the global batch
+    `scale` times the listed one (weak scaling: the listed batch is for 8 devices). The MoE model has a fixed
+    number of groups, so its program does not depend on the mesh."""
 
     name: str
     family: str
@@ -111,11 +113,17 @@ def _abstract(init: Callable, *args) -> Any:
     return jax.eval_shape(init, *args)
 
 
+def _unbox(tree):
+    return jax.tree_util.tree_map(lambda x: x.unbox() if isinstance(x, nn.meta.AxisMetadata) else x, tree,
+                                  is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+
+
 def _classifier(model: nn.Module, x_shape: tuple[int, ...], classes: int):
-    def build(mesh):
+    def build(mesh, scale=1):
         tx = optax.adam(1e-3)
-        x = jax.ShapeDtypeStruct(x_shape, jnp.float32)
-        y = jax.ShapeDtypeStruct((x_shape[0],), jnp.int32)
+        x_full = (x_shape[0] * scale,) + tuple(x_shape[1:])
+        x = jax.ShapeDtypeStruct(x_full, jnp.float32)
+        y = jax.ShapeDtypeStruct((x_full[0],), jnp.int32)
         params = _abstract(lambda k: model.init(k, jnp.zeros(x_shape, jnp.float32))["params"], jax.random.key(0))
         opt = _abstract(tx.init, params)
         return _classifier_step(model, tx), (params, opt, x, y)
@@ -126,9 +134,9 @@ def _classifier(model: nn.Module, x_shape: tuple[int, ...], classes: int):
 def _lstm(batch: int, seq: int, **kw):
     model = LSTMLM(**kw)
 
-    def build(mesh):
+    def build(mesh, scale=1):
         tx = optax.adam(1e-3)
-        ids = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
+        ids = jax.ShapeDtypeStruct((batch * scale, seq + 1), jnp.int32)
         params = _abstract(lambda k: model.init(k, jnp.zeros((batch, seq), jnp.int32))["params"], jax.random.key(0))
         return _lm_step(model, tx), (params, _abstract(tx.init, params), ids)
 
@@ -140,12 +148,13 @@ def _gpt(layers: int, batch: int, seq: int, **kw):
 
     model = GPT(layers=layers, seq=seq, **kw)
 
-    def build(mesh):
+    def build(mesh, scale=1):
         tx = optax.adamw(1e-3)
-        ids = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
+        ids = jax.ShapeDtypeStruct((batch * scale, seq + 1), jnp.int32)
         with jax.set_mesh(mesh):
             params = _abstract(lambda k: model.init(k, jnp.zeros((batch, seq), jnp.int32))["params"],
                                jax.random.key(1))
+        params = _unbox(params)  # without the Megatron metadata: every strategy is open to the baselines
         return make_train_step(model, tx), (params, _abstract(tx.init, params), ids)
 
     return build
@@ -154,11 +163,11 @@ def _gpt(layers: int, batch: int, seq: int, **kw):
 def _moe(batch: int, length: int, **kw):
     from moe.transformer import Transformer, TransformerConfig, loss_fn
 
-    def build(mesh):
+    def build(mesh, scale=1):
         cfg = TransformerConfig(**kw)
         model = Transformer(cfg)
         tx = optax.adam(1e-3)
-        src = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+        src = jax.ShapeDtypeStruct((batch * scale, length), jnp.int32)
         zeros = jnp.zeros((batch, length), jnp.int32)
         with jax.set_mesh(mesh):
             from annotations import mesh_context
@@ -198,9 +207,9 @@ def zoo(scale: str = "full") -> list[ZooModel]:
                                                  **({} if tiny else {"vocab": 32768, "d": 1024, "heads": 16})),
                  "12 layers, d 1024, seq 1024, vocab 32k, batch 16, AdamW"),
         ZooModel("gpt12-xl", "Transformer LM (memory-tight)",
-                 _gpt(2 if tiny else 12, 8 if tiny else 8, 32 if tiny else 2048,
+                 _gpt(2 if tiny else 12, 8 if tiny else 16, 32 if tiny else 2048,
                       **({} if tiny else {"vocab": 32768, "d": 4096, "heads": 32})),
-                 "12 layers, d 4096 (2.7 B params), seq 2048, batch 8, AdamW: data parallel does not fit"),
+                 "12 layers, d 4096 (2.7 B params), seq 2048, batch 16, AdamW: data parallel does not fit"),
         ZooModel("moe", "MoE Transformer", _moe(8 if tiny else 64, 16 if tiny else 256,
                                                **({"vocab_size": 256, "d_model": 64, "mlp_dim": 128,
                                                    "num_encoder_layers": 2, "num_decoder_layers": 2, "num_groups": 8} if tiny else

@@ -277,7 +277,28 @@ def project_plan(space: Space, plan) -> Assignment:
     return tuple(c if g.kind == "input" else 0 for g, c in zip(space.groups, plan_choices(space, plan)))
 
 
-def mixing_domains(space: Space, points: Sequence[Assignment]) -> list[list[int]]:
-    """Per group, "decide nothing" and every choice one of `points` makes: the space in which a DP mixes
-    several plans (e.g. the baselines) per kind of layer."""
-    return [sorted({0} | {p[i] for p in points}) for i in range(len(space.groups))]
+def mixing_domains(space: Space, points: Sequence[Assignment], *, compose: bool = True) -> list[list[int]]:
+    """Per group, "decide nothing", every choice one of `points` makes and (with `compose`) every legal union
+    of two of them (one's axes, plus the other's on the dims/factors the first leaves unsharded, e.g.
+    Megatron's column split of a weight plus FSDP's split of its other dim over the data axes: 2-D
+    tensor parallel + ZeRO): the space in which a DP mixes several plans (e.g. the baselines) per kind of
+    layer."""
+    out = []
+    for i, grp in enumerate(space.groups):
+        dom = {0} | {p[i] for p in points}
+        if compose:
+            index = {c: k for k, c in enumerate(grp.choices)}
+            picked = sorted(dom)
+            for a in picked:
+                for b in picked:
+                    k = index.get(_union(grp.choices[a], grp.choices[b]))
+                    if k is not None:
+                        dom.add(k)
+        out.append(sorted(dom))
+    return out
+
+
+def _union(first: tuple[Axes, ...], second: tuple[Axes, ...]) -> tuple[Axes, ...]:
+    """`first`'s axes, plus `second`'s on the slots `first` leaves empty (axes `first` uses are skipped)."""
+    used = {a for ax in first for a in ax}
+    return tuple(ax if ax else tuple(a for a in bx if a not in used) for ax, bx in zip(first, second))

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from shardc.propagate import Cause, Seed
-from shardc.search.space import build_space, mesh_candidates, seeds_for
+from shardc.search.space import build_space, mesh_candidates, mesh_orders, mixing_domains, project_plan, seeds_for
 from search_models import graph_of
 
 
@@ -17,6 +17,25 @@ def test_mesh_candidates_factorise_the_device_count():
     assert mesh_candidates(8, fixed={"x": 8}) == [{"x": 8}]
     for m in mesh_candidates(8, ["model", "data"]):
         assert "model" in m and "data" in m
+
+
+def test_which_axis_lies_inside_a_node_is_a_choice_on_multi_level_topologies():
+    from shardc.cost import Topology
+
+    single = mesh_candidates(8, ["data", "model"], topology="h100-sxm-8")
+    assert single == mesh_candidates(8, ["data", "model"])  # one level: the order changes nothing
+    multi = mesh_candidates(64, ["data", "model"], topology="h100-sxm-8x8")
+    keys = [tuple(m.items()) for m in multi]
+    assert len(keys) == len(set(keys)) and all(math.prod(m.values()) == 64 for m in multi)
+    a, b = keys.index((("data", 8), ("model", 8))), keys.index((("model", 8), ("data", 8)))  # dicts ignore order
+    assert b == a + 1  # each variant follows its mesh
+    assert list(multi[a]) == ["data", "model"] and list(multi[b]) == ["model", "data"]
+    topo = Topology.preset("h100-sxm-8x8")
+    assert topo.map_mesh(multi[a]).inside("nvlink") == ["model"]
+    assert topo.map_mesh(multi[b]).inside("nvlink") == ["data"]
+    three = mesh_orders({"data": 2, "model": 4, "expert": 8})
+    assert [list(m)[-1] for m in three] == ["expert", "model", "data"]  # each axis innermost once
+    assert len(mesh_candidates(64, ["data"], topology="h100-sxm-8x8")) > len(mesh_candidates(64, ["data"]))
 
 
 def _deep_mlp(depth):
@@ -89,3 +108,30 @@ def test_continued_propagation_equals_full_propagation():
         full = propagate(g, mesh, user + extra)
         again = base.run(extra)
         assert again.axes == full.axes and again.closed == full.closed and again.origin == full.origin
+
+
+def test_baselines_are_reproduced_exactly_and_mixed_per_group():
+    import jax
+    from shardc.search.baselines import baseline_seeds
+    from shardc.search.evaluate import Evaluator
+    from shardc.sharding import make_mesh
+    from search_models import mlp_args, mlp_forward, problem_of
+
+    def sgd_step(w1, w2, x):
+        loss, (g1, g2) = jax.value_and_grad(lambda a, b: jnp.mean(mlp_forward(x, a, b) ** 2), (0, 1))(w1, w2)
+        return w1 - 0.1 * g1, w2 - 0.1 * g2, loss
+
+    x, w1, w2 = mlp_args(256, 128, 512)
+    pb = problem_of(sgd_step, (w1, w2, x))
+    sizes = {"data": 2, "model": 2}
+    mesh = make_mesh(sizes, jax.devices()[:4])
+    sp = build_space(pb.graph, sizes)
+    ev = Evaluator(pb, mesh, sp, [])
+    points = []
+    for name in ("data-parallel", "fsdp"):
+        plan = ev.plan_with(baseline_seeds(name, pb.graph, sizes))
+        a = project_plan(sp, plan)
+        assert ev.score(a) == ev.score_plan(plan)[0], name  # the projection is the baseline itself
+        points.append(a)
+    doms = mixing_domains(sp, points)
+    assert all(0 in d and all(p[i] in d for p in points) for i, d in enumerate(doms))
