@@ -24,7 +24,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from shardc.ir.graph import Graph, Op
-from shardc.pcg.graph import PCG, Compute, Node, Region
+from shardc.pcg.graph import PCG, Node, Region
 from shardc.pcg.ops import group_size
 from shardc.plan import OpStrategy, Plan
 from shardc.rules.core import FactorKind, FactorRule

@@ -11,7 +11,7 @@ import pytest
 
 import shardc
 from shardc import replicate, split
-from shardc.pcg import PCG, build_pcg, bytes_moved, hlo_collectives, lower_pcg, optimize
+from shardc.pcg import PCG, build_pcg, hlo_collectives, lower_pcg, optimize
 from shardc.pcg.lang import parse_rule
 from shardc.pcg.library import library_rules
 from shardc.pcg.match import UnprovedRuleError, apply_match, find_matches, rewrites
