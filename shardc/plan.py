@@ -228,6 +228,27 @@ def _strategy(op: Op, axes_of, nbytes, mesh: Mapping[str, int]) -> OpStrategy:
     return OpStrategy(tuple(out))
 
 
+def _plan_classes(graph: Graph) -> list[int]:
+    """Per op: the class of ops whose strategy and reshards are the same at the same tensor shardings
+    (rule, io tie or not, tensor shapes/itemsizes, scalar-constant operands); computed once per graph."""
+    cached = getattr(graph, "_shardc_plan_classes", None)
+    if cached is not None:
+        return cached
+    classes: dict[tuple, int] = {}
+    out: list[int] = []
+    for op in graph.ops:
+        vals = [graph.values[v] for v in op.inputs + op.outputs]
+        key = (op.rule, op.primitive == "tie" and op.region == "io",
+               tuple((v.shape, v.dtype.itemsize if v.dtype is not None else 4, v.nbytes) for v in vals),
+               tuple(graph.values[v].is_const and graph.values[v].rank == 0 for v in op.inputs))
+        out.append(classes.setdefault(key, len(classes)))
+    try:
+        graph._shardc_plan_classes = out  # type: ignore[attr-defined]
+    except AttributeError:  # pragma: no cover - slotted graphs
+        pass
+    return out
+
+
 def _describe_origin(origins: Sequence[Cause | None]) -> str:
     causes = [str(c) for c in dict.fromkeys(c for c in origins if c is not None)]
     return f" (from {'; '.join(causes)})" if causes else ""
@@ -261,14 +282,7 @@ class PlanBuilder:
         self.nbytes = [v.nbytes for v in graph.values]
         self._memo: dict[tuple, _Entry] = {}
         self._sources: dict[int, SourceLine | None] = {}
-        classes: dict[tuple, int] = {}
-        self._class: list[int] = []
-        for op in graph.ops:
-            vals = [graph.values[v] for v in op.inputs + op.outputs]
-            key = (op.rule, op.primitive == "tie" and op.region == "io",
-                   tuple((v.shape, v.dtype.itemsize if v.dtype is not None else 4, v.nbytes) for v in vals),
-                   tuple(graph.values[v].is_const and graph.values[v].rank == 0 for v in op.inputs))
-            self._class.append(classes.setdefault(key, len(classes)))
+        self._class = _plan_classes(graph)
         self._users: list[list[int]] | None = None
         self.shardings: list[Sharding] = []
         self.origins: list[tuple[Cause | None, ...]] = []

@@ -118,14 +118,7 @@ class _Propagator:
         # flags (and the mesh), so structurally identical ops in the same state (the layers of a model,
         # the candidates of a search) share one computation. Ops reading one value twice are not memoised.
         self._memo: dict[tuple, list] = {}
-        classes: dict[tuple, int] = {}
-        self._class: list[int] = []
-        for op in graph.ops:
-            tensors = op.inputs + op.outputs
-            if len(set(tensors)) < len(tensors):
-                self._class.append(-1)
-            else:
-                self._class.append(classes.setdefault((op.rule, tuple(self.nbytes[v] for v in tensors)), len(classes)))
+        self._class = _op_classes(graph)
         # Copy-on-write (see `fork`): shared[v] means the per-dim lists of v belong to another state.
         self._shared: list[bool] | None = None
         self.touched: list[int] = []
@@ -398,6 +391,27 @@ class _Propagator:
                     if allowed[n] and not queued[n]:
                         queued[n] = True
                         queue.append(n)
+
+
+def _op_classes(graph: Graph) -> list[int]:
+    """Per op: the class of ops with the same rule and tensor sizes (-1: an op reading one value twice);
+    computed once per graph."""
+    cached = getattr(graph, "_shardc_visit_classes", None)
+    if cached is not None:
+        return cached
+    classes: dict[tuple, int] = {}
+    out: list[int] = []
+    for op in graph.ops:
+        tensors = op.inputs + op.outputs
+        if len(set(tensors)) < len(tensors):
+            out.append(-1)
+        else:
+            out.append(classes.setdefault((op.rule, tuple(graph.values[v].nbytes for v in tensors)), len(classes)))
+    try:
+        graph._shardc_visit_classes = out  # type: ignore[attr-defined]
+    except AttributeError:  # pragma: no cover - slotted graphs
+        pass
+    return out
 
 
 def _fmt(axes: Axes) -> str:

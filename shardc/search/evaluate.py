@@ -82,54 +82,71 @@ class UserPropagation:
         for phase in (0, 1, 2):
             p.run_to_fixed_point(phase, only_new=phase > 0)
         self.base = (p.axes, p.closed, p.origin, p.visits)
+        # The worklist of `_Propagator.run_to_fixed_point`, precomputed: per value the ops it queues (its
+        # users and producer) and every op it is a tensor of; per phase the ops allowed and first queued.
+        n = len(graph.ops)
+        self._queues = [list(graph.users[v]) + ([graph.values[v].producer] if graph.values[v].producer is not None
+                                                else []) for v in range(len(graph.values))]
+        ops_of: list[list[int]] = [[] for _ in graph.values]
+        for op in graph.ops:
+            for v in dict.fromkeys(op.inputs + op.outputs):
+                ops_of[v].append(op.id)
+        self._ops_of = ops_of
+        self._allowed = {ph: bytes(q <= ph for q in p.phase_of) for ph in (0, 1, 2)}
+        self._first = {(ph, new): [i for i in range(n) if (p.phase_of[i] == ph if new else p.phase_of[i] <= ph)]
+                       for ph in (0, 1, 2) for new in (False, True)}
+        self._first_mask = {}
+        for k, first in self._first.items():
+            mask = bytearray(n)
+            for i in first:
+                mask[i] = 1
+            self._first_mask[k] = bytes(mask)
 
     def run(self, extra: Sequence[Seed]) -> Propagation:
         p = self.p
         p.fork(*self.base)  # copy-on-write: only the values this run writes are copied (p.touched)
-        # Stamps: an op whose tensors did not change since its last visit is at its fixed point, so its
-        # visit would change nothing and is skipped (the queue order is the one propagate() uses).
-        self.clock = 0
-        self.value_stamp = [0] * len(p.axes)
-        self.op_stamp = [0] * len(p.g.ops)
+        # dirty[op]: one of its tensors changed since its last visit. A clean op is at its fixed point, so
+        # its visit would change nothing and is skipped (the queue order is the one propagate() uses).
+        self.dirty = dirty = bytearray(len(p.g.ops))
         for level in sorted({s.priority for s in extra}):
             for s in extra:
                 if s.priority == level:
                     p.apply_seed(s)
-                    self.clock += 1
-                    self.value_stamp[s.value] = self.clock
+                    for o in self._ops_of[s.value]:
+                        dirty[o] = 1
             for phase in (0, 1, 2):
                 self._run(phase, only_new=phase > 0)
         return Propagation(p.axes, p.closed, p.origin, p.visits)
 
     def _run(self, max_phase: int, only_new: bool) -> None:
-        """`_Propagator.run_to_fixed_point`, skipping ops none of whose tensors changed since their visit."""
+        """`_Propagator.run_to_fixed_point`, skipping clean ops: the initial queue (program order) first,
+        then the ops queued meanwhile, in the order they were queued."""
         p = self.p
-        ops, users, values = p.g.ops, p.g.users, p.g.values
-        vstamp, ostamp = self.value_stamp, self.op_stamp
-        allowed = [ph <= max_phase for ph in p.phase_of]
-        queue = deque(i for i, ph in enumerate(p.phase_of) if (ph == max_phase if only_new else allowed[i]))
-        queued = [False] * len(ops)
-        for i in queue:
-            queued[i] = True
-        while queue:
-            oid = queue.popleft()
-            queued[oid] = False
-            op = ops[oid]
-            seen = ostamp[oid]
-            if not any(vstamp[v] > seen for v in op.inputs) and not any(vstamp[v] > seen for v in op.outputs):
-                continue
-            self.clock += 1
-            ostamp[oid] = self.clock
-            for v in p.visit(op):
-                self.clock += 1
-                vstamp[v] = self.clock
-                neighbours = list(users[v])
-                if values[v].producer is not None:
-                    neighbours.append(values[v].producer)
-                for n in neighbours:
+        ops, queues, ops_of, dirty = p.g.ops, self._queues, self._ops_of, self.dirty
+        allowed = self._allowed[max_phase]
+        queued = bytearray(self._first_mask[(max_phase, only_new)])
+        tail: deque[int] = deque()
+
+        def step(oid: int) -> None:
+            queued[oid] = 0
+            if not dirty[oid]:
+                return
+            dirty[oid] = 0
+            for v in p.visit(ops[oid]):
+                for o in ops_of[v]:
+                    dirty[o] = 1
+                for n in queues[v]:
                     if allowed[n] and not queued[n]:
-                        queued[n] = True
-                        queue.append(n)
+                        queued[n] = 1
+                        tail.append(n)
+
+        for oid in self._first[(max_phase, only_new)]:
+            if dirty[oid]:
+                step(oid)
+            else:
+                queued[oid] = 0
+        while tail:
+            step(tail.popleft())
 
 
 def plan_from_seeds(problem: Problem, mesh: Mesh, seeds: Sequence[Seed], *,
