@@ -1,8 +1,10 @@
 """Rewriting a PCG with proved rules, keeping a rewrite only when the simulator says it pays.
 
 Greedy steepest descent: at each step every match of every usable rule is applied, the cheapest result
-is kept if it is cheaper than the current PCG, and the search stops when no rewrite pays (or after
-`max_steps`). The cost is the simulated step time on a topology (`shardc.pcg.simcost.SimCost`, default
+is kept if it is cheaper than the current PCG, then each other rewrite that paid is applied too where it
+still matches, if the cost still goes down (rewrites of distant parts of a big program are found in one
+pass); the search stops when no rewrite pays, even after a lookahead (`Lookahead`), or after
+`max_steps`. The cost is the simulated step time on a topology (`shardc.pcg.simcost.SimCost`, default
 `h100-sxm-8`) unless another `cost_fn` is given. Loop and branch bodies are optimized first, each as a
 PCG of its own (their boundary layouts are fixed), and a new body is kept when the whole PCG's cost
 goes down. A rule is verified with Z3 the first time it matches; an unproved one is dropped, never
@@ -148,6 +150,15 @@ def _candidates(pcg: PCG, rules: list[Rule], refuted: set[str], new_from: int | 
             yield rule, m, new
 
 
+def _same_match(pcg: PCG, rule: Rule, m: Match) -> Match | None:
+    """The match of `rule` on `pcg` binding the same tensors at the same roots as `m` (made on an earlier
+    PCG), if it is still there."""
+    for again in find_matches(pcg, rule):
+        if again.roots == m.roots and again.tensors == m.tensors and again.params == m.params:
+            return again
+    return None
+
+
 def _near(pcg: PCG, new_from: int) -> set[int]:
     """Nodes near the last rewrite: those making tensors numbered `new_from` or above (what it built),
     their readers, and the producers of the readers' other operands (a sibling chain that can now be
@@ -194,7 +205,7 @@ def _descend(pcg: PCG, rules: list[Rule], cost_fn: CostFn, max_steps: int, refut
     current, cost, steps, candidates = _optimize_bodies(current, rules, cost_fn, cost, max_steps, refuted, search)
     seen = {current.key()}
     for _ in range(max_steps):
-        best: tuple[float, PCG, str, str] | None = None
+        better: list[tuple[float, int, PCG, Rule, Match]] = []  # rewrites that pay, cheapest first
         near: list[tuple[float, PCG, Step]] = []  # rewrites within alpha of the current cost
         for rule, m, new in _candidates(current, rules, refuted):
             candidates += 1
@@ -203,13 +214,30 @@ def _descend(pcg: PCG, rules: list[Rule], cost_fn: CostFn, max_steps: int, refut
                 continue
             seen.add(k)
             c = cost_fn(new)
-            if c < cost * (1 - 1e-12) and (best is None or c < best[0]):
-                best = (c, new, rule.name, str(m))
+            if c < cost * (1 - 1e-12):
+                better.append((c, len(better), new, rule, m))
             elif c <= cost * search.alpha:
                 near.append((c, new, Step(rule.name, str(m), cost, c)))
-        if best is not None:
-            steps.append(Step(best[2], best[3], cost, best[0]))
-            cost, current = best[0], best[1]
+        if better:
+            better.sort(key=lambda e: e[:2])
+            c, _, new, rule, m = better[0]
+            steps.append(Step(rule.name, str(m), cost, c))
+            cost, current = c, new
+            # the other rewrites that paid, where they still apply, each kept if the cost still goes down
+            for _, _, _, rule, m in better[1:]:
+                again = _same_match(current, rule, m)
+                if again is None:
+                    continue
+                try:
+                    new = apply_match(current, again)
+                except RewriteError:
+                    continue
+                candidates += 1
+                c = cost_fn(new)
+                if c < cost * (1 - 1e-12):
+                    steps.append(Step(rule.name, str(again), cost, c))
+                    cost, current = c, new
+                    seen.add(new.key())
             continue
         found, n = _lookahead(current, cost, near, rules, cost_fn, search, refuted, seen)
         candidates += n
