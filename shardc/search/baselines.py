@@ -89,8 +89,11 @@ def _split_axes(mesh: Mapping[str, int]) -> tuple[list[str], str | None]:
 
 def megatron(graph: Graph, mesh: Mapping[str, int]) -> list[Seed]:
     """Tensor parallel on the last mesh axis (column-parallel for expanding/input projections, row-parallel
-    for output/down projections, chosen by name then by shape) with data parallel on the others."""
+    for output/down projections, chosen by name then by shape) with data parallel on the others; on a
+    one-axis mesh, tensor parallel over every device (no data parallel)."""
     data, model = _split_axes(mesh)
+    if model is None and len(data) == 1:
+        data, model = [], data[0]
     seeds = _batch(graph, mesh, data, "megatron")
     if model is None:
         return seeds
@@ -140,8 +143,8 @@ BASELINES: dict[str, Callable[[Graph, Mapping[str, int]], list[Seed] | None]] = 
 
 def baseline_seeds(name: str, graph: Graph, mesh: Mapping[str, int], user_seeds: Sequence[Seed] = ()) -> list[Seed] | None:
     """The seeds of baseline `name` on this mesh, minus the dims the user pinned (hints win); None when
-    the baseline does not apply (e.g. expert parallel without experts, Megatron on a 1-axis mesh)."""
-    if name == "megatron" and _split_axes(mesh)[1] is None:
+    the baseline does not apply (e.g. expert parallel without experts, Megatron on one device)."""
+    if name == "megatron" and not any(n > 1 for n in mesh.values()):
         return None
     seeds = BASELINES[name](graph, mesh)
     if seeds is None:

@@ -250,10 +250,13 @@ def sp_dp(ev: Evaluator, base: Assignment, *, max_evals: int = 4000, deadline: f
     simulated and, with `polish`, improved by single-group moves until none helps. `domains` restricts each
     group's candidates (e.g. to the choices the baselines make: the DP then mixes baselines per layer kind).
     Returns `base` when the deadline (a `time.perf_counter()` value) passes first."""
+    n0 = len(ev.cache)
     try:
         return _sp_dp(ev, base, max_evals, deadline, on_eval, edges, polish, domains)
-    except _OutOfTime:
-        return base, ev.score(base)
+    except _OutOfTime:  # the best point simulated so far (the base, a single move, the greedy combination)
+        seen = list(ev.cache)[n0:] + [base]
+        best = min(seen, key=lambda a: (ev.score(a).key, a))
+        return best, ev.score(best)
 
 
 def _sp_dp(ev: Evaluator, base: Assignment, max_evals: int, deadline: float | None,
@@ -277,6 +280,9 @@ def _sp_dp(ev: Evaluator, base: Assignment, max_evals: int, deadline: float | No
         first = range(min(grp.size, per_group)) if only is None else only[gi]
         cand = sorted(set(first) | {base[gi]})
         unary.append({s: f(with_({gi: s})) - ref for s in cand})
+    # Every improving single move at once (exact if the cost were additive): a cheap strong candidate.
+    greedy = with_({gi: min(u, key=lambda s: (u[s], s)) for gi, u in enumerate(unary) if min(u.values()) < 0})
+    f(greedy)
     budget = max(max_evals - sum(len(u) for u in unary), 4 * max(len(edges), 1))
     k = max(2, int(math.sqrt(budget / max(len(edges), 1))))
     domains = []
@@ -307,7 +313,7 @@ def _sp_dp(ev: Evaluator, base: Assignment, max_evals: int, deadline: float | No
     # The model is exact only for pairwise costs on series-parallel graphs: also consider the best single move.
     g1, s1 = min(((gi, s) for gi in range(n) for s in unary[gi]), key=lambda t: (unary[t[0]][t[1]], t))
     single = with_({g1: s1})
-    a = min((a, single), key=lambda t: (ev.score(t).key, t))
+    a = min((a, single, greedy), key=lambda t: (ev.score(t).key, t))
     if polish:
         a = _polish(ev, a, f, domains)
     best = min((a, base), key=lambda t: (ev.score(t).key, t))
