@@ -147,9 +147,12 @@ class Simulator:
                 old.ready[k] = 0
                 old.who[k] = -1
         needs = plan_needs(plan)
-        old_slots = {s: old.slots[s] for s in affected}
+        old_slots = {}
         for s in affected:
             new = b.build_slot(plan, s, keys, needs)
+            if new is old.slots[s]:  # the memoised slot of this state: same tasks, same keys
+                continue
+            old_slots[s] = old.slots[s]
             old.totals.add(old.slots[s], -1)
             old.totals.add(new, 1)
             self._chained(old.slots[s], -1)
@@ -157,13 +160,15 @@ class Simulator:
             old.slots[s] = new
             (old.ar_slots.add if new.ars else old.ar_slots.discard)(s)
         old.plan = plan
-        if affected:
-            self._schedule(old, affected[0])
+        # Slots before the first one that changed replay exactly as before (same tasks, same inputs).
+        changed = sorted(old_slots)
+        if changed:
+            self._schedule(old, changed[0])
         old.groups = self._groups(old)
         # Compare the lifetimes, not the groups: equal groups may hold rebuilt all-reduces of other keys.
         after = Combiner.lifetimes(old.slots, old.groups)
         bounds = None if after == self.memory.bounds else (self.memory.bounds, after)
-        self.memory.update(plan, old.slots, affected, old_slots, donated, values, bounds)
+        self.memory.update(plan, old.slots, changed, old_slots, donated, values, bounds)
         return self._result(old)
 
     def _chained(self, slot: Any, sign: int) -> None:
@@ -205,7 +210,7 @@ class Simulator:
         users = self._users()
         for c in values:
             slots.update(users.get(c, ()))
-        if len(slots) > len(g.ops) // 2:
+        if len(slots) > len(g.ops) * 9 // 10:
             return None
         return sorted(slots), values
 

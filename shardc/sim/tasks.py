@@ -115,6 +115,8 @@ class TaskBuilder:
         self._cost_classes: dict[tuple, int] = {}
         self._cost_memo: dict[tuple, tuple[float, Any]] = {}
         self._shape_memo: dict[Any, tuple[int, ...]] = {}
+        self._slot_memo: dict[int, dict[tuple, Slot]] = {}
+        self._canon_in: list | None = None
         self.key_of: dict[Any, int] = {}
         self.key_list: list[Any] = []
         self.is_value_key: list[bool] = []
@@ -209,7 +211,54 @@ class TaskBuilder:
     # -- slots ---------------------------------------------------------------------------------------
     def build_slot(self, plan: Plan, op_id: int, keys: dict[int, int],
                    needs: Mapping[tuple[int, int], Sharding]) -> Slot:
-        """The slot of one op; registers the keys it makes in `keys` (key id -> owning slot)."""
+        """The slot of one op; registers the keys it makes in `keys` (key id -> owning slot).
+
+        Memoised per op: a slot depends only on the layouts its operands are needed in and their home
+        layouts, which of those keys earlier slots made already, the op's strategy and its results'
+        layouts. A search goes back and forth between a few states, so most rebuilt slots are found here
+        (the few last states of each op are kept; sealed slots are never modified)."""
+        canon_in = self._canon_in[op_id] if self._canon_in is not None else self._canon_inputs()[op_id]
+        if canon_in is None:
+            return self._build_slot(plan, op_id, keys, needs)
+        op = self.graph.ops[op_id]
+        sh = plan.shardings
+        key_of = self.key_of
+        state = []
+        for v, c in zip(op.inputs, canon_in):
+            need = needs.get((op_id, v), sh[v])
+            i = key_of.get((c, need, HOME))
+            if i is not None and i in keys:
+                state.append(need)
+            elif self.info.constant[c] or self.info.constant[v]:
+                state.append((need, None))
+            else:
+                h = key_of.get((c, sh[c], HOME))
+                state.append((need, sh[c], h is not None and h in keys))
+        mk = (tuple(state), plan.strategies[op_id], tuple([sh[v] for v in op.outputs]))
+        memo = self._slot_memo.setdefault(op_id, {})
+        slot = memo.get(mk)
+        if slot is None:
+            if len(memo) >= 6:
+                memo.clear()
+            slot = memo[mk] = self._build_slot(plan, op_id, keys, needs)
+        else:
+            for i in slot.made:
+                keys[i] = op_id
+        return slot
+
+    def _canon_inputs(self) -> list:
+        """Per op: its operands' canonical values, or None when the slot is not memoised (a dead op, an io
+        tie, or two operands with one canonical value, whose keys interact within the slot)."""
+        info, out = self.info, []
+        for op in self.graph.ops:
+            cs = tuple(info.canon[v] for v in op.inputs)
+            ok = info.live[op.id] and not (op.primitive == "tie" and op.region == "io") and len(set(cs)) == len(cs)
+            out.append(cs if ok else None)
+        self._canon_in = out
+        return out
+
+    def _build_slot(self, plan: Plan, op_id: int, keys: dict[int, int],
+                    needs: Mapping[tuple[int, int], Sharding]) -> Slot:
         g, info = self.graph, self.info
         op = g.ops[op_id]
         slot = Slot(op_id, [])
