@@ -31,6 +31,9 @@ __all__ = ["Step", "Optimized", "Lookahead", "optimize", "usable_rules"]
 
 @dataclasses.dataclass(frozen=True)
 class Step:
+    """One kept rewrite; for a rewrite inside a loop/branch body (`where` names the region), the costs
+    are the body's own."""
+
     rule: str
     where: str
     cost_before: float
@@ -112,7 +115,7 @@ def _optimize_bodies(pcg: PCG, rules: list[Rule], cost_fn: CostFn, cost: float, 
         new = _with_region(pcg, node.id, op.with_bodies(bodies))
         c = cost_fn(new)
         if c < cost - 1e-15:
-            steps += [dataclasses.replace(s, cost_before=cost, cost_after=c) for s in inner]
+            steps += inner  # their costs are the body's own simulated time
             pcg, cost = new, c
     return pcg, cost, steps, candidates
 
