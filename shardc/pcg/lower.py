@@ -151,7 +151,7 @@ def _iota_offset(x: Any, t: Tensor, dim: int, mesh: Mapping[str, int]) -> Any:
 
 # -- loops and branches ----------------------------------------------------------------------------
 
-def _region(node: Node, op: Region, args: list[Any], strict: bool) -> list[Any]:
+def _region(op: Region, args: list[Any], strict: bool) -> list[Any]:
     """A scan / while / cond whose bodies are the region's PCGs, run on the local pieces."""
     fns = [pcg_function(b, strict=strict) for b in op.bodies]
     p = op.params
@@ -200,7 +200,7 @@ def pcg_function(pcg: PCG, *, strict: bool = True) -> Callable[..., list[Any]]:
                     x = jax.lax.optimization_barrier(x)
                 outs = [_parallel(node.op, x, mesh)]
             elif isinstance(node.op, Region):
-                outs = _region(node, node.op, vals, strict)
+                outs = _region(node.op, vals, strict)
             else:
                 outs = _compute(node, node.op, vals, pcg)
             env.update(zip(node.outputs, outs))

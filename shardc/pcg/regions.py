@@ -40,12 +40,12 @@ def _enter(w: Walker, scope: Scope, v: int, boundary: Sharding) -> int:
     return t
 
 
-def _leave(w: Walker, scope: Scope, out: Arg, boundary: Sharding, what: str) -> int:
+def _leave(scope: Scope, out: Arg, boundary: Sharding, what: str) -> int:
     """A body result in its boundary layout."""
     return scope.reshard(scope.outer(*out), boundary, f"{what} leaves the body as {boundary}")
 
 
-def _operands(w: Walker, scope: Scope, ins: Sequence[Arg], layouts: Sequence[Sharding], name: str) -> list[int]:
+def _operands(scope: Scope, ins: Sequence[Arg], layouts: Sequence[Sharding], name: str) -> list[int]:
     return [scope.reshard(scope.outer(*a), lay, f"{name} operand {i} as {lay}")
             for i, (a, lay) in enumerate(zip(ins, layouts))]
 
@@ -80,11 +80,11 @@ def build_scan(w: Walker, scope: Scope, eqn: Any, ins: Sequence[Arg]) -> list[Ar
     results = [tails[2 * i + 1].outputs[0] for i in range(nk)] + [t.outputs[0] for t in tails[2 * nk:]]
     out_lay = lay[nc:nc + nk] + [_layout(w, o[0]) if o[0] is not None else Sharding(((),) * len(
         w.graph.values[r].shape[1:])) for o, r in zip(outs[nk:], results[nk:])]
-    body_out = [_leave(w, body, o, s, f"scan result {i}") for i, (o, s) in enumerate(zip(outs, out_lay))]
+    body_out = [_leave(body, o, s, f"scan result {i}") for i, (o, s) in enumerate(zip(outs, out_lay))]
     pcg = body.b.finish(inputs, body_out)
     region = Region.of("scan", _params(eqn, "jaxpr"), [pcg], length, source_line_of(eqn.source_info))
     in_lay = lay[:nc + nk] + [stacked(s) for s in lay[nc + nk:]]
-    args = _operands(w, scope, ins, in_lay, "scan")
+    args = _operands(scope, ins, in_lay, "scan")
     return _results(w, scope, region, args, results, out_lay[:nk] + [stacked(s) for s in out_lay[nk:]], "scan")
 
 
@@ -105,7 +105,7 @@ def build_while(w: Walker, scope: Scope, eqn: Any, ins: Sequence[Arg]) -> list[A
     c_in += [_enter(w, cond, v, s) for v, s in zip(cc, carry)]
     cj = p["cond_jaxpr"]
     (pred,) = w.walk(cond, cj.jaxpr, cj.consts, [(v, None) for v in cond_consts + cc])
-    cond_pcg = cond.b.finish(c_in, [_leave(w, cond, pred, Sharding(()), "the loop condition")])
+    cond_pcg = cond.b.finish(c_in, [_leave(cond, pred, Sharding(()), "the loop condition")])
 
     body = Scope(w)
     b_in = [_enter(w, body, v, _layout(w, v)) for v in body_consts]
@@ -113,12 +113,12 @@ def build_while(w: Walker, scope: Scope, eqn: Any, ins: Sequence[Arg]) -> list[A
     bj = p["body_jaxpr"]
     outs = w.walk(body, bj.jaxpr, bj.consts, [(v, None) for v in body_consts + bc])
     w.take(k, "tie")
-    body_pcg = body.b.finish(b_in, [_leave(w, body, o, s, f"carry {i}") for i, (o, s) in enumerate(zip(outs, carry))])
+    body_pcg = body.b.finish(b_in, [_leave(body, o, s, f"carry {i}") for i, (o, s) in enumerate(zip(outs, carry))])
 
     region = Region.of("while", _params(eqn, "cond_jaxpr", "body_jaxpr"), [cond_pcg, body_pcg], 1,
                        source_line_of(eqn.source_info))
     in_lay = [_layout(w, v) for v in cond_consts] + [_layout(w, v) for v in body_consts] + carry
-    args = _operands(w, scope, ins, in_lay, "while")
+    args = _operands(scope, ins, in_lay, "while")
     return _results(w, scope, region, args, results, carry, "while")
 
 
@@ -137,11 +137,11 @@ def build_cond(w: Walker, scope: Scope, eqn: Any, ins: Sequence[Arg]) -> list[Ar
         outs = w.walk(body, branch.jaxpr, branch.consts, [(v, None) for v in args])
         results = [t.outputs[0] for t in w.take(k, "tie")]
         out_lay = [_layout(w, v) for v in results]
-        bodies.append(body.b.finish(inputs, [_leave(w, body, o, s, f"branch result {i}")
+        bodies.append(body.b.finish(inputs, [_leave(body, o, s, f"branch result {i}")
                                              for i, (o, s) in enumerate(zip(outs, out_lay))]))
     region = Region.of("cond", _params(eqn, "branches"), bodies, 1, source_line_of(eqn.source_info))
     index = scope.reshard(scope.outer(*ins[0]), Sharding(()), "branch index")
-    args = [index] + _operands(w, scope, ins[1:], in_lay or [], "cond")
+    args = [index] + _operands(scope, ins[1:], in_lay or [], "cond")
     return _results(w, scope, region, args, results, [_layout(w, v) for v in results], "cond")
 
 
