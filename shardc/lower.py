@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 
 from annotations.primitive import hint_p
 from shardc.ir.build import CALL_PRIMITIVES, REGION_PRIMITIVES
-from shardc.plan import Plan
+from shardc.plan import Plan, require_devices
 from shardc.rules.core import FactorKind
 from shardc.sharding import Sharding
 
@@ -160,6 +160,7 @@ def compiler_options(plan: Plan) -> dict[str, str] | None:
 
 def jit_plan(plan: Plan, closed_jaxpr: Any, donate: Sequence[int] = ()) -> Any:
     """`jax.jit` of the planned program over flat inputs, with the plan's in/out shardings."""
+    require_devices(plan)  # a plan made for more devices than this host has can only be simulated
     ins, outs = in_out_shardings(plan)
     return jax.jit(plan_function(plan, closed_jaxpr), in_shardings=ins, out_shardings=outs,
                    donate_argnums=tuple(donate), compiler_options=compiler_options(plan))

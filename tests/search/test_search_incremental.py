@@ -15,6 +15,7 @@ from annotations.errors import ShardingError
 from search_models import graph_of
 from shardc.plan import PlanBuilder, abstract_mesh, build_plan, require_devices
 from shardc.propagate import Cause, Seed, propagate
+from shardc.lower import jit_plan
 from shardc.search.baselines import BASELINES, baseline_seeds
 from shardc.search.driver import _mesh_of, search_plan
 from shardc.search.evaluate import Evaluator, Problem
@@ -132,8 +133,10 @@ def test_plan_for_more_devices_than_the_host():
     plan, report = search_plan(problem, [{"data": 4, "model": 4}], budget_s=None, max_steps=5, progress=False)
     assert isinstance(plan.mesh, jax.sharding.AbstractMesh) and plan.mesh_sizes == {"data": 4, "model": 4}
     assert shardc.simulate(plan, "h100-sxm-8x2").step_time > 0
-    assert "devices" in plan.explain() or plan.explain()
+    assert "data" in plan.explain()
     with pytest.raises(ShardingError, match="this plan is for 16 devices"):
         require_devices(plan)
+    with pytest.raises(ShardingError, match="this plan is for 16 devices"):
+        jit_plan(plan, closed)
     require_devices(build_plan(g, _mesh_of({"data": 8}), propagate(g, {"data": 8}, [])))  # real devices: fine
     assert abstract_mesh({"a": 2, "b": 8}).shape == {"a": 2, "b": 8}
