@@ -329,9 +329,15 @@ class Walker:
         return [read(a) for a in jaxpr.outvars]
 
 
-def build_pcg(plan: Plan, closed_jaxpr: Any, *, fuse: bool = False) -> PCG:
+def build_pcg(plan: Plan, closed_jaxpr: Any = None, *, fuse: bool = False) -> PCG:
     """The PCG of a plan. `closed_jaxpr` is the program the plan was made from
-    (`AutoFunction.compiled_info(*args).closed_jaxpr`)."""
+    (`AutoFunction.compiled_info(*args).closed_jaxpr`; default: the one `shardc.auto` records on the plan,
+    so `build_pcg(shardc.plan(f, *args, mesh=mesh))` works)."""
+    if closed_jaxpr is None:
+        closed_jaxpr = plan.program
+        if closed_jaxpr is None:
+            raise ShardingError("build_pcg needs the program the plan was made from: pass closed_jaxpr "
+                                "(AutoFunction.compiled_info(*args).closed_jaxpr)")
     graph = plan.graph
     walker = Walker(plan, fuse)
     scope = Scope(walker)
