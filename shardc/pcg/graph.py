@@ -40,13 +40,22 @@ class Tensor:
 
     @property
     def itemsize(self) -> int:
-        return int(np.dtype(self.dtype).itemsize)
+        return int(self.dtype.itemsize)
 
     def local_shape(self, mesh: Mapping[str, int]) -> tuple[int, ...]:
         return self.sharding.local_shape(self.shape, mesh)
 
     def local_bytes(self, mesh: Mapping[str, int]) -> int:
         return self.itemsize * math.prod(self.local_shape(mesh))
+
+
+def _dtype(dtype: Any) -> Any:
+    """A numpy dtype, or JAX's extended dtype as it is (a typed PRNG key `key<fry>` is no numpy dtype)."""
+    import jax
+
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return dtype
+    return np.dtype(dtype)
 
 
 def _param_key(params: Mapping[str, Any]) -> str:
@@ -280,7 +289,7 @@ class GraphBuilder:
     def add_tensor(self, shape: Sequence[int], dtype: Any, sharding: Sharding, name: str = "",
                    reduce_op: str = "sum") -> int:
         tid = len(self.tensors)
-        self.tensors.append(Tensor(tid, tuple(int(s) for s in shape), np.dtype(dtype), sharding, name, reduce_op))
+        self.tensors.append(Tensor(tid, tuple(int(s) for s in shape), _dtype(dtype), sharding, name, reduce_op))
         return tid
 
     def add_const(self, value: Any, sharding: Sharding | None = None, name: str = "constant") -> int:

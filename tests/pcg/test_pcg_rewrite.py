@@ -239,3 +239,19 @@ def test_transformer_train_step_rewrite(mesh):
     out, hlo = run(res.pcg, params, opt, x)
     close(out, jax.tree.leaves(ref), 2e-5)
     assert hlo["all-reduce"] == after
+
+
+def test_typed_prng_key_input(mesh):
+    """A typed PRNG key (extended dtype) is an input like any other; dropout's random bits run replicated."""
+    def f(x, w, key):
+        h = jax.nn.relu(split(x, 0, "data") @ split(w, 1, "model"))
+        keep = jax.random.bernoulli(key, 0.9, h.shape)
+        return jnp.where(keep, h / 0.9, 0.0)
+
+    k = jax.random.split(jax.random.key(7), 3)
+    args = (jax.random.normal(k[0], (8, 16)), jax.random.normal(k[1], (16, 32)), k[2])
+    pcg = pcg_of(f, mesh, *args)
+    res = optimize(pcg)
+    out, hlo = run(res.pcg, *args)
+    close(out[0], f(*args))
+    assert hlo == res.pcg.collectives()
