@@ -32,7 +32,7 @@ from shardc.search.driver import _mesh_of  # noqa: E402
 from shardc.search.evaluate import Evaluator, paused_gc  # noqa: E402
 from shardc.search.space import build_space, seeds_for  # noqa: E402
 
-TARGETS = (("h100-sxm-8", 8, 8.0, 10.0), ("h100-sxm-8x8", 64, 24.0, 30.0))  # topology, devices, budget_s, target
+TARGETS = (("h100-sxm-8", 8, 6.0, 10.0), ("h100-sxm-8x8", 64, 24.0, 30.0))  # topology, devices, budget_s, target
 
 
 def plan_once(step, args, topology: str, devices: int, budget_s: float) -> dict:

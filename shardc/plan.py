@@ -275,12 +275,14 @@ class PlanBuilder:
     structurally identical ops (the layers of a model) and across builds."""
 
     def __init__(self, graph: Graph, mesh: Mesh, *, input_names: Sequence[str] = (),
-                 output_names: Sequence[str] = (), warnings: Sequence[str] = ()) -> None:
+                 output_names: Sequence[str] = (), warnings: Sequence[str] = (),
+                 memo: dict | None = None) -> None:
+        """`memo`: a memo shared with other builders of this graph and axis sizes (any axis order)."""
         self.graph, self.mesh = graph, mesh
         self.sizes = mesh_shape(mesh)
         self.names = (tuple(input_names), tuple(output_names), tuple(warnings))
         self.nbytes = [v.nbytes for v in graph.values]
-        self._memo: dict[tuple, _Entry] = {}
+        self._memo: dict[tuple, _Entry] = memo if memo is not None else {}
         self._sources: dict[int, SourceLine | None] = {}
         self._class = _plan_classes(graph)
         self._users: list[list[int]] | None = None

@@ -162,6 +162,28 @@ def plan_from_seeds(problem: Problem, mesh: Mesh, seeds: Sequence[Seed], *,
     return dataclasses.replace(plan, program=problem.program, donated=tuple(problem.donated))
 
 
+def _shared_base(graph: Graph, sizes: dict[str, int], user_seeds: Sequence[Seed]) -> tuple[UserPropagation, dict]:
+    """The user's propagation and the plan memo for these axis sizes, shared by the meshes that only order
+    the same axes differently (propagation and plans depend on the sizes, not on the order; the
+    simulator's mapping onto the topology does). Kept on the graph."""
+    cache = getattr(graph, "_shardc_search_bases", None)
+    if cache is None:
+        cache = {}
+        try:
+            graph._shardc_search_bases = cache  # type: ignore[attr-defined]
+        except AttributeError:  # pragma: no cover - slotted graphs
+            pass
+    try:
+        key = (tuple(sorted(sizes.items())), tuple(user_seeds))
+        hash(key)
+    except TypeError:  # an unhashable cause: not shared
+        return UserPropagation(graph, sizes, user_seeds), {}
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = (UserPropagation(graph, sizes, user_seeds), {})
+    return hit
+
+
 class Evaluator:
     """Scores assignments of one Space (memoised); keeps one Simulator for delta simulation."""
 
@@ -187,9 +209,9 @@ class Evaluator:
 
         pr = self.problem
         if self._base is None:
-            self._base = UserPropagation(pr.graph, mesh_shape(self.mesh), self.user_seeds)
+            self._base, memo = _shared_base(pr.graph, mesh_shape(self.mesh), self.user_seeds)
             self._builder = PlanBuilder(pr.graph, self.mesh, input_names=pr.input_names,
-                                        output_names=pr.output_names, warnings=list(pr.warnings))
+                                        output_names=pr.output_names, warnings=list(pr.warnings), memo=memo)
         prop = self._base.run(list(extra))
         _check_ties(pr.graph, prop)
         # Incremental: only values this or the last propagation wrote can differ from the last build's.
