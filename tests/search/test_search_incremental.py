@@ -140,3 +140,17 @@ def test_plan_for_more_devices_than_the_host():
         jit_plan(plan, closed)
     require_devices(build_plan(g, _mesh_of({"data": 8}), propagate(g, {"data": 8}, [])))  # real devices: fine
     assert abstract_mesh({"a": 2, "b": 8}).shape == {"a": 2, "b": 8}
+
+
+def test_plan_for_a_topology_larger_than_the_host_and_running_it_is_an_error():
+    from search_models import mlp_args, mlp_forward
+
+    args = mlp_args(64, 32, 64)
+    plan = shardc.plan_for(mlp_forward, *args, topology="h100-sxm-8x2", budget_s=2)
+    assert isinstance(plan.mesh, jax.sharding.AbstractMesh) and plan.mesh.size == 16
+    assert plan.search is not None and plan.cost is not None
+    f = shardc.auto(mlp_forward, search=True, topology="h100-sxm-8x2", devices=16, budget_s=2)
+    with pytest.raises(ShardingError, match="this plan is for 16 devices .* but this process has 8"):
+        f(*args)
+    with pytest.raises(ShardingError, match="needs a positive int and search=True"):
+        shardc.auto(mlp_forward, devices=16)
