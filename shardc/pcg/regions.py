@@ -15,7 +15,7 @@ from shardc.pcg.build import Scope, Walker
 from shardc.pcg.graph import PCG, Region
 from shardc.sharding import Sharding
 
-__all__ = ["REGION_BUILDERS", "stacked", "unstacked"]
+__all__ = ["REGION_BUILDERS", "stacked"]
 
 Arg = tuple[int | None, Any]  # (graph value or None for a literal, constant value or None)
 
@@ -23,10 +23,6 @@ Arg = tuple[int | None, Any]  # (graph value or None for a literal, constant val
 def stacked(s: Sharding) -> Sharding:
     """The layout of a scan's stacked array whose slices are laid out as `s` (dim 0 unsharded)."""
     return Sharding(((),) + s.dims)
-
-
-def unstacked(s: Sharding) -> Sharding:
-    return Sharding(s.dims[1:])
 
 
 def _layout(w: Walker, v: int) -> Sharding:
