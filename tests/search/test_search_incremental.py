@@ -62,6 +62,11 @@ def _train_step_graph():
         jax.tree_util.tree_structure((params, opt, ids)), xs))), flat)
 
 
+def _timeline(r):
+    return (r.makespan_ps, r.starts, r.ends, r.binds, r.payload, r.xla_payload, r.wire, r.flops, r.xla_flops,
+            r.memory)
+
+
 def _same_plan(a, b):
     assert a.shardings == b.shardings
     assert a.strategies == b.strategies
@@ -107,6 +112,7 @@ def test_incremental_evaluation_equals_full_evaluation(sizes):
         assert r_inc.step_time == r_full.step_time
         assert r_inc.peak_memory == r_full.peak_memory
         assert r_inc.comm_bytes == r_full.comm_bytes
+        assert _timeline(r_inc) == _timeline(r_full)
         checked += 1
     assert checked >= 14
 
