@@ -245,8 +245,8 @@ def sp_dp(ev: Evaluator, base: Assignment, *, max_evals: int = 4000, deadline: f
           on_eval: Callable[[], None] | None = None, edges: set[tuple[int, int]] | None = None,
           polish: bool = True, domains: Sequence[Sequence[int]] | None = None) -> tuple[Assignment, Score]:
     """The series-parallel DP around `base` over the decision graph (`edges`: default `decision_graph`).
-    Unary terms are measured for every choice (at most max_evals/2 per group), pair terms for the best k
-    choices of each group by unary cost, with k as large as `max_evals` allows. The minimiser is then
+    Unary terms are measured for every choice (at most max_evals/2 per group); pair terms for the best k
+    choices of each group by unary cost, most promising pairs first, until `max_evals` is reached. The minimiser is then
     simulated and, with `polish`, improved by single-group moves until none helps. `domains` restricts each
     group's candidates (e.g. to the choices the baselines make: the DP then mixes baselines per layer kind).
     Returns `base` when the deadline (a `time.perf_counter()` value) passes first."""
@@ -295,19 +295,14 @@ def _sp_dp(ev: Evaluator, base: Assignment, max_evals: int, deadline: float | No
     def fin(c: float) -> float:
         return c if math.isfinite(c) else big
 
-    pair: dict[tuple[int, int], dict[tuple[int, int], float]] = {}
-    for a, b in sorted(edges, key=lambda e: (-len(domains[e[0]]) * len(domains[e[1]]), e)):
-        if len(domains[a]) == 1 or len(domains[b]) == 1:
-            pair[(a, b)] = {(xa, xb): 0.0 for xa in domains[a] for xb in domains[b]}
-            continue
-        table = {}
-        for xa in domains[a]:
-            for xb in domains[b]:
-                if xa == base[a] or xb == base[b]:
-                    table[(xa, xb)] = 0.0  # one of the two at its base: no interaction beyond the unary terms
-                    continue
-                table[(xa, xb)] = fin(f(with_({a: xa, b: xb})) - ref) - fin(unary[a][xa]) - fin(unary[b][xb])
-        pair[(a, b)] = table
+    # Pair terms, most promising first (lowest sum of the two unary terms), as many as the budget allows;
+    # an unmeasured interaction counts as zero. One of the two at its base: no interaction by definition.
+    pair: dict[tuple[int, int], dict[tuple[int, int], float]] = {
+        (a, b): {(xa, xb): 0.0 for xa in domains[a] for xb in domains[b]} for a, b in edges}
+    entries = [(fin(unary[a][xa]) + fin(unary[b][xb]), a, b, xa, xb) for a, b in sorted(edges)
+               for xa in domains[a] for xb in domains[b] if xa != base[a] and xb != base[b]]
+    for _, a, b, xa, xb in sorted(entries)[:budget]:
+        pair[(a, b)][(xa, xb)] = fin(f(with_({a: xa, b: xb})) - ref) - fin(unary[a][xa]) - fin(unary[b][xb])
     x, _ = solve_pairwise(domains, [{s: fin(unary[g][s]) for s in domains[g]} for g in range(n)], pair)
     a = tuple(x[g] for g in range(n))
     # The model is exact only for pairwise costs on series-parallel graphs: also consider the best single move.
