@@ -176,7 +176,10 @@ def run_model(zm, topology: str, budget: float, *, xla: bool = True) -> list[Row
         try:
             plan = af.plan(*args)
         except shardc.ShardingError as e:
-            return [Row(zm.name, topology, "search", note=f"not yet plannable: {str(e).splitlines()[0][:120]}")]
+            msg = str(e).splitlines()[0]
+            if "no plan fits" in msg:
+                return [Row(zm.name, topology, "search", fits=False, note=msg[msg.index("no plan fits"):][:150])]
+            return [Row(zm.name, topology, "search", note=f"not yet plannable: {msg[:120]}")]
         search_s = time.perf_counter() - t1
     report = plan.search
     problem = box["problem"]

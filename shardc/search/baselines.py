@@ -89,11 +89,8 @@ def _split_axes(mesh: Mapping[str, int]) -> tuple[list[str], str | None]:
 
 def megatron(graph: Graph, mesh: Mapping[str, int]) -> list[Seed]:
     """Tensor parallel on the last mesh axis (column-parallel for expanding/input projections, row-parallel
-    for output/down projections, chosen by name then by shape) with data parallel on the others; on a
-    one-axis mesh, tensor parallel over every device (no data parallel)."""
+    for output/down projections, chosen by name then by shape) with data parallel on the others."""
     data, model = _split_axes(mesh)
-    if model is None and len(data) == 1:
-        data, model = [], data[0]
     seeds = _batch(graph, mesh, data, "megatron")
     if model is None:
         return seeds
@@ -143,9 +140,9 @@ BASELINES: dict[str, Callable[[Graph, Mapping[str, int]], list[Seed] | None]] = 
 
 def baseline_seeds(name: str, graph: Graph, mesh: Mapping[str, int], user_seeds: Sequence[Seed] = ()) -> list[Seed] | None:
     """The seeds of baseline `name` on this mesh, minus the dims the user pinned (hints win); None when
-    the baseline does not apply (e.g. expert parallel without experts, Megatron on one device)."""
-    if name == "megatron" and not any(n > 1 for n in mesh.values()):
-        return None
+    the baseline does not apply (e.g. expert parallel without experts, Megatron on a 1-axis mesh)."""
+    if name == "megatron" and _split_axes(mesh)[1] is None:
+        return None  # (on one axis it would fight the batch hints most programs have; see docs/search.md)
     seeds = BASELINES[name](graph, mesh)
     if seeds is None:
         return None

@@ -162,7 +162,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
         t_eval = (time.perf_counter() - t0) / max(sum(st[4].evaluations for st in states), 1)
         base = min(starts, key=lambda s: (ev.score(s).key, s))
         doms = mixing_domains(ev.space, mixes + [base])  # the DP mixes the baselines per kind of layer
-        dp_evals = 2 * sum(len(d) - 1 for d in doms) + 10
+        dp_evals = sum(len(d) - 1 for d in doms) + 10  # its unary pass; past its deadline it keeps the best seen
         skip_dp = method is True and mesh_deadline is not None and dp_evals * t_eval > (mesh_deadline - t_mesh) / 2
         if method in (True, "dp") and not skip_dp:  # (DP+MCMC skips a DP that cannot finish in its share)
             dp_deadline = mesh_deadline if method == "dp" or mesh_deadline is None else (t_mesh + mesh_deadline) / 2
