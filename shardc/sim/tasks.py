@@ -117,6 +117,8 @@ class TaskBuilder:
         self._shape_memo: dict[Any, tuple[int, ...]] = {}
         self._slot_memo: dict[int, dict[tuple, Slot]] = {}
         self._canon_in: list | None = None
+        self._plan_class: list[int] | None = None
+        self._made_memo: dict[tuple, tuple[Sharding, ...]] = {}
         self.key_of: dict[Any, int] = {}
         self.key_list: list[Any] = []
         self.is_value_key: list[bool] = []
@@ -246,6 +248,25 @@ class TaskBuilder:
                 keys[i] = op_id
         return slot
 
+    def _made_layouts(self, op: Any, strat: Any) -> tuple[Sharding, ...]:
+        """The layouts an op's strategy makes its results in (partial sums included), memoised over ops of
+        one plan class (same rule and shapes) and strategy."""
+        if self._plan_class is None:
+            from shardc.plan import _plan_classes
+
+            self._plan_class = _plan_classes(self.graph)
+        mk = (self._plan_class[op.id], strat)
+        hit = self._made_memo.get(mk)
+        if hit is None:
+            rule = op.rule
+            partial = strat.partial_axes(rule)
+            out = []
+            for dims in rule.results:
+                m = strat.tensor_sharding(rule, dims, self.mesh)
+                out.append(Sharding(m.dims, partial) if partial else m)
+            hit = self._made_memo[mk] = tuple(out)
+        return hit
+
     def _canon_inputs(self) -> list:
         """Per op: its operands' canonical values, or None when the slot is not memoised (a dead op, an io
         tie, or two operands with one canonical value, whose keys interact within the slot)."""
@@ -295,13 +316,8 @@ class TaskBuilder:
             need = needs.get((op_id, v), plan.shardings[v])
             need_shardings.append(need)
             deps.append(have(v, need))
-        strat = plan.strategies[op_id]
-        rule = op.rule
-        partial = strat.partial_axes(rule)
         out_keys: list[Key] = []
-        for v, dims in zip(op.outputs, rule.results):
-            m = strat.tensor_sharding(rule, dims, self.mesh)
-            m = Sharding(m.dims, partial) if partial else m
+        for v, m in zip(op.outputs, self._made_layouts(op, plan.strategies[op_id])):
             out_keys.append((self.canon(v), m, HOME if m == plan.shardings[v] else MADE))
         outs = tuple(kid(k) for k in out_keys)
         free = op.primitive in FREE_PRIMITIVES or all(info.constant[self.canon(v)] for v in op.outputs)
