@@ -15,7 +15,6 @@ simulation do exactly the same arithmetic.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Mapping
 
 from shardc.cost.collectives import collective_phases
