@@ -159,3 +159,26 @@ def test_plan_for_a_topology_larger_than_the_host_and_running_it_is_an_error():
         f(*args)
     with pytest.raises(ShardingError, match="needs a positive int and search=True"):
         shardc.auto(mlp_forward, devices=16)
+
+
+def test_meshes_ordering_the_same_axes_differently_share_propagation_exactly():
+    g, closed, names, outs = _train_step_graph()
+    problem = Problem(g, [], "h100-sxm-8", names, outs, (), (), closed)
+    topo = as_topology("h100-sxm-8")
+    evs = []
+    for sizes in ({"data": 2, "model": 4}, {"model": 4, "data": 2}):
+        mesh = _mesh_of(sizes)
+        evs.append((sizes, mesh, Evaluator(problem, mesh, build_space(g, sizes, []), [])))
+    assert evs[0][2]._base is None
+    rng = random.Random(2)
+    for k in range(6):
+        sizes, mesh, ev = evs[k % 2]
+        a = tuple(rng.randrange(grp.size) for grp in ev.space.groups)
+        extra = seeds_for(ev.space, a)
+        inc = ev.plan_with(extra)
+        full = build_plan(g, mesh, propagate(g, sizes, extra), input_names=names, output_names=outs)
+        _same_plan(inc, full)
+        assert list(inc.mesh_sizes) == list(sizes)
+        assert _timeline(ev.score_plan(inc)[1]) == _timeline(
+            Simulator(g, topo, topo.map_mesh(sizes), sizes).full(full))
+    assert evs[0][2]._base is evs[1][2]._base  # one propagation of the user's hints for both orders
