@@ -126,8 +126,12 @@ class TaskBuilder:
         self.chain_keys: dict[int, int] = {}
         self.value_keys: dict[int, list[int]] = {}  # canonical value -> ids of its keys
         vals = graph.values
-        self._dtype = [str(v.dtype) for v in vals]
-        self._itemsize = [int(v.dtype.itemsize) if v.dtype is not None else 4 for v in vals]
+        by_dtype: dict[Any, tuple[str, int]] = {}  # str(numpy dtype) is slow: once per distinct dtype
+        for v in vals:
+            if v.dtype not in by_dtype:
+                by_dtype[v.dtype] = (str(v.dtype), int(v.dtype.itemsize) if v.dtype is not None else 4)
+        self._dtype = [by_dtype[v.dtype][0] for v in vals]
+        self._itemsize = [by_dtype[v.dtype][1] for v in vals]
 
     # -- keys ----------------------------------------------------------------------------------------
     def canon(self, v: int) -> int:
