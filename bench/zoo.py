@@ -260,7 +260,13 @@ def main() -> None:
     ap.add_argument("--no-xla", action="store_true")
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--out", default="", help="also append rows as they come to this file")
+    ap.add_argument("--assemble", nargs="*", default=None,
+                    help="write the section from row files made by --out (runs per topology in parallel)")
     a = ap.parse_args()
+    if a.assemble is not None:
+        lines = [ln.rstrip() for path in a.assemble for ln in open(path) if ln.startswith("| ")]
+        _write(a, "\n".join(table([]).splitlines()[:2] + lines))
+        return
     models = [m for m in zoo(a.scale) if not a.models or m.name in a.models.split(",")]
     rows: list[Row] = []
     for topology in a.topologies.split(","):
@@ -274,13 +280,17 @@ def main() -> None:
                     f.write(table(new).split("\n", 2)[2] + "\n")
     print(table(rows))
     if a.write:
-        from bench.propagate import write_section
-        from bench.zoo_models import zoo as _zoo
+        _write(a, table(rows))
 
-        notes = "\n".join(f"- `{m.name}` ({m.family}): {m.note}" for m in _zoo(a.scale))
-        write_section("zoo", f"`python -m bench.zoo --budget {a.budget:g} --write` ({os.cpu_count()} cores shared, jax "
-                      f"{jax.__version__}). Models (`bench/zoo_models.py`, float32, abstract arguments):\n\n{notes}\n\n"
-                      + table(rows) + "\n\n" + ZOO_NOTES)
+
+def _write(a: Any, body: str) -> None:
+    from bench.propagate import write_section
+    from bench.zoo_models import zoo
+
+    notes = "\n".join(f"- `{m.name}` ({m.family}): {m.note}" for m in zoo(a.scale))
+    write_section("zoo", f"`python -m bench.zoo --budget {a.budget:g} --write` ({os.cpu_count()} cores shared with other "
+                  f"jobs, jax {jax.__version__}). Models (`bench/zoo_models.py`, float32, abstract arguments; the "
+                  f"batch is for 8 devices and 8x larger on 64):\n\n{notes}\n\n" + body + "\n\n" + ZOO_NOTES)
 
 
 ZOO_NOTES = """Baselines are each on their best mesh among those the search scores. `(1.23x)` after the search's

@@ -172,7 +172,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
         if method in (True, "mcmc"):
             left = None if mesh_deadline is None else max(mesh_deadline - time.perf_counter(), 0.0)
             a, _, _ = mcmc(ev, starts, seed=seed, max_steps=max_steps, budget_s=left,
-                           on_step=lambda i, s: bar.update(1))
+                           on_step=lambda i, s: bar.update(1), prefer=doms)
             starts.append(a)
         a = min(starts, key=lambda s: (ev.score(s).key, s))
         extra = tuple(seeds_for(ev.space, a, user))

@@ -51,8 +51,13 @@ def _weight(ev: Evaluator, gi: int) -> float:
 
 def mcmc(ev: Evaluator, starts: Sequence[Assignment], *, seed: int = 0, max_steps: int = 2000,
          budget_s: float | None = None, beta: float = 20.0, restart_every: int | None = None,
-         on_step: Callable[[int, Score], Any] | None = None) -> tuple[Assignment, Score, MCMCStats]:
-    """Search from the best of `starts`; returns the best assignment, its score and statistics."""
+         on_step: Callable[[int, Score], Any] | None = None,
+         prefer: Sequence[Sequence[int]] | None = None) -> tuple[Assignment, Score, MCMCStats]:
+    """Search from the best of `starts`; returns the best assignment, its score and statistics. With `prefer`
+    (per group, choices such as the baselines' `mixing_domains`), half of the proposals of a group draw from
+    its preferred choices (when it has another one than the current). The proposal is then symmetric among
+    preferred choices and among the others, but favours moves into the preferred set (on purpose: the chain
+    spends more time near mixes of the baselines)."""
     rng = random.Random(seed)
     stats = MCMCStats()
     scored = [(ev.score(s), i, s) for i, s in enumerate(starts)]
@@ -75,8 +80,12 @@ def mcmc(ev: Evaluator, starts: Sequence[Assignment], *, seed: int = 0, max_step
             stats.stopped = "no improvement for half the budget"
             break
         gi = rng.choices(groups, weights)[0]
-        k = rng.randrange(ev.space.groups[gi].size - 1)
-        k = k + 1 if k >= cur[gi] else k
+        pool = [c for c in prefer[gi] if c != cur[gi]] if prefer is not None else []
+        if pool and rng.random() < 0.5:
+            k = rng.choice(pool)
+        else:
+            k = rng.randrange(ev.space.groups[gi].size - 1)
+            k = k + 1 if k >= cur[gi] else k
         prop = cur[:gi] + (k,) + cur[gi + 1:]
         s = ev.score(prop)
         stats.steps = step
