@@ -114,7 +114,7 @@ def build(mesh_axes, opts, batch=16, seq=64):
         u, o = tx.update(g, o, p)
         return optax.apply_updates(p, u), o, loss
 
-    f = shardc.auto(step, mesh=shardc.make_mesh(mesh_axes), donate_argnums=(0, 1))
+    f = shardc.auto(step, mesh=shardc.make_mesh(mesh_axes), donate_argnums=(0, 1), search=False)
     return f, params, tx.init(params), x
 
 

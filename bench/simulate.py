@@ -45,7 +45,7 @@ def main() -> None:
 
     mesh = shardc.make_mesh({"data": 2, "model": 4})
     model, tx, params, opt_state, ids = setup(layers=args.layers)
-    step = shardc.auto(make_train_step(model, tx), mesh=mesh, donate_argnums=(0, 1))
+    step = shardc.auto(make_train_step(model, tx), mesh=mesh, donate_argnums=(0, 1), search=False)
     plan = step.plan(params, opt_state, ids)
     closed = step.compiled_info(params, opt_state, ids).closed_jaxpr
     neqns = count_eqns(closed.jaxpr)

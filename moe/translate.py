@@ -64,18 +64,20 @@ MODEL_PRESETS = {
 
 
 def _compile_step(fn, mesh, donate_argnums=(), example_args=None, mode="shardc", in_shardings=None,
-                  out_shardings=None):
+                  out_shardings=None, search=False):
     """The one place where the train step is compiled. Returns ``(step, compiler name, plan or None)``.
 
     ``mode="shardc"`` (the default): ``@shardc.auto(mesh=..., donate_argnums=...)``; its ``Plan`` is returned
     (``plan.explain()`` prints it). A step shardc cannot plan is an error, never a silent fallback.
     ``mode="jit"``: plain ``jax.jit`` under ``jax.set_mesh(mesh)``, where the layers' split/replicate hints
     lower to sharding constraints (for comparison, or to train past a shardc bug).
+    ``search``: let shardc's strategy search choose what the layers' GShard hints leave open (off by default:
+    the example trains with GShard's own layout, the hints plus propagation).
     """
     if mode == "shardc":
         import shardc
 
-        step = shardc.auto(mesh=mesh, donate_argnums=donate_argnums)(fn)
+        step = shardc.auto(mesh=mesh, donate_argnums=donate_argnums, search=search)(fn)
         try:
             plan = step.plan(*example_args) if example_args is not None else None
         except shardc.ShardingError:
@@ -148,6 +150,9 @@ def build_args(argv=None):
     p.add_argument("--mesh", default="data=2,expert=4", help="mesh axes, e.g. expert=8 or data=2,expert=4")
     p.add_argument("--compiler", default="shardc", choices=["shardc", "jit"],
                    help="shardc: @shardc.auto (default); jit: plain jax.jit with the same hints, for comparison")
+    p.add_argument("--search", action="store_true",
+                   help="with --compiler shardc: search the shardings the hints leave open (simulated on an H100 "
+                        "preset) instead of propagating the hints alone")
     p.add_argument("--devices", type=int, default=8, help="virtual CPU devices (sets XLA_FLAGS before JAX starts)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/moe-translate", help="output dir (loss curve, samples, summary)")
@@ -429,6 +434,7 @@ def main(argv=None) -> dict:
     t0 = time.time()
     step_fn, compiler, plan = _compile_step(
         train_step, mesh, donate_argnums=(0,), example_args=(state, batch0, step_key(start_step)), mode=args.compiler,
+        search=args.search,
         in_shardings=(state_sh, batch_sh, replicated), out_shardings=(state_sh, replicated),
     )
     if plan is not None:

@@ -61,7 +61,7 @@ class AutoFunction:
     """A function planned and run sharded by shardc (what `@shardc.auto` returns)."""
 
     def __init__(self, fun: Callable, *, mesh: Mesh | None = None, rules: Any = None,
-                 donate_argnums: int | Sequence[int] = (), topology: Any = None, search: Any = False,
+                 donate_argnums: int | Sequence[int] = (), topology: Any = None, search: Any = True,
                  budget_s: float | None = None, seed: int = 0, devices: int | None = None) -> None:
         if not callable(fun):
             raise TypeError(f"shardc.auto expects a function, got {type(fun).__name__}")
@@ -417,7 +417,11 @@ def _check_branch_results(graph: Graph, prop: Any) -> None:
 
 
 def auto(fun: Callable | None = None, **options: Any) -> Any:
-    """Decorator: `@shardc.auto` or `@shardc.auto(mesh=..., rules=..., donate_argnums=...)`."""
+    """Decorator: `@shardc.auto` or `@shardc.auto(mesh=..., rules=..., donate_argnums=..., search=...)`.
+
+    By default the strategy search chooses every sharding the hints leave open (and, with `mesh=None`, the
+    mesh shape), costed by the simulator on `topology` (default: an H100 preset with the local device count);
+    `search=False` propagates the hints alone, as GSPMD/Shardy do. See docs/search.md."""
     if fun is None:
         return lambda f: AutoFunction(f, **options)
     return AutoFunction(fun, **options)

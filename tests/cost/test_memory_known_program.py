@@ -9,7 +9,7 @@ from shardc import split
 def test_memory_of_a_known_program():
     mesh = shardc.make_mesh({"data": 8})
 
-    @shardc.auto(mesh=mesh, donate_argnums=(0,))
+    @shardc.auto(mesh=mesh, donate_argnums=(0,), search=False)
     def step(w, x):
         x = split(x, 0, "data")
         y = x @ w  # [64,16] split 8 ways: 512 B per device
@@ -31,7 +31,7 @@ def test_memory_of_a_known_program():
 def test_merged_gradient_all_reduces_hold_every_gradient():
     mesh = shardc.make_mesh({"data": 8})
 
-    @shardc.auto(mesh=mesh, donate_argnums=(0,))
+    @shardc.auto(mesh=mesh, donate_argnums=(0,), search=False)
     def step(ws, x):
         x = split(x, 0, "data")
         h = x
@@ -60,9 +60,9 @@ def test_memory_of_plans_differs_as_expected():
     def f(w, x):
         return jnp.sum(jnp.tanh(x @ w))
 
-    rep = shardc.simulate(shardc.plan(f, w, x, mesh=shardc.make_mesh({"data": 8})), "h100-sxm-8")
+    rep = shardc.simulate(shardc.plan(f, w, x, mesh=shardc.make_mesh({"data": 8}), search=False), "h100-sxm-8")
     mesh = shardc.make_mesh({"model": 8})
-    sharded = shardc.plan(lambda w, x: f(split(w, 1, "model"), x), w, x, mesh=mesh)
+    sharded = shardc.plan(lambda w, x: f(split(w, 1, "model"), x), w, x, mesh=mesh, search=False)
     shd = shardc.simulate(sharded, "h100-sxm-8")
     assert rep.memory.arguments == (128 * 512 + 64 * 128) * 4
     assert shd.memory.arguments == (128 * 512 // 8 + 64 * 128) * 4

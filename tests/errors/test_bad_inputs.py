@@ -54,7 +54,7 @@ def case(*words: str, kind: str = "error", line: bool = True):
 
 
 def plan(f: Callable, *args: Any, **options: Any) -> shardc.Plan:
-    return shardc.auto(f, mesh=options.pop("mesh", MESH), **options).plan(*(args or (X,)))
+    return shardc.auto(f, mesh=options.pop("mesh", MESH), **options, search=False).plan(*(args or (X,)))
 
 
 def bad_line(fn: Callable) -> int:
@@ -217,7 +217,7 @@ def mesh_with_a_zero_sized_axis():
 
 @case("needs a jax.sharding.Mesh", "got str", line=False)
 def mesh_that_is_not_a_mesh():
-    shardc.auto(lambda x: x, mesh="data")
+    shardc.auto(lambda x: x, mesh="data", search=False)
 
 
 @case("'a'", "Explicit", "hints need Auto axes")
@@ -229,8 +229,8 @@ def mesh_with_explicit_axes():
 @case("@shardc.auto function on mesh {'data': 2, 'model': 4}", "planned on mesh {'a': 8}", "same mesh",
       "test_bad_inputs.py")
 def nested_auto_function_on_another_mesh():
-    inner = shardc.auto(lambda u: split(u, 1, "model") * 2, mesh=MESH)  # BAD
-    outer = shardc.auto(lambda v: inner(v), mesh=shardc.make_mesh({"a": 8}))
+    inner = shardc.auto(lambda u: split(u, 1, "model") * 2, mesh=MESH, search=False)  # BAD
+    outer = shardc.auto(lambda v: inner(v), mesh=shardc.make_mesh({"a": 8}), search=False)
     outer(X)
 
 
@@ -291,12 +291,12 @@ def non_array_argument():
 
 @case("donate_argnums=(3,)", "1 positional argument", "no argument 3 to donate", "test_bad_inputs.py")
 def donating_an_argument_that_does_not_exist():
-    shardc.auto(lambda x: x * 2, mesh=MESH, donate_argnums=3)(X)  # BAD
+    shardc.auto(lambda x: x * 2, mesh=MESH, donate_argnums=3, search=False)(X)  # BAD
 
 
 @case("donate_argnums=-1", "non-negative ints", line=False)
 def donating_a_negative_position():
-    shardc.auto(lambda x: x * 2, mesh=MESH, donate_argnums=-1)
+    shardc.auto(lambda x: x * 2, mesh=MESH, donate_argnums=-1, search=False)
 
 
 @case("change shape between calls", "argument [0]['w'] is float32[9, 6]", "returned as out['w']",
@@ -305,7 +305,7 @@ def train_step_whose_outputs_change_shape():
     def grow(p):  # BAD
         return {"w": jnp.concatenate([p["w"], p["w"][:1]])}
 
-    step = shardc.auto(grow, mesh=MESH)
+    step = shardc.auto(grow, mesh=MESH, search=False)
     p = {"w": X}
     for _ in range(3):
         p = step(p)
@@ -345,7 +345,7 @@ def _degradation_run(p: Primitive, impl: Callable) -> None:
         return jax.value_and_grad(lambda w: jnp.sum(impl(x @ w) ** 2))(w)
 
     x, w = X, jnp.linspace(-1, 1, 24, dtype=jnp.float32).reshape(6, 4)
-    f = shardc.auto(step, mesh=MESH)
+    f = shardc.auto(step, mesh=MESH, search=False)
     for got, want in zip(f(x, w), jax.jit(ref)(x, w)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     f(x, w)  # a second call warns no more
@@ -420,9 +420,9 @@ def _step(x, w):
 @pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
 def test_nan_and_inf_inputs_do_not_change_the_plan(poison):
     w = jnp.ones((6, 8))
-    clean = shardc.auto(_step, mesh=MESH).plan(X, w)
+    clean = shardc.auto(_step, mesh=MESH, search=False).plan(X, w)
     bad_x = X.at[3, 2].set(poison)
-    f = shardc.auto(_step, mesh=MESH)
+    f = shardc.auto(_step, mesh=MESH, search=False)
     assert f.plan(bad_x, w).fingerprint() == clean.fingerprint()
     loss, grad = f(bad_x, w)
     ref_loss, ref_grad = jax.jit(_step)(bad_x, w)

@@ -27,7 +27,7 @@ def test_internal_failure_becomes_a_sharding_error_naming_the_pass(monkeypatch):
     monkeypatch.delenv("SHARDC_DEBUG", raising=False)
     monkeypatch.setattr(auto_mod, "propagate", _boom)
     with pytest.raises(shardc.ShardingError) as info:
-        shardc.auto(step, mesh=MESH).plan(jnp.ones((8, 4)))
+        shardc.auto(step, mesh=MESH, search=False).plan(jnp.ones((8, 4)))
     msg = str(info.value)
     for words in ("propagating shardings in step", "test_internal_errors.py:", "internal KeyError",
                   "lost value 17", "bug in shardc", "SHARDC_DEBUG=1"):
@@ -40,12 +40,12 @@ def test_shardc_debug_lets_the_original_through(monkeypatch):
     monkeypatch.setenv("SHARDC_DEBUG", "1")
     monkeypatch.setattr(auto_mod, "build_plan", _boom)
     with pytest.raises(KeyError, match="lost value 17"):
-        shardc.auto(step, mesh=MESH).plan(jnp.ones((8, 4)))
+        shardc.auto(step, mesh=MESH, search=False).plan(jnp.ones((8, 4)))
 
 
 def test_user_errors_pass_through_unchanged():
     with pytest.raises(TypeError, match="dot_general"):
-        shardc.auto(lambda x: x @ x, mesh=MESH).plan(jnp.ones((8, 4)))
+        shardc.auto(lambda x: x @ x, mesh=MESH, search=False).plan(jnp.ones((8, 4)))
 
 
 def test_typed_prng_key_arguments_plan_and_run():
@@ -54,12 +54,12 @@ def test_typed_prng_key_arguments_plan_and_run():
         return shardc.split(x, 0, "data") * jax.random.normal(k1, x.shape), k2
 
     key, x = jax.random.key(0), jnp.ones((8, 4))
-    got, want = shardc.auto(f, mesh=MESH)(key, x), jax.jit(f)(key, x)
+    got, want = shardc.auto(f, mesh=MESH, search=False)(key, x), jax.jit(f)(key, x)
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6)
     np.testing.assert_array_equal(jax.random.key_data(got[1]), jax.random.key_data(want[1]))
     ks = jax.random.split(key, 8)
     draw = lambda ks: jax.vmap(lambda k: jax.random.uniform(k, (4,)))(ks)  # noqa: E731
-    got = shardc.auto(lambda ks: draw(shardc.split(ks, 0, "data")), mesh=MESH)(ks)
+    got = shardc.auto(lambda ks: draw(shardc.split(ks, 0, "data")), mesh=MESH, search=False)(ks)
     np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(draw)(ks)), rtol=1e-6)
 
 
@@ -68,20 +68,20 @@ def test_tracing_errors_name_the_users_function_and_explain_static_values():
         return x, "not an array"
 
     with pytest.raises(TypeError, match=r"function step at .*test_internal_errors.py"):
-        shardc.auto(step, mesh=MESH).plan(jnp.ones((8, 4)))
+        shardc.auto(step, mesh=MESH, search=False).plan(jnp.ones((8, 4)))
 
     def reshape(x, n):
         return x.reshape(n, -1)
 
     with pytest.raises(TypeError, match="concrete") as info:
-        shardc.auto(reshape, mesh=MESH).plan(jnp.ones((8, 4)), 4)
+        shardc.auto(reshape, mesh=MESH, search=False).plan(jnp.ones((8, 4)), 4)
     assert any("functools.partial" in n for n in getattr(info.value, "__notes__", []))
 
 
 def test_auto_function_called_inside_another_is_inlined():
     x = jnp.arange(64, dtype=jnp.float32).reshape(8, 8) / 64
-    inner = shardc.auto(lambda u: shardc.split(u, 1, "model") * 2, mesh=MESH)
-    outer = shardc.auto(lambda v: inner(shardc.split(v, 0, "data")) + 1, mesh=MESH)
+    inner = shardc.auto(lambda u: shardc.split(u, 1, "model") * 2, mesh=MESH, search=False)
+    outer = shardc.auto(lambda v: inner(shardc.split(v, 0, "data")) + 1, mesh=MESH, search=False)
     np.testing.assert_allclose(np.asarray(outer(x)), np.asarray(x * 2 + 1), rtol=1e-6)
     hints = [op.params["spec"].describe() for op in outer.plan(x).graph.ops if op.primitive == "shardc_hint"]
     assert hints == ["split[data | ?]", "split[? | model]"]

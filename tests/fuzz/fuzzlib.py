@@ -854,7 +854,7 @@ def check_program(prog: Program, seed: int = 0) -> Outcome:
     args = make_args(prog, seed)
     ref = jax.jit(fun)(*args)
     mesh = shardc.make_mesh(dict(prog.mesh))
-    auto = shardc.auto(fun, mesh=mesh)
+    auto = shardc.auto(fun, mesh=mesh, search=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         info = auto.compiled_info(*args)

@@ -21,7 +21,7 @@ def mesh():
 
 def optimized(f, mesh, *args):
     """Optimized with the hand-written library (the generated one holds equivalent rules by other names)."""
-    c = shardc.auto(f, mesh=mesh).compiled_info(*args)
+    c = shardc.auto(f, mesh=mesh, search=False).compiled_info(*args)
     pcg = build_pcg(c.plan, c.closed_jaxpr)
     sim = SimCost("h100-sxm-8")
     res = optimize(pcg, library_rules(), cost_fn=sim)

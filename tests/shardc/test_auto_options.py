@@ -1,5 +1,7 @@
 """@shardc.auto's options and entry points: bare decorator, donation, logical rules from Flax's context,
 custom primitives with a user rule, regions (while, cond), and lowering."""
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -19,7 +21,7 @@ def mesh():
     return shardc.make_mesh({"data": 2, "model": 4})
 
 
-def test_bare_decorator_uses_every_device_on_one_axis():
+def test_bare_decorator_searches_and_keeps_the_hint():
     @shardc.auto
     def f(x):
         return jnp.sin(split(x, 0, "data")) * 2
@@ -27,6 +29,17 @@ def test_bare_decorator_uses_every_device_on_one_axis():
     x = jnp.arange(16.0).reshape(8, 2)
     np.testing.assert_allclose(f(x), jnp.sin(x) * 2, rtol=1e-6)
     plan = f.plan(x)
+    assert plan.search is not None  # the default is to search
+    assert math.prod(plan.mesh_sizes.values()) == len(jax.devices()) and plan.mesh_sizes.get("data", 1) > 1
+    assert plan.input_shardings()[0].dims[0] == ("data",)  # the user's hint is kept
+
+
+def test_without_search_and_mesh_every_device_is_on_one_axis():
+    f = shardc.auto(lambda x: jnp.sin(split(x, 0, "data")) * 2, search=False)
+    x = jnp.arange(16.0).reshape(8, 2)
+    np.testing.assert_allclose(f(x), jnp.sin(x) * 2, rtol=1e-6)
+    plan = f.plan(x)
+    assert plan.search is None
     assert plan.mesh_sizes == {"data": len(jax.devices())}
     assert plan.output_shardings()[0].dims == (("data",), ())
 
@@ -35,7 +48,7 @@ def test_donate_argnums(mesh):
     def step(p, x):
         return p - 0.1 * x.sum(0), (p ** 2).sum()
 
-    f = shardc.auto(step, mesh=mesh, donate_argnums=0)
+    f = shardc.auto(step, mesh=mesh, donate_argnums=0, search=False)
     p = jnp.ones((8,))
     lowered = f.lower(p, jnp.ones((4, 8)))
     assert "tf.aliasing_output" in lowered.as_text() or "jax.buffer_donor" in lowered.as_text()
@@ -52,7 +65,7 @@ def test_logical_rules_from_flax_context(mesh):
 
     x = jnp.ones((4, 6))
     params = M().init(jax.random.key(0), x)["params"]
-    f = shardc.auto(lambda p, x: M().apply({"params": p}, x), mesh=mesh)
+    f = shardc.auto(lambda p, x: M().apply({"params": p}, x), mesh=mesh, search=False)
     with nn.logical_axis_rules([("embed", None), ("mlp", "model")]):
         plan = f.plan(params, x)
         out = f(params, x)
@@ -72,7 +85,7 @@ def test_user_rule_for_custom_primitive(mesh):
         return scale_p.bind(split(x, 0, "data"), s) + 1
 
     x, s = jnp.ones((8, 4)), jnp.arange(8.0)
-    af = shardc.auto(f, mesh=mesh)
+    af = shardc.auto(f, mesh=mesh, search=False)
     plan = af.plan(x, s)
     assert plan.input_shardings()[1].dims == (("data",),)   # propagated through the user's rule
     assert not plan.graph.conservative_primitives
@@ -86,14 +99,14 @@ def test_while_and_cond_regions(mesh):
         return jax.lax.cond(x.sum() > 0, lambda a: a * 2, lambda a: -a, x)
 
     x = jnp.ones((8, 4))
-    af = shardc.auto(f, mesh=mesh)
+    af = shardc.auto(f, mesh=mesh, search=False)
     plan = af.plan(x, 3)
     assert plan.output_shardings()[0].dims == (("data",), ())
     np.testing.assert_allclose(af(x, 3), jax.jit(f)(x, 3), rtol=1e-6)
 
 
 def test_lower_returns_jax_lowered(mesh):
-    f = shardc.auto(lambda x: split(x, 1, "model") @ jnp.ones((8, 2)), mesh=mesh)
+    f = shardc.auto(lambda x: split(x, 1, "model") @ jnp.ones((8, 2)), mesh=mesh, search=False)
     lowered = f.lower(jnp.ones((4, 8)))
     assert isinstance(lowered, jax.stages.Lowered)
     compiled = lowered.compile()
@@ -107,7 +120,7 @@ def test_plan_is_cached_per_signature(mesh):
         calls.append(1)
         return x * 2
 
-    f = shardc.auto(g, mesh=mesh)
+    f = shardc.auto(g, mesh=mesh, search=False)
     f(jnp.ones((8, 2)))
     f(jnp.ones((8, 2)))
     assert len(calls) == 1
@@ -116,7 +129,7 @@ def test_plan_is_cached_per_signature(mesh):
 
 
 def test_keyword_arguments(mesh):
-    f = shardc.auto(lambda x, *, scale: split(x, 0, "data") * scale, mesh=mesh)
+    f = shardc.auto(lambda x, *, scale: split(x, 0, "data") * scale, mesh=mesh, search=False)
     x = jnp.ones((8, 2))
     np.testing.assert_allclose(f(x, scale=jnp.float32(3.0)), x * 3)
     plan = f.plan(x, scale=jnp.float32(3.0))

@@ -65,7 +65,7 @@ def test_transformer_block_train_step(mesh):
 
     opt = tx.init(params)
     ref = jax.jit(step)(params, opt, x)
-    got = shardc.auto(step, mesh=mesh)(params, opt, x)
+    got = shardc.auto(step, mesh=mesh, search=False)(params, opt, x)
     close(got, ref, 2e-5)
     assert got[0]["Dense_0"]["kernel"].value.sharding.spec == PS(None, "model")
     assert got[0]["Dense_1"]["kernel"].value.sharding.spec == PS("model", None)
@@ -94,7 +94,7 @@ def test_nnx_model(mesh):
         return jax.tree.map(lambda p, d: p - 0.1 * d, state, g), l
 
     ref = jax.jit(step)(state, x)
-    f = shardc.auto(step, mesh=mesh)
+    f = shardc.auto(step, mesh=mesh, search=False)
     got = f(state, x)
     close(got, ref)
     plan = f.plan(state, x)
@@ -128,7 +128,7 @@ def test_nn_scan_over_layers(mesh):
         return jax.tree.map(lambda p, d: p - 0.1 * d, params, g), l
 
     ref = jax.jit(step)(params, x)
-    got = shardc.auto(step, mesh=mesh)(params, x)
+    got = shardc.auto(step, mesh=mesh, search=False)(params, x)
     close(got, ref)
     k = got[0]["ScanLayer_0"]["Dense_0"]["kernel"].value
     assert k.shape == (3, 16, 32) and k.sharding.spec == PS(None, None, "model")
@@ -149,7 +149,7 @@ def test_embedding_softmax_cross_entropy(mesh):
     labels = jax.random.randint(jax.random.key(3), (8, 4), 0, vocab)
     f = jax.value_and_grad(loss, argnums=(0, 1))
     ref = jax.jit(f)(table, w, ids, labels)
-    got = shardc.auto(f, mesh=mesh)(table, w, ids, labels)
+    got = shardc.auto(f, mesh=mesh, search=False)(table, w, ids, labels)
     close(got, ref)
 
 
@@ -161,7 +161,7 @@ def test_vmapped_function_with_hints(mesh):
     f = jax.vmap(per_example, in_axes=(0, None))
     x = jax.random.normal(jax.random.key(0), (8, 32))
     w = jax.random.normal(jax.random.key(1), (32, 16))
-    auto_f = shardc.auto(f, mesh=mesh)
+    auto_f = shardc.auto(f, mesh=mesh, search=False)
     np.testing.assert_allclose(auto_f(x, w), f(x, w), rtol=1e-5)
     plan = auto_f.plan(x, w)
     hint = [op for op in plan.graph.ops if op.primitive == "shardc_hint"][0]
@@ -176,7 +176,7 @@ def test_replicate_hint_is_kept(mesh):
         return y * 2
 
     x = jnp.ones((8, 4))
-    auto_f = shardc.auto(f, mesh=mesh)
+    auto_f = shardc.auto(f, mesh=mesh, search=False)
     plan = auto_f.plan(x)
     hint = [op for op in plan.graph.ops if op.primitive == "shardc_hint"][1]
     assert plan.shardings[hint.outputs[0]].dims == ((), ())

@@ -60,7 +60,7 @@ def test_mlp_adamw_matches_jit_and_places_params(mesh):
     opt_state = tx.init(params)
     ref_params, _, ref_losses = run_steps(jax.jit(make_step(model, tx)), params, opt_state)
 
-    step = shardc.auto(make_step(model, tx), mesh=mesh)
+    step = shardc.auto(make_step(model, tx), mesh=mesh, search=False)
     new_params, new_opt, losses = run_steps(step, params, opt_state)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(ref_params)):
@@ -81,7 +81,7 @@ def test_compiled_shardings_equal_plan_and_step_two_does_not_reshard(mesh):
     params = model.init(jax.random.key(0), jnp.ones((16, 32)))["params"]
     tx = optax.adamw(1e-2)
     opt_state = tx.init(params)
-    step = shardc.auto(make_step(model, tx), mesh=mesh)
+    step = shardc.auto(make_step(model, tx), mesh=mesh, search=False)
     batch = batch_of(0)
     plan = shardc.plan(step, params, opt_state, batch)
     compiled = step.lower(params, opt_state, batch).compile()
@@ -107,7 +107,7 @@ def test_explain_names_hints_and_lines(mesh):
     model = MLP()
     params = model.init(jax.random.key(0), jnp.ones((16, 32)))["params"]
     tx = optax.sgd(0.1)
-    step = shardc.auto(make_step(model, tx), mesh=mesh)
+    step = shardc.auto(make_step(model, tx), mesh=mesh, search=False)
     text = shardc.plan(step, params, tx.init(params), batch_of(0)).explain()
     assert "split[data | ?]" in text
     assert "test_train_step.py" in text

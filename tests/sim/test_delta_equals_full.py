@@ -38,7 +38,7 @@ def base():
         u, o = tx.update(g, o, p)
         return optax.apply_updates(p, u), o, loss
 
-    f = shardc.auto(step, mesh=shardc.make_mesh({"data": 2, "model": 4}), donate_argnums=(0, 1))
+    f = shardc.auto(step, mesh=shardc.make_mesh({"data": 2, "model": 4}), donate_argnums=(0, 1), search=False)
     return f.plan(params, tx.init(params), x)
 
 
