@@ -68,6 +68,37 @@ class Score:
 INVALID = Score(math.inf, math.inf, math.inf, False)
 
 
+def _worklist(graph: Graph, phase_of: Sequence[int]) -> tuple:
+    """The worklist of `_Propagator.run_to_fixed_point`, precomputed once per graph: per value the ops it
+    queues (its users and producer) and every op it is a tensor of; per phase the ops allowed, and the ops
+    first queued (as a list and as a mask)."""
+    cached = getattr(graph, "_shardc_worklist", None)
+    if cached is not None:
+        return cached
+    n = len(graph.ops)
+    queues = [list(graph.users[v]) + ([graph.values[v].producer] if graph.values[v].producer is not None else [])
+              for v in range(len(graph.values))]
+    ops_of: list[list[int]] = [[] for _ in graph.values]
+    for op in graph.ops:
+        for v in dict.fromkeys(op.inputs + op.outputs):
+            ops_of[v].append(op.id)
+    allowed = {ph: bytes(q <= ph for q in phase_of) for ph in (0, 1, 2)}
+    first = {(ph, new): [i for i in range(n) if (phase_of[i] == ph if new else phase_of[i] <= ph)]
+             for ph in (0, 1, 2) for new in (False, True)}
+    first_mask = {}
+    for k, ops in first.items():
+        mask = bytearray(n)
+        for i in ops:
+            mask[i] = 1
+        first_mask[k] = bytes(mask)
+    out = (queues, ops_of, allowed, first, first_mask)
+    try:
+        graph._shardc_worklist = out  # type: ignore[attr-defined]
+    except AttributeError:  # pragma: no cover - slotted graphs
+        pass
+    return out
+
+
 class UserPropagation:
     """Propagation of the user's seeds done once; `run(extra)` continues from it with the search's seeds
     (priority 1), giving exactly what `propagate(graph, mesh, user + extra)` gives."""
@@ -82,25 +113,7 @@ class UserPropagation:
         for phase in (0, 1, 2):
             p.run_to_fixed_point(phase, only_new=phase > 0)
         self.base = (p.axes, p.closed, p.origin, p.visits)
-        # The worklist of `_Propagator.run_to_fixed_point`, precomputed: per value the ops it queues (its
-        # users and producer) and every op it is a tensor of; per phase the ops allowed and first queued.
-        n = len(graph.ops)
-        self._queues = [list(graph.users[v]) + ([graph.values[v].producer] if graph.values[v].producer is not None
-                                                else []) for v in range(len(graph.values))]
-        ops_of: list[list[int]] = [[] for _ in graph.values]
-        for op in graph.ops:
-            for v in dict.fromkeys(op.inputs + op.outputs):
-                ops_of[v].append(op.id)
-        self._ops_of = ops_of
-        self._allowed = {ph: bytes(q <= ph for q in p.phase_of) for ph in (0, 1, 2)}
-        self._first = {(ph, new): [i for i in range(n) if (p.phase_of[i] == ph if new else p.phase_of[i] <= ph)]
-                       for ph in (0, 1, 2) for new in (False, True)}
-        self._first_mask = {}
-        for k, first in self._first.items():
-            mask = bytearray(n)
-            for i in first:
-                mask[i] = 1
-            self._first_mask[k] = bytes(mask)
+        self._queues, self._ops_of, self._allowed, self._first, self._first_mask = _worklist(graph, p.phase_of)
 
     def run(self, extra: Sequence[Seed]) -> Propagation:
         p = self.p
