@@ -92,6 +92,23 @@ class Slot:
         return self
 
 
+def _shared(graph: Any, what: str, topology: Topology, make: Any) -> Any:
+    """An object shared by the simulators of one graph on one device type and backend (the default op-cost
+    estimator and its memo, FLOP counts: they depend on local shapes only, not on the mesh), kept on the graph."""
+    cache = getattr(graph, "_shardc_sim_shared", None)
+    if cache is None:
+        cache = {}
+        try:
+            graph._shardc_sim_shared = cache
+        except AttributeError:  # pragma: no cover - slotted graphs
+            return make()
+    key = (what, repr(topology.device), topology.backend)
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = make()
+    return hit
+
+
 class TaskBuilder:
     """Builds slots for plans of one graph on one topology/mapping with one estimator."""
 
@@ -102,14 +119,15 @@ class TaskBuilder:
         self.topology = topology
         self.mapping = mapping
         self.mesh = dict(mesh)
-        self.estimator = estimator if estimator is not None else AnalyticalEstimator(topology.device)
+        self.estimator = estimator if estimator is not None else _shared(graph, "estimator", topology,
+                                                                         lambda: AnalyticalEstimator(topology.device))
         self.streams: list[str] = ["compute"]
         if topology.overlap:
             self.streams += [f"comm:{lv}" for lv in topology.level_names]
         self._stream_of = {name: i for i, name in enumerate(self.streams)}
         self._phase_memo: dict[Any, tuple] = {}
         self._coll_memo: dict[Any, tuple] = {}
-        self._count_memo: dict[OpKey, Any] = {}
+        self._count_memo: dict[OpKey, Any] = _shared(graph, "counts", topology, dict)
         self._cost_class: dict[int, int] = {}  # op id -> class of ops with the same cost at the same layouts
         self._cost_classes: dict[tuple, int] = {}
         self._cost_memo: dict[tuple, tuple[float, Any]] = {}
