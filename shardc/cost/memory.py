@@ -97,6 +97,24 @@ class MemoryModel:
 
     def _reads(self, slot: Any) -> dict[int, int]:
         """Key id -> the last position at which the slot reads it."""
+        return self._positions(slot)[1]
+
+    def _makes(self, slot: Any) -> dict[int, int]:
+        """Key id -> the position at which the slot makes it."""
+        return self._positions(slot)[0]
+
+    def _positions(self, slot: Any) -> tuple[dict[int, int], dict[int, int]]:
+        """(makes, reads) of a slot, computed once per slot (slots are not modified once sealed)."""
+        cached = getattr(slot, "memory", None)
+        if cached is None:
+            cached = (self._makes_of(slot), self._reads_of(slot))
+            try:
+                slot.memory = cached
+            except AttributeError:  # a slot type without the cache field
+                pass
+        return cached
+
+    def _reads_of(self, slot: Any) -> dict[int, int]:
         flags = self.keys.is_value_key
         out: dict[int, int] = {}
         base = 2 * slot.op
@@ -107,8 +125,7 @@ class MemoryModel:
                     out[d] = pos
         return out
 
-    def _makes(self, slot: Any) -> dict[int, int]:
-        """Key id -> the position at which the slot makes it."""
+    def _makes_of(self, slot: Any) -> dict[int, int]:
         flags = self.keys.is_value_key
         out: dict[int, int] = {}
         base = 2 * slot.op

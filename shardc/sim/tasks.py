@@ -84,6 +84,7 @@ class Slot:
     ars: tuple["ArEntry", ...] = ()  # all-reduces XLA may combine with others (see shardc.sim.combine)
     at: int = 0  # index of the op's own task: tasks after it take its results to their planned layouts
     chained: tuple[int, ...] = ()  # value keys this slot makes by collectives
+    memory: Any = None  # (makes, reads) of value keys, cached by shardc.cost.memory (a sealed slot never changes)
 
     def seal(self) -> "Slot":
         if len(self.tasks) >= TASKS_PER_SLOT:
