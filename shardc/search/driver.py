@@ -3,6 +3,7 @@ the fastest plan that fits in memory. Also plan save/load (JSON)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -84,12 +85,6 @@ def _mesh_of(sizes: Mapping[str, int]):
 def project(space: Space, plan: Plan) -> Assignment:
     """The point of the space that reproduces `plan` (a baseline): see `space.project_plan`."""
     return project_plan(space, plan)
-
-
-def search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], **options: Any) -> tuple[Plan, SearchReport]:
-    """Search every mesh in `meshes` and return the best plan with its report (see `_search_plan`)."""
-    with paused_gc():
-        return _search_plan(problem, meshes, **options)
 
 
 def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, method: Any = True,
@@ -193,6 +188,12 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
             f"device (limit {format_bytes(limit)}); use more devices, a smaller batch, or donate the state")
     report = SearchReport(chosen, cands, tried, evaluations, time.perf_counter() - t0, method_name, extra)
     return dataclasses.replace(plan, search=report), report
+
+
+@functools.wraps(_search_plan)
+def search_plan(*args: Any, **options: Any) -> tuple[Plan, SearchReport]:
+    with paused_gc():  # the search allocates much over a large live heap: see paused_gc
+        return _search_plan(*args, **options)
 
 
 # -- save / load ----------------------------------------------------------------------------------------
