@@ -246,10 +246,11 @@ def sp_dp(ev: Evaluator, base: Assignment, *, max_evals: int = 4000, deadline: f
           polish: bool = True, domains: Sequence[Sequence[int]] | None = None) -> tuple[Assignment, Score]:
     """The series-parallel DP around `base` over the decision graph (`edges`: default `decision_graph`).
     Unary terms are measured for every choice (at most max_evals/2 per group); pair terms for the best k
-    choices of each group by unary cost, most promising pairs first, until `max_evals` is reached. The minimiser is then
-    simulated and, with `polish`, improved by single-group moves until none helps. `domains` restricts each
-    group's candidates (e.g. to the choices the baselines make: the DP then mixes baselines per layer kind).
-    Returns `base` when the deadline (a `time.perf_counter()` value) passes first."""
+    choices of each group by unary cost, most promising pairs first, until `max_evals` simulations are
+    spent. The minimiser is then simulated and, with `polish`, improved by single-group moves until none
+    helps (these come on top of `max_evals`). `domains` restricts each group's candidates (e.g. to the
+    choices the baselines make: the DP then mixes baselines per layer kind). When the deadline (a
+    `time.perf_counter()` value) passes first, returns the best point simulated so far."""
     n0 = len(ev.cache)
     try:
         return _sp_dp(ev, base, max_evals, deadline, on_eval, edges, polish, domains)
@@ -283,7 +284,7 @@ def _sp_dp(ev: Evaluator, base: Assignment, max_evals: int, deadline: float | No
     # Every improving single move at once (exact if the cost were additive): a cheap strong candidate.
     greedy = with_({gi: min(u, key=lambda s: (u[s], s)) for gi, u in enumerate(unary) if min(u.values()) < 0})
     f(greedy)
-    budget = max(max_evals - sum(len(u) for u in unary), 4 * max(len(edges), 1))
+    budget = max(max_evals - sum(len(u) for u in unary) - 1, 0)
     k = max(2, int(math.sqrt(budget / max(len(edges), 1))))
     domains = []
     for gi in range(n):
