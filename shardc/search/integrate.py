@@ -30,6 +30,17 @@ def enabled(search: Any) -> bool:
     return search not in (False, None)
 
 
+# Default search budgets (seconds of search after tracing), chosen so that planning a ~6,000-eqn train step
+# takes <= 10 s on 8 devices and <= 30 s on 64 on a 2-core machine (bench/search_speed.py); pass budget_s to
+# search longer (bench/zoo.py uses 60-90 s).
+SMALL_MESH_BUDGET_S = 6.0
+LARGE_MESH_BUDGET_S = 24.0
+
+
+def default_budget(num_devices: int) -> float:
+    return SMALL_MESH_BUDGET_S if num_devices <= 8 else LARGE_MESH_BUDGET_S
+
+
 def default_topology(num_devices: int) -> str:
     return "h100-sxm-8" if num_devices <= 8 else f"h100-sxm-8x{math.ceil(num_devices / 8)}"
 
@@ -94,7 +105,7 @@ def plan_by_search(af: Any, graph: Any, user_seeds: Callable, in_paths: Sequence
         user = list(user_seeds(af.mesh)) if mesh_given else None
         if user is not None:
             return dataclasses.replace(plan_from_seeds(problem, af.mesh, user + list(cached.seeds)), search=cached)
-    budget = af.budget_s if af.budget_s is not None else 30.0
+    budget = af.budget_s if af.budget_s is not None else default_budget(n)
     from shardc.distributed import is_multiprocess
 
     steps = 2000
