@@ -97,7 +97,7 @@ def _mesh_str(sizes: dict) -> str:
 
 
 def _trace_mesh():
-    return shardc.make_mesh({"data": 2, "model": 2, "expert": 2})
+    return shardc.make_mesh({"data": 2, "model": 2, "expert": 2}, jax.devices()[:8])
 
 
 def hlo_roofline(compiled: Any, sizes: dict, topo) -> dict:
@@ -215,20 +215,61 @@ def run_model(zm, topology: str, budget: float, *, xla: bool = True) -> list[Row
     if xla and "hints" in per_name:
         sizes = per_name["hints"].mesh
         if n > len(jax.devices()):
-            rows.append(Row(zm.name, topology, "xla", _mesh_str(sizes), note=f"needs {n} local devices to compile"))
+            rows.append(Row(zm.name, topology, "xla", _mesh_str(sizes),
+                            note=f"needs {n} local devices to compile (see `--xla-rows`)"))
         else:
-            try:
-                tx = time.perf_counter()
-                r = hlo_roofline(xla_compile(step, args, sizes), sizes, topo)
-                xs = time.perf_counter() - tx
-                cal = hlo_roofline(plan_compile(baseline_plan("hints", problem, _mesh_of(sizes))), sizes, topo)
-                rows.append(Row(zm.name, topology, "xla", _mesh_str(sizes), r["time"], r["peak"], r["comm"], xs,
-                                r["peak"] <= topo.device.memory, ideal(r["time"]),
-                                f"HLO roofline; shardc hints plan by the same roofline: {cal['time'] * 1e3:.2f} ms, "
-                                f"{format_bytes(cal['comm'])}, {format_bytes(cal['peak'])}"))
-            except Exception as e:  # noqa: BLE001 - a benchmark row, not a crash
-                rows.append(Row(zm.name, topology, "xla", _mesh_str(sizes), note=f"{type(e).__name__}: {str(e)[:100]}"))
+            rows.append(xla_row(zm, step, args, sizes, topo,
+                                lambda: baseline_plan("hints", problem, _mesh_of(sizes)), ideal))
     return rows
+
+
+def xla_row(zm, step, args, sizes: dict, topo, hints_plan, ideal) -> Row:
+    """The `xla` row: the step under plain jax.jit on `sizes`, and shardc's hints plan (`hints_plan()`)
+    by the same HLO roofline for calibration."""
+    try:
+        tx = time.perf_counter()
+        r = hlo_roofline(xla_compile(step, args, sizes), sizes, topo)
+        xs = time.perf_counter() - tx
+        cal = hlo_roofline(plan_compile(hints_plan()), sizes, topo)
+        return Row(zm.name, topo.name, "xla", _mesh_str(sizes), r["time"], r["peak"], r["comm"], xs,
+                   r["peak"] <= topo.device.memory, ideal(r["time"]),
+                   f"HLO roofline; shardc hints plan by the same roofline: {cal['time'] * 1e3:.2f} ms, "
+                   f"{format_bytes(cal['comm'])}, {format_bytes(cal['peak'])}")
+    except Exception as e:  # noqa: BLE001 - a benchmark row, not a crash
+        return Row(zm.name, topo.name, "xla", _mesh_str(sizes), note=f"{type(e).__name__}: {str(e)[:100]}")
+
+
+def xla_rows_from(path: str, models) -> list[Row]:
+    """`xla` rows for the (model, topology) pairs of a row file, on the meshes of their `hints` rows; run in
+    a process with as many host devices as the topology (XLA_FLAGS=--xla_force_host_platform_device_count=N)."""
+    import re
+
+    from shardc.sim import as_topology
+
+    out = []
+    by_name = {m.name: m for m in models}
+    for line in open(path):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 4 or cells[2] != "hints" or cells[0] not in by_name:
+            continue
+        zm, topo = by_name[cells[0]], as_topology(cells[1])
+        sizes = {m.group(1): int(m.group(2)) for part in re.split(r"(?<=\d)x", cells[3])
+                 if (m := re.fullmatch(r"([a-z_]+)(\d+)", part))}
+        n = topo.num_devices
+        step, args = zm.build(_trace_mesh(), max(1, n // 8))
+        mesh = shardc.make_mesh(dict(sizes), jax.devices()[:n])
+        hints = lambda: shardc.auto(step, mesh=mesh, search=False, donate_argnums=(0, 1)).plan(*args)
+        flops = None
+
+        def ideal(t: float) -> float:
+            nonlocal flops
+            if flops is None:
+                flops = total_flops(hints().graph)
+            return flops / (n * topo.device.flops_per_s("float32")) / t if t > 0 and math.isfinite(t) else math.nan
+
+        out.append(xla_row(zm, step, args, sizes, topo, hints, ideal))
+        print(table([out[-1]]).split("\n", 2)[2], flush=True)
+    return out
 
 
 def table(rows: list[Row]) -> str:
@@ -264,9 +305,17 @@ def main() -> None:
     ap.add_argument("--no-xla", action="store_true")
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--out", default="", help="also append rows as they come to this file")
+    ap.add_argument("--xla-rows", default="", help="only the xla rows for the hints rows of this row file (run "
+                    "with XLA_FLAGS=--xla_force_host_platform_device_count=<devices of its topology>)")
     ap.add_argument("--assemble", nargs="*", default=None,
                     help="write the section from row files made by --out (runs per topology in parallel)")
     a = ap.parse_args()
+    if a.xla_rows:
+        rows = xla_rows_from(a.xla_rows, [m for m in zoo(a.scale) if not a.models or m.name in a.models.split(",")])
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(table(rows).split("\n", 2)[2] + "\n")
+        return
     if a.assemble is not None:
         lines = [ln.rstrip() for path in a.assemble for ln in open(path) if ln.startswith("| ")]
         _write(a, "\n".join(table([]).splitlines()[:2] + lines))
