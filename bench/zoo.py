@@ -317,8 +317,12 @@ def main() -> None:
                 f.write(table(rows).split("\n", 2)[2] + "\n")
         return
     if a.assemble is not None:
-        lines = [ln.rstrip() for path in a.assemble for ln in open(path) if ln.startswith("| ")]
-        _write(a, "\n".join(table([]).splitlines()[:2] + lines))
+        rows_by_key: dict[tuple, str] = {}  # a later file's row replaces an earlier one (e.g. --xla-rows output)
+        for path in a.assemble:
+            for ln in open(path):
+                if ln.startswith("| "):
+                    rows_by_key[tuple(c.strip() for c in ln.split("|")[1:4])] = ln.rstrip()
+        _write(a, "\n".join(table([]).splitlines()[:2] + list(rows_by_key.values())))
         return
     models = [m for m in zoo(a.scale) if not a.models or m.name in a.models.split(",")]
     rows: list[Row] = []
@@ -361,7 +365,7 @@ ZOO_NOTES = """Reading the table:
 - `xla`: the same hints under plain `jax.jit` (XLA's own propagation), costed from its compiled HLO by a
   roofline (see `bench/zoo.py`). Its communication and memory are what the compiled program does; its
   time compares with the roofline of shardc's own hints plan in the note, not with the simulated times.
-  64-device programs cannot be compiled on this 8-device host.
+  The 64-device programs were compiled in a separate process with 64 host CPU devices (`--xla-rows`).
 - fraction of ideal = total FLOPs / (devices x peak FLOP/s at float32, i.e. TF32 on H100) / step time.
 - Planning time of `search` is the whole `shardc.auto` call (trace, baselines, DP, MCMC, retrace), mostly the
   budget; of a baseline, tracing plus its propagation, plan and simulation. The machine's 2 cores were
