@@ -347,8 +347,9 @@ def _write(a: Any, body: str) -> None:
     notes = "\n".join(f"- `{m.name}` ({m.family}): {m.note}" for m in zoo(a.scale))
     how = (f"`python -m bench.zoo --budget {a.budget:g} --write`" if a.assemble is None else
            "`python -m bench.zoo --topologies <t> --budget <s> --out rows_<t>.md` per topology, run side by side "
-           "(budget 60 s on `h100-sxm-8` and `tpu-v5e-8`, 90 s on `h100-sxm-8x8`), then "
-           "`python -m bench.zoo --assemble rows_*.md --write`")
+           "(budget 60 s on `h100-sxm-8` and `tpu-v5e-8`, 90 s on `h100-sxm-8x8`); the 64-device `xla` rows by "
+           "`XLA_FLAGS=--xla_force_host_platform_device_count=64 python -m bench.zoo --xla-rows "
+           "rows_h100-sxm-8x8.md --out rows_xla64.md`; then `python -m bench.zoo --assemble rows_*.md --write`")
     write_section("zoo", f"{how} ({os.cpu_count()} cores shared with other "
                   f"jobs, jax {jax.__version__}). Models (`bench/zoo_models.py`, float32, abstract arguments; the "
                   f"batch is for 8 devices and 8x larger on 64):\n\n{notes}\n\n" + body + "\n\n" + ZOO_NOTES)
