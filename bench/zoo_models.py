@@ -210,6 +210,11 @@ def zoo(scale: str = "full") -> list[ZooModel]:
                  _gpt(2 if tiny else 12, 8 if tiny else 16, 32 if tiny else 2048,
                       **({} if tiny else {"vocab": 32768, "d": 4096, "heads": 32})),
                  "12 layers, d 4096 (2.7 B params), seq 2048, batch 16, AdamW: data parallel does not fit"),
+        ZooModel("gpt12-wide", "Transformer LM (memory-tight, few tokens)",
+                 _gpt(2 if tiny else 12, 8, 32 if tiny else 512,
+                      **({} if tiny else {"vocab": 32768, "d": 6144, "heads": 48})),
+                 "12 layers, d 6144 (5.8 B params), seq 512, batch 8, AdamW: data parallel does not fit, "
+                 "few tokens per step"),
         ZooModel("moe", "MoE Transformer", _moe(8 if tiny else 64, 16 if tiny else 256,
                                                **({"vocab_size": 256, "d_model": 64, "mlp_dim": 128,
                                                    "num_encoder_layers": 2, "num_decoder_layers": 2, "num_groups": 8} if tiny else
