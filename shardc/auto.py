@@ -200,13 +200,14 @@ class AutoFunction:
         return closed, in_tree, out_tree_box[-1]
 
     def _build(self, args: tuple, kwargs: dict) -> Compiled:
+        roots = tuple(args) + tuple(kwargs[k] for k in sorted(kwargs))
+        meta_axes = _search.mesh_for_metadata(self, roots)  # may set a tracing mesh with the axes named there
         mesh = self._mesh()
         t0 = time.perf_counter()
         closed, in_tree, out_tree = _search.trace(self, self._trace, (args, kwargs))
         mesh = self._mesh()  # the search may have chosen a tracing mesh that has the axes the program names
         t1 = time.perf_counter()
         # Positional leaves come first, then keyword ones (sorted by name), as (args, kwargs) flattens.
-        roots = tuple(args) + tuple(kwargs[k] for k in sorted(kwargs))
         in_paths = [keystr(p[1:]) for p, _ in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]]
         out_paths = [f"out{keystr(p)}" for p in _paths_of(out_tree)]
         with _internal_errors("building the graph of", self.fun):
@@ -222,7 +223,8 @@ class AutoFunction:
             with _internal_errors("searching a plan for", self.fun):
                 the_plan = _search.plan_by_search(
                     self, graph, lambda m: self._input_seeds(graph, roots, m) + program_seeds(graph, m), in_paths,
-                    out_paths, notes, closed, _flat_donate(self.donate_argnums, args, self.fun), self._mesh_given)
+                    out_paths, notes, closed, _flat_donate(self.donate_argnums, args, self.fun), self._mesh_given,
+                    meta_axes)
             if the_plan.mesh_sizes != dict(mesh.shape) and not is_abstract(the_plan.mesh):
                 # retrace under the chosen mesh, keeping the decisions
                 self.mesh, self._search_resume = the_plan.mesh, the_plan.search

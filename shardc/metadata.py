@@ -22,7 +22,7 @@ from jax.tree_util import keystr
 
 from annotations.errors import ShardingError
 
-__all__ = ["InputHint", "input_hints"]
+__all__ = ["InputHint", "input_hints", "named_mesh_axes"]
 
 Dims = tuple[tuple[str, ...] | None, ...]
 
@@ -143,6 +143,26 @@ def input_hints(args: Any, mesh_axes: Sequence[str], rules: Any = None) -> list[
             hints.append(InputHint(dims, f"{kind} partitioning {tuple(names)} of {keystr(full)}"))
     _inherit_by_path(hints, paths, shapes)
     return hints
+
+
+def named_mesh_axes(args: Any, rules: Any = None) -> list[str]:
+    """The mesh axes the arguments' metadata names directly (linen `nn.Partitioned`, NNX variables without
+    logical rules), in first-seen order: a mesh chosen by the search must have them. Names that `rules`
+    map are logical, not mesh axes."""
+    ruled = {logical for logical, _ in (rules or ())}
+    pairs, _ = jax.tree_util.tree_flatten_with_path(args, is_leaf=_is_meta)
+    out: list[str] = []
+    for _, node in pairs:
+        if not _is_meta(node):
+            continue
+        names, box_rules, kind = _names_of(node)
+        if names is None or kind == "logical" or (kind == "nnx" and box_rules and rules is None):
+            continue
+        for entry in names:
+            for name in _as_axes(entry):
+                if isinstance(name, str) and name not in ruled and name not in out:
+                    out.append(name)
+    return out
 
 
 def _inherit_by_path(hints: list[InputHint | None], paths: list[tuple], shapes: list[tuple]) -> None:

@@ -21,7 +21,7 @@ from shardc.search.evaluate import Problem, plan_from_seeds
 from shardc.search.space import mesh_candidates
 from shardc.sharding import mesh_shape
 
-__all__ = ["enabled", "default_topology", "plan_by_search", "trace"]
+__all__ = ["enabled", "default_topology", "plan_by_search", "trace", "mesh_for_metadata"]
 
 _PLAN_CACHE: dict[tuple, Any] = {}  # (graph key, mesh, topology, method, seed) -> (mesh sizes, seeds)
 
@@ -71,6 +71,26 @@ def trace(af: Any, trace_fn: Callable, call: Any) -> Any:
             af.mesh = make_mesh((full or cands)[0], jax.devices()[:n])
 
 
+def mesh_for_metadata(af: Any, args: Any) -> list[str]:
+    """The mesh axes the arguments' Flax metadata names; when the search chooses the mesh and the tracing mesh
+    lacks one of them, trace on a mesh that has them all (as `trace` does for axes named in the program)."""
+    from shardc.metadata import named_mesh_axes
+    from shardc.sharding import make_mesh
+
+    named = named_mesh_axes(args, af.rules)
+    if not named or getattr(af, "_mesh_given", True) or not enabled(af.search) or len(named) > 3:
+        return named
+    if af.mesh is not None and all(a in af.mesh.axis_names for a in named):
+        return named
+    n = len(jax.devices())
+    required = list(dict.fromkeys(list(af.mesh.axis_names if af.mesh is not None else ()) + named))
+    required = [a for a in required if a in named or (af.mesh is not None and af.mesh.shape[a] > 1)][:3]
+    cands = mesh_candidates(n, required)
+    full = [c for c in cands if all(c[a] > 1 for a in named)]
+    af.mesh = make_mesh((full or cands)[0], jax.devices()[:n])
+    return named
+
+
 def _hinted_axes(graph: Any) -> list[str]:
     out: list[str] = []
     for op in graph.ops:
@@ -83,8 +103,10 @@ def _hinted_axes(graph: Any) -> list[str]:
 
 
 def plan_by_search(af: Any, graph: Any, user_seeds: Callable, in_paths: Sequence[str], out_paths: Sequence[str],
-                   notes: Sequence[str], closed: Any, donate: Sequence[int], mesh_given: bool) -> Plan:
-    """The searched plan of this program (its mesh may differ from `af.mesh` when mesh_given is False)."""
+                   notes: Sequence[str], closed: Any, donate: Sequence[int], mesh_given: bool,
+                   required_axes: Sequence[str] = ()) -> Plan:
+    """The searched plan of this program (its mesh may differ from `af.mesh` when mesh_given is False).
+    `required_axes`: mesh axes the inputs' metadata names (every candidate mesh has them)."""
     n = getattr(af, "devices", None) or len(jax.devices())
     topology = af.topology if af.topology is not None else default_topology(n)
     problem = Problem(graph, user_seeds, topology, list(in_paths), list(out_paths), list(notes), tuple(donate), closed)
@@ -97,7 +119,8 @@ def plan_by_search(af: Any, graph: Any, user_seeds: Callable, in_paths: Sequence
     if path is not None and os.path.exists(path):
         return load_plan(path, problem)
     fixed = mesh_shape(af.mesh) if mesh_given else None
-    meshes = mesh_candidates(n, _hinted_axes(graph), fixed=fixed, topology=topology)
+    required = list(dict.fromkeys(list(required_axes) + _hinted_axes(graph)))
+    meshes = mesh_candidates(n, required, fixed=fixed, topology=topology)
     method = True if path is not None else af.search
     key = (graph_key(graph), tuple(tuple(m.items()) for m in meshes), str(topology), str(method), af.seed, af.budget_s)
     cached = _PLAN_CACHE.get(key)
