@@ -7,7 +7,7 @@ import pytest
 from flax import linen as nn
 
 import shardc
-from bench.fresh_models import MODELS, check_report, compare, run_steps, nnx_mlp
+from bench.fresh_models import MEDIUM, MODELS, check_report, compare, run_steps, nnx_mlp
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -18,6 +18,17 @@ def test_auto_matches_jit_and_beats_baselines(name):
     assert plan.search is not None
     assert check_report(plan.search) is None, plan.search.summary()
     compare(run_steps(f, args, 2), run_steps(jax.jit(step), args, 2))
+
+
+@pytest.mark.parametrize("name", sorted(MEDIUM))
+def test_sharded_plan_matches_jit(name):
+    """Sizes at which the searched plan shards: same numbers as jax.jit for 2 steps."""
+    step, args = MODELS[name](**MEDIUM[name])
+    f = shardc.auto(step, budget_s=1.5)
+    plan = f.plan(*args)
+    assert check_report(plan.search) is None, plan.search.summary()
+    # adam/adamw models: elements with ~zero gradient move by ~+-lr(1e-3) whatever the summation order
+    compare(run_steps(f, args, 2), run_steps(jax.jit(step), args, 2), atol=1e-4)
 
 
 @pytest.mark.parametrize("name,topology", [("scan_gqa", "h100-sxm-8x8"), ("recsys", "tpu-v5e-8")])
