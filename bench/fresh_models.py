@@ -346,7 +346,7 @@ def main() -> None:
             ref = run_steps(jax.jit(step), args, o.steps)
             got = run_steps(f, args, o.steps)
             try:
-                compare(got, ref)
+                compare(got, ref, atol=1e-4)  # Adam: near-zero gradients move by ~+-lr (1e-3), see compare
                 num = "ok"
             except AssertionError:
                 num = "DIFF"

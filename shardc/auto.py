@@ -214,7 +214,10 @@ class AutoFunction:
             graph = build_graph(closed, in_paths, out_paths)
         t2 = time.perf_counter()
         with _internal_errors("collecting the hints of", self.fun):
-            seeds = self._input_seeds(graph, roots, mesh) + program_seeds(graph, mesh)
+            # When the search chooses the mesh, the tracing mesh is provisional: the search checks the hints
+            # on each candidate mesh instead (a dim that 8 does not divide may still split over 2 or 4).
+            provisional = _search.enabled(self.search) and not self._mesh_given
+            seeds = [] if provisional else self._input_seeds(graph, roots, mesh) + program_seeds(graph, mesh)
             _tie_carried_state(graph, in_tree, out_tree, args)
         notes = []
         if graph.conservative_primitives:

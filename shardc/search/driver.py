@@ -106,6 +106,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
     evaluations = 0
     tried: list[dict[str, int]] = []
     deadline = None if budget_s is None else t0 + budget_s
+    hint_error: str | None = None  # why the first mesh that rejected the hints did
 
     def consider(name: str, sizes: dict[str, int], plan: Plan, score: Score, extra: tuple[Seed, ...]) -> None:
         nonlocal best, smallest_peak
@@ -125,7 +126,8 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
         mesh = _mesh_of(sizes)
         try:
             user = list(problem.user_seeds(mesh)) if callable(problem.user_seeds) else list(problem.user_seeds or ())
-        except ShardingError:
+        except ShardingError as e:
+            hint_error = hint_error or f"on {sizes}: {e}"
             continue  # the hints do not fit this mesh
         tried.append(sizes)
         space = build_space(problem.graph, sizes, user)
@@ -180,7 +182,8 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
     limit = states[0][4].limit if states else math.inf
     bar.close()
     if best is None:
-        raise ShardingError(f"strategy search: no mesh of {[dict(m) for m in meshes]} accepts the program's hints")
+        raise ShardingError(f"strategy search: no mesh of {[dict(m) for m in meshes]} accepts the program's hints"
+                            + (f" ({hint_error})" if hint_error is not None else ""))
     score, plan, chosen, extra = best
     if not score.feasible:
         raise ShardingError(

@@ -48,6 +48,18 @@ def test_nnx_metadata_axis_not_in_default_mesh():
     assert all("model" in c.mesh for c in plan.search.baselines)
 
 
+def test_metadata_dim_not_divisible_by_all_devices():
+    """Regression: the provisional tracing mesh (model=8) rejected a 'model' dim of 12 before the search
+    could choose model=2 or 4; a dim no mesh divides gets a ShardingError naming it."""
+    step, args = nnx_mlp(batch=16, d=16, h=12, classes=8)
+    f = shardc.auto(step, budget_s=1)
+    assert 12 % f.plan(*args).mesh_sizes["model"] == 0
+    compare(run_steps(f, args, 1), run_steps(jax.jit(step), args, 1), atol=1e-4)
+    step, args = nnx_mlp(batch=16, d=16, h=7, classes=8)
+    with pytest.raises(shardc.ShardingError, match=r"fc1.*size 7"):
+        shardc.auto(step, budget_s=1).plan(*args)
+
+
 def test_linen_partitioned_custom_axis_name():
     """The same for linen `nn.with_partitioning` naming an axis outside the default names."""
     import jax.numpy as jnp
