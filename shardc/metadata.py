@@ -146,22 +146,31 @@ def input_hints(args: Any, mesh_axes: Sequence[str], rules: Any = None) -> list[
 
 
 def named_mesh_axes(args: Any, rules: Any = None) -> list[str]:
-    """The mesh axes the arguments' metadata names directly (linen `nn.Partitioned`, NNX variables without
-    logical rules), in first-seen order: a mesh chosen by the search must have them. Names that `rules`
-    map are logical, not mesh axes."""
-    ruled = {logical for logical, _ in (rules or ())}
+    """The mesh axes the arguments' metadata names, in first-seen order: axis names of linen `nn.Partitioned`
+    and NNX variables, and the targets of the logical-axis rules (`rules`, else a box's own, else Flax's
+    context) for logical names. A mesh chosen by the search must have them all."""
     pairs, _ = jax.tree_util.tree_flatten_with_path(args, is_leaf=_is_meta)
     out: list[str] = []
+    context_rules = None
     for _, node in pairs:
         if not _is_meta(node):
             continue
         names, box_rules, kind = _names_of(node)
-        if names is None or kind == "logical" or (kind == "nnx" and box_rules and rules is None):
+        if names is None:
             continue
+        use_rules = rules
+        if use_rules is None and kind != "mesh":
+            use_rules = box_rules
+            if use_rules is None:
+                context_rules = _flax_context_rules() if context_rules is None else context_rules
+                use_rules = context_rules
+        rule_map: dict[str, Any] = {}
+        for logical, physical in use_rules or ():
+            rule_map.setdefault(logical, physical)
         for entry in names:
             for name in _as_axes(entry):
-                if isinstance(name, str) and name not in ruled and name not in out:
-                    out.append(name)
+                axes = _as_axes(rule_map[name]) if name in rule_map else (() if kind == "logical" else (name,))
+                out.extend(a for a in axes if isinstance(a, str) and a not in out)
     return out
 
 

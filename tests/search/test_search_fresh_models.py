@@ -79,3 +79,29 @@ def test_linen_partitioned_custom_axis_name():
     f = shardc.auto(step, budget_s=1)
     assert "tp" in f.plan(params, x).mesh_sizes
     compare([nn.unbox(f(params, x))], [nn.unbox(jax.jit(step)(params, x))])
+
+
+def test_logical_rules_target_axes_are_in_the_searched_mesh():
+    """Regression: rules mapping logical names onto mesh axes outside the default names ('fsdp', 'tensor')
+    made every candidate mesh reject the hints."""
+    import jax.numpy as jnp
+
+    init = nn.initializers.lecun_normal()
+
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(64, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(x)
+            return nn.Dense(8, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(nn.relu(h))
+
+    x = jnp.ones((16, 32))
+    params = M().init(jax.random.key(0), x)["params"]
+
+    def step(params, x):
+        g = jax.grad(lambda p: (M().apply({"params": p}, x) ** 2).mean())(params)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, params, g)
+
+    f = shardc.auto(step, budget_s=1, rules=[("embed", "fsdp"), ("mlp", "tensor")])
+    sizes = f.plan(params, x).mesh_sizes
+    assert "fsdp" in sizes and "tensor" in sizes
+    compare([nn.unbox(f(params, x))], [nn.unbox(jax.jit(step)(params, x))])
