@@ -59,3 +59,13 @@ def test_example_runs_end_to_end_and_resume_is_bit_for_bit(tmp_path, compilation
     # The resumed run's history holds steps 1-3 (from the checkpoint) and 4-6 (recomputed): all equal
     # to the uninterrupted run, bit for bit.
     assert resumed == losses
+
+
+def test_search_flag_lets_the_strategy_search_plan_the_step(tmp_path, capsys):
+    out = tmp_path / "searched"
+    result = translate.main(COMMON[:COMMON.index("--steps")] + ["--steps", "2", "--warmup", "1", "--time-limit", "0",
+                            "--quiet", "--no-plot", "--mesh", "data=2,expert=4", "--out", str(out),
+                            "--ckpt-every", "0", "--no-final-eval", "--search"])
+    assert result["step"] == 2 and all(np.isfinite(h["loss"]) for h in result["history"])
+    plan_text = (out / "plan.txt").read_text()
+    assert "strategy search" in plan_text  # the plan came from the search, not from propagation alone
