@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from bench.gpt import make_train_step  # next-token LM step, any model
 from shardc import split
 
 __all__ = ["ZooModel", "MLP", "CNN", "LSTMLM", "zoo"]
@@ -84,19 +85,6 @@ def _classifier_step(model: nn.Module, tx: optax.GradientTransformation) -> Call
     return step
 
 
-def _lm_step(model: nn.Module, tx: optax.GradientTransformation) -> Callable:
-    def step(params, opt_state, ids):
-        def loss_fn(p):
-            logits = model.apply({"params": p}, ids[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return step
-
-
 @dataclasses.dataclass
 class ZooModel:
     """A zoo entry: `build(mesh, scale)` -> (train step, abstract args) traced under `mesh`, the global batch
@@ -138,13 +126,13 @@ def _lstm(batch: int, seq: int, **kw):
         tx = optax.adam(1e-3)
         ids = jax.ShapeDtypeStruct((batch * scale, seq + 1), jnp.int32)
         params = _abstract(lambda k: model.init(k, jnp.zeros((batch, seq), jnp.int32))["params"], jax.random.key(0))
-        return _lm_step(model, tx), (params, _abstract(tx.init, params), ids)
+        return make_train_step(model, tx), (params, _abstract(tx.init, params), ids)
 
     return build
 
 
 def _gpt(layers: int, batch: int, seq: int, **kw):
-    from bench.gpt import GPT, make_train_step
+    from bench.gpt import GPT
 
     model = GPT(layers=layers, seq=seq, **kw)
 
