@@ -7,6 +7,7 @@ import numpy as np
 import optax
 
 import shardc
+from bench.gpt import make_train_step
 
 
 class Block(nn.Module):
@@ -41,13 +42,7 @@ def test_searched_transformer_train_step_matches_unsharded():
     params = model.init(jax.random.key(1), ids[:, :-1])["params"]
     opt = tx.init(params)
 
-    def step(params, opt, ids):
-        def loss_fn(p):
-            logits = model.apply({"params": p}, ids[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
-        loss, g = jax.value_and_grad(loss_fn)(params)
-        upd, opt = tx.update(g, opt, params)
-        return optax.apply_updates(params, upd), opt, loss
+    step = make_train_step(model, tx)  # next-token cross-entropy, optax update
 
     searched = shardc.auto(step, search="mcmc", budget_s=6, seed=0)
     plan = searched.plan(params, opt, ids)

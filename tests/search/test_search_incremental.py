@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import shardc
+from bench.gpt import make_train_step
 from annotations.errors import ShardingError
 from search_models import graph_of
 from shardc.plan import PlanBuilder, abstract_mesh, build_plan, require_devices
@@ -48,13 +49,7 @@ def _train_step_graph():
     params = model.init(jax.random.key(0), ids[:, :-1])["params"]
     opt = tx.init(params)
 
-    def step(params, opt, ids):
-        def loss_fn(p):
-            logits = model.apply({"params": p}, ids[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
-        loss, g = jax.value_and_grad(loss_fn)(params)
-        upd, opt = tx.update(g, opt, params)
-        return optax.apply_updates(params, upd), opt, loss
+    step = make_train_step(model, tx)  # next-token cross-entropy, optax update
 
     flat = jax.tree_util.tree_leaves((params, opt, ids))
     return graph_of(lambda *xs: jax.tree_util.tree_leaves(step(*jax.tree_util.tree_unflatten(
