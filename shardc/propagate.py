@@ -185,6 +185,10 @@ class _Propagator:
         writes = self._memo.get(key)
         if writes is None:
             writes = self._memo[key] = self._writes(op, tensors)
+        return self._apply(op, tensors, writes)
+
+    def _apply(self, op: Op, tensors: list[int], writes: list[tuple[int, int, Axes, tuple[tuple[int, int], ...]]]) -> list[int]:
+        """Write what `_writes` computed, in order; returns the values written."""
         changed: list[int] = []
         for ti, d, new_t, refs in writes:
             v = tensors[ti]
@@ -199,14 +203,20 @@ class _Propagator:
             changed.append(v)
         return changed
 
-    def _writes(self, op: Op, tensors: list[int]) -> list[tuple[int, int, Axes, tuple[tuple[int, int], ...]]]:
+    def _writes(self, op: Op, tensors: list[int], share_values: bool = False) -> list[tuple[int, int, Axes, tuple[tuple[int, int], ...]]]:
         """What visiting `op` writes, without writing it: (tensor index, dim, new axes, where its origin
-        comes from: (source tensor index, factor) candidates, the first with an origin wins)."""
+        comes from: (source tensor index, factor) candidates, the first with an origin wins).
+        share_values: tensors that are one value share one working copy, so a write through one of them
+        is seen through the others (an op reading a value twice)."""
         rule = op.rule
         tfs = rule.operands + rule.results
         nf = rule.num_factors
         sizes = rule.sizes
-        local = [list(self.axes[v]) for v in tensors]
+        if share_values:
+            copies = {v: list(self.axes[v]) for v in tensors}
+            local = [copies[v] for v in tensors]
+        else:
+            local = [list(self.axes[v]) for v in tensors]
         cands: list[list[tuple[Axes, int]]] = [[] for _ in range(nf)]
         projections: list[list[dict[int, Axes] | None]] = []
         for ti, dims in enumerate(tfs):
@@ -293,73 +303,12 @@ class _Propagator:
         return best, source
 
     def _visit_direct(self, op: Op) -> list[int]:
-        """`visit` without the memo (ops that read one value twice)."""
+        """`visit` without the memo (ops that read one value twice, or have no factor class)."""
         self.visits += 1
-        rule = op.rule
-        tensors = op.inputs + op.outputs
-        tfs = rule.operands + rule.results
-        nf = rule.num_factors
-        if nf == 0:
+        if op.rule.num_factors == 0:
             return []
-        sizes = rule.sizes
-        cands: list[list[tuple[Axes, int]]] = [[] for _ in range(nf)]
-        projections: list[list[dict[int, Axes] | None]] = []
-        for ti, (v, dims) in enumerate(zip(tensors, tfs)):
-            per_dim: list[dict[int, Axes] | None] = []
-            vaxes = self.axes[v]
-            for d, factors in enumerate(dims):
-                if not factors:
-                    per_dim.append(None)
-                    continue
-                proj, complete = project_dim(vaxes[d], factors, sizes, self.mesh)
-                per_dim.append(proj if complete else None)
-                if complete:
-                    for f in factors:
-                        cands[f].append((proj.get(f, ()), ti))
-            projections.append(per_dim)
-
-        best, source = self._best(rule, tensors, cands)
-
-        changed: list[int] = []
-        for ti, (v, dims) in enumerate(zip(tensors, tfs)):
-            vaxes = self.axes[v]
-            vclosed = self.closed[v]
-            for d, factors in enumerate(dims):
-                if not factors or vclosed[d]:
-                    continue
-                proj = projections[ti][d]
-                if proj is None:
-                    continue
-                if not any(len(best[f]) > len(proj.get(f, ())) for f in factors):
-                    continue
-                new: list[str] = []
-                origin = None
-                for f in factors:
-                    cur = proj.get(f, ())
-                    want = cur
-                    if best[f] and len(best[f]) > len(cur) and best[f][: len(cur)] == cur:
-                        want = best[f]
-                        if origin is None and source[f] >= 0:
-                            origin = self._origin_of_factor(op, source[f], f)
-                    new.extend(want)
-                    if self.size_of(want) != sizes[f]:
-                        break
-                if len(new) <= len(vaxes[d]):
-                    continue
-                others = {a for dd, ax in enumerate(vaxes) if dd != d for a in ax}
-                cut = len(new)
-                for k, a in enumerate(new):
-                    if a in others or a in new[:k]:
-                        cut = k
-                        break
-                new_t = tuple(new[:cut])
-                if len(new_t) > len(vaxes[d]) and new_t[: len(vaxes[d])] == vaxes[d]:
-                    self._own(v)
-                    vaxes = self.axes[v]
-                    vaxes[d] = new_t
-                    self.origin[v][d] = origin
-                    changed.append(v)
-        return changed
+        tensors = op.inputs + op.outputs
+        return self._apply(op, tensors, self._writes(op, tensors, share_values=True))
 
     def _origin_of_factor(self, op: Op, ti: int, f: int) -> Cause | None:
         tensors = op.inputs + op.outputs
