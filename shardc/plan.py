@@ -191,18 +191,14 @@ def reshard_bytes(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: 
     return int(total)
 
 
-def _strategy(op: Op, axes_of, nbytes, mesh: Mapping[str, int]) -> OpStrategy:
-    """Factor axes taken from the op's tensors, largest first (results first among equals), each axis
-    used by one factor only: the layout of the biggest tensor is kept and the smaller ones move — as in
-    propagation's conflict resolution."""
+def _greedy_strategy(op: Op, axes_of, tensors: Sequence[tuple[int, Any]], mesh: Mapping[str, int]) -> OpStrategy:
+    """Factor axes taken from `tensors` ((value, dims) in priority order), each axis used by one factor
+    only: the layout of the first tensor is kept and later ones give way where they disagree."""
     rule = op.rule
     nf = rule.num_factors
     chosen: list[Axes | None] = [None] * nf
-    tensors = [(v, dims, 0) for v, dims in zip(op.outputs, rule.results)]
-    tensors += [(v, dims, 1) for v, dims in zip(op.inputs, rule.operands)]
-    tensors.sort(key=lambda t: (-nbytes[t[0]], t[2]))
     taken: set[str] = set()
-    for v, dims, _ in tensors:
+    for v, dims in tensors:
         for d, factors in enumerate(dims):
             if not factors:
                 continue
@@ -226,6 +222,86 @@ def _strategy(op: Op, axes_of, nbytes, mesh: Mapping[str, int]) -> OpStrategy:
         used.update(keep)
         out.append(tuple(keep))
     return OpStrategy(tuple(out))
+
+
+def _degree(strat: OpStrategy, mesh: Mapping[str, int]) -> int:
+    """Devices the op's work is divided over."""
+    return math.prod(mesh[a] for axes in strat.factor_axes for a in axes)
+
+
+def _strategy(op: Op, graph: Graph, shardings: Sequence[Sharding], nbytes, mesh: Mapping[str, int]) -> OpStrategy:
+    """The op's factor axes: of the layouts that keep one of its tensors as it is (the others giving way,
+    largest first), the one that moves the fewest bytes among those dividing the work over the most
+    devices; ties go to keeping the largest tensor (results first among equals), as propagation's
+    conflict resolution does.
+
+    Keeping the largest tensor is usually cheapest, but not always: GShard's dispatch einsum
+    GSEC,GSM->EGCM has a result (split on E) larger than either operand (split on G), yet computing it
+    split on G and moving the result (one all-to-all) is far cheaper than gathering the tokens."""
+    rule = op.rule
+    tensors = [(v, dims, 0) for v, dims in zip(op.outputs, rule.results)]
+    tensors += [(v, dims, 1) for v, dims in zip(op.inputs, rule.operands)]
+    tensors.sort(key=lambda t: (-nbytes[t[0]], t[2]))
+    order = [(v, dims) for v, dims, _ in tensors]
+
+    def axes_of(v: int):
+        return shardings[v].dims
+
+    default = _greedy_strategy(op, axes_of, order, mesh)
+    sharded = [i for i, (v, _) in enumerate(order) if i > 0 and shardings[v].dims and any(shardings[v].dims)]
+    if not sharded or op.primitive not in _COSTED_PRIMITIVES:
+        return default
+    best, best_key = default, (-_degree(default, mesh), _moved_bytes(op, graph, default, shardings, mesh))
+    for i in sharded:
+        strat = _greedy_strategy(op, axes_of, [order[i]] + order[:i] + order[i + 1:], mesh)
+        if strat == best:
+            continue
+        key = (-_degree(strat, mesh), _moved_bytes(op, graph, strat, shardings, mesh))
+        if key < best_key:
+            best, best_key = strat, key
+    return best
+
+
+# Ops whose layout is chosen by cost (above): those whose tensors have different shapes, where which one
+# keeps its layout matters. Elementwise ops have one layout for all tensors; keeping the largest is right.
+_COSTED_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "gather", "scatter", "scatter-add",
+                                "scatter_add", "reduce_sum", "reduce_max", "reduce_min", "transpose",
+                                "reshape", "broadcast_in_dim", "concatenate", "dynamic_slice",
+                                "dynamic_update_slice"})
+
+
+def _reshard_specs(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequence[Sharding],
+                   mesh: Mapping[str, int]) -> list[tuple[bool, int, Sharding, Sharding, str, int]]:
+    """The reshards `strat` needs: (on an operand?, tensor index, src, dst, kind, bytes per device)."""
+    rule = op.rule
+    specs: list[tuple[bool, int, Sharding, Sharding, str, int]] = []
+    for i, (v, dims) in enumerate(zip(op.inputs, rule.operands)):
+        val = graph.values[v]
+        if val.is_const and val.rank == 0:
+            continue
+        need = strat.tensor_sharding(rule, dims, mesh)
+        have = shardings[v]
+        if need != have:
+            kind = classify_reshard(have, need)
+            if kind == "none":
+                continue
+            specs.append((True, i, have, need, kind, reshard_bytes(have, need, val.shape, val.dtype.itemsize, mesh)))
+    partial = strat.partial_axes(rule)
+    for i, (v, dims) in enumerate(zip(op.outputs, rule.results)):
+        val = graph.values[v]
+        made = strat.tensor_sharding(rule, dims, mesh)
+        made = Sharding(made.dims, partial)
+        want = shardings[v]
+        if made != want:
+            kind = classify_reshard(made, want)
+            if kind in ("none", "slice"):
+                continue
+            specs.append((False, i, made, want, kind, reshard_bytes(made, want, val.shape, val.dtype.itemsize, mesh)))
+    return specs
+
+
+def _moved_bytes(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequence[Sharding], mesh: Mapping[str, int]) -> int:
+    return sum(spec[5] for spec in _reshard_specs(op, graph, strat, shardings, mesh))
 
 
 def _plan_classes(graph: Graph) -> list[int]:
@@ -340,37 +416,10 @@ class PlanBuilder:
 
     def _entry(self, op: Op) -> _Entry:
         """An op's strategy and its reshards as (on an operand?, tensor index, src, dst, kind, bytes)."""
-        graph, sizes, rule = self.graph, self.sizes, op.rule
-        shardings = self.shardings
-        strat = _strategy(op, lambda v: shardings[v].dims, self.nbytes, sizes)
-        specs: list[tuple[bool, int, Sharding, Sharding, str, int]] = []
+        strat = _strategy(op, self.graph, self.shardings, self.nbytes, self.sizes)
         if op.primitive == "tie" and op.region == "io":
             return strat, ()
-        for i, (v, dims) in enumerate(zip(op.inputs, rule.operands)):
-            val = graph.values[v]
-            if val.is_const and val.rank == 0:
-                continue
-            need = strat.tensor_sharding(rule, dims, sizes)
-            have = shardings[v]
-            if need != have:
-                kind = classify_reshard(have, need)
-                if kind == "none":
-                    continue
-                specs.append((True, i, have, need, kind,
-                              reshard_bytes(have, need, val.shape, val.dtype.itemsize, sizes)))
-        partial = strat.partial_axes(rule)
-        for i, (v, dims) in enumerate(zip(op.outputs, rule.results)):
-            val = graph.values[v]
-            made = strat.tensor_sharding(rule, dims, sizes)
-            made = Sharding(made.dims, partial)
-            want = shardings[v]
-            if made != want:
-                kind = classify_reshard(made, want)
-                if kind in ("none", "slice"):
-                    continue
-                specs.append((False, i, made, want, kind,
-                              reshard_bytes(made, want, val.shape, val.dtype.itemsize, sizes)))
-        return strat, tuple(specs)
+        return strat, tuple(_reshard_specs(op, self.graph, strat, self.shardings, self.sizes))
 
     def _reshard(self, op: Op, operand: bool, i: int, src: Sharding, dst: Sharding, kind: str, nbytes: int) -> Reshard:
         if op.id not in self._sources:

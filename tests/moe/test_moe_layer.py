@@ -200,13 +200,17 @@ def test_functional_core_top1_router():
     assert moe.GatingOutput is type(gating)
 
 
-def test_shardc_auto_forward_has_two_all_to_alls_and_no_input_all_gather():
+# (x shape, experts): the dispatch mask [G, S, E, C] larger than the tokens [G, S, M]; and d_model M larger
+# than E x C, as in real models (d 1024, 64 experts, C 8), where the dispatched tokens [E, G, C, M] are the
+# largest tensor of the dispatch einsum yet computing them split on G and moving them is the cheap way.
+@pytest.mark.parametrize("x_shape, experts", [((16, 32, 16), 8), ((16, 8, 128), 8)])
+def test_shardc_auto_forward_has_two_all_to_alls_and_no_input_all_gather(x_shape, experts):
     shardc = pytest.importorskip("shardc")
     if not hasattr(shardc, "auto"):
         pytest.skip("shardc.auto not available")
     mesh = shardc.make_mesh({"expert": 8})
-    x = jax.random.normal(jax.random.key(0), (16, 32, 16))
-    m = MoeFeedForward(num_experts=8, hidden_dim=32, num_groups=8, second_expert_policy="all")
+    x = jax.random.normal(jax.random.key(0), x_shape)
+    m = MoeFeedForward(num_experts=experts, hidden_dim=32, num_groups=8, second_expert_policy="all")
     params, _ = _init(m, x)
     y0, _ = m.apply({"params": params}, x)
 
