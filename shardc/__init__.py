@@ -16,9 +16,11 @@ from shardc.rules.core import register_rule
 from shardc.sharding import Sharding, make_mesh
 from shardc.sim import simulate
 from shardc.search import baselines
+from shardc.search.budget import SearchTimeCapWarning
 
 __all__ = [
     "auto", "plan", "plan_for", "make_mesh", "split", "replicate", "shard", "UNCONSTRAINED", "ShardingError",
     "Plan", "Reshard", "Sharding", "AutoFunction", "register_rule", "Topology", "simulate", "baselines",
+    "SearchTimeCapWarning",
 ]
 __version__ = "0.1.0"

@@ -17,6 +17,7 @@ from shardc.plan import Plan, abstract_mesh
 from shardc.propagate import Seed
 from shardc.report import format_bytes
 from shardc.search.baselines import BASELINES, baseline_seeds
+from shardc.search.budget import MESH_SETUP_UNITS, Budget, full_plan_units
 from shardc.search.dp import sp_dp
 from shardc.search.evaluate import INVALID, Evaluator, Problem, Score, paused_gc, plan_from_seeds
 from shardc.search.mcmc import mcmc
@@ -45,6 +46,8 @@ class SearchReport:
     seconds: float
     method: str
     seeds: tuple[Seed, ...] = ()
+    plan_budget: int | None = None  # the deterministic allowance of simulated plans (None: unbounded)
+    capped: bool = False  # the wall-clock cap stopped the search first: a rerun may choose differently
 
     def summary(self) -> str:
         per_name: dict[str, Candidate] = {}
@@ -53,7 +56,11 @@ class SearchReport:
                 per_name[c.name] = c
         rows = [self.chosen] + sorted((c for c in per_name.values() if c is not self.chosen), key=lambda c: c.score.key)
         lines = [f"strategy search ({self.method}): {self.evaluations} simulated plans over {len(self.meshes)} "
-                 f"mesh shape(s) in {self.seconds:.1f} s"]
+                 f"mesh shape(s) in {self.seconds:.1f} s"
+                 + (f" (budget {self.plan_budget} plans)" if self.plan_budget is not None else "")]
+        if self.capped:
+            lines.append("  stopped by the time cap before its plan budget was spent: a rerun may choose another plan "
+                         "(raise budget_s)")
         w = max(len(c.name) for c in rows)
         for c in rows:
             mesh = ",".join(f"{a}={n}" for a, n in c.mesh.items())
@@ -89,12 +96,15 @@ def project(space: Space, plan: Plan) -> Assignment:
 
 def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, method: Any = True,
                 budget_s: float | None = 30.0, seed: int = 0, max_steps: int = 2000, progress: bool | None = None, max_meshes: int = 2,
-                baselines: Sequence[str] = tuple(BASELINES)) -> tuple[Plan, SearchReport]:
+                baselines: Sequence[str] = tuple(BASELINES), time_cap: bool = True) -> tuple[Plan, SearchReport]:
     """Search every mesh in `meshes` and return the best plan (fits memory, lowest simulated step time)
-    with its report. `method`: True (DP then MCMC), "dp", "mcmc". Every baseline is scored on every mesh;
-    the search then runs on the `max_meshes` meshes whose best baseline is fastest. `budget_s` bounds the
-    search phase (baselines are always scored); with budget_s=None, `max_steps` alone bounds it and the
-    result is deterministic for a seed."""
+    with its report. `method`: True (DP then MCMC), "dp", "mcmc". The baselines are scored on the meshes
+    in order (on every mesh when the budget allows, at least `max_meshes`); the search then runs on the
+    `max_meshes` meshes whose best baseline is fastest.
+
+    `budget_s` becomes a number of simulated plans (`shardc.search.budget`), so the result is the same on
+    every run for a seed; with `time_cap` the clock also stops the search at `budget_s` (flagged in the
+    report). With budget_s=None, `max_steps` alone bounds MCMC and every mesh is scored."""
     from tqdm.auto import tqdm
 
     t0 = time.perf_counter()
@@ -105,7 +115,8 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
     smallest_peak = math.inf
     evaluations = 0
     tried: list[dict[str, int]] = []
-    deadline = None if budget_s is None else t0 + budget_s
+    n_devices = math.prod(dict(meshes[0]).values()) if meshes else 1
+    budget = Budget.for_search(budget_s, problem.graph, n_devices, cap=time_cap)
     hint_error: str | None = None  # why the first mesh that rejected the hints did
 
     def consider(name: str, sizes: dict[str, int], plan: Plan, score: Score, extra: tuple[Seed, ...]) -> None:
@@ -120,7 +131,8 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
     # Phase 1: every baseline on every mesh.
     states = []
     for sizes in meshes:
-        if deadline is not None and len(states) >= max_meshes and time.perf_counter() > t0 + budget_s / 2:
+        if budget.plans is not None and len(states) >= max_meshes and (2 * budget.spent >= budget.plans
+                                                                       or budget.out_of_time()):
             break  # half the budget is spent on baselines: search the meshes scored so far (at least max_meshes)
         sizes = dict(sizes)
         mesh = _mesh_of(sizes)
@@ -130,6 +142,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
             hint_error = hint_error or f"on {sizes}: {e}"
             continue  # the hints do not fit this mesh
         tried.append(sizes)
+        budget.charge(MESH_SETUP_UNITS)
         space = build_space(problem.graph, sizes, user)
         ev = Evaluator(problem, mesh, space, user)
         starts: list[Assignment] = [space.neutral()]
@@ -145,6 +158,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
             except ShardingError:
                 continue
             bar.update(1)
+            budget.charge(full_plan_units(n_devices))
             consider(name, sizes, plan, score, tuple(extra))
             starts.append(project(space, plan))
             mixes.append(plan_choices(space, plan))
@@ -154,23 +168,27 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
     states.sort(key=lambda st: (st[0], st[1]))
     states = states[:max_meshes]
     for i, (_, _, sizes, user, ev, starts, mixes) in enumerate(states):
-        t_mesh = time.perf_counter()
-        mesh_deadline = None if deadline is None else t_mesh + max(deadline - t_mesh, 0.0) / (len(states) - i)
-        t_eval = (time.perf_counter() - t0) / max(sum(st[4].evaluations for st in states), 1)
+        share = budget.left / (len(states) - i)  # plans for this mesh
+        used0 = ev.evaluations
         base = min(starts, key=lambda s: (ev.score(s).key, s))
         doms = mixing_domains(ev.space, mixes + [base])  # the DP mixes the baselines per kind of layer
-        dp_evals = sum(len(d) - 1 for d in doms) + 10  # its unary pass; past its deadline it keeps the best seen
-        skip_dp = method is True and mesh_deadline is not None and dp_evals * t_eval > (mesh_deadline - t_mesh) / 2
-        if method in (True, "dp") and not skip_dp:  # (DP+MCMC skips a DP that cannot finish in its share)
-            dp_deadline = mesh_deadline if method == "dp" or mesh_deadline is None else (t_mesh + mesh_deadline) / 2
-            a, _ = sp_dp(ev, base, max_evals=400 if method is True else 4000, deadline=dp_deadline,
-                         on_eval=lambda: bar.update(1), domains=doms)
+        dp_evals = sum(len(d) - 1 for d in doms) + 10  # its unary pass
+        skip_dp = method is True and dp_evals > share / 2  # (DP+MCMC skips a DP that cannot finish in half its share)
+        if method in (True, "dp") and not skip_dp and not budget.out_of_time():
+            cap = 400 if method is True else 4000
+            dp_max = int(min(cap, share / 2 if method is True else share))
+            a, _ = sp_dp(ev, base, max_evals=dp_max, deadline=budget.deadline, on_eval=lambda: bar.update(1),
+                         domains=doms)
+            budget.out_of_time()
             starts.append(a)
-        if method in (True, "mcmc"):
-            left = None if mesh_deadline is None else max(mesh_deadline - time.perf_counter(), 0.0)
-            a, _, _ = mcmc(ev, starts, seed=seed, max_steps=max_steps, budget_s=left,
-                           on_step=lambda i, s: bar.update(1), prefer=doms)
+        if method in (True, "mcmc") and not budget.out_of_time():
+            steps = int(min(max_steps, share - (ev.evaluations - used0)))
+            a, _, st = mcmc(ev, starts, seed=seed, max_steps=max(steps, 1), deadline=budget.deadline,
+                            on_step=lambda i, s: bar.update(1), prefer=doms)
+            if st.stopped == "time cap":
+                budget.capped = True
             starts.append(a)
+        budget.charge(ev.evaluations - used0)
         a = min(starts, key=lambda s: (ev.score(s).key, s))
         extra = tuple(seeds_for(ev.space, a, user))
         try:
@@ -189,7 +207,8 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
         raise ShardingError(
             f"no plan fits in device memory: the smallest simulated peak found is {format_bytes(smallest_peak)} per "
             f"device (limit {format_bytes(limit)}); use more devices, a smaller batch, or donate the state")
-    report = SearchReport(chosen, cands, tried, evaluations, time.perf_counter() - t0, method_name, extra)
+    report = SearchReport(chosen, cands, tried, evaluations, time.perf_counter() - t0, method_name, extra,
+                          budget.plans, budget.capped)
     return dataclasses.replace(plan, search=report), report
 
 

@@ -11,11 +11,13 @@ import dataclasses
 import math
 import os
 import re
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
 
 from shardc.plan import Plan
+from shardc.search.budget import SearchTimeCapWarning
 from shardc.search.driver import graph_key, load_plan, save_plan, search_plan
 from shardc.search.evaluate import Problem, plan_from_seeds
 from shardc.search.space import mesh_candidates
@@ -30,9 +32,10 @@ def enabled(search: Any) -> bool:
     return search not in (False, None)
 
 
-# Default search budgets (seconds of search after tracing), chosen so that planning a ~6,000-eqn train step
-# takes <= 10 s on 8 devices and <= 30 s on 64 on a 2-core machine (bench/search_speed.py); pass budget_s to
-# search longer (bench/zoo.py uses 60-90 s).
+# Default search budgets (seconds of search after tracing, turned into a number of simulated plans by
+# `shardc.search.budget`), chosen so that planning a ~6,000-eqn train step takes <= 10 s on 8 devices and
+# <= 30 s on 64 on a 2-core machine (bench/search_speed.py); pass budget_s to search longer (bench/zoo.py
+# uses 60-150 s).
 SMALL_MESH_BUDGET_S = 6.0
 LARGE_MESH_BUDGET_S = 24.0
 
@@ -131,10 +134,15 @@ def plan_by_search(af: Any, graph: Any, user_seeds: Callable, in_paths: Sequence
     budget = af.budget_s if af.budget_s is not None else default_budget(n)
     from shardc.distributed import is_multiprocess
 
-    steps = 2000
-    if is_multiprocess():  # bounded by steps only (about 4 per second of budget), so every process agrees
-        budget, steps, method = None, int(min(2000, max(50, 4 * budget))), ("mcmc" if method is True else method)
-    plan, report = search_plan(problem, meshes, method=method, budget_s=budget, seed=af.seed, max_steps=steps)
+    # The budget is a number of simulated plans (deterministic); the clock is a safety cap, except in
+    # multi-process jobs, where every process must reach the same plan whatever its speed.
+    plan, report = search_plan(problem, meshes, method=method, budget_s=budget, seed=af.seed,
+                               time_cap=not is_multiprocess())
+    if report.capped:
+        warnings.warn(f"shardc: the strategy search hit its time cap ({budget:g} s) before spending its budget of "
+                      f"{report.plan_budget} simulated plans (the machine is slower or busier than expected); "
+                      "another run may choose a different plan. Raise budget_s (the plan budget and the cap "
+                      "grow together).", SearchTimeCapWarning, stacklevel=4)
     _PLAN_CACHE[key] = report
     if path is not None:
         save_plan(plan, path)

@@ -5,7 +5,8 @@ proportion to the bytes their members touch, so the heavy ops are revisited most
 one with probability exp(-beta * (cost_new - cost_cur) / cost_ref), where cost_ref is the best time so
 far, so beta is relative to the cost's magnitude (beta=20: a 5% slower plan is taken with p = 1/e).
 The chain restarts from the best state every `restart_every` steps and stops when the budget (steps or
-seconds) is spent or nothing improved for half of it. Deterministic for a seed when bounded by steps.
+seconds) is spent or nothing improved for half of it. Deterministic for a seed when bounded by steps (a
+`deadline` is a safety cap only: the chain reports `stopped == "time cap"` when it hit it).
 """
 from __future__ import annotations
 
@@ -50,14 +51,16 @@ def _weight(ev: Evaluator, gi: int) -> float:
 
 
 def mcmc(ev: Evaluator, starts: Sequence[Assignment], *, seed: int = 0, max_steps: int = 2000,
-         budget_s: float | None = None, beta: float = 20.0, restart_every: int | None = None,
+         budget_s: float | None = None, deadline: float | None = None, beta: float = 20.0,
+         restart_every: int | None = None,
          on_step: Callable[[int, Score], Any] | None = None,
          prefer: Sequence[Sequence[int]] | None = None) -> tuple[Assignment, Score, MCMCStats]:
     """Search from the best of `starts`; returns the best assignment, its score and statistics. With `prefer`
     (per group, choices such as the baselines' `mixing_domains`), half of the proposals of a group draw from
     its preferred choices (when it has another one than the current). The proposal is then symmetric among
     preferred choices and among the others, but favours moves into the preferred set (on purpose: the chain
-    spends more time near mixes of the baselines)."""
+    spends more time near mixes of the baselines). `budget_s`: a time budget (the result then depends on
+    the machine's speed); `deadline`: a `time.perf_counter()` value at which the chain stops regardless."""
     rng = random.Random(seed)
     stats = MCMCStats()
     scored = [(ev.score(s), i, s) for i, s in enumerate(starts)]
@@ -75,6 +78,9 @@ def mcmc(ev: Evaluator, starts: Sequence[Assignment], *, seed: int = 0, max_step
         now = time.perf_counter()
         if budget_s is not None and now - t0 >= budget_s:
             stats.stopped = "time budget"
+            break
+        if deadline is not None and now >= deadline:
+            stats.stopped = "time cap"
             break
         if step - last_gain_step > max_steps // 2 or (budget_s is not None and now - last_gain_t > budget_s / 2):
             stats.stopped = "no improvement for half the budget"

@@ -1,0 +1,78 @@
+"""The budget: `budget_s` becomes a number of simulated plans, so the plan does not depend on how fast the
+machine is; the clock only caps a search that runs far slower than expected, and says so."""
+import time
+import warnings
+
+import jax
+import pytest
+
+import shardc
+from shardc.search.budget import Budget, SearchTimeCapWarning, plans_for
+from shardc.search.driver import search_plan
+from shardc.search.evaluate import Evaluator
+from search_models import mlp_args, mlp_forward, problem_of
+
+MESHES = [{"data": 4}, {"data": 2, "model": 2}]
+
+
+def _step(x, w1, w2):
+    l, g = jax.value_and_grad(lambda w1, w2: mlp_forward(x, w1, w2).mean(), argnums=(0, 1))(w1, w2)
+    return w1 - g[0], w2 - g[1], l
+
+
+def _slowed(monkeypatch, seconds: float) -> None:
+    """Every evaluation takes `seconds` longer (a busy machine)."""
+    real = Evaluator.score_plan
+
+    def slow(self, plan):
+        time.sleep(seconds)
+        return real(self, plan)
+
+    monkeypatch.setattr(Evaluator, "score_plan", slow)
+
+
+def test_plan_budget_grows_with_seconds_and_shrinks_with_program_size():
+    assert plans_for(6.0, 6000, 8) > plans_for(6.0, 6000, 64) > 20
+    assert plans_for(12.0, 6000, 8) >= 2 * plans_for(6.0, 6000, 8) - 1
+    assert plans_for(6.0, 300, 8) > 5 * plans_for(6.0, 6000, 8)
+    assert plans_for(0.001, 6000, 8) == 20  # a floor, so tiny budgets still search
+
+
+def test_a_slower_machine_gives_the_same_plan(monkeypatch):
+    pb = problem_of(_step, mlp_args())
+    fast, rep_fast = search_plan(pb, MESHES, budget_s=2.0, seed=3, progress=False, time_cap=False)
+    _slowed(monkeypatch, 0.01)
+    t = time.perf_counter()
+    slow, rep_slow = search_plan(pb, MESHES, budget_s=2.0, seed=3, progress=False, time_cap=False)
+    assert time.perf_counter() - t > rep_slow.evaluations * 0.01  # it really was slower
+    assert rep_fast.plan_budget == rep_slow.plan_budget
+    assert rep_fast.evaluations == rep_slow.evaluations  # the same work, not the same seconds
+    assert fast.fingerprint() == slow.fingerprint() and fast.mesh_sizes == slow.mesh_sizes
+    assert not rep_fast.capped and not rep_slow.capped
+
+
+def test_the_time_cap_stops_a_far_slower_search_and_flags_it(monkeypatch):
+    pb = problem_of(_step, mlp_args())
+    _slowed(monkeypatch, 0.05)
+    t = time.perf_counter()
+    plan, rep = search_plan(pb, MESHES, budget_s=0.3, seed=0, progress=False)
+    # the cap stops the search phase; the baselines of the first meshes are still scored (about 10 x 50 ms)
+    assert time.perf_counter() - t < 3.0
+    assert rep.capped and rep.evaluations < rep.plan_budget
+    assert "time cap" in rep.summary()
+    feasible = [c.score.time for c in rep.baselines if c.score.feasible]
+    assert rep.chosen.score.time <= min(feasible)  # still never worse than a baseline it scored
+
+
+def test_auto_warns_when_the_cap_decided(monkeypatch):
+    x, w1, w2 = mlp_args()
+    _slowed(monkeypatch, 0.05)
+    f = shardc.auto(lambda x, w1, w2: mlp_forward(x, w1, w2), mesh=shardc.make_mesh({"data": 4, "model": 2}),
+                    budget_s=0.2, seed=11)
+    with pytest.warns(SearchTimeCapWarning, match="time cap"):
+        f.plan(x, w1, w2)
+
+
+def test_budget_none_is_unbounded_and_uncapped():
+    b = Budget.for_search(None, None, 8)
+    assert b.plans is None and b.cap_s is None and b.left == float("inf") and not b.out_of_time()
