@@ -20,7 +20,7 @@ from shardc.propagate import Cause, Propagation, project_dim
 from shardc.rules.core import FactorKind, FactorRule
 from shardc.sharding import Sharding, mesh_shape
 
-__all__ = ["OpStrategy", "Reshard", "Plan", "PlanBuilder", "build_plan", "abstract_mesh", "is_abstract", "require_devices", "classify_reshard", "reshard_bytes"]
+__all__ = ["OpStrategy", "Reshard", "Plan", "PlanBuilder", "build_plan", "abstract_mesh", "is_abstract", "require_devices", "classify_reshard", "reshard_bytes", "op_reshard_specs"]
 
 Axes = tuple[str, ...]
 
@@ -270,7 +270,7 @@ _COSTED_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "gather",
                                 "dynamic_update_slice"})
 
 
-def _reshard_specs(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequence[Sharding],
+def op_reshard_specs(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequence[Sharding],
                    mesh: Mapping[str, int]) -> list[tuple[bool, int, Sharding, Sharding, str, int]]:
     """The reshards `strat` needs: (on an operand?, tensor index, src, dst, kind, bytes per device)."""
     rule = op.rule
@@ -301,7 +301,7 @@ def _reshard_specs(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequence[
 
 
 def _moved_bytes(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequence[Sharding], mesh: Mapping[str, int]) -> int:
-    return sum(spec[5] for spec in _reshard_specs(op, graph, strat, shardings, mesh))
+    return sum(spec[5] for spec in op_reshard_specs(op, graph, strat, shardings, mesh))
 
 
 def _plan_classes(graph: Graph) -> list[int]:
@@ -419,7 +419,7 @@ class PlanBuilder:
         strat = _strategy(op, self.graph, self.shardings, self.nbytes, self.sizes)
         if op.primitive == "tie" and op.region == "io":
             return strat, ()
-        return strat, tuple(_reshard_specs(op, self.graph, strat, self.shardings, self.sizes))
+        return strat, tuple(op_reshard_specs(op, self.graph, strat, self.shardings, self.sizes))
 
     def _reshard(self, op: Op, operand: bool, i: int, src: Sharding, dst: Sharding, kind: str, nbytes: int) -> Reshard:
         if op.id not in self._sources:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from shardc.plan import OpStrategy, Plan, Reshard, classify_reshard, reshard_bytes
+from shardc.plan import OpStrategy, Plan, Reshard, op_reshard_specs
 from shardc.rules.core import FactorKind
 from shardc.sharding import Sharding
 
@@ -17,33 +17,17 @@ def _op_reshards(plan: Plan, op_id: int, strategies: Sequence[OpStrategy],
                  shardings: Sequence[Sharding]) -> list[Reshard]:
     g = plan.graph
     op = g.ops[op_id]
-    rule = op.rule
-    sizes = plan.mesh_sizes
-    strat = strategies[op_id]
-    out: list[Reshard] = []
     if op.primitive == "tie" and op.region == "io":
-        return out
-    for v, dims in zip(op.inputs, rule.operands):
-        val = g.values[v]
-        if val.is_const and val.rank == 0:
-            continue
-        need = strat.tensor_sharding(rule, dims, sizes)
-        have = shardings[v]
-        if need != have:
-            kind = classify_reshard(have, need)
-            if kind != "none":
-                out.append(Reshard(v, have, need, kind, reshard_bytes(have, need, val.shape, val.dtype.itemsize, sizes),
-                                   f"{op.primitive} needs {val.name} as {need}", op.source, consumer=op_id))
-    partial = strat.partial_axes(rule)
-    for v, dims in zip(op.outputs, rule.results):
-        val = g.values[v]
-        made = Sharding(strat.tensor_sharding(rule, dims, sizes).dims, partial)
-        want = shardings[v]
-        if made != want:
-            kind = classify_reshard(made, want)
-            if kind not in ("none", "slice"):
-                out.append(Reshard(v, made, want, kind, reshard_bytes(made, want, val.shape, val.dtype.itemsize, sizes),
-                                   f"{op.primitive} makes {made}", op.source, consumer=None))
+        return []
+    out: list[Reshard] = []
+    for operand, i, src, dst, kind, nbytes in op_reshard_specs(op, g, strategies[op_id], shardings, plan.mesh_sizes):
+        if operand:
+            v = op.inputs[i]
+            out.append(Reshard(v, src, dst, kind, nbytes, f"{op.primitive} needs {g.values[v].name} as {dst}",
+                               op.source, consumer=op_id))
+        else:
+            out.append(Reshard(op.outputs[i], src, dst, kind, nbytes, f"{op.primitive} makes {src}", op.source,
+                               consumer=None))
     return out
 
 
