@@ -210,6 +210,8 @@ def run_model(zm, topology: str, budget: float, *, xla: bool = True) -> list[Row
                         ideal(s.time) if s.feasible else math.nan))
     ch = report.chosen
     note = "" if ch.name == "search" else f"= {ch.name} (nothing faster found)"
+    if report.capped:
+        note = (note + "; " if note else "") + "stopped by the time cap"
     rows.append(Row(zm.name, topology, "search", _mesh_str(ch.mesh), ch.score.time, ch.score.peak, ch.score.comm,
                     search_s, ch.score.feasible, ideal(ch.score.time), note))
     if xla and "hints" in per_name:
