@@ -271,7 +271,7 @@ _COSTED_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "gather",
 
 
 def op_reshard_specs(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequence[Sharding],
-                   mesh: Mapping[str, int]) -> list[tuple[bool, int, Sharding, Sharding, str, int]]:
+                     mesh: Mapping[str, int]) -> list[tuple[bool, int, Sharding, Sharding, str, int]]:
     """The reshards `strat` needs: (on an operand?, tensor index, src, dst, kind, bytes per device)."""
     rule = op.rule
     specs: list[tuple[bool, int, Sharding, Sharding, str, int]] = []
