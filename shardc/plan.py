@@ -340,6 +340,17 @@ def build_plan(graph: Graph, mesh: Mesh, prop: Propagation, *, input_names: Sequ
 _Entry = tuple[OpStrategy, tuple[tuple[bool, int, Sharding, Sharding, str, int], ...]]
 
 
+def _carried_axes(prop: Propagation, inp: int, out: int) -> tuple[Axes, ...]:
+    """The layout of a carried input's next value: the input's, except on dims a hint or seed closed on the
+    output alone (there the user asked for that layout of the result; both closed and different is an
+    error raised before planning)."""
+    a, b = prop.axes[inp], prop.axes[out]
+    merged = tuple(tuple(b[d]) if prop.closed[out][d] and not prop.closed[inp][d] else tuple(a[d])
+                   for d in range(len(a)))
+    flat = [x for dim in merged for x in dim]
+    return merged if len(flat) == len(set(flat)) else tuple(tuple(x) for x in b)
+
+
 class PlanBuilder:
     """Builds plans of one graph on one mesh, incrementally.
 
@@ -367,11 +378,20 @@ class PlanBuilder:
         self.axes: list[tuple[Axes, ...]] = []
         self.strategies: list[OpStrategy] = []
         self.reshards: list[tuple[Reshard, ...]] = []
+        # Carried train-step state: the next value of an input (an output tied to it) is laid out as the
+        # input is, whatever propagation gave it, so step 2 starts where step 1 did; the op that makes it
+        # in another layout records the reshard (e.g. ZeRO's all-gather of the updated parameters).
+        self._carry = {op.outputs[0]: op.inputs[0] for op in graph.ops if op.primitive == "tie" and op.region == "io"}
+        self._next: dict[int, list[int]] = {}
+        for out, inp in self._carry.items():
+            self._next.setdefault(inp, []).append(out)
 
     def build(self, prop: Propagation, changed: Any = None) -> Plan:
         graph = self.graph
         if changed is None or not self.strategies:
             self.axes = [tuple(a) for a in prop.axes]
+            for out, inp in self._carry.items():
+                self.axes[out] = _carried_axes(prop, inp, out)
             self.shardings = [Sharding(a) for a in self.axes]
             self.origins = [tuple(o) for o in prop.origin]
             self.strategies, self.reshards = [], []
@@ -386,8 +406,11 @@ class PlanBuilder:
                     for v in dict.fromkeys(op.inputs + op.outputs):
                         self._users[v].append(op.id)
             ops: set[int] = set()
+            changed = set(changed)
+            changed.update(out for v in list(changed) for out in self._next.get(v, ()))
             for v in changed:
-                axes, origin = tuple(prop.axes[v]), tuple(prop.origin[v])
+                axes = _carried_axes(prop, self._carry[v], v) if v in self._carry else tuple(prop.axes[v])
+                origin = tuple(prop.origin[v])
                 if axes != self.axes[v]:
                     self.axes[v] = axes
                     self.shardings[v] = Sharding(axes)

@@ -16,7 +16,7 @@ from annotations.errors import ShardingError
 from shardc.plan import Plan, abstract_mesh
 from shardc.propagate import Seed
 from shardc.report import format_bytes
-from shardc.search.baselines import BASELINES, baseline_seeds
+from shardc.search.baselines import BASELINES, baseline_seeds, consistent_carry, role_mixes
 from shardc.search.budget import MESH_SETUP_UNITS, Budget, full_plan_units
 from shardc.search.dp import sp_dp
 from shardc.search.evaluate import INVALID, Evaluator, Problem, Score, paused_gc, plan_from_seeds
@@ -147,6 +147,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
         ev = Evaluator(problem, mesh, space, user)
         starts: list[Assignment] = [space.neutral()]
         mixes: list[Assignment] = []
+        seed_sets: dict[str, list[Seed]] = {}
         top = INVALID
         for name in baselines:
             try:
@@ -160,16 +161,33 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
             bar.update(1)
             budget.charge(full_plan_units(n_devices))
             consider(name, sizes, plan, score, tuple(extra))
+            seed_sets[name] = list(extra)
             starts.append(project(space, plan))
             mixes.append(plan_choices(space, plan))
             top = min(top, score, key=lambda x: x.key)
-        states.append((top.key, len(states), sizes, user, ev, starts, mixes))
+        states.append((top.key, len(states), sizes, user, ev, starts, mixes, seed_sets))
     # Phase 2: search the most promising meshes (by their best baseline), sharing what is left of the budget.
     states.sort(key=lambda st: (st[0], st[1]))
     states = states[:max_meshes]
-    for i, (_, _, sizes, user, ev, starts, mixes) in enumerate(states):
+    for i, (_, _, sizes, user, ev, starts, mixes, seed_sets) in enumerate(states):
         share = budget.left / (len(states) - i)  # plans for this mesh
         used0 = ev.evaluations
+        roles = role_mixes(problem.graph, seed_sets)
+        if math.isfinite(share):  # role mixes get at most a quarter of the share
+            roles = roles[:int(share / 4 / full_plan_units(n_devices))]
+        for _, seeds in roles:
+            try:
+                plan = ev.plan_with(seeds)
+                if not consistent_carry(problem.graph, plan):
+                    continue  # the next step would start from another layout: not a steady-state plan
+                score = ev.score_plan(plan)[0]
+            except ShardingError:
+                continue
+            bar.update(1)
+            budget.charge(full_plan_units(n_devices) - 1)  # (the evaluation itself is charged below)
+            consider("search", sizes, plan, score, tuple(seeds))
+            starts.append(project(ev.space, plan))
+            mixes.append(plan_choices(ev.space, plan))
         base = min(starts, key=lambda s: (ev.score(s).key, s))
         doms = mixing_domains(ev.space, mixes + [base])  # the DP mixes the baselines per kind of layer
         dp_evals = sum(len(d) - 1 for d in doms) + 10  # its unary pass
