@@ -381,10 +381,8 @@ class PlanBuilder:
         # Carried train-step state: the next value of an input (an output tied to it) is laid out as the
         # input is, whatever propagation gave it, so step 2 starts where step 1 did; the op that makes it
         # in another layout records the reshard (e.g. ZeRO's all-gather of the updated parameters).
-        self._carry = {op.outputs[0]: op.inputs[0] for op in graph.ops if op.primitive == "tie" and op.region == "io"}
-        self._next: dict[int, list[int]] = {}
-        for out, inp in self._carry.items():
-            self._next.setdefault(inp, []).append(out)
+        self._next = graph.carried()  # input -> its next value
+        self._carry = {out: inp for inp, out in self._next.items()}
 
     def build(self, prop: Propagation, changed: Any = None) -> Plan:
         graph = self.graph
@@ -407,7 +405,7 @@ class PlanBuilder:
                         self._users[v].append(op.id)
             ops: set[int] = set()
             changed = set(changed)
-            changed.update(out for v in list(changed) for out in self._next.get(v, ()))
+            changed.update(self._next[v] for v in list(changed) if v in self._next)
             for v in changed:
                 axes = _carried_axes(prop, self._carry[v], v) if v in self._carry else tuple(prop.axes[v])
                 origin = tuple(prop.origin[v])

@@ -143,5 +143,9 @@ class Graph:
     def hint_ops(self) -> list[Op]:
         return [op for op in self.ops if op.is_hint]
 
+    def carried(self) -> dict[int, int]:
+        """Carried train-step state: graph input -> the output that is its next value (the io ties)."""
+        return {op.inputs[0]: op.outputs[0] for op in self.ops if op.primitive == "tie" and op.region == "io"}
+
     def __repr__(self) -> str:
         return f"Graph({len(self.ops)} ops, {len(self.values)} values, {len(self.inputs)} inputs)"

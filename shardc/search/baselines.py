@@ -13,7 +13,7 @@ from shardc.ir.graph import Graph
 from shardc.propagate import Cause, Seed
 
 __all__ = ["BASELINES", "baseline_seeds", "baseline_plan", "state_inputs", "data_inputs", "parameter_inputs",
-           "role_mixes", "carried_outputs", "consistent_carry"]
+           "role_mixes", "consistent_carry"]
 
 Axes = tuple[str, ...]
 _ROW = re.compile(r"(out|o_proj|\bo\b|'o'|down|wo\b|fc2|c_proj|proj_out|dense_?1)", re.I)
@@ -21,35 +21,29 @@ _ROW = re.compile(r"(out|o_proj|\bo\b|'o'|down|wo\b|fc2|c_proj|proj_out|dense_?1
 
 def state_inputs(graph: Graph) -> list[int]:
     """Graph inputs carried to the next step (tied to an output)."""
-    carried = {op.inputs[0] for op in graph.ops if op.primitive == "tie" and op.region == "io"}
+    carried = graph.carried()
     return [v for v in graph.inputs if v in carried]
-
-
-def carried_outputs(graph: Graph) -> dict[int, int]:
-    """Carried input -> the output that is its next value."""
-    return {op.inputs[0]: op.outputs[0] for op in graph.ops if op.primitive == "tie" and op.region == "io"}
 
 
 def consistent_carry(graph: Graph, plan) -> bool:
     """Every carried input and its next value have the same sharding (the next step needs no reshard)."""
-    return all(plan.shardings[a] == plan.shardings[b] for a, b in carried_outputs(graph).items())
+    return all(plan.shardings[a] == plan.shardings[b] for a, b in graph.carried().items())
 
 
 def parameter_inputs(graph: Graph) -> list[int]:
     """Carried inputs on which the step's other outputs (the loss, metrics) depend: the parameters (and
     statistics such as BatchNorm's). The other carried inputs (optimizer moments, step counters) only feed
     their own updates."""
-    tied = {op.outputs[0] for op in graph.ops if op.primitive == "tie" and op.region == "io"}
-    producer = {v: op for op in graph.ops if op.primitive != "tie" for v in op.outputs}
+    tied = set(graph.carried().values())
     needed: set[int] = set()
     stack = [v for v in graph.outputs if v not in tied]
     while stack:
         v = stack.pop()
         if v not in needed:
             needed.add(v)
-            op = producer.get(v)
+            op = graph.values[v].producer
             if op is not None:
-                stack.extend(op.inputs)
+                stack.extend(graph.ops[op].inputs)
     return [v for v in state_inputs(graph) if v in needed]
 
 
@@ -64,7 +58,7 @@ def role_mixes(graph: Graph, seed_sets: Mapping[str, Sequence[Seed]]) -> list[tu
     rest = set(state_inputs(graph)) - params
     if not params or not rest:
         return []
-    tied = carried_outputs(graph)
+    tied = graph.carried()
     out: list[tuple[str, list[Seed]]] = []
     seen: set[tuple] = set()
     for a, sa in seed_sets.items():
@@ -72,8 +66,8 @@ def role_mixes(graph: Graph, seed_sets: Mapping[str, Sequence[Seed]]) -> list[tu
             if a == b:
                 continue
             seeds = [s for s in sa if s.value not in rest] + [s for s in sb if s.value in rest]
-            # the next step's state in the same layout (a mix's parameters and moments disagree, so
-            # propagation alone would let the updated parameters take the moments' layout)
+            # the next step's state seeded like this one, so propagation lays out the update for it (the
+            # plan would keep the carried layout anyway, resharding the result at the end)
             seeds += [Seed(tied[s.value], s.dims, s.cause, s.priority) for s in seeds if s.value in tied]
             key = tuple(sorted((s.value, s.dims) for s in seeds))
             if key in seen or not seeds:
