@@ -29,6 +29,7 @@ from annotations.errors import ShardingError, SourceLine, caller_source_line
 from shardc.ir.build import build_graph
 from shardc.ir.graph import Graph, Op
 from shardc.carried import CarriedShapes
+from shardc.nnx_args import NnxCall, split_call
 from shardc.distributed import check_plan_agreement, is_multiprocess, to_global
 from shardc.lower import jit_plan
 from shardc.metadata import input_hints
@@ -86,12 +87,21 @@ class AutoFunction:
             raise ShardingError(f"shardc.auto(devices={devices!r}) needs a positive int and search=True (the "
                                 f"search chooses a mesh of that many devices)")
         self.devices = devices
+        self._options = dict(mesh=mesh, rules=rules, donate_argnums=donate_argnums, topology=topology, search=search,
+                             budget_s=budget_s, seed=seed, devices=devices)
+        self._nnx_steps: dict[NnxCall, AutoFunction] = {}  # per NNX argument structure (shardc/nnx_args.py)
 
     # -- public --------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             return self._inline(args, kwargs)
+        nnx_call = self._nnx_step(args, kwargs)
+        if nnx_call is not None:
+            step, call, pure_args, pure_kwargs, nodes = nnx_call
+            out, new_state = step(*pure_args, **pure_kwargs)
+            call.update(nodes, new_state)
+            return out
         self._carried.check(tree, leaves, _describe(self.fun))
         c = self._compiled(args, kwargs)
         require_devices(c.plan)
@@ -102,19 +112,43 @@ class AutoFunction:
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for these arguments, without running."""
+        nnx_call = self._nnx_step(args, kwargs)
+        if nnx_call is not None:
+            step, _, pure_args, pure_kwargs, _ = nnx_call
+            return step.plan(*pure_args, **pure_kwargs)
         return self._compiled(args, kwargs).plan
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The lowered program (over the flattened arguments), as `jax.jit(...).lower` gives."""
+        nnx_call = self._nnx_step(args, kwargs)
+        if nnx_call is not None:
+            step, _, pure_args, pure_kwargs, _ = nnx_call
+            return step.lower(*pure_args, **pure_kwargs)
         c = self._compiled(args, kwargs)
         require_devices(c.plan)
         return c.jitted.lower(*jax.tree_util.tree_leaves((args, kwargs)))
 
     def compiled_info(self, *args: Any, **kwargs: Any) -> Compiled:
         """Plan, jaxpr, trees, jitted function and timings for these arguments."""
+        nnx_call = self._nnx_step(args, kwargs)
+        if nnx_call is not None:
+            step, _, pure_args, pure_kwargs, _ = nnx_call
+            return step.compiled_info(*pure_args, **pure_kwargs)
         return self._compiled(args, kwargs)
 
     # -- internals -----------------------------------------------------------------------------------
+    def _nnx_step(self, args: tuple, kwargs: dict) -> tuple | None:
+        """For arguments holding NNX objects: the pure step that plans and runs them (one per argument
+        structure), the split, the pure arguments and the objects to update afterwards; else None."""
+        split = split_call(args, kwargs)
+        if split is None:
+            return None
+        call, pure_args, pure_kwargs, nodes = split
+        step = self._nnx_steps.get(call)
+        if step is None:
+            step = self._nnx_steps[call] = AutoFunction(call.pure(self.fun), **self._options)
+        return step, call, pure_args, pure_kwargs, nodes
+
     def _inline(self, args: tuple, kwargs: dict) -> Any:
         """Called while something else traces (another @shardc.auto function, jax.jit, grad, vmap):
         the function becomes part of that program, its hints written against this mesh."""

@@ -1,0 +1,89 @@
+"""NNX objects as arguments of an `@shardc.auto` step, updated in place as `nnx.jit` does.
+
+An NNX train step takes the model and the optimizer and mutates them: `optimizer.update(model, grads)`.
+Traced as a plain pytree function, those mutations would land on copies made during tracing and be lost
+— every call would start again from the same parameters. `NnxCall` turns such a call into a pure one:
+
+- all graph nodes among the arguments (`nnx.Module`, `nnx.Optimizer`, `nnx.Rngs`, any `nnx.Object`,
+  wherever they sit in the argument tree) are split together with `nnx.split`, so a variable two of them
+  share is one input. Variables are not nodes here: an `nnx.State` (the `nnx.split`/`nnx.merge` style of
+  a pure step) stays an ordinary pytree argument, as under `jax.jit`;
+- each node is replaced in the argument tree by its own part of that state (an `nnx.State`, whose
+  variables keep their `with_partitioning` metadata: those are hints as before);
+- the pure function merges the nodes back, runs the user's step on them and returns the step's result
+  together with the nodes' new state, which has the tree structure of the state that came in, so
+  shardc ties it to it (it leaves in the layout it came in, docs/architecture.md);
+- after the run, `nnx.update` writes the new state into the caller's objects.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+
+__all__ = ["NnxCall", "split_call"]
+
+
+def _is_graph_node(x: Any) -> bool:
+    try:
+        from flax import nnx
+    except ImportError:  # pragma: no cover - flax is a dependency, but keep plain JAX working
+        return False
+    return nnx.graph.is_graph_node(x) and not isinstance(x, nnx.Variable)
+
+
+@dataclasses.dataclass(frozen=True)
+class NnxCall:
+    """Where the graph nodes of one call's arguments are, and how they were split (hashable: a cache key)."""
+
+    treedef: Any  # of (args, kwargs), graph nodes as leaves
+    node_positions: tuple[int, ...]  # leaf indices holding graph nodes
+    graphdef: Any  # nnx.split of the tuple of those nodes
+
+    def pure(self, fun: Callable) -> Callable:
+        """`fun` as a function of the split arguments returning `(result, new node states)`."""
+        from flax import nnx
+
+        @functools.wraps(fun)
+        def pure_step(*args: Any, **kwargs: Any) -> tuple[Any, tuple]:
+            leaves = self.treedef.flatten_up_to((args, kwargs))
+            state = nnx.State({i: leaves[p] for i, p in enumerate(self.node_positions)})
+            nodes = nnx.merge(self.graphdef, state)
+            for i, p in enumerate(self.node_positions):
+                leaves[p] = nodes[i]
+            call_args, call_kwargs = jax.tree_util.tree_unflatten(self.treedef, leaves)
+            out = fun(*call_args, **call_kwargs)
+            return out, self._parts(nnx.state(nodes))
+
+        return pure_step
+
+    def update(self, nodes: tuple, new_parts: tuple) -> None:
+        """Write a run's new node states into the caller's objects."""
+        from flax import nnx
+
+        nnx.update(nodes, nnx.State(dict(enumerate(new_parts))))
+
+    def _parts(self, state: Any) -> tuple:
+        from flax import nnx
+
+        return tuple(state[i] if i in state else nnx.State({}) for i in range(len(self.node_positions)))
+
+
+def split_call(args: tuple, kwargs: dict) -> tuple[NnxCall, tuple, dict, tuple] | None:
+    """`(call, pure args, pure kwargs, nodes)` when the arguments hold NNX graph nodes, else None."""
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_graph_node)
+    positions = tuple(i for i, x in enumerate(leaves) if _is_graph_node(x))
+    if not positions:
+        return None
+    from flax import nnx
+
+    nodes = tuple(leaves[p] for p in positions)
+    graphdef, state = nnx.split(nodes)
+    call = NnxCall(treedef, positions, graphdef)
+    parts = call._parts(state)
+    for i, p in enumerate(positions):
+        leaves[p] = parts[i]
+    pure_args, pure_kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+    return call, pure_args, pure_kwargs, nodes
