@@ -29,6 +29,8 @@ from shardc.sim.tasks import TASKS_PER_SLOT, Slot, TaskBuilder, plan_needs
 
 __all__ = ["Simulator"]
 
+_GAPS = 16  # idle intervals of the compute stream kept for backfilling (see Simulator._schedule)
+
 
 @dataclasses.dataclass
 class _State:
@@ -42,6 +44,7 @@ class _State:
     bind: list[list[int]]  # per slot, per task: the task it waited for last (slot * TASKS_PER_SLOT + index), or -1
     stream_in: list[tuple[int, ...]]  # stream free times before each slot
     stream_last: list[tuple[int, ...]]  # last task on each stream before each slot
+    gaps_in: list[tuple]  # idle intervals of the compute stream before each slot (see _schedule)
     makespan_before: list[int]  # max end over slots before each slot
     makespan: int = 0
     totals: "_Totals | None" = None
@@ -110,7 +113,7 @@ class Simulator:
             self._chained(s, 1)
         n = len(slots)
         state = _State(plan, slots, keys, [], [], [[] for _ in slots], [[] for _ in slots],
-                       [[] for _ in slots], [()] * n, [()] * n, [0] * n)
+                       [[] for _ in slots], [()] * n, [()] * n, [()] * n, [0] * n)
         state.totals = _Totals.of(slots)
         state.inputs = {k for k, owner in keys.items() if owner == -1}
         state.ar_slots = {s.op for s in slots if s.ars}
@@ -226,7 +229,12 @@ class Simulator:
         return self._users_cache
 
     def _schedule(self, st: _State, first: int) -> None:
-        """List-schedule slots `first`.. in program order, from the stream state recorded before `first`."""
+        """List-schedule slots `first`.. in program order, from the stream state recorded before `first`.
+
+        Collectives run first in first out on their streams. The compute stream also backfills, as XLA's
+        latency-hiding scheduler orders a step: when an op waits for a collective, the compute stream is
+        idle until it arrives, and a later op whose operands are ready runs in that idle interval if it
+        fits there (the newest `_GAPS` intervals are kept)."""
         nstreams = len(self.builder.streams)
         nkeys = len(self.builder.key_list)
         ready, who = st.ready, st.who
@@ -236,16 +244,20 @@ class Simulator:
         if first == 0:
             free = [0] * nstreams
             last = [-1] * nstreams
+            gaps: list[tuple[int, int, int]] = []
             makespan = 0
         else:
             free = list(st.stream_in[first])
             last = list(st.stream_last[first])
+            gaps = list(st.gaps_in[first])
             makespan = st.makespan_before[first]
         slots, stream_in, stream_last, mk_before = st.slots, st.stream_in, st.stream_last, st.makespan_before
+        gaps_in = st.gaps_in
         all_starts, all_ends, all_binds = st.starts, st.ends, st.bind
         for si in range(first, len(slots)):
             stream_in[si] = tuple(free)
             stream_last[si] = tuple(last)
+            gaps_in[si] = tuple(gaps)
             mk_before[si] = makespan
             starts, ends, binds = [], [], []
             here = si * TASKS_PER_SLOT
@@ -255,9 +267,34 @@ class Simulator:
                     r = ready[d]
                     if r > start:
                         start, bind = r, who[d]
+                if s == 0 and gaps and dur:
+                    for gi, (a, b, before) in enumerate(gaps):
+                        at = start if start > a else a
+                        if at + dur <= b:  # fits in an idle interval of the compute stream
+                            if a > start:
+                                bind = before
+                            start = at
+                            end = at + dur
+                            gaps[gi:gi + 1] = [g for g in ((a, at, before), (end, b, here)) if g[1] > g[0]]
+                            break
+                    else:
+                        at = -1
+                    if at >= 0:
+                        for k in outs:
+                            ready[k] = end
+                            who[k] = here
+                        starts.append(start)
+                        ends.append(end)
+                        binds.append(bind)
+                        here += 1
+                        continue
                 if s >= 0:
                     if free[s] > start:
                         start, bind = free[s], last[s]
+                    elif s == 0 and start > free[0] and dur:
+                        gaps.append((free[0], start, last[0]))
+                        if len(gaps) > _GAPS:
+                            del gaps[0]
                     end = start + dur
                     free[s] = end
                     last[s] = here

@@ -83,3 +83,24 @@ def test_auto_with_topology_explains_cost():
     assert "simulated cost:" in text and "step time" in text
     assert shardc.simulate(plan, "h100-sxm-8").step_time == pytest.approx(plan.cost.step_time)
     assert jax.device_count() == 8
+
+
+def test_compute_backfills_while_an_op_waits_for_a_collective():
+    """XLA's latency-hiding scheduler runs independent work while a collective is in flight: an op later in
+    program order whose operands are ready fills the compute stream's idle interval; one too long for the
+    interval waits."""
+    mesh = shardc.make_mesh({"data": 2, "model": 4})
+
+    def f(x, w1, z, w2, w3):
+        y1 = split(x, 1, "model") @ split(w1, 0, "model")  # partial sums: a 4 KiB all-reduce, 2 ms
+        u = y1 * 2.0  # waits for the all-reduce
+        return u, z @ w2, z @ w3  # independent of it
+
+    args = (jnp.ones((8, 64)), jnp.ones((64, 128)), jnp.ones((8, 64)), jnp.ones((64, 32)), jnp.ones((64, 32)))
+    plan = shardc.plan(f, *args, mesh=mesh, search=False)
+    r = simulate(plan, topology(True), estimator=FakeEstimator({"dot_general": 1 * MS, "mul": 0.1 * MS}))
+    spans = [(t[0], t[1], round(t[3] / MS, 6), round(t[4] / MS, 6)) for t in sorted(r.tasks(), key=lambda t: t[3])]
+    compute = [s[2:] for s in spans if s[1] == "compute"]
+    # dot1 [0, 1]; all-reduce [1, 3]; mul [3, 3.1]; z@w2 in the idle interval [1, 2], z@w3 in [2, 3]
+    assert compute == [(0.0, 1.0), (1.0, 2.0), (2.0, 3.0), (3.0, 3.1)]
+    assert r.step_time == pytest.approx(3.1 * MS)
