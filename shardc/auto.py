@@ -167,8 +167,10 @@ class AutoFunction:
                 and not (isinstance(x, jax.Array) and not x.is_fully_addressable):
             return to_global(x, target)  # multi-process: a value every process holds in full
         current = getattr(x, "sharding", None)
+        # An equivalent layout on another mesh object (e.g. the same devices with the axes in another order)
+        # is still a mismatch for jax.jit: re-place it (no copy when the shards are where they should be).
         if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and current is not None \
-                and not current.is_equivalent_to(target, x.ndim):
+                and current != target:
             return jax.device_put(x, target)
         return x
 
@@ -262,7 +264,8 @@ class AutoFunction:
                     self, graph, lambda m: self._input_seeds(graph, roots, m) + program_seeds(graph, m), in_paths,
                     out_paths, notes, closed, _flat_donate(self.donate_argnums, args, self.fun), self._mesh_given,
                     meta_axes)
-            if the_plan.mesh_sizes != dict(mesh.shape) and not is_abstract(the_plan.mesh):
+            # (the axis order counts: {data: 4, expert: 2} and {expert: 2, data: 4} lay devices out differently)
+            if list(the_plan.mesh_sizes.items()) != list(mesh.shape.items()) and not is_abstract(the_plan.mesh):
                 # retrace under the chosen mesh, keeping the decisions
                 self.mesh, self._search_resume = the_plan.mesh, the_plan.search
                 return self._build(args, kwargs)
