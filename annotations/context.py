@@ -20,9 +20,10 @@ from typing import Iterator
 import jax
 from jax.sharding import Mesh
 
-__all__ = ["mesh_context", "current_mesh", "lookup_mesh"]
+__all__ = ["mesh_context", "current_mesh", "lookup_mesh", "provisional_mesh", "mesh_is_provisional"]
 
 _MESH_CONTEXT = jax.make_user_context(default_value=None)
+_PROVISIONAL = jax.make_user_context(default_value=False)
 
 
 @contextlib.contextmanager
@@ -34,6 +35,19 @@ def mesh_context(mesh: Mesh | None) -> Iterator[Mesh | None]:
         mesh = None
     with _MESH_CONTEXT(mesh):
         yield mesh
+
+
+@contextlib.contextmanager
+def provisional_mesh(provisional: bool = True) -> Iterator[None]:
+    """Hints written in this block are traced on a stand-in mesh whose sizes are not final (shardc's search
+    chooses the mesh afterwards and checks each hint on every mesh it tries): axis names are still checked,
+    divisibility by the stand-in's sizes is not."""
+    with _PROVISIONAL(bool(provisional)):
+        yield
+
+
+def mesh_is_provisional() -> bool:
+    return bool(_PROVISIONAL.value)
 
 
 def current_mesh() -> Mesh | None:

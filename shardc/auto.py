@@ -223,7 +223,10 @@ class AutoFunction:
                                                          co_firstlineno=self.fun.__code__.co_firstlineno,
                                                          co_name=self.fun.__code__.co_name)
         try:
-            with _annotations.mesh_context(mesh), jax.set_mesh(mesh):
+            # When the search chooses the mesh, the tracing mesh is a stand-in: a hint's divisibility is checked
+            # on each candidate mesh instead (a batch of 12 splits over 4 devices, not over 8).
+            provisional = _search.enabled(self.search) and not self._mesh_given
+            with _annotations.mesh_context(mesh), _annotations.provisional_mesh(provisional), jax.set_mesh(mesh):
                 closed = jax.make_jaxpr(flat_fun)(*flat)
         except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError,
                 jax.errors.TracerBoolConversionError, TypeError) as e:

@@ -26,3 +26,24 @@ def test_given_mesh_and_json_roundtrip(tmp_path):
     assert again.fingerprint() == plan.fingerprint()
     out = f(*args)
     np.testing.assert_allclose(float(out[2]), float(_step(*args)[2]), rtol=1e-5)
+
+
+def test_hint_that_only_smaller_meshes_divide():
+    """A batch of 12 hinted onto `data` on 8 devices: the search keeps the meshes whose `data` divides 12
+    (the tracing mesh's data=8 is a stand-in, not a check); a dim no mesh divides is a ShardingError."""
+    import pytest
+
+    def step(w, x):
+        x = shardc.split(x, 0, "data")
+        l, g = jax.value_and_grad(lambda w: jax.numpy.mean(jax.numpy.tanh(x @ w) ** 2))(w)
+        return w - 0.1 * g, l
+
+    w, x = jax.numpy.ones((8, 16)) * 0.1, jax.random.normal(jax.random.key(0), (12, 8))
+    f = shardc.auto(step, budget_s=1)
+    plan = f.plan(w, x)
+    assert 12 % plan.mesh_sizes["data"] == 0
+    np.testing.assert_allclose(float(f(w, x)[1]), float(jax.jit(step)(w, x)[1]), rtol=1e-5)
+    with pytest.raises(shardc.ShardingError, match=r"dim 0 .* size 7.*test_search_auto.py"):
+        shardc.auto(step, budget_s=1).plan(w, x[:7])
+    with pytest.raises(shardc.ShardingError, match=r"size 12, which is not divisible by 8"):  # a given mesh is checked
+        shardc.auto(step, mesh=shardc.make_mesh({"data": 8})).plan(w, x)
