@@ -29,7 +29,7 @@ from shardc.sim.tasks import TASKS_PER_SLOT, Slot, TaskBuilder, plan_needs
 
 __all__ = ["Simulator"]
 
-_GAPS = 16  # idle intervals of the compute stream kept for backfilling (see Simulator._schedule)
+_GAPS = 16  # idle intervals kept per stream for backfilling (see Simulator._schedule)
 
 
 @dataclasses.dataclass
@@ -44,7 +44,7 @@ class _State:
     bind: list[list[int]]  # per slot, per task: the task it waited for last (slot * TASKS_PER_SLOT + index), or -1
     stream_in: list[tuple[int, ...]]  # stream free times before each slot
     stream_last: list[tuple[int, ...]]  # last task on each stream before each slot
-    gaps_in: list[tuple]  # idle intervals of the compute stream before each slot (see _schedule)
+    gaps_in: list[tuple]  # per stream, its idle intervals before each slot (see _schedule)
     makespan_before: list[int]  # max end over slots before each slot
     makespan: int = 0
     totals: "_Totals | None" = None
@@ -231,10 +231,10 @@ class Simulator:
     def _schedule(self, st: _State, first: int) -> None:
         """List-schedule slots `first`.. in program order, from the stream state recorded before `first`.
 
-        Collectives run first in first out on their streams. The compute stream also backfills, as XLA's
-        latency-hiding scheduler orders a step: when an op waits for a collective, the compute stream is
-        idle until it arrives, and a later op whose operands are ready runs in that idle interval if it
-        fits there (the newest `_GAPS` intervals are kept)."""
+        Each stream runs its tasks in program order, and backfills, as XLA's latency-hiding scheduler
+        orders a step: when a task waits for its inputs (an op for a collective, a collective for the op
+        making its operand), its stream is idle until they arrive, and a later task whose inputs are ready
+        runs in that idle interval if it fits there (the newest `_GAPS` intervals per stream are kept)."""
         nstreams = len(self.builder.streams)
         nkeys = len(self.builder.key_list)
         ready, who = st.ready, st.who
@@ -244,7 +244,7 @@ class Simulator:
         if first == 0:
             free = [0] * nstreams
             last = [-1] * nstreams
-            gaps: list[tuple[int, int, int]] = []
+            gaps: list[tuple] = [()] * nstreams  # per stream: idle intervals (start, end, task before), in time order
             makespan = 0
         else:
             free = list(st.stream_in[first])
@@ -257,7 +257,7 @@ class Simulator:
         for si in range(first, len(slots)):
             stream_in[si] = tuple(free)
             stream_last[si] = tuple(last)
-            gaps_in[si] = tuple(gaps)
+            gaps_in[si] = tuple(gaps)  # (tuples: shared until a stream's intervals change)
             mk_before[si] = makespan
             starts, ends, binds = [], [], []
             here = si * TASKS_PER_SLOT
@@ -267,34 +267,26 @@ class Simulator:
                     r = ready[d]
                     if r > start:
                         start, bind = r, who[d]
-                if s == 0 and gaps and dur:
-                    for gi, (a, b, before) in enumerate(gaps):
+                placed = False
+                if s >= 0 and dur and gaps[s]:
+                    idle = gaps[s]
+                    for gi, (a, b, before) in enumerate(idle):
                         at = start if start > a else a
-                        if at + dur <= b:  # fits in an idle interval of the compute stream
+                        if at + dur <= b:  # fits in an idle interval of its stream
                             if a > start:
                                 bind = before
-                            start = at
-                            end = at + dur
-                            gaps[gi:gi + 1] = [g for g in ((a, at, before), (end, b, here)) if g[1] > g[0]]
+                            start, end = at, at + dur
+                            gaps[s] = idle[:gi] + tuple(g for g in ((a, at, before), (end, b, here)) if g[1] > g[0]) \
+                                + idle[gi + 1:]
+                            placed = True
                             break
-                    else:
-                        at = -1
-                    if at >= 0:
-                        for k in outs:
-                            ready[k] = end
-                            who[k] = here
-                        starts.append(start)
-                        ends.append(end)
-                        binds.append(bind)
-                        here += 1
-                        continue
-                if s >= 0:
+                if placed:
+                    pass
+                elif s >= 0:
                     if free[s] > start:
                         start, bind = free[s], last[s]
-                    elif s == 0 and start > free[0] and dur:
-                        gaps.append((free[0], start, last[0]))
-                        if len(gaps) > _GAPS:
-                            del gaps[0]
+                    elif start > free[s] and dur:
+                        gaps[s] = (gaps[s] + ((free[s], start, last[s]),))[-_GAPS:]
                     end = start + dur
                     free[s] = end
                     last[s] = here

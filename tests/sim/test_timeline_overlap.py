@@ -104,3 +104,24 @@ def test_compute_backfills_while_an_op_waits_for_a_collective():
     # dot1 [0, 1]; all-reduce [1, 3]; mul [3, 3.1]; z@w2 in the idle interval [1, 2], z@w3 in [2, 3]
     assert compute == [(0.0, 1.0), (1.0, 2.0), (2.0, 3.0), (3.0, 3.1)]
     assert r.step_time == pytest.approx(3.1 * MS)
+
+
+def test_collective_backfills_while_an_earlier_one_waits_for_its_operand():
+    """The all-gather of an input is ready at the start: it runs while the link waits for the partial sums
+    an earlier all-reduce reduces, not after that all-reduce (a collective is issued when its operand is
+    ready, not in program order)."""
+    mesh = shardc.make_mesh({"data": 2, "model": 4})
+
+    def f(x, w1, z, w2):
+        y1 = split(x, 1, "model") @ split(w1, 0, "model")  # a 4 KiB all-reduce of partial sums: [1, 3] ms
+        u = y1 * 2.0
+        w2_full = shardc.replicate(split(w2, 0, "model"))  # a 2 KiB all-gather (0.5 ms) of an input
+        return u, z @ w2_full
+
+    args = (jnp.ones((8, 64)), jnp.ones((64, 128)), jnp.ones((8, 64)), jnp.ones((64, 8)))
+    plan = shardc.plan(f, *args, mesh=mesh, search=False)
+    r = simulate(plan, topology(True), estimator=FakeEstimator({"dot_general": 1 * MS, "mul": 0.1 * MS}))
+    spans = sorted((t[1], round(t[3] / MS, 6), round(t[4] / MS, 6)) for t in r.tasks())
+    assert ("all-gather", 0.0, 0.5) in spans and ("all-reduce", 1.0, 3.0) in spans
+    assert ("compute", 1.0, 2.0) in spans  # z @ w2 in the compute stream's idle interval
+    assert r.step_time == pytest.approx(3.1 * MS)
