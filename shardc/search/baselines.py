@@ -13,9 +13,10 @@ from shardc.ir.graph import Graph
 from shardc.propagate import Cause, Seed
 
 __all__ = ["BASELINES", "baseline_seeds", "baseline_plan", "state_inputs", "data_inputs", "parameter_inputs",
-           "role_mixes", "consistent_carry"]
+           "role_mixes", "consistent_carry", "expert_weights"]
 
 Axes = tuple[str, ...]
+_ARG = re.compile(r"^\[\d+\]")  # the argument index a flattened input's path starts with
 _ROW = re.compile(r"(out|o_proj|\bo\b|'o'|down|wo\b|fc2|c_proj|proj_out|dense_?1)", re.I)
 
 
@@ -162,15 +163,45 @@ def megatron(graph: Graph, mesh: Mapping[str, int]) -> list[Seed]:
     return seeds
 
 
+_PASS_THROUGH = frozenset({"convert_element_type", "copy", "copy_p", "shardc_hint", "sharding_constraint"})
+
+
+def expert_weights(graph: Graph) -> list[int]:
+    """Carried inputs that are a stack of per-expert weights: rank 3 or more, and dim 0 is a batch dim of a
+    dot_general they feed (`EGCM,EMH->EGCH`: each expert's tokens meet that expert's matrix), directly or
+    through a dtype cast or a hint. A (d_model, heads, head_dim) attention kernel is rank 3 too, but its
+    dim 0 is contracted."""
+    users: dict[int, list] = {}
+    for op in graph.ops:
+        for i, v in enumerate(op.inputs):
+            users.setdefault(v, []).append((op, i))
+
+    def batched_dim0(v: int, depth: int = 0) -> bool:
+        for op, i in users.get(v, ()):
+            if op.primitive == "dot_general" and i < 2:
+                (_, _), (lhs_batch, rhs_batch) = op.params["dimension_numbers"]
+                if 0 in (lhs_batch if i == 0 else rhs_batch):
+                    return True
+            elif op.primitive in _PASS_THROUGH and depth < 3 and batched_dim0(op.outputs[0], depth + 1):
+                return True
+        return False
+
+    state = state_inputs(graph)
+    weights = [v for v in state if graph.values[v].rank >= 3 and graph.values[v].shape[0] > 1 and batched_dim0(v)]
+    # their optimizer state (Adam's moments: same shape, a path ending in the weight's path)
+    paths = {(graph.values[v].shape, _ARG.sub("", graph.values[v].name or "", count=1)) for v in weights}
+    return [v for v in state if v in weights or any(
+        graph.values[v].shape == shape and path and (graph.values[v].name or "").endswith(path) for shape, path in paths)]
+
+
 def expert_parallel(graph: Graph, mesh: Mapping[str, int]) -> list[Seed] | None:
-    """MoE: the expert dim (dim 0 of rank-3+ state) on the last mesh axis, data parallel on the others;
-    None when the program has no expert weights."""
+    """MoE: the expert dim (dim 0 of the expert weights, `expert_weights`) on the last mesh axis, data
+    parallel on the others; None when the program has no expert weights."""
     data, model = _split_axes(mesh)
     axis = model or (data[-1] if data else None)
     if axis is None:
         return None
-    experts = [v for v in state_inputs(graph) if graph.values[v].rank >= 3 and graph.values[v].shape[0] % mesh[axis] == 0
-               and graph.values[v].shape[0] > 1]
+    experts = [v for v in expert_weights(graph) if graph.values[v].shape[0] % mesh[axis] == 0]
     if not experts:
         return None
     seeds = _batch(graph, mesh, data if model else list(mesh), "expert-parallel")

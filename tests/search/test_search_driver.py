@@ -82,3 +82,29 @@ def test_baselines_are_plans():
     meg = shardc.baselines.baseline_plan("megatron", pb, mesh)
     assert meg.shardings[x].dims[0] == ("data",) and "model" in meg.shardings[w1].axes()
     assert shardc.baselines.baseline_plan("expert-parallel", pb, mesh) is None  # no experts here
+
+
+def test_expert_weights_are_batched_on_dim0_not_any_rank3_state():
+    """Expert parallel shards the stacked expert weights (dim 0 a batch dim of their einsum) and their Adam
+    moments; a (d_model, heads, head_dim) attention kernel is rank 3 as well but contracted on dim 0."""
+    import jax.numpy as jnp
+    import optax
+
+    from shardc.search.baselines import expert_weights
+
+    def step(params, opt_state, x):
+        def loss(p):
+            q = jnp.einsum("btd,dhk->bthk", x, p["attn"])  # rank-3 kernel, dim 0 contracted
+            h = q.reshape(x.shape[0] * x.shape[1], -1)[:64].reshape(4, 16, 32)
+            return jnp.mean(jnp.einsum("ecd,edf->ecf", h, p["experts"]) ** 2)  # dim 0 batched
+        g = jax.grad(loss)(params)
+        upd, opt_state = optax.adam(1e-3).update(g, opt_state, params)
+        return optax.apply_updates(params, upd), opt_state, loss(params)
+
+    params = {"attn": jnp.ones((32, 4, 8)), "experts": jnp.ones((4, 32, 16))}
+    args = (params, optax.adam(1e-3).init(params), jnp.ones((8, 8, 32)))
+    import shardc
+
+    g = shardc.auto(step, search=False).compiled_info(*args).plan.graph  # inputs named by their paths
+    names = sorted(g.values[v].name for v in expert_weights(g))
+    assert names == ["[0]['experts']", "[1][0].mu['experts']", "[1][0].nu['experts']"], names
