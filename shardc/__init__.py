@@ -17,10 +17,11 @@ from shardc.sharding import Sharding, make_mesh
 from shardc.sim import simulate
 from shardc.search import baselines
 from shardc.search.budget import SearchTimeCapWarning
+from shardc.search.integrate import AxisNameWarning
 
 __all__ = [
     "auto", "plan", "plan_for", "make_mesh", "split", "replicate", "shard", "UNCONSTRAINED", "ShardingError",
     "Plan", "Reshard", "Sharding", "AutoFunction", "register_rule", "Topology", "simulate", "baselines",
-    "SearchTimeCapWarning",
+    "SearchTimeCapWarning", "AxisNameWarning",
 ]
 __version__ = "0.1.0"

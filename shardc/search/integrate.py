@@ -23,7 +23,7 @@ from shardc.search.evaluate import Problem, plan_from_seeds
 from shardc.search.space import mesh_candidates
 from shardc.sharding import mesh_shape
 
-__all__ = ["enabled", "default_topology", "plan_by_search", "trace", "mesh_for_metadata"]
+__all__ = ["enabled", "default_topology", "plan_by_search", "trace", "mesh_for_metadata", "AxisNameWarning"]
 
 _PLAN_CACHE: dict[tuple, Any] = {}  # (graph key, mesh, topology, method, seed) -> (mesh sizes, seeds)
 
@@ -51,6 +51,27 @@ def default_topology(num_devices: int) -> str:
 _AXIS_ERR = re.compile(r"unknown mesh axis '([^']+)'|Resource axis: ([\w-]+) of")
 
 
+class AxisNameWarning(UserWarning):
+    """A mesh axis the program names looks like a misspelt standard one (the search creates it anyway)."""
+
+
+def _check_axis_names(named: Sequence[str], where: str) -> None:
+    """With mesh=None every axis the program names becomes a mesh axis, so a typo ('modle') silently makes
+    a new axis instead of failing: warn when a name is close to a standard one but not it."""
+    import difflib
+
+    from shardc.search.space import DEFAULT_AXIS_NAMES
+
+    for name in named:
+        if name in DEFAULT_AXIS_NAMES:
+            continue
+        close = difflib.get_close_matches(name, DEFAULT_AXIS_NAMES, n=1, cutoff=0.75)
+        if close:
+            warnings.warn(f"mesh axis {name!r} named by {where} is not a standard axis name; did you mean "
+                          f"{close[0]!r}? (with mesh=None, shardc creates an axis named {name!r})",
+                          AxisNameWarning, stacklevel=4)
+
+
 def trace(af: Any, trace_fn: Callable, call: Any) -> Any:
     """Trace `call`; when the search chooses the mesh and the program names an axis the tracing mesh lacks
     (Flax metadata, hints, sharding constraints), retry on a mesh that has every axis named so far."""
@@ -68,6 +89,7 @@ def trace(af: Any, trace_fn: Callable, call: Any) -> Any:
             axis = m.group(1) or m.group(2)
             if axis in required:
                 raise
+            _check_axis_names([axis], "a hint or sharding constraint in the program")
             required.append(axis)
             cands = mesh_candidates(n, required)
             full = [c for c in cands if all(c[a] > 1 for a in required)]
@@ -81,6 +103,8 @@ def mesh_for_metadata(af: Any, args: Any) -> list[str]:
     from shardc.sharding import make_mesh
 
     named = named_mesh_axes(args, af.rules)
+    if named and not getattr(af, "_mesh_given", True):
+        _check_axis_names(named, "the Flax partitioning metadata or rules")
     if not named or getattr(af, "_mesh_given", True) or not enabled(af.search) or len(named) > 3:
         return named
     if af.mesh is not None and all(a in af.mesh.axis_names for a in named):

@@ -47,3 +47,36 @@ def test_hint_that_only_smaller_meshes_divide():
         shardc.auto(step, budget_s=1).plan(w, x[:7])
     with pytest.raises(shardc.ShardingError, match=r"size 12, which is not divisible by 8"):  # a given mesh is checked
         shardc.auto(step, mesh=shardc.make_mesh({"data": 8})).plan(w, x)
+
+
+def test_misspelt_axis_in_rules_warns_when_the_search_makes_the_mesh():
+    """With mesh=None a name in the rules becomes a mesh axis, so 'modle' would silently be a new axis."""
+    import warnings
+
+    import flax.linen as nn
+    import optax
+    import pytest
+
+    from shardc.search.integrate import AxisNameWarning
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+            return nn.Dense(4)(nn.relu(nn.Dense(24, kernel_init=init)(x)))
+
+    net, x = Net(), jax.numpy.ones((16, 8))
+    p = net.init(jax.random.key(0), x)["params"]
+    o = optax.sgd(0.1).init(p)
+
+    def step(p, o, x):
+        l, g = jax.value_and_grad(lambda q: jax.numpy.mean(net.apply({"params": q}, x) ** 2))(p)
+        u, o = optax.sgd(0.1).update(g, o, p)
+        return optax.apply_updates(p, u), o, l
+
+    with pytest.warns(AxisNameWarning, match="'modle'.*did you mean 'model'"):
+        shardc.auto(step, rules=[("embed", None), ("mlp", "modle")], budget_s=1).plan(p, o, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AxisNameWarning)
+        plan = shardc.auto(step, rules=[("embed", None), ("mlp", "tensor")], budget_s=1).plan(p, o, x)
+    assert "tensor" in plan.mesh_sizes
