@@ -248,7 +248,8 @@ class AutoFunction:
         t1 = time.perf_counter()
         # Positional leaves come first, then keyword ones (sorted by name), as (args, kwargs) flattens.
         in_paths = [keystr(p[1:]) for p, _ in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]]
-        out_paths = [f"out{keystr(p)}" for p in _paths_of(out_tree)]
+        namer = getattr(self.fun, "shardc_output_names", None)  # an NNX step's own names (shardc/nnx_args.py)
+        out_paths = namer(_paths_of(out_tree)) if namer else [f"out{keystr(p)}" for p in _paths_of(out_tree)]
         with _internal_errors("building the graph of", self.fun):
             graph = build_graph(closed, in_paths, out_paths)
         t2 = time.perf_counter()

@@ -41,6 +41,7 @@ class NnxCall:
     treedef: Any  # of (args, kwargs), graph nodes as leaves
     node_positions: tuple[int, ...]  # leaf indices holding graph nodes
     graphdef: Any  # nnx.split of the tuple of those nodes
+    node_paths: tuple[str, ...] = ()  # where each node is among the arguments ("[0]", "['model']"), for names
 
     def pure(self, fun: Callable) -> Callable:
         """`fun` as a function of the split arguments returning `(result, new node states)`."""
@@ -57,7 +58,16 @@ class NnxCall:
             out = fun(*call_args, **call_kwargs)
             return out, self._parts(nnx.state(nodes))
 
+        pure_step.shardc_output_names = self.output_names  # read by AutoFunction when it names the outputs
         return pure_step
+
+    def output_names(self, paths: list) -> list[str]:
+        """Names of the pure step's outputs (key paths into `(result, node states)`): the result's as
+        usual (`out[...]`), each node's new state as its input path marked `(updated)`."""
+        from jax.tree_util import keystr
+
+        return [f"out{keystr(p[1:])}" if p[0].idx == 0 else f"{self.node_paths[p[1].idx]}{keystr(p[2:])} (updated)"
+                for p in paths]
 
     def update(self, nodes: tuple, new_parts: tuple) -> None:
         """Write a run's new node states into the caller's objects."""
@@ -73,7 +83,8 @@ class NnxCall:
 
 def split_call(args: tuple, kwargs: dict) -> tuple[NnxCall, tuple, dict, tuple] | None:
     """`(call, pure args, pure kwargs, nodes)` when the arguments hold NNX graph nodes, else None."""
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_graph_node)
+    pairs, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=_is_graph_node)
+    leaves = [x for _, x in pairs]
     positions = tuple(i for i, x in enumerate(leaves) if _is_graph_node(x))
     if not positions:
         return None
@@ -81,7 +92,7 @@ def split_call(args: tuple, kwargs: dict) -> tuple[NnxCall, tuple, dict, tuple] 
 
     nodes = tuple(leaves[p] for p in positions)
     graphdef, state = nnx.split(nodes)
-    call = NnxCall(treedef, positions, graphdef)
+    call = NnxCall(treedef, positions, graphdef, tuple(jax.tree_util.keystr(pairs[p][0][1:]) for p in positions))
     parts = call._parts(state)
     for i, p in enumerate(positions):
         leaves[p] = parts[i]

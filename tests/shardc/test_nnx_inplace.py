@@ -81,6 +81,7 @@ def test_partitioning_metadata_is_a_hint_and_state_comes_back_in_its_layout():
     plan = f.plan(model, opt, x, y)
     kernel = plan.input_names.index("[0]['fc1']['kernel'].value")
     assert plan.input_shardings()[kernel].spec() == jax.sharding.PartitionSpec(None, "model")
+    assert plan.output_names[0] == "out" and "[0]['fc1']['kernel'].value (updated)" in plan.output_names
     ref_model, ref_opt = make(partitioned=True)
     np.testing.assert_allclose(run(f, model, opt, x, y), run(nnx.jit(train_step), ref_model, ref_opt, x, y),
                                rtol=1e-5)
