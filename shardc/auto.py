@@ -227,7 +227,9 @@ class AutoFunction:
             # on each candidate mesh instead (a batch of 12 splits over 4 devices, not over 8).
             provisional = _search.enabled(self.search) and not self._mesh_given
             with _annotations.mesh_context(mesh), _annotations.provisional_mesh(provisional), jax.set_mesh(mesh):
-                closed = jax.make_jaxpr(flat_fun)(*flat)
+                # Trace from shapes and dtypes only: an argument still placed on another mesh (a key returned
+                # by an earlier run) must not bring that mesh into the trace.
+                closed = jax.make_jaxpr(flat_fun)(*[_abstract(x) for x in flat])
         except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError,
                 jax.errors.TracerBoolConversionError, TypeError) as e:
             if isinstance(e, TypeError) and "concrete" not in str(e):
@@ -363,6 +365,12 @@ def _internal_errors(phase: str, fun: Callable) -> Any:
                             f"(SHARDC_DEBUG=1 shows the full traceback)")
         err.internal = e  # type: ignore[attr-defined]
         raise err from None
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    """The shape, dtype and weak type of an argument, without its placement."""
+    a = jax.typeof(x)
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
 
 
 def _paths_of(tree: Any) -> list[Any]:

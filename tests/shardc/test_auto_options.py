@@ -134,3 +134,20 @@ def test_keyword_arguments(mesh):
     np.testing.assert_allclose(f(x, scale=jnp.float32(3.0)), x * 3)
     plan = f.plan(x, scale=jnp.float32(3.0))
     assert plan.input_names == ("[0]", "['scale']")
+
+
+def test_key_placed_by_an_earlier_run_on_another_mesh():
+    """Regression: a PRNG key returned by a run on one mesh, passed to a step traced on another, brought
+    its mesh into the trace (fold_in failed with 'Mesh for all inputs should be equal')."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def step(key, count, x):
+        k = jax.random.fold_in(key, count + 1)
+        return key, count + 1, jnp.sum(x * jax.random.normal(k, x.shape))
+
+    key, count, x = jax.random.key(0), jnp.uint32(0), jnp.ones((16, 8))
+    key, count, _ = shardc.auto(step, mesh=shardc.make_mesh({"model": 2, "data": 4}), search=False)(key, count, x)
+    got = shardc.auto(step, mesh=shardc.make_mesh({"data": 8}), search=False)(key, count, x)
+    np.testing.assert_allclose(float(got[2]), float(jax.jit(step)(key, count, x)[2]), rtol=1e-5)
