@@ -18,7 +18,7 @@ import os
 import time
 import traceback
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 from jax.sharding import Mesh
@@ -481,22 +481,37 @@ def auto(fun: Callable | None = None, **options: Any) -> Any:
     return AutoFunction(fun, **options)
 
 
-def plan(f: Any, *args: Any, mesh: Mesh | None = None, **options: Any) -> Plan:
-    """The Plan of `f` on these arguments. `f` is an `@shardc.auto` function or a plain one."""
+_AUTO_OPTIONS = frozenset(inspect.signature(AutoFunction.__init__).parameters) - {"self", "fun"}
+
+
+def _check_options(entry: str, options: Mapping[str, Any]) -> None:
+    unknown = sorted(set(options) - _AUTO_OPTIONS)
+    if unknown:
+        raise TypeError(f"shardc.{entry}: unknown option(s) {unknown}; the options are those of shardc.auto "
+                        f"({', '.join(sorted(_AUTO_OPTIONS))}). Pass the step's own keyword arguments as "
+                        f"kwargs={{{unknown[0]!r}: ...}}")
+
+
+def plan(f: Any, *args: Any, mesh: Mesh | None = None, kwargs: Mapping[str, Any] | None = None,
+         **options: Any) -> Plan:
+    """The Plan of `f(*args, **kwargs)`. `f` is an `@shardc.auto` function or a plain one."""
+    _check_options("plan", options)
     if not isinstance(f, AutoFunction):
         f = AutoFunction(f, mesh=mesh, **options)
-    return f.plan(*args)
+    return f.plan(*args, **(kwargs or {}))
 
 
 def plan_for(f: Any, *args: Any, topology: Any, devices: int | None = None, search: Any = True,
-             **options: Any) -> Plan:
-    """The searched Plan of `f(*args)` for `topology` (all of its devices unless `devices` is given), which
-    may have more devices than this host: e.g. plan for `"h100-sxm-8x8"` (64 GPUs) on an 8-device machine.
-    Such a plan lives on a mesh shape without devices (`jax.sharding.AbstractMesh`): `plan.explain()`,
-    `plan.search`, `shardc.simulate(plan, topology)` and `save_plan` work; running or lowering it raises a
-    ShardingError. Other options are those of `shardc.auto` (budget_s, seed, rules, donate_argnums)."""
+             kwargs: Mapping[str, Any] | None = None, **options: Any) -> Plan:
+    """The searched Plan of `f(*args, **kwargs)` for `topology` (all of its devices unless `devices` is
+    given), which may have more devices than this host: e.g. plan for `"h100-sxm-8x8"` (64 GPUs) on an
+    8-device machine. Such a plan lives on a mesh shape without devices (`jax.sharding.AbstractMesh`):
+    `plan.explain()`, `plan.search`, `shardc.simulate(plan, topology)` and `save_plan` work; running or
+    lowering it raises a ShardingError. Other options are those of `shardc.auto` (budget_s, seed, rules,
+    donate_argnums); the step's own keyword arguments go in `kwargs`."""
     from shardc.sim import as_topology
 
+    _check_options("plan_for", options)
     n = devices if devices is not None else as_topology(topology).num_devices
     fun = f.fun if isinstance(f, AutoFunction) else f
-    return AutoFunction(fun, topology=topology, search=search, devices=n, **options).plan(*args)
+    return AutoFunction(fun, topology=topology, search=search, devices=n, **options).plan(*args, **(kwargs or {}))

@@ -56,6 +56,7 @@ class NnxCall:
                 leaves[p] = nodes[i]
             call_args, call_kwargs = jax.tree_util.tree_unflatten(self.treedef, leaves)
             out = fun(*call_args, **call_kwargs)
+            self._check_only_variables_changed(state, nodes, fun)
             return out, self._parts(nnx.state(nodes))
 
         pure_step.shardc_output_names = self.output_names  # read by AutoFunction when it names the outputs
@@ -68,6 +69,31 @@ class NnxCall:
 
         return [f"out{keystr(p[1:])}" if p[0].idx == 0 else f"{self.node_paths[p[1].idx]}{keystr(p[2:])} (updated)"
                 for p in paths]
+
+    def _check_only_variables_changed(self, state_in: Any, nodes: tuple, fun: Callable) -> None:
+        """What `update` carries back is the objects' Variables (new ones too, e.g. `sow`). A step that
+        changes anything else (`model.flag = 1`, `model.eval()`) would silently leave the caller's objects
+        different from what `nnx.jit` leaves: refuse it while tracing."""
+        from flax import nnx
+
+        from annotations.errors import ShardingError
+
+        carried = nnx.merge(self.graphdef, state_in)
+        nnx.update(carried, nnx.state(nodes))
+        if nnx.graphdef(carried) != nnx.graphdef(nodes):
+            import inspect
+
+            from annotations.errors import SourceLine
+
+            name = getattr(fun, "__qualname__", None) or type(fun).__name__
+            code = getattr(inspect.unwrap(fun), "__code__", None)
+            if code is not None:
+                name += f" ({SourceLine(code.co_filename, code.co_firstlineno)})"
+            raise ShardingError(
+                f"{name} changes attributes of its NNX arguments that are not Variables (a plain attribute "
+                f"such as `model.flag = 1`, or `model.eval()` / `model.train()`); @shardc.auto carries back only "
+                f"the objects' Variables (parameters, statistics, RNG state, optimizer state). Make those "
+                f"changes outside the step, or keep the value in an nnx.Variable")
 
     def update(self, nodes: tuple, new_parts: tuple) -> None:
         """Write a run's new node states into the caller's objects."""

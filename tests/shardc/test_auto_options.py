@@ -151,3 +151,15 @@ def test_key_placed_by_an_earlier_run_on_another_mesh():
     key, count, _ = shardc.auto(step, mesh=shardc.make_mesh({"model": 2, "data": 4}), search=False)(key, count, x)
     got = shardc.auto(step, mesh=shardc.make_mesh({"data": 8}), search=False)(key, count, x)
     np.testing.assert_allclose(float(got[2]), float(jax.jit(step)(key, count, x)[2]), rtol=1e-5)
+
+
+def test_plan_and_plan_for_take_the_steps_keyword_arguments():
+    def step(w, *, x):
+        return jnp.mean(split(x, 0, "data") @ w)
+
+    w, x = jnp.ones((8, 4)), jnp.ones((16, 8))
+    assert shardc.plan(step, w, kwargs={"x": x}, mesh=shardc.make_mesh({"data": 8}), search=False).mesh_sizes == {"data": 8}
+    plan = shardc.plan_for(step, w, kwargs={"x": x}, topology="h100-sxm-8x2", budget_s=1)
+    assert math.prod(plan.mesh_sizes.values()) == 16
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['x'\].*kwargs=\{'x': \.\.\.\}"):
+        shardc.plan_for(step, w, x=x, topology="h100-sxm-8")

@@ -131,3 +131,39 @@ def test_plan_for_a_larger_topology_with_nnx_objects():
     assert check_report(plan.search) is None, plan.search.summary()
     assert int(np.prod(list(plan.mesh_sizes.values()))) == 64
     np.testing.assert_array_equal(model.fc1.kernel[...], before)  # planning runs nothing
+
+
+def test_changing_a_plain_attribute_inside_the_step_is_refused():
+    """nnx.jit carries a plain attribute set in the step (`model.eval()`, `model.flag = 1`) back to the
+    caller; shardc carries back Variables only, so such a step is an error, not a silent difference."""
+
+    def step(model, optimizer, x, y):
+        loss = train_step(model, optimizer, x, y)
+        model.eval()  # sets Dropout/BatchNorm flags: not Variables
+        return loss
+
+    model, opt = make()
+    x, y = data()
+    with pytest.raises(shardc.ShardingError, match=r"step \(.*test_nnx_inplace.py:\d+\) changes attributes"):
+        shardc.auto(step, search=False)(model, opt, x, y)
+
+
+def test_new_variables_made_in_the_step_come_back():
+    """`sow` adds Variables during the step: like nnx.jit, they reach the caller's object."""
+
+    class Probe(nnx.Module):
+        def __init__(self, rngs):
+            self.fc = nnx.Linear(4, 4, rngs=rngs)
+
+        def __call__(self, x):
+            h = self.fc(x)
+            self.sow(nnx.Intermediate, "h", h)
+            return h
+
+    def step(m, x):
+        return jnp.sum(m(x))
+
+    a, b, x = Probe(nnx.Rngs(0)), Probe(nnx.Rngs(0)), jnp.ones((8, 4))
+    shardc.auto(step, search=False)(a, x)
+    nnx.jit(step)(b, x)
+    np.testing.assert_allclose(a.h.get_value()[0], b.h.get_value()[0], rtol=1e-6)
