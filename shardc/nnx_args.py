@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any, Callable
 
 import jax
+
+from annotations.errors import ShardingError, SourceLine
 
 __all__ = ["NnxCall", "split_call"]
 
@@ -76,15 +79,9 @@ class NnxCall:
         different from what `nnx.jit` leaves: refuse it while tracing."""
         from flax import nnx
 
-        from annotations.errors import ShardingError
-
         carried = nnx.merge(self.graphdef, state_in)
         nnx.update(carried, nnx.state(nodes))
         if nnx.graphdef(carried) != nnx.graphdef(nodes):
-            import inspect
-
-            from annotations.errors import SourceLine
-
             name = getattr(fun, "__qualname__", None) or type(fun).__name__
             code = getattr(inspect.unwrap(fun), "__code__", None)
             if code is not None:
