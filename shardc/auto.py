@@ -87,6 +87,7 @@ class AutoFunction:
             raise ShardingError(f"shardc.auto(devices={devices!r}) needs a positive int and search=True (the "
                                 f"search chooses a mesh of that many devices)")
         self.devices = devices
+        _check_search_options(search, budget_s)
         self._options = dict(mesh=mesh, rules=rules, donate_argnums=donate_argnums, topology=topology, search=search,
                              budget_s=budget_s, seed=seed, devices=devices)
         self._nnx_steps: dict[NnxCall, AutoFunction] = {}  # per NNX argument structure (shardc/nnx_args.py)
@@ -312,6 +313,23 @@ def _describe(fun: Callable) -> str:
     if code is None:
         return name
     return f"{name} ({SourceLine(code.co_filename, code.co_firstlineno)})"
+
+
+def _check_search_options(search: Any, budget_s: Any) -> None:
+    """`search` is True/False/None, "dp", "mcmc" or a path ending in .json (in a directory that exists);
+    `budget_s` a positive number of seconds or None."""
+    if isinstance(search, str) and search.endswith(".json"):
+        folder = os.path.dirname(os.path.abspath(search))
+        if not os.path.isdir(folder):
+            raise ShardingError(f"shardc.auto(search={search!r}): the directory {folder} does not exist, so the "
+                                f"searched plan could not be saved there")
+    elif search not in (True, False, None, "dp", "mcmc"):
+        raise ShardingError(f"shardc.auto(search={search!r}): expected True, False, 'dp', 'mcmc' or a path "
+                            f"ending in '.json' (where the plan is saved and loaded)")
+    if budget_s is not None and (isinstance(budget_s, bool) or not isinstance(budget_s, (int, float))
+                                 or not budget_s > 0):
+        raise ShardingError(f"shardc.auto(budget_s={budget_s!r}): expected a positive number of seconds (or None "
+                            f"for the default)")
 
 
 def _check_rules(rules: Any) -> Any:

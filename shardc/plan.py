@@ -141,7 +141,7 @@ class Plan:
         import hashlib
 
         h = hashlib.sha256()
-        h.update(repr(sorted(self.mesh_sizes.items())).encode())
+        h.update(repr(list(self.mesh_sizes.items())).encode())  # in mesh order: it lays devices out
         for s in self.shardings:
             h.update(str(s).encode())
         return h.hexdigest()[:16]

@@ -247,19 +247,22 @@ def graph_key(graph: Any) -> str:
     return h.hexdigest()[:20]
 
 
-def save_plan(plan: Plan, path: str) -> None:
-    """Write the decisions behind a searched plan (mesh + search seeds) as JSON."""
+def save_plan(plan: Plan, path: str, topology: str | None = None) -> None:
+    """Write the decisions behind a searched plan (mesh + search seeds, and the topology it was searched
+    for) as JSON."""
     report = getattr(plan, "search", None)
     seeds = report.seeds if report is not None else ()
-    data = {"version": 1, "graph": graph_key(plan.graph), "mesh": plan.mesh_sizes,
+    data = {"version": 1, "graph": graph_key(plan.graph), "mesh": plan.mesh_sizes, "topology": topology,
             "seeds": [{"value": s.value, "dims": [None if d is None else list(d) for d in s.dims],
                        "cause": s.cause.description} for s in seeds]}
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
 
 
-def load_plan(path: str, problem: Problem) -> Plan:
-    """Rebuild a saved plan for the same program (a ShardingError if the program changed)."""
+def load_plan(path: str, problem: Problem, *, mesh: Mapping[str, int] | None = None,
+              topology: str | None = None) -> Plan:
+    """Rebuild a saved plan for the same program — and, when given, the same mesh (axis order included)
+    and topology; otherwise a ShardingError saying what differs."""
     from shardc.propagate import Cause
 
     with open(path) as f:
@@ -267,6 +270,12 @@ def load_plan(path: str, problem: Problem) -> Plan:
     if data.get("graph") != graph_key(problem.graph):
         raise ShardingError(f"saved plan {path} was made for a different program (graph fingerprint "
                             f"{data.get('graph')} != {graph_key(problem.graph)}); delete it to search again")
+    if mesh is not None and list(data["mesh"].items()) != list(mesh.items()):
+        raise ShardingError(f"saved plan {path} was made for mesh {data['mesh']}, this call's mesh is {dict(mesh)}; "
+                            f"pass that mesh, or delete the file to search again")
+    if topology is not None and data.get("topology") not in (None, topology):
+        raise ShardingError(f"saved plan {path} was searched for topology {data['topology']!r}, this call plans "
+                            f"for {topology!r}; delete the file to search again")
     mesh = _mesh_of(data["mesh"])
     user = list(problem.user_seeds(mesh)) if callable(problem.user_seeds) else list(problem.user_seeds or ())
     extra = [Seed(s["value"], tuple(None if d is None else tuple(d) for d in s["dims"]),

@@ -22,6 +22,7 @@ from shardc.search.driver import graph_key, load_plan, save_plan, search_plan
 from shardc.search.evaluate import Problem, plan_from_seeds
 from shardc.search.space import mesh_candidates
 from shardc.sharding import mesh_shape
+from shardc.sim import as_topology
 
 __all__ = ["enabled", "default_topology", "plan_by_search", "trace", "mesh_for_metadata", "AxisNameWarning"]
 
@@ -143,8 +144,9 @@ def plan_by_search(af: Any, graph: Any, user_seeds: Callable, in_paths: Sequence
         plan = plan_from_seeds(problem, af.mesh, user + list(resume.seeds))
         return dataclasses.replace(plan, search=resume)
     path = af.search if isinstance(af.search, str) and af.search.endswith(".json") else None
+    topology_name = as_topology(topology).name
     if path is not None and os.path.exists(path):
-        return load_plan(path, problem)
+        return load_plan(path, problem, mesh=mesh_shape(af.mesh) if mesh_given else None, topology=topology_name)
     fixed = mesh_shape(af.mesh) if mesh_given else None
     required = list(dict.fromkeys(list(required_axes) + _hinted_axes(graph)))
     meshes = mesh_candidates(n, required, fixed=fixed, topology=topology)
@@ -169,5 +171,5 @@ def plan_by_search(af: Any, graph: Any, user_seeds: Callable, in_paths: Sequence
                       "grow together).", SearchTimeCapWarning, stacklevel=4)
     _PLAN_CACHE[key] = report
     if path is not None:
-        save_plan(plan, path)
+        save_plan(plan, path, topology=topology_name)
     return plan

@@ -67,9 +67,32 @@ def mesh_candidates(num_devices: int, required_axes: Sequence[str] = (), *, max_
             if key not in seen:
                 seen.add(key)
                 out.append(mesh)
-    if len(_levels(topology)) <= 1:
-        return out
-    return list({tuple(m.items()): m for mesh in out for m in mesh_orders(mesh)}.values())
+    if len(_levels(topology)) > 1:
+        out = list({tuple(m.items()): m for mesh in out for m in mesh_orders(mesh)}.values())
+    fitting = [m for m in out if _maps_onto(m, topology)]
+    if out and not fitting:
+        from annotations.errors import ShardingError
+        from shardc.sim import as_topology
+
+        raise ShardingError(f"no mesh of {num_devices} devices lays onto topology {as_topology(topology)} (each "
+                            f"mesh axis must divide the devices left on the levels it spans); plan for a device "
+                            f"count that fills whole levels")
+    return fitting
+
+
+def _maps_onto(mesh: Mapping[str, int], topology: Any) -> bool:
+    """Whether the mesh's axes lay onto the topology's levels (on 2 nodes of 3 GPUs an axis of 2 must
+    span the nodes: `data=2, model=3` maps, `model=3, data=2` does not)."""
+    if topology is None:
+        return True
+    from annotations.errors import ShardingError
+    from shardc.sim import as_topology
+
+    try:
+        as_topology(topology).map_mesh(mesh)
+    except ShardingError:
+        return False
+    return True
 
 
 def mesh_orders(mesh: Mapping[str, int]) -> list[dict[str, int]]:

@@ -80,3 +80,37 @@ def test_misspelt_axis_in_rules_warns_when_the_search_makes_the_mesh():
         warnings.simplefilter("error", AxisNameWarning)
         plan = shardc.auto(step, rules=[("embed", None), ("mlp", "tensor")], budget_s=1).plan(p, o, x)
     assert "tensor" in plan.mesh_sizes
+
+
+def test_bad_search_options_are_errors_before_any_work(tmp_path):
+    import pytest
+
+    for bad in ("mcmcc", "DP", str(tmp_path / "plan.txt")):
+        with pytest.raises(shardc.ShardingError, match="expected True, False, 'dp', 'mcmc'"):
+            shardc.auto(_step, search=bad)
+    with pytest.raises(shardc.ShardingError, match="does not exist"):
+        shardc.auto(_step, search=str(tmp_path / "missing" / "plan.json"))
+    for bad in (0, -1, "5"):
+        with pytest.raises(shardc.ShardingError, match="positive number of seconds"):
+            shardc.auto(_step, budget_s=bad)
+
+
+def test_fingerprint_tells_mesh_axis_orders_apart():
+    """data=2, model=4 and model=4, data=2 lay devices out differently (which axis spans the slow link):
+    the multi-host agreement check must not take one for the other."""
+    args = mlp_args(64, 32, 64)
+    a = shardc.plan(_step, *args, mesh=shardc.make_mesh({"data": 2, "model": 4}), search=False)
+    b = shardc.plan(_step, *args, mesh=shardc.make_mesh({"model": 4, "data": 2}), search=False)
+    assert a.shardings == b.shardings and a.fingerprint() != b.fingerprint()
+
+
+def test_saved_plan_is_not_loaded_for_another_mesh_or_topology(tmp_path):
+    import pytest
+
+    args = mlp_args(256, 128, 512)
+    path = str(tmp_path / "plan.json")
+    shardc.auto(_step, mesh=shardc.make_mesh({"data": 2, "model": 4}), search=path, budget_s=1).plan(*args)
+    with pytest.raises(shardc.ShardingError, match=r"made for mesh \{'data': 2, 'model': 4\}.*\{'data': 8\}"):
+        shardc.auto(_step, mesh=shardc.make_mesh({"data": 8}), search=path).plan(*args)
+    with pytest.raises(shardc.ShardingError, match="searched for topology 'h100-sxm-8'.*'tpu-v5e-8'"):
+        shardc.auto(_step, mesh=shardc.make_mesh({"data": 2, "model": 4}), search=path, topology="tpu-v5e-8").plan(*args)

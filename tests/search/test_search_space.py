@@ -135,3 +135,24 @@ def test_baselines_are_reproduced_exactly_and_mixed_per_group():
         points.append(a)
     doms = mixing_domains(sp, points)
     assert all(0 in d and all(p[i] in d for p in points) for i, d in enumerate(doms))
+
+
+def test_only_meshes_that_lay_onto_the_topology():
+    """2 nodes of 3 GPUs: an axis of 2 must span the nodes; meshes that cannot be laid out are skipped (they
+    used to abort the search), and a device count that fits no mesh is a clear error."""
+    import pytest
+
+    from shardc import ShardingError
+    from shardc.cost import Topology
+
+    topo = Topology.from_dict({"name": "2x3", "device": {"name": "gpu", "peak_flops": {"float32": "60T"},
+                                                         "mem_bandwidth": "3TB/s", "memory": "80GiB"},
+                               "levels": [{"name": "nvlink", "size": 3, "bandwidth": "400GB/s"},
+                                          {"name": "eth", "size": 2, "bandwidth": "3GB/s"}]})
+    ms = mesh_candidates(6, ["data", "model"], topology=topo)
+    assert ms and all(topo.map_mesh(m) for m in ms)
+    orders = [list(m.items()) for m in ms]
+    assert [("data", 2), ("model", 3)] in orders and [("model", 2), ("data", 3)] in orders  # the 2 across nodes
+    assert [("data", 3), ("model", 2)] not in orders  # model=2 inside a node of 3
+    with pytest.raises(ShardingError, match="no mesh of 4 devices lays onto topology"):
+        mesh_candidates(4, ["data"], topology=topo)
