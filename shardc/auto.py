@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import math
 import os
 import time
 import traceback
@@ -287,10 +288,15 @@ class AutoFunction:
         t3 = time.perf_counter()
         donate = _flat_donate(self.donate_argnums, args, self.fun)
         the_plan = dataclasses.replace(the_plan, program=closed, donated=tuple(donate))
-        if self.topology is not None:
+        # The simulated cost goes with the plan (plan.explain() shows it) on the topology given, or, when the
+        # search chose the plan, on the one it scored plans on (its default is an H100 preset).
+        topology = self.topology
+        if topology is None and the_plan.search is not None:
+            topology = _search.default_topology(math.prod(the_plan.mesh_sizes.values()))
+        if topology is not None:
             from shardc.sim import simulate
 
-            the_plan = dataclasses.replace(the_plan, cost=simulate(the_plan, self.topology))
+            the_plan = dataclasses.replace(the_plan, cost=simulate(the_plan, topology))
         with _internal_errors("lowering", self.fun):
             jitted = None if is_abstract(the_plan.mesh) else jit_plan(the_plan, closed, donate)
         timings = {"trace_s": t1 - t0, "graph_s": t2 - t1, "propagate_s": t3 - t2}
