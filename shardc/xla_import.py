@@ -235,14 +235,21 @@ class MatchReport:
         return (len(self.matched) + len(self.ambiguous)) / self.candidates if self.candidates else 1.0
 
 
-def _walk(instr: HloInstr, by_name: Mapping[str, HloInstr], owner: Mapping[str, int], prims: set[str],
-          depth: int = 6) -> tuple[set[int], set[str], int]:
+@dataclasses.dataclass
+class _Walk:
+    """What a walk back from one instruction reached."""
+
+    found: set[int]  # values of matched instructions
+    through: set[str]  # instructions of the same eqn or glue walked through
+    foreign: int  # unmatched instructions of other eqns
+    maybe: list[tuple[str, frozenset[int]]]  # instructions that are one of several values' candidates
+
+
+def _walk(instr: HloInstr, by_name: Mapping[str, HloInstr], owner: Mapping[str, int],
+          maybe: Mapping[str, frozenset[int]], prims: set[str], depth: int = 6) -> _Walk:
     """From `instr`'s operands back to already-matched instructions, through instructions of the same eqn
-    (same primitive) and XLA glue. Returns (values reached, instructions walked through, foreign unmatched
-    instructions reached)."""
-    found: set[int] = set()
-    through: set[str] = set()
-    foreign = 0
+    (same primitive) and XLA glue."""
+    w = _Walk(set(), set(), 0, [])
     stack = [(o, depth) for o in instr.operands]
     while stack:
         name, d = stack.pop()
@@ -250,15 +257,37 @@ def _walk(instr: HloInstr, by_name: Mapping[str, HloInstr], owner: Mapping[str, 
         if op is None:
             continue
         if name in owner:
-            found.add(owner[name])
+            w.found.add(owner[name])
+        elif name in maybe:
+            w.maybe.append((name, maybe[name]))
         elif op.opcode == "constant":
             continue
         elif d > 0 and (set(op.prims) & prims or (not op.prims and op.opcode in _GLUE)):
-            through.add(name)
+            w.through.add(name)
             stack += [(o, d - 1) for o in op.operands]
         else:
-            foreign += 1
-    return found, through, foreign
+            w.foreign += 1
+    return w
+
+
+def _tier(w: _Walk, want: set[int], mapped_want: set[int]) -> int | None:
+    """How well a walk explains the op's inputs (lower is better; None: not at all). 0: every input reached
+    (matched ones exactly, others as an unmatched producer or one of their candidates); 1: matched inputs
+    exactly, fewer producers than unmatched inputs (folded by XLA); 2: some matched inputs reached through
+    another instruction (a wrong or missing match upstream), the rest accounted for."""
+    eff = set(w.found)
+    rest = w.foreign
+    for _, vals in w.maybe:
+        hit = vals & want
+        eff |= hit
+        rest += not hit
+    if w.found == mapped_want and eff <= want and len(eff) + rest == len(want):
+        return 0
+    if w.found == mapped_want and rest <= len(want - eff):
+        return 1
+    if w.found and w.found < mapped_want and eff <= want and len(eff) + rest == len(want):
+        return 2
+    return None
 
 
 def _params(instrs: Sequence[HloInstr], graph: Any, kept: Sequence[int] | None) -> dict[str, int]:
@@ -285,23 +314,45 @@ def _params(instrs: Sequence[HloInstr], graph: Any, kept: Sequence[int] | None) 
 
 
 def _candidates(op: Any, vid: int, graph: Any, pool: Mapping[str, list[HloInstr]], by_name: Mapping[str, HloInstr],
-                owner: Mapping[str, int], matched: Mapping[int, str]) -> list[HloInstr]:
-    """Unclaimed instructions that could be `vid` (an output of `op`): primitive, shape and operands agree.
-    A candidate that walks through another candidate is dropped: the innermost wins, because a chain of
-    the same primitive is more often two eqns (mul of mul) than one eqn lowered to several instructions
-    (integer_pow); mistaking an eqn's internal instruction for its result costs little (same inputs)."""
+                owner: Mapping[str, int], matched: Mapping[int, str],
+                maybe: Mapping[str, frozenset[int]]) -> list[tuple[HloInstr, _Walk]]:
+    """Unclaimed instructions that could be `vid` (an output of `op`): primitive and shape agree, and the
+    operands explain the op's inputs, best tier only (`_tier`). Then a candidate that walks through another
+    candidate is dropped: the innermost wins, because a chain of the same primitive is more often two
+    eqns (mul of mul) than one eqn lowered to several instructions (integer_pow); mistaking an eqn's
+    internal instruction for its result costs little (same inputs)."""
     want = {v for v in op.inputs if not graph.values[v].is_const}
     mapped_want = {v for v in want if v in matched}
-    unmapped = len(want - mapped_want)
-    ok: list[tuple[HloInstr, set[str]]] = []
+    best: dict[int, list[tuple[HloInstr, _Walk]]] = {}
     for c in pool.get(op.primitive, ()):
         if c.name in owner or c.shape != graph.values[vid].shape:
             continue
-        found, through, foreign = _walk(c, by_name, owner, {op.primitive})
-        if found == mapped_want and foreign <= unmapped:
-            ok.append((c, through))
+        w = _walk(c, by_name, owner, maybe, {op.primitive})
+        t = _tier(w, want, mapped_want)
+        if t is not None:
+            best.setdefault(t, []).append((c, w))
+    if not best:
+        return []
+    ok = best[min(best)]
     names = {c.name for c, _ in ok}
-    return [c for c, through in ok if not through & names]
+    return [(c, w) for c, w in ok if not w.through & names]
+
+
+def _resolve(w: _Walk, want: set[int], owner: dict[str, int], matched: dict[int, str],
+             maybe: dict[str, frozenset[int]]) -> None:
+    """After a unique match, an input reached through exactly one of its candidates is that candidate."""
+    hits: dict[int, set[str]] = {}
+    for name, vals in w.maybe:
+        for v in vals & want:
+            hits.setdefault(v, set()).add(name)
+    for v, names in hits.items():
+        if len(names) == 1 and v not in matched:
+            (name,) = names
+            owner[name], matched[v] = v, name
+            for k in list(maybe):
+                maybe[k] = maybe[k] - {v}
+                if k == name or not maybe[k]:
+                    del maybe[k]
 
 
 def match_values(graph: Any, instrs: Sequence[HloInstr], kept: Sequence[int] | None = None) -> MatchReport:
@@ -313,20 +364,28 @@ def match_values(graph: Any, instrs: Sequence[HloInstr], kept: Sequence[int] | N
             pool.setdefault(p, []).append(i)
     owner: dict[str, int] = {}  # instruction -> value
     matched: dict[int, str] = {}
-    ambiguous: dict[int, tuple[str, ...]] = {}
     for name, v in _params(instrs, graph, kept).items():
         owner[name], matched[v] = v, name
+    pending: dict[int, tuple[str, ...]] = {}  # value -> its candidates, when several
+    maybe: dict[str, frozenset[int]] = {}  # instruction -> the pending values it may be
     for op in graph.ops:
         if op.region or op.primitive == "tie":
             continue
+        want = {v for v in op.inputs if not graph.values[v].is_const}
         for vid in op.outputs:
             if vid in matched:
                 continue
-            cands = _candidates(op, vid, graph, pool, by_name, owner, matched)
+            cands = _candidates(op, vid, graph, pool, by_name, owner, matched, maybe)
             if len(cands) == 1:
-                owner[cands[0].name], matched[vid] = vid, cands[0].name
-            elif cands and len({c.sharding_text for c in cands}) == 1:
-                ambiguous[vid] = tuple(c.name for c in cands)
+                owner[cands[0][0].name], matched[vid] = vid, cands[0][0].name
+                maybe.pop(cands[0][0].name, None)
+                _resolve(cands[0][1], want, owner, matched, maybe)
+            elif cands:
+                pending[vid] = tuple(c.name for c, _ in cands)
+                for c, _ in cands:
+                    maybe[c.name] = maybe.get(c.name, frozenset()) | {vid}
+    ambiguous = {v: names for v, names in pending.items()
+                 if v not in matched and len({by_name[n].sharding_text for n in names}) == 1}
     top = {v for op in graph.ops if not op.region and op.primitive != "tie" for v in op.outputs} | set(graph.inputs)
     candidates = sum(1 for v in top if not graph.values[v].is_const)
     unsupported = {v: n for v, n in matched.items() if by_name[n].sharding is None}  # manual, maximal, sub-axis

@@ -107,7 +107,7 @@ def test_mlp_step_matches_xla():
     args = ({"w1": jnp.ones((256, 512)), "w2": jnp.ones((512, 256))}, jnp.ones((64, 256)), jnp.ones((64, 256)))
     specs = ({"w1": P(None, "model"), "w2": P("model", None)}, P("data"), P("data"))
     compiled, plan, report = _imported(step, args, specs, mesh)
-    # measured: 46 of 47 values (42 unique, 4 ambiguous with one sharding); only the folded 1/512 is missed
+    # measured: 46 of 47 values (44 unique, 2 ambiguous with one sharding); only the folded 1/512 is missed
     assert report.fraction >= 0.95, report.fraction
     assert not report.unsupported
     g = plan.graph
@@ -134,13 +134,14 @@ def test_gpt_two_layers_matches_xla():
     args = (params, tx.init(params), ids)
     specs = jax.tree_util.tree_map(lambda s: s.spec, _named_shardings(args, mesh))
     compiled, plan, report = _imported(make_train_step(model, tx), args, specs, mesh, donate_argnums=(0, 1))
-    # measured: 0.81 (633 unique + 428 ambiguous of 1312 values)
-    assert report.fraction >= 0.75, report.fraction
-    assert len(report.matched) >= 0.45 * report.candidates
+    # measured: 0.85 (893 unique + 228 ambiguous-but-agreeing of 1312 values); of the unique matches
+    # whose HLO stack frame and shardc op both name a line of bench/gpt.py, 780 of 781 name the same line
+    assert report.fraction >= 0.8, report.fraction
+    assert len(report.matched) >= 0.6 * report.candidates
     xla, sim = _bytes(compiled, plan, mesh)
     # measured: all-reduce equal to the byte (1,207,044). XLA splits the fused qkv (split/concatenate
     # along the model-sharded dim) with collective-permutes and all-to-alls (524,288 B); shardc plans
     # split/concatenate unsharded and all-gathers (814,080 B): total +17%.
-    assert sim["all-reduce"] == pytest.approx(xla["all-reduce"], rel=0.05), (sim, xla)
+    assert sim.get("all-reduce", 0) == pytest.approx(xla["all-reduce"], rel=0.05), (sim, xla)
     total_x, total_s = sum(xla.values()), sum(sim.values())
     assert total_s == pytest.approx(total_x, rel=0.25), (sim, xla)
