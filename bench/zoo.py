@@ -9,12 +9,12 @@ Rows, per (model, topology):
 * each baseline of `shardc.baselines` on its best mesh (every mesh the search scores), as the search
   reports it; planning time = tracing + that baseline's propagation, plan and simulation on its mesh;
 * `xla`: the same hints (Flax metadata as `in_shardings`, shardc hints as sharding constraints) compiled by
-  plain `jax.jit` on the hints baseline's mesh, so XLA's own sharding propagation decides the rest. The
-  compiled program is costed from its HLO — communication and memory exactly as `shardc.check` reads them,
-  and time as an HLO roofline (per-device FLOPs at the matmul efficiency or bytes at the memory efficiency,
-  whichever is slower, plus every collective by the topology's formulas, not overlapped), because shardc's
-  simulator costs plans, not HLO. The roofline of shardc's own hints plan is given beside it for calibration.
-  Needs as many local devices as the topology (not available for 64 devices);
+  plain `jax.jit` on the hints baseline's mesh, so XLA's own sharding propagation decides the rest. XLA's
+  propagated shardings are read from the module it dumps before SPMD partitioning and imported as a shardc
+  plan (`shardc.xla_import`: values matched to HLO instructions by dataflow; the unmatched ones are
+  propagated by shardc), which the simulator costs like every other row. The note gives the share of
+  values matched and what the compiled program itself communicates and peaks at (as `shardc.check` reads
+  them). Needs as many local devices as the topology (`--xla-rows` for 64);
 * `search`: `@shardc.auto(search=True, budget_s=...)` (DP + MCMC), planning time = the whole call.
 
 fraction of ideal = total FLOPs / (devices x peak FLOP/s of the dtype) / step time.
@@ -144,21 +144,14 @@ def _named_shardings(args: Any, mesh) -> Any:
 
 def xla_compile(step, args, sizes: dict):
     """`jax.jit` of the step with the user's hints only (XLA propagates the rest), compiled for the local
-    devices."""
+    devices: (compiled, the HLO module after XLA's sharding propagation, the flat inputs XLA kept)."""
     from annotations import mesh_context
+    from shardc.xla_import import compile_with_dump
 
     mesh = shardc.make_mesh(dict(sizes), jax.devices()[: math.prod(sizes.values())])
     with mesh_context(mesh), jax.set_mesh(mesh):
         jitted = jax.jit(step, in_shardings=_named_shardings(args, mesh), donate_argnums=(0, 1))
-        return jitted.lower(*args).compile()
-
-
-def plan_compile(plan):
-    from shardc.lower import jit_plan
-
-    g = plan.graph
-    avals = [jax.ShapeDtypeStruct(g.values[v].shape, g.values[v].dtype) for v in g.inputs]
-    return jit_plan(plan, plan.program, plan.donated).lower(*avals).compile()
+        return compile_with_dump(jitted, *args)
 
 
 def run_model(zm, topology: str, budget: float, *, xla: bool = True) -> list[Row]:
@@ -226,17 +219,27 @@ def run_model(zm, topology: str, budget: float, *, xla: bool = True) -> list[Row
 
 
 def xla_row(zm, step, args, sizes: dict, topo, hints_plan, ideal) -> Row:
-    """The `xla` row: the step under plain jax.jit on `sizes`, and shardc's hints plan (`hints_plan()`)
-    by the same HLO roofline for calibration."""
+    """The `xla` row: the step under plain jax.jit on `sizes`; XLA's propagated shardings imported as a plan
+    (`shardc.xla_import`) and simulated like every other row. The note gives the share of values matched and
+    what the compiled program itself communicates and peaks at."""
+    from shardc.search.evaluate import Problem
+    from shardc.sim import simulate
+    from shardc.xla_import import plan_from_xla
+
     try:
         tx = time.perf_counter()
-        r = hlo_roofline(xla_compile(step, args, sizes), sizes, topo)
+        compiled, hlo, kept = xla_compile(step, args, sizes)
+        hints = hints_plan()
+        problem = Problem(hints.graph, [], topo, hints.input_names, hints.output_names, hints.warnings,
+                          hints.donated, hints.program)
+        plan, report = plan_from_xla(problem, hints.mesh, hlo, kept=kept)
+        r = simulate(plan, topo)
         xs = time.perf_counter() - tx
-        cal = hlo_roofline(plan_compile(hints_plan()), sizes, topo)
-        return Row(zm.name, topo.name, "xla", _mesh_str(sizes), r["time"], r["peak"], r["comm"], xs,
-                   r["peak"] <= topo.device.memory, ideal(r["time"]),
-                   f"HLO roofline; shardc hints plan by the same roofline: {cal['time'] * 1e3:.2f} ms, "
-                   f"{format_bytes(cal['comm'])}, {format_bytes(cal['peak'])}")
+        real = hlo_roofline(compiled, sizes, topo)
+        return Row(zm.name, topo.name, "xla", _mesh_str(sizes), r.step_time, r.peak_memory,
+                   float(sum(r.comm_bytes.values())), xs, r.peak_memory <= topo.device.memory, ideal(r.step_time),
+                   f"XLA's shardings ({report.fraction:.0%} of values matched) simulated; the compiled program: "
+                   f"{format_bytes(real['comm'])} communicated, {format_bytes(real['peak'])} peak")
     except Exception as e:  # noqa: BLE001 - a benchmark row, not a crash
         return Row(zm.name, topo.name, "xla", _mesh_str(sizes), note=f"{type(e).__name__}: {str(e)[:100]}")
 
@@ -367,11 +370,13 @@ ZOO_NOTES = """Reading the table:
   `= fsdp` marks rows where the search found nothing faster and kept that baseline. The search is never
   slower than the best baseline, by construction (the baselines start it, and it keeps one when nothing
   beats it).
-- `xla`: the same hints under plain `jax.jit` (XLA's own propagation), costed from its compiled HLO by a
-  roofline (see `bench/zoo.py`). Its communication and memory are what the compiled program does; its
-  time compares with the roofline of shardc's own hints plan in the note, not with the simulated times
-  (the roofline does not overlap communication with compute; the simulator does).
-  The 64-device programs were compiled in a separate process with 64 host CPU devices (`--xla-rows`).
+- `xla`: the same hints under plain `jax.jit` (XLA's own propagation). XLA's propagated shardings are
+  imported as a plan (`shardc.xla_import`) and simulated like the other rows; the note gives the share of
+  the program's values whose sharding was read from XLA (shardc propagates the rest) and what the compiled
+  program itself communicates and peaks at. The plan is costed with shardc's per-op strategies, so what
+  XLA's partitioner does differently (e.g. collective-permutes for a split of a fused projection, where
+  shardc all-gathers) is not captured. The 64-device programs were compiled in a separate process with
+  64 host CPU devices (`--xla-rows`).
 - fraction of ideal = total FLOPs / (devices x peak FLOP/s at float32, i.e. TF32 on H100) / step time.
 - Planning time of `search` is the whole `shardc.auto` call (trace, baselines, role mixes, DP, MCMC,
   retrace). The budget is a number of simulated plans (about half of `budget_s` on this machine when it
