@@ -18,10 +18,11 @@ from shardc.sim import simulate
 from shardc.search import baselines
 from shardc.search.budget import SearchTimeCapWarning
 from shardc.search.integrate import AxisNameWarning
+from shardc.carried import ReplanWarning
 
 __all__ = [
     "auto", "plan", "plan_for", "make_mesh", "split", "replicate", "shard", "UNCONSTRAINED", "ShardingError",
     "Plan", "Reshard", "Sharding", "AutoFunction", "register_rule", "Topology", "simulate", "baselines",
-    "SearchTimeCapWarning", "AxisNameWarning",
+    "SearchTimeCapWarning", "AxisNameWarning", "ReplanWarning",
 ]
 __version__ = "0.1.0"

@@ -107,6 +107,7 @@ class AutoFunction:
         self._carried.check(tree, leaves, _describe(self.fun))
         c = self._compiled(args, kwargs)
         require_devices(c.plan)
+        _check_donated_once(leaves, c.plan, self.fun)
         flat = [self._place(x, s) for x, s in zip(leaves, c.plan.input_shardings())]
         out = c.jitted(*flat)
         self._carried.record(tree, leaves, c.plan.input_names, out, c.plan.output_names)
@@ -400,6 +401,23 @@ def _abstract(x: Any) -> jax.ShapeDtypeStruct:
 def _paths_of(tree: Any) -> list[Any]:
     dummy = jax.tree_util.tree_unflatten(tree, list(range(tree.num_leaves)))
     return [p for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
+
+
+def _check_donated_once(flat: Sequence[Any], plan: Plan, fun: Callable) -> None:
+    """A donated buffer passed twice in one call (`step(x, x)` with both donated) would be freed while
+    still in use (XLA crashes the process on several devices): a ShardingError naming both arguments."""
+    donated = set(plan.donated or ())
+    if not donated:
+        return
+    first: dict[int, int] = {}
+    for i, x in enumerate(flat):
+        if not isinstance(x, jax.Array):
+            continue
+        j = first.setdefault(id(x), i)
+        if j != i and (i in donated or j in donated):
+            names = plan.input_names
+            raise ShardingError(f"{_describe(fun)}: the same array is passed as {names[j]} and {names[i]}, and "
+                                f"donate_argnums donates it; donate it once, or pass a copy (jnp.copy(x))")
 
 
 def _flat_donate(donate_argnums: Sequence[int], args: Any, fun: Callable) -> list[int]:

@@ -3,19 +3,23 @@
 `state = step(state, batch)` feeds a call's outputs back as the next call's arguments. If an output
 comes back with another shape than the argument it replaces, every call is a new signature: shardc
 would silently re-trace, re-plan and recompile on each step. `CarriedShapes` remembers the previous
-call's outputs (weakly) and raises a ShardingError when an argument *is* one of them and its shape
-differs from what the previous call took in that position.
+call's outputs (weakly) and warns (`ReplanWarning`, once per function) when an argument *is* one of them
+and its shape differs from what the previous call took in that position. A warning, not an error: the
+results are right, and composing a shape-changing function with itself (`f(f(x))`) is legitimate.
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Sequence
 
 import jax
 
-from annotations.errors import ShardingError
+__all__ = ["CarriedShapes", "ReplanWarning"]
 
-__all__ = ["CarriedShapes"]
+
+class ReplanWarning(UserWarning):
+    """A call's outputs came back as the next call's arguments with another shape: each call re-plans."""
 
 
 def _aval(x: Any) -> tuple[tuple[int, ...], str] | None:
@@ -38,9 +42,10 @@ class CarriedShapes:
         self._avals: list[Any] = []
         self._names: Sequence[str] = ()
         self._outs: dict[int, tuple[weakref.ref, str]] = {}
+        self._warned = False
 
     def check(self, tree: Any, leaves: Sequence[Any], where: str) -> None:
-        """Raise if a leaf is an output of the previous call whose shape differs from the argument it
+        """Warn if a leaf is an output of the previous call whose shape differs from the argument it
         replaces (same argument tree as the previous call)."""
         if self._tree is None or not self._outs or tree != self._tree:
             return
@@ -51,11 +56,16 @@ class CarriedShapes:
             now, before = _aval(x), self._avals[k]
             if now is not None and before is not None and now != before:
                 name = self._names[k] if k < len(self._names) else f"leaf {k}"
-                raise ShardingError(
+                if self._warned:
+                    return
+                self._warned = True
+                warnings.warn(
                     f"the outputs of {where} change shape between calls: argument {name} is {_fmt(now)}, "
                     f"returned as {hit[1]} by the previous call, which took {_fmt(before)} there. State "
-                    f"carried from step to step (params, optimizer state, caches) must keep its shape, or "
-                    f"every call re-plans and recompiles; pad it to a fixed size instead.")
+                    f"carried from step to step (params, optimizer state, caches) should keep its shape, or "
+                    f"every call re-plans and recompiles; pad it to a fixed size instead.", ReplanWarning,
+                    stacklevel=3)
+                return
 
     def record(self, tree: Any, leaves: Sequence[Any], names: Sequence[str], outs: Sequence[Any],
                out_names: Sequence[str]) -> None:

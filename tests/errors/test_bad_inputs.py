@@ -299,18 +299,6 @@ def donating_a_negative_position():
     shardc.auto(lambda x: x * 2, mesh=MESH, donate_argnums=-1, search=False)
 
 
-@case("change shape between calls", "argument [0]['w'] is float32[9, 6]", "returned as out['w']",
-      "took float32[8, 6]")
-def train_step_whose_outputs_change_shape():
-    def grow(p):  # BAD
-        return {"w": jnp.concatenate([p["w"], p["w"][:1]])}
-
-    step = shardc.auto(grow, mesh=MESH, search=False)
-    p = {"w": X}
-    for _ in range(3):
-        p = step(p)
-
-
 # ------------------------------------------------------------------------------------------ degradation
 
 _COUNTER = itertools.count()
@@ -405,6 +393,27 @@ def test_degradation_warns_once_and_computes_right(c: Case):
     msg = str(ours[0].message)
     for w in c.words:
         assert w in msg, f"{w!r} not in: {msg}"
+
+
+def test_carried_state_that_changes_shape_warns_once_and_computes_right():
+    """Each call re-plans (slow, not wrong): a ReplanWarning naming the argument and the shapes, once; and
+    composing a shape-changing function with itself is fine."""
+    def grow(p):
+        return {"w": jnp.concatenate([p["w"], p["w"][:1]])}
+
+    step = shardc.auto(grow, mesh=MESH, search=False)
+    p = {"w": X}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            p = step(p)
+    ours = [str(w.message) for w in caught if issubclass(w.category, shardc.ReplanWarning)]
+    assert len(ours) == 1 and all(w in ours[0] for w in ("change shape between calls", "argument [0]['w'] is "
+                                                         "float32[9, 6]", "returned as out['w']", "took float32[8, 6]"))
+    assert p["w"].shape == (X.shape[0] + 3, X.shape[1])
+    half = shardc.auto(lambda x: x[::2] * 2, mesh=MESH, search=False)
+    with pytest.warns(shardc.ReplanWarning):  # (the composition re-plans for the smaller shape)
+        np.testing.assert_allclose(half(half(X)), X[::4] * 4)
 
 
 # ------------------------------------------------------------------------------------------ inputs that must change nothing

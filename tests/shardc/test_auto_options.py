@@ -163,3 +163,12 @@ def test_plan_and_plan_for_take_the_steps_keyword_arguments():
     assert math.prod(plan.mesh_sizes.values()) == 16
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['x'\].*kwargs=\{'x': \.\.\.\}"):
         shardc.plan_for(step, w, x=x, topology="h100-sxm-8")
+
+
+def test_the_same_donated_array_twice_is_an_error_not_a_crash():
+    """Regression: `f(x, x)` with both donated crashed the process inside XLA on 8 devices."""
+    f = shardc.auto(lambda a, b: a + b, mesh=shardc.make_mesh({"data": 8}), search=False, donate_argnums=(0, 1))
+    x = jax.device_put(jnp.ones((8, 4)), jax.sharding.NamedSharding(f._mesh(), PS()))
+    with pytest.raises(shardc.ShardingError, match=r"the same array is passed as \[0\] and \[1\]"):
+        f(x, x)
+    np.testing.assert_allclose(f(x, jnp.copy(x)), 2 * np.ones((8, 4)))
