@@ -183,8 +183,9 @@ def reshard_bytes(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: 
         n = math.prod(mesh[a] for a in src.partial - dst.partial)
         total += 2 * src_local * (n - 1) // n
     kind = classify_reshard(Sharding(src.dims), Sharding(dst.dims))
-    if kind == "all-gather":
-        total += max(dst_local - src_local, 0)
+    if kind == "all-gather":  # gather the axes the value leaves (then slice for the ones it joins: free)
+        gone = {a for d in src.dims for a in d} - {a for d in dst.dims for a in d}
+        total += src_local * (math.prod(mesh[a] for a in gone) - 1)
     elif kind in ("all-to-all", "collective-permute"):
         n = math.prod(mesh[a] for d in src.dims for a in d)
         total += src_local * (n - 1) // max(n, 1)

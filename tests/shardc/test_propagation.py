@@ -182,3 +182,16 @@ def test_int_count_resolves_to_axes(mesh):
 
     _, plan = planned(f, mesh, jnp.ones((16, 4)))
     assert out_sharding(plan) == (("data", "model"), ())
+
+
+def test_a_dim_moving_to_another_axis_moves_bytes():
+    """Regression: [data, -] -> [model, -] was an 'all-gather' of 0 bytes in the plan (gathering data,
+    then slicing on model, moves the local block once)."""
+    from shardc.plan import reshard_bytes
+    from shardc.sharding import Sharding
+
+    mesh = {"data": 2, "model": 4}
+    local = 8 * 32 * 4  # float32[16, 32] split in 2
+    assert reshard_bytes(Sharding((("data",), ())), Sharding((("model",), ())), (16, 32), 4, mesh) == local
+    assert reshard_bytes(Sharding((("data",), ())), Sharding(((), ())), (16, 32), 4, mesh) == local
+    assert reshard_bytes(Sharding((("data", "model"), ())), Sharding((("data",), ())), (16, 32), 4, mesh) == 3 * local // 4
