@@ -218,7 +218,7 @@ class AutoFunction:
                 jax.typeof(x)
             except TypeError:
                 path = keystr(jax.tree_util.tree_flatten_with_path(call)[0][i][0][1:])
-                raise ShardingError(f"shardc.auto: argument leaf {path} is a {type(x).__name__}, not an array; "
+                raise ShardingError(f"shardc.auto: argument leaf {path} is of type {type(x).__name__}, not an array; "
                                     f"pass arrays (or close over Python values)") from None
         if inspect.isfunction(self.fun):  # JAX's tracing errors then name the user's function, not ours
             flat_fun.__name__, flat_fun.__qualname__ = self.fun.__name__, self.fun.__qualname__

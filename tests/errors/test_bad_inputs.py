@@ -284,7 +284,7 @@ def flax_metadata_of_the_wrong_rank():
 # ------------------------------------------------------------------------------------------ calls
 
 
-@case("argument leaf [1]", "is a str, not an array", line=False)
+@case("argument leaf [1]", "is of type str, not an array", line=False)
 def non_array_argument():
     plan(lambda x, s: x, X, "hello")
 
