@@ -61,6 +61,11 @@ def explain(plan: "Plan", *, max_rows: int = 60) -> str:
     if len(ins) > max_rows:
         lines.append(f"... {len(ins) - max_rows} more inputs")
     outs = rows_for(list(g.outputs), list(plan.output_names) or [g.values[v].name for v in g.outputs])
+    in_names = list(plan.input_names) or [g.values[v].name for v in g.inputs]
+    carried_from = {out: in_names[g.inputs.index(inp)] for inp, out in g.carried().items() if inp in g.inputs}
+    for row, vid in zip(outs, g.outputs):
+        if vid in carried_from:  # tied: the next step's version of an input leaves in that input's layout
+            row[-1] = f"next value of input {carried_from[vid]} (kept in its layout); {row[-1]}"
     lines += ["", "outputs:", _table(headers, outs[:max_rows])]
     if len(outs) > max_rows:
         lines.append(f"... {len(outs) - max_rows} more outputs")

@@ -167,3 +167,12 @@ def test_new_variables_made_in_the_step_come_back():
     shardc.auto(step, search=False)(a, x)
     nnx.jit(step)(b, x)
     np.testing.assert_allclose(a.h.get_value()[0], b.h.get_value()[0], rtol=1e-6)
+
+
+def test_explain_names_the_tie_of_carried_state():
+    """An output that is the next value of an input says so in explain() (its layout comes from the tie)."""
+    model, opt = make()
+    x, y = data()
+    text = shardc.auto(train_step, search=False).plan(model, opt, x, y).explain()
+    assert "[0]['fc1']['kernel'].value (updated)" in text
+    assert "next value of input [0]['fc1']['kernel'].value (kept in its layout)" in text
