@@ -101,8 +101,8 @@ class AutoFunction:
         nnx_call = self._nnx_step(args, kwargs)
         if nnx_call is not None:
             step, call, pure_args, pure_kwargs, nodes = nnx_call
-            out, new_state = step(*pure_args, **pure_kwargs)
-            call.update(nodes, new_state)
+            out, *new_state = step(*pure_args, **pure_kwargs)
+            call.update(nodes, tuple(new_state))
             return out
         self._carried.check(tree, leaves, _describe(self.fun))
         c = self._compiled(args, kwargs)

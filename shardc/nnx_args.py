@@ -11,8 +11,8 @@ Traced as a plain pytree function, those mutations would land on copies made dur
 - each node is replaced in the argument tree by its own part of that state (an `nnx.State`, whose
   variables keep their `with_partitioning` metadata: those are hints as before);
 - the pure function merges the nodes back, runs the user's step on them and returns the step's result
-  together with the nodes' new state, which has the tree structure of the state that came in, so
-  shardc ties it to it (it leaves in the layout it came in, docs/architecture.md);
+  followed by each node's new state, a top-level output with the tree structure of the state that came
+  in, so shardc ties it to it (it leaves in the layout it came in, docs/architecture.md);
 - after the run, `nnx.update` writes the new state into the caller's objects.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ class NnxCall:
         from flax import nnx
 
         @functools.wraps(fun)
-        def pure_step(*args: Any, **kwargs: Any) -> tuple[Any, tuple]:
+        def pure_step(*args: Any, **kwargs: Any) -> tuple:
             leaves = self.treedef.flatten_up_to((args, kwargs))
             state = nnx.State({i: leaves[p] for i, p in enumerate(self.node_positions)})
             nodes = nnx.merge(self.graphdef, state)
@@ -60,17 +60,19 @@ class NnxCall:
             call_args, call_kwargs = jax.tree_util.tree_unflatten(self.treedef, leaves)
             out = fun(*call_args, **call_kwargs)
             self._check_only_variables_changed(state, nodes, fun)
-            return out, self._parts(nnx.state(nodes))
+            # (result, node 0's new state, node 1's, ...): each node's new state is a top-level output with its
+            # input's tree structure, which is what shardc ties as carried state
+            return (out, *self._parts(nnx.state(nodes)))
 
         pure_step.shardc_output_names = self.output_names  # read by AutoFunction when it names the outputs
         return pure_step
 
     def output_names(self, paths: list) -> list[str]:
-        """Names of the pure step's outputs (key paths into `(result, node states)`): the result's as
-        usual (`out[...]`), each node's new state as its input path marked `(updated)`."""
+        """Names of the pure step's outputs (key paths into `(result, node 0's state, ...)`): the result's
+        as usual (`out[...]`), each node's new state as its input path marked `(updated)`."""
         from jax.tree_util import keystr
 
-        return [f"out{keystr(p[1:])}" if p[0].idx == 0 else f"{self.node_paths[p[1].idx]}{keystr(p[2:])} (updated)"
+        return [f"out{keystr(p[1:])}" if p[0].idx == 0 else f"{self.node_paths[p[0].idx - 1]}{keystr(p[1:])} (updated)"
                 for p in paths]
 
     def _check_only_variables_changed(self, state_in: Any, nodes: tuple, fun: Callable) -> None:

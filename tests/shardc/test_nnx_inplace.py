@@ -173,6 +173,12 @@ def test_explain_names_the_tie_of_carried_state():
     """An output that is the next value of an input says so in explain() (its layout comes from the tie)."""
     model, opt = make()
     x, y = data()
-    text = shardc.auto(train_step, search=False).plan(model, opt, x, y).explain()
+    plan = shardc.auto(train_step, search=False).plan(model, opt, x, y)
+    n_state = len(jax.tree.leaves(nnx.state(model))) + len(jax.tree.leaves(nnx.state(opt)))
+    g, tied = plan.graph, plan.graph.carried()
+    for k in range(n_state):  # every Variable's new value is tied to its old one (or is it, unchanged)
+        old, new = g.inputs[k], g.outputs[1 + k]
+        assert new == old or tied.get(old) == new, plan.output_names[1 + k]
+    text = plan.explain()
     assert "[0]['fc1']['kernel'].value (updated)" in text
     assert "next value of input [0]['fc1']['kernel'].value (kept in its layout)" in text
