@@ -392,7 +392,9 @@ ZOO_NOTES = """Reading the table:
   expert-parallel baseline shards only the expert weights. Every row got faster; the communication-bound
   ones most (MoE FSDP on `h100-sxm-8x8` 83.5 -> 56.8 ms, `gpt12-wide` FSDP there 349.7 -> 196.4 ms).
   In the MoE rows expert parallel equals data parallel: the model's own GShard hints already put the
-  experts on the `expert` axis.
+  experts on the `expert` axis. After a later fix to the plan's reshard byte count (a dim moving to another
+  axis counted 0 B), `h100-sxm-8` and `h100-sxm-8x8` were run again: every row came out the same (the
+  re-run's `gpt12-wide` on `h100-sxm-8` hit the time cap under other load; the uncapped row is kept).
 
 Against the targets (issue 6):
 
