@@ -46,6 +46,9 @@ def _verify_rules(args: argparse.Namespace) -> int:
             except RuleSyntaxError as e:
                 print(f"{f}: {e}")
                 return 2
+            except OSError as e:
+                print(f"{f}: cannot read the rules file ({e.strerror or e})")
+                return 2
     else:
         rules = library_rules() if args.library_only else all_rules()
     t0 = time.perf_counter()

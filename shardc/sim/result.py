@@ -154,6 +154,11 @@ class SimResult:
 
         return gantt(self, path, max_tasks=max_tasks)
 
+    @property
+    def fits(self) -> bool:
+        """Whether the simulated per-device peak fits the topology's device memory."""
+        return self.memory.peak <= self.topology.device.memory
+
     def summary(self, *, top: int = 8) -> str:
         m = self.memory
         lines = [
@@ -163,7 +168,8 @@ class SimResult:
             f"communication {_fmt_time(self.comm_time)}, {self.flops / 1e9:.3f} GFLOP per device)",
             f"peak memory {_fmt_bytes(m.peak)} per device (arguments {_fmt_bytes(m.arguments)}, outputs "
             f"{_fmt_bytes(m.outputs)}, donated {_fmt_bytes(m.aliased)}, temporaries {_fmt_bytes(m.temp_peak)}"
-            f"; capacity {_fmt_bytes(self.topology.device.memory)})",
+            f"; capacity {_fmt_bytes(self.topology.device.memory)})"
+            + ("" if self.fits else " -- DOES NOT FIT in device memory"),
         ]
         if self.payload:
             by_kind = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in sorted(self.payload.items()))

@@ -77,3 +77,5 @@ def test_cli_generate_rules(tmp_path, capsys):
     for word in ("enumerated:", "verified:", "kept:"):
         assert word in text
     assert parse_rules(out.read_text())
+    assert main(["verify-rules", str(tmp_path / "missing.rules")]) == 2  # a clear line, not a traceback
+    assert "missing.rules: cannot read the rules file" in capsys.readouterr().out

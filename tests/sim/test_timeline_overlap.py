@@ -125,3 +125,10 @@ def test_collective_backfills_while_an_earlier_one_waits_for_its_operand():
     assert ("all-gather", 0.0, 0.5) in spans and ("all-reduce", 1.0, 3.0) in spans
     assert ("compute", 1.0, 2.0) in spans  # z @ w2 in the compute stream's idle interval
     assert r.step_time == pytest.approx(3.1 * MS)
+
+
+def test_a_plan_that_does_not_fit_says_so(plan):
+    tiny = Topology("tiny", Device("toy", {"float32": 1e12}, 1e12, 1e3), (Level("link", 8, 1e9, 0.0),), overlap=True)
+    r = simulate(plan, tiny, estimator=FakeEstimator({"dot_general": 1 * MS}))
+    assert not r.fits and "DOES NOT FIT in device memory" in r.summary()
+    assert simulate(plan, topology(True), estimator=FakeEstimator({"dot_general": 1 * MS})).fits
