@@ -28,6 +28,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from shardc.cost.hlo import _balanced, _device_ids
+from shardc.cost.hlo import parse_hlo as parse_hlo_text
 from shardc.sharding import Sharding
 
 __all__ = ["HloInstr", "MatchReport", "decode_sharding", "hlo_shardings", "parse_hlo", "match_values",
@@ -59,12 +61,7 @@ class HloInstr:
 
 def _braced(text: str, start: int) -> str:
     """The balanced `{...}` group starting at text[start] (which must be '{'), braces included."""
-    depth = 0
-    for i in range(start, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[start:i + 1]
-    raise ValueError(f"unbalanced braces in {text[start:start + 80]!r}")
+    return text[start:_balanced(text, start, "{", "}")]
 
 
 def _tile_assignment(body: str) -> tuple[list[int], np.ndarray, str] | None:
@@ -74,17 +71,13 @@ def _tile_assignment(body: str) -> tuple[list[int], np.ndarray, str] | None:
         return None
     tile = [int(x) for x in m.group(1).split(",")]
     rest = body[m.end():]
-    iota = re.match(r"<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest)
-    if iota:
-        dims = [int(x) for x in iota.group(1).split(",")]
-        arr = np.arange(math.prod(dims)).reshape(dims)
-        if iota.group(2):
-            arr = arr.transpose([int(x) for x in iota.group(2).split(",")])
-        return tile, arr.reshape(tile), rest[iota.end():]
-    lst = re.match(r"([\d,]+)", rest)
-    if lst is None:
+    ids = re.match(r"<=(\[[\d,]+\](?:T\([\d,]+\))?)|([\d,]+)", rest)  # iota (reshaped, transposed) or a list
+    if ids is None:
         return None
-    return tile, np.array([int(x) for x in lst.group(1).split(",")]).reshape(tile), rest[lst.end():]
+    arr = _device_ids(ids.group(1) or ids.group(2), math.prod(tile))
+    if arr.size != math.prod(tile):
+        return None
+    return tile, arr.reshape(tile), rest[ids.end():]
 
 
 def _axes_for(tile_index: np.ndarray, count: int, names: Sequence[str], coords: np.ndarray,
@@ -148,37 +141,11 @@ def decode_sharding(text: str, rank: int, mesh_sizes: Mapping[str, int]) -> Shar
 # HLO text
 
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
-
-
-def _entry(hlo_text: str) -> list[str]:
-    """The instruction lines of the ENTRY computation."""
-    lines = hlo_text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("ENTRY"))
-    out = []
-    for line in lines[start + 1:]:
-        if line.startswith("}"):
-            break
-        out.append(line)
-    return out
-
-
 def _shape(text: str) -> tuple[int, ...] | None:
     m = re.fullmatch(r"[a-z]\w*\[([\d,]*)\](?:\{[^}]*\})?", text.strip())
     if m is None:
         return None
     return tuple(int(x) for x in m.group(1).split(",") if x)
-
-
-def _operands(args: str) -> tuple[str, ...]:
-    """Operand names of `opcode(...)`: the %names before the closing parenthesis."""
-    depth, end = 1, len(args)
-    for i, c in enumerate(args):
-        depth += {"(": 1, ")": -1}.get(c, 0)
-        if depth == 0:
-            end = i
-            break
-    return tuple(re.findall(r"%([\w.\-]+)", args[:end]))
 
 
 def _prims(line: str) -> tuple[str, ...]:
@@ -191,21 +158,18 @@ def _prims(line: str) -> tuple[str, ...]:
 
 def parse_hlo(hlo_text: str, mesh_sizes: Mapping[str, int]) -> list[HloInstr]:
     """Every instruction of the entry computation, in text order, with its decoded sharding."""
+    module = parse_hlo_text(hlo_text)
     out = []
-    for line in _entry(hlo_text):
-        m = _INSTR.match(line)
-        if m is None:
-            continue
-        name, shape_text, opcode, args = m.groups()
-        shape = _shape(shape_text)
-        s_at = line.find("sharding={")
-        s_text = _braced(line, s_at + len("sharding=")) if s_at >= 0 else None
+    for ins in module.computations.get(module.entry, ()):
+        shape = _shape(ins.shape)
+        s_at = ins.attrs.find("sharding={")
+        s_text = _braced(ins.attrs, s_at + len("sharding=")) if s_at >= 0 else None
         sharding = None
         if shape is not None:  # no sharding: the SPMD partitioner replicates the instruction
             sharding = decode_sharding(s_text or "{replicated}", len(shape), mesh_sizes)
-        pm = re.match(r"\s*(\d+)\)", args) if opcode == "parameter" else None
-        out.append(HloInstr(name, opcode, shape, _operands(args), _prims(line), s_text, sharding,
-                            int(pm.group(1)) if pm else None))
+        parameter = int(ins.operands[0]) if ins.opcode == "parameter" and ins.operands else None
+        out.append(HloInstr(ins.name, ins.opcode, shape, ins.operands, _prims(ins.attrs), s_text, sharding,
+                            parameter))
     return out
 
 
