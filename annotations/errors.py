@@ -6,11 +6,13 @@ never the other way round. `shardc.ShardingError` is this class.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import sys
 from types import FrameType
+from typing import Any
 
-__all__ = ["ShardingError", "SourceLine", "caller_source_line"]
+__all__ = ["ShardingError", "SourceLine", "caller_source_line", "describe_function"]
 
 
 class ShardingError(ValueError):
@@ -75,3 +77,12 @@ def caller_source_line(frame: FrameType | None = None) -> SourceLine | None:
             return SourceLine(path, f.f_lineno, f.f_code.co_name)
         f = f.f_back
     return None
+
+
+def describe_function(fun: Any) -> str:
+    """`name (file:line)` of a user's function, for messages."""
+    name = getattr(fun, "__qualname__", None) or type(fun).__name__
+    code = getattr(inspect.unwrap(fun), "__code__", None)
+    if code is None:
+        return name
+    return f"{name} ({SourceLine(code.co_filename, code.co_firstlineno)})"

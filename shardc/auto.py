@@ -27,6 +27,7 @@ from jax.tree_util import keystr
 
 import annotations as _annotations
 from annotations.errors import ShardingError, SourceLine, caller_source_line
+from annotations.errors import describe_function as _describe
 from shardc.ir.build import build_graph
 from shardc.ir.graph import Graph, Op
 from shardc.carried import CarriedShapes
@@ -311,15 +312,6 @@ class AutoFunction:
                 continue
             seeds.append(input_seed(graph, i, h.dims, mesh, Cause("metadata", h.description, None)))
         return seeds
-
-
-def _describe(fun: Callable) -> str:
-    """`name (file:line)` of the user's function, for messages."""
-    name = getattr(fun, "__qualname__", None) or type(fun).__name__
-    code = getattr(inspect.unwrap(fun), "__code__", None)
-    if code is None:
-        return name
-    return f"{name} ({SourceLine(code.co_filename, code.co_firstlineno)})"
 
 
 def _check_search_options(search: Any, budget_s: Any) -> None:

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from typing import Any, Callable
 
 import jax
 
-from annotations.errors import ShardingError, SourceLine
+from annotations.errors import ShardingError, describe_function
 
 __all__ = ["NnxCall", "split_call"]
 
@@ -47,7 +46,7 @@ class NnxCall:
     node_paths: tuple[str, ...] = ()  # where each node is among the arguments ("[0]", "['model']"), for names
 
     def pure(self, fun: Callable) -> Callable:
-        """`fun` as a function of the split arguments returning `(result, new node states)`."""
+        """`fun` as a function of the split arguments returning `(result, node 0's new state, ...)`."""
         from flax import nnx
 
         @functools.wraps(fun)
@@ -84,12 +83,8 @@ class NnxCall:
         carried = nnx.merge(self.graphdef, state_in)
         nnx.update(carried, nnx.state(nodes))
         if nnx.graphdef(carried) != nnx.graphdef(nodes):
-            name = getattr(fun, "__qualname__", None) or type(fun).__name__
-            code = getattr(inspect.unwrap(fun), "__code__", None)
-            if code is not None:
-                name += f" ({SourceLine(code.co_filename, code.co_firstlineno)})"
             raise ShardingError(
-                f"{name} changes attributes of its NNX arguments that are not Variables (a plain attribute "
+                f"{describe_function(fun)} changes attributes of its NNX arguments that are not Variables (a plain attribute "
                 f"such as `model.flag = 1`, or `model.eval()` / `model.train()`); @shardc.auto carries back only "
                 f"the objects' Variables (parameters, statistics, RNG state, optimizer state). Make those "
                 f"changes outside the step, or keep the value in an nnx.Variable")
