@@ -47,7 +47,7 @@ class CarriedShapes:
     def check(self, tree: Any, leaves: Sequence[Any], where: str) -> None:
         """Warn if a leaf is an output of the previous call whose shape differs from the argument it
         replaces (same argument tree as the previous call)."""
-        if self._tree is None or not self._outs or tree != self._tree:
+        if self._warned or self._tree is None or not self._outs or tree != self._tree:
             return
         for k, x in enumerate(leaves):
             hit = self._outs.get(id(x))
@@ -56,8 +56,6 @@ class CarriedShapes:
             now, before = _aval(x), self._avals[k]
             if now is not None and before is not None and now != before:
                 name = self._names[k] if k < len(self._names) else f"leaf {k}"
-                if self._warned:
-                    return
                 self._warned = True
                 warnings.warn(
                     f"the outputs of {where} change shape between calls: argument {name} is {_fmt(now)}, "

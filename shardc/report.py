@@ -62,7 +62,8 @@ def explain(plan: "Plan", *, max_rows: int = 60) -> str:
         lines.append(f"... {len(ins) - max_rows} more inputs")
     outs = rows_for(list(g.outputs), list(plan.output_names) or [g.values[v].name for v in g.outputs])
     in_names = list(plan.input_names) or [g.values[v].name for v in g.inputs]
-    carried_from = {out: in_names[g.inputs.index(inp)] for inp, out in g.carried().items() if inp in g.inputs}
+    name_of_input = dict(zip(g.inputs, in_names))
+    carried_from = {out: name_of_input[inp] for inp, out in g.carried().items() if inp in name_of_input}
     for row, vid in zip(outs, g.outputs):
         if vid in carried_from:  # tied: the next step's version of an input leaves in that input's layout
             row[-1] = f"next value of input {carried_from[vid]} (kept in its layout); {row[-1]}"

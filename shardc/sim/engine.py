@@ -267,9 +267,8 @@ class Simulator:
                     r = ready[d]
                     if r > start:
                         start, bind = r, who[d]
-                placed = False
-                if s >= 0 and dur and gaps[s]:
-                    idle = gaps[s]
+                if s >= 0:
+                    idle = gaps[s] if dur else ()
                     for gi, (a, b, before) in enumerate(idle):
                         at = start if start > a else a
                         if at + dur <= b:  # fits in an idle interval of its stream
@@ -278,18 +277,15 @@ class Simulator:
                             start, end = at, at + dur
                             gaps[s] = idle[:gi] + tuple(g for g in ((a, at, before), (end, b, here)) if g[1] > g[0]) \
                                 + idle[gi + 1:]
-                            placed = True
                             break
-                if placed:
-                    pass
-                elif s >= 0:
-                    if free[s] > start:
-                        start, bind = free[s], last[s]
-                    elif start > free[s] and dur:
-                        gaps[s] = (gaps[s] + ((free[s], start, last[s]),))[-_GAPS:]
-                    end = start + dur
-                    free[s] = end
-                    last[s] = here
+                    else:  # after the stream's last task
+                        if free[s] > start:
+                            start, bind = free[s], last[s]
+                        elif start > free[s] and dur:
+                            gaps[s] = (gaps[s] + ((free[s], start, last[s]),))[-_GAPS:]
+                        end = start + dur
+                        free[s] = end
+                        last[s] = here
                 else:
                     end = start
                 for k in outs:
