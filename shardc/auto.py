@@ -19,7 +19,7 @@ import os
 import time
 import traceback
 import warnings
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 from jax.sharding import Mesh
@@ -58,6 +58,16 @@ class Compiled:
 
 def _default_mesh() -> Mesh:
     return make_mesh({"data": len(jax.devices())})
+
+
+class _NnxRoute(NamedTuple):
+    """A call with NNX objects: the pure step for its argument structure, the split, and what to update."""
+
+    step: "AutoFunction"
+    call: NnxCall
+    args: tuple
+    kwargs: dict
+    nodes: tuple
 
 
 class AutoFunction:
@@ -99,11 +109,9 @@ class AutoFunction:
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             return self._inline(args, kwargs)
-        nnx_call = self._nnx_step(args, kwargs)
-        if nnx_call is not None:
-            step, call, pure_args, pure_kwargs, nodes = nnx_call
-            out, *new_state = step(*pure_args, **pure_kwargs)
-            call.update(nodes, tuple(new_state))
+        if (nnx := self._nnx_step(args, kwargs)) is not None:
+            out, *new_state = nnx.step(*nnx.args, **nnx.kwargs)
+            nnx.call.update(nnx.nodes, tuple(new_state))
             return out
         self._carried.check(tree, leaves, _describe(self.fun))
         c = self._compiled(args, kwargs)
@@ -116,32 +124,26 @@ class AutoFunction:
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for these arguments, without running."""
-        nnx_call = self._nnx_step(args, kwargs)
-        if nnx_call is not None:
-            step, _, pure_args, pure_kwargs, _ = nnx_call
-            return step.plan(*pure_args, **pure_kwargs)
+        if (nnx := self._nnx_step(args, kwargs)) is not None:
+            return nnx.step.plan(*nnx.args, **nnx.kwargs)
         return self._compiled(args, kwargs).plan
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The lowered program (over the flattened arguments), as `jax.jit(...).lower` gives."""
-        nnx_call = self._nnx_step(args, kwargs)
-        if nnx_call is not None:
-            step, _, pure_args, pure_kwargs, _ = nnx_call
-            return step.lower(*pure_args, **pure_kwargs)
+        if (nnx := self._nnx_step(args, kwargs)) is not None:
+            return nnx.step.lower(*nnx.args, **nnx.kwargs)
         c = self._compiled(args, kwargs)
         require_devices(c.plan)
         return c.jitted.lower(*jax.tree_util.tree_leaves((args, kwargs)))
 
     def compiled_info(self, *args: Any, **kwargs: Any) -> Compiled:
         """Plan, jaxpr, trees, jitted function and timings for these arguments."""
-        nnx_call = self._nnx_step(args, kwargs)
-        if nnx_call is not None:
-            step, _, pure_args, pure_kwargs, _ = nnx_call
-            return step.compiled_info(*pure_args, **pure_kwargs)
+        if (nnx := self._nnx_step(args, kwargs)) is not None:
+            return nnx.step.compiled_info(*nnx.args, **nnx.kwargs)
         return self._compiled(args, kwargs)
 
     # -- internals -----------------------------------------------------------------------------------
-    def _nnx_step(self, args: tuple, kwargs: dict) -> tuple | None:
+    def _nnx_step(self, args: tuple, kwargs: dict) -> _NnxRoute | None:
         """For arguments holding NNX objects: the pure step that plans and runs them (one per argument
         structure), the split, the pure arguments and the objects to update afterwards; else None."""
         split = split_call(args, kwargs)
@@ -151,7 +153,7 @@ class AutoFunction:
         step = self._nnx_steps.get(call)
         if step is None:
             step = self._nnx_steps[call] = AutoFunction(call.pure(self.fun), **self._options)
-        return step, call, pure_args, pure_kwargs, nodes
+        return _NnxRoute(step, call, pure_args, pure_kwargs, nodes)
 
     def _inline(self, args: tuple, kwargs: dict) -> Any:
         """Called while something else traces (another @shardc.auto function, jax.jit, grad, vmap):
