@@ -100,29 +100,6 @@ def _trace_mesh():
     return shardc.make_mesh({"data": 2, "model": 2, "expert": 2}, jax.devices()[:8])
 
 
-def hlo_roofline(compiled: Any, sizes: dict, topo) -> dict:
-    """Time (HLO roofline), collective bytes and peak memory per device of a compiled SPMD program."""
-    from shardc.check import compiled_stats
-    from shardc.cost.collectives import Collective, collective_time
-
-    stats = compiled_stats(compiled, list(sizes.items()))
-    cost = compiled.cost_analysis()
-    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
-    dev = topo.device
-    t_flops = stats["flops"] / (dev.flops_per_s("float32") * dev.matmul_efficiency)
-    t_bytes = float(cost.get("bytes accessed", 0.0)) / (dev.mem_bandwidth * dev.vector_efficiency)
-    mapping = topo.map_mesh(sizes)
-    t_comm = 0.0
-    for c in stats["collectives"]:
-        axes = tuple(c.axes or ())
-        if not axes or c.bytes <= 0:
-            continue
-        group = c.group_size if c.group_size != math.prod(sizes[a] for a in axes) else None
-        t_comm += c.count * collective_time(Collective(c.kind, axes, c.bytes, group), topo, mapping, dict(sizes))
-    return {"time": max(t_flops, t_bytes) + t_comm, "comm": float(sum(stats["bytes"].values())),
-            "peak": float(stats["memory"] or 0.0), "t_compute": max(t_flops, t_bytes), "t_comm": t_comm}
-
-
 def _named_shardings(args: Any, mesh) -> Any:
     """Flax partitioning metadata as NamedShardings (axes the mesh lacks dropped); other leaves replicated."""
     import flax.linen as nn
@@ -222,6 +199,7 @@ def xla_row(zm, step, args, sizes: dict, topo, hints_plan, ideal) -> Row:
     """The `xla` row: the step under plain jax.jit on `sizes`; XLA's propagated shardings imported as a plan
     (`shardc.xla_import`) and simulated like every other row. The note gives the share of values matched and
     what the compiled program itself communicates and peaks at."""
+    from shardc.check import compiled_stats
     from shardc.search.evaluate import Problem
     from shardc.sim import simulate
     from shardc.xla_import import plan_from_xla
@@ -235,11 +213,11 @@ def xla_row(zm, step, args, sizes: dict, topo, hints_plan, ideal) -> Row:
         plan, report = plan_from_xla(problem, hints.mesh, hlo, kept=kept)
         r = simulate(plan, topo)
         xs = time.perf_counter() - tx
-        real = hlo_roofline(compiled, sizes, topo)
+        real = compiled_stats(compiled, list(sizes.items()))
         return Row(zm.name, topo.name, "xla", _mesh_str(sizes), r.step_time, r.peak_memory,
-                   float(sum(r.comm_bytes.values())), xs, r.peak_memory <= topo.device.memory, ideal(r.step_time),
+                   float(sum(r.comm_bytes.values())), xs, r.fits, ideal(r.step_time),
                    f"XLA's shardings ({report.fraction:.0%} of values matched) simulated; the compiled program: "
-                   f"{format_bytes(real['comm'])} communicated, {format_bytes(real['peak'])} peak")
+                   f"{format_bytes(sum(real['bytes'].values()))} communicated, {format_bytes(real['memory'] or 0)} peak")
     except Exception as e:  # noqa: BLE001 - a benchmark row, not a crash
         return Row(zm.name, topo.name, "xla", _mesh_str(sizes), note=f"{type(e).__name__}: {str(e)[:100]}")
 
