@@ -180,6 +180,11 @@ def _moe(batch: int, length: int, **kw):
 def zoo(scale: str = "full") -> list[ZooModel]:
     """The zoo. scale="full": the benchmark sizes; "tiny": the same families, small (for smoke runs)."""
     tiny = scale == "tiny"
+    moe_kw = ({"vocab_size": 256, "d_model": 64, "mlp_dim": 128, "num_encoder_layers": 2, "num_decoder_layers": 2,
+               "num_groups": 8} if tiny else
+              {"vocab_size": 32000, "d_model": 1024, "num_heads": 16, "mlp_dim": 4096, "num_experts": 64,
+               "num_encoder_layers": 6, "num_decoder_layers": 6, "num_groups": 64})
+    moe_batch, moe_len = (8, 16) if tiny else (64, 256)
     return [
         ZooModel("mlp", "MLP", _classifier(MLP((512,) * 4 if tiny else (8192,) * 4, 128 if tiny else 1024),
                                            (64, 256) if tiny else (1024, 1024), 128 if tiny else 1024),
@@ -203,11 +208,10 @@ def zoo(scale: str = "full") -> list[ZooModel]:
                       **({} if tiny else {"vocab": 32768, "d": 6144, "heads": 48})),
                  "12 layers, d 6144 (5.8 B params), seq 512, batch 8, AdamW: data parallel does not fit, "
                  "few tokens per step"),
-        ZooModel("moe", "MoE Transformer", _moe(8 if tiny else 64, 16 if tiny else 256,
-                                               **({"vocab_size": 256, "d_model": 64, "mlp_dim": 128,
-                                                   "num_encoder_layers": 2, "num_decoder_layers": 2, "num_groups": 8} if tiny else
-                                                  {"vocab_size": 32000, "d_model": 1024, "num_heads": 16,
-                                                   "mlp_dim": 4096, "num_experts": 64,
-                                                   "num_encoder_layers": 6, "num_decoder_layers": 6, "num_groups": 64})),
+        ZooModel("moe", "MoE Transformer", _moe(moe_batch, moe_len, **moe_kw),
                  "GShard translation Transformer, 6+6 layers, d 1024, 64 experts every other FFN, batch 64x256"),
+        ZooModel("moe-auto", "MoE Transformer (no hints)",
+                 _moe(moe_batch, moe_len, group_axes=None, expert_axes=None, **moe_kw),
+                 "the same model with its GShard hints off (`group_axes=expert_axes=None`): the experts' and "
+                 "tokens' layouts are left to the search"),
     ]

@@ -225,12 +225,22 @@ def _unif(scale):
     return init
 
 
+def _expert_init(init, expert_axes):
+    """An expert weight's initializer: its expert dim split over `expert_axes` (partitioning metadata, a
+    hint), or, without expert axes, no metadata at all, so that the layout is left to shardc (metadata of
+    all-None would pin the experts replicated)."""
+    if expert_axes is None:
+        return init
+    return nn.with_partitioning(init, (expert_axes, None, None))
+
+
 class MoeFeedForward(nn.Module):
     """GShard MoE FFN (linen). ``__call__(x [..., M], paddings [...] = None, deterministic=True)`` returns
     ``(y [..., M], aux_loss)``; no residual or layer norm is applied here.
 
     Parameters: ``gate`` [M, E] (replicated), ``wi`` [E, M, H] and ``wo`` [E, H, M], both created with
-    ``nn.with_partitioning`` so their expert dim is split over ``expert_axes``. Init as lingvo:
+    ``nn.with_partitioning`` so their expert dim is split over ``expert_axes`` (with ``expert_axes=None``
+    they carry no partitioning metadata: shardc chooses their layout). Init as lingvo:
     ``U(+-sqrt(3/M))`` for gate and wi, ``U(+-sqrt(3/H))`` for wo.
 
     Training (``deterministic=False``) with the ``"random"`` policy draws from the ``"gating"`` rng stream;
@@ -265,14 +275,8 @@ class MoeFeedForward(nn.Module):
         gate = self.param(
             "gate", nn.with_partitioning(_unif(math.sqrt(3.0 / m)), (None, None)), (m, e), self.param_dtype
         )
-        wi = self.param(
-            "wi", nn.with_partitioning(_unif(math.sqrt(3.0 / m)), (ex_name, None, None)), (e, m, h),
-            self.param_dtype,
-        )
-        wo = self.param(
-            "wo", nn.with_partitioning(_unif(math.sqrt(3.0 / h)), (ex_name, None, None)), (e, h, m),
-            self.param_dtype,
-        )
+        wi = self.param("wi", _expert_init(_unif(math.sqrt(3.0 / m)), ex_name), (e, m, h), self.param_dtype)
+        wo = self.param("wo", _expert_init(_unif(math.sqrt(3.0 / h)), ex_name), (e, h, m), self.param_dtype)
         xg, pg, lead = _flatten_tokens(x.astype(self.dtype), paddings, self.num_groups, self.group_size,
                                        self.group_axes)
         rng = None
@@ -338,14 +342,10 @@ class MoeFeedForwardNNX(nnx.Module):
             _unif(math.sqrt(3.0 / m))(rngs.params(), (m, e), param_dtype),
             out_sharding=(None, None), eager_sharding=eager,
         )
-        self.wi = nnx.Param(
-            _unif(math.sqrt(3.0 / m))(rngs.params(), (e, m, h), param_dtype),
-            out_sharding=(ex_name, None, None), eager_sharding=eager,
-        )
-        self.wo = nnx.Param(
-            _unif(math.sqrt(3.0 / h))(rngs.params(), (e, h, m), param_dtype),
-            out_sharding=(ex_name, None, None), eager_sharding=eager,
-        )
+        # Without expert axes the experts carry no metadata (all-None would pin them replicated).
+        expert_meta = {} if ex_name is None else {"out_sharding": (ex_name, None, None), "eager_sharding": eager}
+        self.wi = nnx.Param(_unif(math.sqrt(3.0 / m))(rngs.params(), (e, m, h), param_dtype), **expert_meta)
+        self.wo = nnx.Param(_unif(math.sqrt(3.0 / h))(rngs.params(), (e, h, m), param_dtype), **expert_meta)
         self.router = router
         self.capacity_factor = capacity_factor
         self.eval_capacity_factor = eval_capacity_factor

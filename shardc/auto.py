@@ -250,6 +250,9 @@ class AutoFunction:
         roots = tuple(args) + tuple(kwargs[k] for k in sorted(kwargs))
         meta_axes = _search.mesh_for_metadata(self, roots)  # may set a tracing mesh with the axes named there
         mesh = self._mesh()
+        # Flax metadata is checked before tracing: inside the trace Flax would apply it as a sharding
+        # constraint and fail with JAX's error (an unknown axis, an axis named twice).
+        input_hints(roots, mesh.axis_names, self.rules)
         t0 = time.perf_counter()
         closed, in_tree, out_tree = _search.trace(self, self._trace, (args, kwargs))
         mesh = self._mesh()  # the search may have chosen a tracing mesh that has the axes the program names

@@ -94,6 +94,15 @@ def _map_names(names: Sequence[Any], rules: Any, mesh_axes: Sequence[str], where
                     f"logical axis with a rule (rules: {dict(rule_map) or 'none'}); pass "
                     f"shardc.auto(rules=[({name!r}, <mesh axis or None>), ...])")
         out.append(tuple(axes))
+    used: dict[str, int] = {}
+    for d, axes in enumerate(out):
+        for a in axes:
+            if a in used:
+                where_first = f"dim {used[a]}" if used[a] != d else "the same dim"
+                raise ShardingError(
+                    f"{where}: mesh axis {a!r} is named for dim {d} and for {where_first} (partitioning "
+                    f"{tuple(names)}); an axis can split only one dim of a tensor, once")
+            used[a] = d
     return tuple(out)
 
 

@@ -62,7 +62,7 @@ MOVEMENT = ("broadcast_in_dim", "reshape", "transpose", "slice", "dynamic_slice"
             "concatenate", "pad", "gather", "iota", "copy", "copy_p", "squeeze", "expand_dims", "rev", "split",
             "stop_gradient", "sharding_constraint", "shardc_hint", "tie", "scan_slice", "scan_stack",
             "random_wrap", "random_unwrap", "random_bits", "random_seed", "random_fold_in", "random_split",
-            "threefry2x32", "optimization_barrier", "device_put", "bitcast_convert_type", "psum", "pmax")
+            "threefry2x32", "optimization_barrier", "name", "device_put", "bitcast_convert_type", "psum", "pmax")
 
 
 @register_flops(*ELEMENTWISE)

@@ -33,7 +33,7 @@ REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
                         "argmax", "argmin"})
 # Ops that are not computation at all: hints, constraints, region ties.
 FREE_PRIMITIVES = frozenset({"shardc_hint", "sharding_constraint", "tie", "scan_slice", "scan_stack",
-                             "stop_gradient", "optimization_barrier"})
+                             "stop_gradient", "optimization_barrier", "name"})
 _NOT_MERGED = frozenset({"tie", "scan_slice", "scan_stack"})
 # XLA duplicates cheap producers into each consumer, but not these (InstructionFusion::IsExpensive).
 EXPENSIVE = frozenset(TRANSCENDENTAL) | {"div", "rem"}

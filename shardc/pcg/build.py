@@ -39,7 +39,7 @@ LOCAL_PRIMITIVES = frozenset(UNARY_ELEMENTWISE + BINARY_ELEMENTWISE + NARY_ELEME
     "dot_general", "transpose", "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "convert_element_type",
     "reduce_sum", "reduce_max", "reduce_min", "iota", "select_n", "concatenate", "slice", "pad", "rev", "split",
     "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "argmax", "argmin", "sort", "top_k",
-    "copy", "copy_p", "stop_gradient", "optimization_barrier",
+    "copy", "copy_p", "stop_gradient", "optimization_barrier", "name",
 })
 HINT_PRIMITIVES = frozenset({"shardc_hint", "sharding_constraint"})
 # Cheap ops of scalars only: where their result is needed in another layout, they are made again there

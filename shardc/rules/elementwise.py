@@ -64,6 +64,7 @@ IDENTITY_PRIMITIVES = (
     "reshard",
     "layout_constraint",
     "pvary",
+    "name",  # jax.ad_checkpoint.checkpoint_name: a label for remat policies
 )
 
 

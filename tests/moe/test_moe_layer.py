@@ -67,6 +67,20 @@ def test_parameters_and_partitioning_metadata():
     assert shapes == {"gate": (16, 4), "wi": (4, 16, 24), "wo": (4, 24, 16)}
 
 
+def test_no_expert_axes_leaves_expert_layout_open():
+    """expert_axes=None: wi/wo carry no partitioning metadata (all-None metadata would be a hint pinning
+    them replicated), so shardc's search may split the experts."""
+    x = jnp.ones((2, 8, 16))
+    v = MoeFeedForward(num_experts=4, hidden_dim=24, num_groups=2, group_axes=None, expert_axes=None).init(
+        jax.random.key(0), x)
+    params = v["params"]
+    assert isinstance(params["gate"], nn.Partitioned)
+    assert not isinstance(params["wi"], nn.Partitioned) and not isinstance(params["wo"], nn.Partitioned)
+    m = MoeFeedForwardNNX(16, 4, 24, rngs=nnx.Rngs(0), num_groups=2, group_axes=None, expert_axes=None)
+    assert m.gate.get_metadata().get("out_sharding") == (None, None)
+    assert "out_sharding" not in m.wi.get_metadata() and "out_sharding" not in m.wo.get_metadata()
+
+
 def _sharded_apply(mesh_shape, group_axes, x, m_kwargs, num_groups=8):
     mesh = _mesh(mesh_shape)
     m = MoeFeedForward(num_groups=num_groups, group_axes=group_axes, expert_axes=("expert",), **m_kwargs)

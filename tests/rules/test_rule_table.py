@@ -257,6 +257,13 @@ def test_sharding_constraint_and_device_put_pass_through():
         assert_pointwise(op)
 
 
+def test_checkpoint_name_passes_through():
+    from jax.ad_checkpoint import checkpoint_name
+
+    op = only(lambda x: checkpoint_name(x * 2, "h"), jnp.ones((4, 8)), prim="name")
+    assert_pointwise(op)
+
+
 def test_shardc_hint_rule_passes_every_dim_through():
     hint = jcore.Primitive("shardc_hint")
     assert R.has_rule(hint)

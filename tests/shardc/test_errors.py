@@ -90,3 +90,25 @@ def test_flax_logical_name_without_rule(mesh):
     plan = g.plan(params, jnp.ones((2, 6)))
     kernel = [i for i, n in enumerate(plan.input_names) if "kernel" in n][0]
     assert plan.input_shardings()[kernel].dims == ((), ("model",))
+
+
+@pytest.mark.parametrize("names,words", [((None, "foo"), ("'foo'", "mesh axis", "Dense_0", "kernel")),
+                                         (("model", "model"), ("'model'", "dim 0", "dim 1", "kernel"))])
+@pytest.mark.parametrize("given_mesh", [True, False])
+def test_flax_mesh_metadata_errors_before_tracing(mesh, names, words, given_mesh):
+    """An unknown axis or an axis named twice in linen metadata is a ShardingError, not the JAX error Flax
+    raises when it applies the metadata as a sharding constraint inside the trace."""
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), names))(x)
+
+    params = M().init(jax.random.key(0), jnp.ones((2, 8)))["params"]
+    if not given_mesh and names[1] == "foo":
+        pytest.skip("with mesh=None a new axis name makes a mesh axis (docs/search.md)")
+    f = shardc.auto(lambda p, x: M().apply({"params": p}, x), mesh=mesh if given_mesh else None, search=not given_mesh,
+                    budget_s=1)
+    with pytest.raises(shardc.ShardingError) as info:
+        f.plan(params, jnp.ones((2, 8)))
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
