@@ -39,6 +39,7 @@ from shardc.plan import Plan, build_plan, is_abstract, require_devices
 from shardc.propagate import Cause, Seed, propagate
 from shardc.seeds import input_seed, program_seeds
 from shardc.sharding import make_mesh
+from shardc.static_args import StaticArgs
 import shardc.search.integrate as _search
 
 __all__ = ["auto", "AutoFunction", "plan", "plan_for", "Compiled"]
@@ -75,7 +76,8 @@ class AutoFunction:
 
     def __init__(self, fun: Callable, *, mesh: Mesh | None = None, rules: Any = None,
                  donate_argnums: int | Sequence[int] = (), topology: Any = None, search: Any = True,
-                 budget_s: float | None = None, seed: int = 0, devices: int | None = None) -> None:
+                 budget_s: float | None = None, seed: int = 0, devices: int | None = None,
+                 static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = ()) -> None:
         if not callable(fun):
             raise TypeError(f"shardc.auto expects a function, got {type(fun).__name__}")
         functools.update_wrapper(self, fun)
@@ -101,14 +103,21 @@ class AutoFunction:
         self.devices = devices
         _check_search_options(search, budget_s)
         self._options = dict(mesh=mesh, rules=rules, donate_argnums=donate_argnums, topology=topology, search=search,
-                             budget_s=budget_s, seed=seed, devices=devices)
+                             budget_s=budget_s, seed=seed, devices=devices, static_argnums=static_argnums,
+                             static_argnames=static_argnames)
         self._nnx_steps: dict[NnxCall, AutoFunction] = {}  # per NNX argument structure (shardc/nnx_args.py)
+        self._static = StaticArgs(fun, static_argnums, static_argnames)
+        self._static.check_not_donated(self.donate_argnums)
+        self._static_steps: dict[tuple, AutoFunction] = {}  # per value of the static arguments
 
     # -- public --------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             return self._inline(args, kwargs)
+        if (static := self._static_step(args, kwargs)) is not None:
+            step, args, kwargs = static
+            return step(*args, **kwargs)
         if (nnx := self._nnx_step(args, kwargs)) is not None:
             out, *new_state = nnx.step(*nnx.args, **nnx.kwargs)
             nnx.call.update(nnx.nodes, tuple(new_state))
@@ -124,12 +133,18 @@ class AutoFunction:
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for these arguments, without running."""
+        if (static := self._static_step(args, kwargs)) is not None:
+            step, args, kwargs = static
+            return step.plan(*args, **kwargs)
         if (nnx := self._nnx_step(args, kwargs)) is not None:
             return nnx.step.plan(*nnx.args, **nnx.kwargs)
         return self._compiled(args, kwargs).plan
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The lowered program (over the flattened arguments), as `jax.jit(...).lower` gives."""
+        if (static := self._static_step(args, kwargs)) is not None:
+            step, args, kwargs = static
+            return step.lower(*args, **kwargs)
         if (nnx := self._nnx_step(args, kwargs)) is not None:
             return nnx.step.lower(*nnx.args, **nnx.kwargs)
         c = self._compiled(args, kwargs)
@@ -138,11 +153,26 @@ class AutoFunction:
 
     def compiled_info(self, *args: Any, **kwargs: Any) -> Compiled:
         """Plan, jaxpr, trees, jitted function and timings for these arguments."""
+        if (static := self._static_step(args, kwargs)) is not None:
+            step, args, kwargs = static
+            return step.compiled_info(*args, **kwargs)
         if (nnx := self._nnx_step(args, kwargs)) is not None:
             return nnx.step.compiled_info(*nnx.args, **nnx.kwargs)
         return self._compiled(args, kwargs)
 
     # -- internals -----------------------------------------------------------------------------------
+    def _static_step(self, args: tuple, kwargs: dict) -> tuple["AutoFunction", tuple, dict] | None:
+        """With static arguments: the step for their values (one per value, as jax.jit keeps one program
+        per value) and the call's traced arguments (shardc/static_args.py); else None."""
+        if not self._static:
+            return None
+        key, dyn_args, dyn_kwargs = self._static.split(args, kwargs)
+        step = self._static_steps.get(key)
+        if step is None:
+            options = {**self._options, "static_argnums": (), "static_argnames": ()}
+            step = self._static_steps[key] = AutoFunction(self._static.bind(key), **options)
+        return step, dyn_args, dyn_kwargs
+
     def _nnx_step(self, args: tuple, kwargs: dict) -> _NnxRoute | None:
         """For arguments holding NNX objects: the pure step that plans and runs them (one per argument
         structure), the split, the pure arguments and the objects to update afterwards; else None."""
@@ -222,12 +252,14 @@ class AutoFunction:
             except TypeError:
                 path = keystr(jax.tree_util.tree_flatten_with_path(call)[0][i][0][1:])
                 raise ShardingError(f"shardc.auto: argument leaf {path} is of type {type(x).__name__}, not an array; "
-                                    f"pass arrays (or close over Python values)") from None
-        if inspect.isfunction(self.fun):  # JAX's tracing errors then name the user's function, not ours
-            flat_fun.__name__, flat_fun.__qualname__ = self.fun.__name__, self.fun.__qualname__
-            flat_fun.__code__ = flat_fun.__code__.replace(co_filename=self.fun.__code__.co_filename,
-                                                         co_firstlineno=self.fun.__code__.co_firstlineno,
-                                                         co_name=self.fun.__code__.co_name)
+                                    f"pass arrays, or name the argument in static_argnums / static_argnames "
+                                    f"(or close over Python values)") from None
+        user_fun = inspect.unwrap(self.fun)  # under the wrappers of NNX and static arguments
+        if inspect.isfunction(user_fun):  # JAX's tracing errors then name the user's function, not ours
+            flat_fun.__name__, flat_fun.__qualname__ = user_fun.__name__, user_fun.__qualname__
+            flat_fun.__code__ = flat_fun.__code__.replace(co_filename=user_fun.__code__.co_filename,
+                                                         co_firstlineno=user_fun.__code__.co_firstlineno,
+                                                         co_name=user_fun.__code__.co_name)
         try:
             # When the search chooses the mesh, the tracing mesh is a stand-in: a hint's divisibility is checked
             # on each candidate mesh instead (a batch of 12 splits over 4 devices, not over 8).
@@ -240,9 +272,9 @@ class AutoFunction:
                 jax.errors.TracerBoolConversionError, TypeError) as e:
             if isinstance(e, TypeError) and "concrete" not in str(e):
                 raise
-            e.add_note("shardc.auto traces every argument as an array (Python ints and floats too); pass values "
-                       "that must stay static, such as shapes or step counts, by closing over them "
-                       "(functools.partial) instead")
+            e.add_note("shardc.auto traces every argument as an array (Python ints and floats too); name the "
+                       "arguments that must stay static, such as shapes or flags, in static_argnums / "
+                       "static_argnames (as with jax.jit), or close over them (functools.partial)")
             raise
         return closed, in_tree, out_tree_box[-1]
 
