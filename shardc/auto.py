@@ -284,7 +284,7 @@ class AutoFunction:
         mesh = self._mesh()
         # Flax metadata is checked before tracing: inside the trace Flax would apply it as a sharding
         # constraint and fail with JAX's error (an unknown axis, an axis named twice).
-        input_hints(roots, mesh.axis_names, self.rules)
+        input_hints(roots, mesh.axis_names, self.rules, _describe(self.fun))
         t0 = time.perf_counter()
         closed, in_tree, out_tree = _search.trace(self, self._trace, (args, kwargs))
         mesh = self._mesh()  # the search may have chosen a tracing mesh that has the axes the program names
@@ -342,12 +342,15 @@ class AutoFunction:
         return Compiled(the_plan, closed, in_tree, out_tree, jitted, timings)
 
     def _input_seeds(self, graph: Graph, args: Any, mesh: Mesh) -> list[Seed]:
-        hints = input_hints(args, mesh.axis_names, self.rules)
+        hints = input_hints(args, mesh.axis_names, self.rules, _describe(self.fun))
         seeds = []
         for i, h in enumerate(hints):
             if h is None:
                 continue
-            seeds.append(input_seed(graph, i, h.dims, mesh, Cause("metadata", h.description, None)))
+            try:
+                seeds.append(input_seed(graph, i, h.dims, mesh, Cause("metadata", h.description, None)))
+            except ShardingError as e:  # metadata does not record where the model set it: name the step
+                raise ShardingError(f"{e} (an argument of {_describe(self.fun)})") from None
         return seeds
 
 

@@ -115,8 +115,9 @@ def _flax_context_rules() -> Any:
         return ()
 
 
-def input_hints(args: Any, mesh_axes: Sequence[str], rules: Any = None) -> list[InputHint | None]:
-    """One entry per flattened leaf of `args` (in `jax.tree_util` order)."""
+def input_hints(args: Any, mesh_axes: Sequence[str], rules: Any = None, owner: str = "") -> list[InputHint | None]:
+    """One entry per flattened leaf of `args` (in `jax.tree_util` order). `owner` (the step, with its source
+    line) is named in errors: the metadata itself does not record where the model set it."""
     pairs, _ = jax.tree_util.tree_flatten_with_path(args, is_leaf=_is_meta)
     hints: list[InputHint | None] = []
     paths: list[tuple] = []
@@ -137,7 +138,7 @@ def input_hints(args: Any, mesh_axes: Sequence[str], rules: Any = None) -> list[
             if names is None:
                 hints.append(None)
                 continue
-            where = f"Flax metadata of {keystr(full)}"
+            where = f"Flax metadata of {keystr(full)}" + (f" (an argument of {owner})" if owner else "")
             use_rules = rules
             if use_rules is None and kind != "mesh":
                 use_rules = box_rules
