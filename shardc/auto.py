@@ -268,6 +268,13 @@ class AutoFunction:
                 # Trace from shapes and dtypes only: an argument still placed on another mesh (a key returned
                 # by an earlier run) must not bring that mesh into the trace.
                 closed = jax.make_jaxpr(flat_fun)(*[_abstract(x) for x in flat])
+        except ValueError as e:
+            if isinstance(e, ShardingError) or not _is_jax_sharding_error(e):
+                raise
+            raise ShardingError(
+                f"{_describe(self.fun)}: a sharding constraint in the program, or Flax partitioning metadata that "
+                f"Flax applies as one, does not fit its value on mesh {dict(mesh.shape)} (plain jax.jit under "
+                f"jax.set_mesh(mesh) fails the same way): {str(e).splitlines()[0]}" + _flax_note(e)) from e
         except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError,
                 jax.errors.TracerBoolConversionError, TypeError) as e:
             if isinstance(e, TypeError) and "concrete" not in str(e):
@@ -352,6 +359,25 @@ class AutoFunction:
             except ShardingError as e:  # metadata does not record where the model set it: name the step
                 raise ShardingError(f"{e} (an argument of {_describe(self.fun)})") from None
         return seeds
+
+
+def _is_jax_sharding_error(e: ValueError) -> bool:
+    """A ValueError JAX raises while checking a sharding (with_sharding_constraint, a PartitionSpec)."""
+    text = str(e)
+    return "with_sharding_constraint" in text or "Resource axis" in text or type(e).__name__ == "DuplicateSpecError"
+
+
+def _flax_note(e: BaseException) -> str:
+    """Flax's nn.DenseGeneral applies its kernel's metadata to the flattened 2-D kernel while it checks
+    shapes, so metadata naming every dim of a 3-D kernel fails under any mesh: say so when that is where."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if any(f.filename.endswith("flax/linen/linear.py") and "DenseGeneral" in (f.line or "") + f.name for f in frames) \
+            or any("kernel_init_wrap" in f.name for f in frames):
+        return (". Flax checks an nn.DenseGeneral kernel by re-running its initializer on the flattened 2-D kernel, "
+                "where names for every dim of the kernel do not fit: name the leading dims only (e.g. (None, 'model') "
+                "for a kernel [in, heads, head_dim], read as a PartitionSpec: the rest replicated) or use nn.Dense "
+                "and reshape")
+    return ""
 
 
 def _check_search_options(search: Any, budget_s: Any) -> None:

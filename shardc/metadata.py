@@ -147,8 +147,9 @@ def input_hints(args: Any, mesh_axes: Sequence[str], rules: Any = None, owner: s
                         context_rules = _flax_context_rules()
                     use_rules = context_rules
             shape = shapes[-1]
-            if len(names) != len(shape):
+            if len(names) > len(shape):
                 raise ShardingError(f"{where}: {len(names)} axis names {names} for an array of shape {shape}")
+            names = tuple(names) + (None,) * (len(shape) - len(names))  # as a PartitionSpec: the rest replicated
             dims = _map_names(names, use_rules, mesh_axes, where)
             hints.append(InputHint(dims, f"{kind} partitioning {tuple(names)} of {keystr(full)}"))
     _inherit_by_path(hints, paths, shapes)

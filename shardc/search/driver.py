@@ -48,6 +48,7 @@ class SearchReport:
     seeds: tuple[Seed, ...] = ()
     plan_budget: int | None = None  # the deterministic allowance of simulated plans (None: unbounded)
     capped: bool = False  # the wall-clock cap stopped the search first: a rerun may choose differently
+    candidate_meshes: int = 0  # how many mesh shapes there were to score (`meshes` lists those scored)
 
     def summary(self) -> str:
         per_name: dict[str, Candidate] = {}
@@ -55,9 +56,13 @@ class SearchReport:
             if c.name not in per_name or c.score.key < per_name[c.name].score.key:
                 per_name[c.name] = c
         rows = [self.chosen] + sorted((c for c in per_name.values() if c is not self.chosen), key=lambda c: c.score.key)
-        lines = [f"strategy search ({self.method}): {self.evaluations} simulated plans over {len(self.meshes)} "
+        of = f" of {self.candidate_meshes}" if self.candidate_meshes > len(self.meshes) else ""
+        lines = [f"strategy search ({self.method}): {self.evaluations} simulated plans over {len(self.meshes)}{of} "
                  f"mesh shape(s) in {self.seconds:.1f} s"
                  + (f" (budget {self.plan_budget} plans)" if self.plan_budget is not None else "")]
+        if of:
+            lines.append(f"  the plan budget scored the baselines on {len(self.meshes)} of the {self.candidate_meshes} "
+                         f"candidate meshes (in the order of docs/search.md); raise budget_s to score more")
         if self.capped:
             lines.append("  stopped by the time cap before its plan budget was spent: a rerun may choose another plan "
                          "(raise budget_s)")
@@ -76,7 +81,8 @@ class SearchReport:
             lines.append(f"  chosen: the searched plan, {best_base.score.time / self.chosen.score.time:.2f}x the speed of "
                          f"the best baseline ({best_base.name})")
         elif self.chosen.name != "search":
-            lines.append(f"  chosen: the {self.chosen.name} baseline (the search found nothing faster)")
+            lines.append(f"  chosen: the {self.chosen.name} baseline (the search found nothing faster"
+                         + (" on the meshes it searched)" if of else ")"))
         return "\n".join(lines)
 
 
@@ -130,6 +136,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
 
     # Phase 1: every baseline on every mesh.
     states = []
+    evaluators: list[Evaluator] = []  # of every mesh scored (the report counts their plans)
     for sizes in meshes:
         if budget.plans is not None and len(states) >= max_meshes and (2 * budget.spent >= budget.plans
                                                                        or budget.out_of_time()):
@@ -145,17 +152,25 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
         budget.charge(MESH_SETUP_UNITS)
         space = build_space(problem.graph, sizes, user)
         ev = Evaluator(problem, mesh, space, user)
+        evaluators.append(ev)
         starts: list[Assignment] = [space.neutral()]
         mixes: list[Assignment] = []
         seed_sets: dict[str, list[Seed]] = {}
         top = INVALID
+        scored: dict[tuple, tuple[Plan, Score]] = {}  # baselines that seed alike plan alike: scored once
         for name in baselines:
             try:
                 extra = baseline_seeds(name, problem.graph, sizes, user)
                 if extra is None:
                     continue
+                key = tuple((s.value, s.dims, s.priority) for s in extra)
+                if key in scored:
+                    plan, score = scored[key]
+                    consider(name, sizes, plan, score, tuple(extra))
+                    continue
                 plan = ev.plan_with(extra)
                 score = ev.score_plan(plan)[0]
+                scored[key] = (plan, score)
             except ShardingError:
                 continue
             bar.update(1)
@@ -214,7 +229,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
             consider("search", sizes, plan, ev.score_plan(plan)[0], extra)
         except ShardingError:
             pass
-    evaluations = sum(st[4].evaluations for st in states)
+    evaluations = sum(ev.evaluations for ev in evaluators)
     limit = states[0][4].limit if states else math.inf
     bar.close()
     if best is None:
@@ -226,7 +241,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
             f"no plan fits in device memory: the smallest simulated peak found is {format_bytes(smallest_peak)} per "
             f"device (limit {format_bytes(limit)}); use more devices, a smaller batch, or donate the state")
     report = SearchReport(chosen, cands, tried, evaluations, time.perf_counter() - t0, method_name, extra,
-                          budget.plans, budget.capped)
+                          budget.plans, budget.capped, len(meshes))
     return dataclasses.replace(plan, search=report), report
 
 

@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from annotations.errors import ShardingError
 from shardc.plan import Plan
 from shardc.search.budget import SearchTimeCapWarning
 from shardc.search.driver import graph_key, load_plan, save_plan, search_plan
@@ -38,7 +39,7 @@ def enabled(search: Any) -> bool:
 # <= 30 s on 64 on a 2-core machine (bench/search_speed.py); pass budget_s to search longer (bench/zoo.py
 # uses 60-150 s).
 SMALL_MESH_BUDGET_S = 6.0
-LARGE_MESH_BUDGET_S = 24.0
+LARGE_MESH_BUDGET_S = 36.0  # (24 scored the baselines on a third of a 64-device program's meshes)
 
 
 def default_budget(num_devices: int) -> float:
@@ -78,23 +79,33 @@ def trace(af: Any, trace_fn: Callable, call: Any) -> Any:
     (Flax metadata, hints, sharding constraints), retry on a mesh that has every axis named so far."""
     from shardc.sharding import make_mesh
 
-    required: list[str] = []
+    required: list[str] = list(getattr(af, "_metadata_axes", ()))  # (mesh_for_metadata: named by the arguments)
     n = len(jax.devices())
     while True:
         try:
             return trace_fn(call)
         except Exception as e:
             m = _AXIS_ERR.search(str(e))
-            if getattr(af, "_mesh_given", True) or not enabled(af.search) or m is None or len(required) >= 3:
+            if getattr(af, "_mesh_given", True) or not enabled(af.search) or m is None:
                 raise
             axis = m.group(1) or m.group(2)
             if axis in required:
                 raise
             _check_axis_names([axis], "a hint or sharding constraint in the program")
             required.append(axis)
+            _check_axis_count(required)
             cands = mesh_candidates(n, required)
             full = [c for c in cands if all(c[a] > 1 for a in required)]
             af.mesh = make_mesh((full or cands)[0], jax.devices()[:n])
+
+
+def _check_axis_count(named: Sequence[str]) -> None:
+    """The search's meshes have at most 3 axes (`mesh_candidates`), so a program that names more needs a mesh."""
+    if len(named) > 3:
+        raise ShardingError(
+            f"the program and its arguments name {len(named)} mesh axes {list(named)}, but with mesh=None the search "
+            f"builds meshes of at most 3 axes; pass mesh=shardc.make_mesh({{...}}) with every axis named (the search "
+            f"still chooses the strategies on it), or name fewer axes")
 
 
 def mesh_for_metadata(af: Any, args: Any) -> list[str]:
@@ -104,9 +115,13 @@ def mesh_for_metadata(af: Any, args: Any) -> list[str]:
     from shardc.sharding import make_mesh
 
     named = named_mesh_axes(args, af.rules)
+    choosing_mesh = not getattr(af, "_mesh_given", True) and enabled(af.search)
+    af._metadata_axes = list(named) if choosing_mesh else []  # the trace's meshes keep them (`trace`)
     if named and not getattr(af, "_mesh_given", True):
         _check_axis_names(named, "the Flax partitioning metadata or rules")
-    if not named or getattr(af, "_mesh_given", True) or not enabled(af.search) or len(named) > 3:
+        if choosing_mesh:
+            _check_axis_count(named)
+    if not named or getattr(af, "_mesh_given", True) or not enabled(af.search):
         return named
     if af.mesh is not None and all(a in af.mesh.axis_names for a in named):
         return named

@@ -76,3 +76,36 @@ def test_auto_warns_when_the_cap_decided(monkeypatch):
 def test_budget_none_is_unbounded_and_uncapped():
     b = Budget.for_search(None, None, 8)
     assert b.plans is None and b.cap_s is None and b.left == float("inf") and not b.out_of_time()
+
+
+def test_the_report_counts_every_scored_plan_and_says_which_meshes_went_unscored(monkeypatch):
+    """Every simulated plan is counted (also the baselines on meshes the search did not go on to search),
+    and a budget too small for every candidate mesh says how many it scored."""
+    calls = []
+    real = Evaluator.score_plan
+    monkeypatch.setattr(Evaluator, "score_plan", lambda self, plan: (calls.append(1), real(self, plan))[1])
+    pb = problem_of(_step, mlp_args())
+    meshes = [{"data": 8}, {"data": 4, "model": 2}, {"data": 2, "model": 4}, {"model": 8}, {"model": 4, "data": 2},
+              {"model": 2, "data": 4}]
+    _, rep = search_plan(pb, meshes, budget_s=0.01, seed=0, progress=False, time_cap=False, max_meshes=1)
+    assert rep.evaluations >= len(calls)
+    assert len(rep.meshes) < len(meshes) and rep.candidate_meshes == len(meshes)
+    assert f"over {len(rep.meshes)} of {len(meshes)} mesh shape(s)" in rep.summary()
+    assert "raise budget_s" in rep.summary()
+
+
+def test_baselines_that_seed_alike_are_scored_once(monkeypatch):
+    import shardc.search.driver as driver
+
+    real_seeds = driver.baseline_seeds
+    monkeypatch.setattr(driver, "baseline_seeds",  # FSDP made to seed what data parallelism seeds
+                        lambda name, *a: real_seeds("data-parallel" if name == "fsdp" else name, *a))
+    pb = problem_of(_step, mlp_args())
+    runs = {}
+    for names in (("data-parallel",), ("data-parallel", "fsdp")):
+        _, rep = search_plan(pb, [{"data": 8}], budget_s=None, max_steps=5, seed=0, progress=False, baselines=names)
+        runs[names] = rep
+    one, two = runs[("data-parallel",)], runs[("data-parallel", "fsdp")]
+    assert two.evaluations == one.evaluations
+    scores = {c.name: c.score for c in two.baselines}
+    assert scores["fsdp"] == scores["data-parallel"]
