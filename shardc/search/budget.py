@@ -64,10 +64,13 @@ class Budget:
     capped: bool = False
 
     @classmethod
-    def for_search(cls, seconds: float | None, graph: Any, num_devices: int, *, cap: bool = True) -> "Budget":
+    def for_search(cls, seconds: float | None, graph: Any, num_devices: int, *,
+                   cap: bool | float = True) -> "Budget":
+        """`cap`: True for a cap of `seconds`, False for none, or the cap in seconds."""
         if seconds is None:
             return cls(None, None)
-        return cls(plans_for(seconds, len(graph.ops), num_devices), seconds if cap else None)
+        cap_s = None if cap is False else seconds if cap is True else float(cap)
+        return cls(plans_for(seconds, len(graph.ops), num_devices), cap_s)
 
     def charge(self, units: float) -> None:
         self.spent += units

@@ -102,14 +102,15 @@ def project(space: Space, plan: Plan) -> Assignment:
 
 def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, method: Any = True,
                 budget_s: float | None = 30.0, seed: int = 0, max_steps: int = 2000, progress: bool | None = None, max_meshes: int = 2,
-                baselines: Sequence[str] = tuple(BASELINES), time_cap: bool = True) -> tuple[Plan, SearchReport]:
+                baselines: Sequence[str] = tuple(BASELINES), time_cap: bool | float = True) -> tuple[Plan, SearchReport]:
     """Search every mesh in `meshes` and return the best plan (fits memory, lowest simulated step time)
     with its report. `method`: True (DP then MCMC), "dp", "mcmc". The baselines are scored on the meshes
     in order (on every mesh when the budget allows, at least `max_meshes`); the search then runs on the
     `max_meshes` meshes whose best baseline is fastest.
 
     `budget_s` becomes a number of simulated plans (`shardc.search.budget`), so the result is the same on
-    every run for a seed; with `time_cap` the clock also stops the search at `budget_s` (flagged in the
+    every run for a seed; with `time_cap` the clock also stops the search at `budget_s` (or at `time_cap`
+    seconds when it is a number; flagged in the
     report). With budget_s=None, `max_steps` alone bounds MCMC and every mesh is scored."""
     from tqdm.auto import tqdm
 

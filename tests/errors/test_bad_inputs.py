@@ -276,9 +276,9 @@ def flax_metadata_not_divisible():
     plan(lambda p: p, {"w": nn.Partitioned(X, names=(None, "model"))})
 
 
-@case("['w']", "1 axis names", "(8, 6)", line=False)
-def flax_metadata_of_the_wrong_rank():
-    plan(lambda p: p, {"w": nn.Partitioned(X, names=("data",))})
+@case("['w']", "3 axis names", "(8, 6)", line=False)
+def flax_metadata_of_the_wrong_rank():  # (fewer names than dims read as a PartitionSpec: the rest replicated)
+    plan(lambda p: p, {"w": nn.Partitioned(X, names=("data", None, None))})
 
 
 # ------------------------------------------------------------------------------------------ calls

@@ -109,3 +109,14 @@ def test_baselines_that_seed_alike_are_scored_once(monkeypatch):
     assert two.evaluations == one.evaluations
     scores = {c.name: c.score for c in two.baselines}
     assert scores["fsdp"] == scores["data-parallel"]
+
+
+def test_default_budget_on_many_devices_caps_the_clock_below_the_budget():
+    """More plans than 24 s gave, but a busy machine still stops within the 30 s planning target."""
+    from shardc.search.integrate import default_budget, default_cap
+
+    pb = problem_of(_step, mlp_args())
+    b = Budget.for_search(default_budget(64), pb.graph, 64, cap=default_cap(64))
+    assert b.plans == plans_for(default_budget(64), len(pb.graph.ops), 64)
+    assert b.cap_s == default_cap(64) < default_budget(64) and default_cap(64) <= 26
+    assert Budget.for_search(6.0, pb.graph, 8).cap_s == 6.0 and Budget.for_search(6.0, pb.graph, 8, cap=False).cap_s is None
