@@ -101,6 +101,8 @@ class AutoFunction:
             raise ShardingError(f"shardc.auto(devices={devices!r}) needs a positive int and search=True (the "
                                 f"search chooses a mesh of that many devices)")
         self.devices = devices
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ShardingError(f"shardc.auto(seed={seed!r}) needs an int (the search's random seed)")
         _check_search_options(search, budget_s)
         self._options = dict(mesh=mesh, rules=rules, donate_argnums=donate_argnums, topology=topology, search=search,
                              budget_s=budget_s, seed=seed, devices=devices, static_argnums=static_argnums,
@@ -169,7 +171,8 @@ class AutoFunction:
         key, dyn_args, dyn_kwargs = self._static.split(args, kwargs)
         step = self._static_steps.get(key)
         if step is None:
-            options = {**self._options, "static_argnums": (), "static_argnames": ()}
+            options = {**self._options, "static_argnums": (), "static_argnames": (),
+                       "search": self._static.search_path(self.search, key)}
             step = self._static_steps[key] = AutoFunction(self._static.bind(key), **options)
         return step, dyn_args, dyn_kwargs
 

@@ -90,9 +90,10 @@ def explain(plan: "Plan", *, max_rows: int = 60) -> str:
             by_kind.setdefault(r.kind, []).append(r.bytes)
         summary = ", ".join(f"{k}: {len(v)} ({format_bytes(sum(v))})" for k, v in sorted(by_kind.items()))
         lines += ["", f"reshards by kind: {summary}",
-                  "(bytes each device sends for the planned reshards; the simulated cost and the search table count "
-                  "each collective's payload as XLA reports it — an all-gather's gathered result, loop bodies times "
-                  "their trips — so their totals are larger)"]
+                  "(bytes each device sends for the planned reshards. The simulated cost and the search table "
+                  "differ either way: they count each collective's payload as XLA reports it (an all-gather's "
+                  "gathered result, loop bodies times their trips), and they leave out reshards of values XLA "
+                  "removes or recomputes (duplicates, dead code, broadcasts made again where they are needed))"]
         top = sorted(plan.reshards, key=lambda r: -r.bytes)[:max_rows]
         rows = [[r.kind, format_bytes(r.bytes), f"{r.src} -> {r.dst}", str(r.source) if r.source else "?", r.cause]
                 for r in top]

@@ -9,6 +9,7 @@ empty pytree) so that positions, `donate_argnums` and the names of the inputs st
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -50,6 +51,8 @@ class StaticArgs:
         except (TypeError, ValueError):
             params = []
         positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if params:
+            _check_against_signature(fun, params, positional, nums, names)
         for i in list(nums):
             if 0 <= i < len(positional) and params[i].kind is not inspect.Parameter.POSITIONAL_ONLY:
                 names.add(positional[i])
@@ -86,6 +89,15 @@ class StaticArgs:
         dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.names}
         return StaticSplit(key, dyn_args, dyn_kwargs)
 
+    @staticmethod
+    def search_path(search: Any, key: tuple) -> Any:
+        """`search=` for one value's step: a plan file gets one file per value (`plan.json` ->
+        `plan.<digest of the values>.json`, the same in every process), since each value is its own program."""
+        if not (isinstance(search, str) and search.endswith(".json")):
+            return search
+        digest = hashlib.sha256(repr(key).encode()).hexdigest()[:12]
+        return f"{search[:-len('.json')]}.{digest}.json"
+
     def bind(self, key: tuple) -> Callable:
         """`fun` of the traced arguments, with the static values of `key` put back."""
         static_pos, static_kw = dict(key[0]), dict(key[1])
@@ -97,6 +109,24 @@ class StaticArgs:
             return fun(*full, **kwargs, **static_kw)
 
         return with_static_args
+
+
+def _check_against_signature(fun: Callable, params: list, positional: list[str], nums: set[int],
+                             names: set[str]) -> None:
+    """As jax.jit does when it wraps: a position past the parameters or a name that is not one is an error
+    (unless the function takes *args / **kwargs)."""
+    kinds = {p.kind for p in params}
+    if inspect.Parameter.VAR_POSITIONAL not in kinds:
+        bad = sorted(i for i in nums if not -len(positional) <= i < len(positional))
+        if bad:
+            raise ShardingError(f"shardc.auto(static_argnums={bad[0]}): {describe_function(fun)} has "
+                                f"{len(positional)} positional parameter(s) {positional}")
+    if inspect.Parameter.VAR_KEYWORD not in kinds:
+        known = {p.name for p in params if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
+        bad_names = sorted(names - known)
+        if bad_names:
+            raise ShardingError(f"shardc.auto(static_argnames={bad_names[0]!r}): {describe_function(fun)} has no "
+                                f"such parameter (its parameters: {[p.name for p in params]})")
 
 
 def _hashable(value: Any) -> bool:

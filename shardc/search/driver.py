@@ -7,6 +7,7 @@ import functools
 import hashlib
 import json
 import math
+import os
 import time
 from typing import Any, Mapping, Sequence
 
@@ -263,16 +264,28 @@ def graph_key(graph: Any) -> str:
     return h.hexdigest()[:20]
 
 
-def save_plan(plan: Plan, path: str, topology: str | None = None) -> None:
-    """Write the decisions behind a searched plan (mesh + search seeds, and the topology it was searched
-    for) as JSON."""
+def hints_key(seeds: Sequence[Seed]) -> str:
+    """A fingerprint of the user's hints as seeds (in-program hints and Flax metadata, on one mesh): the
+    program's fingerprint does not see a hint's axes."""
+    h = hashlib.sha256()
+    for s in sorted(seeds, key=lambda s: (s.value, repr(s.dims), s.priority)):
+        h.update(f"{s.value}{s.dims}{s.priority};".encode())
+    return h.hexdigest()[:20]
+
+
+def save_plan(plan: Plan, path: str, topology: str | None = None, hints: Sequence[Seed] | None = None) -> None:
+    """Write the decisions behind a searched plan (mesh + search seeds, the topology it was searched for
+    and, when given, the fingerprint of the user's hints on its mesh) as JSON, atomically."""
     report = getattr(plan, "search", None)
     seeds = report.seeds if report is not None else ()
     data = {"version": 1, "graph": graph_key(plan.graph), "mesh": plan.mesh_sizes, "topology": topology,
+            "hints": None if hints is None else hints_key(hints),
             "seeds": [{"value": s.value, "dims": [None if d is None else list(d) for d in s.dims],
                        "cause": s.cause.description} for s in seeds]}
-    with open(path, "w") as f:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
+    os.replace(tmp, path)  # a run stopped while saving leaves the old file or none, never half of one
 
 
 def load_plan(path: str, problem: Problem, *, mesh: Mapping[str, int] | None = None,
@@ -281,8 +294,13 @@ def load_plan(path: str, problem: Problem, *, mesh: Mapping[str, int] | None = N
     and topology; otherwise a ShardingError saying what differs."""
     from shardc.propagate import Cause
 
-    with open(path) as f:
-        data = json.load(f)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        data["mesh"], data["seeds"]  # noqa: B018 (a plan file has both)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ShardingError(f"{path} is not a plan file shardc saved ({type(e).__name__}: {e}); delete it to "
+                            f"search again") from None
     if data.get("graph") != graph_key(problem.graph):
         raise ShardingError(f"saved plan {path} was made for a different program (graph fingerprint "
                             f"{data.get('graph')} != {graph_key(problem.graph)}); delete it to search again")
@@ -293,7 +311,16 @@ def load_plan(path: str, problem: Problem, *, mesh: Mapping[str, int] | None = N
         raise ShardingError(f"saved plan {path} was searched for topology {data['topology']!r}, this call plans "
                             f"for {topology!r}; delete the file to search again")
     mesh = _mesh_of(data["mesh"])
-    user = list(problem.user_seeds(mesh)) if callable(problem.user_seeds) else list(problem.user_seeds or ())
+    try:
+        user = list(problem.user_seeds(mesh)) if callable(problem.user_seeds) else list(problem.user_seeds or ())
+    except ShardingError as e:
+        if data.get("hints") is None:
+            raise
+        raise ShardingError(f"saved plan {path} was made for other hints: on its mesh {data['mesh']} this "
+                            f"program's hints fail ({e}); delete the file to search again") from None
+    if data.get("hints") not in (None, hints_key(user)):
+        raise ShardingError(f"saved plan {path} was made for other hints (a hint or the Flax partitioning metadata "
+                            f"changed since it was saved); delete it to search again")
     extra = [Seed(s["value"], tuple(None if d is None else tuple(d) for d in s["dims"]),
                   Cause(SEARCH_CAUSE.kind, s.get("cause", SEARCH_CAUSE.description)), 1) for s in data["seeds"]]
     return plan_from_seeds(problem, mesh, user + extra)

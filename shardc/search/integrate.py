@@ -19,7 +19,7 @@ import jax
 from annotations.errors import ShardingError
 from shardc.plan import Plan
 from shardc.search.budget import SearchTimeCapWarning
-from shardc.search.driver import graph_key, load_plan, save_plan, search_plan
+from shardc.search.driver import graph_key, hints_key, load_plan, save_plan, search_plan
 from shardc.search.evaluate import Problem, plan_from_seeds
 from shardc.search.space import mesh_candidates
 from shardc.sharding import mesh_shape
@@ -173,12 +173,12 @@ def plan_by_search(af: Any, graph: Any, user_seeds: Callable, in_paths: Sequence
     required = list(dict.fromkeys(list(required_axes) + _hinted_axes(graph)))
     meshes = mesh_candidates(n, required, fixed=fixed, topology=topology)
     method = True if path is not None else af.search
-    key = (graph_key(graph), tuple(tuple(m.items()) for m in meshes), str(topology), str(method), af.seed, af.budget_s)
+    user = list(user_seeds(af.mesh)) if mesh_given else None
+    key = (graph_key(graph), None if user is None else hints_key(user), tuple(tuple(m.items()) for m in meshes),
+           str(topology), str(method), af.seed, af.budget_s)
     cached = _PLAN_CACHE.get(key)
-    if cached is not None:  # the same traced program planned before in this process
-        user = list(user_seeds(af.mesh)) if mesh_given else None
-        if user is not None:
-            return dataclasses.replace(plan_from_seeds(problem, af.mesh, user + list(cached.seeds)), search=cached)
+    if cached is not None and user is not None:  # the same traced program and hints planned before here
+        return dataclasses.replace(plan_from_seeds(problem, af.mesh, user + list(cached.seeds)), search=cached)
     budget = af.budget_s if af.budget_s is not None else default_budget(n)
     cap = af.budget_s if af.budget_s is not None else default_cap(n)
     from shardc.distributed import is_multiprocess
@@ -194,5 +194,5 @@ def plan_by_search(af: Any, graph: Any, user_seeds: Callable, in_paths: Sequence
                       "grow together).", SearchTimeCapWarning, stacklevel=4)
     _PLAN_CACHE[key] = report
     if path is not None:
-        save_plan(plan, path, topology=topology_name)
+        save_plan(plan, path, topology=topology_name, hints=list(user_seeds(plan.mesh)))
     return plan

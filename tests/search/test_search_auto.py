@@ -114,3 +114,27 @@ def test_saved_plan_is_not_loaded_for_another_mesh_or_topology(tmp_path):
         shardc.auto(_step, mesh=shardc.make_mesh({"data": 8}), search=path).plan(*args)
     with pytest.raises(shardc.ShardingError, match="searched for topology 'h100-sxm-8'.*'tpu-v5e-8'"):
         shardc.auto(_step, mesh=shardc.make_mesh({"data": 2, "model": 4}), search=path, topology="tpu-v5e-8").plan(*args)
+
+
+def test_saved_plan_refused_when_the_hints_changed_or_the_file_is_broken(tmp_path):
+    import pytest
+
+    from shardc import split
+
+    def hinted(axis):
+        def step(x, w1, w2):
+            return _step(split(x, 0, axis), w1, w2)
+        return step
+
+    args = mlp_args(256, 128, 512)
+    mesh = shardc.make_mesh({"data": 2, "model": 4})
+    path = str(tmp_path / "plan.json")
+    shardc.auto(hinted("data"), mesh=mesh, search=path, budget_s=1).plan(*args)
+    again = shardc.auto(hinted("data"), mesh=mesh, search=path).plan(*args)  # the same hints: loads
+    assert again.mesh_sizes == {"data": 2, "model": 4}
+    with pytest.raises(shardc.ShardingError, match="other hints"):  # the same program, another hint axis
+        shardc.auto(hinted("model"), mesh=mesh, search=path).plan(*args)
+    with open(path, "w") as f:
+        f.write('{"version": 1, "gra')  # a save cut off half way
+    with pytest.raises(shardc.ShardingError, match="not a plan file shardc saved.*delete it"):
+        shardc.auto(hinted("data"), mesh=mesh, search=path).plan(*args)

@@ -75,3 +75,29 @@ def test_static_argument_with_search(mesh):
     _, loss = f(w, x, Config("tanh", 3.0))
     np.testing.assert_allclose(loss, jnp.mean(jnp.tanh(x @ w) * 3.0), rtol=1e-6)
     assert f.plan(w, x, Config("tanh", 3.0)).search is not None
+
+
+def test_static_argument_names_and_positions_are_checked_as_jax_jit_does():
+    def step(x, capacity):
+        return x * capacity
+
+    with pytest.raises(shardc.ShardingError, match=r"static_argnums=7.*2 positional parameter"):
+        shardc.auto(step, static_argnums=7)
+    with pytest.raises(shardc.ShardingError, match=r"static_argnames='capacty'.*no such parameter"):
+        shardc.auto(step, static_argnames=("capacty",))
+    with pytest.raises(shardc.ShardingError, match="seed='abc'"):
+        shardc.auto(step, seed="abc")
+
+
+def test_a_plan_file_per_static_value(mesh, tmp_path):
+    """search='plan.json' with static arguments: each value is its own program, so its own file."""
+    path = str(tmp_path / "plan.json")
+    f = shardc.auto(_step, mesh=mesh, search=path, budget_s=1, static_argnums=2, static_argnames="train")
+    w, x = jnp.ones((8, 8)), jnp.ones((16, 8))
+    for train in (True, False, True):
+        f(w, x, Config("relu", 1.0), train=train)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) == 2 and all(n.startswith("plan.") and n.endswith(".json") for n in files)
+    again = shardc.auto(_step, mesh=mesh, search=path, budget_s=1, static_argnums=2, static_argnames="train")
+    assert again.plan(w, x, Config("relu", 1.0), train=False).fingerprint() == \
+        f.plan(w, x, Config("relu", 1.0), train=False).fingerprint()
