@@ -338,9 +338,9 @@ class AutoFunction:
         donate = _flat_donate(self.donate_argnums, args, self.fun)
         the_plan = dataclasses.replace(the_plan, program=closed, donated=tuple(donate))
         # The simulated cost goes with the plan (plan.explain() shows it) on the topology given, or, when the
-        # search chose the plan, on the one it scored plans on (its default is an H100 preset).
+        # search chose the plan (or loaded it from its file), on the one it scores plans on (an H100 preset).
         topology = self.topology
-        if topology is None and the_plan.search is not None:
+        if topology is None and _search.enabled(self.search):
             topology = _search.default_topology(math.prod(the_plan.mesh_sizes.values()))
         if topology is not None:
             from shardc.sim import simulate

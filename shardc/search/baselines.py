@@ -6,6 +6,7 @@ optimizer state) is *state*; any other input is *data* (its dim 0 is the batch).
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Callable, Mapping, Sequence
 
@@ -94,6 +95,26 @@ def _fit(axes: Sequence[str], size: int, mesh: Mapping[str, int]) -> Axes:
     return tuple(out)
 
 
+def _fit_batch(axes: Sequence[str], size: int, mesh: Mapping[str, int]) -> Axes:
+    """The axes a batch of `size` splits over: the set of `axes` over the most devices that divides it and,
+    among sets as large, the innermost (the last axes of the mesh lie inside a node: a batch of 32 on
+    `data=8` (across nodes) x `model=8` (inside) splits over `model`, so that its gradients are reduced
+    over the fast links). When every axis fits, all of them, as `_fit` gives."""
+    order = {a: i for i, a in enumerate(mesh)}
+    usable = [a for a in axes if mesh[a] > 1]
+    best: tuple = ()
+    best_key = (1, ())
+    for mask in range(1, 1 << len(usable)):
+        chosen = tuple(a for i, a in enumerate(usable) if mask >> i & 1)
+        n = math.prod(mesh[a] for a in chosen)
+        if size % n:
+            continue
+        key = (n, tuple(sorted((order[a] for a in chosen), reverse=True)))
+        if key > best_key:
+            best, best_key = chosen, key
+    return best
+
+
 def _cause(name: str) -> Cause:
     return Cause("baseline", f"{name} baseline")
 
@@ -103,7 +124,7 @@ def _batch(graph: Graph, mesh: Mapping[str, int], axes: Sequence[str], name: str
     for v in data_inputs(graph):
         val = graph.values[v]
         dims: list[Axes | None] = [None] * val.rank
-        dims[0] = _fit(axes, val.shape[0], mesh)
+        dims[0] = _fit_batch(axes, val.shape[0], mesh)
         seeds.append(Seed(v, tuple(dims), _cause(name), 1))
     return seeds
 

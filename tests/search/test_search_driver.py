@@ -108,3 +108,17 @@ def test_expert_weights_are_batched_on_dim0_not_any_rank3_state():
     g = shardc.auto(step, search=False).compiled_info(*args).plan.graph  # inputs named by their paths
     names = sorted(g.values[v].name for v in expert_weights(g))
     assert names == ["[0]['experts']", "[1][0].mu['experts']", "[1][0].nu['experts']"], names
+
+
+def test_a_batch_smaller_than_the_devices_splits_over_the_most_devices_then_the_innermost_axes():
+    """Data parallel with a batch of 32 on 64 devices: over 32 devices when an axis set gives that (greedy
+    over the outer axes first gave `model=2` alone), else over the axes inside a node (the gradients are
+    then reduced over the fast links)."""
+    from shardc.search.baselines import _fit_batch
+
+    assert _fit_batch(["model", "data"], 32, {"model": 2, "data": 32}) == ("data",)
+    assert _fit_batch(["data", "model"], 32, {"data": 8, "model": 8}) == ("model",)  # model lies inside
+    assert _fit_batch(["model", "data"], 32, {"model": 8, "data": 8}) == ("data",)
+    assert _fit_batch(["data", "model"], 64, {"data": 8, "model": 8}) == ("data", "model")  # all when it fits
+    assert _fit_batch(["data", "model"], 6, {"data": 2, "model": 4}) == ("data",)
+    assert _fit_batch(["data"], 7, {"data": 8}) == ()
