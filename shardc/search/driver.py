@@ -140,9 +140,9 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
     states = []
     evaluators: list[Evaluator] = []  # of every mesh scored (the report counts their plans)
     for sizes in meshes:
-        if budget.plans is not None and len(states) >= max_meshes and (2 * budget.spent >= budget.plans
+        if budget.plans is not None and len(states) >= max_meshes and (3 * budget.spent >= 2 * budget.plans
                                                                        or budget.out_of_time()):
-            break  # half the budget is spent on baselines: search the meshes scored so far (at least max_meshes)
+            break  # 2/3 of the budget is spent on baselines: search the meshes scored so far (at least max_meshes)
         sizes = dict(sizes)
         mesh = _mesh_of(sizes)
         try:
