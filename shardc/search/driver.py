@@ -49,7 +49,7 @@ class SearchReport:
     seeds: tuple[Seed, ...] = ()
     plan_budget: int | None = None  # the deterministic allowance of simulated plans (None: unbounded)
     capped: bool = False  # the wall-clock cap stopped the search first: a rerun may choose differently
-    candidate_meshes: int = 0  # how many mesh shapes there were to score (`meshes` lists those scored)
+    candidate_meshes: int = 0  # meshes scored + those the budget left unscored (`meshes` lists those scored)
 
     def summary(self) -> str:
         per_name: dict[str, Candidate] = {}
@@ -139,9 +139,11 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
     # Phase 1: every baseline on every mesh.
     states = []
     evaluators: list[Evaluator] = []  # of every mesh scored (the report counts their plans)
-    for sizes in meshes:
+    not_started = 0  # meshes the budget left unscored
+    for i, sizes in enumerate(meshes):
         if budget.plans is not None and len(states) >= max_meshes and (3 * budget.spent >= 2 * budget.plans
                                                                        or budget.out_of_time()):
+            not_started = len(meshes) - i
             break  # 2/3 of the budget is spent on baselines: search the meshes scored so far (at least max_meshes)
         sizes = dict(sizes)
         mesh = _mesh_of(sizes)
@@ -243,7 +245,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
             f"no plan fits in device memory: the smallest simulated peak found is {format_bytes(smallest_peak)} per "
             f"device (limit {format_bytes(limit)}); use more devices, a smaller batch, or donate the state")
     report = SearchReport(chosen, cands, tried, evaluations, time.perf_counter() - t0, method_name, extra,
-                          budget.plans, budget.capped, len(meshes))
+                          budget.plans, budget.capped, len(tried) + not_started)
     return dataclasses.replace(plan, search=report), report
 
 
