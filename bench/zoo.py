@@ -364,6 +364,11 @@ ZOO_NOTES = """Reading the table:
   A baseline's time is tracing plus its propagation, plan and simulation.
 - Every plan returns the carried state (parameters, optimizer moments) in the layout it came in, and the
   reshards that takes are costed (docs/search.md, "Carried state keeps its layout").
+- All rows but the `xla` ones were measured again at the fifth session's code (baselines that seed alike
+  scored once, baselines scored on new meshes until 2/3 of the plan budget, a batch that cannot span
+  every device split over the most devices): every row came out the same except `mlp` on `tpu-v5e-8`
+  (3.64 -> 3.65 ms, still 1.09x) and `gpt12-wide` on `tpu-v5e-8` (302.86 -> 309.82 ms, still the only plan
+  that fits). The `xla` rows are the fourth session's (XLA's propagation does not depend on the search).
 - This table was measured after two simulator changes (docs/simulator.md): every stream now backfills its
   idle intervals, as XLA's latency-hiding scheduler overlaps independent work with a collective in flight
   (before, one op waiting for a gradient all-reduce stalled the whole backward pass), and the
@@ -392,11 +397,10 @@ Against the targets (issue 6):
     reach of any plan with that compute). On `h100-sxm-8x8` it is 1.01x: every plan there is bound by
     the data-parallel gradient reduction over InfiniBand, which only pipeline parallelism (not in the
     space) would avoid. On `tpu-v5e-8` no baseline fits the 16 GB chips (FSDP needs 15.6 GiB of 14.9),
-    and the search finds a plan that does (14.6 GiB).
+    and the search finds a plan that does (14.8 GiB).
   - `gpt12-xl` is compute-bound: FSDP computes for most of its step on `h100-sxm-8`; 1.09x on
     `h100-sxm-8x8`. On `tpu-v5e-8` nothing fits 16 GB (the smallest peak is 53.0 GiB).
-- `moe-auto` (added later, measured at the code of that session: baselines that seed alike scored once)
-  is the MoE Transformer with its GShard hints off, so the experts' and tokens' layouts are the search's
+- `moe-auto` is the MoE Transformer with its GShard hints off, so the experts' and tokens' layouts are the search's
   to find. Expert parallelism is what it needs: the expert-parallel baseline is the best one (47.82 ms on
   `h100-sxm-8`, data parallel 150.25 ms, FSDP 74.19 ms), and the search is 1.01x, 1.03x and 1.16x faster
   on the three topologies (on `h100-sxm-8x8` 64.78 ms, what the hinted model's data-parallel row gets).
