@@ -50,6 +50,7 @@ class SearchReport:
     plan_budget: int | None = None  # the deterministic allowance of simulated plans (None: unbounded)
     capped: bool = False  # the wall-clock cap stopped the search first: a rerun may choose differently
     candidate_meshes: int = 0  # meshes scored + those the budget left unscored (`meshes` lists those scored)
+    user_hinted: bool = True  # whether the program had hints (in-program or metadata) on its first mesh
 
     def summary(self) -> str:
         per_name: dict[str, Candidate] = {}
@@ -82,7 +83,10 @@ class SearchReport:
             lines.append(f"  chosen: the searched plan, {best_base.score.time / self.chosen.score.time:.2f}x the speed of "
                          f"the best baseline ({best_base.name})")
         elif self.chosen.name != "search":
-            lines.append(f"  chosen: the {self.chosen.name} baseline (the search found nothing faster"
+            what = ("the hints baseline: the program has no hints, so this is plain propagation (every tensor "
+                    "replicated)" if self.chosen.name == "hints" and not self.user_hinted
+                    else f"the {self.chosen.name} baseline")
+            lines.append(f"  chosen: {what} (the search found nothing faster"
                          + (" on the meshes it searched)" if of else ")"))
         return "\n".join(lines)
 
@@ -140,6 +144,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
     states = []
     evaluators: list[Evaluator] = []  # of every mesh scored (the report counts their plans)
     not_started = 0  # meshes the budget left unscored
+    hinted = False  # any user hint on a mesh scored
     for i, sizes in enumerate(meshes):
         if budget.plans is not None and len(states) >= max_meshes and (3 * budget.spent >= 2 * budget.plans
                                                                        or budget.out_of_time()):
@@ -153,6 +158,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
             hint_error = hint_error or f"on {sizes}: {e}"
             continue  # the hints do not fit this mesh
         tried.append(sizes)
+        hinted = hinted or bool(user)
         budget.charge(MESH_SETUP_UNITS)
         space = build_space(problem.graph, sizes, user)
         ev = Evaluator(problem, mesh, space, user)
@@ -245,7 +251,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
             f"no plan fits in device memory: the smallest simulated peak found is {format_bytes(smallest_peak)} per "
             f"device (limit {format_bytes(limit)}); use more devices, a smaller batch, or donate the state")
     report = SearchReport(chosen, cands, tried, evaluations, time.perf_counter() - t0, method_name, extra,
-                          budget.plans, budget.capped, len(tried) + not_started)
+                          budget.plans, budget.capped, len(tried) + not_started, hinted)
     return dataclasses.replace(plan, search=report), report
 
 

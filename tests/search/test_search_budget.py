@@ -120,3 +120,23 @@ def test_default_budget_on_many_devices_caps_the_clock_below_the_budget():
     assert b.plans == plans_for(default_budget(64), len(pb.graph.ops), 64)
     assert b.cap_s == default_cap(64) < default_budget(64) and default_cap(64) <= 26
     assert Budget.for_search(6.0, pb.graph, 8).cap_s == 6.0 and Budget.for_search(6.0, pb.graph, 8, cap=False).cap_s is None
+
+
+def test_a_program_without_hints_is_not_said_to_have_them():
+    import dataclasses
+
+    pb = problem_of(_step, mlp_args())  # no hints
+    _, rep = search_plan(pb, [{"data": 8}], budget_s=0.01, seed=0, progress=False, time_cap=False)
+    assert not rep.user_hinted
+    hints = next(c for c in rep.baselines if c.name == "hints")
+    text = dataclasses.replace(rep, chosen=hints).summary()
+    assert "the program has no hints, so this is plain propagation" in text
+
+    from shardc.propagate import Cause, Seed
+
+    hint = Seed(0, (("data",), None), Cause("hint", "split(x, 0, 'data')"), 0)  # the batch, as a user's hint
+    _, rep = search_plan(problem_of(_step, mlp_args(), seeds=[hint]), [{"data": 8}], budget_s=0.01, seed=0,
+                         progress=False, time_cap=False)
+    assert rep.user_hinted
+    hints = next(c for c in rep.baselines if c.name == "hints")
+    assert "no hints" not in dataclasses.replace(rep, chosen=hints).summary()
