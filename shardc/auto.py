@@ -30,7 +30,7 @@ from annotations.errors import ShardingError, SourceLine, caller_source_line
 from annotations.errors import describe_function as _describe
 from shardc.ir.build import build_graph
 from shardc.ir.graph import Graph, Op
-from shardc.carried import CarriedShapes
+from shardc.carried import CarriedShapes, ReplanWarning
 from shardc.nnx_args import NnxCall, split_call
 from shardc.distributed import check_plan_agreement, is_multiprocess, to_global
 from shardc.lower import jit_plan
@@ -119,7 +119,9 @@ class AutoFunction:
             return self._inline(args, kwargs)
         if (static := self._static_step(args, kwargs)) is not None:
             step, args, kwargs = static
-            return step(*args, **kwargs)
+            out = step(*args, **kwargs)
+            self._warn_if_static_meshes_differ()
+            return out
         if (nnx := self._nnx_step(args, kwargs)) is not None:
             out, *new_state = nnx.step(*nnx.args, **nnx.kwargs)
             nnx.call.update(nnx.nodes, tuple(new_state))
@@ -175,6 +177,17 @@ class AutoFunction:
                        "search": self._static.search_path(self.search, key)}
             step = self._static_steps[key] = AutoFunction(self._static.bind(key), **options)
         return step, dyn_args, dyn_kwargs
+
+    def _warn_if_static_meshes_differ(self) -> None:
+        """Static values planned on different meshes re-place the arguments at every switch between them
+        (and a re-placed array is a copy: donation does not free the caller's buffer): say so, once."""
+        meshes = {tuple(s.mesh.shape.items()) for s in self._static_steps.values() if s.mesh is not None}
+        if len(meshes) > 1 and not getattr(self, "_warned_static_meshes", False):
+            self._warned_static_meshes = True
+            warnings.warn(f"shardc: {_describe(self.fun)}'s static argument values were planned on different meshes "
+                          f"({', '.join(str(dict(m)) for m in sorted(meshes))}): each switch between them re-places "
+                          f"the arguments, and donation does not free buffers that were re-placed; pass mesh=... to "
+                          f"plan every value on one mesh", ReplanWarning, stacklevel=3)
 
     def _nnx_step(self, args: tuple, kwargs: dict) -> _NnxRoute | None:
         """For arguments holding NNX objects: the pure step that plans and runs them (one per argument

@@ -19,7 +19,8 @@ __all__ = ["CarriedShapes", "ReplanWarning"]
 
 
 class ReplanWarning(UserWarning):
-    """A call's outputs came back as the next call's arguments with another shape: each call re-plans."""
+    """Calls that re-plan or re-place their arguments each time: a call's outputs came back as the next call's
+    arguments with another shape, or static argument values were planned on different meshes."""
 
 
 def _aval(x: Any) -> tuple[tuple[int, ...], str] | None:

@@ -1,5 +1,6 @@
 """static_argnums / static_argnames: untraced arguments, one plan per value, as in jax.jit."""
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -101,3 +102,29 @@ def test_a_plan_file_per_static_value(mesh, tmp_path):
     again = shardc.auto(_step, mesh=mesh, search=path, budget_s=1, static_argnums=2, static_argnames="train")
     assert again.plan(w, x, Config("relu", 1.0), train=False).fingerprint() == \
         f.plan(w, x, Config("relu", 1.0), train=False).fingerprint()
+
+
+def test_static_values_planned_on_different_meshes_warn_once():
+    def step(w, x, wide):
+        y = x @ w
+        return (y.sum() * 2 if wide else y.sum()), w
+
+    f = shardc.auto(step, static_argnums=2, budget_s=1)
+    w, x = jnp.ones((8, 8)), jnp.ones((16, 8))
+    f(w, x, True)
+    meshes = {tuple(s.mesh.shape.items()) for s in f._static_steps.values()}
+    f2 = shardc.auto(step, static_argnums=2, budget_s=1, mesh=shardc.make_mesh({"data": 8}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", shardc.ReplanWarning)  # one mesh given: never
+        f2(w, x, True), f2(w, x, False)
+    # forced apart: a second value on another mesh warns, once
+    f._static_steps[(((2, False),), ())] = shardc.auto(lambda w, x, _: step(w, x, False),
+                                                      mesh=shardc.make_mesh({"data": 2, "model": 4}), search=False)
+    other = shardc.make_mesh({"data": 2, "model": 4})
+    if meshes == {tuple(other.shape.items())}:
+        pytest.skip("the search chose the same mesh")
+    with pytest.warns(shardc.ReplanWarning, match="different meshes"):
+        f(w, x, False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", shardc.ReplanWarning)
+        f(w, x, True)
