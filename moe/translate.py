@@ -385,6 +385,14 @@ def main(argv=None) -> dict:
     history: list[dict] = []
     evals: list[dict] = []
     start_step = 0
+    if manager is not None and not args.resume and manager.all_steps():
+        # A fresh run over an earlier run's checkpoints: they would clash with this run's (and a later
+        # --resume would mix the two runs), so they go; --resume continues the earlier run instead.
+        old = sorted(manager.all_steps())
+        for s in old:
+            manager.delete(s)
+        print(f"ckpt    removed the earlier run's checkpoints (steps {', '.join(map(str, old))}) in {ckpt_dir}; "
+              f"pass --resume to continue a run instead of starting again")
     if args.resume:
         latest = manager.latest_step() if manager else None
         if latest is None:
@@ -414,7 +422,7 @@ def main(argv=None) -> dict:
             print(f"resume  from step {start_step} in {ckpt_dir}")
     if tok_path.parent.exists() or args.ckpt_every > 0:
         tok_path.parent.mkdir(parents=True, exist_ok=True)
-        if not tok_path.exists():
+        if not (args.resume and tok_path.exists()):  # a fresh run's tokenizer replaces an earlier run's
             tok.save(tok_path)
 
     def save(step):

@@ -60,6 +60,11 @@ def test_example_runs_end_to_end_and_resume_is_bit_for_bit(tmp_path, compilation
     # to the uninterrupted run, bit for bit.
     assert resumed == losses
 
+    # Run again over that run's checkpoints without --resume: a fresh run (its checkpoint at step 3 used to
+    # clash with the earlier run's: orbax StepAlreadyExistsError).
+    again = translate.main(COMMON + ["--out", out, "--ckpt-every", "3", "--no-final-eval"])
+    assert [h["loss"] for h in again["history"]] == losses
+
 
 def test_search_flag_lets_the_strategy_search_plan_the_step(tmp_path, capsys):
     out = tmp_path / "searched"
