@@ -13,7 +13,7 @@ from annotations.context import mesh_is_provisional
 from annotations.errors import ShardingError, SourceLine
 from annotations.spec import UNCONSTRAINED, DimHint, HintSpec
 
-__all__ = ["check_array", "normalize_dim", "normalize_axes", "check_spec"]
+__all__ = ["check_array", "normalize_dim", "normalize_axes", "check_spec", "repeated_axis"]
 
 
 def _at(source: SourceLine | None) -> str:
@@ -90,6 +90,19 @@ def _manual_axes() -> frozenset[str]:
         return frozenset(n for n, t in zip(am.axis_names, am.axis_types) if t == AxisType.Manual)
     except Exception:  # pragma: no cover - other jax versions
         return frozenset()
+
+
+def repeated_axis(dims: Any) -> tuple[str, int, int] | None:
+    """The first mesh axis named twice in a tensor's per-dim axes (tuples; other entries name none), as
+    (axis, the dim that named it first, the dim that names it again), or None. An axis splits one dim once."""
+    owner: dict[str, int] = {}
+    for i, d in enumerate(dims):
+        if isinstance(d, tuple):
+            for a in d:
+                if a in owner:
+                    return a, owner[a], i
+                owner[a] = i
+    return None
 
 
 def check_spec(spec: HintSpec, shape: tuple[int, ...], dtype: Any, mesh: Mesh | None) -> None:

@@ -111,6 +111,7 @@ class AutoFunction:
         self._static = StaticArgs(fun, static_argnums, static_argnames)
         self._static.check_not_donated(self.donate_argnums)
         self._static_steps: dict[tuple, AutoFunction] = {}  # per value of the static arguments
+        self._warned_static_meshes = False  # (`_warn_if_static_meshes_differ` says it once)
 
     # -- public --------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -137,34 +138,37 @@ class AutoFunction:
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for these arguments, without running."""
-        if (static := self._static_step(args, kwargs)) is not None:
-            step, args, kwargs = static
+        if (inner := self._inner_step(args, kwargs)) is not None:
+            step, args, kwargs = inner
             return step.plan(*args, **kwargs)
-        if (nnx := self._nnx_step(args, kwargs)) is not None:
-            return nnx.step.plan(*nnx.args, **nnx.kwargs)
         return self._compiled(args, kwargs).plan
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The lowered program (over the flattened arguments), as `jax.jit(...).lower` gives."""
-        if (static := self._static_step(args, kwargs)) is not None:
-            step, args, kwargs = static
+        if (inner := self._inner_step(args, kwargs)) is not None:
+            step, args, kwargs = inner
             return step.lower(*args, **kwargs)
-        if (nnx := self._nnx_step(args, kwargs)) is not None:
-            return nnx.step.lower(*nnx.args, **nnx.kwargs)
         c = self._compiled(args, kwargs)
         require_devices(c.plan)
         return c.jitted.lower(*jax.tree_util.tree_leaves((args, kwargs)))
 
     def compiled_info(self, *args: Any, **kwargs: Any) -> Compiled:
         """Plan, jaxpr, trees, jitted function and timings for these arguments."""
-        if (static := self._static_step(args, kwargs)) is not None:
-            step, args, kwargs = static
+        if (inner := self._inner_step(args, kwargs)) is not None:
+            step, args, kwargs = inner
             return step.compiled_info(*args, **kwargs)
-        if (nnx := self._nnx_step(args, kwargs)) is not None:
-            return nnx.step.compiled_info(*nnx.args, **nnx.kwargs)
         return self._compiled(args, kwargs)
 
     # -- internals -----------------------------------------------------------------------------------
+    def _inner_step(self, args: tuple, kwargs: dict) -> tuple["AutoFunction", tuple, dict] | None:
+        """The step that plans this call when it is not this one's own: the step of its static values, or
+        the pure step of its NNX objects; with the arguments to pass it. None: this step plans it."""
+        if (static := self._static_step(args, kwargs)) is not None:
+            return static
+        if (nnx := self._nnx_step(args, kwargs)) is not None:
+            return nnx.step, nnx.args, nnx.kwargs
+        return None
+
     def _static_step(self, args: tuple, kwargs: dict) -> tuple["AutoFunction", tuple, dict] | None:
         """With static arguments: the step for their values (one per value, as jax.jit keeps one program
         per value) and the call's traced arguments (shardc/static_args.py); else None."""
@@ -181,8 +185,10 @@ class AutoFunction:
     def _warn_if_static_meshes_differ(self) -> None:
         """Static values planned on different meshes re-place the arguments at every switch between them
         (and a re-placed array is a copy: donation does not free the caller's buffer): say so, once."""
+        if self._warned_static_meshes:
+            return
         meshes = {tuple(s.mesh.shape.items()) for s in self._static_steps.values() if s.mesh is not None}
-        if len(meshes) > 1 and not getattr(self, "_warned_static_meshes", False):
+        if len(meshes) > 1:
             self._warned_static_meshes = True
             warnings.warn(f"shardc: {_describe(self.fun)}'s static argument values were planned on different meshes "
                           f"({', '.join(str(dict(m)) for m in sorted(meshes))}): each switch between them re-places "
@@ -309,7 +315,7 @@ class AutoFunction:
         # constraint and fail with JAX's error (an unknown axis, an axis named twice).
         input_hints(roots, mesh.axis_names, self.rules, _describe(self.fun))
         t0 = time.perf_counter()
-        closed, in_tree, out_tree = _search.trace(self, self._trace, (args, kwargs))
+        closed, in_tree, out_tree = _search.trace(self, self._trace, (args, kwargs), meta_axes)
         mesh = self._mesh()  # the search may have chosen a tracing mesh that has the axes the program names
         t1 = time.perf_counter()
         # Positional leaves come first, then keyword ones (sorted by name), as (args, kwargs) flattens.

@@ -21,6 +21,7 @@ import jax
 from jax.tree_util import keystr
 
 from annotations.errors import ShardingError
+from annotations.validate import repeated_axis
 
 __all__ = ["InputHint", "input_hints", "named_mesh_axes"]
 
@@ -94,15 +95,12 @@ def _map_names(names: Sequence[Any], rules: Any, mesh_axes: Sequence[str], where
                     f"logical axis with a rule (rules: {dict(rule_map) or 'none'}); pass "
                     f"shardc.auto(rules=[({name!r}, <mesh axis or None>), ...])")
         out.append(tuple(axes))
-    used: dict[str, int] = {}
-    for d, axes in enumerate(out):
-        for a in axes:
-            if a in used:
-                where_first = f"dim {used[a]}" if used[a] != d else "the same dim"
-                raise ShardingError(
-                    f"{where}: mesh axis {a!r} is named for dim {d} and for {where_first} (partitioning "
-                    f"{tuple(names)}); an axis can split only one dim of a tensor, once")
-            used[a] = d
+    if (twice := repeated_axis(out)) is not None:
+        a, first, d = twice
+        where_first = f"dim {first}" if first != d else "the same dim"
+        raise ShardingError(
+            f"{where}: mesh axis {a!r} is named for dim {d} and for {where_first} (partitioning "
+            f"{tuple(names)}); an axis can split only one dim of a tensor, once")
     return tuple(out)
 
 

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from annotations.errors import ShardingError, SourceLine
 from annotations.primitive import resolve_dims
 from annotations.spec import UNCONSTRAINED, HintSpec
-from annotations.validate import check_spec
+from annotations.validate import check_spec, repeated_axis
 from shardc.ir.graph import Graph
 from shardc.propagate import Cause, Seed
 
@@ -25,9 +25,11 @@ def validate_dims(dims: Sequence[tuple[str, ...] | None], shape: Sequence[int], 
     """Axes exist, each is used once in the tensor, and each dim divides by its axes' product."""
     at = f" (at {source})" if source else ""
     sizes = dict(mesh.shape)
-    seen: dict[str, int] = {}
     if len(dims) != len(shape):
         raise ShardingError(f"{what} for {tensor} has {len(dims)} entries but the tensor has shape {tuple(shape)}{at}")
+    if (twice := repeated_axis([None if axes is None else tuple(axes) for axes in dims])) is not None:
+        a, first, d = twice
+        raise ShardingError(f"{what}: mesh axis {a!r} used twice in {tensor} {tuple(shape)} (dims {first} and {d}){at}")
     for d, axes in enumerate(dims):
         if axes is None:
             continue
@@ -37,10 +39,6 @@ def validate_dims(dims: Sequence[tuple[str, ...] | None], shape: Sequence[int], 
                 raise ShardingError(
                     f"{what}: unknown mesh axis {a!r} for dim {d} of {tensor} {tuple(shape)}; the mesh has "
                     f"axes {dict(sizes)}{at}")
-            if a in seen:
-                raise ShardingError(
-                    f"{what}: mesh axis {a!r} used twice in {tensor} {tuple(shape)} (dims {seen[a]} and {d}){at}")
-            seen[a] = d
             n *= sizes[a]
         if shape[d] % n:
             raise ShardingError(

@@ -76,18 +76,16 @@ class StaticArgs:
         positions = sorted({i + n if i < 0 else i for i in self.nums if -n <= i < n})
         static_pos = tuple((i, args[i]) for i in positions)
         static_kw = tuple((k, kwargs[k]) for k in self.names if k in kwargs)
-        key = (static_pos, static_kw)
-        try:
-            hash(key)
-        except TypeError:
-            where, value = next((f"argument {w}", v) for w, v in static_pos + static_kw if not _hashable(v))
+        unhashable = next(((f"argument {w}", v) for w, v in static_pos + static_kw if not _hashable(v)), None)
+        if unhashable is not None:
+            where, value = unhashable
             raise ShardingError(
                 f"{describe_function(self.fun)}: static {where} is of type {type(value).__name__}, which is not "
                 f"hashable; a static argument's value keys the plan (as in jax.jit), so pass a hashable value "
                 f"(a tuple, a frozen dataclass) or make the argument traced") from None
         dyn_args = tuple(None if i in positions else a for i, a in enumerate(args))
         dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.names}
-        return StaticSplit(key, dyn_args, dyn_kwargs)
+        return StaticSplit((static_pos, static_kw), dyn_args, dyn_kwargs)
 
     @staticmethod
     def search_path(search: Any, key: tuple) -> Any:

@@ -81,12 +81,13 @@ def _check_axis_names(named: Sequence[str], where: str) -> None:
                           AxisNameWarning, stacklevel=4)
 
 
-def trace(af: Any, trace_fn: Callable, call: Any) -> Any:
+def trace(af: Any, trace_fn: Callable, call: Any, metadata_axes: Sequence[str] = ()) -> Any:
     """Trace `call`; when the search chooses the mesh and the program names an axis the tracing mesh lacks
-    (Flax metadata, hints, sharding constraints), retry on a mesh that has every axis named so far."""
+    (hints, sharding constraints), retry on a mesh that has every axis named so far, and the axes the
+    arguments' metadata names (`metadata_axes`, from `mesh_for_metadata`)."""
     from shardc.sharding import make_mesh
 
-    required: list[str] = list(getattr(af, "_metadata_axes", ()))  # (mesh_for_metadata: named by the arguments)
+    required: list[str] = list(metadata_axes)
     n = len(jax.devices())
     while True:
         try:
@@ -122,14 +123,12 @@ def mesh_for_metadata(af: Any, args: Any) -> list[str]:
     from shardc.sharding import make_mesh
 
     named = named_mesh_axes(args, af.rules)
-    choosing_mesh = not getattr(af, "_mesh_given", True) and enabled(af.search)
-    af._metadata_axes = list(named) if choosing_mesh else []  # the trace's meshes keep them (`trace`)
-    if named and not getattr(af, "_mesh_given", True):
+    mesh_given = getattr(af, "_mesh_given", True)
+    if named and not mesh_given:
         _check_axis_names(named, "the Flax partitioning metadata or rules")
-        if choosing_mesh:
-            _check_axis_count(named)
-    if not named or getattr(af, "_mesh_given", True) or not enabled(af.search):
+    if not named or mesh_given or not enabled(af.search):
         return named
+    _check_axis_count(named)
     if af.mesh is not None and all(a in af.mesh.axis_names for a in named):
         return named
     n = len(jax.devices())
@@ -194,5 +193,5 @@ def plan_by_search(af: Any, graph: Any, user_seeds: Callable, in_paths: Sequence
                       "grow together).", SearchTimeCapWarning, stacklevel=4)
     _PLAN_CACHE[key] = report
     if path is not None:
-        save_plan(plan, path, topology=topology_name, hints=list(user_seeds(plan.mesh)))
+        save_plan(plan, path, topology=topology_name, hints=user if mesh_given else list(user_seeds(plan.mesh)))
     return plan
