@@ -385,10 +385,10 @@ def main(argv=None) -> dict:
     history: list[dict] = []
     evals: list[dict] = []
     start_step = 0
-    if manager is not None and not args.resume and manager.all_steps():
+    old = sorted(manager.all_steps()) if manager is not None and not args.resume else []
+    if old:
         # A fresh run over an earlier run's checkpoints: they would clash with this run's (and a later
         # --resume would mix the two runs), so they go; --resume continues the earlier run instead.
-        old = sorted(manager.all_steps())
         for s in old:
             manager.delete(s)
         print(f"ckpt    removed the earlier run's checkpoints (steps {', '.join(map(str, old))}) in {ckpt_dir}; "
