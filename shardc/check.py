@@ -14,11 +14,17 @@ The plan is lowered and compiled on the local backend, and per device:
   simulated peak.
 
 Bounds: 5% for bytes and FLOPs, 20% for memory. A disagreement means the plan or the cost model is wrong.
+XLA's own warnings while compiling (`[SPMD] Involuntary full rematerialization`: a reshard XLA does by
+replicating the whole tensor, which the plan priced as something cheaper) are captured and listed too.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any
+import os
+import sys
+import tempfile
+from typing import Any, Iterator
 
 import jax
 
@@ -26,9 +32,32 @@ from annotations.errors import ShardingError
 from shardc.cost.hlo import COLLECTIVE_KINDS, collectives
 from shardc.cost.topology import Device, Level, Topology
 
-__all__ = ["check", "CheckReport", "CheckRow", "compiled_stats", "BOUNDS"]
+__all__ = ["check", "CheckReport", "CheckRow", "compiled_stats", "BOUNDS", "xla_log", "INVOLUNTARY_REMAT"]
 
 BOUNDS = {"bytes": 0.05, "flops": 0.05, "memory": 0.20}
+INVOLUNTARY_REMAT = "Involuntary full rematerialization"
+
+
+@contextlib.contextmanager
+def xla_log() -> Iterator[list[str]]:
+    """What XLA's C++ code writes to the process's stderr inside the block (its SPMD warnings among it), as
+    a list of lines filled in when the block ends; the text is also passed on to stderr."""
+    lines: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            text = tmp.read().decode(errors="replace")
+            lines.extend(text.splitlines())
+            if text:
+                sys.stderr.write(text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +83,15 @@ class CheckReport:
     rows: list[CheckRow]
     compiled_collectives: list[Any]
     simulation: Any
+    xla_warnings: list[str] = dataclasses.field(default_factory=list)  # XLA's SPMD warnings while compiling
+
+    @property
+    def involuntary_remats(self) -> list[str]:
+        return [w for w in self.xla_warnings if INVOLUNTARY_REMAT in w]
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.rows)
+        return all(r.ok for r in self.rows) and not self.involuntary_remats
 
     def row(self, quantity: str) -> CheckRow:
         for r in self.rows:
@@ -83,6 +117,7 @@ class CheckReport:
         lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
         lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(b, widths)))
                   for b in body]
+        lines += [f"XLA: {w.strip()[:300]}" for w in self.involuntary_remats]
         return "\n".join(lines)
 
 
@@ -114,7 +149,8 @@ def compiled_stats(compiled: Any, mesh_shape: list[tuple[str, int]]) -> dict[str
             "memory": peak, "memory_analysis": mem}
 
 
-def _compile(plan: Any) -> Any:
+def _compile(plan: Any) -> tuple[Any, list[str]]:
+    """The plan's compiled program and XLA's SPMD warnings while compiling it."""
     from shardc.lower import jit_plan
 
     if plan.program is None:
@@ -122,7 +158,10 @@ def _compile(plan: Any) -> Any:
                             "program); or call shardc.check(step, *args) with the @shardc.auto function")
     g = plan.graph
     avals = [jax.ShapeDtypeStruct(g.values[v].shape, g.values[v].dtype) for v in g.inputs]
-    return jit_plan(plan, plan.program, plan.donated).lower(*avals).compile()
+    lowered = jit_plan(plan, plan.program, plan.donated).lower(*avals)
+    with xla_log() as log:
+        compiled = lowered.compile()
+    return compiled, [line for line in log if "[SPMD]" in line]
 
 
 def check(plan_or_fn: Any, *args: Any, topology: Any = None, **kwargs: Any) -> CheckReport:
@@ -131,7 +170,7 @@ def check(plan_or_fn: Any, *args: Any, topology: Any = None, **kwargs: Any) -> C
     from shardc.sim import as_topology, simulate
 
     plan = plan_or_fn.plan(*args, **kwargs) if isinstance(plan_or_fn, AutoFunction) else plan_or_fn
-    compiled = _compile(plan)
+    compiled, warnings = _compile(plan)
     platform = jax.default_backend()
     topo = _host_topology(platform) if topology is None else as_topology(topology)
     # What XLA does on this backend: XLA:CPU has no reduce-scatter and merges all-reduces without a size limit.
@@ -147,4 +186,4 @@ def check(plan_or_fn: Any, *args: Any, topology: Any = None, **kwargs: Any) -> C
     rows.append(CheckRow("FLOPs", sim.xla_flops, stats["flops"], BOUNDS["flops"]))
     if stats["memory"] is not None:
         rows.append(CheckRow("peak memory bytes", sim.peak_memory, stats["memory"], BOUNDS["memory"]))
-    return CheckReport(rows, stats["collectives"], sim)
+    return CheckReport(rows, stats["collectives"], sim, warnings)
