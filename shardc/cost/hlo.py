@@ -213,12 +213,14 @@ class HloCollective:
     name: str
     computation: str
     tensors: int  # how many tensors it moves (more than one when XLA combined several)
+    op_name: str = ""  # the metadata's op_name: the jax name stack of the op XLA made it for
 
     @property
     def total_bytes(self) -> int:
         return self.bytes * self.count
 
 
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CALLS = re.compile(r"\b(calls|body|to_apply|condition|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
@@ -355,5 +357,7 @@ def collectives(hlo_text: str | HloModuleText,
             in_bytes = sum(shape_bytes(s) for s in operand_shapes)
             payload = in_bytes * group_size if kind == "all-gather" else in_bytes
             axes = _axes_of_groups(groups, mesh_shape) if mesh_shape else None
-            out.append(HloCollective(kind, payload, group_size, axes, count, ins.name, comp, len(operand_shapes)))
+            op_name = _OP_NAME.search(ins.attrs)
+            out.append(HloCollective(kind, payload, group_size, axes, count, ins.name, comp, len(operand_shapes),
+                                     op_name.group(1) if op_name else ""))
     return out
