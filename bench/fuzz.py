@@ -1,13 +1,15 @@
 """Fuzz soak: many more generated programs than CI runs, failures recorded and shrunk.
 
-    python bench/fuzz.py [--minutes 30] [--seed 0] [--chunk 100] [--max-ops 12] [--const-cotangents]
-                         [--out bench/fuzz_failures.jsonl] [--write]
+    python bench/fuzz.py [--minutes 30] [--seed 0] [--jobs 1] [--chunk 100] [--max-ops 12]
+                         [--const-cotangents] [--out bench/fuzz_failures.jsonl] [--write]
 
 Programs come from `tests/fuzz/fuzzlib.programs` (hypothesis) and are checked by
 `fuzzlib.check_program` (sharded == unsharded forward and gradients, compiled shardings == plan,
 hints placed as hinted, no conservative fallback). Work runs in child processes of `--chunk` programs
-each (seeds `--seed`, `--seed`+1, ...), so a crash inside XLA ends one chunk, not the soak: the program
-that was running is recorded as a crash and re-run alone to see whether it reproduces.
+each (seeds `--seed`, `--seed`+1, ...; `--jobs` of them at once), so a crash inside XLA ends one chunk, not
+the soak: the program that was running is recorded as a crash and re-run alone to see whether it
+reproduces. No chunk starts after `--minutes`; the ones running then finish. A chunk that runs past
+CHUNK_TIMEOUT_S is a hang (recorded like a crash) — not the deadline's doing.
 
 Every failure is shrunk (fuzzlib.shrink_program) and appended to `--out` as one JSON line: kind
 (fail / crash / upstream), error, seed, the program's repr (paste it into
@@ -110,12 +112,20 @@ def child_one(program: str, results: str, shrink: bool) -> None:
         f.write(json.dumps(rec) + "\n")
 
 
+CHUNK_TIMEOUT_S = 3600.0  # a chunk of 100 programs takes 30-120 s; one that runs an hour has hung
+HUNG = -999
+
+
+def _command(args: list[str]) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), *args]
+
+
 def _spawn(args: list[str], timeout: float) -> int:
-    cmd = [sys.executable, os.path.abspath(__file__), *args]
     try:
-        return subprocess.run(cmd, timeout=timeout, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+        return subprocess.run(_command(args), timeout=timeout, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL).returncode
     except subprocess.TimeoutExpired:
-        return -999
+        return HUNG
 
 
 def _read_lines(path: str) -> list[dict]:
@@ -133,31 +143,51 @@ def _describe(program: str) -> str:
     return fuzzlib.describe(eval(program))  # noqa: S307
 
 
+def _run_chunks(args: argparse.Namespace, work: str) -> tuple[list[str], list[dict]]:
+    """Chunks of programs in child processes, `args.jobs` at a time, until `args.minutes` have passed;
+    returns each chunk's results file and the crashes (re-run alone to see whether they reproduce)."""
+    deadline = time.time() + 60 * args.minutes
+    seed, t0 = args.seed, time.time()
+    running: list[tuple[subprocess.Popen, int, str, str, float]] = []
+    results_files, crashes = [], []
+    while running or time.time() < deadline:
+        while time.time() < deadline and len(running) < args.jobs:
+            results, progress = (os.path.join(work, f"{kind}-{seed}") for kind in ("results.jsonl", "progress.txt"))
+            child = subprocess.Popen(_command(["--child-chunk", str(seed), str(args.chunk), str(args.max_ops),
+                                               str(int(args.const_cotangents)), progress, results]),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            running.append((child, seed, results, progress, time.time()))
+            results_files.append(results)
+            seed += 1
+        time.sleep(0.5)
+        for entry in list(running):
+            child, s, results, progress, started = entry
+            rc = child.poll()
+            if rc is None and time.time() - started > CHUNK_TIMEOUT_S:
+                child.kill()
+                child.wait()
+                rc = HUNG
+            if rc is None:
+                continue
+            running.remove(entry)
+            done = len(_read_lines(results))
+            if rc != 0 and os.path.exists(progress):
+                crashed = open(progress).read()
+                rc2 = _spawn(["--child-one", crashed, os.path.join(work, "again.jsonl"), "0"], timeout=CHUNK_TIMEOUT_S)
+                what = "hung" if rc == HUNG else f"died (exit {rc})"
+                crashes.append({"kind": "crash", "seed": s, "program": crashed, "returncode": rc, "reproduces": rc2 != 0,
+                                "error": f"child process {what} after {done} programs"})
+            total = sum(len(_read_lines(f)) for f in results_files)
+            print(f"chunk (seed {s}): {done} programs, exit {rc}, {total} total, {time.time() - t0:.0f} s", flush=True)
+    return results_files, crashes
+
+
 def soak(args: argparse.Namespace) -> None:
     work = tempfile.mkdtemp(prefix="shardc-fuzz-")
-    results, progress = os.path.join(work, "results.jsonl"), os.path.join(work, "progress.txt")
-    deadline = time.time() + 60 * args.minutes
-    seed, chunks, crashes = args.seed, 0, []
     t0 = time.time()
-    while time.time() < deadline:
-        before = len(_read_lines(results))
-        if os.path.exists(progress):
-            os.remove(progress)
-        rc = _spawn(["--child-chunk", str(seed), str(args.chunk), str(args.max_ops), str(int(args.const_cotangents)),
-                     progress, results], timeout=max(60.0, deadline - time.time() + 120))
-        done = len(_read_lines(results)) - before
-        if rc != 0 and os.path.exists(progress):
-            crashed = open(progress).read()
-            again = os.path.join(work, "again.jsonl")
-            rc2 = _spawn(["--child-one", crashed, again, "0"], timeout=600)
-            crashes.append({"kind": "crash", "seed": seed, "program": crashed, "returncode": rc,
-                            "reproduces": rc2 != 0, "error": f"child process died (exit {rc}) after {done} programs"})
-        chunks += 1
-        seed += 1
-        print(f"chunk {chunks} (seed {seed - 1}): {done} programs, exit {rc}, "
-              f"{len(_read_lines(results))} total, {time.time() - t0:.0f} s", flush=True)
+    results_files, crashes = _run_chunks(args, work)
+    recs = [r for f in results_files for r in _read_lines(f)]
     elapsed = time.time() - t0
-    recs = _read_lines(results)
     kinds = Counter(r["kind"] for r in recs)
     failures = [r for r in recs if r["kind"] != "ok"] + crashes
     # shrink and record every failure (upstream ones too: they are XLA's, but worth keeping)
@@ -196,7 +226,7 @@ def soak(args: argparse.Namespace) -> None:
         from bench.propagate import write_section
 
         lines = "\n".join(f"- {n} x {e}" for e, n in errors.most_common()) or "- none"
-        write_section("fuzz", f"`python bench/fuzz.py --minutes {args.minutes} --seed {args.seed} --max-ops "
+        write_section("fuzz", f"`python bench/fuzz.py --minutes {args.minutes} --seed {args.seed} --jobs {args.jobs} --max-ops "
                       f"{args.max_ops}{' --const-cotangents' if args.const_cotangents else ''}` "
                       f"({os.cpu_count()} cores; each program checked sharded vs unsharded, forward and "
                       f"gradients, compiled shardings vs plan, hints).\n\n" + "\n".join(summary)
@@ -214,6 +244,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=30)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=1, help="chunks run at once (one per core)")
     ap.add_argument("--chunk", type=int, default=100)
     ap.add_argument("--max-ops", type=int, default=12)
     ap.add_argument("--const-cotangents", action="store_true",

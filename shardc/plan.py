@@ -3,11 +3,13 @@
 `build_plan` turns a propagation result into a Plan: each op takes its factors' axes from its results
 (reduction factors from its largest operand), which fixes the layout it needs on each operand; where a
 value's sharding differs from what a consumer needs, or an op leaves partial sums, a Reshard is recorded
-with its kind, its bytes per device and its cause.
+with its cause and the collectives XLA emits for it — from `shardc.cost.reshard.reshard_collectives`, the
+one reshard model the simulator, the PCG and `shardc.check` use too.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Mapping, Sequence
 
@@ -15,12 +17,15 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from annotations.errors import ShardingError, SourceLine
+from shardc.cost.collectives import Collective
+from shardc.cost.reshard import reshard_collectives
 from shardc.ir.graph import Graph, Op
 from shardc.propagate import Cause, Propagation, project_dim
 from shardc.rules.core import FactorKind, FactorRule
 from shardc.sharding import Sharding, mesh_shape
 
-__all__ = ["OpStrategy", "Reshard", "Plan", "PlanBuilder", "build_plan", "abstract_mesh", "is_abstract", "require_devices", "classify_reshard", "reshard_bytes", "op_reshard_specs"]
+__all__ = ["OpStrategy", "Reshard", "Plan", "PlanBuilder", "build_plan", "abstract_mesh", "is_abstract",
+           "require_devices", "reshard_cost", "ReshardCost", "op_reshard_specs", "lowers_reduce_scatter"]
 
 Axes = tuple[str, ...]
 
@@ -78,7 +83,10 @@ class OpStrategy:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Reshard:
-    """A change of sharding on one value: before op `consumer` (or after op `producer` for partial sums)."""
+    """A change of sharding on one value: before op `consumer` (or after op `producer` for partial sums).
+    `collectives` are what XLA emits for it; `kind` names them ("all-to-all+collective-permute"; "slice"
+    when the change is a free local slice); `bytes` is their payload per device (as `shardc.check` reads it
+    from the compiled program)."""
 
     value: int
     src: Sharding
@@ -88,6 +96,7 @@ class Reshard:
     cause: str
     source: SourceLine | None
     consumer: int | None = None
+    collectives: tuple[Collective, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -147,49 +156,49 @@ class Plan:
         return h.hexdigest()[:16]
 
 
-def classify_reshard(src: Sharding, dst: Sharding) -> str:
-    """Collective kind needed to go from src to dst (the most expensive part if several)."""
-    kinds = []
-    if src.partial - dst.partial:
-        kinds.append("reduce-scatter" if (src.partial & dst.axes()) else "all-reduce")
-    where_src = {a: i for i, d in enumerate(src.dims) for a in d}
-    where_dst = {a: i for i, d in enumerate(dst.dims) for a in d}
-    for a, i in where_src.items():
-        if a in src.partial:
-            continue
-        j = where_dst.get(a)
-        if j is None:
-            kinds.append("all-gather")
-        elif j != i:
-            kinds.append("all-to-all")
-        elif src.dims[i] != dst.dims[j]:
-            kinds.append("collective-permute")
-    for a in where_dst:
-        if a not in where_src and a not in src.partial:
-            kinds.append("slice")
-    order = ["all-reduce", "reduce-scatter", "all-to-all", "all-gather", "collective-permute", "slice"]
-    for k in order:
-        if k in kinds:
-            return k
-    return "none"
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReshardCost:
+    """What one change of sharding costs: XLA's collectives, their kinds by name, their payload bytes per
+    device, and the bytes each device sends for them (ring algorithms; what op layouts are chosen by)."""
+
+    collectives: tuple[Collective, ...]
+    kind: str
+    payload: int
+    sent: int
 
 
-def reshard_bytes(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int, mesh: Mapping[str, int]) -> int:
-    """Bytes each device sends for the reshard (ring algorithms; a slice is free)."""
-    src_local = itemsize * math.prod(src.local_shape(shape, mesh))
-    dst_local = itemsize * math.prod(dst.local_shape(shape, mesh))
-    total = 0
-    if src.partial - dst.partial:
-        n = math.prod(mesh[a] for a in src.partial - dst.partial)
-        total += 2 * src_local * (n - 1) // n
-    kind = classify_reshard(Sharding(src.dims), Sharding(dst.dims))
-    if kind == "all-gather":  # gather the axes the value leaves (then slice for the ones it joins: free)
-        gone = {a for d in src.dims for a in d} - {a for d in dst.dims for a in d}
-        total += src_local * (math.prod(mesh[a] for a in gone) - 1)
-    elif kind in ("all-to-all", "collective-permute"):
-        n = math.prod(mesh[a] for d in src.dims for a in d)
-        total += src_local * (n - 1) // max(n, 1)
-    return int(total)
+def lowers_reduce_scatter(mesh: Any) -> bool:
+    """Whether XLA emits reduce-scatters on this mesh's backend (XLA:CPU all-reduces, then slices). A mesh
+    without devices (`abstract_mesh`) is planned for accelerators, which have them."""
+    if is_abstract(mesh):
+        return True
+    return next(iter(mesh.devices.flat)).platform != "cpu"
+
+
+def _sent(c: Collective, mesh: Mapping[str, int]) -> int:
+    n = c.group_size(mesh)
+    if c.kind == "collective-permute":
+        return c.bytes
+    share = c.bytes * (n - 1) // max(n, 1)
+    return 2 * share if c.kind == "all-reduce" else share
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _reshard_cost(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int,
+                  mesh_items: tuple[tuple[str, int], ...], reduce_scatter: bool) -> ReshardCost:
+    mesh = dict(mesh_items)
+    colls = reshard_collectives(src, dst, shape, itemsize, mesh, reduce_scatter=reduce_scatter)
+    if colls:
+        kind = "+".join(dict.fromkeys(c.kind for c in colls))
+    else:
+        kind = "none" if src.without_partial() == dst.without_partial() else "slice"
+    return ReshardCost(colls, kind, sum(c.bytes for c in colls), sum(_sent(c, mesh) for c in colls))
+
+
+def reshard_cost(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int, mesh: Mapping[str, int],
+                 reduce_scatter: bool = True) -> ReshardCost:
+    """The collectives XLA emits to take a value of `shape` from `src` to `dst` (memoised)."""
+    return _reshard_cost(src, dst, tuple(shape), int(itemsize), tuple(mesh.items()), reduce_scatter)
 
 
 def _greedy_strategy(op: Op, axes_of, tensors: Sequence[tuple[int, Any]], mesh: Mapping[str, int]) -> OpStrategy:
@@ -230,7 +239,8 @@ def _degree(strat: OpStrategy, mesh: Mapping[str, int]) -> int:
     return math.prod(mesh[a] for axes in strat.factor_axes for a in axes)
 
 
-def _strategy(op: Op, graph: Graph, shardings: Sequence[Sharding], nbytes, mesh: Mapping[str, int]) -> OpStrategy:
+def _strategy(op: Op, graph: Graph, shardings: Sequence[Sharding], nbytes, mesh: Mapping[str, int],
+              reduce_scatter: bool = True) -> OpStrategy:
     """The op's factor axes: of the layouts that keep one of its tensors as it is (the others giving way,
     largest first), the one that moves the fewest bytes among those dividing the work over the most
     devices; ties go to keeping the largest tensor (results first among equals), as propagation's
@@ -252,12 +262,12 @@ def _strategy(op: Op, graph: Graph, shardings: Sequence[Sharding], nbytes, mesh:
     sharded = [i for i, (v, _) in enumerate(order) if i > 0 and shardings[v].dims and any(shardings[v].dims)]
     if not sharded or op.primitive not in _COSTED_PRIMITIVES:
         return default
-    best, best_key = default, (-_degree(default, mesh), _moved_bytes(op, graph, default, shardings, mesh))
+    best, best_key = default, (-_degree(default, mesh), _moved_bytes(op, graph, default, shardings, mesh, reduce_scatter))
     for i in sharded:
         strat = _greedy_strategy(op, axes_of, [order[i]] + order[:i] + order[i + 1:], mesh)
         if strat == best:
             continue
-        key = (-_degree(strat, mesh), _moved_bytes(op, graph, strat, shardings, mesh))
+        key = (-_degree(strat, mesh), _moved_bytes(op, graph, strat, shardings, mesh, reduce_scatter))
         if key < best_key:
             best, best_key = strat, key
     return best
@@ -271,11 +281,16 @@ _COSTED_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "gather",
                                 "dynamic_update_slice"})
 
 
+ReshardSpec = tuple[bool, int, Sharding, Sharding, ReshardCost]  # (on an operand?, tensor index, src, dst, cost)
+
+
 def op_reshard_specs(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequence[Sharding],
-                     mesh: Mapping[str, int]) -> list[tuple[bool, int, Sharding, Sharding, str, int]]:
-    """The reshards `strat` needs: (on an operand?, tensor index, src, dst, kind, bytes per device)."""
+                     mesh: Mapping[str, int], reduce_scatter: bool = True) -> list[ReshardSpec]:
+    """The reshards `strat` needs: (on an operand?, tensor index, src, dst, cost). An operand that only
+    needs a free slice is listed (its layout changes); a result that only needs one is not (the slice is
+    the consumer's business)."""
     rule = op.rule
-    specs: list[tuple[bool, int, Sharding, Sharding, str, int]] = []
+    specs: list[ReshardSpec] = []
     for i, (v, dims) in enumerate(zip(op.inputs, rule.operands)):
         val = graph.values[v]
         if val.is_const and val.rank == 0:
@@ -283,10 +298,9 @@ def op_reshard_specs(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequenc
         need = strat.tensor_sharding(rule, dims, mesh)
         have = shardings[v]
         if need != have:
-            kind = classify_reshard(have, need)
-            if kind == "none":
-                continue
-            specs.append((True, i, have, need, kind, reshard_bytes(have, need, val.shape, val.dtype.itemsize, mesh)))
+            cost = reshard_cost(have, need, val.shape, val.dtype.itemsize, mesh, reduce_scatter)
+            if cost.kind != "none":
+                specs.append((True, i, have, need, cost))
     partial = strat.partial_axes(rule)
     for i, (v, dims) in enumerate(zip(op.outputs, rule.results)):
         val = graph.values[v]
@@ -294,15 +308,15 @@ def op_reshard_specs(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequenc
         made = Sharding(made.dims, partial)
         want = shardings[v]
         if made != want:
-            kind = classify_reshard(made, want)
-            if kind in ("none", "slice"):
-                continue
-            specs.append((False, i, made, want, kind, reshard_bytes(made, want, val.shape, val.dtype.itemsize, mesh)))
+            cost = reshard_cost(made, want, val.shape, val.dtype.itemsize, mesh, reduce_scatter)
+            if cost.kind not in ("none", "slice"):
+                specs.append((False, i, made, want, cost))
     return specs
 
 
-def _moved_bytes(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequence[Sharding], mesh: Mapping[str, int]) -> int:
-    return sum(spec[5] for spec in op_reshard_specs(op, graph, strat, shardings, mesh))
+def _moved_bytes(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequence[Sharding], mesh: Mapping[str, int],
+                 reduce_scatter: bool = True) -> int:
+    return sum(spec[4].sent for spec in op_reshard_specs(op, graph, strat, shardings, mesh, reduce_scatter))
 
 
 def _plan_classes(graph: Graph) -> list[int]:
@@ -338,7 +352,7 @@ def build_plan(graph: Graph, mesh: Mesh, prop: Propagation, *, input_names: Sequ
                        warnings=warnings).build(prop)
 
 
-_Entry = tuple[OpStrategy, tuple[tuple[bool, int, Sharding, Sharding, str, int], ...]]
+_Entry = tuple[OpStrategy, tuple[ReshardSpec, ...]]
 
 
 def _carried_axes(prop: Propagation, inp: int, out: int) -> tuple[Axes, ...]:
@@ -368,6 +382,7 @@ class PlanBuilder:
         """`memo`: a memo shared with other builders of this graph and axis sizes (any axis order)."""
         self.graph, self.mesh = graph, mesh
         self.sizes = mesh_shape(mesh)
+        self.reduce_scatter = lowers_reduce_scatter(mesh)
         self.names = (tuple(input_names), tuple(output_names), tuple(warnings))
         self.nbytes = [v.nbytes for v in graph.values]
         self._memo: dict[tuple, _Entry] = memo if memo is not None else {}
@@ -437,13 +452,17 @@ class PlanBuilder:
         return strat, tuple(self._reshard(op, *spec) for spec in specs)
 
     def _entry(self, op: Op) -> _Entry:
-        """An op's strategy and its reshards as (on an operand?, tensor index, src, dst, kind, bytes)."""
-        strat = _strategy(op, self.graph, self.shardings, self.nbytes, self.sizes)
+        """An op's strategy and its reshards (`ReshardSpec`s)."""
+        strat = _strategy(op, self.graph, self.shardings, self.nbytes, self.sizes, self.reduce_scatter)
         if op.primitive == "tie" and op.region == "io":
             return strat, ()
-        return strat, tuple(op_reshard_specs(op, self.graph, strat, self.shardings, self.sizes))
+        return strat, tuple(op_reshard_specs(op, self.graph, strat, self.shardings, self.sizes, self.reduce_scatter))
 
-    def _reshard(self, op: Op, operand: bool, i: int, src: Sharding, dst: Sharding, kind: str, nbytes: int) -> Reshard:
+    def _reshard(self, op: Op, operand: bool, i: int, src: Sharding, dst: Sharding, cost: ReshardCost) -> Reshard:
+        # (the memo is shared across meshes ordering the same axes differently: the collectives' axes are
+        # listed in this mesh's order)
+        val = self.graph.values[op.inputs[i] if operand else op.outputs[i]]
+        cost = reshard_cost(src, dst, val.shape, val.dtype.itemsize, self.sizes, self.reduce_scatter)
         if op.id not in self._sources:
             self._sources[op.id] = op.source
         source = self._sources[op.id]
@@ -452,11 +471,11 @@ class PlanBuilder:
             val = self.graph.values[v]
             cause = (f"{op.primitive} needs {val.name} {list(val.shape)} as {dst}, it is {src}"
                      f"{_describe_origin(self.origins[v])}")
-            return Reshard(v, src, dst, kind, nbytes, cause, source, consumer=op.id)
+            return Reshard(v, src, dst, cost.kind, cost.payload, cause, source, op.id, cost.collectives)
         v = op.outputs[i]
         val = self.graph.values[v]
         partial = src.partial
         what = (f"partial {op.rule.reduce_op}s over {','.join(sorted(partial))} from {op.primitive}"
                 if partial else f"{op.primitive} makes {src}")
-        return Reshard(v, src, dst, kind, nbytes, f"{what}; {val.name} {list(val.shape)} is {dst}", source,
-                       consumer=None)
+        return Reshard(v, src, dst, cost.kind, cost.payload, f"{what}; {val.name} {list(val.shape)} is {dst}", source,
+                       None, cost.collectives)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from shardc.plan import OpStrategy, Plan, Reshard, op_reshard_specs
+from shardc.plan import OpStrategy, Plan, Reshard, lowers_reduce_scatter, op_reshard_specs
 from shardc.rules.core import FactorKind
 from shardc.sharding import Sharding
 
@@ -20,14 +20,15 @@ def _op_reshards(plan: Plan, op_id: int, strategies: Sequence[OpStrategy],
     if op.primitive == "tie" and op.region == "io":
         return []
     out: list[Reshard] = []
-    for operand, i, src, dst, kind, nbytes in op_reshard_specs(op, g, strategies[op_id], shardings, plan.mesh_sizes):
+    specs = op_reshard_specs(op, g, strategies[op_id], shardings, plan.mesh_sizes, lowers_reduce_scatter(plan.mesh))
+    for operand, i, src, dst, cost in specs:
         if operand:
             v = op.inputs[i]
-            out.append(Reshard(v, src, dst, kind, nbytes, f"{op.primitive} needs {g.values[v].name} as {dst}",
-                               op.source, consumer=op_id))
+            out.append(Reshard(v, src, dst, cost.kind, cost.payload, f"{op.primitive} needs {g.values[v].name} as {dst}",
+                               op.source, op_id, cost.collectives))
         else:
-            out.append(Reshard(op.outputs[i], src, dst, kind, nbytes, f"{op.primitive} makes {src}", op.source,
-                               consumer=None))
+            out.append(Reshard(op.outputs[i], src, dst, cost.kind, cost.payload, f"{op.primitive} makes {src}",
+                               op.source, None, cost.collectives))
     return out
 
 
