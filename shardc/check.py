@@ -29,6 +29,7 @@ from typing import Any, Iterator
 import jax
 
 from annotations.errors import ShardingError
+from shardc.attribute import attribute
 from shardc.cost.hlo import COLLECTIVE_KINDS, collectives
 from shardc.cost.topology import Device, Level, Topology
 
@@ -84,6 +85,11 @@ class CheckReport:
     compiled_collectives: list[Any]
     simulation: Any
     xla_warnings: list[str] = dataclasses.field(default_factory=list)  # XLA's SPMD warnings while compiling
+    by_op: list[Any] = dataclasses.field(default_factory=list)  # shardc.attribute.OpCollectives per plan op
+
+    def op_mismatches(self) -> list[Any]:
+        """Plan ops whose compiled collectives differ from the ones the plan lists for them."""
+        return [r for r in self.by_op if not r.agrees]
 
     @property
     def involuntary_remats(self) -> list[str]:
@@ -149,8 +155,11 @@ def compiled_stats(compiled: Any, mesh_shape: list[tuple[str, int]]) -> dict[str
             "memory": peak, "memory_analysis": mem}
 
 
-def _compile(plan: Any) -> tuple[Any, list[str]]:
-    """The plan's compiled program and XLA's SPMD warnings while compiling it."""
+_COMBINERS = "cpu-all-reduce-combiner,all-reduce-combiner,all-gather-combiner,reduce-scatter-combiner,all-to-all-combiner," \
+              "collective-permute-combiner"
+
+
+def _lowered(plan: Any) -> Any:
     from shardc.lower import jit_plan
 
     if plan.program is None:
@@ -158,19 +167,36 @@ def _compile(plan: Any) -> tuple[Any, list[str]]:
                             "program); or call shardc.check(step, *args) with the @shardc.auto function")
     g = plan.graph
     avals = [jax.ShapeDtypeStruct(g.values[v].shape, g.values[v].dtype) for v in g.inputs]
-    lowered = jit_plan(plan, plan.program, plan.donated).lower(*avals)
+    return jit_plan(plan, plan.program, plan.donated, tag_ops=True).lower(*avals)
+
+
+def _compile(lowered: Any) -> tuple[Any, list[str]]:
+    """The compiled program and XLA's SPMD warnings while compiling it."""
     with xla_log() as log:
         compiled = lowered.compile()
     return compiled, [line for line in log if "[SPMD]" in line]
 
 
-def check(plan_or_fn: Any, *args: Any, topology: Any = None, **kwargs: Any) -> CheckReport:
-    """Compile a plan and compare the simulator's collective bytes (by kind), FLOPs and memory with it."""
+def _uncombined_collectives(lowered: Any, plan: Any) -> list[Any]:
+    """The program's collectives compiled without XLA's combiners (each keeps its own op's metadata)."""
+    from shardc.lower import compiler_options
+
+    options = compiler_options(plan) or {}
+    disabled = ",".join(p for p in (options.get("xla_disable_hlo_passes", ""), _COMBINERS) if p)
+    with xla_log():
+        compiled = lowered.compile(compiler_options={**options, "xla_disable_hlo_passes": disabled})
+    return collectives(compiled.as_text(), list(plan.mesh_sizes.items()))
+
+
+def check(plan_or_fn: Any, *args: Any, topology: Any = None, by_op: bool = False, **kwargs: Any) -> CheckReport:
+    """Compile a plan and compare the simulator's collective bytes (by kind), FLOPs and memory with it.
+    `by_op`: also attribute the compiled collectives to plan ops (`CheckReport.by_op`; one more compile)."""
     from shardc.auto import AutoFunction
     from shardc.sim import as_topology, simulate
 
     plan = plan_or_fn.plan(*args, **kwargs) if isinstance(plan_or_fn, AutoFunction) else plan_or_fn
-    compiled, warnings = _compile(plan)
+    lowered = _lowered(plan)
+    compiled, warnings = _compile(lowered)
     platform = jax.default_backend()
     topo = _host_topology(platform) if topology is None else as_topology(topology)
     # What XLA does on this backend: XLA:CPU has no reduce-scatter and merges all-reduces without a size limit.
@@ -186,4 +212,5 @@ def check(plan_or_fn: Any, *args: Any, topology: Any = None, **kwargs: Any) -> C
     rows.append(CheckRow("FLOPs", sim.xla_flops, stats["flops"], BOUNDS["flops"]))
     if stats["memory"] is not None:
         rows.append(CheckRow("peak memory bytes", sim.peak_memory, stats["memory"], BOUNDS["memory"]))
-    return CheckReport(rows, stats["collectives"], sim, warnings)
+    by_op = attribute(plan, _uncombined_collectives(lowered, plan), sim) if by_op else []
+    return CheckReport(rows, stats["collectives"], sim, warnings, by_op)

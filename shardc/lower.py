@@ -12,11 +12,16 @@ says:
 * hints become constraints to the plan's (now fully decided) sharding of the hinted value.
 
 Inputs and outputs get the plan's shardings through `in_shardings`/`out_shardings` on the Auto mesh.
+With `tag_ops`, each op's constraints and the op itself run under the name scope `shardc.op<id>`, so every
+collective XLA emits names the plan op it was made for in its metadata (`op_tag`; `shardc.check` uses it
+to attribute compiled collectives to the plan's reshards).
 Loop and branch bodies (scan/while/cond) are bound unchanged: inside them only hints constrain
 (lowering through the hint primitive's own rule on the mesh they were traced under).
 """
 from __future__ import annotations
 
+import contextlib
+import re
 from typing import Any, Callable, Sequence
 
 import jax
@@ -30,7 +35,8 @@ from shardc.plan import Plan, require_devices
 from shardc.rules.core import FactorKind
 from shardc.sharding import Sharding
 
-__all__ = ["plan_function", "is_decision_op", "DECISION_PRIMITIVES", "jit_plan", "in_out_shardings"]
+__all__ = ["plan_function", "is_decision_op", "DECISION_PRIMITIVES", "jit_plan", "in_out_shardings", "op_tag",
+           "tagged_op"]
 
 DECISION_PRIMITIVES = frozenset({
     "dot_general", "conv_general_dilated", "gather", "scatter", "scatter-add", "scatter_add",
@@ -43,6 +49,20 @@ def is_decision_op(primitive: str, rule: Any) -> bool:
     if primitive in DECISION_PRIMITIVES:
         return True
     return any(k is FactorKind.REDUCTION for k in rule.kinds)
+
+
+_TAG = re.compile(r"shardc\.op(\d+)(?:/|$)")
+
+
+def op_tag(op_id: int) -> str:
+    """The name scope of plan op `op_id` in a program lowered with `tag_ops`."""
+    return f"shardc.op{op_id}"
+
+
+def tagged_op(op_name: str) -> int | None:
+    """The plan op a compiled instruction's metadata op_name names (the innermost tag), or None."""
+    found = _TAG.findall(op_name)
+    return int(found[-1]) if found else None
 
 
 def _constrain(x: Any, sharding: NamedSharding) -> Any:
@@ -58,7 +78,7 @@ def _in_region(region: str, prefix: str) -> bool:
     return region == prefix or region.startswith(prefix + "/")
 
 
-def plan_function(plan: Plan, closed_jaxpr: Any) -> Callable[..., list[Any]]:
+def plan_function(plan: Plan, closed_jaxpr: Any, tag_ops: bool = False) -> Callable[..., list[Any]]:
     """A function of the flat inputs that computes the program with the plan's constraints."""
     graph = plan.graph
     mesh = plan.mesh
@@ -76,12 +96,33 @@ def plan_function(plan: Plan, closed_jaxpr: Any) -> Callable[..., list[Any]]:
         strat = plan.strategies[op_id]
         return [strat.tensor_sharding(op.rule, dims, sizes) for dims in op.rule.results]
 
-    def bind(eqn: Any, invals: list[Any]) -> list[Any]:
+    def bind(eqn: Any, invals: list[Any], op_id: int | None = None) -> list[Any]:
         params = eqn.primitive.get_bind_params(eqn.params)
-        with source_info_util.user_context(eqn.source_info.traceback, name_stack=eqn.source_info.name_stack), \
-                eqn.ctx.manager:
+        names = eqn.source_info.name_stack
+        if tag_ops and op_id is not None:
+            names = names.extend(op_tag(op_id))
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=names), eqn.ctx.manager:
             ans = eqn.primitive.bind(*invals, **params)
         return list(ans) if eqn.primitive.multiple_results else [ans]
+
+    def apply_op(op: Any, eqn: Any, invals: list[Any]) -> list[Any]:
+        """One plan op: its operands constrained to the layouts it needs, the op, its results constrained to
+        the layout its strategy makes and then to their planned layouts."""
+        need = needs.get(op.id)
+        if need:
+            invals = [_constrain(x, named(need[v])) if v in need else x for x, v in zip(invals, op.inputs)]
+        if eqn.primitive is hint_p:
+            return [_constrain(invals[0], named(plan.shardings[op.outputs[0]]))]
+        outs = bind(eqn, invals, op.id)
+        made = made_dims(op.id)
+        for i, (var, vid) in enumerate(zip(eqn.outvars, op.outputs)):
+            if isinstance(var, jcore.DropVar) or not hasattr(outs[i], "shape") \
+                    or len(made[i].dims) != len(outs[i].shape):
+                continue
+            outs[i] = _constrain(outs[i], named(made[i]))
+            if made[i] != plan.shardings[vid]:
+                outs[i] = _constrain(outs[i], named(plan.shardings[vid]))
+        return outs
 
     def run(*args: Any) -> list[Any]:
         next_op = [0]
@@ -114,21 +155,8 @@ def plan_function(plan: Plan, closed_jaxpr: Any) -> Callable[..., list[Any]]:
                     next_op[0] += 1
                     if op.primitive != name:  # the walk lost step with the graph: constrain nothing more
                         raise AssertionError(f"lowering met {name} where the plan has op {op.id} ({op.primitive})")
-                    need = needs.get(op.id)
-                    if need:
-                        invals = [_constrain(x, named(need[v])) if v in need else x for x, v in zip(invals, op.inputs)]
-                    if eqn.primitive is hint_p:
-                        outs = [_constrain(invals[0], named(plan.shardings[op.outputs[0]]))]
-                    else:
-                        outs = bind(eqn, invals)
-                        made = made_dims(op.id)
-                        for i, (var, vid) in enumerate(zip(eqn.outvars, op.outputs)):
-                            if isinstance(var, jcore.DropVar) or not hasattr(outs[i], "shape") \
-                                    or len(made[i].dims) != len(outs[i].shape):
-                                continue
-                            outs[i] = _constrain(outs[i], named(made[i]))
-                            if made[i] != plan.shardings[vid]:
-                                outs[i] = _constrain(outs[i], named(plan.shardings[vid]))
+                    with jax.named_scope(op_tag(op.id)) if tag_ops else contextlib.nullcontext():
+                        outs = apply_op(op, eqn, invals)
                 for var, val in zip(eqn.outvars, outs):
                     env[var] = val
             return [read(v) for v in jaxpr.outvars]
@@ -158,9 +186,9 @@ def compiler_options(plan: Plan) -> dict[str, str] | None:
     return dict(CPU_COMPILER_OPTIONS) if platform == "cpu" else None
 
 
-def jit_plan(plan: Plan, closed_jaxpr: Any, donate: Sequence[int] = ()) -> Any:
+def jit_plan(plan: Plan, closed_jaxpr: Any, donate: Sequence[int] = (), tag_ops: bool = False) -> Any:
     """`jax.jit` of the planned program over flat inputs, with the plan's in/out shardings."""
     require_devices(plan)  # a plan made for more devices than this host has can only be simulated
     ins, outs = in_out_shardings(plan)
-    return jax.jit(plan_function(plan, closed_jaxpr), in_shardings=ins, out_shardings=outs,
+    return jax.jit(plan_function(plan, closed_jaxpr, tag_ops), in_shardings=ins, out_shardings=outs,
                    donate_argnums=tuple(donate), compiler_options=compiler_options(plan))

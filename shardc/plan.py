@@ -231,7 +231,29 @@ def _greedy_strategy(op: Op, axes_of, tensors: Sequence[tuple[int, Any]], mesh: 
             keep.append(a)
         used.update(keep)
         out.append(tuple(keep))
-    return OpStrategy(tuple(out))
+    return OpStrategy(expressible(rule, out, mesh))
+
+
+def expressible(rule: FactorRule, factor_axes: Sequence[Axes], mesh: Mapping[str, int]) -> tuple[Axes, ...]:
+    """`factor_axes` with the axes dropped that no tensor of the op can show: in a dim made of several
+    factors (a reshape's merged dim), a factor can be split only if every factor before it is split
+    whole. Example: (b, s, 3*d) reshaped to (b, s, 3, h, hd) with h split over `model` — the merged dim's
+    local piece would not be a tile of it (3 is whole), so XLA gathers h there; the op computes with h
+    whole instead, and the plan lists that gather as a reshard of its operand."""
+    axes = [tuple(a) for a in factor_axes]
+    changed = True
+    while changed:
+        changed = False
+        for dims in rule.operands + rule.results:
+            for factors in dims:
+                whole = True
+                for f in factors:
+                    if not whole and axes[f]:
+                        axes[f] = ()
+                        changed = True
+                    if math.prod(mesh[a] for a in axes[f]) != rule.sizes[f]:
+                        whole = False
+    return tuple(axes)
 
 
 def _degree(strat: OpStrategy, mesh: Mapping[str, int]) -> int:
