@@ -40,8 +40,8 @@ def attribute(plan: Any, compiled: Sequence[Any], simulation: Any) -> list[OpCol
     """Per op (in program order, untagged last): simulated vs compiled collective bytes by kind."""
     planned: dict[int | None, Counter] = {}
     for slot in simulation.slots:
-        if slot.xla_payload:
-            planned.setdefault(slot.op, Counter()).update(slot.xla_payload)
+        if slot.payload:
+            planned.setdefault(slot.op, Counter()).update(slot.payload)
     got: dict[int | None, Counter] = {}
     for coll in compiled:
         got.setdefault(tagged_op(coll.op_name), Counter())[coll.kind] += coll.bytes * coll.count

@@ -190,7 +190,7 @@ def _uncombined_collectives(lowered: Any, plan: Any) -> list[Any]:
 
 def check(plan_or_fn: Any, *args: Any, topology: Any = None, by_op: bool = False, **kwargs: Any) -> CheckReport:
     """Compile a plan and compare the simulator's collective bytes (by kind), FLOPs and memory with it.
-    `by_op`: also attribute the compiled collectives to plan ops (`CheckReport.by_op`; one more compile)."""
+    `by_op`: also attribute the compiled collectives to plan ops (`CheckReport.by_op`, per step: loop bodies times their trips; one more compile)."""
     from shardc.auto import AutoFunction
     from shardc.sim import as_topology, simulate
 

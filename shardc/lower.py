@@ -74,94 +74,114 @@ def _call_jaxpr(eqn: Any) -> Any:
     return eqn.params.get(key) if key else None
 
 
-def _in_region(region: str, prefix: str) -> bool:
-    return region == prefix or region.startswith(prefix + "/")
+class Lowering:
+    """The walk that re-evaluates a traced program op by op with the plan's constraints (one per lowering:
+    `next_op` is the plan op the walk meets next, in the graph builder's order)."""
 
+    def __init__(self, plan: Plan, tag_ops: bool = False) -> None:
+        self.plan, self.graph, self.tag_ops = plan, plan.graph, tag_ops
+        self.sizes = plan.mesh_sizes
+        self.needs: dict[int, dict[int, Sharding]] = {}
+        for r in plan.reshards:
+            if r.consumer is not None:
+                self.needs.setdefault(r.consumer, {})[r.value] = r.dst.without_partial()
+        self.next_op = 0
 
-def plan_function(plan: Plan, closed_jaxpr: Any, tag_ops: bool = False) -> Callable[..., list[Any]]:
-    """A function of the flat inputs that computes the program with the plan's constraints."""
-    graph = plan.graph
-    mesh = plan.mesh
-    sizes = plan.mesh_sizes
-    needs: dict[int, dict[int, Sharding]] = {}
-    for r in plan.reshards:
-        if r.consumer is not None:
-            needs.setdefault(r.consumer, {})[r.value] = r.dst.without_partial()
+    # -- constraints ---------------------------------------------------------------------------------
+    def named(self, s: Sharding) -> NamedSharding:
+        return s.named(self.plan.mesh)
 
-    def named(s: Sharding) -> NamedSharding:
-        return s.named(mesh)
+    def as_planned(self, x: Any, vid: int) -> Any:
+        """`x` constrained to value `vid`'s planned sharding."""
+        return _constrain(x, self.named(self.plan.shardings[vid]))
 
-    def made_dims(op_id: int) -> list[Sharding]:
-        op = graph.ops[op_id]
-        strat = plan.strategies[op_id]
-        return [strat.tensor_sharding(op.rule, dims, sizes) for dims in op.rule.results]
+    def as_needed(self, x: Any, op_id: int, vid: int) -> Any:
+        """`x` (value `vid`) constrained to the layout op `op_id` needs it in (its planned one if no reshard)."""
+        need = self.needs.get(op_id, {}).get(vid)
+        return _constrain(x, self.named(need if need is not None else self.plan.shardings[vid]))
 
-    def bind(eqn: Any, invals: list[Any], op_id: int | None = None) -> list[Any]:
-        params = eqn.primitive.get_bind_params(eqn.params)
+    def take(self, *primitives: str) -> Any:
+        """The next plan op, which must be one of `primitives` (the walk and the graph builder agree)."""
+        op = self.graph.ops[self.next_op]
+        if op.primitive not in primitives:
+            raise AssertionError(f"lowering expected {'/'.join(primitives)} where the plan has op {op.id} ({op.primitive})")
+        self.next_op += 1
+        return op
+
+    def scope(self, op_id: int) -> Any:
+        return jax.named_scope(op_tag(op_id)) if self.tag_ops else contextlib.nullcontext()
+
+    # -- ops -----------------------------------------------------------------------------------------
+    def made_dims(self, op_id: int) -> list[Sharding]:
+        op = self.graph.ops[op_id]
+        strat = self.plan.strategies[op_id]
+        return [strat.tensor_sharding(op.rule, dims, self.sizes) for dims in op.rule.results]
+
+    def bind(self, eqn: Any, invals: Sequence[Any], op_id: int | None = None, **replace: Any) -> list[Any]:
+        params = {**eqn.primitive.get_bind_params(eqn.params), **replace}
         names = eqn.source_info.name_stack
-        if tag_ops and op_id is not None:
+        if self.tag_ops and op_id is not None:
             names = names.extend(op_tag(op_id))
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=names), eqn.ctx.manager:
             ans = eqn.primitive.bind(*invals, **params)
         return list(ans) if eqn.primitive.multiple_results else [ans]
 
-    def apply_op(op: Any, eqn: Any, invals: list[Any]) -> list[Any]:
+    def apply_op(self, op: Any, eqn: Any, invals: list[Any]) -> list[Any]:
         """One plan op: its operands constrained to the layouts it needs, the op, its results constrained to
         the layout its strategy makes and then to their planned layouts."""
-        need = needs.get(op.id)
+        need = self.needs.get(op.id)
         if need:
-            invals = [_constrain(x, named(need[v])) if v in need else x for x, v in zip(invals, op.inputs)]
+            invals = [_constrain(x, self.named(need[v])) if v in need else x for x, v in zip(invals, op.inputs)]
         if eqn.primitive is hint_p:
-            return [_constrain(invals[0], named(plan.shardings[op.outputs[0]]))]
-        outs = bind(eqn, invals, op.id)
-        made = made_dims(op.id)
+            return [self.as_planned(invals[0], op.outputs[0])]
+        outs = self.bind(eqn, invals, op.id)
+        made = self.made_dims(op.id)
         for i, (var, vid) in enumerate(zip(eqn.outvars, op.outputs)):
             if isinstance(var, jcore.DropVar) or not hasattr(outs[i], "shape") \
                     or len(made[i].dims) != len(outs[i].shape):
                 continue
-            outs[i] = _constrain(outs[i], named(made[i]))
-            if made[i] != plan.shardings[vid]:
-                outs[i] = _constrain(outs[i], named(plan.shardings[vid]))
+            outs[i] = _constrain(outs[i], self.named(made[i]))
+            if made[i] != self.plan.shardings[vid]:
+                outs[i] = self.as_planned(outs[i], vid)
         return outs
 
+    def walk(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], region: str) -> list[Any]:
+        """Evaluate `jaxpr` (inlining calls, lowering loop and branch bodies with their plan) from op
+        `next_op` on; returns its outputs."""
+        from shardc.lower_regions import lower_region
+
+        env: dict[Any, Any] = {}
+
+        def read(v: Any) -> Any:
+            return v.val if isinstance(v, jcore.Literal) else env[v]
+
+        for var, c in zip(jaxpr.constvars, consts):
+            env[var] = c
+        for var, a in zip(jaxpr.invars, args):
+            env[var] = a
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            name = eqn.primitive.name
+            sub = _call_jaxpr(eqn)
+            if sub is not None:
+                inner = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
+                outs = self.walk(inner, sub.consts if isinstance(sub, jcore.ClosedJaxpr) else (), invals, region)
+            elif name in REGION_PRIMITIVES:
+                outs = lower_region(self, eqn, invals, region)
+            else:
+                op = self.take(name)
+                with self.scope(op.id):
+                    outs = self.apply_op(op, eqn, invals)
+            for var, val in zip(eqn.outvars, outs):
+                env[var] = val
+        return [read(v) for v in jaxpr.outvars]
+
+
+def plan_function(plan: Plan, closed_jaxpr: Any, tag_ops: bool = False) -> Callable[..., list[Any]]:
+    """A function of the flat inputs that computes the program with the plan's constraints."""
+
     def run(*args: Any) -> list[Any]:
-        next_op = [0]
-
-        def walk(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], region: str) -> list[Any]:
-            env: dict[Any, Any] = {}
-
-            def read(v: Any) -> Any:
-                return v.val if isinstance(v, jcore.Literal) else env[v]
-
-            for var, c in zip(jaxpr.constvars, consts):
-                env[var] = c
-            for var, a in zip(jaxpr.invars, args):
-                env[var] = a
-            for eqn in jaxpr.eqns:
-                invals = [read(v) for v in eqn.invars]
-                name = eqn.primitive.name
-                sub = _call_jaxpr(eqn)
-                if sub is not None:
-                    inner = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
-                    outs = walk(inner, sub.consts if isinstance(sub, jcore.ClosedJaxpr) else (), invals, region)
-                elif name in REGION_PRIMITIVES:
-                    for b in range(len(eqn.params["branches"]) if name == "cond" else 1):
-                        prefix = f"{region}/{name}{next_op[0]}" + (f".{b}" if name == "cond" else "")
-                        while next_op[0] < len(graph.ops) and _in_region(graph.ops[next_op[0]].region, prefix):
-                            next_op[0] += 1
-                    outs = bind(eqn, invals)
-                else:
-                    op = graph.ops[next_op[0]]
-                    next_op[0] += 1
-                    if op.primitive != name:  # the walk lost step with the graph: constrain nothing more
-                        raise AssertionError(f"lowering met {name} where the plan has op {op.id} ({op.primitive})")
-                    with jax.named_scope(op_tag(op.id)) if tag_ops else contextlib.nullcontext():
-                        outs = apply_op(op, eqn, invals)
-                for var, val in zip(eqn.outvars, outs):
-                    env[var] = val
-            return [read(v) for v in jaxpr.outvars]
-
-        return walk(closed_jaxpr.jaxpr, closed_jaxpr.consts, args, "")
+        return Lowering(plan, tag_ops).walk(closed_jaxpr.jaxpr, closed_jaxpr.consts, args, "")
 
     return run
 
