@@ -9,7 +9,8 @@ says:
   plan's reshard; XLA emits the collective for it);
 * each result is constrained to the layout the op's strategy produces (with partial sums this is where
   XLA emits the all-reduce), then to the value's planned sharding if that differs;
-* hints become constraints to the plan's (now fully decided) sharding of the hinted value.
+* hints and `with_sharding_constraint`s become constraints to the plan's (now fully decided) sharding of
+  the value, on the plan's mesh (the step may have been traced under another one).
 
 Inputs and outputs get the plan's shardings through `in_shardings`/`out_shardings` on the Auto mesh.
 With `tag_ops`, each op's constraints and the op itself run under the name scope `shardc.op<id>`, so every
@@ -132,7 +133,9 @@ class Lowering:
         need = self.needs.get(op.id)
         if need:
             invals = [_constrain(x, self.named(need[v])) if v in need else x for x, v in zip(invals, op.inputs)]
-        if eqn.primitive is hint_p:
+        if eqn.primitive is hint_p or op.primitive == "sharding_constraint":
+            # a hint or jax's own constraint (maybe on the mesh the step was traced under, e.g. Flax's on
+            # partitioned parameters): the plan's decided sharding of the value, on the plan's mesh
             return [self.as_planned(invals[0], op.outputs[0])]
         outs = self.bind(eqn, invals, op.id)
         made = self.made_dims(op.id)
