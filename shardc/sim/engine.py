@@ -8,8 +8,14 @@ out on their stream; a task starts when its stream is free and every key it read
 Delta simulation: a plan that differs from the last one in a few ops changes only the slots of those ops
 and of the producers and consumers of the values whose layout changed. Those slots are rebuilt (in
 program order, so reshard ownership is what a full build gives); the schedule is replayed from the first
-rebuilt slot, starting from the stream state recorded there; everything before it is reused. The integer
-arithmetic is the same as a full run's, so the result is identical, not approximately equal.
+rebuilt slot, starting from the stream state recorded there; everything before it is reused. Past the
+last rebuilt slot the replay stops as soon as the rest of the old schedule, shifted by one amount D, is
+what replaying it would give: every stream's state (free time, idle intervals) is the old one plus D, its
+last task the same, and every value made earlier that a later task reads either moved by D too or was
+not what that task waited for and still is not (checked read by read; values ready at time 0 by one
+bound). The old tail is then kept with a pending offset of D per slot (`_State.offset`), applied where
+times are read. The integer arithmetic is the same as a full run's, so the result is identical, not
+approximately equal (tests/sim/test_delta_equals_full.py compares every task's start and end).
 
 Memory (`shardc.cost.memory`) is updated for the buffers the rebuilt slots make or read, and for the
 all-reduces XLA merges (`shardc.sim.combine`), regrouped on every run (a pass over the all-reduces only).
@@ -18,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+import numpy as np
 
 from shardc.cost.estimator import OpCostEstimator
 from shardc.cost.memory import MemoryModel
@@ -30,6 +38,91 @@ from shardc.sim.tasks import TASKS_PER_SLOT, Slot, TaskBuilder, plan_needs
 __all__ = ["Simulator"]
 
 _GAPS = 16  # idle intervals kept per stream for backfilling (see Simulator._schedule)
+_NEVER = 1 << 62  # "no task" in a slot's earliest start
+# Slots a delta replays after a failed check before it checks again (a check of the streams costs about
+# five slot replays, one of reads far more; overshooting the first slot that would do costs only replays).
+_RETRY_STREAMS = 8
+_RETRY_READS = 32
+
+
+def _static(start: int, end: int, stream: int) -> bool:
+    """A join at time 0 (of values ready at 0): it stays at 0 whatever the rest of the schedule does."""
+    return start == 0 and end == 0 and stream < 0
+
+
+@dataclasses.dataclass
+class _Probe:
+    """One replay's attempts to keep the old tail: the first replayed slot, when to try next, and the keys
+    made before the replay that later slots read (computed at the first check of reads)."""
+
+    first: int
+    next_try: int = 0
+    crossing: list[int] | None = None
+
+
+class _Reads:
+    """Which tasks read each key; per key (arrays, for vectorised selection) the last slot reading it (a
+    bound: reads of rebuilt slots are added, not removed), the task that made it and whether it is ready
+    after time 0; the last slot using each stream (a bound too) — what a delta checks before keeping an old
+    tail. Built by the first delta after a full simulation, then kept up to date."""
+
+    def __init__(self, slots: list[Slot], nstreams: int, who: list[int], ready: list[int]) -> None:
+        self.readers: dict[int, set[int]] = {}
+        self.last_read = np.full(len(who), -1, np.int64)
+        self.maker = np.array(who, np.int64)
+        self.live = np.array(ready, np.int64) > 0
+        self.stream_end = [-1] * nstreams
+        for si, slot in enumerate(slots):
+            self._add(si, slot)
+
+    def _grow(self, n: int) -> None:
+        if n > len(self.maker):
+            extra = n - len(self.maker) + 1024
+            self.last_read = np.concatenate([self.last_read, np.full(extra, -1, np.int64)])
+            self.maker = np.concatenate([self.maker, np.full(extra, -1, np.int64)])
+            self.live = np.concatenate([self.live, np.zeros(extra, bool)])
+
+    def _add(self, si: int, slot: Slot) -> None:
+        here = si * TASKS_PER_SLOT
+        last = self.last_read
+        for ti, (deps, s, _dur, _outs) in enumerate(slot.sched):
+            for d in deps:
+                self.readers.setdefault(d, set()).add(here + ti)
+                if d >= len(last):
+                    self._grow(d + 1)
+                    last = self.last_read
+                if last[d] < si:
+                    last[d] = si
+            if s >= 0 and self.stream_end[s] < si:
+                self.stream_end[s] = si
+
+    def replace(self, si: int, old: Slot, new: Slot) -> None:
+        here = si * TASKS_PER_SLOT
+        for ti, (deps, _s, _dur, _outs) in enumerate(old.sched):
+            for d in deps:
+                self.readers.get(d, set()).discard(here + ti)
+        self._add(si, new)
+
+    def remade(self, keys: Any, who: list[int], ready: list[int]) -> None:
+        """Keys a replay made (their maker and readiness changed)."""
+        for k in keys:
+            if k >= len(self.maker):
+                self._grow(k + 1)
+            self.maker[k] = who[k]
+            self.live[k] = ready[k] > 0
+
+    def crossing(self, first: int, replaced: dict[int, int]) -> list[int]:
+        """Keys made before slot `first` by a task (not the inputs; not ready at 0) that a slot from
+        `first` on reads."""
+        n = len(self.maker)
+        hit = (self.last_read[:n] >= first) & (self.maker >= 0) & (self.maker < first * TASKS_PER_SLOT) & self.live
+        return [k for k in np.flatnonzero(hit).tolist() if k not in replaced]
+
+    def keys_made_from(self, j: int, replaced: dict[int, int]) -> list[int]:
+        """Keys made by tasks of slots j.. that move with them (not those of static tasks, ready at 0; not
+        those the replay made)."""
+        hit = (self.maker >= j * TASKS_PER_SLOT) & self.live
+        return [k for k in np.flatnonzero(hit).tolist() if k not in replaced]
 
 
 @dataclasses.dataclass
@@ -39,13 +132,15 @@ class _State:
     keys: dict  # key id -> owning slot (-1: inputs)
     ready: list  # key id -> ready time (ps)
     who: list  # key id -> the task that made it (slot * TASKS_PER_SLOT + index)
-    starts: list[list[int]]  # per slot, per task
+    starts: list[list[int]]  # per slot, per task (plus the slot's offset)
     ends: list[list[int]]
     bind: list[list[int]]  # per slot, per task: the task it waited for last (slot * TASKS_PER_SLOT + index), or -1
-    stream_in: list[tuple[int, ...]]  # stream free times before each slot
+    stream_in: list[tuple[int, ...]]  # stream free times before each slot (plus the slot's offset)
     stream_last: list[tuple[int, ...]]  # last task on each stream before each slot
-    gaps_in: list[tuple]  # per stream, its idle intervals before each slot (see _schedule)
-    makespan_before: list[int]  # max end over slots before each slot
+    gaps_in: list[tuple]  # per stream, its idle intervals before each slot (see _schedule; plus the offset)
+    offset: np.ndarray  # per slot: the shift of its recorded times (a delta that kept the old tail, shifted)
+    slot_max: np.ndarray  # per slot: its latest end (plus the offset; -_NEVER: no tasks)
+    slot_min: np.ndarray  # per slot: its earliest start (plus the offset; a large number: no tasks)
     makespan: int = 0
     totals: "_Totals | None" = None
     inputs: set = dataclasses.field(default_factory=set)  # key ids of the inputs
@@ -96,6 +191,7 @@ class Simulator:
         self._last: _State | None = None
         self._users_cache: dict[int, list[int]] | None = None
         self._combiner: Combiner | None = None
+        self._reads: _Reads | None = None  # who reads each key (built by the first delta)
 
     @property
     def graph(self) -> Any:
@@ -113,7 +209,8 @@ class Simulator:
             self._chained(s, 1)
         n = len(slots)
         state = _State(plan, slots, keys, [], [], [[] for _ in slots], [[] for _ in slots],
-                       [[] for _ in slots], [()] * n, [()] * n, [()] * n, [0] * n)
+                       [[] for _ in slots], [()] * n, [()] * n, [()] * n, np.zeros(n, np.int64),
+                       np.full(n, -_NEVER, np.int64), np.full(n, _NEVER, np.int64))
         state.totals = _Totals.of(slots)
         state.inputs = {k for k, owner in keys.items() if owner == -1}
         state.ar_slots = {s.op for s in slots if s.ars}
@@ -121,6 +218,7 @@ class Simulator:
         state.groups = self._groups(state)
         self.memory.full(plan, slots, donated, Combiner.lifetimes(slots, state.groups))
         self._last = state
+        self._reads = None
         return self._result(state)
 
     def delta(self, plan: Plan, donated: tuple[int, ...] = ()) -> SimResult:
@@ -156,6 +254,8 @@ class Simulator:
             if new is old.slots[s]:  # the memoised slot of this state: same tasks, same keys
                 continue
             old_slots[s] = old.slots[s]
+            if self._reads is not None:
+                self._reads.replace(s, old.slots[s], new)
             old.totals.add(old.slots[s], -1)
             old.totals.add(new, 1)
             self._chained(old.slots[s], -1)
@@ -166,7 +266,9 @@ class Simulator:
         # Slots before the first one that changed replay exactly as before (same tasks, same inputs).
         changed = sorted(old_slots)
         if changed:
-            self._schedule(old, changed[0])
+            if self._reads is None:
+                self._reads = _Reads(old.slots, len(self.builder.streams), old.who, old.ready)
+            self._schedule(old, changed[0], changed[-1])
         old.groups = self._groups(old)
         # Compare the lifetimes, not the groups: equal groups may hold rebuilt all-reduces of other keys.
         after = Combiner.lifetimes(old.slots, old.groups)
@@ -228,8 +330,10 @@ class Simulator:
             self._users_cache = users
         return self._users_cache
 
-    def _schedule(self, st: _State, first: int) -> None:
-        """List-schedule slots `first`.. in program order, from the stream state recorded before `first`.
+    def _schedule(self, st: _State, first: int, last_changed: int = -1) -> None:
+        """List-schedule slots `first`.. in program order, from the stream state recorded before `first`
+        (a delta: slots up to `last_changed` were rebuilt; past it, stop where the old tail, shifted, is
+        what the replay would give — see the module docstring).
 
         Each stream runs its tasks in program order, and backfills, as XLA's latency-hiding scheduler
         orders a step: when a task waits for its inputs (an op for a collective, a collective for the op
@@ -241,26 +345,33 @@ class Simulator:
         if len(ready) < nkeys:
             ready.extend([0] * (nkeys - len(ready)))
             who.extend([-1] * (nkeys - len(who)))
+        offset, slot_max, slot_min = st.offset, st.slot_max, st.slot_min
         if first == 0:
             free = [0] * nstreams
             last = [-1] * nstreams
             gaps: list[tuple] = [()] * nstreams  # per stream: idle intervals (start, end, task before), in time order
-            makespan = 0
         else:
-            free = list(st.stream_in[first])
+            off = int(offset[first])
+            free = [f + off for f in st.stream_in[first]]
             last = list(st.stream_last[first])
-            gaps = list(st.gaps_in[first])
-            makespan = st.makespan_before[first]
-        slots, stream_in, stream_last, mk_before = st.slots, st.stream_in, st.stream_last, st.makespan_before
+            gaps = [tuple((a + off, b + off, t) for a, b, t in g) for g in st.gaps_in[first]]
+        slots, stream_in, stream_last = st.slots, st.stream_in, st.stream_last
         gaps_in = st.gaps_in
         all_starts, all_ends, all_binds = st.starts, st.ends, st.bind
+        replaced: dict[int, int] = {}  # key -> its ready time before this replay (keys the replay made)
+        probe = _Probe(first)
         for si in range(first, len(slots)):
+            if si > last_changed >= 0 and si >= probe.next_try and self._converged(st, si, free, last, gaps,
+                                                                                 replaced, probe):
+                self._reads.remade(replaced, who, ready)
+                return
             stream_in[si] = tuple(free)
             stream_last[si] = tuple(last)
             gaps_in[si] = tuple(gaps)  # (tuples: shared until a stream's intervals change)
-            mk_before[si] = makespan
+            offset[si] = 0
             starts, ends, binds = [], [], []
             here = si * TASKS_PER_SLOT
+            lo = _NEVER  # earliest start of a task that is not static (see _static)
             for deps, s, dur, outs in slots[si].sched:
                 start, bind = 0, -1
                 for d in deps:
@@ -289,21 +400,96 @@ class Simulator:
                 else:
                     end = start
                 for k in outs:
+                    if first and k not in replaced:
+                        replaced[k] = ready[k] if who[k] >= 0 else None
                     ready[k] = end
                     who[k] = here
-                if end > makespan:
-                    makespan = end
+                if start < lo and (start or end or s >= 0):
+                    lo = start
                 starts.append(start)
                 ends.append(end)
                 binds.append(bind)
                 here += 1
             all_starts[si], all_ends[si], all_binds[si] = starts, ends, binds
-        st.makespan = makespan
+            slot_max[si] = max(ends) if ends else -_NEVER
+            slot_min[si] = lo
+        st.makespan = max(int((slot_max + offset).max()), 0) if len(slots) else 0
+        if first and self._reads is not None:
+            self._reads.remade(replaced, who, ready)
+
+    def _converged(self, st: _State, j: int, free: list[int], last: list[int], gaps: list[tuple],
+                   replaced: dict[int, int], probe: "_Probe") -> bool:
+        """Whether slots j.. of the old schedule, shifted by one amount, are what replaying them gives; if
+        so the shift is applied (offsets, the ready times of the keys they make, the makespan)."""
+        probe.next_try = j + _RETRY_STREAMS
+        if tuple(last) != st.stream_last[j]:
+            return False
+        off = int(st.offset[j])
+        reads = self._reads
+        shift = None
+        for s, (new, old) in enumerate(zip(free, st.stream_in[j])):
+            if reads.stream_end[s] < j and new == old + off == 0:
+                continue  # a stream no later slot uses
+            d = new - (old + off)
+            if shift is None:
+                shift = d
+            elif d != shift:
+                return False
+        shift = shift or 0
+        total = off + shift
+        for new_g, old_g in zip(gaps, st.gaps_in[j]):
+            if new_g != (tuple((a + total, b + total, t) for a, b, t in old_g) if total else old_g):
+                return False
+        if not self._reads_hold(st, j, shift, replaced, probe):
+            probe.next_try = j + _RETRY_READS
+            return False
+        if shift:
+            st.offset[j:] += shift
+            ready = st.ready
+            for k in reads.keys_made_from(j, replaced):
+                ready[k] += shift
+        st.makespan = int((st.slot_max + st.offset).max())
+        return True
+
+    def _reads_hold(self, st: _State, j: int, shift: int, replaced: dict[int, int], probe: "_Probe") -> bool:
+        """Every read by a task of slots j.. of a key made before j is consistent with shifting those tasks
+        by `shift`: the key moved by `shift` too, or it did not decide the task's start before and does not
+        now (its ready time below the shifted start). Static tasks (joins at time 0 of values ready at 0)
+        stay at 0 and need their inputs to."""
+        ready, who, reads = st.ready, st.who, self._reads
+        if shift:  # values ready at 0 (inputs, static keys) must not decide a shifted start
+            tail_first = int((st.slot_min[j:] + st.offset[j:]).min())
+            if not (tail_first > 0 and tail_first + shift > 0):
+                return False
+        suspects = [k for k, before in replaced.items() if before is None or ready[k] - before != shift]
+        if shift:
+            if probe.crossing is None:
+                probe.crossing = reads.crossing(probe.first, replaced)
+            last_read = reads.last_read
+            suspects.extend(k for k in probe.crossing if k not in replaced and last_read[k] >= j)
+        for k in suspects:
+            r, maker = ready[k], who[k]
+            for t in reads.readers.get(k, ()):
+                si, ti = divmod(t, TASKS_PER_SLOT)
+                if si < j:
+                    continue
+                start, end = st.starts[si][ti], st.ends[si][ti]
+                if _static(start, end, st.slots[si].sched[ti][1]):
+                    if r:
+                        return False
+                    continue
+                start += int(st.offset[si])
+                if st.bind[si][ti] == maker and maker >= 0:
+                    return False
+                if not (r < start + shift or (shift >= 0 and r <= start + shift)):
+                    return False
+        return True
 
     def _result(self, st: _State) -> SimResult:
         t = st.totals
         return SimResult(
             plan=st.plan, topology=self.topology, mapping=self.mapping, streams=tuple(self.builder.streams),
-            makespan_ps=st.makespan, slots=st.slots, starts=st.starts, ends=st.ends, binds=st.bind,
+            makespan_ps=st.makespan, slots=st.slots, recorded_starts=st.starts, recorded_ends=st.ends,
+            offsets=st.offset.copy(), binds=st.bind,
             payload=dict(t.payload), xla_payload=dict(t.xla_payload), wire=dict(t.wire), flops=t.flops,
             xla_flops=t.xla_flops, transcendentals=t.transcendentals, memory=self.memory.result())

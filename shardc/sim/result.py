@@ -51,8 +51,9 @@ class SimResult:
     streams: tuple[str, ...]
     makespan_ps: int
     slots: Sequence[Slot]
-    starts: Sequence[Sequence[int]]
-    ends: Sequence[Sequence[int]]
+    recorded_starts: Sequence[Sequence[int]]  # per slot, per task, before the slot's offset
+    recorded_ends: Sequence[Sequence[int]]
+    offsets: Any  # per slot: the shift of its recorded times (delta simulation keeps old tails shifted)
     binds: Sequence[Sequence[int]]  # the task each task waited for last (slot * TASKS_PER_SLOT + index), -1
     payload: dict[str, int]  # collective kind -> payload bytes per device per step
     xla_payload: dict[str, int]  # the same, loop bodies counted once (as the compiled HLO lists them)
@@ -65,9 +66,35 @@ class SimResult:
     def __post_init__(self) -> None:
         # Snapshot: a later delta simulation replaces slots in the simulator's lists.
         self.slots = list(self.slots)
-        self.starts = list(self.starts)
-        self.ends = list(self.ends)
+        self.recorded_starts = list(self.recorded_starts)
+        self.recorded_ends = list(self.recorded_ends)
         self.binds = list(self.binds)
+        self._times: tuple[list, list] | None = None
+
+    def _shifted(self) -> tuple[list, list]:
+        """Recorded times plus their slot's offset (static tasks, joins at time 0, stay at 0)."""
+        if self._times is None:
+            starts, ends = [], []
+            for slot, st, en, off in zip(self.slots, self.recorded_starts, self.recorded_ends, self.offsets.tolist()):
+                if not off:
+                    starts.append(st)
+                    ends.append(en)
+                    continue
+                keep = [a == 0 and b == 0 and task[1] < 0 for a, b, task in zip(st, en, slot.sched)]
+                starts.append([a if k else a + off for a, k in zip(st, keep)])
+                ends.append([b if k else b + off for b, k in zip(en, keep)])
+            self._times = (starts, ends)
+        return self._times
+
+    @property
+    def starts(self) -> list[list[int]]:
+        """Per slot, per task: start time (ps)."""
+        return self._shifted()[0]
+
+    @property
+    def ends(self) -> list[list[int]]:
+        """Per slot, per task: end time (ps)."""
+        return self._shifted()[1]
 
     # -- headline numbers ----------------------------------------------------------------------------
     @property
