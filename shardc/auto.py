@@ -77,7 +77,8 @@ class AutoFunction:
     def __init__(self, fun: Callable, *, mesh: Mesh | None = None, rules: Any = None,
                  donate_argnums: int | Sequence[int] = (), topology: Any = None, search: Any = True,
                  budget_s: float | None = None, seed: int = 0, devices: int | None = None,
-                 static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = ()) -> None:
+                 static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
+                 time_cap_s: float | None = None) -> None:
         if not callable(fun):
             raise TypeError(f"shardc.auto expects a function, got {type(fun).__name__}")
         functools.update_wrapper(self, fun)
@@ -88,6 +89,7 @@ class AutoFunction:
         self.topology = topology
         self.search = search
         self.budget_s = budget_s
+        self.time_cap_s = time_cap_s  # a wall-clock cap on the search (None: none, so the plan is reproducible)
         self.seed = seed
         self._cache: dict[Any, Compiled] = {}
         self._carried = CarriedShapes()
@@ -103,10 +105,10 @@ class AutoFunction:
         self.devices = devices
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ShardingError(f"shardc.auto(seed={seed!r}) needs an int (the search's random seed)")
-        _check_search_options(search, budget_s)
+        _check_search_options(search, budget_s, time_cap_s)
         self._options = dict(mesh=mesh, rules=rules, donate_argnums=donate_argnums, topology=topology, search=search,
                              budget_s=budget_s, seed=seed, devices=devices, static_argnums=static_argnums,
-                             static_argnames=static_argnames)
+                             static_argnames=static_argnames, time_cap_s=time_cap_s)
         self._nnx_steps: dict[NnxCall, AutoFunction] = {}  # per NNX argument structure (shardc/nnx_args.py)
         self._static = StaticArgs(fun, static_argnums, static_argnames)
         self._static.check_not_donated(self.donate_argnums)
@@ -357,7 +359,7 @@ class AutoFunction:
         donate = _flat_donate(self.donate_argnums, args, self.fun)
         the_plan = dataclasses.replace(the_plan, program=closed, donated=tuple(donate))
         # The simulated cost goes with the plan (plan.explain() shows it) on the topology given, or, when the
-        # search chose the plan (or loaded it from its file), on the one it scores plans on (an H100 preset).
+        # search chose the plan (or loaded it from its file), on the one it scores plans on (the devices at hand).
         topology = self.topology
         if topology is None and _search.enabled(self.search):
             topology = _search.default_topology(math.prod(the_plan.mesh_sizes.values()))
@@ -402,9 +404,9 @@ def _flax_note(e: BaseException) -> str:
     return ""
 
 
-def _check_search_options(search: Any, budget_s: Any) -> None:
+def _check_search_options(search: Any, budget_s: Any, time_cap_s: Any = None) -> None:
     """`search` is True/False/None, "dp", "mcmc" or a path ending in .json (in a directory that exists);
-    `budget_s` a positive number of seconds or None."""
+    `budget_s` and `time_cap_s` positive numbers of seconds or None."""
     if isinstance(search, str) and search.endswith(".json"):
         folder = os.path.dirname(os.path.abspath(search))
         if not os.path.isdir(folder):
@@ -413,10 +415,10 @@ def _check_search_options(search: Any, budget_s: Any) -> None:
     elif search not in (True, False, None, "dp", "mcmc"):
         raise ShardingError(f"shardc.auto(search={search!r}): expected True, False, 'dp', 'mcmc' or a path "
                             f"ending in '.json' (where the plan is saved and loaded)")
-    if budget_s is not None and (isinstance(budget_s, bool) or not isinstance(budget_s, (int, float))
-                                 or not budget_s > 0):
-        raise ShardingError(f"shardc.auto(budget_s={budget_s!r}): expected a positive number of seconds (or None "
-                            f"for the default)")
+    for name, value in (("budget_s", budget_s), ("time_cap_s", time_cap_s)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise ShardingError(f"shardc.auto({name}={value!r}): expected a positive number of seconds (or None "
+                                f"for the default)")
 
 
 def _check_rules(rules: Any) -> Any:
@@ -596,8 +598,11 @@ def auto(fun: Callable | None = None, **options: Any) -> Any:
     """Decorator: `@shardc.auto` or `@shardc.auto(mesh=..., rules=..., donate_argnums=..., search=...)`.
 
     By default the strategy search chooses every sharding the hints leave open (and, with `mesh=None`, the
-    mesh shape), costed by the simulator on `topology` (default: an H100 preset with the local device count);
-    `search=False` propagates the hints alone, as GSPMD/Shardy do. See docs/search.md."""
+    mesh shape), costed by the simulator on `topology` (default: the devices this step runs on — the
+    measured `cpu-host` on CPU devices, the matching preset on H100/A100/TPU; `shardc.cost.local`);
+    `search=False` propagates the hints alone, as GSPMD/Shardy do. The search's budget counts simulated
+    plans, so the same seed gives the same plan however busy the machine (`time_cap_s` adds a wall-clock
+    cap, at that price). See docs/search.md."""
     if fun is None:
         return lambda f: AutoFunction(f, **options)
     return AutoFunction(fun, **options)

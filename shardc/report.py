@@ -33,11 +33,26 @@ def _cause(plan: "Plan", vid: int) -> str:
     return "replicated (undecided)" if plan.shardings[vid].is_replicated() else "propagated"
 
 
+def _priced_on(plan: "Plan") -> str:
+    """Which topology the plan's cost was simulated on, and why ("" when it was not simulated)."""
+    search = getattr(plan, "search", None)
+    if search is not None and getattr(search, "topology", ""):
+        return search.topology
+    cost = getattr(plan, "cost", None)
+    if cost is None:
+        return ""
+    topo = cost.topology
+    return f"{topo.name} ({topo.source})" if topo.source else topo.name
+
+
 def explain(plan: "Plan", *, max_rows: int = 60) -> str:
     g = plan.graph
     mesh = ", ".join(f"{a}={n}" for a, n in plan.mesh_sizes.items())
     lines = [f"shardc plan on mesh ({mesh}): {len(g.ops)} ops, {len(g.values)} values, "
              f"{len(plan.reshards)} reshards moving {format_bytes(plan.total_reshard_bytes())} per device"]
+    priced = _priced_on(plan)
+    if priced:
+        lines.append(f"priced on {priced}")
     for w in plan.warnings:
         lines.append(f"note: {w}")
     cost = getattr(plan, "cost", None)

@@ -51,6 +51,7 @@ class SearchReport:
     capped: bool = False  # the wall-clock cap stopped the search first: a rerun may choose differently
     candidate_meshes: int = 0  # meshes scored + those the budget left unscored (`meshes` lists those scored)
     user_hinted: bool = True  # whether the program had hints (in-program or metadata) on its first mesh
+    topology: str = ""  # what the plans were priced on, and why (set by @shardc.auto)
 
     def summary(self) -> str:
         per_name: dict[str, Candidate] = {}
@@ -66,8 +67,8 @@ class SearchReport:
             lines.append(f"  the plan budget scored the baselines on {len(self.meshes)} of the {self.candidate_meshes} "
                          f"candidate meshes (in the order of docs/search.md); raise budget_s to score more")
         if self.capped:
-            lines.append("  stopped by the time cap before its plan budget was spent: a rerun may choose another plan "
-                         "(raise budget_s)")
+            lines.append("  stopped by the time cap (time_cap_s) before its plan budget was spent: a rerun may choose "
+                         "another plan (without time_cap_s the same seed gives the same plan)")
         w = max(len(c.name) for c in rows)
         for c in rows:
             mesh = ",".join(f"{a}={n}" for a, n in c.mesh.items())
@@ -107,16 +108,16 @@ def project(space: Space, plan: Plan) -> Assignment:
 
 def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, method: Any = True,
                 budget_s: float | None = 30.0, seed: int = 0, max_steps: int = 2000, progress: bool | None = None, max_meshes: int = 2,
-                baselines: Sequence[str] = tuple(BASELINES), time_cap: bool | float = True) -> tuple[Plan, SearchReport]:
+                baselines: Sequence[str] = tuple(BASELINES), time_cap: bool | float | None = None) -> tuple[Plan, SearchReport]:
     """Search every mesh in `meshes` and return the best plan (fits memory, lowest simulated step time)
     with its report. `method`: True (DP then MCMC), "dp", "mcmc". The baselines are scored on the meshes
     in order (on every mesh when the budget allows, at least `max_meshes`); the search then runs on the
     `max_meshes` meshes whose best baseline is fastest.
 
     `budget_s` becomes a number of simulated plans (`shardc.search.budget`), so the result is the same on
-    every run for a seed; with `time_cap` the clock also stops the search at `budget_s` (or at `time_cap`
-    seconds when it is a number; flagged in the
-    report). With budget_s=None, `max_steps` alone bounds MCMC and every mesh is scored."""
+    every run for a seed, however busy the machine. `time_cap` (off by default) also stops the search on
+    the clock: at `budget_s` when True, at `time_cap` seconds when a number (flagged in the report: a
+    rerun may differ). With budget_s=None, `max_steps` alone bounds MCMC and every mesh is scored."""
     from tqdm.auto import tqdm
 
     t0 = time.perf_counter()
