@@ -30,6 +30,7 @@ from annotations.errors import ShardingError, SourceLine, caller_source_line
 from annotations.errors import describe_function as _describe
 from shardc.ir.build import build_graph
 from shardc.ir.graph import Graph, Op
+from shardc.arg_names import leaf_names
 from shardc.carried import CarriedShapes, ReplanWarning
 from shardc.nnx_args import NnxCall, split_call
 from shardc.distributed import check_plan_agreement, is_multiprocess, to_global
@@ -40,6 +41,7 @@ from shardc.propagate import Cause, Seed, propagate
 from shardc.seeds import input_seed, program_seeds
 from shardc.sharding import make_mesh
 from shardc.static_args import StaticArgs
+from shardc.waste import IdleDevicesWarning, user_stacklevel, waste_warning
 import shardc.search.integrate as _search
 
 __all__ = ["auto", "AutoFunction", "plan", "plan_for", "Compiled"]
@@ -114,6 +116,7 @@ class AutoFunction:
         self._static.check_not_donated(self.donate_argnums)
         self._static_steps: dict[tuple, AutoFunction] = {}  # per value of the static arguments
         self._warned_static_meshes = False  # (`_warn_if_static_meshes_differ` says it once)
+        self._warned_waste = False  # (`_warn_if_wasteful` says it once)
 
     # -- public --------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -196,6 +199,17 @@ class AutoFunction:
                           f"({', '.join(str(dict(m)) for m in sorted(meshes))}): each switch between them re-places "
                           f"the arguments, and donation does not free buffers that were re-placed; pass mesh=... to "
                           f"plan every value on one mesh", ReplanWarning, stacklevel=3)
+
+    def _warn_if_wasteful(self, plan: Plan) -> None:
+        """A plan whose devices repeat the same work (nothing split with search=False, or a mesh axis that
+        splits no tensor) says so, once per function (shardc/waste.py)."""
+        if self._warned_waste:
+            return
+        topology = plan.cost.topology.name if plan.cost is not None else ""
+        text = waste_warning(plan, search=_search.enabled(self.search), topology=topology)
+        if text is not None:
+            self._warned_waste = True
+            warnings.warn(f"{text} ({_describe(self.fun)})", IdleDevicesWarning, stacklevel=user_stacklevel())
 
     def _nnx_step(self, args: tuple, kwargs: dict) -> _NnxRoute | None:
         """For arguments holding NNX objects: the pure step that plans and runs them (one per argument
@@ -320,8 +334,9 @@ class AutoFunction:
         closed, in_tree, out_tree = _search.trace(self, self._trace, (args, kwargs), meta_axes)
         mesh = self._mesh()  # the search may have chosen a tracing mesh that has the axes the program names
         t1 = time.perf_counter()
-        # Positional leaves come first, then keyword ones (sorted by name), as (args, kwargs) flattens.
-        in_paths = [keystr(p[1:]) for p, _ in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]]
+        # Positional leaves come first, then keyword ones (sorted by name), as (args, kwargs) flattens; named
+        # by the step's parameters (params['Dense_0']['kernel'], not [0]['Dense_0']['kernel']).
+        in_paths = leaf_names(self.fun, (args, kwargs))
         namer = getattr(self.fun, "shardc_output_names", None)  # an NNX step's own names (shardc/nnx_args.py)
         out_paths = namer(_paths_of(out_tree)) if namer else [f"out{keystr(p)}" for p in _paths_of(out_tree)]
         with _internal_errors("building the graph of", self.fun):
@@ -367,6 +382,7 @@ class AutoFunction:
             from shardc.sim import simulate
 
             the_plan = dataclasses.replace(the_plan, cost=simulate(the_plan, topology))
+        self._warn_if_wasteful(the_plan)
         with _internal_errors("lowering", self.fun):
             jitted = None if is_abstract(the_plan.mesh) else jit_plan(the_plan, closed, donate)
         timings = {"trace_s": t1 - t0, "graph_s": t2 - t1, "propagate_s": t3 - t2}
