@@ -57,10 +57,11 @@ def test_the_default_search_prices_plans_on_the_host_and_says_so():
     plan = shardc.auto(_step, budget_s=0.5).plan(*_args())
     assert plan.cost.topology.name == "cpu-host"
     assert plan.cost.topology.to_dict() == local_topology().to_dict()
-    text = plan.explain()
+    text = " ".join(plan.explain().split())  # (wrapped at 120 columns)
     assert "priced on cpu-host (the devices this step runs on: measured on" in text
     named = shardc.auto(_step, budget_s=0.5, topology="tpu-v5e-8").plan(*_args())
-    assert named.cost.topology.name == "tpu-v5e-8" and "priced on tpu-v5e-8 (topology= given)" in named.explain()
+    assert named.cost.topology.name == "tpu-v5e-8"
+    assert "priced on tpu-v5e-8 (topology= given)" in " ".join(named.explain().split())
 
 
 def test_the_plan_follows_the_measurement_and_the_same_cache_gives_the_same_plan(tmp_path, monkeypatch):
@@ -81,3 +82,20 @@ def test_the_plan_follows_the_measurement_and_the_same_cache_gives_the_same_plan
         fingerprints[name] = plans[0]
     assert sum(fingerprints["slow"].cost.comm_bytes.values()) == 0
     assert sum(fingerprints["fast"].cost.comm_bytes.values()) > 0
+
+
+@pytest.mark.parametrize("name", ["plain_lm", "scan_gqa"])
+def test_language_models_priced_on_the_host_split_the_batch(name):
+    """Priced on the H100 preset (the default before), these LMs' plans replicated the batch and left the data
+    axis idle on the 8 CPU devices; priced on the devices that run them, the batch is split and no axis idles."""
+    import warnings
+
+    from bench.fresh_models import MODELS
+    from shardc.waste import IdleDevicesWarning
+
+    step, args = MODELS[name]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IdleDevicesWarning)
+        plan = shardc.auto(step, budget_s=1.0).plan(*args)
+    ids = plan.shardings[plan.graph.inputs[-1]]  # the token ids [batch, time]
+    assert ids.dims[0], f"batch replicated: {ids} on {plan.mesh_sizes}"
