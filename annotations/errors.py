@@ -58,6 +58,9 @@ def _library_prefixes() -> tuple[str, ...]:
 
 
 _PREFIXES: tuple[str, ...] | None = None
+# Code without a file that is the user's own: a script on standard input, `python -c`, `exec` of a string,
+# the interactive console, IPython cells. Other "<...>" names are Python's internals ("<frozen runpy>").
+_USER_PSEUDO_FILES = ("<stdin>", "<string>", "<console>", "<input>", "<ipython-input-")
 
 
 def is_library_file(path: str) -> bool:
@@ -65,7 +68,7 @@ def is_library_file(path: str) -> bool:
     global _PREFIXES
     if _PREFIXES is None:
         _PREFIXES = _library_prefixes()
-    return path.startswith(_PREFIXES) or path.startswith("<")
+    return path.startswith(_PREFIXES) or (path.startswith("<") and not path.startswith(_USER_PSEUDO_FILES))
 
 
 def caller_source_line(frame: FrameType | None = None) -> SourceLine | None:

@@ -350,7 +350,8 @@ MODELS: dict[str, Callable[[], tuple[Callable, tuple]]] = {
     "control_flow": control_flow, "top1_moe": top1_moe,
 }
 TOPOLOGIES = ("h100-sxm-8", "h100-sxm-8x8", "tpu-v5e-8")
-# Sizes at which the default search shards (rather than replicates) on h100-sxm-8, still quick on CPU.
+# Sizes at which the search shards (rather than replicates) on h100-sxm-8, still quick on CPU (priced on
+# the CPU host, the default on CPU devices, the search shards the default sizes too).
 # (cnn_bn at batch 128: the plan is right but plain jax.jit's f32 BatchNorm backward on one CPU device is
 # off by up to 4e-3 from a float64 reference there, while shardc's sharded run is within 1e-6; scan_gqa
 # stays replicated at CPU-friendly sizes.)

@@ -19,10 +19,11 @@ from shardc.search import baselines
 from shardc.search.budget import SearchTimeCapWarning
 from shardc.search.integrate import AxisNameWarning
 from shardc.carried import ReplanWarning
+from shardc.waste import IdleDevicesWarning
 
 __all__ = [
     "auto", "plan", "plan_for", "make_mesh", "split", "replicate", "shard", "UNCONSTRAINED", "ShardingError",
     "Plan", "Reshard", "Sharding", "AutoFunction", "register_rule", "Topology", "simulate", "baselines",
-    "SearchTimeCapWarning", "AxisNameWarning", "ReplanWarning",
+    "SearchTimeCapWarning", "AxisNameWarning", "ReplanWarning", "IdleDevicesWarning",
 ]
 __version__ = "0.1.0"

@@ -30,6 +30,7 @@ from annotations.errors import ShardingError, SourceLine, caller_source_line
 from annotations.errors import describe_function as _describe
 from shardc.ir.build import build_graph
 from shardc.ir.graph import Graph, Op
+from shardc.arg_names import leaf_names
 from shardc.carried import CarriedShapes, ReplanWarning
 from shardc.nnx_args import NnxCall, split_call
 from shardc.distributed import check_plan_agreement, is_multiprocess, to_global
@@ -40,6 +41,7 @@ from shardc.propagate import Cause, Seed, propagate
 from shardc.seeds import input_seed, program_seeds
 from shardc.sharding import make_mesh
 from shardc.static_args import StaticArgs
+from shardc.waste import IdleDevicesWarning, user_stacklevel, waste_warning
 import shardc.search.integrate as _search
 
 __all__ = ["auto", "AutoFunction", "plan", "plan_for", "Compiled"]
@@ -77,7 +79,8 @@ class AutoFunction:
     def __init__(self, fun: Callable, *, mesh: Mesh | None = None, rules: Any = None,
                  donate_argnums: int | Sequence[int] = (), topology: Any = None, search: Any = True,
                  budget_s: float | None = None, seed: int = 0, devices: int | None = None,
-                 static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = ()) -> None:
+                 static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
+                 time_cap_s: float | None = None) -> None:
         if not callable(fun):
             raise TypeError(f"shardc.auto expects a function, got {type(fun).__name__}")
         functools.update_wrapper(self, fun)
@@ -88,6 +91,7 @@ class AutoFunction:
         self.topology = topology
         self.search = search
         self.budget_s = budget_s
+        self.time_cap_s = time_cap_s  # a wall-clock cap on the search (None: none, so the plan is reproducible)
         self.seed = seed
         self._cache: dict[Any, Compiled] = {}
         self._carried = CarriedShapes()
@@ -103,15 +107,16 @@ class AutoFunction:
         self.devices = devices
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ShardingError(f"shardc.auto(seed={seed!r}) needs an int (the search's random seed)")
-        _check_search_options(search, budget_s)
+        _check_search_options(search, budget_s, time_cap_s)
         self._options = dict(mesh=mesh, rules=rules, donate_argnums=donate_argnums, topology=topology, search=search,
                              budget_s=budget_s, seed=seed, devices=devices, static_argnums=static_argnums,
-                             static_argnames=static_argnames)
+                             static_argnames=static_argnames, time_cap_s=time_cap_s)
         self._nnx_steps: dict[NnxCall, AutoFunction] = {}  # per NNX argument structure (shardc/nnx_args.py)
         self._static = StaticArgs(fun, static_argnums, static_argnames)
         self._static.check_not_donated(self.donate_argnums)
         self._static_steps: dict[tuple, AutoFunction] = {}  # per value of the static arguments
         self._warned_static_meshes = False  # (`_warn_if_static_meshes_differ` says it once)
+        self._warned_waste = False  # (`_warn_if_wasteful` says it once)
 
     # -- public --------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -194,6 +199,17 @@ class AutoFunction:
                           f"({', '.join(str(dict(m)) for m in sorted(meshes))}): each switch between them re-places "
                           f"the arguments, and donation does not free buffers that were re-placed; pass mesh=... to "
                           f"plan every value on one mesh", ReplanWarning, stacklevel=3)
+
+    def _warn_if_wasteful(self, plan: Plan) -> None:
+        """A plan whose devices repeat the same work (nothing split with search=False, or a mesh axis that
+        splits no tensor) says so, once per function (shardc/waste.py)."""
+        if self._warned_waste:
+            return
+        topology = plan.cost.topology.name if plan.cost is not None else ""
+        text = waste_warning(plan, search=_search.enabled(self.search), topology=topology)
+        if text is not None:
+            self._warned_waste = True
+            warnings.warn(f"{text} ({_describe(self.fun)})", IdleDevicesWarning, stacklevel=user_stacklevel())
 
     def _nnx_step(self, args: tuple, kwargs: dict) -> _NnxRoute | None:
         """For arguments holding NNX objects: the pure step that plans and runs them (one per argument
@@ -318,8 +334,9 @@ class AutoFunction:
         closed, in_tree, out_tree = _search.trace(self, self._trace, (args, kwargs), meta_axes)
         mesh = self._mesh()  # the search may have chosen a tracing mesh that has the axes the program names
         t1 = time.perf_counter()
-        # Positional leaves come first, then keyword ones (sorted by name), as (args, kwargs) flattens.
-        in_paths = [keystr(p[1:]) for p, _ in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]]
+        # Positional leaves come first, then keyword ones (sorted by name), as (args, kwargs) flattens; named
+        # by the step's parameters (params['Dense_0']['kernel'], not [0]['Dense_0']['kernel']).
+        in_paths = leaf_names(self.fun, (args, kwargs))
         namer = getattr(self.fun, "shardc_output_names", None)  # an NNX step's own names (shardc/nnx_args.py)
         out_paths = namer(_paths_of(out_tree)) if namer else [f"out{keystr(p)}" for p in _paths_of(out_tree)]
         with _internal_errors("building the graph of", self.fun):
@@ -357,7 +374,7 @@ class AutoFunction:
         donate = _flat_donate(self.donate_argnums, args, self.fun)
         the_plan = dataclasses.replace(the_plan, program=closed, donated=tuple(donate))
         # The simulated cost goes with the plan (plan.explain() shows it) on the topology given, or, when the
-        # search chose the plan (or loaded it from its file), on the one it scores plans on (an H100 preset).
+        # search chose the plan (or loaded it from its file), on the one it scores plans on (the devices at hand).
         topology = self.topology
         if topology is None and _search.enabled(self.search):
             topology = _search.default_topology(math.prod(the_plan.mesh_sizes.values()))
@@ -365,6 +382,7 @@ class AutoFunction:
             from shardc.sim import simulate
 
             the_plan = dataclasses.replace(the_plan, cost=simulate(the_plan, topology))
+        self._warn_if_wasteful(the_plan)
         with _internal_errors("lowering", self.fun):
             jitted = None if is_abstract(the_plan.mesh) else jit_plan(the_plan, closed, donate)
         timings = {"trace_s": t1 - t0, "graph_s": t2 - t1, "propagate_s": t3 - t2}
@@ -402,9 +420,9 @@ def _flax_note(e: BaseException) -> str:
     return ""
 
 
-def _check_search_options(search: Any, budget_s: Any) -> None:
+def _check_search_options(search: Any, budget_s: Any, time_cap_s: Any = None) -> None:
     """`search` is True/False/None, "dp", "mcmc" or a path ending in .json (in a directory that exists);
-    `budget_s` a positive number of seconds or None."""
+    `budget_s` and `time_cap_s` positive numbers of seconds or None."""
     if isinstance(search, str) and search.endswith(".json"):
         folder = os.path.dirname(os.path.abspath(search))
         if not os.path.isdir(folder):
@@ -413,10 +431,10 @@ def _check_search_options(search: Any, budget_s: Any) -> None:
     elif search not in (True, False, None, "dp", "mcmc"):
         raise ShardingError(f"shardc.auto(search={search!r}): expected True, False, 'dp', 'mcmc' or a path "
                             f"ending in '.json' (where the plan is saved and loaded)")
-    if budget_s is not None and (isinstance(budget_s, bool) or not isinstance(budget_s, (int, float))
-                                 or not budget_s > 0):
-        raise ShardingError(f"shardc.auto(budget_s={budget_s!r}): expected a positive number of seconds (or None "
-                            f"for the default)")
+    for name, value in (("budget_s", budget_s), ("time_cap_s", time_cap_s)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise ShardingError(f"shardc.auto({name}={value!r}): expected a positive number of seconds (or None "
+                                f"for the default)")
 
 
 def _check_rules(rules: Any) -> Any:
@@ -596,8 +614,11 @@ def auto(fun: Callable | None = None, **options: Any) -> Any:
     """Decorator: `@shardc.auto` or `@shardc.auto(mesh=..., rules=..., donate_argnums=..., search=...)`.
 
     By default the strategy search chooses every sharding the hints leave open (and, with `mesh=None`, the
-    mesh shape), costed by the simulator on `topology` (default: an H100 preset with the local device count);
-    `search=False` propagates the hints alone, as GSPMD/Shardy do. See docs/search.md."""
+    mesh shape), costed by the simulator on `topology` (default: the devices this step runs on — the
+    measured `cpu-host` on CPU devices, the matching preset on H100/A100/TPU; `shardc.cost.local`);
+    `search=False` propagates the hints alone, as GSPMD/Shardy do. The search's budget counts simulated
+    plans, so the same seed gives the same plan however busy the machine (`time_cap_s` adds a wall-clock
+    cap, at that price). See docs/search.md."""
     if fun is None:
         return lambda f: AutoFunction(f, **options)
     return AutoFunction(fun, **options)

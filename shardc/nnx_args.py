@@ -24,6 +24,7 @@ from typing import Any, Callable
 import jax
 
 from annotations.errors import ShardingError, describe_function
+from shardc.arg_names import parameter_names, path_name
 
 __all__ = ["NnxCall", "split_call"]
 
@@ -43,7 +44,7 @@ class NnxCall:
     treedef: Any  # of (args, kwargs), graph nodes as leaves
     node_positions: tuple[int, ...]  # leaf indices holding graph nodes
     graphdef: Any  # nnx.split of the tuple of those nodes
-    node_paths: tuple[str, ...] = ()  # where each node is among the arguments ("[0]", "['model']"), for names
+    node_keys: tuple[tuple, ...] = ()  # each node's key path into (args, kwargs), for names
 
     def pure(self, fun: Callable) -> Callable:
         """`fun` as a function of the split arguments returning `(result, node 0's new state, ...)`."""
@@ -63,15 +64,19 @@ class NnxCall:
             # input's tree structure, which is what shardc ties as carried state
             return (out, *self._parts(nnx.state(nodes)))
 
-        pure_step.shardc_output_names = self.output_names  # read by AutoFunction when it names the outputs
+        # read by AutoFunction when it names the outputs
+        pure_step.shardc_output_names = functools.partial(self.output_names, fun=fun)
         return pure_step
 
-    def output_names(self, paths: list) -> list[str]:
+    def output_names(self, paths: list, fun: Callable | None = None) -> list[str]:
         """Names of the pure step's outputs (key paths into `(result, node 0's state, ...)`): the result's
-        as usual (`out[...]`), each node's new state as its input path marked `(updated)`."""
+        as usual (`out[...]`), each node's new state as its argument (by `fun`'s parameter names) marked
+        `(updated)`."""
         from jax.tree_util import keystr
 
-        return [f"out{keystr(p[1:])}" if p[0].idx == 0 else f"{self.node_paths[p[0].idx - 1]}{keystr(p[1:])} (updated)"
+        names = parameter_names(fun) if fun is not None else ((), None)
+        nodes = [path_name(names, k) for k in self.node_keys]
+        return [f"out{keystr(p[1:])}" if p[0].idx == 0 else f"{nodes[p[0].idx - 1]}{keystr(p[1:])} (updated)"
                 for p in paths]
 
     def _check_only_variables_changed(self, state_in: Any, nodes: tuple, fun: Callable) -> None:
@@ -112,7 +117,7 @@ def split_call(args: tuple, kwargs: dict) -> tuple[NnxCall, tuple, dict, tuple] 
 
     nodes = tuple(leaves[p] for p in positions)
     graphdef, state = nnx.split(nodes)
-    call = NnxCall(treedef, positions, graphdef, tuple(jax.tree_util.keystr(pairs[p][0][1:]) for p in positions))
+    call = NnxCall(treedef, positions, graphdef, tuple(tuple(pairs[p][0]) for p in positions))
     parts = call._parts(state)
     for i, p in enumerate(positions):
         leaves[p] = parts[i]

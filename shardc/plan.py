@@ -140,10 +140,10 @@ class Plan:
     def total_reshard_bytes(self) -> int:
         return sum(r.bytes for r in self.reshards)
 
-    def explain(self, *, max_rows: int = 60) -> str:
+    def explain(self, *, max_rows: int = 60, width: int = 120) -> str:
         from shardc.report import explain
 
-        return explain(self, max_rows=max_rows)
+        return explain(self, max_rows=max_rows, width=width)
 
     def fingerprint(self) -> str:
         """A stable hash of the plan (mesh, shardings), equal on every process of a multi-host job."""

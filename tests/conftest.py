@@ -1,11 +1,29 @@
-"""Test configuration: 8 virtual CPU devices, set before JAX initialises its backend."""
+"""Test configuration: 8 virtual CPU devices, set before JAX initialises its backend; one pinned cpu-host
+measurement, so that plans priced on it (the default topology on CPU devices) do not depend on how busy
+the machine is while the tests run."""
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Each test process has its own cache directory (never the user's ~/.cache/shardc).
+_CACHE = tempfile.mkdtemp(prefix="shardc-tests-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+os.environ["SHARDC_CACHE_DIR"] = _CACHE
 
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+# A measurement of the reference 2-core machine (shardc.cost.calibrate.measure_cpu_host, rounded); the
+# measurement itself is tested in tests/cost/test_cpu_host_topology.py, in a directory of its own.
+REFERENCE_CPU_HOST = {"flops": 2.0e10, "vector_flops": 6.0e9, "bandwidth": 1.5e9, "overhead": 5.0e-6,
+                      "link_bandwidth": 3.5e9, "latency": 2.3e-5, "devices": 8.0, "contention": 1.0}
+
+from shardc.cost.calibrate import store  # noqa: E402
+
+store(REFERENCE_CPU_HOST)

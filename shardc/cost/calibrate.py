@@ -1,9 +1,13 @@
 """The `cpu-host` topology: the XLA:CPU devices of this machine, measured by a short micro-benchmark
-(a few seconds) the first time and cached on disk (`shardc.cost.cache`).
+(about a second) the first time and cached on disk (`shardc.cost.cache`), so that the same cache gives
+the same topology, and so the same plans. `@shardc.auto` prices plans on it by default on CPU devices
+(`shardc.cost.local`); accelerators without a preset get the same measurement (`measured_local`).
 
 All devices run at once, as they do in a sharded step, so the rates are per device under contention:
 
 * matmul FLOP/s: a data-parallel float32 matmul over every device;
+* elementwise FLOP/s: a fused chain of multiply-adds on a cache-sized array (the time of a long chain
+  minus a short one, so the call's fixed cost cancels);
 * memory bandwidth: a data-parallel elementwise op on large arrays (bytes read + written);
 * per-op overhead: a chain of tiny dependent matmuls (one XLA thunk each);
 * contention: how much faster one device runs the matmul alone than each device runs it with all busy
@@ -12,26 +16,29 @@ All devices run at once, as they do in a sharded step, so the rates are per devi
   t = 2(n-1) a + 2(n-1)/n B / bw.
 
 XLA:CPU runs collectives on the compute threads (no overlap), has no reduce-scatter (it all-reduces and
-slices) and merges all-reduces without a byte limit; the topology says so.
+slices) and merges all-reduces without a byte limit; the topology says so. In a multi-process job each
+process measures its own devices and every process uses process 0's numbers (the plans must agree).
 """
 from __future__ import annotations
 
 import hashlib
 import os
 import platform
-import statistics
 import time
 from typing import Any, Callable
 
 from shardc.cost.cache import DiskCache
 from shardc.cost.topology import Device, Level, Topology
 
-__all__ = ["cpu_host", "measure_cpu_host", "contention"]
+__all__ = ["cpu_host", "measured_local", "measure_cpu_host", "contention", "store"]
 
-_VERSION = 2
+_VERSION = 3
+_MEMO: dict[tuple[str, str], dict[str, float]] = {}  # (cache file, host key) -> measurement, per process
 
 
-def _median_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 2) -> float:
+def _best_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 2) -> float:
+    """The fastest of `repeats` runs after `warmup`: other processes on the machine only ever add time, so
+    the fastest run is the least disturbed (the devices of this process still contend with each other)."""
     import jax
 
     for _ in range(warmup):
@@ -41,20 +48,20 @@ def _median_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 2) -> fl
         t0 = time.perf_counter()
         jax.block_until_ready(fn())
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return min(ts)
 
 
 def measure_cpu_host() -> dict[str, float]:
-    """Measure this host's per-device rates (seconds of work: ~5-10 s)."""
+    """Measure this process's devices (about a second of work; the name is historical: any backend)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from shardc.sharding import make_mesh
 
-    devs = jax.devices()
+    devs = jax.local_devices()
     n = len(devs)
-    mesh = make_mesh({"d": n})
+    mesh = make_mesh({"d": n}, devs)
     rows = NamedSharding(mesh, P("d"))
     rep = NamedSharding(mesh, P())
 
@@ -62,15 +69,27 @@ def measure_cpu_host() -> dict[str, float]:
     x = jax.device_put(jnp.ones((n * m, m), jnp.float32), rows)
     w = jax.device_put(jnp.ones((m, m), jnp.float32), rep)
     mm = jax.jit(lambda a, b: a @ b, out_shardings=rows)
-    t = _median_time(lambda: mm(x, w))
+    t = _best_time(lambda: mm(x, w))
     flops = 2.0 * m * m * m / t
     x1 = jax.device_put(jnp.ones((m, m), jnp.float32), devs[0])
     w1 = jax.device_put(jnp.ones((m, m), jnp.float32), devs[0])
-    alone = 2.0 * m * m * m / _median_time(lambda: jax.jit(lambda a, b: a @ b)(x1, w1))
+    alone = 2.0 * m * m * m / _best_time(lambda: jax.jit(lambda a, b: a @ b)(x1, w1))
+
+    def fma_chain(steps: int) -> Callable:
+        def f(a):
+            for _ in range(steps):
+                a = a * 1.0001 + 0.5
+            return a
+        return jax.jit(f, out_shardings=rows)
+
+    v = jax.device_put(jnp.ones((n * 64, 1024), jnp.float32), rows)
+    short, long = fma_chain(8), fma_chain(72)
+    dt = _best_time(lambda: long(v), repeats=7) - _best_time(lambda: short(v), repeats=7)
+    vector = 2.0 * 64 * 64 * 1024 / max(dt, 1e-9)
 
     big = jax.device_put(jnp.ones((n * 1024, 1024), jnp.float32), rows)
     ew = jax.jit(lambda a: a * 1.5 + 0.5, out_shardings=rows)
-    t = _median_time(lambda: ew(big))
+    t = _best_time(lambda: ew(big))
     bandwidth = 2.0 * 1024 * 1024 * 4 / t
 
     k = 64
@@ -83,12 +102,12 @@ def measure_cpu_host() -> dict[str, float]:
         return a
 
     ch = jax.jit(chain, out_shardings=rows)
-    overhead = _median_time(lambda: ch(small, sw)) / k
+    overhead = _best_time(lambda: ch(small, sw)) / k
 
     def allreduce_time(cols: int) -> float:
         part = jax.device_put(jnp.ones((n, cols), jnp.float32), rows)
         f = jax.jit(lambda a: jnp.sum(a, axis=0), out_shardings=rep)
-        return _median_time(lambda: f(part))
+        return _best_time(lambda: f(part))
 
     small_b, big_b = 4 * 256, 4 * (1 << 20)
     t_small, t_big = allreduce_time(small_b // 4), allreduce_time(big_b // 4)
@@ -97,41 +116,99 @@ def measure_cpu_host() -> dict[str, float]:
     link_bw = frac * (big_b - small_b) / max(t_big - t_small, 1e-9)
     latency = max(t_small - frac * small_b / link_bw, 1e-7) / steps
     return {"flops": flops, "bandwidth": bandwidth, "overhead": overhead, "link_bandwidth": link_bw,
-            "latency": latency, "devices": float(n), "contention": max(alone / flops, 1.0)}
+            "latency": latency, "devices": float(n), "contention": max(alone / flops, 1.0),
+            "vector_flops": min(vector, flops)}
 
 
 def _host_key() -> str:
     import jax
 
-    n = len(jax.devices())
-    raw = f"{_VERSION}|{platform.node()}|{platform.processor()}|{os.cpu_count()}|{n}|{jax.__version__}"
+    d = jax.local_devices()[0]
+    raw = (f"{_VERSION}|{platform.node()}|{platform.processor()}|{os.cpu_count()}|{len(jax.local_devices())}|"
+           f"{jax.device_count()}|{d.platform}|{getattr(d, 'device_kind', '')}|{jax.__version__}")
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 
-def cpu_host(*, refresh: bool = False) -> Topology:
-    """The measured topology of this host's XLA:CPU devices (cached; `refresh=True` re-measures)."""
+def _agreed(m: dict[str, float]) -> dict[str, float]:
+    """Process 0's measurement on every process of a multi-process job (each measures its own host; the
+    plans, which depend on the numbers, must agree)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return m
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    keys = sorted(m)
+    got = multihost_utils.broadcast_one_to_all(np.asarray([m[k] for k in keys], np.float32))
+    return {k: float(x) for k, x in zip(keys, np.asarray(got))}
+
+
+def _measurement(refresh: bool = False) -> dict[str, float]:
+    """This host's measurement: from this process's memo, else the disk cache, else measured and cached."""
+    cache = DiskCache("cpu-host")
+    key = (cache.path, _host_key())
+    m = None if refresh else _MEMO.get(key)
+    if m is None:
+        m = None if refresh else cache.get(key[1])
+        if m is None:
+            m = measure_cpu_host()
+            cache.put(key[1], m)
+        m = _MEMO[key] = _agreed(m)
+    return m
+
+
+def store(m: dict[str, float]) -> None:
+    """Use measurement `m` (the keys `measure_cpu_host` returns) for this host from now on, instead of
+    measuring: e.g. one taken on a reference machine, so that plans priced on it match that machine's."""
     cache = DiskCache("cpu-host")
     key = _host_key()
-    m = None if refresh else cache.get(key)
-    if m is None:
-        m = measure_cpu_host()
-        cache.put(key, m)
-    n = int(m["devices"])
+    cache.put(key, dict(m))
+    _MEMO.pop((cache.path, key), None)
+
+
+def _ram_per_device(n: int) -> float:
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # pragma: no cover
         ram = 16 * 2**30
+    return ram / max(n, 1)
+
+
+def cpu_host(*, refresh: bool = False) -> Topology:
+    """The measured topology of this host's XLA:CPU devices (cached; `refresh=True` re-measures)."""
+    import jax
+
+    m = _measurement(refresh)
+    n, local = jax.device_count(), int(m["devices"])
     dev = Device("cpu (measured)", {"float32": m["flops"], "float64": m["flops"] / 2, "bfloat16": m["flops"] / 2,
                                     "float16": m["flops"] / 2, "int8": m["flops"]},
-                 mem_bandwidth=m["bandwidth"], memory=ram / max(n, 1), matmul_efficiency=1.0, vector_efficiency=1.0,
-                 op_overhead=m["overhead"])
-    topo = Topology("cpu-host", dev, (Level("host", n, m["link_bandwidth"], m["latency"]),), overlap=False,
+                 mem_bandwidth=m["bandwidth"], memory=_ram_per_device(local), matmul_efficiency=1.0,
+                 vector_efficiency=1.0, op_overhead=m["overhead"], vector_flops=m.get("vector_flops", 0.0))
+    return Topology("cpu-host", dev, (Level("host", n, m["link_bandwidth"], m["latency"]),), overlap=False,
                     reduce_scatter=False, source=f"measured on {platform.node()} ({os.cpu_count()} cores, {n} devices)",
                     combine_bytes=float("inf"), backend="cpu")
-    return topo
+
+
+def measured_local(*, refresh: bool = False) -> Topology:
+    """This process's accelerators, measured as `cpu_host` measures the CPU (for devices without a preset):
+    collectives on their own streams, a native reduce-scatter, the device's own memory when it reports it."""
+    import jax
+
+    d = jax.local_devices()[0]
+    m = _measurement(refresh)
+    n = jax.device_count()
+    stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+    memory = float((stats or {}).get("bytes_limit", 0)) or _ram_per_device(int(m["devices"]))
+    kind = str(getattr(d, "device_kind", d.platform))
+    dev = Device(f"{kind} (measured)", {"float32": m["flops"], "bfloat16": m["flops"], "float16": m["flops"],
+                                         "int8": m["flops"], "float64": m["flops"] / 2},
+                 mem_bandwidth=m["bandwidth"], memory=memory, matmul_efficiency=1.0, vector_efficiency=1.0,
+                 op_overhead=m["overhead"], vector_flops=m.get("vector_flops", 0.0))
+    return Topology(f"measured-{d.platform}", dev, (Level(d.platform, n, m["link_bandwidth"], m["latency"]),),
+                    source=f"measured on {platform.node()} ({n} x {kind})", backend=d.platform)
 
 
 def contention() -> float:
     """How many times slower an op runs on one device while all devices are busy (from the cpu-host cache)."""
-    cpu_host()
-    return float(DiskCache("cpu-host").get(_host_key()).get("contention", 1.0))
+    return float(_measurement().get("contention", 1.0))

@@ -105,9 +105,8 @@ class AnalyticalEstimator:
         if key.primitive in MATMUL_PRIMITIVES:
             compute = c.flops / (dev.flops_per_s(dtype) * dev.matmul_efficiency)
         else:
-            # Vector units: elementwise work runs far below matmul peak; a transcendental costs ~8 FLOPs.
-            vector_peak = dev.flops_per_s("float32") / 16
-            compute = (c.flops + 8 * c.transcendentals) / (vector_peak * dev.vector_efficiency)
+            # Vector units (`Device.vector_peak`: far below the matmul peak on GPUs); a transcendental ~8 FLOPs.
+            compute = (c.flops + 8 * c.transcendentals) / (dev.vector_peak * dev.vector_efficiency)
         memory = key.bytes_accessed() / (dev.mem_bandwidth * dev.vector_efficiency)
         t = max(compute, memory) + (dev.op_overhead if key.kernel_boundary else 0.0)
         self._memo[key] = t

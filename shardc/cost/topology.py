@@ -30,6 +30,14 @@ class Device:
     matmul_efficiency: float = 0.7
     vector_efficiency: float = 0.8
     op_overhead: float = 0.0  # seconds of fixed cost per op (kernel launch, dispatch)
+    # FLOP/s of elementwise work (0: a sixteenth of the float32 matmul peak, as on GPUs, whose tensor cores
+    # outrun their vector units; a CPU's vector units run its matmuls too, so cpu-host measures it)
+    vector_flops: float = 0.0
+
+    @property
+    def vector_peak(self) -> float:
+        """FLOP/s of elementwise work."""
+        return self.vector_flops if self.vector_flops > 0 else self.flops_per_s("float32") / 16
 
     def flops_per_s(self, dtype: Any) -> float:
         """Peak FLOP/s for a dtype (falls back to float32's, then to the smallest listed)."""
@@ -168,6 +176,7 @@ class Topology:
                 matmul_efficiency=float(dev.get("matmul_efficiency", 0.7)),
                 vector_efficiency=float(dev.get("vector_efficiency", 0.8)),
                 op_overhead=_num(dev.get("op_overhead", 0.0)),
+                vector_flops=_num(dev.get("vector_flops", 0.0)),
             )
             levels = tuple(Level(str(lv["name"]), int(lv["size"]), _num(lv["bandwidth"]), _num(lv.get("latency", 0.0)))
                            for lv in d["levels"])
@@ -199,7 +208,8 @@ class Topology:
             "device": {"name": self.device.name, "peak_flops": dict(self.device.peak_flops),
                        "mem_bandwidth": self.device.mem_bandwidth, "memory": self.device.memory,
                        "matmul_efficiency": self.device.matmul_efficiency,
-                       "vector_efficiency": self.device.vector_efficiency, "op_overhead": self.device.op_overhead},
+                       "vector_efficiency": self.device.vector_efficiency, "op_overhead": self.device.op_overhead,
+                       "vector_flops": self.device.vector_flops},
             "levels": [dataclasses.asdict(lv) for lv in self.levels],
             "overlap": self.overlap, "reduce_scatter": self.reduce_scatter, "source": self.source,
             "combine_bytes": self.combine_bytes, "combine_count": self.combine_count, "backend": self.backend,

@@ -17,7 +17,8 @@ __all__ = ["BASELINES", "baseline_seeds", "baseline_plan", "state_inputs", "data
            "role_mixes", "consistent_carry", "expert_weights"]
 
 Axes = tuple[str, ...]
-_ARG = re.compile(r"^\[\d+\]")  # the argument index a flattened input's path starts with
+# the argument a flattened input's path starts with: its parameter name (params[...]) or index ([0][...])
+_ARG = re.compile(r"^(\[\d+\]|[A-Za-z_]\w*)")
 _ROW = re.compile(r"(out|o_proj|\bo\b|'o'|down|wo\b|fc2|c_proj|proj_out|dense_?1)", re.I)
 
 
@@ -174,7 +175,7 @@ def megatron(graph: Graph, mesh: Mapping[str, int]) -> list[Seed]:
         dims: list[Axes] = [() for _ in val.shape]
         if val.rank == 2:
             d_in, d_out = val.shape
-            row = bool(_ROW.search(val.name or "")) or d_in > d_out
+            row = bool(_ROW.search(_ARG.sub("", val.name or "", count=1))) or d_in > d_out
             d = 0 if row else 1
             if val.shape[d] % mesh[model] == 0:
                 dims[d] = (model,)

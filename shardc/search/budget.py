@@ -1,14 +1,15 @@
-"""The search's budget: a number of simulated plans, so that a run is reproducible, with wall-clock time
-only as a safety cap.
+"""The search's budget: a number of simulated plans, so that a run is reproducible on a quiet machine and
+a busy one alike.
 
-A time budget alone makes the result depend on how fast the machine is at that moment (a loaded machine
+A time budget makes the result depend on how fast the machine is at that moment (a loaded machine
 evaluates fewer candidates and may return another plan). So `budget_s` is turned into a *plan budget*
-from the program's size — the number of candidates this machine class evaluates in about that time — and
-every decision of the search (how many meshes to score, whether the DP fits, how long MCMC runs, when it
-gives up for lack of progress) counts plans, not seconds. The same program, options and seed then give
-the same plan on every run and every process. The clock still stops a search that runs far slower than
-expected (at `cap_s`); such a result is flagged (`Budget.capped`, `SearchReport.capped`) because a rerun
-may differ.
+from the program's size — the number of candidates the reference machine evaluates in about that time —
+and every decision of the search (how many meshes to score, whether the DP fits, how long MCMC runs, when
+it gives up for lack of progress) counts plans, not seconds. The same program, options and seed then give
+the same plan on every run and every process; a busy machine takes longer to reach it.
+
+There is no wall-clock cap unless one is asked for (`cap_s`, `@shardc.auto(time_cap_s=...)`): a search it
+stops is flagged (`Budget.capped`, `SearchReport.capped`) because a rerun may choose another plan.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from typing import Any
 __all__ = ["Budget", "plans_for", "full_plan_units", "MESH_SETUP_UNITS", "SearchTimeCapWarning"]
 
 class SearchTimeCapWarning(UserWarning):
-    """The search stopped at its wall-clock cap before spending its plan budget: not reproducible."""
+    """The search stopped at the wall-clock cap the user asked for before spending its plan budget: a rerun
+    may choose another plan."""
 
 
 # Seconds one incremental evaluation (propagation + plan + simulation of a one-decision move) takes on the
@@ -30,7 +32,7 @@ class SearchTimeCapWarning(UserWarning):
 _FIXED_S, _FIXED_S_PER_DEVICE = 2e-3, 4e-5
 _PER_OP_S, _PER_OP_S_PER_DEVICE = 3.6e-6, 1.1e-7
 # The plan budget aims at this fraction of `budget_s`, so that a machine up to twice as slow as the
-# reference (or as busy: other jobs, parallel tests) still spends the whole plan budget before the cap.
+# reference (or as busy: other jobs, parallel tests) still plans within about `budget_s`.
 _TARGET_FRACTION = 0.5
 
 
@@ -55,7 +57,8 @@ def plans_for(seconds: float, num_ops: int, num_devices: int) -> int:
 @dataclasses.dataclass
 class Budget:
     """`plans`: the deterministic allowance (None: unbounded, e.g. only `max_steps` bounds MCMC);
-    `cap_s`: the wall-clock cap in seconds (None: none, as in multi-process jobs, which must agree)."""
+    `cap_s`: a wall-clock cap in seconds the caller asked for (None, the default: none, so the result does
+    not depend on the machine's load)."""
 
     plans: int | None
     cap_s: float | None
@@ -65,11 +68,12 @@ class Budget:
 
     @classmethod
     def for_search(cls, seconds: float | None, graph: Any, num_devices: int, *,
-                   cap: bool | float = True) -> "Budget":
-        """`cap`: True for a cap of `seconds`, False for none, or the cap in seconds."""
+                   cap: bool | float | None = None) -> "Budget":
+        """`cap`: None or False for no wall-clock cap (the default), True for a cap of `seconds`, or the
+        cap in seconds."""
         if seconds is None:
             return cls(None, None)
-        cap_s = None if cap is False else seconds if cap is True else float(cap)
+        cap_s = None if cap is None or cap is False else seconds if cap is True else float(cap)
         return cls(plans_for(seconds, len(graph.ops), num_devices), cap_s)
 
     def charge(self, units: float) -> None:

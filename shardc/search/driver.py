@@ -19,6 +19,7 @@ from shardc.propagate import Seed
 from shardc.report import format_bytes
 from shardc.search.baselines import BASELINES, baseline_seeds, consistent_carry, role_mixes
 from shardc.search.budget import MESH_SETUP_UNITS, Budget, full_plan_units
+from shardc.search.compare import GroupNote, compare_groups
 from shardc.search.dp import sp_dp
 from shardc.search.evaluate import INVALID, Evaluator, Problem, Score, paused_gc, plan_from_seeds
 from shardc.search.mcmc import mcmc
@@ -51,6 +52,8 @@ class SearchReport:
     capped: bool = False  # the wall-clock cap stopped the search first: a rerun may choose differently
     candidate_meshes: int = 0  # meshes scored + those the budget left unscored (`meshes` lists those scored)
     user_hinted: bool = True  # whether the program had hints (in-program or metadata) on its first mesh
+    topology: str = ""  # what the plans were priced on, and why (set by @shardc.auto)
+    groups: tuple[GroupNote, ...] = ()  # the chosen plan's heaviest decision groups and what they beat
 
     def summary(self) -> str:
         per_name: dict[str, Candidate] = {}
@@ -66,8 +69,8 @@ class SearchReport:
             lines.append(f"  the plan budget scored the baselines on {len(self.meshes)} of the {self.candidate_meshes} "
                          f"candidate meshes (in the order of docs/search.md); raise budget_s to score more")
         if self.capped:
-            lines.append("  stopped by the time cap before its plan budget was spent: a rerun may choose another plan "
-                         "(raise budget_s)")
+            lines.append("  stopped by the time cap (time_cap_s) before its plan budget was spent: a rerun may choose "
+                         "another plan (without time_cap_s the same seed gives the same plan)")
         w = max(len(c.name) for c in rows)
         for c in rows:
             mesh = ",".join(f"{a}={n}" for a, n in c.mesh.items())
@@ -107,22 +110,22 @@ def project(space: Space, plan: Plan) -> Assignment:
 
 def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, method: Any = True,
                 budget_s: float | None = 30.0, seed: int = 0, max_steps: int = 2000, progress: bool | None = None, max_meshes: int = 2,
-                baselines: Sequence[str] = tuple(BASELINES), time_cap: bool | float = True) -> tuple[Plan, SearchReport]:
+                baselines: Sequence[str] = tuple(BASELINES), time_cap: bool | float | None = None) -> tuple[Plan, SearchReport]:
     """Search every mesh in `meshes` and return the best plan (fits memory, lowest simulated step time)
     with its report. `method`: True (DP then MCMC), "dp", "mcmc". The baselines are scored on the meshes
     in order (on every mesh when the budget allows, at least `max_meshes`); the search then runs on the
     `max_meshes` meshes whose best baseline is fastest.
 
     `budget_s` becomes a number of simulated plans (`shardc.search.budget`), so the result is the same on
-    every run for a seed; with `time_cap` the clock also stops the search at `budget_s` (or at `time_cap`
-    seconds when it is a number; flagged in the
-    report). With budget_s=None, `max_steps` alone bounds MCMC and every mesh is scored."""
+    every run for a seed, however busy the machine. `time_cap` (off by default) also stops the search on
+    the clock: at `budget_s` when True, at `time_cap` seconds when a number (flagged in the report: a
+    rerun may differ). With budget_s=None, `max_steps` alone bounds MCMC and every mesh is scored."""
     from tqdm.auto import tqdm
 
     t0 = time.perf_counter()
     method_name = {True: "dp+mcmc", "dp": "dp", "mcmc": "mcmc"}.get(method, str(method))
     bar = tqdm(desc="shardc search", unit="plan", disable=(None if progress is None else not progress), leave=False)
-    best: tuple[Score, Plan, Candidate, tuple[Seed, ...]] | None = None
+    best: tuple[Score, Plan, Candidate, tuple[Seed, ...], Assignment | None] | None = None
     cands: list[Candidate] = []
     smallest_peak = math.inf
     evaluations = 0
@@ -131,18 +134,20 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
     budget = Budget.for_search(budget_s, problem.graph, n_devices, cap=time_cap)
     hint_error: str | None = None  # why the first mesh that rejected the hints did
 
-    def consider(name: str, sizes: dict[str, int], plan: Plan, score: Score, extra: tuple[Seed, ...]) -> None:
+    def consider(name: str, sizes: dict[str, int], plan: Plan, score: Score, extra: tuple[Seed, ...],
+                 point: Assignment | None = None) -> None:
         nonlocal best, smallest_peak
         smallest_peak = min(smallest_peak, score.peak)
         c = Candidate(name, sizes, score)
         if name != "search":
             cands.append(c)
         if best is None or score.key < best[0].key:
-            best = (score, plan, c, extra)
+            best = (score, plan, c, extra, point)
 
     # Phase 1: every baseline on every mesh.
     states = []
     evaluators: list[Evaluator] = []  # of every mesh scored (the report counts their plans)
+    by_mesh: dict[tuple, tuple[Evaluator, dict[str, Assignment]]] = {}  # mesh -> evaluator, baselines' choices
     not_started = 0  # meshes the budget left unscored
     hinted = False  # any user hint on a mesh scored
     for i, sizes in enumerate(meshes):
@@ -163,6 +168,8 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
         space = build_space(problem.graph, sizes, user)
         ev = Evaluator(problem, mesh, space, user)
         evaluators.append(ev)
+        base_choices: dict[str, Assignment] = {}
+        by_mesh[tuple(sizes.items())] = (ev, base_choices)
         starts: list[Assignment] = [space.neutral()]
         mixes: list[Assignment] = []
         seed_sets: dict[str, list[Seed]] = {}
@@ -177,6 +184,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
                 if key in scored:
                     plan, score = scored[key]
                     consider(name, sizes, plan, score, tuple(extra))
+                    base_choices[name] = plan_choices(space, plan)
                     continue
                 plan = ev.plan_with(extra)
                 score = ev.score_plan(plan)[0]
@@ -189,6 +197,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
             seed_sets[name] = list(extra)
             starts.append(project(space, plan))
             mixes.append(plan_choices(space, plan))
+            base_choices[name] = mixes[-1]
             top = min(top, score, key=lambda x: x.key)
         states.append((top.key, len(states), sizes, user, ev, starts, mixes, seed_sets))
     # Phase 2: search the most promising meshes (by their best baseline), sharing what is left of the budget.
@@ -236,7 +245,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
         extra = tuple(seeds_for(ev.space, a, user))
         try:
             plan = ev.plan(a)
-            consider("search", sizes, plan, ev.score_plan(plan)[0], extra)
+            consider("search", sizes, plan, ev.score_plan(plan)[0], extra, a)
         except ShardingError:
             pass
     evaluations = sum(ev.evaluations for ev in evaluators)
@@ -245,13 +254,16 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
     if best is None:
         raise ShardingError(f"strategy search: no mesh of {[dict(m) for m in meshes]} accepts the program's hints"
                             + (f" ({hint_error})" if hint_error is not None else ""))
-    score, plan, chosen, extra = best
+    score, plan, chosen, extra, point = best
     if not score.feasible:
         raise ShardingError(
             f"no plan fits in device memory: the smallest simulated peak found is {format_bytes(smallest_peak)} per "
             f"device (limit {format_bytes(limit)}); use more devices, a smaller batch, or donate the state")
+    ev, base_choices = by_mesh[tuple(chosen.mesh.items())]
+    groups = compare_groups(ev, point if point is not None else project(ev.space, plan), plan, score.time, base_choices)
+    evaluations = sum(ev.evaluations for ev in evaluators)
     report = SearchReport(chosen, cands, tried, evaluations, time.perf_counter() - t0, method_name, extra,
-                          budget.plans, budget.capped, len(tried) + not_started, hinted)
+                          budget.plans, budget.capped, len(tried) + not_started, hinted, groups=groups)
     return dataclasses.replace(plan, search=report), report
 
 

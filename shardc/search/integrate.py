@@ -3,12 +3,12 @@
 search: True (DP then MCMC), "dp", "mcmc", or a path ending in ".json" (load the plan saved there when it
 matches the program, else search with DP+MCMC and save it). mesh=None lets the search choose the mesh
 shape over all the devices; a given mesh is the only one tried. topology: what the simulator models
-(default: an H100 preset big enough for the devices).
+(default: the devices this process runs on, `shardc.cost.local`).
 """
 from __future__ import annotations
 
 import dataclasses
-import math
+import json
 import os
 import re
 import warnings
@@ -25,7 +25,8 @@ from shardc.search.space import mesh_candidates
 from shardc.sharding import mesh_shape
 from shardc.sim import as_topology
 
-__all__ = ["enabled", "default_topology", "plan_by_search", "trace", "mesh_for_metadata", "AxisNameWarning"]
+__all__ = ["enabled", "default_topology", "pricing_topology", "plan_by_search", "trace", "mesh_for_metadata",
+           "AxisNameWarning"]
 
 _PLAN_CACHE: dict[tuple, Any] = {}  # (graph key, mesh, topology, method, seed) -> (mesh sizes, seeds)
 
@@ -36,25 +37,35 @@ def enabled(search: Any) -> bool:
 
 # Default search budgets (seconds of search after tracing, turned into a number of simulated plans by
 # `shardc.search.budget`), chosen so that planning a ~6,000-eqn train step takes <= 10 s on 8 devices and
-# <= 30 s on 64 on a 2-core machine (bench/search_speed.py); pass budget_s to search longer (bench/zoo.py
-# uses 60-150 s).
+# about 20 s on 64 on a quiet 2-core machine (bench/search_speed.py); a busy machine takes longer to reach
+# the same plan (there is no wall-clock cap unless time_cap_s asks for one). Pass budget_s to search
+# longer (bench/zoo.py uses 60-150 s).
 SMALL_MESH_BUDGET_S = 6.0
 LARGE_MESH_BUDGET_S = 36.0  # (24 scored the baselines on a third of a 64-device program's meshes)
-# With the default budget the wall-clock cap is lower than the budget on > 8 devices: the plan budget is
-# about half the seconds on a quiet machine (~18 s), and on a busy one the cap keeps planning within 30 s.
-LARGE_MESH_CAP_S = 26.0
 
 
 def default_budget(num_devices: int) -> float:
     return SMALL_MESH_BUDGET_S if num_devices <= 8 else LARGE_MESH_BUDGET_S
 
 
-def default_cap(num_devices: int) -> float:
-    return SMALL_MESH_BUDGET_S if num_devices <= 8 else LARGE_MESH_CAP_S
+def default_topology(num_devices: int) -> Any:
+    """The topology plans are priced on without `topology=`: the devices this process runs on."""
+    from shardc.cost.local import local_topology
+
+    return local_topology(num_devices)
 
 
-def default_topology(num_devices: int) -> str:
-    return "h100-sxm-8" if num_devices <= 8 else f"h100-sxm-8x{math.ceil(num_devices / 8)}"
+def pricing_topology(af: Any, num_devices: int) -> tuple[Any, str]:
+    """The topology `af`'s plans are priced on, and why (for `plan.explain()`)."""
+    if af.topology is not None:
+        return af.topology, "topology= given"
+    topo = default_topology(num_devices)
+    return topo, f"the devices this step runs on: {topo.source}" if topo.source else "the devices this step runs on"
+
+
+def _topology_key(topology: Any) -> str:
+    """The topology as a cache key: its whole description (a re-measured cpu-host is another topology)."""
+    return json.dumps(as_topology(topology).to_dict(), sort_keys=True, default=str)
 
 
 _AXIS_ERR = re.compile(r"unknown mesh axis '([^']+)'|Resource axis: ([\w-]+) of")
@@ -157,7 +168,7 @@ def plan_by_search(af: Any, graph: Any, user_seeds: Callable, in_paths: Sequence
     """The searched plan of this program (its mesh may differ from `af.mesh` when mesh_given is False).
     `required_axes`: mesh axes the inputs' metadata names (every candidate mesh has them)."""
     n = getattr(af, "devices", None) or len(jax.devices())
-    topology = af.topology if af.topology is not None else default_topology(n)
+    topology, why = pricing_topology(af, n)
     problem = Problem(graph, user_seeds, topology, list(in_paths), list(out_paths), list(notes), tuple(donate), closed)
     resume, af._search_resume = getattr(af, "_search_resume", None), None
     if resume is not None:  # retraced under the mesh the search chose: rebuild its plan
@@ -174,23 +185,25 @@ def plan_by_search(af: Any, graph: Any, user_seeds: Callable, in_paths: Sequence
     method = True if path is not None else af.search
     user = list(user_seeds(af.mesh)) if mesh_given else None
     key = (graph_key(graph), None if user is None else hints_key(user), tuple(tuple(m.items()) for m in meshes),
-           str(topology), str(method), af.seed, af.budget_s)
+           _topology_key(topology), str(method), af.seed, af.budget_s, getattr(af, "time_cap_s", None))
     cached = _PLAN_CACHE.get(key)
     if cached is not None and user is not None:  # the same traced program and hints planned before here
         return dataclasses.replace(plan_from_seeds(problem, af.mesh, user + list(cached.seeds)), search=cached)
     budget = af.budget_s if af.budget_s is not None else default_budget(n)
-    cap = af.budget_s if af.budget_s is not None else default_cap(n)
+    cap = getattr(af, "time_cap_s", None)
     from shardc.distributed import is_multiprocess
 
-    # The budget is a number of simulated plans (deterministic); the clock is a safety cap, except in
-    # multi-process jobs, where every process must reach the same plan whatever its speed.
+    # The budget is a number of simulated plans, so the plan does not depend on the machine's load; a
+    # wall-clock cap only when asked for, and never in multi-process jobs (every process must agree).
     plan, report = search_plan(problem, meshes, method=method, budget_s=budget, seed=af.seed,
-                               time_cap=cap if not is_multiprocess() else False)
+                               time_cap=cap if cap is not None and not is_multiprocess() else None)
+    report.topology = f"{as_topology(topology).name} ({why})"
     if report.capped:
-        warnings.warn(f"shardc: the strategy search hit its time cap ({cap:g} s) before spending its budget of "
-                      f"{report.plan_budget} simulated plans (the machine is slower or busier than expected); "
-                      "another run may choose a different plan. Raise budget_s (the plan budget and the cap "
-                      "grow together).", SearchTimeCapWarning, stacklevel=4)
+        warnings.warn(f"shardc: the strategy search stopped at time_cap_s={cap:g} s before spending its budget of "
+                      f"{report.plan_budget} simulated plans, so this plan may differ from another run's with the same "
+                      "seed (the machine is slower or busier than the budget assumes). Without time_cap_s the search "
+                      "counts plans, not seconds, and the same seed gives the same plan.", SearchTimeCapWarning,
+                      stacklevel=4)
     _PLAN_CACHE[key] = report
     if path is not None:
         save_plan(plan, path, topology=topology_name, hints=user if mesh_given else list(user_seeds(plan.mesh)))

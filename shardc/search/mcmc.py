@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 from shardc.search.evaluate import Evaluator, Score
 from shardc.search.space import Assignment
 
-__all__ = ["MCMCStats", "mcmc"]
+__all__ = ["MCMCStats", "mcmc", "group_weight"]
 
 
 @dataclasses.dataclass
@@ -41,7 +41,7 @@ def _accept(new: Score, cur: Score, ref: float, beta: float, rng: random.Random)
     return rng.random() < math.exp(-beta * (new.time - cur.time) / max(ref, 1e-30))
 
 
-def _weight(ev: Evaluator, gi: int) -> float:
+def group_weight(ev: Evaluator, gi: int) -> float:
     """Proposal weight of a group: the bytes its members touch (heavy ops are re-drawn more often)."""
     g = ev.space.graph
     grp = ev.space.groups[gi]
@@ -70,7 +70,7 @@ def mcmc(ev: Evaluator, starts: Sequence[Assignment], *, seed: int = 0, max_step
     if not groups:
         stats.stopped = "no decisions"
         return best, best_score, stats
-    weights = [_weight(ev, i) for i in groups]
+    weights = [group_weight(ev, i) for i in groups]
     restart_every = restart_every or max(10, max_steps // 10)
     t0 = time.perf_counter()
     last_gain_step, last_gain_t = 0, t0

@@ -19,7 +19,7 @@ from shardc.plan import OpStrategy
 from shardc.propagate import Cause, Seed
 
 __all__ = ["DECISION_PRIMITIVES", "DEFAULT_AXIS_NAMES", "Group", "Space", "Assignment", "mesh_candidates", "mesh_orders",
-           "build_space", "seeds_for", "project_plan", "plan_choices", "mixing_domains"]
+           "build_space", "seeds_for", "project_plan", "plan_choices", "mixing_domains", "op_signature"]
 
 Axes = tuple[str, ...]
 DECISION_PRIMITIVES = frozenset({"dot_general", "gather", "scatter", "scatter-add", "scatter_add", "scatter-mul",
@@ -163,7 +163,8 @@ def _assignments(slots: Sequence[int], mesh: Mapping[str, int], axis_names: Sequ
     return out
 
 
-def _signature(graph: Graph, op) -> str:
+def op_signature(graph: Graph, op) -> str:
+    """What makes ops one decision group: primitive, operand/result shapes and dtypes, params."""
     shapes = [(graph.values[v].shape, str(graph.values[v].dtype)) for v in op.inputs + op.outputs]
     params = sorted((k, repr(v)) for k, v in op.params.items() if k not in ("jaxpr", "call_jaxpr"))
     return f"{op.primitive}|{shapes}|{params}"
@@ -192,7 +193,7 @@ def build_space(graph: Graph, mesh: Mapping[str, int], user_seeds: Sequence[Seed
     by_sig: dict[str, list[int]] = {}
     for op in graph.ops:
         if op.primitive in DECISION_PRIMITIVES and op.rule.num_factors:
-            by_sig.setdefault(_signature(graph, op), []).append(op.id)
+            by_sig.setdefault(op_signature(graph, op), []).append(op.id)
     groups: list[Group] = []
     for sig, members in by_sig.items():
         op = graph.ops[members[0]]

@@ -408,7 +408,7 @@ def test_carried_state_that_changes_shape_warns_once_and_computes_right():
         for _ in range(3):
             p = step(p)
     ours = [str(w.message) for w in caught if issubclass(w.category, shardc.ReplanWarning)]
-    assert len(ours) == 1 and all(w in ours[0] for w in ("change shape between calls", "argument [0]['w'] is "
+    assert len(ours) == 1 and all(w in ours[0] for w in ("change shape between calls", "argument p['w'] is "
                                                          "float32[9, 6]", "returned as out['w']", "took float32[8, 6]"))
     assert p["w"].shape == (X.shape[0] + 3, X.shape[1])
     half = shardc.auto(lambda x: x[::2] * 2, mesh=MESH, search=False)

@@ -107,7 +107,7 @@ def test_expert_weights_are_batched_on_dim0_not_any_rank3_state():
 
     g = shardc.auto(step, search=False).compiled_info(*args).plan.graph  # inputs named by their paths
     names = sorted(g.values[v].name for v in expert_weights(g))
-    assert names == ["[0]['experts']", "[1][0].mu['experts']", "[1][0].nu['experts']"], names
+    assert names == ["opt_state[0].mu['experts']", "opt_state[0].nu['experts']", "params['experts']"], names
 
 
 def test_a_batch_smaller_than_the_devices_splits_over_the_most_devices_then_the_innermost_axes():

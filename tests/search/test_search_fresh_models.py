@@ -17,7 +17,8 @@ def test_auto_matches_jit_and_beats_baselines(name):
     plan = f.plan(*args)
     assert plan.search is not None
     assert check_report(plan.search) is None, plan.search.summary()
-    compare(run_steps(f, args, 2), run_steps(jax.jit(step), args, 2))
+    # priced on the CPU host these plans shard: Adam moves elements whose gradient is ~0 by ~+-lr
+    compare(run_steps(f, args, 2), run_steps(jax.jit(step), args, 2), atol=1e-4)
 
 
 @pytest.mark.parametrize("name", sorted(MEDIUM))

@@ -133,7 +133,7 @@ def test_keyword_arguments(mesh):
     x = jnp.ones((8, 2))
     np.testing.assert_allclose(f(x, scale=jnp.float32(3.0)), x * 3)
     plan = f.plan(x, scale=jnp.float32(3.0))
-    assert plan.input_names == ("[0]", "['scale']")
+    assert plan.input_names == ("x", "scale")
 
 
 def test_key_placed_by_an_earlier_run_on_another_mesh():
@@ -169,6 +169,6 @@ def test_the_same_donated_array_twice_is_an_error_not_a_crash():
     """Regression: `f(x, x)` with both donated crashed the process inside XLA on 8 devices."""
     f = shardc.auto(lambda a, b: a + b, mesh=shardc.make_mesh({"data": 8}), search=False, donate_argnums=(0, 1))
     x = jax.device_put(jnp.ones((8, 4)), jax.sharding.NamedSharding(f._mesh(), PS()))
-    with pytest.raises(shardc.ShardingError, match=r"the same array is passed as \[0\] and \[1\]"):
+    with pytest.raises(shardc.ShardingError, match=r"the same array is passed as a and b"):
         f(x, x)
     np.testing.assert_allclose(f(x, jnp.copy(x)), 2 * np.ones((8, 4)))

@@ -36,7 +36,7 @@ def test_dense_general_with_leading_names_only_is_split_and_trains_as_jax_jit():
     opt = tx.init(params)
     f = shardc.auto(_step(model, tx), mesh=mesh, search=False)
     plan = f.plan(params, opt, x)
-    kernel = plan.input_names.index("[0]['DenseGeneral_0']['kernel'].value")
+    kernel = plan.input_names.index("params['DenseGeneral_0']['kernel'].value")
     assert plan.input_shardings()[kernel].dims == ((), ("model",), ())  # [in, heads, head_dim]: heads split
     ours, ref = (params, opt), (params, opt)
     for _ in range(2):

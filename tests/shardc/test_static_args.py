@@ -49,8 +49,8 @@ def test_static_arguments_match_jax_jit_and_plan_once_per_value(mesh):
         np.testing.assert_allclose(l_ours, l_ref, rtol=1e-6)
         np.testing.assert_allclose(w_ours, w_ref, rtol=1e-6)
     assert len(traces) == 3  # one trace per distinct (config, train)
-    # the plan's input names are the call's positions: the static argument takes no input
-    assert ours.plan(w, x, Config("relu", 1.0)).input_names == ("[0]", "[1]")
+    # the plan's inputs are named by the step's parameters: the static argument takes no input
+    assert ours.plan(w, x, Config("relu", 1.0)).input_names == ("w", "x")
 
 
 def test_static_argnames_covers_a_positional_parameter(mesh):
