@@ -24,7 +24,7 @@ import dataclasses
 import os
 import sys
 import tempfile
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import jax
 
@@ -33,7 +33,7 @@ from shardc.attribute import attribute
 from shardc.cost.hlo import COLLECTIVE_KINDS, collectives
 from shardc.cost.topology import Device, Level, Topology
 
-__all__ = ["check", "CheckReport", "CheckRow", "compiled_stats", "BOUNDS", "xla_log", "INVOLUNTARY_REMAT"]
+__all__ = ["check", "compare", "CheckReport", "CheckRow", "compiled_stats", "BOUNDS", "xla_log", "INVOLUNTARY_REMAT"]
 
 BOUNDS = {"bytes": 0.05, "flops": 0.05, "memory": 0.20}
 INVOLUNTARY_REMAT = "Involuntary full rematerialization"
@@ -190,13 +190,24 @@ def _uncombined_collectives(lowered: Any, plan: Any) -> list[Any]:
 
 def check(plan_or_fn: Any, *args: Any, topology: Any = None, by_op: bool = False, **kwargs: Any) -> CheckReport:
     """Compile a plan and compare the simulator's collective bytes (by kind), FLOPs and memory with it.
-    `by_op`: also attribute the compiled collectives to plan ops (`CheckReport.by_op`, per step: loop bodies times their trips; one more compile)."""
+    `by_op`: also attribute the compiled collectives to plan ops (`CheckReport.by_op`, per step: loop bodies
+    times their trips; one more compile)."""
     from shardc.auto import AutoFunction
-    from shardc.sim import as_topology, simulate
 
     plan = plan_or_fn.plan(*args, **kwargs) if isinstance(plan_or_fn, AutoFunction) else plan_or_fn
     lowered = _lowered(plan)
     compiled, warnings = _compile(lowered)
+    report = compare(plan, compiled, warnings, topology=topology)
+    if by_op:
+        report.by_op = attribute(plan, _uncombined_collectives(lowered, plan), report.simulation)
+    return report
+
+
+def compare(plan: Any, compiled: Any, warnings: Sequence[str] = (), *, topology: Any = None) -> CheckReport:
+    """The plan's simulation against a compiled program of it (`shardc.lower.jit_plan(...).lower(...)
+    .compile()`) and XLA's SPMD warnings while compiling it (`xla_log`)."""
+    from shardc.sim import as_topology, simulate
+
     platform = jax.default_backend()
     topo = _host_topology(platform) if topology is None else as_topology(topology)
     # What XLA does on this backend: XLA:CPU has no reduce-scatter and merges all-reduces without a size limit.
@@ -212,5 +223,4 @@ def check(plan_or_fn: Any, *args: Any, topology: Any = None, by_op: bool = False
     rows.append(CheckRow("FLOPs", sim.xla_flops, stats["flops"], BOUNDS["flops"]))
     if stats["memory"] is not None:
         rows.append(CheckRow("peak memory bytes", sim.peak_memory, stats["memory"], BOUNDS["memory"]))
-    by_op = attribute(plan, _uncombined_collectives(lowered, plan), sim) if by_op else []
-    return CheckReport(rows, stats["collectives"], sim, warnings, by_op)
+    return CheckReport(rows, stats["collectives"], sim, [w for w in warnings if "[SPMD]" in w])

@@ -32,7 +32,8 @@ from jax.sharding import NamedSharding
 
 from annotations.primitive import hint_p
 from shardc.ir.build import CALL_PRIMITIVES, REGION_PRIMITIVES
-from shardc.plan import Plan, require_devices
+from shardc.cost.reshard_path import reshard_steps
+from shardc.plan import Plan, lowers_reduce_scatter, require_devices
 from shardc.rules.core import FactorKind
 from shardc.sharding import Sharding
 
@@ -82,6 +83,7 @@ class Lowering:
     def __init__(self, plan: Plan, tag_ops: bool = False) -> None:
         self.plan, self.graph, self.tag_ops = plan, plan.graph, tag_ops
         self.sizes = plan.mesh_sizes
+        self.reduce_scatter = lowers_reduce_scatter(plan.mesh)
         self.needs: dict[int, dict[int, Sharding]] = {}
         for r in plan.reshards:
             if r.consumer is not None:
@@ -96,9 +98,19 @@ class Lowering:
         """`x` constrained to value `vid`'s planned sharding."""
         return _constrain(x, self.named(self.plan.shardings[vid]))
 
+    def reshard(self, x: Any, vid: int, src: Sharding, dst: Sharding) -> Any:
+        """`x` (value `vid`, laid out as `src`) constrained to `dst` through the layouts of the one reshard
+        model (`reshard_steps`: intermediate layouts where XLA would rematerialize the whole value)."""
+        if src != dst:
+            val = self.graph.values[vid]
+            for layout, _ in reshard_steps(src, dst, val.shape, val.dtype.itemsize, self.sizes, self.reduce_scatter):
+                x = _constrain(x, self.named(layout.without_partial()))
+        return x
+
     def as_needed(self, x: Any, op_id: int, vid: int) -> Any:
         """`x` (value `vid`) constrained to the layout op `op_id` needs it in (its planned one if no reshard)."""
         need = self.needs.get(op_id, {}).get(vid)
+        x = self.reshard(x, vid, self.plan.shardings[vid], need) if need is not None else x
         return _constrain(x, self.named(need if need is not None else self.plan.shardings[vid]))
 
     def take(self, *primitives: str) -> Any:
@@ -132,7 +144,8 @@ class Lowering:
         the layout its strategy makes and then to their planned layouts."""
         need = self.needs.get(op.id)
         if need:
-            invals = [_constrain(x, self.named(need[v])) if v in need else x for x, v in zip(invals, op.inputs)]
+            invals = [self.reshard(x, v, self.plan.shardings[v], need[v]) if v in need else x
+                      for x, v in zip(invals, op.inputs)]
         if eqn.primitive is hint_p or op.primitive == "sharding_constraint":
             # a hint or jax's own constraint (maybe on the mesh the step was traced under, e.g. Flax's on
             # partitioned parameters): the plan's decided sharding of the value, on the plan's mesh
@@ -145,7 +158,7 @@ class Lowering:
                 continue
             outs[i] = _constrain(outs[i], self.named(made[i]))
             if made[i] != self.plan.shardings[vid]:
-                outs[i] = self.as_planned(outs[i], vid)
+                outs[i] = self.reshard(outs[i], vid, made[i], self.plan.shardings[vid])
         return outs
 
     def walk(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], region: str) -> list[Any]:

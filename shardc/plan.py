@@ -3,8 +3,8 @@
 `build_plan` turns a propagation result into a Plan: each op takes its factors' axes from its results
 (reduction factors from its largest operand), which fixes the layout it needs on each operand; where a
 value's sharding differs from what a consumer needs, or an op leaves partial sums, a Reshard is recorded
-with its cause and the collectives XLA emits for it — from `shardc.cost.reshard.reshard_collectives`, the
-one reshard model the simulator, the PCG and `shardc.check` use too.
+with its cause and the collectives XLA emits for it — from `shardc.cost.reshard_path.reshard_steps`, the
+one reshard model the simulator, the lowering and `shardc.check` use too.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from annotations.errors import ShardingError, SourceLine
 from shardc.cost.collectives import Collective
-from shardc.cost.reshard import reshard_collectives
+from shardc.cost.reshard_path import reshard_steps, sent_bytes
 from shardc.ir.graph import Graph, Op
 from shardc.propagate import Cause, Propagation, project_dim
 from shardc.rules.core import FactorKind, FactorRule
@@ -175,24 +175,16 @@ def lowers_reduce_scatter(mesh: Any) -> bool:
     return next(iter(mesh.devices.flat)).platform != "cpu"
 
 
-def _sent(c: Collective, mesh: Mapping[str, int]) -> int:
-    n = c.group_size(mesh)
-    if c.kind == "collective-permute":
-        return c.bytes
-    share = c.bytes * (n - 1) // max(n, 1)
-    return 2 * share if c.kind == "all-reduce" else share
-
-
 @functools.lru_cache(maxsize=1 << 16)
 def _reshard_cost(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int,
                   mesh_items: tuple[tuple[str, int], ...], reduce_scatter: bool) -> ReshardCost:
     mesh = dict(mesh_items)
-    colls = reshard_collectives(src, dst, shape, itemsize, mesh, reduce_scatter=reduce_scatter)
+    colls = tuple(c for _, step in reshard_steps(src, dst, shape, itemsize, mesh, reduce_scatter) for c in step)
     if colls:
         kind = "+".join(dict.fromkeys(c.kind for c in colls))
     else:
         kind = "none" if src.without_partial() == dst.without_partial() else "slice"
-    return ReshardCost(colls, kind, sum(c.bytes for c in colls), sum(_sent(c, mesh) for c in colls))
+    return ReshardCost(colls, kind, sum(c.bytes for c in colls), sum(sent_bytes(c, mesh) for c in colls))
 
 
 def reshard_cost(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int, mesh: Mapping[str, int],

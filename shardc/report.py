@@ -271,13 +271,15 @@ def _details(plan: "Plan", names: Sequence[str], max_rows: int, width: int) -> l
     if plan.reshards:
         by_kind: dict[str, list[int]] = {}
         for r in plan.reshards:
-            by_kind.setdefault(r.kind, []).append(r.bytes)
+            for c in r.collectives:
+                by_kind.setdefault(c.kind, []).append(c.bytes)
         summary = ", ".join(f"{k}: {len(v)} ({format_bytes(sum(v))})" for k, v in sorted(by_kind.items()))
-        lines += [""] + _wrap(f"reshards by kind: {summary}", width)
-        lines += _wrap("(bytes each device sends for the planned reshards. The simulated cost and the search table "
-                       "differ either way: they count each collective's payload as XLA reports it (an all-gather's "
-                       "gathered result, loop bodies times their trips), and they leave out reshards of values XLA "
-                       "removes or recomputes (duplicates, dead code, broadcasts made again where they are needed))",
+        free = sum(1 for r in plan.reshards if not r.collectives)
+        lines += [""] + _wrap(f"collectives of the planned reshards: {summary or 'none'}"
+                              + (f"; {free} free local slices" if free else ""), width)
+        lines += _wrap("(payload per device of each collective XLA emits for them, as shardc.check reads them from the "
+                       "compiled program. The simulated cost counts loop bodies times their trips and leaves out "
+                       "reshards of values made once and reused, or removed by XLA as duplicates or dead code)",
                        width)
         top = sorted(plan.reshards, key=lambda r: -r.bytes)[:max_rows]
         rows = [[r.kind, format_bytes(r.bytes), f"{r.src} -> {r.dst}", str(r.source) if r.source else "?", r.cause]

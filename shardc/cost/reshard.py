@@ -755,7 +755,7 @@ def reshard_collectives(src: Sharding, dst: Sharding, shape: Sequence[int], item
     out: list[Collective] = []
     cur, mesh_key = _key(src, mesh)
     target, _ = _key(dst, mesh)
-    partial = src.partial - dst.partial
+    partial = frozenset(a for a in src.partial - dst.partial if mesh[a] > 1)  # (sums over one device are whole)
     if partial:
         payload = _local(cur, shape, mesh) * itemsize
         scatter = partial <= dst.axes() - src.axes() and _slices_only(_with_axes(cur, target, partial), target)

@@ -21,7 +21,7 @@ from shardc.cost.collectives import collective_phases
 from shardc.cost.estimator import AnalyticalEstimator, OpCostEstimator, OpKey
 from shardc.cost.flops import count_op
 from shardc.cost.program import FREE_PRIMITIVES, ProgramInfo, program_info
-from shardc.cost.reshard import reshard_collectives
+from shardc.cost.reshard_path import reshard_steps
 from shardc.cost.topology import MeshMapping, Topology
 from shardc.plan import Plan
 from shardc.sharding import Sharding
@@ -188,8 +188,8 @@ class TaskBuilder:
         key = (src, dst, val.shape, self._itemsize[v])
         hit = self._coll_memo.get(key)
         if hit is None:
-            hit = self._coll_memo[key] = reshard_collectives(src, dst, val.shape, self._itemsize[v], self.mesh,
-                                                             reduce_scatter=self.topology.reduce_scatter)
+            steps = reshard_steps(src, dst, val.shape, self._itemsize[v], self.mesh, self.topology.reduce_scatter)
+            hit = self._coll_memo[key] = tuple(c for _, colls in steps for c in colls)
         return hit
 
     def phases(self, c: Any) -> tuple:

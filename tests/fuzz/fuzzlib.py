@@ -12,6 +12,8 @@ and under `@shardc.auto` on its mesh and asserts that
 
 * forward values and gradients agree (float32 tolerance scaled by the values' magnitude);
 * the compiled program's input/output shardings, and the returned arrays' shardings, are the plan's;
+* the compiled program's collectives are the plan's (kinds and bytes, as the simulator counts them), and
+  XLA logged no involuntary full rematerialization;
 * every hinted dim is placed as the hint says;
 * no op fell back to the conservative (replicate-everything) rule: the fuzzer only uses covered
   primitives, so a fallback means a rule failed on a shape.
@@ -35,6 +37,7 @@ import flax.linen as nn
 
 import shardc
 from annotations import UNCONSTRAINED
+from shardc.check import compare, xla_log
 from annotations.primitive import resolve_dims
 
 __all__ = ["Step", "Program", "programs", "check_program", "evaluate", "make_args", "describe", "MESHES"]
@@ -773,6 +776,18 @@ def _check_metadata(prog: Program, plan: shardc.Plan) -> int:
     return n
 
 
+def _check_collectives(plan: shardc.Plan, compiled: Any, log: Sequence[str]) -> None:
+    """The compiled program's collectives are the plan's, kind by kind and byte for byte (as the simulator
+    counts them), and XLA rematerialized nothing."""
+    report = compare(plan, compiled, log)
+    if report.involuntary_remats:
+        raise FuzzFailure(f"XLA: {report.involuntary_remats[0].strip()[:300]}")
+    for row in report.rows:
+        if row.quantity.endswith(" bytes") and row.quantity != "peak memory bytes" and row.predicted != row.compiled:
+            raise FuzzFailure(f"{row.quantity}: the plan has {row.predicted:,.0f}, the compiled program "
+                              f"{row.compiled:,.0f}")
+
+
 def _check_shardings_well_formed(plan: shardc.Plan) -> None:
     """Every planned sharding names mesh axes once each and divides its dims evenly."""
     sizes = plan.mesh_sizes
@@ -889,7 +904,9 @@ def check_program(prog: Program, seed: int = 0) -> Outcome:
     got = auto(*args)
     flat = jax.tree.leaves(args)
     rounding, upstream = _compare(reference, args, got, info, "result")
-    compiled = info.jitted.lower(*flat).compile()
+    with xla_log() as log:
+        compiled = info.jitted.lower(*flat).compile()
+    _check_collectives(plan, compiled, log)
     in_s = compiled.input_shardings[0]  # None for an input jit pruned (unused): nothing to compare
     out_s = jax.tree.leaves(compiled.output_shardings)
     planned_in, planned_out = plan.input_shardings(), plan.output_shardings()

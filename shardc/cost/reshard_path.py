@@ -1,0 +1,82 @@
+"""The reshard shardc asks XLA for: a change of sharding, through intermediate layouts when XLA would
+otherwise do it by "involuntary full rematerialization" (all-gather the whole value, slice it again).
+
+`reshard_steps(src, dst, ...)` is the one answer every pass uses — the planner's `Reshard`s, the
+simulator's collectives, the lowering's constraints: the layouts the value goes through (the last is
+`dst`) with the collectives XLA emits for each step (`reshard_collectives`). A reshard XLA does well is one
+step. One it would rematerialize goes through the intermediate layout that sends the fewest bytes with
+no step rematerialized (e.g. [-, data+model] -> [data, -] as [-, data+model] -> [data, model] ->
+[data, -]: an all-to-all then an all-gather of a quarter, where XLA's fallback gathers the whole
+value); the lowering constrains the value to each layout in turn, so the compiled program has exactly
+these collectives and no rematerialization warning.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from typing import Mapping, Sequence
+
+from shardc.cost.collectives import Collective
+from shardc.cost.reshard import is_involuntary_remat, reshard_collectives
+from shardc.sharding import Sharding
+
+__all__ = ["reshard_steps", "sent_bytes", "ReshardStep"]
+
+ReshardStep = tuple[Sharding, tuple[Collective, ...]]  # (the layout after the step, its collectives)
+
+
+def sent_bytes(c: Collective, mesh: Mapping[str, int]) -> int:
+    """Bytes each device sends for a collective (ring algorithms), what reshard paths are compared by."""
+    n = c.group_size(mesh)
+    if c.kind == "collective-permute":
+        return c.bytes
+    share = c.bytes * (n - 1) // max(n, 1)
+    return 2 * share if c.kind == "all-reduce" else share
+
+
+def reshard_steps(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int, mesh: Mapping[str, int],
+                  reduce_scatter: bool = True) -> tuple[ReshardStep, ...]:
+    """The layouts a value goes through from `src` to `dst` (the last is `dst`), each with its collectives;
+    none of the steps is a full rematerialization when another way exists (memoised)."""
+    return _steps(src, dst, tuple(int(n) for n in shape), int(itemsize), tuple(mesh.items()), reduce_scatter)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _steps(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int,
+           mesh_items: tuple[tuple[str, int], ...], reduce_scatter: bool) -> tuple[ReshardStep, ...]:
+    mesh = dict(mesh_items)
+    direct = reshard_collectives(src, dst, shape, itemsize, mesh, reduce_scatter=reduce_scatter)
+    if not is_involuntary_remat(src, dst, shape, mesh):
+        return ((dst, direct),)
+    steps: list[ReshardStep] = []
+    start = src
+    if src.partial - dst.partial:  # the partial sums are reduced first, in the source's dims
+        start = Sharding(src.dims, src.partial & dst.partial)
+        steps.append((start, reshard_collectives(src, start, shape, itemsize, mesh, reduce_scatter=reduce_scatter)))
+    best: tuple[int, int, tuple[ReshardStep, ...]] | None = None
+    for mid in _layouts(len(shape), shape, mesh):
+        if mid in (start, dst) or is_involuntary_remat(start, mid, shape, mesh) \
+                or is_involuntary_remat(mid, dst, shape, mesh):
+            continue
+        a = reshard_collectives(start, mid, shape, itemsize, mesh, reduce_scatter=reduce_scatter)
+        b = reshard_collectives(mid, dst, shape, itemsize, mesh, reduce_scatter=reduce_scatter)
+        cost = (sum(sent_bytes(c, mesh) for c in a + b), len(a) + len(b))
+        if best is None or cost < best[:2]:
+            best = (*cost, ((mid, a), (dst, b)))
+    if best is None:  # (XLA's own fallback, as it would do it: gather everything, then slice)
+        return ((dst, direct),)
+    return tuple(steps) + best[2]
+
+
+def _layouts(rank: int, shape: Sequence[int], mesh: Mapping[str, int]) -> list[Sharding]:
+    """Every dims-only sharding of a rank-`rank` value of `shape` on `mesh` that splits its dims evenly, in
+    a fixed order."""
+    axes = list(mesh)
+    out = []
+    for where in itertools.product(range(rank + 1), repeat=len(axes)):  # 0: unused, d + 1: dim d
+        per_dim = [[a for a, w in zip(axes, where) if w == d + 1] for d in range(rank)]
+        for orders in itertools.product(*(itertools.permutations(p) for p in per_dim)):
+            if all(n % math.prod(mesh[a] for a in o) == 0 for n, o in zip(shape, orders)):
+                out.append(Sharding(tuple(tuple(o) for o in orders)))
+    return out
