@@ -312,8 +312,10 @@ class AutoFunction:
         meta_axes = _search.mesh_for_metadata(self, roots)  # may set a tracing mesh with the axes named there
         mesh = self._mesh()
         # Flax metadata is checked before tracing: inside the trace Flax would apply it as a sharding
-        # constraint and fail with JAX's error (an unknown axis, an axis named twice).
-        input_hints(roots, mesh.axis_names, self.rules, _describe(self.fun))
+        # constraint and fail with JAX's error (an unknown axis, an axis named twice, a dim that does not divide).
+        # (When the search chooses the mesh, the tracing mesh is provisional: only the axis names are checked.)
+        provisional = _search.enabled(self.search) and not self._mesh_given
+        input_hints(roots, mesh.axis_names if provisional else mesh, self.rules, _describe(self.fun))
         t0 = time.perf_counter()
         closed, in_tree, out_tree = _search.trace(self, self._trace, (args, kwargs), meta_axes)
         mesh = self._mesh()  # the search may have chosen a tracing mesh that has the axes the program names

@@ -251,9 +251,9 @@ def _apply(p, x):
     return _Dense().apply({"params": p}, x)
 
 
-@case("'embed'", "neither a mesh axis", "nor a logical axis with a rule", "rules=[('embed'", line=False)
-def logical_axis_name_without_rule():
-    plan(_apply, _PARAMS, jnp.ones((2, 6)))
+@case("'modle'", "neither a mesh axis", "nor a logical axis with a rule", "rules=[('modle'", line=False)
+def partitioned_name_that_is_not_a_mesh_axis():  # (a *logical* name without a rule is replicated, as in Flax)
+    plan(lambda p: p, {"w": nn.Partitioned(X, names=(None, "modle"))})
 
 
 @case("unknown mesh axis 'nope'", "['kernel']", "(6, 8)", "{'data': 2, 'model': 4}", line=False)
