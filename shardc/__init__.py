@@ -20,10 +20,13 @@ from shardc.search.budget import SearchTimeCapWarning
 from shardc.search.integrate import AxisNameWarning
 from shardc.carried import ReplanWarning
 from shardc.waste import IdleDevicesWarning
+from shardc.flax_rules import UnhintedParamsWarning
+from shardc.placement import PlacementWarning
 
 __all__ = [
     "auto", "plan", "plan_for", "make_mesh", "split", "replicate", "shard", "UNCONSTRAINED", "ShardingError",
     "Plan", "Reshard", "Sharding", "AutoFunction", "register_rule", "Topology", "simulate", "baselines",
-    "SearchTimeCapWarning", "AxisNameWarning", "ReplanWarning", "IdleDevicesWarning",
+    "SearchTimeCapWarning", "AxisNameWarning", "ReplanWarning", "IdleDevicesWarning", "PlacementWarning",
+    "UnhintedParamsWarning",
 ]
 __version__ = "0.1.0"

@@ -34,8 +34,11 @@ from shardc.arg_names import leaf_names
 from shardc.carried import CarriedShapes, ReplanWarning
 from shardc.nnx_args import NnxCall, split_call
 from shardc.distributed import check_plan_agreement, is_multiprocess, to_global
+from shardc.flax_rules import rules_context, warn_unhinted_params
+from shardc.jit_shardings import JitShardings, same_mesh
 from shardc.lower import jit_plan
-from shardc.metadata import input_hints
+from shardc.metadata import has_logical_boxes, input_hints
+from shardc.placement import PlacementWarning, call_mesh, fits, is_placed, placed_dims, replacement_note
 from shardc.plan import Plan, build_plan, is_abstract, require_devices
 from shardc.propagate import Cause, Seed, propagate
 from shardc.seeds import input_seed, program_seeds
@@ -57,6 +60,9 @@ class Compiled:
     out_tree: Any
     jitted: Any
     timings: dict[str, float]
+    # inputs placed in a layout of their own that a stronger hint overrides (in_shardings, Flax metadata): why
+    overridden: dict[int, str] = dataclasses.field(default_factory=dict)
+    placement_warned: bool = False  # (re-placements are reported once per plan)
 
 
 def _default_mesh() -> Mesh:
@@ -80,11 +86,17 @@ class AutoFunction:
                  donate_argnums: int | Sequence[int] = (), topology: Any = None, search: Any = True,
                  budget_s: float | None = None, seed: int = 0, devices: int | None = None,
                  static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
-                 time_cap_s: float | None = None) -> None:
+                 time_cap_s: float | None = None, in_shardings: Any = None, out_shardings: Any = None,
+                 _source: SourceLine | None = None) -> None:
         if not callable(fun):
             raise TypeError(f"shardc.auto expects a function, got {type(fun).__name__}")
         functools.update_wrapper(self, fun)
         self.fun = fun
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise ShardingError(f"shardc.auto(mesh=...) needs a jax.sharding.Mesh (see shardc.make_mesh), got {type(mesh).__name__}")
+        # in_shardings / out_shardings as jax.jit takes them (shardc/jit_shardings.py); NamedShardings fix the mesh
+        self.shardings = JitShardings.make(in_shardings, out_shardings, _source or caller_source_line())
+        mesh = self._mesh_of_shardings(mesh, devices)
         self.mesh = mesh
         self.rules = _check_rules(rules)
         self.donate_argnums = _check_donate(donate_argnums)
@@ -95,8 +107,6 @@ class AutoFunction:
         self.seed = seed
         self._cache: dict[Any, Compiled] = {}
         self._carried = CarriedShapes()
-        if mesh is not None and not isinstance(mesh, Mesh):
-            raise ShardingError(f"shardc.auto(mesh=...) needs a jax.sharding.Mesh (see shardc.make_mesh), got {type(mesh).__name__}")
         self._mesh_given = mesh is not None
         self._search_resume: Any = None  # the SearchReport while retracing under the mesh the search chose
         # devices: plan for this many devices (the search's mesh shapes; more than this host has gives a
@@ -110,7 +120,11 @@ class AutoFunction:
         _check_search_options(search, budget_s, time_cap_s)
         self._options = dict(mesh=mesh, rules=rules, donate_argnums=donate_argnums, topology=topology, search=search,
                              budget_s=budget_s, seed=seed, devices=devices, static_argnums=static_argnums,
-                             static_argnames=static_argnames, time_cap_s=time_cap_s)
+                             static_argnames=static_argnames, time_cap_s=time_cap_s, in_shardings=in_shardings,
+                             out_shardings=out_shardings, _source=self.shardings.source)
+        self._mesh_steps: dict[tuple, AutoFunction] = {}  # mesh=None: per mesh the arguments were placed on
+        self._placed_plans: dict[tuple, Compiled] = {}  # per signature and layouts of placed arguments
+        self._warned_unhinted = False  # (the UnhintedParamsWarning is said once)
         self._nnx_steps: dict[NnxCall, AutoFunction] = {}  # per NNX argument structure (shardc/nnx_args.py)
         self._static = StaticArgs(fun, static_argnums, static_argnames)
         self._static.check_not_donated(self.donate_argnums)
@@ -132,11 +146,14 @@ class AutoFunction:
             out, *new_state = nnx.step(*nnx.args, **nnx.kwargs)
             nnx.call.update(nnx.nodes, tuple(new_state))
             return out
+        if (placed := self._placed_step(args, kwargs)) is not None:
+            return placed[0](*args, **kwargs)
         self._carried.check(tree, leaves, _describe(self.fun))
         c = self._compiled(args, kwargs)
         require_devices(c.plan)
         _check_donated_once(leaves, c.plan, self.fun)
-        flat = [self._place(x, s) for x, s in zip(leaves, c.plan.input_shardings())]
+        self._warn_replacements(c, leaves)
+        flat = [self._place(x, s, c.plan.mesh) for x, s in zip(leaves, c.plan.input_shardings())]
         out = c.jitted(*flat)
         self._carried.record(tree, leaves, c.plan.input_names, out, c.plan.output_names)
         return jax.tree_util.tree_unflatten(c.out_tree, out)
@@ -172,7 +189,7 @@ class AutoFunction:
             return static
         if (nnx := self._nnx_step(args, kwargs)) is not None:
             return nnx.step, nnx.args, nnx.kwargs
-        return None
+        return self._placed_step(args, kwargs)
 
     def _static_step(self, args: tuple, kwargs: dict) -> tuple["AutoFunction", tuple, dict] | None:
         """With static arguments: the step for their values (one per value, as jax.jit keeps one program
@@ -182,8 +199,9 @@ class AutoFunction:
         key, dyn_args, dyn_kwargs = self._static.split(args, kwargs)
         step = self._static_steps.get(key)
         if step is None:
+            shardings = self.shardings.for_static([i for i, _ in key[0]], len(args), _describe(self.fun))
             options = {**self._options, "static_argnums": (), "static_argnames": (),
-                       "search": self._static.search_path(self.search, key)}
+                       "search": self._static.search_path(self.search, key), "in_shardings": shardings.in_shardings}
             step = self._static_steps[key] = AutoFunction(self._static.bind(key), **options)
         return step, dyn_args, dyn_kwargs
 
@@ -220,8 +238,55 @@ class AutoFunction:
         call, pure_args, pure_kwargs, nodes = split
         step = self._nnx_steps.get(call)
         if step is None:
-            step = self._nnx_steps[call] = AutoFunction(call.pure(self.fun), **self._options)
+            outs = self.shardings.for_nnx(len(call.node_positions)).out_shardings
+            step = self._nnx_steps[call] = AutoFunction(call.pure(self.fun), **{**self._options, "out_shardings": outs})
         return _NnxRoute(step, call, pure_args, pure_kwargs, nodes)
+
+    def _placed_step(self, args: tuple, kwargs: dict) -> tuple["AutoFunction", tuple, dict] | None:
+        """With mesh=None, when arguments are placed on a mesh over this host's devices (or `jax.set_mesh`
+        entered one): the step planned on that mesh, as jax.jit runs on the mesh of its arguments — unless
+        this step's plan for the call is on that mesh and keeps every placed layout already."""
+        if self._mesh_given or self.devices is not None:
+            return None
+        leaves = jax.tree_util.tree_leaves((args, kwargs))
+        mesh = call_mesh(leaves, jax.devices())
+        if mesh is None:
+            return None
+        c = self._cache.get(self._signature((args, kwargs)))
+        if c is not None and same_mesh(c.plan.mesh, mesh) \
+                and fits(c.plan.input_shardings(), mesh, leaves, c.overridden):
+            return None
+        key = (tuple(mesh.shape.items()), tuple(d.id for d in mesh.devices.flat))
+        step = self._mesh_steps.get(key)
+        if step is None:
+            step = self._mesh_steps[key] = AutoFunction(self.fun, **{**self._options, "mesh": mesh})
+        return step, args, kwargs
+
+    def _mesh_of_shardings(self, mesh: Mesh | None, devices: int | None) -> Mesh | None:
+        """The mesh to plan on: `mesh`, else the mesh of the NamedShardings in in_shardings/out_shardings
+        (which must be `mesh` when both are given)."""
+        named = self.shardings.mesh()
+        if named is None:
+            return mesh
+        if mesh is not None:
+            self.shardings.check_mesh(mesh, _describe(self.fun))
+            return mesh
+        if devices is not None:
+            raise ShardingError(f"shardc.plan_for / devices={devices}: in_shardings or out_shardings hold "
+                                f"NamedShardings on a mesh of this host, but this plan is for a mesh the search "
+                                f"chooses; pass PartitionSpecs (read on the chosen mesh) instead")
+        return named
+
+    def _warn_replacements(self, c: Compiled, leaves: Sequence[Any]) -> None:
+        """Arguments placed in a layout of their own that the plan takes in another: a PlacementWarning each,
+        once per plan."""
+        if c.placement_warned:
+            return
+        c.placement_warned = True
+        for i, (x, s) in enumerate(zip(leaves, c.plan.input_shardings())):
+            note = replacement_note(x, s.named(c.plan.mesh), c.plan.input_names[i], c.overridden.get(i, ""))
+            if note is not None:
+                warnings.warn(f"shardc: {_describe(self.fun)}: {note}", PlacementWarning, stacklevel=3)
 
     def _inline(self, args: tuple, kwargs: dict) -> Any:
         """Called while something else traces (another @shardc.auto function, jax.jit, grad, vmap):
@@ -235,8 +300,8 @@ class AutoFunction:
         with _annotations.mesh_context(outer if outer is not None else self._mesh()):
             return self.fun(*args, **kwargs)
 
-    def _place(self, x: Any, sharding: Any) -> Any:
-        target = sharding.named(self._mesh())
+    def _place(self, x: Any, sharding: Any, mesh: Mesh) -> Any:
+        target = sharding.named(mesh)
         if not target.is_fully_addressable and not isinstance(x, jax.core.Tracer) \
                 and not (isinstance(x, jax.Array) and not x.is_fully_addressable):
             return to_global(x, target)  # multi-process: a value every process holds in full
@@ -270,7 +335,16 @@ class AutoFunction:
         if c is None:
             c = self._build(args, kwargs)
             self._cache[key] = c
-        return c
+            return c
+        # Arguments placed in layouts this plan does not keep get a plan of their own (as jax.jit compiles one
+        # per input sharding); those it keeps, or that are merely replicated, reuse it.
+        leaves = jax.tree_util.tree_leaves((args, kwargs))
+        if is_abstract(c.plan.mesh) or fits(c.plan.input_shardings(), c.plan.mesh, leaves, c.overridden):
+            return c
+        placed_key = (key, tuple(placed_dims(x, c.plan.mesh) for x in leaves))
+        if placed_key not in self._placed_plans:
+            self._placed_plans[placed_key] = self._build(args, kwargs)
+        return self._placed_plans[placed_key]
 
     def _trace(self, call: tuple[tuple, dict]) -> tuple[Any, Any, Any]:
         mesh = self._mesh()
@@ -302,7 +376,8 @@ class AutoFunction:
             # When the search chooses the mesh, the tracing mesh is a stand-in: a hint's divisibility is checked
             # on each candidate mesh instead (a batch of 12 splits over 4 devices, not over 8).
             provisional = _search.enabled(self.search) and not self._mesh_given
-            with _annotations.mesh_context(mesh), _annotations.provisional_mesh(provisional), jax.set_mesh(mesh):
+            with _annotations.mesh_context(mesh), _annotations.provisional_mesh(provisional), jax.set_mesh(mesh), \
+                    rules_context(self.rules):  # Flax's logical rules context, as jax.jit users enter it
                 # Trace from shapes and dtypes only: an argument still placed on another mesh (a key returned
                 # by an earlier run) must not bring that mesh into the trace.
                 closed = jax.make_jaxpr(flat_fun)(*[_abstract(x) for x in flat])
@@ -325,11 +400,16 @@ class AutoFunction:
 
     def _build(self, args: tuple, kwargs: dict) -> Compiled:
         roots = tuple(args) + tuple(kwargs[k] for k in sorted(kwargs))
-        meta_axes = _search.mesh_for_metadata(self, roots)  # may set a tracing mesh with the axes named there
+        # may set a tracing mesh with the axes named by the metadata and by in_shardings/out_shardings
+        meta_axes = _search.mesh_for_metadata(self, roots, self.shardings.named_axes())
         mesh = self._mesh()
+        # When the search chooses the mesh, the tracing mesh is provisional: the search checks the hints
+        # on each candidate mesh instead (a dim that 8 does not divide may still split over 2 or 4).
+        provisional = _search.enabled(self.search) and not self._mesh_given
         # Flax metadata is checked before tracing: inside the trace Flax would apply it as a sharding
-        # constraint and fail with JAX's error (an unknown axis, an axis named twice).
-        input_hints(roots, mesh.axis_names, self.rules, _describe(self.fun))
+        # constraint and fail with JAX's error (an unknown axis, an axis named twice, a dim that does not divide).
+        hints = input_hints(roots, mesh.axis_names if provisional else mesh, self.rules, _describe(self.fun))
+        self._warn_unhinted_params(args, kwargs, roots, hints)
         t0 = time.perf_counter()
         closed, in_tree, out_tree = _search.trace(self, self._trace, (args, kwargs), meta_axes)
         mesh = self._mesh()  # the search may have chosen a tracing mesh that has the axes the program names
@@ -343,10 +423,9 @@ class AutoFunction:
             graph = build_graph(closed, in_paths, out_paths)
         t2 = time.perf_counter()
         with _internal_errors("collecting the hints of", self.fun):
-            # When the search chooses the mesh, the tracing mesh is provisional: the search checks the hints
-            # on each candidate mesh instead (a dim that 8 does not divide may still split over 2 or 4).
-            provisional = _search.enabled(self.search) and not self._mesh_given
-            seeds = [] if provisional else self._input_seeds(graph, roots, mesh) + program_seeds(graph, mesh)
+            overridden: dict[int, str] = {}
+            seeds = [] if provisional else \
+                self._input_seeds(graph, args, kwargs, out_tree, mesh, overridden) + program_seeds(graph, mesh)
             _tie_carried_state(graph, in_tree, out_tree, args)
         notes = []
         if graph.conservative_primitives:
@@ -354,7 +433,8 @@ class AutoFunction:
         if _search.enabled(self.search):
             with _internal_errors("searching a plan for", self.fun):
                 the_plan = _search.plan_by_search(
-                    self, graph, lambda m: self._input_seeds(graph, roots, m) + program_seeds(graph, m), in_paths,
+                    self, graph,
+                    lambda m: self._input_seeds(graph, args, kwargs, out_tree, m) + program_seeds(graph, m), in_paths,
                     out_paths, notes, closed, _flat_donate(self.donate_argnums, args, self.fun), self._mesh_given,
                     meta_axes)
             # (the axis order counts: {data: 4, expert: 2} and {expert: 2, data: 4} lay devices out differently)
@@ -386,19 +466,53 @@ class AutoFunction:
         with _internal_errors("lowering", self.fun):
             jitted = None if is_abstract(the_plan.mesh) else jit_plan(the_plan, closed, donate)
         timings = {"trace_s": t1 - t0, "graph_s": t2 - t1, "propagate_s": t3 - t2}
-        return Compiled(the_plan, closed, in_tree, out_tree, jitted, timings)
+        if provisional:  # (the chosen mesh's seeds say which placed arguments a stronger hint overrides)
+            self._input_seeds(graph, args, kwargs, out_tree, the_plan.mesh, overridden)
+        return Compiled(the_plan, closed, in_tree, out_tree, jitted, timings, overridden)
 
-    def _input_seeds(self, graph: Graph, args: Any, mesh: Mesh) -> list[Seed]:
-        hints = input_hints(args, mesh.axis_names, self.rules, _describe(self.fun))
+    def _input_seeds(self, graph: Graph, args: tuple, kwargs: dict, out_tree: Any, mesh: Any,
+                     overridden: dict[int, str] | None = None) -> list[Seed]:
+        """Seeds on the inputs — per leaf in_shardings, else Flax metadata, else the layout the argument is
+        placed in (shardc/placement.py) — and on the outputs (out_shardings). `overridden` collects the placed
+        arguments whose layout a stronger hint overrides."""
+        owner = _describe(self.fun)
+        roots = tuple(args) + tuple(kwargs[k] for k in sorted(kwargs))
+        given = self.shardings.input_dims(args, kwargs, mesh, owner)
+        hints = input_hints(roots, mesh.axis_names, self.rules, owner)
+        leaves = jax.tree_util.tree_leaves(roots)
         seeds = []
-        for i, h in enumerate(hints):
-            if h is None:
+        for i, (pinned, h, x) in enumerate(zip(given, hints, leaves)):
+            placed = placed_dims(x, mesh) if not is_abstract(mesh) else None
+            if pinned is not None or h is not None:
+                if placed is not None and overridden is not None:
+                    overridden[i] = "in_shardings sets its layout" if pinned else "its Flax metadata sets its layout"
+                dims, cause = (pinned[0], Cause("in_shardings", pinned[1], self.shardings.source)) if pinned \
+                    else (h.dims, Cause("metadata", h.description, None))
+            elif placed is not None:
+                dims, cause = placed, Cause("placed", f"placed on the mesh as {x.sharding.spec}", None)
+            else:
                 continue
             try:
-                seeds.append(input_seed(graph, i, h.dims, mesh, Cause("metadata", h.description, None)))
+                seeds.append(input_seed(graph, i, dims, mesh, cause))
             except ShardingError as e:  # metadata does not record where the model set it: name the step
-                raise ShardingError(f"{e} (an argument of {_describe(self.fun)})") from None
+                raise ShardingError(f"{e} (an argument of {owner})") from None
+        shapes = [graph.values[v].shape for v in graph.outputs]
+        for vid, pinned in zip(graph.outputs, self.shardings.output_dims(out_tree, shapes, mesh)):
+            if pinned is not None:
+                seeds.append(Seed(vid, pinned[0], Cause("out_shardings", pinned[1], self.shardings.source), 0))
         return seeds
+
+    def _warn_unhinted_params(self, args: tuple, kwargs: dict, roots: tuple, hints: Sequence[Any]) -> None:
+        """With rules=: parameters that no hint reaches (unboxed, no in_shardings, not placed) are worth a
+        warning that says how to pass their shardings (shardc/flax_rules.py)."""
+        if not self.rules or self._warned_unhinted:
+            return
+        covered = self.shardings.covers(args, kwargs)
+        pairs = jax.tree_util.tree_flatten_with_path(roots)[0]
+        hinted = [h is not None or c or is_placed(x) for h, c, (_, x) in zip(hints, covered, pairs)]
+        sizes = [math.prod(getattr(x, "shape", ())) for _, x in pairs]
+        self._warned_unhinted = warn_unhinted_params([p for p, _ in pairs], hinted, sizes, has_logical_boxes(roots),
+                                                     _describe(self.fun), _argument_names(self.fun, len(args), kwargs))
 
 
 def _is_jax_sharding_error(e: ValueError) -> bool:
@@ -494,6 +608,17 @@ def _abstract(x: Any) -> jax.ShapeDtypeStruct:
     """The shape, dtype and weak type of an argument, without its placement."""
     a = jax.typeof(x)
     return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+
+
+def _argument_names(fun: Callable, num_args: int, kwargs: Mapping[str, Any]) -> list[str]:
+    """The step's parameter names of a call's positional arguments then its keyword ones (sorted, as they
+    flatten); `[i]` where the signature does not say."""
+    try:
+        params = [p.name for p in inspect.signature(inspect.unwrap(fun)).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    return [params[i] if i < len(params) else f"[{i}]" for i in range(num_args)] + sorted(kwargs)
 
 
 def _paths_of(tree: Any) -> list[Any]:
@@ -611,7 +736,9 @@ def _check_branch_results(graph: Graph, prop: Any) -> None:
 
 
 def auto(fun: Callable | None = None, **options: Any) -> Any:
-    """Decorator: `@shardc.auto` or `@shardc.auto(mesh=..., rules=..., donate_argnums=..., search=...)`.
+    """Decorator: `@shardc.auto` or `@shardc.auto(mesh=..., rules=..., in_shardings=..., out_shardings=...,
+    donate_argnums=..., static_argnums=..., search=...)` — the options of `jax.jit` keep their meaning
+    (docs/jax_flax.md).
 
     By default the strategy search chooses every sharding the hints leave open (and, with `mesh=None`, the
     mesh shape), costed by the simulator on `topology` (default: the devices this step runs on — the
@@ -619,20 +746,24 @@ def auto(fun: Callable | None = None, **options: Any) -> Any:
     `search=False` propagates the hints alone, as GSPMD/Shardy do. The search's budget counts simulated
     plans, so the same seed gives the same plan however busy the machine (`time_cap_s` adds a wall-clock
     cap, at that price). See docs/search.md."""
+    _check_options("auto", options)
+    options.setdefault("_source", caller_source_line())  # (where in_shardings / out_shardings were written)
     if fun is None:
         return lambda f: AutoFunction(f, **options)
     return AutoFunction(fun, **options)
 
 
-_AUTO_OPTIONS = frozenset(inspect.signature(AutoFunction.__init__).parameters) - {"self", "fun"}
+_AUTO_OPTIONS = frozenset(p for p in inspect.signature(AutoFunction.__init__).parameters
+                           if p not in ("self", "fun") and not p.startswith("_"))
 
 
 def _check_options(entry: str, options: Mapping[str, Any]) -> None:
     unknown = sorted(set(options) - _AUTO_OPTIONS)
     if unknown:
+        tail = "" if entry == "auto" else (f". Pass the step's own keyword arguments as "
+                                           f"kwargs={{{unknown[0]!r}: ...}}")
         raise TypeError(f"shardc.{entry}: unknown option(s) {unknown}; the options are those of shardc.auto "
-                        f"({', '.join(sorted(_AUTO_OPTIONS))}). Pass the step's own keyword arguments as "
-                        f"kwargs={{{unknown[0]!r}: ...}}")
+                        f"({', '.join(sorted(_AUTO_OPTIONS))}){tail}")
 
 
 def plan(f: Any, *args: Any, mesh: Mesh | None = None, kwargs: Mapping[str, Any] | None = None,

@@ -127,13 +127,14 @@ def _check_axis_count(named: Sequence[str]) -> None:
             f"still chooses the strategies on it), or name fewer axes")
 
 
-def mesh_for_metadata(af: Any, args: Any) -> list[str]:
-    """The mesh axes the arguments' Flax metadata names; when the search chooses the mesh and the tracing mesh
-    lacks one of them, trace on a mesh that has them all (as `trace` does for axes named in the program)."""
+def mesh_for_metadata(af: Any, args: Any, extra_axes: Sequence[str] = ()) -> list[str]:
+    """The mesh axes the arguments' Flax metadata names (and `extra_axes`: those in_shardings/out_shardings
+    name); when the search chooses the mesh and the tracing mesh lacks one of them, trace on a mesh that has
+    them all (as `trace` does for axes named in the program)."""
     from shardc.metadata import named_mesh_axes
     from shardc.sharding import make_mesh
 
-    named = named_mesh_axes(args, af.rules)
+    named = list(dict.fromkeys(named_mesh_axes(args, af.rules) + list(extra_axes)))
     mesh_given = getattr(af, "_mesh_given", True)
     if named and not mesh_given:
         _check_axis_names(named, "the Flax partitioning metadata or rules")

@@ -251,9 +251,9 @@ def _apply(p, x):
     return _Dense().apply({"params": p}, x)
 
 
-@case("'embed'", "neither a mesh axis", "nor a logical axis with a rule", "rules=[('embed'", line=False)
-def logical_axis_name_without_rule():
-    plan(_apply, _PARAMS, jnp.ones((2, 6)))
+@case("'modle'", "neither a mesh axis", "nor a logical axis with a rule", "rules=[('modle'", line=False)
+def partitioned_name_that_is_not_a_mesh_axis():  # (a *logical* name without a rule is replicated, as in Flax)
+    plan(lambda p: p, {"w": nn.Partitioned(X, names=(None, "modle"))})
 
 
 @case("unknown mesh axis 'nope'", "['kernel']", "(6, 8)", "{'data': 2, 'model': 4}", line=False)
@@ -279,6 +279,61 @@ def flax_metadata_not_divisible():
 @case("['w']", "3 axis names", "(8, 6)", line=False)
 def flax_metadata_of_the_wrong_rank():  # (fewer names than dims read as a PartitionSpec: the rest replicated)
     plan(lambda p: p, {"w": nn.Partitioned(X, names=("data", None, None))})
+
+
+# ------------------------------------------------------------------------------------------ in_shardings / out_shardings
+
+
+@case("in_shardings[0]", "NamedSharding on mesh {'a': 8}", "planned on mesh {'data': 2, 'model': 4}", "test_bad_inputs.py")
+def in_shardings_on_another_mesh():
+    shardc.auto(lambda x: x * 2, mesh=MESH, in_shardings=(NamedSharding(shardc.make_mesh({"a": 8}), P("a")),))  # BAD
+
+
+@case("in_shardings[1]", "in_shardings[0]", "one program runs on one mesh")
+def in_shardings_on_two_meshes():
+    shardc.auto(lambda x, y: x * y, in_shardings=(NamedSharding(MESH, P("data")),  # BAD
+                                                 NamedSharding(shardc.make_mesh({"a": 8}), P("a"))))
+
+
+@case("in_shardings P('modle',)", "unknown mesh axis 'modle'", "dim 0 of argument [0]", "(8, 6)",
+      "{'data': 2, 'model': 4}")
+def in_shardings_naming_an_unknown_axis():
+    shardc.auto(lambda x: x * 2, mesh=MESH, in_shardings=P("modle"), search=False).plan(X)  # BAD
+
+
+@case("in_shardings[0]['w'] P(None, 'model')", "dim 1 of argument [0]['w'] (8, 6)", "size 6",
+      "not divisible by model(4) = 4")
+def in_shardings_not_divisible():
+    f = shardc.auto(lambda p: p["w"] * 2, mesh=MESH, in_shardings=({"w": P(None, "model")},), search=False)  # BAD
+    f.plan({"w": X})
+
+
+@case("in_shardings[0]", "dict with keys ['w']", "the positional arguments[0] is a dict with keys ['v', 'w']",
+      "pytree prefix")
+def in_shardings_that_are_not_a_prefix():
+    f = shardc.auto(lambda p: p["w"] * p["v"], mesh=MESH, in_shardings=({"w": P("data")},), search=False)  # BAD
+    f.plan({"w": X, "v": X})
+
+
+@case("in_shardings is a tuple of 2", "1 positional argument")
+def in_shardings_of_the_wrong_length():
+    shardc.auto(lambda x: x * 2, mesh=MESH, in_shardings=(P("data"), P()), search=False).plan(X)  # BAD
+
+
+@case("in_shardings[0]", "has 3 entries", "argument [0] has shape (8, 6)")
+def in_shardings_with_more_entries_than_dims():
+    shardc.auto(lambda x: x * 2, mesh=MESH, in_shardings=(P("data", None, None),), search=False).plan(X)  # BAD
+
+
+@case("in_shardings[0]", "is str 'data'", "expected a jax.sharding.NamedSharding, a PartitionSpec or None")
+def in_shardings_leaf_that_is_not_a_sharding():
+    shardc.auto(lambda x: x * 2, mesh=MESH, in_shardings=("data",))  # BAD
+
+
+@case("out_shardings[1] P('model',)", "dim 0 of output out[1] (6,)", "not divisible by model(4) = 4")
+def out_shardings_not_divisible():
+    f = shardc.auto(lambda x: (x, x.sum(0)), mesh=MESH, out_shardings=(None, P("model")), search=False)  # BAD
+    f.plan(X)
 
 
 # ------------------------------------------------------------------------------------------ calls

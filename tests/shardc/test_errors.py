@@ -76,7 +76,8 @@ def test_mesh_that_does_not_match_devices():
         shardc.make_mesh({"data": 4, "model": 4})
 
 
-def test_flax_logical_name_without_rule(mesh):
+def test_flax_logical_name_without_rule_is_replicated(mesh):
+    """As in Flax (nn.logical_to_mesh_axes), a logical name no rule maps is replicated, not an error."""
     class M(nn.Module):
         @nn.compact
         def __call__(self, x):
@@ -84,8 +85,10 @@ def test_flax_logical_name_without_rule(mesh):
 
     params = M().init(jax.random.key(0), jnp.ones((2, 6)))["params"]
     f = shardc.auto(lambda p, x: M().apply({"params": p}, x), mesh=mesh, search=False)
-    with pytest.raises(shardc.ShardingError, match="embed"):
-        f.plan(params, jnp.ones((2, 6)))
+    plan = f.plan(params, jnp.ones((2, 6)))
+    kernel = [i for i, n in enumerate(plan.input_names) if "kernel" in n][0]
+    assert nn.logical_to_mesh_axes(("embed", "mlp"), ()) == jax.sharding.PartitionSpec(None, None)
+    assert plan.input_shardings()[kernel].dims == ((), ())
     g = shardc.auto(lambda p, x: M().apply({"params": p}, x), mesh=mesh, rules=[("embed", None), ("mlp", "model")], search=False)
     plan = g.plan(params, jnp.ones((2, 6)))
     kernel = [i for i, n in enumerate(plan.input_names) if "kernel" in n][0]
