@@ -168,9 +168,31 @@ class _Propagator:
                     f"conflicting hints on {v.name} {v.shape} dim {d}: {_fmt(self.axes[seed.value][d])} "
                     f"from {prev} and {_fmt(want)} from {seed.cause}"
                 )
+            want = self._free_axes_for(seed, d, want)
             self.axes[seed.value][d] = want
             self.closed[seed.value][d] = True
             self.origin[seed.value][d] = seed.cause
+
+    def _free_axes_for(self, seed: Seed, d: int, want: Axes) -> Axes:
+        """The axes a seed pins on dim d, once no other dim of the value holds them: an open dim that got
+        one by propagation gives it up (from that axis on); a dim pinned by another seed keeps it — a user's
+        seed that wants it too is a conflict, a search seed stops short of it."""
+        v = seed.value
+        axes, closed = self.axes[v], self.closed[v]
+        for dd, have in enumerate(axes):
+            if dd == d or not set(have) & set(want):
+                continue
+            if not closed[dd]:
+                cut = next(k for k, a in enumerate(have) if a in want)
+                axes[dd] = tuple(have[:cut])
+                continue
+            if seed.priority == 0:
+                val = self.g.values[v]
+                raise ShardingError(
+                    f"conflicting hints on {val.name} {val.shape}: dim {d} {_fmt(want)} from {seed.cause} and dim "
+                    f"{dd} {_fmt(have)} from {self.origin[v][dd]} use the same mesh axis")
+            want = tuple(want[:next(k for k, a in enumerate(want) if a in have)])
+        return want
 
     # -- one op -----------------------------------------------------------------------------------
     def visit(self, op: Op) -> list[int]:

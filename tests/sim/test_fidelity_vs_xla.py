@@ -110,9 +110,9 @@ def test_check_on_a_plan_and_a_broken_model(monkeypatch):
     # A cost model that loses a collective is caught, not excused.
     import shardc.sim.tasks as tasks
 
-    real = tasks.reshard_collectives
-    monkeypatch.setattr(tasks, "reshard_collectives",
-                        lambda *a, **k: tuple(c for c in real(*a, **k) if c.kind != "all-gather"))
+    real = tasks.reshard_steps
+    monkeypatch.setattr(tasks, "reshard_steps", lambda *a, **k: tuple(
+        (layout, tuple(c for c in colls if c.kind != "all-gather")) for layout, colls in real(*a, **k)))
     broken = shardc.check(plan)
     assert not broken.ok and [r.quantity for r in broken.failures()] == ["all-gather bytes"]
     assert "MISMATCH" in str(broken)
