@@ -54,11 +54,23 @@ class MemoryModel:
         # results are resharded (the op's inputs may be freed by then).
         self.diff = np.zeros(2 * self.n + 1, dtype=np.int64)
         self.buffers: dict[int, tuple[int, int, int]] = {}  # key id -> (first, last position, bytes)
-        self.owner: dict[int, tuple[int, int]] = {}  # key id -> (slot, position) that makes it
+        self.owner: dict[int, tuple[int, int, bool]] = {}  # key id -> (slot, position) that makes it, fused slice
         self.readers: dict[int, dict[int, int]] = {}  # key id -> {slot: last position it reads the key}
         self._local: dict[int, int] = {}  # input/output value -> local bytes
         self.bounds: dict[int, tuple[int, int]] = {}  # key id -> (starts no earlier, ends no earlier) slots
         self.args = self.outs = self.alias = 0
+        self._planned: Sequence[Any] = ()  # the plan's sharding per value
+        self.order = info.order  # op -> its position in the compiled program's schedule
+        self._op_at = [0] * self.n  # position -> op
+        for op, i in enumerate(self.order):
+            self._op_at[i] = op
+        # Where a value's reshards run when XLA schedules them as soon as the value exists: right after the
+        # op making it (the arguments' at the start).
+        self._ready = [0] * len(graph.values)
+        if info.eager:
+            for v in graph.values:
+                p = v.producer
+                self._ready[v.id] = 2 * self.order[p] + 1 if p is not None and info.live[p] else 0
 
     def _bytes(self, kid: int) -> int:
         c, s, _ = self.keys.key_list[kid]
@@ -77,18 +89,19 @@ class MemoryModel:
         owner = self.owner.get(kid)
         if owner is None:
             return
-        c, _, origin = self.keys.key_list[kid]
-        if c in self._inputs or c in self._outputs:
-            return  # counted with the arguments / outputs
-        b = self._bytes(kid)
+        c, sharding, origin = self.keys.key_list[kid]
+        if (c in self._inputs or c in self._outputs) and origin == 0 and sharding == self._planned[c]:
+            return  # counted with the arguments / outputs (other layouts of them are temporaries)
+        b = 0 if owner[2] else self._bytes(kid)
         if b == 0:
             return
         rs = self.readers.get(kid)
         end = max(rs.values()) if rs else owner[1]
         lo, hi = self.bounds.get(kid, (-1, -1))
-        lo, hi = 2 * lo + 1 if lo >= 0 else -1, 2 * hi + 1 if hi >= 0 else -1  # merged all-reduces: output phase
+        order = self.order
+        lo, hi = 2 * order[lo] + 1 if lo >= 0 else -1, 2 * order[hi] + 1 if hi >= 0 else -1  # merged all-reduces
         if origin == 0 and self.info.kept[c] >= 0:  # alive while fused values recomputed from it are read
-            hi = max(hi, 2 * self.info.kept[c])
+            hi = max(hi, 2 * order[self.info.kept[c]])
         start = max(owner[1], lo)
         end = max(end, hi, start)
         self.buffers[kid] = (start, end, b)
@@ -99,8 +112,8 @@ class MemoryModel:
         """Key id -> the last position at which the slot reads it."""
         return self._positions(slot)[1]
 
-    def _makes(self, slot: Any) -> dict[int, int]:
-        """Key id -> the position at which the slot makes it."""
+    def _makes(self, slot: Any) -> dict[int, tuple[int, bool]]:
+        """Key id -> (the position at which the slot makes it, whether it is a slice fused into the op)."""
         return self._positions(slot)[0]
 
     def _positions(self, slot: Any) -> tuple[dict[int, int], dict[int, int]]:
@@ -114,38 +127,61 @@ class MemoryModel:
                 pass
         return cached
 
+    def _fused_slice(self, slot: Any, i: int) -> bool:
+        """Whether task `i` of a slot is a reshard without collectives (a local slice of its operand) that XLA
+        fuses into the op reading it (an elementwise-like op in a loop fusion): no buffer of its own."""
+        t = slot.tasks[i]
+        return (i < slot.at and t.kind == "join" and bool(t.deps) and self.info.loop[slot.op]
+                and all(self.keys.is_value_key[d] for d in t.deps))
+
+    def _position(self, slot: Any, i: int, kid: int, read: bool = False) -> int:
+        """Where task `i` of a slot reads or makes value key `kid`: with its op (2 * position in the schedule),
+        after it (+1: the results' reshards), or, for the operands' reshards under an eager schedule, where
+        the resharded value is made. A loop reads a value made outside it until its last iteration, and
+        writes its stacked outputs into buffers that exist from its first."""
+        op = slot.op
+        first, last = self.info.span[op]
+        if first != last:  # inside a loop or branch region
+            if read:
+                p = self.graph.values[self.keys.key_list[kid][0]].producer
+                if p is None or self.info.span[p] != (first, last):
+                    return 2 * self.order[last] + 1
+            elif self.graph.ops[op].primitive == "scan_stack":
+                return 2 * self.order[first]
+        if i < slot.at and self.info.eager and not self._fused_slice(slot, i):
+            return self._ready[self.keys.key_list[kid][0]]
+        return 2 * self.order[op] + (i > slot.at)
+
     def _reads_of(self, slot: Any) -> dict[int, int]:
         flags = self.keys.is_value_key
         out: dict[int, int] = {}
-        base = 2 * slot.op
         for i, t in enumerate(slot.tasks):
-            pos = base + (i > slot.at)
             for d in t.deps:
                 if flags[d]:
-                    out[d] = pos
+                    out[d] = max(out.get(d, -1), self._position(slot, i, d, read=True))
         return out
 
-    def _makes_of(self, slot: Any) -> dict[int, int]:
+    def _makes_of(self, slot: Any) -> dict[int, tuple[int, bool]]:
         flags = self.keys.is_value_key
-        out: dict[int, int] = {}
-        base = 2 * slot.op
+        out: dict[int, tuple[int, bool]] = {}
         for i, t in enumerate(slot.tasks):
             for k in t.outs:
                 if flags[k] and k not in out:
-                    out[k] = base + (i > slot.at)
+                    out[k] = (self._position(slot, i, k), self._fused_slice(slot, i))
         return out
 
     def full(self, plan: Any, slots: Sequence[Any], donated: Sequence[int] = (),
              bounds: Mapping[int, tuple[int, int]] | None = None) -> None:
         """`bounds`: buffers merged collectives hold longer (key id -> (start no earlier, end no earlier))."""
         self.bounds = dict(bounds or {})
+        self._planned = plan.shardings
         self.diff[:] = 0
         self.buffers.clear()
         self.owner.clear()
         self.readers.clear()
         for s in slots:
-            for k, pos in self._makes(s).items():
-                self.owner.setdefault(k, (s.op, pos))
+            for k, (pos, free) in self._makes(s).items():
+                self.owner.setdefault(k, (s.op, pos, free))
             for k, pos in self._reads(s).items():
                 self.readers.setdefault(k, {})[s.op] = pos
         for k in self.owner:
@@ -158,6 +194,7 @@ class MemoryModel:
                bounds: tuple[Mapping[int, tuple[int, int]], Mapping[int, tuple[int, int]]] | None = None) -> None:
         """Recompute the buffers of rebuilt slots (and of keys whose `bounds` changed: (before, after))."""
         touched: set[int] = set()
+        self._planned = plan.shardings
         if bounds is not None:
             before, after = bounds
             touched.update(k for k in set(before) | set(after) if before.get(k) != after.get(k))
@@ -175,9 +212,9 @@ class MemoryModel:
                 touched.add(k)
         for i in affected:
             new = slots[i]
-            for k, pos in self._makes(new).items():
+            for k, (pos, free) in self._makes(new).items():
                 if k not in self.owner:
-                    self.owner[k] = (i, pos)
+                    self.owner[k] = (i, pos, free)
                     touched.add(k)
             for k, pos in self._reads(new).items():
                 self.readers.setdefault(k, {})[i] = pos
@@ -222,4 +259,4 @@ class MemoryModel:
             return MemoryResult(self.args, self.outs, self.alias, 0, 0)
         live = np.cumsum(self.diff[: 2 * self.n])
         i = int(np.argmax(live))
-        return MemoryResult(self.args, self.outs, self.alias, int(live[i]), i // 2)
+        return MemoryResult(self.args, self.outs, self.alias, int(live[i]), self._op_at[i // 2])

@@ -29,11 +29,6 @@ class Group:
     axes: tuple[str, ...]
     bytes: int
 
-    @property
-    def anchor(self) -> int:
-        """The slot of the last member: where the merged all-reduce runs."""
-        return self.members[-1][0]
-
 
 class Combiner:
     def __init__(self, graph: Any, canon: Sequence[int], key_list: Sequence[Any]) -> None:
@@ -86,12 +81,13 @@ class Combiner:
         return out
 
     @staticmethod
-    def lifetimes(slots: Sequence[Slot], groups: Sequence[Group]) -> dict[int, tuple[int, int]]:
+    def lifetimes(slots: Sequence[Slot], groups: Sequence[Group], order: Sequence[int]) -> dict[int, tuple[int, int]]:
         """Key id -> (not before, not after) slot bounds the merging imposes on buffers: members' inputs
-        live until the merged all-reduce, their results start there."""
+        live until the merged all-reduce, their results start there. `order`: each slot's position in the
+        schedule (the merged all-reduce runs after the member scheduled last)."""
         out: dict[int, tuple[int, int]] = {}
         for g in groups:
-            a = g.anchor
+            a = max((s for s, _ in g.members), key=order.__getitem__)
             for s, e in g.members:
                 entry = slots[s].ars[e]
                 out[entry.src] = (-1, a)

@@ -116,7 +116,7 @@ class TaskBuilder:
     def __init__(self, graph: Any, topology: Topology, mapping: MeshMapping, mesh: Mapping[str, int],
                  estimator: OpCostEstimator | None = None) -> None:
         self.graph = graph
-        self.info: ProgramInfo = program_info(graph)
+        self.info: ProgramInfo = program_info(graph, topology.backend)
         self.topology = topology
         self.mapping = mapping
         self.mesh = dict(mesh)
