@@ -108,6 +108,11 @@ class MemoryModel:
         self.diff[start] += b
         self.diff[end + 1] -= b
 
+    def _work(self, slot: Any, sign: int) -> None:
+        for a, b, n in self._positions(slot)[2]:
+            self.diff[a] += sign * n
+            self.diff[b + 1] -= sign * n
+
     def _reads(self, slot: Any) -> dict[int, int]:
         """Key id -> the last position at which the slot reads it."""
         return self._positions(slot)[1]
@@ -116,16 +121,38 @@ class MemoryModel:
         """Key id -> (the position at which the slot makes it, whether it is a slice fused into the op)."""
         return self._positions(slot)[0]
 
-    def _positions(self, slot: Any) -> tuple[dict[int, int], dict[int, int]]:
-        """(makes, reads) of a slot, computed once per slot (slots are not modified once sealed)."""
+    def _positions(self, slot: Any) -> tuple[dict, dict[int, int], tuple[tuple[int, int, int], ...]]:
+        """(makes, reads, workspace) of a slot, computed once per slot (slots are not modified once sealed)."""
         cached = getattr(slot, "memory", None)
         if cached is None:
-            cached = (self._makes_of(slot), self._reads_of(slot))
+            cached = (self._makes_of(slot), self._reads_of(slot), self._workspace_of(slot))
             try:
                 slot.memory = cached
             except AttributeError:  # a slot type without the cache field
                 pass
         return cached
+
+    def _workspace_of(self, slot: Any) -> tuple[tuple[int, int, int], ...]:
+        """Buffers (first, last position, bytes) an op needs beyond its operands and results where XLA's
+        backend expands it into other ops. XLA:CPU (SelectAndScatterExpander) turns a select-and-scatter (a
+        max pool's gradient) into an s32 iota of the operand's shape per dim (no operands: made at the
+        start), a reduce-window over (operand, iotas) giving the value and index per dim of each window (as
+        soon as the operand exists), the indices concatenated, and a scatter (the op) into zeros of the
+        operand's shape (a broadcast, made at the start; the scatter writes its result in place)."""
+        op = self.graph.ops[slot.op]
+        if op.primitive != "select_and_scatter_add" or self.info.backend != "cpu" or slot.at >= len(slot.tasks):
+            return ()
+        task = slot.tasks[slot.at]
+        if len(task.deps) < 2:
+            return ()
+        (cs, ss, _), (co, so, _) = (self.keys.key_list[k] for k in task.deps[:2])  # (source, operand)
+        rank = len(self.graph.values[co].shape)
+        n_in = math.prod(self.keys.local_shape(co, so))
+        n_out = math.prod(self.keys.local_shape(cs, ss))
+        ready, at = self._ready[co], 2 * self.order[slot.op]
+        item = int(self.graph.values[co].dtype.itemsize)
+        return ((0, ready, 4 * rank * n_in), (ready, ready, (item + 4 * rank) * n_out),
+                (min(ready + 1, at), at, 4 * rank * n_out), (0, at - 1, item * n_in))
 
     def _fused_slice(self, slot: Any, i: int) -> bool:
         """Whether task `i` of a slot is a reshard without collectives (a local slice of its operand) that XLA
@@ -138,7 +165,7 @@ class MemoryModel:
         """Where task `i` of a slot reads or makes value key `kid`: with its op (2 * position in the schedule),
         after it (+1: the results' reshards), or, for the operands' reshards under an eager schedule, where
         the resharded value is made. A loop reads a value made outside it until its last iteration, and
-        writes its stacked outputs into buffers that exist from its first."""
+        writes its stacked outputs and the values it carries into buffers that exist from its first."""
         op = slot.op
         first, last = self.info.span[op]
         if first != last:  # inside a loop or branch region
@@ -146,7 +173,8 @@ class MemoryModel:
                 p = self.graph.values[self.keys.key_list[kid][0]].producer
                 if p is None or self.info.span[p] != (first, last):
                     return 2 * self.order[last] + 1
-            elif self.graph.ops[op].primitive == "scan_stack":
+            elif (self.graph.ops[op].primitive == "scan_stack"
+                  or self.keys.key_list[kid][0] in self.info.carried):
                 return 2 * self.order[first]
         if i < slot.at and self.info.eager and not self._fused_slice(slot, i):
             return self._ready[self.keys.key_list[kid][0]]
@@ -186,6 +214,8 @@ class MemoryModel:
                 self.readers.setdefault(k, {})[s.op] = pos
         for k in self.owner:
             self._set(k)
+        for sl in slots:
+            self._work(sl, 1)
         self._local.clear()
         self.io(plan, donated, None)
 
@@ -201,6 +231,8 @@ class MemoryModel:
             self.bounds = dict(after)
         for i in affected:
             old = old_slots[i]
+            self._work(old, -1)
+            self._work(slots[i], 1)
             for k in self._makes(old):
                 if self.owner.get(k, (None,))[0] == i:
                     del self.owner[k]

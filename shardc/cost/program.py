@@ -58,7 +58,9 @@ class ProgramInfo:
     pkeys: tuple[Any, ...]  # per op: its params as a hashable key
     kept: tuple[int, ...]  # per canonical value: last op (by `order`) reading a fused value recomputed from it (-1: none)
     span: tuple[tuple[int, int], ...] = ()  # per op: first and last op (by `order`) of its outermost region
+    carried: frozenset[int] = frozenset()  # canonical values a loop carries (or a region returns): loop state
     loop: tuple[bool, ...] = ()  # per op: emitted in a loop fusion (reads its operands element by element)
+    backend: str = ""  # the backend whose rules apply ("cpu", "gpu", "tpu"; "": none)
     eager: bool = False  # reshards run as soon as their operand exists (XLA:CPU's breadth-first schedule)
 
     def counts(self, op_id: int) -> bool:
@@ -296,5 +298,10 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                 trips[op.id] = n
     return ProgramInfo(tuple(live), tuple(constant), tuple(canon), tuple(duplicate), tuple(fused),
                        tuple(trips), tuple(order), pkeys, tuple(kept), _spans(graph, live, order),
+                       frozenset(canon[op.inputs[0]] for op in graph.ops
+                                 if op.primitive == "tie" and outer_region(op) and live[op.id]
+                                 and graph.values[canon[op.inputs[0]]].producer is not None
+                                 and outer_region(graph.ops[graph.values[canon[op.inputs[0]]].producer])
+                                 == outer_region(op)),
                        tuple(live[op.id] and (op.primitive in FUSIBLE or op.primitive in REDUCTIONS)
-                             and op.id not in library for op in graph.ops), backend == "cpu")
+                             and op.id not in library for op in graph.ops), backend, backend == "cpu")

@@ -55,28 +55,29 @@ class Combiner:
     def groups(self, slots: Sequence[Slot], ar_slots: Iterable[int], max_bytes: float, max_count: int) -> list[Group]:
         """Groups of two or more all-reduces XLA merges (`ar_slots`: the slots holding candidates, in order)."""
         out: list[Group] = []
-        open_: dict[tuple[str, ...], list] = {}  # axes -> [members, bytes, descendants of members]
+        open_: dict[tuple, list] = {}  # (axes, region) -> [members, bytes, descendants of members]
         desc, key_list = self.desc, self.key_list
 
-        def close(axes: tuple[str, ...]) -> None:
-            members, nbytes, _ = open_.pop(axes)
+        def close(at: tuple) -> None:
+            members, nbytes, _ = open_.pop(at)
             if len(members) > 1:
-                out.append(Group(tuple(members), axes, nbytes))
+                out.append(Group(tuple(members), at[0], nbytes))
 
         for si in ar_slots:
             for ei, e in enumerate(slots[si].ars):
                 c = key_list[e.src][0]
-                g = open_.get(e.axes)
+                at = (e.axes, e.region)
+                g = open_.get(at)
                 if g is not None and ((g[2] >> c) & 1 or len(g[0]) >= max_count or g[1] + e.bytes > max_bytes):
-                    close(e.axes)
+                    close(at)
                     g = None
                 if g is None:
-                    g = open_[e.axes] = [[], 0, 0]
+                    g = open_[at] = [[], 0, 0]
                 g[0].append((si, ei))
                 g[1] += e.bytes
                 g[2] |= desc[c]
-        for axes in list(open_):
-            close(axes)
+        for at in list(open_):
+            close(at)
         out.sort(key=lambda g: g.members[0])
         return out
 
