@@ -134,25 +134,40 @@ class MemoryModel:
 
     def _workspace_of(self, slot: Any) -> tuple[tuple[int, int, int], ...]:
         """Buffers (first, last position, bytes) an op needs beyond its operands and results where XLA's
-        backend expands it into other ops. XLA:CPU (SelectAndScatterExpander) turns a select-and-scatter (a
-        max pool's gradient) into an s32 iota of the operand's shape per dim (no operands: made at the
-        start), a reduce-window over (operand, iotas) giving the value and index per dim of each window (as
-        soon as the operand exists), the indices concatenated, and a scatter (the op) into zeros of the
-        operand's shape (a broadcast, made at the start; the scatter writes its result in place)."""
+        backend makes more of it (XLA:CPU only):
+
+        * an op in a library fusion reads an operand it broadcasts (a size-1 dim against its result's) as a
+          broadcast buffer of the result's shape, made as soon as the operand exists;
+        * a select-and-scatter (a max pool's gradient) is expanded (SelectAndScatterExpander) into an s32
+          iota of the operand's shape per dim (no operands: made at the start), a reduce-window over (operand,
+          iotas) giving the value and index per dim of each window (as soon as the operand exists), the
+          indices concatenated, and a scatter (the op) into zeros of the operand's shape (a broadcast, made
+          at the start; the scatter writes its result in place)."""
+        if self.info.backend != "cpu" or slot.at >= len(slot.tasks):
+            return ()
         op = self.graph.ops[slot.op]
-        if op.primitive != "select_and_scatter_add" or self.info.backend != "cpu" or slot.at >= len(slot.tasks):
-            return ()
         task = slot.tasks[slot.at]
-        if len(task.deps) < 2:
-            return ()
-        (cs, ss, _), (co, so, _) = (self.keys.key_list[k] for k in task.deps[:2])  # (source, operand)
-        rank = len(self.graph.values[co].shape)
-        n_in = math.prod(self.keys.local_shape(co, so))
-        n_out = math.prod(self.keys.local_shape(cs, ss))
-        ready, at = self._ready[co], 2 * self.order[slot.op]
-        item = int(self.graph.values[co].dtype.itemsize)
-        return ((0, ready, 4 * rank * n_in), (ready, ready, (item + 4 * rank) * n_out),
-                (min(ready + 1, at), at, 4 * rank * n_out), (0, at - 1, item * n_in))
+        keys = [self.keys.key_list[k] for k in task.deps if self.keys.is_value_key[k]]
+        at = 2 * self.order[slot.op]
+        out: list[tuple[int, int, int]] = []
+        if op.id in self.info.library and op.outputs:
+            shape = self.graph.values[op.outputs[0]].shape
+            sharding = self.keys.key_list[task.outs[0]][1] if task.outs else None
+            for c, s, _ in keys:
+                v = self.graph.values[c]
+                if v.shape != shape and len(v.shape) == len(shape) and sharding is not None:
+                    n = math.prod(self.keys.local_shape(op.outputs[0], sharding))
+                    out.append((min(self._ready[c], at), at, int(v.dtype.itemsize) * n))
+        if op.primitive == "select_and_scatter_add" and len(keys) >= 2:
+            (cs, ss, _), (co, so, _) = keys[:2]  # (source, operand)
+            rank = len(self.graph.values[co].shape)
+            n_in = math.prod(self.keys.local_shape(co, so))
+            n_out = math.prod(self.keys.local_shape(cs, ss))
+            ready = self._ready[co]
+            item = int(self.graph.values[co].dtype.itemsize)
+            out += [(0, ready, 4 * rank * n_in), (ready, ready, (item + 4 * rank) * n_out),
+                    (min(ready + 1, at), at, 4 * rank * n_out), (0, at - 1, item * n_in)]
+        return tuple(out)
 
     def _fused_slice(self, slot: Any, i: int) -> bool:
         """Whether task `i` of a slot is a reshard without collectives (a local slice of its operand) that XLA

@@ -60,6 +60,7 @@ class ProgramInfo:
     span: tuple[tuple[int, int], ...] = ()  # per op: first and last op (by `order`) of its outermost region
     carried: frozenset[int] = frozenset()  # canonical values a loop carries (or a region returns): loop state
     loop: tuple[bool, ...] = ()  # per op: emitted in a loop fusion (reads its operands element by element)
+    library: frozenset[int] = frozenset()  # ops inside a library fusion (XLA:CPU's YNNPACK fusions of reductions)
     backend: str = ""  # the backend whose rules apply ("cpu", "gpu", "tpu"; "": none)
     eager: bool = False  # reshards run as soon as their operand exists (XLA:CPU's breadth-first schedule)
 
@@ -304,4 +305,4 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                                  and outer_region(graph.ops[graph.values[canon[op.inputs[0]]].producer])
                                  == outer_region(op)),
                        tuple(live[op.id] and (op.primitive in FUSIBLE or op.primitive in REDUCTIONS)
-                             and op.id not in library for op in graph.ops), backend, backend == "cpu")
+                             and op.id not in library for op in graph.ops), frozenset(library), backend, backend == "cpu")
