@@ -5,14 +5,17 @@
 * dead ops (nothing they make reaches an output) are removed by XLA's DCE;
 * constant ops (all inputs are compile-time constants) are folded;
 * fused values: XLA fuses an elementwise-like op into its consumers when they are all elementwise-like
-  or reductions — duplicating it into each when it is cheap, not when it is expensive (transcendentals,
-  divides: those are fused only into a single consumer) — so its result is never written to memory.
-  A value with several readers, some of them far away (`SAVED_DISTANCE` ops: saved for the backward
-  pass), is materialised instead. A fused value read late keeps the values it is recomputed from alive
-  (`kept`).
+  or reductions in a loop fusion — duplicating it into each when it is cheap, not when it is expensive
+  (transcendentals, divides: those are fused only into a single consumer) — so its result is never written
+  to memory. A fused value read late keeps the values it is recomputed from alive (`kept`).
+* backend rules (`backend="cpu"`, XLA:CPU): floating-point reductions are library (YNNPACK) fusions that
+  absorb only producers read by them alone (`library`); the ops run in breadth-first order (`order`,
+  `eager`: what depends only on the arguments runs at the start). Elsewhere: program order.
+* regions: each op's outermost loop/branch region (`span`) and the values a loop carries (`carried`).
 * loop regions run `trips` times (scan length; 1 when XLA cannot know it).
 
-Computed once per Graph (`program_info(graph)`, cached on the graph object) and shared by every plan of it.
+Computed once per Graph and backend (`program_info(graph, backend)`, cached on the graph object) and shared
+by every plan of it.
 """
 from __future__ import annotations
 
@@ -40,10 +43,6 @@ FREE_PRIMITIVES = frozenset({"shardc_hint", "sharding_constraint", "tie", "scan_
 _NOT_MERGED = frozenset({"tie", "scan_slice", "scan_stack"})
 # XLA duplicates cheap producers into each consumer, but not these (InstructionFusion::IsExpensive).
 EXPENSIVE = frozenset(TRANSCENDENTAL) | {"div", "rem"}
-# A value read both near its producer and this many ops later (saved for the backward pass) is kept in
-# memory rather than recomputed there. Calibrated against XLA:CPU's memory_analysis() on 14 MLP,
-# Transformer and GPT plans (docs/simulator.md).
-SAVED_DISTANCE = 200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,12 +296,14 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                 for i in range(1, len(parts)):
                     n *= lengths.get("/".join(parts[: i + 1]), 1)
                 trips[op.id] = n
+    # Loop state: values a region's ties carry to the next iteration or out of it.
+    carried = frozenset(c for op in graph.ops if op.primitive == "tie" and outer_region(op) and live[op.id]
+                        for c in (canon[op.inputs[0]],)
+                        if graph.values[c].producer is not None
+                        and outer_region(graph.ops[graph.values[c].producer]) == outer_region(op))
+    loop = tuple(live[op.id] and (op.primitive in FUSIBLE or op.primitive in REDUCTIONS) and op.id not in library
+                 for op in graph.ops)
     return ProgramInfo(tuple(live), tuple(constant), tuple(canon), tuple(duplicate), tuple(fused),
-                       tuple(trips), tuple(order), pkeys, tuple(kept), _spans(graph, live, order),
-                       frozenset(canon[op.inputs[0]] for op in graph.ops
-                                 if op.primitive == "tie" and outer_region(op) and live[op.id]
-                                 and graph.values[canon[op.inputs[0]]].producer is not None
-                                 and outer_region(graph.ops[graph.values[canon[op.inputs[0]]].producer])
-                                 == outer_region(op)),
-                       tuple(live[op.id] and (op.primitive in FUSIBLE or op.primitive in REDUCTIONS)
-                             and op.id not in library for op in graph.ops), frozenset(library), backend, backend == "cpu")
+                       tuple(trips), tuple(order), pkeys, tuple(kept), span=_spans(graph, live, order),
+                       carried=carried, loop=loop, library=frozenset(library), backend=backend,
+                       eager=backend == "cpu")
