@@ -1,16 +1,20 @@
-"""Per-device memory: arguments, outputs, donated buffers, and the peak of temporaries by liveness over
-program order.
+"""Per-device memory: arguments, outputs, donated buffers, and the peak of temporaries by liveness over the
+order the compiled program runs its ops in.
 
 Peak = arguments + outputs - aliased (outputs written into donated inputs) + peak temporaries, which is
 how XLA's `memory_analysis()` accounts a compiled program. A temporary is a buffer made by one slot of the
 simulation and read by later ones: an op's result in the layout its strategy makes (partial sums are
 full-size), the result in its planned layout, each layout a reshard makes for consumers, and values the
-backward pass keeps (activations live until their last reader). It lives from the slot that makes it to
-the last slot that reads it. Values XLA fuses into their consumers and compile-time constants take no
-memory. Loop bodies are counted once (their buffers are reused across iterations).
+backward pass keeps (activations live until their last reader). It lives from the position that makes it
+to the last position that reads it, positions following `ProgramInfo.order` (XLA:CPU: breadth first, an
+operand's reshards right after its producer). Values XLA fuses into their readers, local slices fused into
+elementwise readers and compile-time constants take no memory. Loop bodies are counted once (their
+buffers are reused across iterations); a loop holds the values it reads from outside until its end, and
+its stacked outputs and carried values from its start. Some ops need buffers beyond their operands and
+results where the backend expands them (`_workspace_of`).
 
 `update` recomputes only the buffers of the slots a delta simulation rebuilt; the peak is a prefix sum
-over slots (numpy), so an update costs O(changed buffers) plus one vectorised pass.
+over positions (numpy), so an update costs O(changed buffers) plus one vectorised pass.
 """
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ class MemoryResult:
 
 class MemoryModel:
     """Buffers of one device over the slots of a simulation. `keys` resolves interned key ids to
-    (canonical value, sharding, origin) triples (the simulation's TaskBuilder)."""
+    (canonical value, sharding, origin) triples and gives local shapes (the simulation's TaskBuilder)."""
 
     def __init__(self, graph: Any, info: ProgramInfo, mesh: Mapping[str, int], keys: Any) -> None:
         self.graph = graph

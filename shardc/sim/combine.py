@@ -1,17 +1,18 @@
 """XLA's all-reduce combiner, as the simulator sees it.
 
 XLA merges all-reduces over the same devices into one tuple-shaped all-reduce (AllReduceCombiner: on
-GPU up to 30 MiB and 256 operands by default, on CPU without a byte limit). Two all-reduces merge only
-when neither's input depends on the other's result. The gradient all-reduces of data parallelism are
+GPU up to 30 MiB and 256 operands by default, on CPU without a byte limit) within one computation (the
+all-reduces of a loop body merge among themselves). Two all-reduces merge only when neither's input
+depends on the other's result. The gradient all-reduces of data parallelism are
 independent of each other and merge into a few large ones at the end of the backward pass — which keeps
 every gradient alive until then; the activation all-reduces of tensor parallelism feed the next layer
 and stay apart.
 
 `Combiner` finds the groups in program order, by dataflow over the program graph: each value's set of
 descendants is a bitmask (computed once per graph), a group accumulates its members' descendants, and
-an all-reduce joins the open group of its mesh axes unless its value is among them. The memory model
-uses the groups (members' inputs live until the merged all-reduce, results start there); the timeline
-keeps one task per all-reduce.
+an all-reduce joins the open group of its mesh axes and region unless its value is among them. The memory
+model uses the groups (members' inputs live until the merged all-reduce, which runs after the member
+scheduled last; results start there); the timeline keeps one task per all-reduce.
 """
 from __future__ import annotations
 
