@@ -13,7 +13,7 @@ The plan is lowered and compiled on the local backend, and per device:
 * memory — arguments + outputs - aliased + temporaries of `compiled.memory_analysis()` — against the
   simulated peak.
 
-Bounds: 5% for bytes and FLOPs, 20% for memory. A disagreement means the plan or the cost model is wrong.
+Bounds: 5% for bytes and FLOPs, 10% for memory. A disagreement means the plan or the cost model is wrong.
 XLA's own warnings while compiling (`[SPMD] Involuntary full rematerialization`: a reshard XLA does by
 replicating the whole tensor, which the plan priced as something cheaper) are captured and listed too.
 """
@@ -35,7 +35,7 @@ from shardc.cost.topology import Device, Level, Topology
 
 __all__ = ["check", "compare", "CheckReport", "CheckRow", "compiled_stats", "BOUNDS", "xla_log", "INVOLUNTARY_REMAT"]
 
-BOUNDS = {"bytes": 0.05, "flops": 0.05, "memory": 0.20}
+BOUNDS = {"bytes": 0.05, "flops": 0.05, "memory": 0.10}
 INVOLUNTARY_REMAT = "Involuntary full rematerialization"
 
 

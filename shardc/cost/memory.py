@@ -1,16 +1,20 @@
-"""Per-device memory: arguments, outputs, donated buffers, and the peak of temporaries by liveness over
-program order.
+"""Per-device memory: arguments, outputs, donated buffers, and the peak of temporaries by liveness over the
+order the compiled program runs its ops in.
 
 Peak = arguments + outputs - aliased (outputs written into donated inputs) + peak temporaries, which is
 how XLA's `memory_analysis()` accounts a compiled program. A temporary is a buffer made by one slot of the
 simulation and read by later ones: an op's result in the layout its strategy makes (partial sums are
 full-size), the result in its planned layout, each layout a reshard makes for consumers, and values the
-backward pass keeps (activations live until their last reader). It lives from the slot that makes it to
-the last slot that reads it. Values XLA fuses into their consumers and compile-time constants take no
-memory. Loop bodies are counted once (their buffers are reused across iterations).
+backward pass keeps (activations live until their last reader). It lives from the position that makes it
+to the last position that reads it, positions following `ProgramInfo.order` (XLA:CPU: breadth first, an
+operand's reshards right after its producer). Values XLA fuses into their readers, local slices fused into
+elementwise readers and compile-time constants take no memory. Loop bodies are counted once (their
+buffers are reused across iterations); a loop holds the values it reads from outside until its end, and
+its stacked outputs and carried values from its start. Some ops need buffers beyond their operands and
+results where the backend expands them (`_workspace_of`).
 
 `update` recomputes only the buffers of the slots a delta simulation rebuilt; the peak is a prefix sum
-over slots (numpy), so an update costs O(changed buffers) plus one vectorised pass.
+over positions (numpy), so an update costs O(changed buffers) plus one vectorised pass.
 """
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ class MemoryResult:
 
 class MemoryModel:
     """Buffers of one device over the slots of a simulation. `keys` resolves interned key ids to
-    (canonical value, sharding, origin) triples (the simulation's TaskBuilder)."""
+    (canonical value, sharding, origin) triples and gives local shapes (the simulation's TaskBuilder)."""
 
     def __init__(self, graph: Any, info: ProgramInfo, mesh: Mapping[str, int], keys: Any) -> None:
         self.graph = graph
@@ -54,11 +58,23 @@ class MemoryModel:
         # results are resharded (the op's inputs may be freed by then).
         self.diff = np.zeros(2 * self.n + 1, dtype=np.int64)
         self.buffers: dict[int, tuple[int, int, int]] = {}  # key id -> (first, last position, bytes)
-        self.owner: dict[int, tuple[int, int]] = {}  # key id -> (slot, position) that makes it
+        self.owner: dict[int, tuple[int, int, bool]] = {}  # key id -> (slot, position) that makes it, fused slice
         self.readers: dict[int, dict[int, int]] = {}  # key id -> {slot: last position it reads the key}
         self._local: dict[int, int] = {}  # input/output value -> local bytes
         self.bounds: dict[int, tuple[int, int]] = {}  # key id -> (starts no earlier, ends no earlier) slots
         self.args = self.outs = self.alias = 0
+        self._planned: Sequence[Any] = ()  # the plan's sharding per value
+        self.order = info.order  # op -> its position in the compiled program's schedule
+        self._op_at = [0] * self.n  # position -> op
+        for op, i in enumerate(self.order):
+            self._op_at[i] = op
+        # Where a value's reshards run when XLA schedules them as soon as the value exists: right after the
+        # op making it (the arguments' at the start).
+        self._ready = [0] * len(graph.values)
+        if info.eager:
+            for v in graph.values:
+                p = v.producer
+                self._ready[v.id] = 2 * self.order[p] + 1 if p is not None and info.live[p] else 0
 
     def _bytes(self, kid: int) -> int:
         c, s, _ = self.keys.key_list[kid]
@@ -77,79 +93,148 @@ class MemoryModel:
         owner = self.owner.get(kid)
         if owner is None:
             return
-        c, _, origin = self.keys.key_list[kid]
-        if c in self._inputs or c in self._outputs:
-            return  # counted with the arguments / outputs
-        b = self._bytes(kid)
+        c, sharding, origin = self.keys.key_list[kid]
+        if (c in self._inputs or c in self._outputs) and origin == 0 and sharding == self._planned[c]:
+            return  # counted with the arguments / outputs (other layouts of them are temporaries)
+        b = 0 if owner[2] else self._bytes(kid)
         if b == 0:
             return
         rs = self.readers.get(kid)
         end = max(rs.values()) if rs else owner[1]
         lo, hi = self.bounds.get(kid, (-1, -1))
-        lo, hi = 2 * lo + 1 if lo >= 0 else -1, 2 * hi + 1 if hi >= 0 else -1  # merged all-reduces: output phase
+        order = self.order
+        lo, hi = 2 * order[lo] + 1 if lo >= 0 else -1, 2 * order[hi] + 1 if hi >= 0 else -1  # merged all-reduces
         if origin == 0 and self.info.kept[c] >= 0:  # alive while fused values recomputed from it are read
-            hi = max(hi, 2 * self.info.kept[c])
+            hi = max(hi, 2 * order[self.info.kept[c]])
         start = max(owner[1], lo)
         end = max(end, hi, start)
         self.buffers[kid] = (start, end, b)
         self.diff[start] += b
         self.diff[end + 1] -= b
 
+    def _work(self, slot: Any, sign: int) -> None:
+        for a, b, n in self._positions(slot)[2]:
+            self.diff[a] += sign * n
+            self.diff[b + 1] -= sign * n
+
     def _reads(self, slot: Any) -> dict[int, int]:
         """Key id -> the last position at which the slot reads it."""
         return self._positions(slot)[1]
 
-    def _makes(self, slot: Any) -> dict[int, int]:
-        """Key id -> the position at which the slot makes it."""
+    def _makes(self, slot: Any) -> dict[int, tuple[int, bool]]:
+        """Key id -> (the position at which the slot makes it, whether it is a slice fused into the op)."""
         return self._positions(slot)[0]
 
-    def _positions(self, slot: Any) -> tuple[dict[int, int], dict[int, int]]:
-        """(makes, reads) of a slot, computed once per slot (slots are not modified once sealed)."""
+    def _positions(self, slot: Any) -> tuple[dict, dict[int, int], tuple[tuple[int, int, int], ...]]:
+        """(makes, reads, workspace) of a slot, computed once per slot (slots are not modified once sealed)."""
         cached = getattr(slot, "memory", None)
         if cached is None:
-            cached = (self._makes_of(slot), self._reads_of(slot))
+            cached = (self._makes_of(slot), self._reads_of(slot), self._workspace_of(slot))
             try:
                 slot.memory = cached
             except AttributeError:  # a slot type without the cache field
                 pass
         return cached
 
+    def _workspace_of(self, slot: Any) -> tuple[tuple[int, int, int], ...]:
+        """Buffers (first, last position, bytes) an op needs beyond its operands and results where XLA's
+        backend makes more of it (XLA:CPU only):
+
+        * an op in a library fusion reads an operand it broadcasts (a size-1 dim against its result's) as a
+          broadcast buffer of the result's shape, made as soon as the operand exists;
+        * a select-and-scatter (a max pool's gradient) is expanded (SelectAndScatterExpander) into an s32
+          iota of the operand's shape per dim (no operands: made at the start), a reduce-window over (operand,
+          iotas) giving the value and index per dim of each window (as soon as the operand exists), the
+          indices concatenated, and a scatter (the op) into zeros of the operand's shape (a broadcast, made
+          at the start; the scatter writes its result in place)."""
+        if self.info.backend != "cpu" or slot.at >= len(slot.tasks):
+            return ()
+        op = self.graph.ops[slot.op]
+        task = slot.tasks[slot.at]
+        keys = [self.keys.key_list[k] for k in task.deps if self.keys.is_value_key[k]]
+        at = 2 * self.order[slot.op]
+        out: list[tuple[int, int, int]] = []
+        if op.id in self.info.library and op.outputs:
+            shape = self.graph.values[op.outputs[0]].shape
+            sharding = self.keys.key_list[task.outs[0]][1] if task.outs else None
+            for c, s, _ in keys:
+                v = self.graph.values[c]
+                if v.shape != shape and len(v.shape) == len(shape) and sharding is not None:
+                    n = math.prod(self.keys.local_shape(op.outputs[0], sharding))
+                    out.append((min(self._ready[c], at), at, int(v.dtype.itemsize) * n))
+        if op.primitive == "select_and_scatter_add" and len(keys) >= 2:
+            (cs, ss, _), (co, so, _) = keys[:2]  # (source, operand)
+            rank = len(self.graph.values[co].shape)
+            n_in = math.prod(self.keys.local_shape(co, so))
+            n_out = math.prod(self.keys.local_shape(cs, ss))
+            ready = self._ready[co]
+            item = int(self.graph.values[co].dtype.itemsize)
+            out += [(0, ready, 4 * rank * n_in), (ready, ready, (item + 4 * rank) * n_out),
+                    (min(ready + 1, at), at, 4 * rank * n_out), (0, at - 1, item * n_in)]
+        return tuple(out)
+
+    def _fused_slice(self, slot: Any, i: int) -> bool:
+        """Whether task `i` of a slot is a reshard without collectives (a local slice of its operand) that XLA
+        fuses into the op reading it (an elementwise-like op in a loop fusion): no buffer of its own."""
+        t = slot.tasks[i]
+        return (i < slot.at and t.kind == "join" and bool(t.deps) and self.info.loop[slot.op]
+                and all(self.keys.is_value_key[d] for d in t.deps))
+
+    def _position(self, slot: Any, i: int, kid: int, read: bool = False) -> int:
+        """Where task `i` of a slot reads or makes value key `kid`: with its op (2 * position in the schedule),
+        after it (+1: the results' reshards), or, for the operands' reshards under an eager schedule, where
+        the resharded value is made. A loop reads a value made outside it until its last iteration, and
+        writes its stacked outputs and the values it carries into buffers that exist from its first."""
+        op = slot.op
+        first, last = self.info.span[op]
+        if first != last:  # inside a loop or branch region
+            if read:
+                p = self.graph.values[self.keys.key_list[kid][0]].producer
+                if p is None or self.info.span[p] != (first, last):
+                    return 2 * self.order[last] + 1
+            elif (self.graph.ops[op].primitive == "scan_stack"
+                  or self.keys.key_list[kid][0] in self.info.carried):
+                return 2 * self.order[first]
+        if i < slot.at and self.info.eager and not self._fused_slice(slot, i):
+            return self._ready[self.keys.key_list[kid][0]]
+        return 2 * self.order[op] + (i > slot.at)
+
     def _reads_of(self, slot: Any) -> dict[int, int]:
         flags = self.keys.is_value_key
         out: dict[int, int] = {}
-        base = 2 * slot.op
         for i, t in enumerate(slot.tasks):
-            pos = base + (i > slot.at)
             for d in t.deps:
                 if flags[d]:
-                    out[d] = pos
+                    out[d] = max(out.get(d, -1), self._position(slot, i, d, read=True))
         return out
 
-    def _makes_of(self, slot: Any) -> dict[int, int]:
+    def _makes_of(self, slot: Any) -> dict[int, tuple[int, bool]]:
         flags = self.keys.is_value_key
-        out: dict[int, int] = {}
-        base = 2 * slot.op
+        out: dict[int, tuple[int, bool]] = {}
         for i, t in enumerate(slot.tasks):
             for k in t.outs:
                 if flags[k] and k not in out:
-                    out[k] = base + (i > slot.at)
+                    out[k] = (self._position(slot, i, k), self._fused_slice(slot, i))
         return out
 
     def full(self, plan: Any, slots: Sequence[Any], donated: Sequence[int] = (),
              bounds: Mapping[int, tuple[int, int]] | None = None) -> None:
         """`bounds`: buffers merged collectives hold longer (key id -> (start no earlier, end no earlier))."""
         self.bounds = dict(bounds or {})
+        self._planned = plan.shardings
         self.diff[:] = 0
         self.buffers.clear()
         self.owner.clear()
         self.readers.clear()
         for s in slots:
-            for k, pos in self._makes(s).items():
-                self.owner.setdefault(k, (s.op, pos))
+            for k, (pos, free) in self._makes(s).items():
+                self.owner.setdefault(k, (s.op, pos, free))
             for k, pos in self._reads(s).items():
                 self.readers.setdefault(k, {})[s.op] = pos
         for k in self.owner:
             self._set(k)
+        for sl in slots:
+            self._work(sl, 1)
         self._local.clear()
         self.io(plan, donated, None)
 
@@ -158,12 +243,15 @@ class MemoryModel:
                bounds: tuple[Mapping[int, tuple[int, int]], Mapping[int, tuple[int, int]]] | None = None) -> None:
         """Recompute the buffers of rebuilt slots (and of keys whose `bounds` changed: (before, after))."""
         touched: set[int] = set()
+        self._planned = plan.shardings
         if bounds is not None:
             before, after = bounds
             touched.update(k for k in set(before) | set(after) if before.get(k) != after.get(k))
             self.bounds = dict(after)
         for i in affected:
             old = old_slots[i]
+            self._work(old, -1)
+            self._work(slots[i], 1)
             for k in self._makes(old):
                 if self.owner.get(k, (None,))[0] == i:
                     del self.owner[k]
@@ -175,9 +263,9 @@ class MemoryModel:
                 touched.add(k)
         for i in affected:
             new = slots[i]
-            for k, pos in self._makes(new).items():
+            for k, (pos, free) in self._makes(new).items():
                 if k not in self.owner:
-                    self.owner[k] = (i, pos)
+                    self.owner[k] = (i, pos, free)
                     touched.add(k)
             for k, pos in self._reads(new).items():
                 self.readers.setdefault(k, {})[i] = pos
@@ -222,4 +310,4 @@ class MemoryModel:
             return MemoryResult(self.args, self.outs, self.alias, 0, 0)
         live = np.cumsum(self.diff[: 2 * self.n])
         i = int(np.argmax(live))
-        return MemoryResult(self.args, self.outs, self.alias, int(live[i]), i // 2)
+        return MemoryResult(self.args, self.outs, self.alias, int(live[i]), self._op_at[i // 2])

@@ -5,17 +5,21 @@
 * dead ops (nothing they make reaches an output) are removed by XLA's DCE;
 * constant ops (all inputs are compile-time constants) are folded;
 * fused values: XLA fuses an elementwise-like op into its consumers when they are all elementwise-like
-  or reductions — duplicating it into each when it is cheap, not when it is expensive (transcendentals,
-  divides: those are fused only into a single consumer) — so its result is never written to memory.
-  A value with several readers, some of them far away (`SAVED_DISTANCE` ops: saved for the backward
-  pass), is materialised instead. A fused value read late keeps the values it is recomputed from alive
-  (`kept`).
+  or reductions in a loop fusion — duplicating it into each when it is cheap, not when it is expensive
+  (transcendentals, divides: those are fused only into a single consumer) — so its result is never written
+  to memory. A fused value read late keeps the values it is recomputed from alive (`kept`).
+* backend rules (`backend="cpu"`, XLA:CPU): floating-point reductions are library (YNNPACK) fusions that
+  absorb only producers read by them alone (`library`); the ops run in breadth-first order (`order`,
+  `eager`: what depends only on the arguments runs at the start). Elsewhere: program order.
+* regions: each op's outermost loop/branch region (`span`) and the values a loop carries (`carried`).
 * loop regions run `trips` times (scan length; 1 when XLA cannot know it).
 
-Computed once per Graph (`program_info(graph)`, cached on the graph object) and shared by every plan of it.
+Computed once per Graph and backend (`program_info(graph, backend)`, cached on the graph object) and shared
+by every plan of it.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -31,16 +35,14 @@ FUSIBLE = frozenset(ELEMENTWISE) | frozenset(TRANSCENDENTAL) | frozenset({
     "select_n", "stop_gradient", "slice", "transpose", "rev", "pad", "concatenate", "split"})
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
                         "argmax", "argmin"})
+# Reductions XLA:CPU hands to a library (YNNPACK) as a fusion of their own (floating point only).
+LIBRARY_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 # Ops that are not computation at all: hints, constraints, region ties.
 FREE_PRIMITIVES = frozenset({"shardc_hint", "sharding_constraint", "tie", "scan_slice", "scan_stack",
                              "stop_gradient", "optimization_barrier", "name"})
 _NOT_MERGED = frozenset({"tie", "scan_slice", "scan_stack"})
 # XLA duplicates cheap producers into each consumer, but not these (InstructionFusion::IsExpensive).
 EXPENSIVE = frozenset(TRANSCENDENTAL) | {"div", "rem"}
-# A value read both near its producer and this many ops later (saved for the backward pass) is kept in
-# memory rather than recomputed there. Calibrated against XLA:CPU's memory_analysis() on 14 MLP,
-# Transformer and GPT plans (docs/simulator.md).
-SAVED_DISTANCE = 200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,28 +53,133 @@ class ProgramInfo:
     duplicate: tuple[bool, ...]  # per op: merged into an earlier identical op
     fused: tuple[bool, ...]  # per canonical value: never materialised (fused into its consumers)
     trips: tuple[int, ...]  # per op: how many times it runs per step
-    last_use: tuple[int, ...]  # per canonical value: the last live op reading it (-1 if none)
+    order: tuple[int, ...]  # per op: its position in the order the compiled program runs the ops
     pkeys: tuple[Any, ...]  # per op: its params as a hashable key
-    kept: tuple[int, ...]  # per canonical value: last op reading a fused value recomputed from it (-1: none)
+    kept: tuple[int, ...]  # per canonical value: last op (by `order`) reading a fused value recomputed from it (-1: none)
+    span: tuple[tuple[int, int], ...] = ()  # per op: first and last op (by `order`) of its outermost region
+    carried: frozenset[int] = frozenset()  # canonical values a loop carries (or a region returns): loop state
+    loop: tuple[bool, ...] = ()  # per op: emitted in a loop fusion (reads its operands element by element)
+    library: frozenset[int] = frozenset()  # ops inside a library fusion (XLA:CPU's YNNPACK fusions of reductions)
+    backend: str = ""  # the backend whose rules apply ("cpu", "gpu", "tpu"; "": none)
+    eager: bool = False  # reshards run as soon as their operand exists (XLA:CPU's breadth-first schedule)
 
     def counts(self, op_id: int) -> bool:
         """Whether an op does work in the compiled program."""
         return self.live[op_id] and not self.duplicate[op_id]
 
 
-def program_info(graph: Graph) -> ProgramInfo:
-    cached = getattr(graph, "_shardc_program_info", None)
-    if cached is not None:
-        return cached
-    info = _analyse(graph)
-    try:
-        graph._shardc_program_info = info  # type: ignore[attr-defined]
-    except AttributeError:  # pragma: no cover - slotted graphs
-        pass
+def _library_fusions(graph: Graph, live: list[bool], canon: list[int], constant: list[bool],
+                     consumers: list[list[int]]) -> tuple[set[int], set[int]]:
+    """XLA:CPU's library (YNNPACK) fusions of reductions, made before loop fusion: from each floating-point
+    reduction up through the elementwise-like ops whose results are read only inside the fusion (XLA's
+    LibraryRewriter grows a fusion into an operand when all of the operand's users are in it). Returns the
+    values absorbed and the ops inside the fusions."""
+    absorbed: set[int] = set()
+    members: set[int] = set()
+    for op in reversed(graph.ops):  # from the last reduction up, as XLA starts from the root
+        if (not live[op.id] or op.primitive not in LIBRARY_REDUCTIONS or op.id in members
+                or graph.values[op.outputs[0]].dtype.kind != "f"):
+            continue
+        group = {op.id}
+        stack = [canon[v] for v in op.inputs]
+        while stack:
+            v = stack.pop()
+            p = graph.values[v].producer
+            if (p is None or constant[v] or v in absorbed or p in members or p in group
+                    or graph.ops[p].primitive not in FUSIBLE or not all(u in group for u in consumers[v])):
+                continue
+            group.add(p)
+            absorbed.add(v)
+            stack.extend(canon[u] for u in graph.ops[p].inputs)
+        members |= group
+    return absorbed, members
+
+
+def outer_region(op: Any) -> str:
+    """The outermost loop or branch region an op is in ("" for none)."""
+    return op.region.split("/")[1] if op.region.startswith("/") else ""
+
+
+def _spans(graph: Graph, live: list[bool], order: list[int]) -> tuple[tuple[int, int], ...]:
+    """Per op: the first and last live op of its outermost region in `order` (the op itself outside regions)."""
+    ends: dict[str, tuple[int, int]] = {}
+    for op in graph.ops:
+        r = outer_region(op)
+        if r and live[op.id]:
+            a, b = ends.get(r, (op.id, op.id))
+            ends[r] = (min(a, op.id, key=order.__getitem__), max(b, op.id, key=order.__getitem__))
+    return tuple(ends.get(outer_region(op), (op.id, op.id)) for op in graph.ops)
+
+
+def _breadth_first(graph: Graph, live: list[bool], canon: list[int], constant: list[bool], fused: list[bool],
+                   consumers: list[list[int]]) -> list[int]:
+    """Per op, its position in XLA:CPU's schedule: breadth first (BFSMemoryScheduler, XLA:CPU's default
+    since `xla_cpu_enable_concurrency_optimized_scheduler`): an instruction runs as soon as its operands
+    exist, in the order they became ready — so what depends only on the arguments (a parameter's
+    all-gather, an iota) runs at the start. Ops whose results are fused into their readers, hints and ties
+    are no instructions: they run as they become ready. A loop or branch region is one instruction (its
+    body in program order)."""
+    no = len(graph.ops)
+    unit = list(range(no))  # op -> its unit: a top-level region's first op, else itself
+    first: dict[str, int] = {}
+    for op in graph.ops:
+        if outer_region(op):
+            unit[op.id] = first.setdefault(outer_region(op), op.id)
+    members: dict[int, list[int]] = {}
+    for op in graph.ops:
+        if live[op.id]:
+            members.setdefault(unit[op.id], []).append(op.id)
+    preds: dict[int, set[int]] = {u: set() for u in members}
+    succs: dict[int, list[int]] = {u: [] for u in members}
+    for u, ops in members.items():
+        for i in ops:
+            for v in graph.ops[i].inputs:
+                c = canon[v]
+                p = graph.values[c].producer
+                if p is None or constant[c] or not live[p] or unit[p] == u or unit[p] in preds[u]:
+                    continue
+                preds[u].add(unit[p])
+                succs[unit[p]].append(u)
+    inline = {u for u, ops in members.items() if len(ops) == 1 and graph.ops[u].outputs
+              and all(fused[canon[v]] or constant[canon[v]] for v in graph.ops[u].outputs)}
+    waiting = {u: len(p) for u, p in preds.items()}
+    queue = collections.deque(u for u in sorted(members) if not waiting[u])
+    order = [-1] * no
+    pos = 0
+    while queue:
+        stack = [queue.popleft()]
+        while stack:  # inlined units run at once, with what made them ready
+            u = stack.pop()
+            for i in members[u]:
+                order[i] = pos
+                pos += 1
+            for w in succs[u]:
+                waiting[w] -= 1
+                if not waiting[w]:
+                    (stack if w in inline else queue).append(w)
+    for i in range(no):  # dead ops (no work) after the rest
+        if order[i] < 0:
+            order[i] = pos
+            pos += 1
+    return order
+
+
+def program_info(graph: Graph, backend: str = "") -> ProgramInfo:
+    """What XLA keeps of `graph` when compiled for `backend` ("cpu", "gpu", "tpu" or "": no backend rule)."""
+    cache = getattr(graph, "_shardc_program_info", None)
+    if cache is None:
+        cache = {}
+        try:
+            graph._shardc_program_info = cache  # type: ignore[attr-defined]
+        except AttributeError:  # pragma: no cover - slotted graphs
+            pass
+    info = cache.get(backend)
+    if info is None:
+        info = cache[backend] = _analyse(graph, backend)
     return info
 
 
-def _analyse(graph: Graph) -> ProgramInfo:
+def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     nv, no = len(graph.values), len(graph.ops)
     pkeys = tuple(params_key(op.params) for op in graph.ops)
     # CSE and constant folding, forwards.
@@ -114,13 +221,11 @@ def _analyse(graph: Graph) -> ProgramInfo:
         if op.region and not duplicate[op.id]:
             live[op.id] = op.region in live_regions or op.primitive == "tie"
 
-    last_use = [-1] * nv
     consumers: list[list[int]] = [[] for _ in range(nv)]
     for op in graph.ops:
         if not live[op.id]:
             continue
         for v in op.inputs:
-            last_use[canon[v]] = op.id
             consumers[canon[v]].append(op.id)
     fused = [False] * nv
     outputs = {canon[v] for v in graph.outputs}
@@ -131,6 +236,8 @@ def _analyse(graph: Graph) -> ProgramInfo:
             for v in op.outputs:
                 if canon[v] not in outputs and not constant[canon[v]]:
                     fused[canon[v]] = True
+    absorbed, library = (_library_fusions(graph, live, canon, constant, consumers) if backend == "cpu"
+                         else (set(), set()))
     for op in graph.ops:
         if op.primitive not in FUSIBLE or not live[op.id]:
             continue
@@ -138,9 +245,12 @@ def _analyse(graph: Graph) -> ProgramInfo:
             users = consumers[v]
             if v in outputs or not users:
                 continue
-            fused[v] = (all(graph.ops[u].primitive in FUSIBLE or graph.ops[u].primitive in REDUCTIONS for u in users)
-                        and (op.primitive not in EXPENSIVE or len(users) == 1)
-                        and not (len(users) > 1 and max(users) - op.id > SAVED_DISTANCE))
+            # Loop fusion takes a value into its readers when every one of them is an elementwise-like op or a
+            # reduction outside a library fusion (which reads its operands from memory).
+            fused[v] = v in absorbed or (
+                all((graph.ops[u].primitive in FUSIBLE or graph.ops[u].primitive in REDUCTIONS) and u not in library
+                    for u in users)
+                and (op.primitive not in EXPENSIVE or len(users) == 1))
     # A fused value is recomputed where it is read, from the materialised values it is made of: those
     # stay alive until its last reader.
     kept = [-1] * nv
@@ -161,6 +271,8 @@ def _analyse(graph: Graph) -> ProgramInfo:
             hit = frontier[v] = frozenset(out)
         return hit
 
+    order = (_breadth_first(graph, live, canon, constant, fused, consumers) if backend == "cpu"
+             else list(range(no)))
     for op in graph.ops:
         if not live[op.id]:
             continue
@@ -168,7 +280,7 @@ def _analyse(graph: Graph) -> ProgramInfo:
             c = canon[v]
             if fused[c]:
                 for m in made_of(c):
-                    if kept[m] < op.id:
+                    if kept[m] < 0 or order[kept[m]] < order[op.id]:
                         kept[m] = op.id
 
     trips = [1] * no
@@ -184,5 +296,14 @@ def _analyse(graph: Graph) -> ProgramInfo:
                 for i in range(1, len(parts)):
                     n *= lengths.get("/".join(parts[: i + 1]), 1)
                 trips[op.id] = n
+    # Loop state: values a region's ties carry to the next iteration or out of it.
+    carried = frozenset(c for op in graph.ops if op.primitive == "tie" and outer_region(op) and live[op.id]
+                        for c in (canon[op.inputs[0]],)
+                        if graph.values[c].producer is not None
+                        and outer_region(graph.ops[graph.values[c].producer]) == outer_region(op))
+    loop = tuple(live[op.id] and (op.primitive in FUSIBLE or op.primitive in REDUCTIONS) and op.id not in library
+                 for op in graph.ops)
     return ProgramInfo(tuple(live), tuple(constant), tuple(canon), tuple(duplicate), tuple(fused),
-                       tuple(trips), tuple(last_use), pkeys, tuple(kept))
+                       tuple(trips), tuple(order), pkeys, tuple(kept), span=_spans(graph, live, order),
+                       carried=carried, loop=loop, library=frozenset(library), backend=backend,
+                       eager=backend == "cpu")

@@ -216,7 +216,7 @@ class Simulator:
         state.ar_slots = {s.op for s in slots if s.ars}
         self._schedule(state, 0)
         state.groups = self._groups(state)
-        self.memory.full(plan, slots, donated, Combiner.lifetimes(slots, state.groups))
+        self.memory.full(plan, slots, donated, Combiner.lifetimes(slots, state.groups, self.builder.info.order))
         self._last = state
         self._reads = None
         return self._result(state)
@@ -271,7 +271,7 @@ class Simulator:
             self._schedule(old, changed[0], changed[-1])
         old.groups = self._groups(old)
         # Compare the lifetimes, not the groups: equal groups may hold rebuilt all-reduces of other keys.
-        after = Combiner.lifetimes(old.slots, old.groups)
+        after = Combiner.lifetimes(old.slots, old.groups, self.builder.info.order)
         bounds = None if after == self.memory.bounds else (self.memory.bounds, after)
         self.memory.update(plan, old.slots, changed, old_slots, donated, values, bounds)
         return self._result(old)

@@ -63,6 +63,7 @@ class ArEntry:
     src: int
     dst: int
     name: str
+    region: str = ""  # the loop or branch body it runs in (XLA merges all-reduces of one computation only)
 
 
 @dataclasses.dataclass(slots=True)
@@ -116,7 +117,7 @@ class TaskBuilder:
     def __init__(self, graph: Any, topology: Topology, mapping: MeshMapping, mesh: Mapping[str, int],
                  estimator: OpCostEstimator | None = None) -> None:
         self.graph = graph
-        self.info: ProgramInfo = program_info(graph)
+        self.info: ProgramInfo = program_info(graph, topology.backend)
         self.topology = topology
         self.mapping = mapping
         self.mesh = dict(mesh)
@@ -227,9 +228,9 @@ class TaskBuilder:
             slot.chained += (out,)
         tasks.append(Task(f"{val.name} as {dst}", "join", -1, 0, deps, (out,), op))
         slot.tasks.extend(tasks)
-        if len(colls) == 1 and colls[0].kind == "all-reduce" and trips == 1 and len(tasks) > 1:
+        if len(colls) == 1 and colls[0].kind == "all-reduce" and len(tasks) > 1:
             slot.ars += (ArEntry(first, len(tasks), colls[0].axes, colls[0].bytes, self.kid(src_key), out,
-                                 tasks[0].name),)
+                                 tasks[0].name, self.graph.ops[op].region),)
         return dst_key
 
     # -- slots ---------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The simulator agrees with what XLA compiles, for data-parallel, Megatron, FSDP and mixed plans of an MLP
 and a Transformer on the 8 CPU devices: collective bytes of every kind within 5%, FLOPs within 5%, peak
-memory within 20% (`shardc.check`)."""
+memory within 10% (`shardc.check`)."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -119,3 +119,71 @@ def test_check_on_a_plan_and_a_broken_model(monkeypatch):
     with pytest.raises(shardc.ShardingError, match="records the traced program"):
         shardc.check(plan.__class__(plan.graph, plan.mesh, plan.shardings, plan.strategies, plan.reshards,
                                     plan.origins))
+
+
+WIDTH, LAYERS, BATCH = 256, 4, 64
+SCAN_WIDTH, SCAN_LAYERS, SCAN_BATCH = 64, 8, 256
+
+
+class _Residual(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        h = jnp.tanh(nn.Dense(2 * SCAN_WIDTH)(x))
+        return x + nn.Dense(SCAN_WIDTH)(h * jax.nn.sigmoid(h)), None
+
+
+class ScanMlp(nn.Module):
+    """Residual blocks under `nn.scan` (the MaxText way to write a deep stack)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = split(x, 0, "data")
+        stack = nn.scan(_Residual, variable_axes={"params": 0}, split_rngs={"params": True}, length=SCAN_LAYERS)
+        return stack()(x, None)[0]
+
+
+class FsdpMlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = split(x, 0, "data")
+        init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "data"))
+        for _ in range(LAYERS):
+            x = jnp.tanh(nn.Dense(WIDTH, kernel_init=init)(x))
+        return x
+
+
+class PoolCnn(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = split(x, 0, "data")
+        x = nn.max_pool(nn.relu(nn.Conv(16, (3, 3))(x)), (2, 2), (2, 2))
+        return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+
+# (model, input, bytes per device the peak must hold given the simulation: what the program's structure forces)
+MEMORY_CASES = {
+    # the forward scan's stacked activations, read by the backward scan until its last iteration
+    "scan": (ScanMlp(), jnp.ones((SCAN_BATCH, SCAN_WIDTH)),
+             lambda sim: SCAN_LAYERS * SCAN_BATCH // 8 * 2 * SCAN_WIDTH * 4),
+    # everything all-gathered, at the start of the step, and kept for the backward pass
+    "fsdp": (FsdpMlp(), jnp.ones((BATCH, WIDTH)), lambda sim: sim.payload["all-gather"]),
+    # the pool's gradient: an s32 iota per dim of the conv output, all made at the start
+    "maxpool": (PoolCnn(), jnp.ones((16, 16, 16, 3)), lambda sim: 4 * 2 * 16 * 16 * 16 * 4),
+}
+
+
+@pytest.mark.parametrize("name", list(MEMORY_CASES))
+def test_peak_memory_matches_xla(name):
+    """Programs whose compiled buffers come from what the memory model has to know about XLA:CPU: a scanned
+    layer stack (stacked residuals from the forward loop to the backward one, the backward loop's carried
+    gradients), FSDP (XLA:CPU's breadth-first schedule gathers every weight at the start), a max pool (XLA:CPU
+    expands its gradient into iotas, window indices and a scatter). Within 10%, and each peak holds the
+    buffers that make it. (The model without these rules was 21% under on the scan, 31% under on the max
+    pool, and its FSDP peak held less than the bytes gathered.)"""
+    model, x, held = MEMORY_CASES[name]
+    step, args = train_step(model, x, shardc.make_mesh({"data": 8}))
+    report = shardc.check(step, *args)
+    row = report.row("peak memory bytes")
+    assert row.bound == 0.10
+    assert row.ok, f"{name}:\n{report}"
+    assert report.simulation.memory.temp_peak >= held(report.simulation), (name, report.simulation.memory)
