@@ -46,6 +46,7 @@ from shardc.sharding import make_mesh
 from shardc.static_args import StaticArgs
 from shardc.waste import IdleDevicesWarning, user_stacklevel, waste_warning
 import shardc.search.integrate as _search
+from shardc.search.remat_choice import apply_choice, choose_remat
 
 __all__ = ["auto", "AutoFunction", "plan", "plan_for", "Compiled"]
 
@@ -87,7 +88,7 @@ class AutoFunction:
                  budget_s: float | None = None, seed: int = 0, devices: int | None = None,
                  static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
                  time_cap_s: float | None = None, in_shardings: Any = None, out_shardings: Any = None,
-                 _source: SourceLine | None = None) -> None:
+                 remat: bool = True, memory_limit: float | None = None, _source: SourceLine | None = None) -> None:
         if not callable(fun):
             raise TypeError(f"shardc.auto expects a function, got {type(fun).__name__}")
         functools.update_wrapper(self, fun)
@@ -104,6 +105,10 @@ class AutoFunction:
         self.search = search
         self.budget_s = budget_s
         self.time_cap_s = time_cap_s  # a wall-clock cap on the search (None: none, so the plan is reproducible)
+        # remat: the search may make repeated layers recompute activations when memory decides (shardc/remat.py)
+        self.remat = remat
+        self.memory_limit = memory_limit  # bytes per device the plan must fit (default: the topology's memory)
+        self._remat_resume: Any = None  # the RematChoice while retracing under the mesh the search chose
         self.seed = seed
         self._cache: dict[Any, Compiled] = {}
         self._carried = CarriedShapes()
@@ -118,9 +123,17 @@ class AutoFunction:
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ShardingError(f"shardc.auto(seed={seed!r}) needs an int (the search's random seed)")
         _check_search_options(search, budget_s, time_cap_s)
+        if not isinstance(remat, bool):
+            raise ShardingError(f"shardc.auto(remat={remat!r}): expected True (the search may rematerialize repeated "
+                                f"layers when memory decides) or False")
+        if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float))
+                                         or not memory_limit > 0):
+            raise ShardingError(f"shardc.auto(memory_limit={memory_limit!r}): expected a positive number of bytes per "
+                                f"device (or None for the topology's device memory)")
         self._options = dict(mesh=mesh, rules=rules, donate_argnums=donate_argnums, topology=topology, search=search,
                              budget_s=budget_s, seed=seed, devices=devices, static_argnums=static_argnums,
-                             static_argnames=static_argnames, time_cap_s=time_cap_s, in_shardings=in_shardings,
+                             static_argnames=static_argnames, time_cap_s=time_cap_s, remat=remat,
+                             memory_limit=memory_limit, in_shardings=in_shardings,
                              out_shardings=out_shardings, _source=self.shardings.source)
         self._mesh_steps: dict[tuple, AutoFunction] = {}  # mesh=None: per mesh the arguments were placed on
         self._placed_plans: dict[tuple, Compiled] = {}  # per signature and layouts of placed arguments
@@ -419,6 +432,10 @@ class AutoFunction:
         in_paths = leaf_names(self.fun, (args, kwargs))
         namer = getattr(self.fun, "shardc_output_names", None)  # an NNX step's own names (shardc/nnx_args.py)
         out_paths = namer(_paths_of(out_tree)) if namer else [f"out{keystr(p)}" for p in _paths_of(out_tree)]
+        remat_choice, self._remat_resume = self._remat_resume, None
+        if remat_choice is not None:  # retraced under the mesh the search chose: the same rewrite
+            with _internal_errors("rematerializing", self.fun):
+                closed = apply_choice(closed, remat_choice)
         with _internal_errors("building the graph of", self.fun):
             graph = build_graph(closed, in_paths, out_paths)
         t2 = time.perf_counter()
@@ -431,17 +448,30 @@ class AutoFunction:
         if graph.conservative_primitives:
             notes.append("replicated (no sharding rule): " + ", ".join(sorted(graph.conservative_primitives)))
         if _search.enabled(self.search):
-            with _internal_errors("searching a plan for", self.fun):
-                the_plan = _search.plan_by_search(
+            donate = _flat_donate(self.donate_argnums, args, self.fun)
+
+            def plan_of(program: Any, graph: Any = None) -> Plan:
+                if graph is None:
+                    graph = build_graph(program, in_paths, out_paths)
+                    _tie_carried_state(graph, in_tree, out_tree, args)
+                return _search.plan_by_search(
                     self, graph,
                     lambda m: self._input_seeds(graph, args, kwargs, out_tree, m) + program_seeds(graph, m), in_paths,
-                    out_paths, notes, closed, _flat_donate(self.donate_argnums, args, self.fun), self._mesh_given,
-                    meta_axes)
+                    out_paths, notes, program, donate, self._mesh_given, meta_axes)
+
+            with _internal_errors("searching a plan for", self.fun):
+                if remat_choice is not None or not self.remat or self._search_resume is not None:
+                    the_plan = plan_of(closed, graph)
+                else:  # the remat policy is a decision of the search too (shardc/search/remat_choice.py)
+                    closed, the_plan, remat_choice = choose_remat(
+                        closed, lambda program: plan_of(program, graph if program is closed else None))
+                    graph = the_plan.graph
             # (the axis order counts: {data: 4, expert: 2} and {expert: 2, data: 4} lay devices out differently)
             if list(the_plan.mesh_sizes.items()) != list(mesh.shape.items()) and not is_abstract(the_plan.mesh):
                 # retrace under the chosen mesh, keeping the decisions
-                self.mesh, self._search_resume = the_plan.mesh, the_plan.search
+                self.mesh, self._search_resume, self._remat_resume = the_plan.mesh, the_plan.search, remat_choice
                 return self._build(args, kwargs)
+            the_plan = dataclasses.replace(the_plan, remat=remat_choice)
         else:
             with _internal_errors("propagating shardings in", self.fun):
                 prop = propagate(graph, dict(mesh.shape), seeds)

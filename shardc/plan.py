@@ -118,6 +118,7 @@ class Plan:
     donated: tuple[int, ...] = ()
     cost: Any = None
     search: Any = None  # set by the strategy search: its SearchReport (baselines beside the chosen plan)
+    remat: Any = None  # set by the search when it rematerializes repeated layers: its RematChoice
 
     @property
     def mesh_sizes(self) -> dict[str, int]:

@@ -298,6 +298,9 @@ def explain(plan: "Plan", *, max_rows: int = 60, width: int = 120) -> str:
     search = getattr(plan, "search", None)
     if search is not None:
         lines += [""] + [w for line in search.summary().splitlines() for w in _wrap(line, width)]
+    remat = getattr(plan, "remat", None)
+    if remat is not None:
+        lines += [""] + [w for line in remat.summary().splitlines() for w in _wrap(line, width)]
     if cost is not None:
         lines += ["", "simulated cost:"] + [w for line in cost.summary().splitlines() for w in _wrap(line, width)]
     lines += _details(plan, names, max_rows, width)

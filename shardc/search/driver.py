@@ -27,7 +27,17 @@ from shardc.search.space import (SEARCH_CAUSE, Assignment, Space, build_space, m
                                  plan_choices, project_plan, seeds_for)
 from shardc.sharding import make_mesh
 
-__all__ = ["SearchReport", "search_plan", "save_plan", "load_plan", "graph_key"]
+__all__ = ["SearchReport", "search_plan", "save_plan", "load_plan", "graph_key", "NoPlanFits"]
+
+
+class NoPlanFits(ShardingError):
+    """No plan the search found fits in device memory; `smallest_peak` and `limit` are bytes per device."""
+
+    def __init__(self, smallest_peak: float, limit: float, note: str = "") -> None:
+        self.smallest_peak, self.limit = smallest_peak, limit
+        super().__init__(f"no plan fits in device memory: the smallest simulated peak found is "
+                         f"{format_bytes(smallest_peak)} per device (limit {format_bytes(limit)}){note}; use more "
+                         f"devices, a smaller batch, or donate the state")
 
 
 @dataclasses.dataclass
@@ -256,9 +266,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
                             + (f" ({hint_error})" if hint_error is not None else ""))
     score, plan, chosen, extra, point = best
     if not score.feasible:
-        raise ShardingError(
-            f"no plan fits in device memory: the smallest simulated peak found is {format_bytes(smallest_peak)} per "
-            f"device (limit {format_bytes(limit)}); use more devices, a smaller batch, or donate the state")
+        raise NoPlanFits(smallest_peak, limit)
     ev, base_choices = by_mesh[tuple(chosen.mesh.items())]
     groups = compare_groups(ev, point if point is not None else project(ev.space, plan), plan, score.time, base_choices)
     evaluations = sum(ev.evaluations for ev in evaluators)

@@ -170,7 +170,8 @@ def plan_by_search(af: Any, graph: Any, user_seeds: Callable, in_paths: Sequence
     `required_axes`: mesh axes the inputs' metadata names (every candidate mesh has them)."""
     n = getattr(af, "devices", None) or len(jax.devices())
     topology, why = pricing_topology(af, n)
-    problem = Problem(graph, user_seeds, topology, list(in_paths), list(out_paths), list(notes), tuple(donate), closed)
+    problem = Problem(graph, user_seeds, topology, list(in_paths), list(out_paths), list(notes), tuple(donate), closed,
+                      memory_limit=getattr(af, "memory_limit", None))
     resume, af._search_resume = getattr(af, "_search_resume", None), None
     if resume is not None:  # retraced under the mesh the search chose: rebuild its plan
         user = list(user_seeds(af.mesh))
@@ -186,7 +187,8 @@ def plan_by_search(af: Any, graph: Any, user_seeds: Callable, in_paths: Sequence
     method = True if path is not None else af.search
     user = list(user_seeds(af.mesh)) if mesh_given else None
     key = (graph_key(graph), None if user is None else hints_key(user), tuple(tuple(m.items()) for m in meshes),
-           _topology_key(topology), str(method), af.seed, af.budget_s, getattr(af, "time_cap_s", None))
+           _topology_key(topology), str(method), af.seed, af.budget_s, getattr(af, "time_cap_s", None),
+           getattr(af, "memory_limit", None))
     cached = _PLAN_CACHE.get(key)
     if cached is not None and user is not None:  # the same traced program and hints planned before here
         return dataclasses.replace(plan_from_seeds(problem, af.mesh, user + list(cached.seeds)), search=cached)

@@ -1,0 +1,300 @@
+"""Rematerialization chosen by shardc: a train step's repeated layers recompute their activations in the
+backward pass instead of keeping them, by a policy per layer group.
+
+The program is the traced train step (forward, backward and update in one jaxpr). Its layers are the
+repeated modules of its name stack (`Block_0` ... `Block_11` under the model: `layer_groups`). A policy
+says which of a layer's forward values the backward pass keeps (`POLICIES`, as `jax.checkpoint`
+policies name them):
+
+* "none": every one (what was traced);
+* "dots": the outputs of its matmuls (`dots_saveable`); the rest is recomputed;
+* "dots_no_batch": the outputs of matmuls without batch dims (`dots_with_no_batch_dims_saveable`);
+* "names": the values the user tagged with `checkpoint_name` (`save_only_these_names`);
+* "nothing": only the layer's input (`nothing_saveable`): the whole layer is recomputed.
+
+`rematerialize(closed_jaxpr, policies)` rewrites the program the way `jax.checkpoint` would have made it:
+just before the first backward op that reads a value the layer no longer keeps, the forward ops that
+make those values run again from the kept ones, behind an `optimization_barrier` that also holds a value
+of the backward pass (so XLA neither merges the recomputation with the forward one nor runs it early).
+The rewritten program is what shardc plans, simulates (the recomputation is ops like any other; the
+dropped values free their memory after the forward pass) and runs. Call-like eqns are inlined first, so
+the rewrite sees every op. A program that already uses `jax.checkpoint` keeps its own remat (no layer
+is offered a policy), and layers inside loop bodies (`nn.scan`) are not rewritten.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Mapping, Sequence
+
+import jax
+from jax._src import source_info_util
+from jax.extend import core as jcore
+
+from shardc.ir.build import CALL_PRIMITIVES
+
+__all__ = ["POLICIES", "Layer", "layer_groups", "rematerialize", "inline_calls", "uses_own_remat"]
+
+POLICIES = ("none", "dots", "dots_no_batch", "names", "nothing")
+_REPEATED = re.compile(r"^(.*?)_(\d+)$")
+_USER_REMAT = frozenset({"remat2", "checkpoint"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One instance of a repeated module: its path in the name stack (`Block_3`, `Encoder_0/Layer_2`) and its
+    group (the path with the index starred: `Block_*`)."""
+
+    path: str
+    group: str
+
+
+# ------------------------------------------------------------------------------------------ inlining
+
+
+def inline_calls(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
+    """The same program with call-like eqns (jit, remat, custom_jvp/vjp calls) inlined, each eqn keeping its
+    source info (name stack), loop and branch bodies left as they are."""
+
+    def run(*args: Any) -> list[Any]:
+        return _eval(closed.jaxpr, closed.consts, args, source_info_util.NameStack())
+
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in closed.in_avals]
+    return jax.make_jaxpr(run)(*avals)
+
+
+def _bind(eqn: Any, invals: Sequence[Any], prefix: Any = None) -> list[Any]:
+    """Bind `eqn`'s primitive on `invals` with its source info; `prefix`: the name stack of the call it was
+    inlined from (an inner eqn's own name stack is relative to its call)."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    names = eqn.source_info.name_stack if prefix is None else prefix + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=names), eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], prefix: Any) -> list[Any]:
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    for var, c in zip(jaxpr.constvars, consts):
+        env[var] = c
+    for var, a in zip(jaxpr.invars, args):
+        env[var] = a
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        key = CALL_PRIMITIVES.get(eqn.primitive.name)
+        sub = eqn.params.get(key) if key else None
+        if sub is not None:
+            inner = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
+            outs = _eval(inner, sub.consts if isinstance(sub, jcore.ClosedJaxpr) else (), invals,
+                         prefix + eqn.source_info.name_stack)
+        else:
+            outs = _bind(eqn, invals, prefix)
+        for var, val in zip(eqn.outvars, outs):
+            env[var] = val
+    return [read(v) for v in jaxpr.outvars]
+
+
+# ------------------------------------------------------------------------------------------ layers
+
+
+def _stack(eqn: Any) -> str:
+    return str(eqn.source_info.name_stack)
+
+
+def _is_forward(eqn: Any) -> bool:
+    s = _stack(eqn)
+    return s.startswith("jvp(") and "transpose(" not in s
+
+
+def _path(eqn: Any) -> list[str]:
+    """The module path of an eqn: its name stack without the transformation wrappers and the model root."""
+    parts = [p for p in _stack(eqn).split("/") if p]
+    return parts[1:] if parts else []
+
+
+def uses_own_remat(closed: jcore.ClosedJaxpr) -> bool:
+    """Whether the program already rematerializes (`jax.checkpoint` / `nn.remat` in the user's code)."""
+    def walk(jaxpr: Any) -> bool:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in _USER_REMAT:
+                return True
+            for p in eqn.params.values():
+                inner = p.jaxpr if isinstance(p, jcore.ClosedJaxpr) else p
+                if isinstance(inner, jcore.Jaxpr) and walk(inner):
+                    return True
+        return False
+
+    return walk(closed.jaxpr)
+
+
+def layer_groups(closed: jcore.ClosedJaxpr) -> dict[str, list[Layer]]:
+    """The repeated modules of the forward pass, by group (`Block_*` -> [Block_0, Block_1, ...]): at the
+    outermost level of the module path where a name appears with two or more indices."""
+    seen: dict[str, dict[str, Layer]] = {}
+    for eqn in closed.jaxpr.eqns:
+        if not _is_forward(eqn):
+            continue
+        path = _path(eqn)
+        for depth, part in enumerate(path):
+            m = _REPEATED.match(part)
+            if not m:
+                continue
+            prefix = "/".join(path[:depth])
+            group = "/".join(filter(None, (prefix, m.group(1) + "_*")))
+            layer = "/".join(path[:depth + 1])
+            seen.setdefault(group, {})[layer] = Layer(layer, group)
+            break
+    groups = {g: sorted(ls.values(), key=lambda l: _index(l.path)) for g, ls in seen.items() if len(ls) >= 2}
+    # a group nested in another (Block_*/Head_*) is the outer group's business
+    return {g: ls for g, ls in groups.items() if not any(g != o and g.startswith(o[:-1]) for o in groups)}
+
+
+def _index(path: str) -> tuple:
+    return tuple(int(x) if x.isdigit() else x for x in re.split(r"(\d+)", path))
+
+
+def _layer_of(eqn: Any, layers: Mapping[str, Layer]) -> Layer | None:
+    path = "/".join(_path(eqn))
+    for p, layer in layers.items():
+        if path == p or path.startswith(p + "/"):
+            return layer
+    return None
+
+
+# ------------------------------------------------------------------------------------------ the rewrite
+
+
+def _saved_by_policy(eqn: Any, policy: str) -> bool:
+    """Whether `policy` keeps the results of forward eqn `eqn` for the backward pass."""
+    name = eqn.primitive.name
+    if policy == "dots":
+        return name == "dot_general"
+    if policy == "dots_no_batch":
+        return name == "dot_general" and not eqn.params["dimension_numbers"][1][0]
+    if policy == "names":
+        return name == "name"
+    return False
+
+
+@dataclasses.dataclass
+class _Recompute:
+    """One layer's recomputation: its forward eqns to run again (indices, in order), the values they read
+    that the layer keeps, and the eqn before which it runs."""
+
+    chain: list[int]
+    kept: list[Any]
+    at: int
+
+
+def _plan_recompute(eqns: Sequence[Any], members: Sequence[int], policy: str) -> _Recompute | None:
+    """Which forward eqns of one layer (`members`) to run again under `policy`, and where."""
+    member_set = set(members)
+    made_by = {v: i for i in members for v in eqns[i].outvars}
+    readers: dict[Any, list[int]] = {}
+    for i, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if isinstance(v, jcore.Var) and v in made_by:
+                readers.setdefault(v, []).append(i)
+    # kept: what the policy saves, and the layer's outputs that other forward code reads (the next layer's input)
+    kept = {v for i in members if _saved_by_policy(eqns[i], policy) for v in eqns[i].outvars}
+    for v, rs in readers.items():
+        if any(r not in member_set and _is_forward(eqns[r]) for r in rs):
+            kept.add(v)
+    dropped = {v for v, rs in readers.items() if v not in kept and any(not _is_forward(eqns[r]) for r in rs)}
+    if not dropped:
+        return None
+    need: set[int] = set()
+    todo = [made_by[v] for v in dropped]
+    while todo:
+        i = todo.pop()
+        if i in need:
+            continue
+        need.add(i)
+        for v in eqns[i].invars:
+            if isinstance(v, jcore.Var) and v in made_by and v not in kept:
+                todo.append(made_by[v])
+    chain = sorted(need)
+    made = {v for i in chain for v in eqns[i].outvars}
+    inputs = list(dict.fromkeys(v for i in chain for v in eqns[i].invars
+                                if isinstance(v, jcore.Var) and v not in made))
+    at = min(r for v in dropped for r in readers[v] if not _is_forward(eqns[r]))
+    return _Recompute(chain, inputs, at)
+
+
+def _after(anchor: Any, values: list[Any]) -> list[Any]:
+    """`values`, made to depend on `anchor` (a value of the backward pass) so that nothing computed from them
+    can run before the backward pass reaches it, nor be merged with the forward pass's computation of the
+    same: an `optimization_barrier` (what `jax.checkpoint` uses; XLA:CPU removes barriers before its last
+    CSE and schedules by data dependence alone), and for floating values a data dependence XLA cannot
+    simplify away: `v + 0 * s`, with s a finite scalar of the anchor (so exactly `v`)."""
+    if anchor is None:
+        return list(jax.lax.optimization_barrier(values))
+    fenced = jax.lax.optimization_barrier(values + [anchor])
+    values, anchor = fenced[:-1], fenced[-1]
+    s = jax.lax.reshape(jax.lax.slice(anchor, (0,) * anchor.ndim, (1,) * anchor.ndim), ()) if anchor.ndim else anchor
+    if not jax.numpy.issubdtype(s.dtype, jax.numpy.floating):
+        return list(values)
+    zero = jax.numpy.where(jax.numpy.isfinite(s), s, 0) * 0
+    return [v + zero.astype(v.dtype) if jax.numpy.issubdtype(v.dtype, jax.numpy.floating) else v for v in values]
+
+
+def rematerialize(closed: jcore.ClosedJaxpr, policies: Mapping[str, str]) -> jcore.ClosedJaxpr:
+    """The program with each layer of group g recomputing in the backward pass what `policies[g]` does not
+    keep (groups not named, or "none", keep everything). `closed` must have its calls inlined
+    (`inline_calls`)."""
+    eqns = closed.jaxpr.eqns
+    groups = layer_groups(closed)
+    by_path = {l.path: l for g, ls in groups.items() if policies.get(g, "none") != "none" for l in ls}
+    members: dict[str, list[int]] = {}
+    for i, eqn in enumerate(eqns):
+        if _is_forward(eqn):
+            layer = _layer_of(eqn, by_path)
+            if layer is not None:
+                members.setdefault(layer.path, []).append(i)
+    plans: dict[int, list[_Recompute]] = {}
+    for path, idx in members.items():
+        rc = _plan_recompute(eqns, idx, policies[by_path[path].group])
+        if rc is not None:
+            plans.setdefault(rc.at, []).append(rc)
+    if not plans:
+        return closed
+    made_backward = {v for e in eqns if "transpose(" in _stack(e) for v in e.outvars}
+
+    def run(*args: Any) -> list[Any]:
+        env: dict[Any, Any] = {}
+        later: dict[Any, Any] = {}  # a dropped value -> its recomputed version (for backward readers)
+
+        def read(v: Any, backward: bool) -> Any:
+            if isinstance(v, jcore.Literal):
+                return v.val
+            return later.get(v, env[v]) if backward else env[v]
+
+        for var, c in zip(closed.jaxpr.constvars, closed.consts):
+            env[var] = c
+        for var, a in zip(closed.jaxpr.invars, args):
+            env[var] = a
+        for i, eqn in enumerate(eqns):
+            backward = not _is_forward(eqn)
+            for rc in plans.get(i, ()):
+                # a value of the backward pass: the recomputation waits for the backward pass to reach it
+                anchor = next((read(v, True) for v in eqn.invars if isinstance(v, jcore.Var)
+                               and v in made_backward), None)
+                local = dict(zip(rc.kept, _after(anchor, [env[v] for v in rc.kept])))
+                for j in rc.chain:
+                    e = eqns[j]
+                    outs = _bind(e, [v.val if isinstance(v, jcore.Literal) else local.get(v, env[v])
+                                     for v in e.invars])
+                    for var, val in zip(e.outvars, outs):
+                        local[var] = val
+                        later[var] = val
+            outs = _bind(eqn, [read(v, backward) for v in eqn.invars])
+            for var, val in zip(eqn.outvars, outs):
+                env[var] = val
+        return [read(v, True) for v in closed.jaxpr.outvars]
+
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in closed.in_avals]
+    return jax.make_jaxpr(run)(*avals)

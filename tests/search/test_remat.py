@@ -1,0 +1,135 @@
+"""Rematerialization as a decision of the search (shardc/remat.py, shardc/search/remat_choice.py)."""
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.extend import core as jcore
+
+import shardc
+from shardc.remat import inline_calls, layer_groups, rematerialize, uses_own_remat
+from shardc.search.driver import NoPlanFits
+
+
+class Layer(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = jnp.tanh(nn.Dense(256)(x))
+        return x + nn.Dense(128)(jnp.sin(h) * h)
+
+
+class Net(nn.Module):
+    layers: int = 16
+    own_remat: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        x = shardc.split(x, 0, "data")
+        block = nn.remat(Layer) if self.own_remat else Layer
+        for _ in range(self.layers):
+            x = block()(x)
+        return x
+
+
+def _problem(batch=4096, layers=16, own_remat=False):
+    net = Net(layers, own_remat)
+    x = jax.random.normal(jax.random.key(1), (batch, 128))
+    params = net.init(jax.random.key(0), x)["params"]
+    tx = optax.sgd(0.1)
+
+    def step(p, o, x):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean(net.apply({"params": p}, x) ** 2))(p)
+        updates, o = tx.update(g, o, p)
+        return optax.apply_updates(p, updates), o, loss
+
+    return step, (params, tx.init(params), x)
+
+
+@pytest.fixture(scope="module")
+def traced():
+    step, args = _problem(batch=4096, layers=6)
+    mesh = shardc.make_mesh({"data": 8})
+    with jax.set_mesh(mesh):
+        closed = inline_calls(jax.make_jaxpr(step)(*args))
+    return closed, jax.tree.leaves(args), mesh
+
+
+def test_layers_are_the_repeated_modules(traced):
+    closed, _, _ = traced
+    groups = layer_groups(closed)
+    assert list(groups) == ["Layer_*"] and [l.path for l in groups["Layer_*"]] == [f"Layer_{i}" for i in range(6)]
+
+
+@pytest.mark.parametrize("policy", ["dots", "dots_no_batch", "nothing"])
+def test_the_rewrite_is_the_same_math_with_more_work(traced, policy):
+    closed, args, mesh = traced
+    program = rematerialize(closed, {"Layer_*": policy})
+    with jax.set_mesh(mesh):
+        want = jax.jit(jcore.jaxpr_as_fun(closed)).lower(*args).compile()
+        got = jax.jit(jcore.jaxpr_as_fun(program)).lower(*args).compile()
+        for a, b in zip(want(*args), got(*args)):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
+    # the recomputation is there (XLA did not merge it back); recomputing whole layers frees their activations
+    assert got.cost_analysis()["flops"] > want.cost_analysis()["flops"]
+    if policy == "nothing":
+        assert got.memory_analysis().temp_size_in_bytes < 0.6 * want.memory_analysis().temp_size_in_bytes
+
+
+def test_a_layer_that_keeps_nothing_recomputes_its_matmuls_and_one_that_keeps_dots_does_not(traced):
+    """Only what the backward pass reads is recomputed: of each layer's two matmuls, the first (its output
+    feeds tanh, whose result the backward pass needs); the second's output is read by nothing there."""
+    closed, _, _ = traced
+    dots = lambda c: sum(e.primitive.name == "dot_general" for e in c.jaxpr.eqns)
+    assert dots(rematerialize(closed, {"Layer_*": "dots"})) == dots(closed)
+    assert dots(rematerialize(closed, {"Layer_*": "nothing"})) == dots(closed) + 6
+
+
+def test_the_search_rematerializes_when_nothing_else_fits():
+    step, args = _problem()
+    mesh = shardc.make_mesh({"data": 8})
+    f = shardc.auto(step, mesh=mesh, memory_limit=12 * 2**20)
+    plan = f.plan(*args)
+    assert plan.remat is not None and plan.remat.policies == {"Layer_*": "nothing"}
+    assert plan.remat.base_time is None and plan.cost.peak_memory <= 12 * 2**20
+    assert "rematerialization" in plan.explain() and "Layer_* (16 layers): nothing" in plan.explain()
+    report = shardc.check(plan)  # XLA's memory analysis of what runs confirms the predicted peak
+    assert report.row("peak memory bytes").ok, str(report)
+    assert report.row("peak memory bytes").compiled <= 12 * 2**20 * 1.1
+    for a, b in zip(jax.tree.leaves(f(*args)), jax.tree.leaves(jax.jit(step)(*args))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_remat_off_or_a_limit_too_small_says_the_smallest_peak():
+    step, args = _problem()
+    mesh = shardc.make_mesh({"data": 8})
+    with pytest.raises(NoPlanFits, match="smallest simulated peak") as off:
+        shardc.auto(step, mesh=mesh, memory_limit=12 * 2**20, remat=False).plan(*args)
+    assert "remat" not in str(off.value)
+    with pytest.raises(NoPlanFits, match="with remat policy 'nothing'"):
+        shardc.auto(step, mesh=mesh, memory_limit=4 * 2**20).plan(*args)
+
+
+def test_without_memory_pressure_the_program_runs_as_traced():
+    step, args = _problem(batch=512, layers=4)
+    plan = shardc.auto(step, mesh=shardc.make_mesh({"data": 8})).plan(*args)
+    assert plan.remat is None
+
+
+def test_the_users_own_remat_is_kept():
+    step, args = _problem(batch=512, layers=4, own_remat=True)
+    closed = jax.make_jaxpr(step)(*args)
+    assert uses_own_remat(closed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(NoPlanFits):
+            shardc.auto(step, mesh=shardc.make_mesh({"data": 8}), memory_limit=2**20).plan(*args)
+
+
+def test_remat_option_is_checked():
+    with pytest.raises(shardc.ShardingError, match="remat="):
+        shardc.auto(lambda x: x, remat="yes")
+    with pytest.raises(shardc.ShardingError, match="memory_limit="):
+        shardc.auto(lambda x: x, memory_limit=-1)
