@@ -16,6 +16,8 @@ policies name them):
 just before the first backward op that reads a value the layer no longer keeps, the forward ops that
 make those values run again from the kept ones, behind an `optimization_barrier` that also holds a value
 of the backward pass (so XLA neither merges the recomputation with the forward one nor runs it early).
+The rest of the layer's backward pass reads the kept values through that barrier too, so what the forward
+pass derived from them (a weight all-gathered by an FSDP plan) is not kept alive for it: it is made again.
 The rewritten program is what shardc plans, simulates (the recomputation is ops like any other; the
 dropped values free their memory after the forward pass) and runs. Call-like eqns are inlined first, so
 the rewrite sees every op. A program that already uses `jax.checkpoint` keeps its own remat (no layer
@@ -263,15 +265,23 @@ def rematerialize(closed: jcore.ClosedJaxpr, policies: Mapping[str, str]) -> jco
     if not plans:
         return closed
     made_backward = {v for e in eqns if "transpose(" in _stack(e) for v in e.outvars}
+    layer_path = {rc.at: path for path, idx in members.items()
+                  for rc in [r for rs in plans.values() for r in rs if r.chain[0] in idx]}
+    backward_layer = [_layer_of(e, by_path).path if "transpose(" in _stack(e) and _layer_of(e, by_path) else None
+                      for e in eqns]
 
     def run(*args: Any) -> list[Any]:
         env: dict[Any, Any] = {}
         later: dict[Any, Any] = {}  # a dropped value -> its recomputed version (for backward readers)
+        fenced: dict[str, dict[Any, Any]] = {}  # layer -> its kept values as its own backward pass reads them
 
-        def read(v: Any, backward: bool) -> Any:
+        def read(v: Any, backward: bool, layer: str | None) -> Any:
             if isinstance(v, jcore.Literal):
                 return v.val
-            return later.get(v, env[v]) if backward else env[v]
+            if not backward:
+                return env[v]
+            own = fenced.get(layer, {}) if layer is not None else {}
+            return own.get(v, later.get(v, env[v]))
 
         for var, c in zip(closed.jaxpr.constvars, closed.consts):
             env[var] = c
@@ -281,9 +291,12 @@ def rematerialize(closed: jcore.ClosedJaxpr, policies: Mapping[str, str]) -> jco
             backward = not _is_forward(eqn)
             for rc in plans.get(i, ()):
                 # a value of the backward pass: the recomputation waits for the backward pass to reach it
-                anchor = next((read(v, True) for v in eqn.invars if isinstance(v, jcore.Var)
+                anchor = next((read(v, True, None) for v in eqn.invars if isinstance(v, jcore.Var)
                                and v in made_backward), None)
                 local = dict(zip(rc.kept, _after(anchor, [env[v] for v in rc.kept])))
+                # the layer's own backward pass reads the kept values anew too (its weights, its input): what
+                # the forward pass made from them (an all-gathered weight) is not kept for it
+                fenced[layer_path[i]] = dict(local)
                 for j in rc.chain:
                     e = eqns[j]
                     outs = _bind(e, [v.val if isinstance(v, jcore.Literal) else local.get(v, env[v])
@@ -291,10 +304,10 @@ def rematerialize(closed: jcore.ClosedJaxpr, policies: Mapping[str, str]) -> jco
                     for var, val in zip(e.outvars, outs):
                         local[var] = val
                         later[var] = val
-            outs = _bind(eqn, [read(v, backward) for v in eqn.invars])
+            outs = _bind(eqn, [read(v, backward, backward_layer[i]) for v in eqn.invars])
             for var, val in zip(eqn.outvars, outs):
                 env[var] = val
-        return [read(v, True) for v in closed.jaxpr.outvars]
+        return [read(v, True, None) for v in closed.jaxpr.outvars]
 
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in closed.in_avals]
     return jax.make_jaxpr(run)(*avals)
