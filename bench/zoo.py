@@ -55,6 +55,7 @@ class Row:
     fits: bool = True
     ideal: float = math.nan
     note: str = ""
+    remat: str = "–"  # the remat policy of the program the row's plan runs (shardc/remat.py)
 
 
 @contextlib.contextmanager
@@ -62,11 +63,12 @@ def _capture_problem():
     """Record the Problem and meshes `@shardc.auto(search=...)` hands to the search driver."""
     import shardc.search.integrate as integ
 
-    box: dict[str, Any] = {}
+    box: dict[str, Any] = {"problems": {}}
     real = integ.search_plan
 
     def wrapped(problem, meshes, **kw):
         box["problem"], box["meshes"] = problem, list(meshes)
+        box["problems"][id(problem.graph)] = problem  # (one per program the remat dimension tried)
         return real(problem, meshes, **kw)
 
     integ.search_plan = wrapped
@@ -152,7 +154,8 @@ def run_model(zm, topology: str, budget: float, *, xla: bool = True) -> list[Row
             return [Row(zm.name, topology, "search", note=f"not yet plannable: {msg[:120]}")]
         search_s = time.perf_counter() - t1
     report = plan.search
-    problem = box["problem"]
+    problem = box["problems"].get(id(plan.graph), box["problem"])  # the program the chosen plan runs
+    remat = ", ".join(f"{g}: {p}" for g, p in plan.remat.policies.items()) if plan.remat is not None else "none"
     if math.prod(report.chosen.mesh.values()) != n:
         return [Row(zm.name, topology, "search", note=f"not yet plannable: the search planned for "
                     f"{math.prod(report.chosen.mesh.values())} devices, the topology has {n}")]
@@ -177,13 +180,13 @@ def run_model(zm, topology: str, budget: float, *, xla: bool = True) -> list[Row
         plan_s = trace_s + time.perf_counter() - tb
         s = c.score
         rows.append(Row(zm.name, topology, name, _mesh_str(c.mesh), s.time, s.peak, s.comm, plan_s, s.feasible,
-                        ideal(s.time) if s.feasible else math.nan))
+                        ideal(s.time) if s.feasible else math.nan, remat=remat))
     ch = report.chosen
     note = "" if ch.name == "search" else f"= {ch.name} (nothing faster found)"
     if report.capped:
         note = (note + "; " if note else "") + "stopped by the time cap"
     rows.append(Row(zm.name, topology, "search", _mesh_str(ch.mesh), ch.score.time, ch.score.peak, ch.score.comm,
-                    search_s, ch.score.feasible, ideal(ch.score.time), note))
+                    search_s, ch.score.feasible, ideal(ch.score.time), note, remat))
     if xla and "hints" in per_name:
         sizes = per_name["hints"].mesh
         if n > len(jax.devices()):
@@ -256,8 +259,9 @@ def xla_rows_from(path: str, models) -> list[Row]:
 
 
 def table(rows: list[Row]) -> str:
-    head = "| model | topology | plan | mesh | step time | peak / device | comm / device | planning | ideal | note |"
-    out = [head, "|" + "---|" * 10]
+    head = ("| model | topology | plan | mesh | remat | step time | peak / device | comm / device | planning | ideal "
+            "| note |")
+    out = [head, "|" + "---|" * 11]
     best_base: dict[tuple, float] = {}
     for r in rows:
         if r.name not in ("search", "xla") and r.fits and math.isfinite(r.time):
@@ -275,7 +279,8 @@ def table(rows: list[Row]) -> str:
         cm = format_bytes(r.comm) if math.isfinite(r.comm) else "–"
         ps = f"{r.plan_s:.1f} s" if math.isfinite(r.plan_s) else "–"
         idl = f"{100 * r.ideal:.0f}%" if math.isfinite(r.ideal) else "–"
-        out.append(f"| {r.model} | {r.topology} | {r.name} | {r.mesh} | {t} | {pk} | {cm} | {ps} | {idl} | {r.note} |")
+        out.append(f"| {r.model} | {r.topology} | {r.name} | {r.mesh} | {r.remat} | {t} | {pk} | {cm} | {ps} | {idl} "
+                   f"| {r.note} |")
     return "\n".join(out)
 
 

@@ -208,6 +208,11 @@ def zoo(scale: str = "full") -> list[ZooModel]:
                       **({} if tiny else {"vocab": 32768, "d": 6144, "heads": 48})),
                  "12 layers, d 6144 (5.8 B params), seq 512, batch 8, AdamW: data parallel does not fit, "
                  "few tokens per step"),
+        ZooModel("gpt48", "Transformer LM (deep, memory-tight)",
+                 _gpt(4 if tiny else 48, 8 if tiny else 32, 32 if tiny else 2048,
+                      **({} if tiny else {"vocab": 32768, "d": 2048, "heads": 16})),
+                 "48 layers, d 2048 (2.5 B params), seq 2048, batch 32, AdamW: its activations do not fit 8 H100s "
+                 "without rematerialization"),
         ZooModel("moe", "MoE Transformer", _moe(moe_batch, moe_len, **moe_kw),
                  "GShard translation Transformer, 6+6 layers, d 1024, 64 experts every other FFN, batch 64x256"),
         ZooModel("moe-auto", "MoE Transformer (no hints)",

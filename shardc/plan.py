@@ -199,30 +199,33 @@ def _greedy_strategy(op: Op, axes_of, tensors: Sequence[tuple[int, Any]], mesh: 
     only: the layout of the first tensor is kept and later ones give way where they disagree."""
     rule = op.rule
     nf = rule.num_factors
+    group = rule.components  # an axis shards one factor per group (one iteration space)
     chosen: list[Axes | None] = [None] * nf
-    taken: set[str] = set()
+    taken: dict[int, set[str]] = {}
     for v, dims in tensors:
         for d, factors in enumerate(dims):
             if not factors:
                 continue
             proj, _complete = project_dim(axes_of(v)[d], factors, rule.sizes, mesh)
             for f in factors:
-                if chosen[f] is None and f in proj and proj[f] and not (taken & set(proj[f])) \
+                here = taken.setdefault(group[f], set())
+                if chosen[f] is None and f in proj and proj[f] and not (here & set(proj[f])) \
                         and rule.kinds[f] not in (FactorKind.NEED_REPLICATION, FactorKind.PERMUTATION):
                     chosen[f] = proj[f]
-                    taken.update(proj[f])
-    used: set[str] = set()
+                    here.update(proj[f])
+    used: dict[int, set[str]] = {}
     out: list[Axes] = []
     for f in range(nf):
         axes = chosen[f] or ()
         if rule.kinds[f] in (FactorKind.NEED_REPLICATION, FactorKind.PERMUTATION):
             axes = ()
+        here = used.setdefault(group[f], set())
         keep = []
         for a in axes:
-            if a in used:
+            if a in here:
                 break
             keep.append(a)
-        used.update(keep)
+        here.update(keep)
         out.append(tuple(keep))
     return OpStrategy(expressible(rule, out, mesh))
 

@@ -312,16 +312,19 @@ class _Propagator:
                     longest = a
             best[f] = _divisible_prefix(longest, sizes[f], self.mesh)
             source[f] = wti
-        # An axis may shard only one factor of the op: the factor with the largest source tensor keeps it.
-        used: set[str] = set()
+        # An axis may shard only one factor of the op (of each group of linked factors: rule.components): the
+        # factor with the largest source tensor keeps it.
+        group = rule.components
+        used: dict[int, set[str]] = {}
         for f in sorted((f for f in range(nf) if best[f]), key=lambda f: (-self.nbytes[tensors[source[f]]], f)):
+            here = used.setdefault(group[f], set())
             keep = []
             for a in best[f]:
-                if a in used:
+                if a in here:
                     break
                 keep.append(a)
             best[f] = tuple(keep)
-            used.update(keep)
+            here.update(keep)
         return best, source
 
     def _visit_direct(self, op: Op) -> list[int]:

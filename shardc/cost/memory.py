@@ -104,7 +104,9 @@ class MemoryModel:
         lo, hi = self.bounds.get(kid, (-1, -1))
         order = self.order
         lo, hi = 2 * order[lo] + 1 if lo >= 0 else -1, 2 * order[hi] + 1 if hi >= 0 else -1  # merged all-reduces
-        if origin == 0 and self.info.kept[c] >= 0:  # alive while fused values recomputed from it are read
+        if origin == 0 and self.info.kept[c] >= 0 and sharding == self._planned[c]:
+            # alive while fused values recomputed from it are read (in its planned layout: another layout, such
+            # as an FSDP plan's gathered weight, is not what a fused consumer recomputes from)
             hi = max(hi, 2 * order[self.info.kept[c]])
         start = max(owner[1], lo)
         end = max(end, hi, start)

@@ -10,6 +10,8 @@ Rules are built from einsum-like strings: `"bsd,df->bsf"`, and `"(ij)k->i(jk)"` 
 """
 from __future__ import annotations
 
+import functools
+
 import dataclasses
 import enum
 import re
@@ -77,6 +79,13 @@ class FactorRule:
 
     def is_reduction(self, f: int) -> bool:
         return self.kinds[f] is FactorKind.REDUCTION
+
+    @property
+    def components(self) -> tuple[int, ...]:
+        """Per factor, its group: factors linked through the tensors they occur in. An op's factors form one
+        iteration space, so a mesh axis may shard only one factor of it — except that the operand/result
+        pairs of an op like optimization_barrier are separate spaces (one group each)."""
+        return _components(self)
 
     def propagatable(self, f: int) -> bool:
         return (
@@ -399,3 +408,21 @@ def rule_or_conservative(
         _warn_once(name, f"its rule does not cover operands {ins}, results {outs}")
         return conservative_rule(ins, outs), True
     return rule, False
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _components(rule: FactorRule) -> tuple[int, ...]:
+    parent = list(range(rule.num_factors))
+
+    def find(f: int) -> int:
+        while parent[f] != f:
+            parent[f] = parent[parent[f]]
+            f = parent[f]
+        return f
+
+    for tensor in rule.operands + rule.results:
+        fs = [f for dim in tensor for f in dim]
+        for f in fs[1:]:
+            parent[find(f)] = find(fs[0])
+    # operand i and result i of a pairwise identity share factors: the union above links them
+    return tuple(find(f) for f in range(rule.num_factors))

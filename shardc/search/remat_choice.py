@@ -67,8 +67,11 @@ def _score(plan: Any) -> tuple[float, float, bool]:
 
 
 def _memory_decided(plan: Any) -> bool:
-    """Whether a candidate the search scored was faster than the chosen plan but did not fit."""
+    """Whether a candidate the search scored was faster than the chosen plan but did not fit (a plan loaded
+    from a file, with no search behind it, is kept as it is)."""
     rep = plan.search
+    if rep is None:
+        return False
     chosen = rep.chosen.score.time
     return any(not c.score.feasible and c.score.time < chosen for c in rep.baselines)
 
