@@ -46,6 +46,7 @@ from shardc.sharding import make_mesh
 from shardc.static_args import StaticArgs
 from shardc.waste import IdleDevicesWarning, user_stacklevel, waste_warning
 import shardc.search.integrate as _search
+from shardc.ties import check_ties
 from shardc.search.remat_choice import apply_choice, choose_remat
 
 __all__ = ["auto", "AutoFunction", "plan", "plan_for", "Compiled"]
@@ -475,7 +476,7 @@ class AutoFunction:
         else:
             with _internal_errors("propagating shardings in", self.fun):
                 prop = propagate(graph, dict(mesh.shape), seeds)
-                _check_ties(graph, prop)
+                check_ties(graph, prop)
             with _internal_errors("planning", self.fun):
                 the_plan = build_plan(graph, mesh, prop, input_names=in_paths, output_names=out_paths, warnings=notes)
         if is_multiprocess():
@@ -717,52 +718,6 @@ def _tie_carried_state(graph: Graph, in_tree: Any, out_tree: Any, args: Any) -> 
                         graph.add_op(Op(len(graph.ops), "tie", (a,), (b,), {}, _tie_rule(graph.values[a].shape),
                                         region="io"))
                 break
-
-
-def _check_ties(graph: Graph, prop: Any) -> None:
-    """A loop carry or carried state pinned two different ways is a conflict the user must resolve."""
-    for op in graph.ops:
-        if op.primitive != "tie":
-            continue
-        a, b = op.inputs[0], op.outputs[0]
-        for d in range(graph.values[a].rank):
-            if prop.closed[a][d] and prop.closed[b][d] and prop.axes[a][d] != prop.axes[b][d]:
-                what = "a value carried to the next step" if op.region == "io" else "a loop/branch value"
-                raise ShardingError(
-                    f"conflicting hints on {what}: {graph.values[a].name} {graph.values[a].shape} dim {d} is "
-                    f"{prop.axes[a][d] or 'replicated'} ({prop.origin[a][d]}) but "
-                    f"{graph.values[b].name} dim {d} is {prop.axes[b][d] or 'replicated'} ({prop.origin[b][d]})")
-    _check_branch_results(graph, prop)
-
-
-def _check_branch_results(graph: Graph, prop: Any) -> None:
-    """Branches of one lax.cond/switch that hint a result must hint it alike: XLA rejects (an internal
-    RET_CHECK) a conditional whose branches return a value with different shardings — one dim split
-    over different axes, or split in one branch and left open in another — so name the hints."""
-    sources: dict[int, list[int]] = {}
-    for op in graph.ops:
-        if op.primitive == "tie" and "/cond" in op.region:
-            sources.setdefault(op.outputs[0], []).append(op.inputs[0])  # branch result -> cond result
-    for out, srcs in sources.items():
-        hinted = [s for s in srcs if any(prop.closed[s])]  # operand ties have one source: skipped here
-        if len(hinted) < 2:
-            continue
-        val = graph.values[out]
-        for d in range(val.rank):
-            seen = {prop.axes[s][d] if prop.closed[s][d] else None: s for s in hinted}
-            split_ways = [a for a in seen if a]
-            if len(split_ways) > 1 or (split_ways and None in seen):
-                a = split_ways[0]
-                b = split_ways[1] if len(split_ways) > 1 else None
-                why_a = prop.origin[seen[a]][d]
-                why_b = prop.origin[seen[b]][d] if b is not None else \
-                    next(o for o, c in zip(prop.origin[seen[None]], prop.closed[seen[None]]) if c)
-                raise ShardingError(
-                    f"conflicting hints on a result of lax.cond/switch: {val.dtype}{list(val.shape)} dim {d} is "
-                    f"split over {'+'.join(a)} in one branch ({why_a}) but "
-                    + (f"over {'+'.join(b)}" if b is not None else "left open") + f" in another ({why_b}); "
-                    f"every branch that hints it must give it the same sharding — hint it the same way in "
-                    f"each branch, or hint the result of the cond instead")
 
 
 def auto(fun: Callable | None = None, **options: Any) -> Any:

@@ -17,6 +17,7 @@ from shardc.propagate import Propagation, Seed, propagate
 from shardc.search.space import Assignment, Space, seeds_for
 from shardc.sharding import mesh_shape
 from shardc.sim import Simulator, as_topology
+from shardc.ties import check_ties
 
 __all__ = ["Problem", "Score", "Evaluator", "plan_from_seeds", "paused_gc"]
 
@@ -166,10 +167,9 @@ def plan_from_seeds(problem: Problem, mesh: Mesh, seeds: Sequence[Seed], *,
                     base: UserPropagation | None = None) -> Plan:
     """Propagate `seeds` (the user's and the search's; with `base`, only the search's, continuing from the
     user's propagation) and build the plan (with program and donation recorded)."""
-    from shardc.auto import _check_ties
 
     prop = base.run(list(seeds)) if base is not None else propagate(problem.graph, mesh_shape(mesh), list(seeds))
-    _check_ties(problem.graph, prop)
+    check_ties(problem.graph, prop)
     plan = build_plan(problem.graph, mesh, prop, input_names=problem.input_names,
                       output_names=problem.output_names, warnings=list(problem.warnings))
     return dataclasses.replace(plan, program=problem.program, donated=tuple(problem.donated))
@@ -218,15 +218,14 @@ class Evaluator:
 
     def plan_with(self, extra: Sequence[Seed]) -> Plan:
         """The plan of the user's seeds plus `extra` (priority >= 1)."""
-        from shardc.auto import _check_ties
-
+    
         pr = self.problem
         if self._base is None:
             self._base, memo = _shared_base(pr.graph, mesh_shape(self.mesh), self.user_seeds)
             self._builder = PlanBuilder(pr.graph, self.mesh, input_names=pr.input_names,
                                         output_names=pr.output_names, warnings=list(pr.warnings), memo=memo)
         prop = self._base.run(list(extra))
-        _check_ties(pr.graph, prop)
+        check_ties(pr.graph, prop)
         # Incremental: only values this or the last propagation wrote can differ from the last build's.
         touched = set(self._base.p.touched)
         plan = self._builder.build(prop, None if self._touched is None else touched | self._touched)
