@@ -160,9 +160,11 @@ def _index(path: str) -> tuple:
 
 
 def _layer_of(eqn: Any, layers: Mapping[str, Layer]) -> Layer | None:
-    path = "/".join(_path(eqn))
-    for p, layer in layers.items():
-        if path == p or path.startswith(p + "/"):
+    """The layer (by path) an eqn belongs to, if any."""
+    parts = _path(eqn)
+    for depth in range(1, len(parts) + 1):
+        layer = layers.get("/".join(parts[:depth]))
+        if layer is not None:
             return layer
     return None
 
