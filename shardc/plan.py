@@ -80,6 +80,13 @@ class OpStrategy:
     def partial_axes(self, rule: FactorRule) -> frozenset[str]:
         return frozenset(a for f, axes in enumerate(self.factor_axes) if rule.kinds[f] is FactorKind.REDUCTION for a in axes)
 
+    def partial_groups(self, rule: FactorRule) -> tuple[Axes, ...]:
+        """The axes of each sharded reduction factor, last factor first: XLA's partitioner reduces the
+        partial sums of a reduction or contraction over several sharded dims with one all-reduce per dim,
+        the last dim's first (a reduce_sum of f32[4,4] over [x, y] is an all-reduce over y, then one over x)."""
+        return tuple(tuple(axes) for f, axes in reversed(list(enumerate(self.factor_axes)))
+                     if axes and rule.kinds[f] is FactorKind.REDUCTION)
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Reshard:
@@ -177,9 +184,10 @@ def lowers_reduce_scatter(mesh: Any) -> bool:
 
 @functools.lru_cache(maxsize=1 << 16)
 def _reshard_cost(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int,
-                  mesh_items: tuple[tuple[str, int], ...], reduce_scatter: bool) -> ReshardCost:
+                  mesh_items: tuple[tuple[str, int], ...], reduce_scatter: bool,
+                  groups: tuple[Axes, ...]) -> ReshardCost:
     mesh = dict(mesh_items)
-    colls = tuple(c for _, step in reshard_steps(src, dst, shape, itemsize, mesh, reduce_scatter) for c in step)
+    colls = tuple(c for _, step in reshard_steps(src, dst, shape, itemsize, mesh, reduce_scatter, groups) for c in step)
     if colls:
         kind = "+".join(dict.fromkeys(c.kind for c in colls))
     else:
@@ -188,9 +196,10 @@ def _reshard_cost(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize
 
 
 def reshard_cost(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int, mesh: Mapping[str, int],
-                 reduce_scatter: bool = True) -> ReshardCost:
-    """The collectives XLA emits to take a value of `shape` from `src` to `dst` (memoised)."""
-    return _reshard_cost(src, dst, tuple(shape), int(itemsize), tuple(mesh.items()), reduce_scatter)
+                 reduce_scatter: bool = True, groups: Sequence[Axes] = ()) -> ReshardCost:
+    """The collectives XLA emits to take a value of `shape` from `src` to `dst` (memoised); `groups`: how
+    the op that made `src` reduces its partial sums (`OpStrategy.partial_groups`)."""
+    return _reshard_cost(src, dst, tuple(shape), int(itemsize), tuple(mesh.items()), reduce_scatter, tuple(groups))
 
 
 def _greedy_strategy(op: Op, axes_of, tensors: Sequence[tuple[int, Any]], mesh: Mapping[str, int]) -> OpStrategy:
@@ -315,14 +324,14 @@ def op_reshard_specs(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequenc
             cost = reshard_cost(have, need, val.shape, val.dtype.itemsize, mesh, reduce_scatter)
             if cost.kind != "none":
                 specs.append((True, i, have, need, cost))
-    partial = strat.partial_axes(rule)
+    partial, groups = strat.partial_axes(rule), strat.partial_groups(rule)
     for i, (v, dims) in enumerate(zip(op.outputs, rule.results)):
         val = graph.values[v]
         made = strat.tensor_sharding(rule, dims, mesh)
         made = Sharding(made.dims, partial)
         want = shardings[v]
         if made != want:
-            cost = reshard_cost(made, want, val.shape, val.dtype.itemsize, mesh, reduce_scatter)
+            cost = reshard_cost(made, want, val.shape, val.dtype.itemsize, mesh, reduce_scatter, groups)
             if cost.kind not in ("none", "slice"):
                 specs.append((False, i, made, want, cost))
     return specs
@@ -463,7 +472,7 @@ class PlanBuilder:
         strat, specs = entry
         if not specs:
             return strat, ()
-        return strat, tuple(self._reshard(op, *spec) for spec in specs)
+        return strat, tuple(self._reshard(op, strat, *spec) for spec in specs)
 
     def _entry(self, op: Op) -> _Entry:
         """An op's strategy and its reshards (`ReshardSpec`s)."""
@@ -472,11 +481,13 @@ class PlanBuilder:
             return strat, ()
         return strat, tuple(op_reshard_specs(op, self.graph, strat, self.shardings, self.sizes, self.reduce_scatter))
 
-    def _reshard(self, op: Op, operand: bool, i: int, src: Sharding, dst: Sharding, cost: ReshardCost) -> Reshard:
+    def _reshard(self, op: Op, strat: OpStrategy, operand: bool, i: int, src: Sharding, dst: Sharding,
+                 cost: ReshardCost) -> Reshard:
         # (the memo is shared across meshes ordering the same axes differently: the collectives' axes are
         # listed in this mesh's order)
         val = self.graph.values[op.inputs[i] if operand else op.outputs[i]]
-        cost = reshard_cost(src, dst, val.shape, val.dtype.itemsize, self.sizes, self.reduce_scatter)
+        groups = () if operand else strat.partial_groups(op.rule)
+        cost = reshard_cost(src, dst, val.shape, val.dtype.itemsize, self.sizes, self.reduce_scatter, groups)
         if op.id not in self._sources:
             self._sources[op.id] = op.source
         source = self._sources[op.id]

@@ -12,7 +12,8 @@
   absorb only producers read by them alone (`library`); the ops run in breadth-first order (`order`,
   `eager`: what depends only on the arguments runs at the start). Elsewhere: program order.
 * regions: each op's outermost loop/branch region (`span`) and the values a loop carries (`carried`).
-* loop regions run `trips` times (scan length; 1 when XLA cannot know it).
+* loop regions run `trips` times (scan length; 1 when XLA cannot know it); the reshards of values entering
+  or leaving a loop run outside it (`reshard_trips`).
 
 Computed once per Graph and backend (`program_info(graph, backend)`, cached on the graph object) and shared
 by every plan of it.
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 from shardc.cost.estimator import params_key
 from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL
@@ -62,6 +63,7 @@ class ProgramInfo:
     library: frozenset[int] = frozenset()  # ops inside a library fusion (XLA:CPU's YNNPACK fusions of reductions)
     backend: str = ""  # the backend whose rules apply ("cpu", "gpu", "tpu"; "": none)
     eager: bool = False  # reshards run as soon as their operand exists (XLA:CPU's breadth-first schedule)
+    reshard_trips: tuple[tuple[int, int], ...] = ()  # per op: runs of its operands' and its results' reshards
 
     def counts(self, op_id: int) -> bool:
         """Whether an op does work in the compiled program."""
@@ -93,6 +95,36 @@ def _library_fusions(graph: Graph, live: list[bool], canon: list[int], constant:
             stack.extend(canon[u] for u in graph.ops[p].inputs)
         members |= group
     return absorbed, members
+
+
+def _liveness(graph: Graph, canon: Sequence[int], duplicate: Sequence[bool]) -> list[bool]:
+    """Per op: whether XLA's DCE keeps it (over the CSE-merged program, backwards from the outputs). A loop
+    or branch (the ops of one outermost region) is kept whole when a value it makes is read after it —
+    with its branch index (`Graph.region_reads`) — and removed whole otherwise."""
+    ops = graph.ops
+    needed = [False] * len(graph.values)
+    for v in graph.outputs:
+        needed[canon[v]] = True
+    live = [False] * len(ops)
+
+    def keep(op: Any) -> None:
+        live[op.id] = True
+        for v in op.inputs + graph.region_reads.get(op.region, ()):
+            needed[canon[v]] = True
+
+    i = len(ops) - 1
+    while i >= 0:
+        region = outer_region(ops[i])
+        j = i
+        while region and j > 0 and outer_region(ops[j - 1]) == region:
+            j -= 1
+        run = ops[j:i + 1]  # one op, or a region's ops (contiguous: the graph builder makes them in a row)
+        if any(needed[canon[v]] for op in run for v in op.outputs) or not run[-1].outputs:
+            for op in reversed(run):
+                if not duplicate[op.id]:
+                    keep(op)
+        i = j - 1
+    return live
 
 
 def outer_region(op: Any) -> str:
@@ -204,22 +236,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
         duplicate[op.id] = True
         for a, b in zip(op.outputs, graph.ops[first].outputs):
             canon[a] = canon[b]
-    # Liveness (DCE) over the merged program, backwards from the outputs; loop and branch bodies stay whole.
-    needed = [False] * nv
-    for v in graph.outputs:
-        needed[canon[v]] = True
-    live = [False] * no
-    for op in reversed(graph.ops):
-        if duplicate[op.id]:
-            continue
-        if any(needed[canon[v]] for v in op.outputs) or op.region:
-            live[op.id] = True
-            for v in op.inputs:
-                needed[canon[v]] = True
-    live_regions = {op.region for op in graph.ops if live[op.id] and op.region and op.primitive != "tie"}
-    for op in graph.ops:
-        if op.region and not duplicate[op.id]:
-            live[op.id] = op.region in live_regions or op.primitive == "tie"
+    live = _liveness(graph, canon, duplicate)
 
     consumers: list[list[int]] = [[] for _ in range(nv)]
     for op in graph.ops:
@@ -283,19 +300,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                     if kept[m] < 0 or order[kept[m]] < order[op.id]:
                         kept[m] = op.id
 
-    trips = [1] * no
-    lengths: dict[str, int] = {}
-    for op in graph.ops:
-        if op.primitive in ("scan_slice", "scan_stack") and op.rule.sizes:
-            lengths.setdefault(op.region, int(op.rule.sizes[0]))
-    if lengths:
-        for op in graph.ops:
-            if op.region:
-                n = 1
-                parts = op.region.split("/")
-                for i in range(1, len(parts)):
-                    n *= lengths.get("/".join(parts[: i + 1]), 1)
-                trips[op.id] = n
+    trips, reshard_trips = _trips(graph)
     # Loop state: values a region's ties carry to the next iteration or out of it.
     carried = frozenset(c for op in graph.ops if op.primitive == "tie" and outer_region(op) and live[op.id]
                         for c in (canon[op.inputs[0]],)
@@ -306,4 +311,39 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     return ProgramInfo(tuple(live), tuple(constant), tuple(canon), tuple(duplicate), tuple(fused),
                        tuple(trips), tuple(order), pkeys, tuple(kept), span=_spans(graph, live, order),
                        carried=carried, loop=loop, library=frozenset(library), backend=backend,
-                       eager=backend == "cpu")
+                       eager=backend == "cpu", reshard_trips=reshard_trips)
+
+
+def _trips(graph: Graph) -> tuple[list[int], tuple[tuple[int, int], ...]]:
+    """Per op: how many times it runs per step (scan bodies `length` times, nested ones multiplied), and
+    how many times its operands' and its results' reshards run. The lowering (`shardc.lower_regions`)
+    reshards a value entering a loop before the loop (a `tie` at "in", a `scan_slice`'s stacked operand)
+    and a loop's result after it (a `tie` at "out", a `scan_stack`'s stacked result): those run as often
+    as the loop itself, not once per iteration."""
+    lengths: dict[str, int] = {}
+    for op in graph.ops:
+        if op.primitive in ("scan_slice", "scan_stack") and op.rule.sizes:
+            lengths.setdefault(op.region, int(op.rule.sizes[0]))
+
+    def of(region: str) -> int:
+        n = 1
+        parts = region.split("/")
+        for i in range(1, len(parts)):
+            n *= lengths.get("/".join(parts[: i + 1]), 1)
+        return n
+
+    trips = [of(op.region) if op.region else 1 for op in graph.ops]
+    reshard: list[tuple[int, int]] = []
+    for op in graph.ops:
+        inner = trips[op.id]
+        outer = of(op.region.rsplit("/", 1)[0]) if op.region.startswith("/") else inner
+        at = op.params.get("at") if op.primitive == "tie" else None
+        if at in ("in", "out"):
+            reshard.append((outer, outer))
+        elif op.primitive == "scan_slice":
+            reshard.append((outer, inner))
+        elif op.primitive == "scan_stack":
+            reshard.append((inner, outer))
+        else:
+            reshard.append((inner, inner))
+    return trips, tuple(reshard)

@@ -36,10 +36,20 @@ def sent_bytes(c: Collective, mesh: Mapping[str, int]) -> int:
 
 
 def reshard_steps(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int, mesh: Mapping[str, int],
-                  reduce_scatter: bool = True) -> tuple[ReshardStep, ...]:
+                  reduce_scatter: bool = True, groups: Sequence[Sequence[str]] = ()) -> tuple[ReshardStep, ...]:
     """The layouts a value goes through from `src` to `dst` (the last is `dst`), each with its collectives;
-    none of the steps is a full rematerialization when another way exists (memoised)."""
-    return _steps(src, dst, tuple(int(n) for n in shape), int(itemsize), tuple(mesh.items()), reduce_scatter)
+    none of the steps is a full rematerialization when another way exists (memoised).
+
+    `groups`: when `src`'s partial sums come from an op that reduces several sharded dims, the axes of each
+    (in the order XLA reduces them: `shardc.plan.OpStrategy.partial_groups`). XLA all-reduces them one dim
+    at a time — an all-reduce per group, each of the whole result — before the rest of the reshard."""
+    shape_t, items = tuple(int(n) for n in shape), tuple(mesh.items())
+    lead: list[ReshardStep] = []
+    for g in groups[:-1] if len(groups) > 1 else ():
+        left = Sharding(src.dims, src.partial - frozenset(g))
+        lead.append((left, reshard_collectives(src, left, shape_t, itemsize, mesh, reduce_scatter=reduce_scatter)))
+        src = left
+    return tuple(lead) + _steps(src, dst, shape_t, int(itemsize), items, reduce_scatter)
 
 
 @functools.lru_cache(maxsize=1 << 16)

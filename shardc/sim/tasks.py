@@ -184,13 +184,14 @@ class TaskBuilder:
         return self._stream_of.get(f"comm:{level}", 0)
 
     # -- collectives ---------------------------------------------------------------------------------
-    def collectives(self, src: Sharding, dst: Sharding, v: int) -> tuple:
+    def path(self, src: Sharding, dst: Sharding, v: int, groups: tuple = ()) -> tuple:
+        """The reshard model's steps taking value `v` from `src` to `dst`: ((layout, collectives), ...)."""
         val = self.graph.values[v]
-        key = (src, dst, val.shape, self._itemsize[v])
+        key = (src, dst, val.shape, self._itemsize[v], groups)
         hit = self._coll_memo.get(key)
         if hit is None:
-            steps = reshard_steps(src, dst, val.shape, self._itemsize[v], self.mesh, self.topology.reduce_scatter)
-            hit = self._coll_memo[key] = tuple(c for _, colls in steps for c in colls)
+            hit = self._coll_memo[key] = reshard_steps(src, dst, val.shape, self._itemsize[v], self.mesh,
+                                                       self.topology.reduce_scatter, groups)
         return hit
 
     def phases(self, c: Any) -> tuple:
@@ -199,39 +200,53 @@ class TaskBuilder:
             hit = self._phase_memo[c] = collective_phases(c, self.topology, self.mapping, self.mesh)
         return hit
 
-    def chain(self, slot: Slot, src_key: Key, dst: Sharding, v: int, op: int, trips: int) -> Key:
-        """Tasks taking value `v` from `src_key` to `dst`; returns the key they produce."""
-        c, src, _ = src_key
-        dst_key = (c, dst, HOME)
-        deps = (self.kid(src_key),)
-        tasks = []
+    def chain(self, slot: Slot, src_key: Key, steps: tuple, v: int, op: int, trips: int) -> list[Key]:
+        """Tasks taking value `v` from `src_key` through `steps` (a reshard path, or its tail); returns the
+        keys of the layouts they make, one per step: the last is a home key (consumers read it), the others
+        keep `src_key`'s origin (a later consumer whose path goes through one of them starts there, as the
+        lowering reuses a layout it made of one traced value)."""
+        c, _, origin = src_key
         val = self.graph.values[v]
-        colls = self.collectives(src, dst, v)
-        first = len(slot.tasks)
-        for coll in colls:
-            slot.payload[coll.kind] = slot.payload.get(coll.kind, 0) + coll.bytes * trips
-            slot.xla_payload[coll.kind] = slot.xla_payload.get(coll.kind, 0) + coll.bytes
-            if coll.kind == "all-reduce":
-                slot.xla_flops += coll.bytes // self._itemsize[v]
-            name = f"{coll.kind}({','.join(coll.axes)}) {val.name}"
-            for ph in self.phases(coll):
-                dur = int(round(ph.seconds * trips * PS))
-                stream = self.comm_stream(ph.level)
-                k = self.kid(("phase", c, len(slot.tasks) + len(tasks), op))
-                tasks.append(Task(name, ph.kind, stream, dur, deps, (k,), op, ph.level, coll.kind))
-                wk = (coll.kind, ph.level)
-                slot.wire[wk] = slot.wire.get(wk, 0) + int(round(ph.bytes * trips))
-                slot.comm_ps += dur
-                deps = (k,)
-        out = self.kid(dst_key)
-        if len(deps) == 1 and deps[0] != self.kid(src_key):
-            slot.chained += (out,)
-        tasks.append(Task(f"{val.name} as {dst}", "join", -1, 0, deps, (out,), op))
-        slot.tasks.extend(tasks)
-        if len(colls) == 1 and colls[0].kind == "all-reduce" and len(tasks) > 1:
-            slot.ars += (ArEntry(first, len(tasks), colls[0].axes, colls[0].bytes, self.kid(src_key), out,
-                                 tasks[0].name, self.graph.ops[op].region),)
-        return dst_key
+        made: list[Key] = []
+        deps = (self.kid(src_key),)
+        for n, (layout, colls) in enumerate(steps):
+            key = (c, layout, HOME if n == len(steps) - 1 else origin)
+            src_id = deps[0]
+            first = len(slot.tasks)
+            for coll in colls:
+                slot.payload[coll.kind] = slot.payload.get(coll.kind, 0) + coll.bytes * trips
+                slot.xla_payload[coll.kind] = slot.xla_payload.get(coll.kind, 0) + coll.bytes
+                if coll.kind == "all-reduce":
+                    slot.xla_flops += coll.bytes // self._itemsize[v]
+                name = f"{coll.kind}({','.join(coll.axes)}) {val.name}"
+                for ph in self.phases(coll):
+                    dur = int(round(ph.seconds * trips * PS))
+                    stream = self.comm_stream(ph.level)
+                    k = self.kid(("phase", c, len(slot.tasks), op))
+                    slot.tasks.append(Task(name, ph.kind, stream, dur, deps, (k,), op, ph.level, coll.kind))
+                    wk = (coll.kind, ph.level)
+                    slot.wire[wk] = slot.wire.get(wk, 0) + int(round(ph.bytes * trips))
+                    slot.comm_ps += dur
+                    deps = (k,)
+            out = self.kid(key)
+            if colls:
+                slot.chained += (out,)
+            slot.tasks.append(Task(f"{val.name} as {layout}", "join", -1, 0, deps, (out,), op))
+            if len(colls) == 1 and colls[0].kind == "all-reduce" and len(slot.tasks) - first > 1:
+                slot.ars += (ArEntry(first, len(slot.tasks) - first, colls[0].axes, colls[0].bytes, src_id, out,
+                                     slot.tasks[first].name, self.graph.ops[op].region),)
+            deps = (out,)
+            made.append(key)
+        return made
+
+    def resume(self, c: int, steps: tuple, keys: Mapping[int, int]) -> int:
+        """How many steps of a path from value `c`'s home layout are done: the furthest of its layouts some
+        slot made already (0: none)."""
+        for n in range(len(steps) - 1, 0, -1):
+            i = self.key_of.get((c, steps[n - 1][0], HOME))
+            if i is not None and i in keys:
+                return n
+        return 0
 
     # -- slots ---------------------------------------------------------------------------------------
     def build_slot(self, plan: Plan, op_id: int, keys: dict[int, int],
@@ -258,7 +273,8 @@ class TaskBuilder:
                 state.append((need, None))
             else:
                 h = key_of.get((c, sh[c], HOME))
-                state.append((need, sh[c], h is not None and h in keys))
+                done = self.resume(c, self.path(sh[c], need, v), keys) if need != sh[c] else 0
+                state.append((need, sh[c], h is not None and h in keys, done))
         mk = (tuple(state), plan.strategies[op_id], tuple([sh[v] for v in op.outputs]))
         memo = self._slot_memo.setdefault(op_id, {})
         slot = memo.get(mk)
@@ -309,6 +325,7 @@ class TaskBuilder:
         if not info.live[op_id] or (op.primitive == "tie" and op.region == "io"):
             return slot.seal()
         trips = info.trips[op_id]
+        trips_in, trips_out = info.reshard_trips[op_id]  # (reshards of values entering/leaving a loop: outside it)
         made_keys: list[int] = []
         kid = self.kid
 
@@ -331,7 +348,10 @@ class TaskBuilder:
             if kid(home) not in keys:  # made by an op XLA drops: ready at the start
                 slot.tasks.append(Task(g.values[v].name, "join", -1, 0, (), (kid(home),), op_id))
                 made(home)
-            return made(self.chain(slot, home, s, v, op_id, trips))
+            steps = self.path(home[1], s, v)
+            n = self.resume(c, steps, keys)
+            src = (c, steps[n - 1][0], HOME) if n else home
+            return [made(k) for k in self.chain(slot, src, steps[n:], v, op_id, trips_in)][-1]
 
         deps = []
         need_shardings = []
@@ -357,10 +377,12 @@ class TaskBuilder:
             slot.xla_flops += int(round(count.flops))
         for k in out_keys:
             made(k)
+        groups = plan.strategies[op_id].partial_groups(op.rule)
         for v, k in zip(op.outputs, out_keys):
             want = plan.shardings[v]
             if k[1] != want:
-                made(self.chain(slot, k, want, v, op_id, trips))
+                for key in self.chain(slot, k, self.path(k[1], want, v, groups), v, op_id, trips_out):
+                    made(key)
         slot.made = tuple(made_keys)
         return slot.seal()
 
