@@ -18,6 +18,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from annotations.errors import ShardingError, SourceLine
 from shardc.cost.collectives import Collective
+from shardc.cost.program import merged, unread_operands
 from shardc.cost.reshard_path import reshard_steps, sent_bytes
 from shardc.ir.graph import Graph, Op
 from shardc.propagate import Cause, Propagation, project_dim
@@ -314,9 +315,10 @@ def op_reshard_specs(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequenc
     the consumer's business)."""
     rule = op.rule
     specs: list[ReshardSpec] = []
+    unread = unread_operands(graph, op)
     for i, (v, dims) in enumerate(zip(op.inputs, rule.operands)):
         val = graph.values[v]
-        if val.is_const and val.rank == 0:
+        if (val.is_const and val.rank == 0) or i in unread:
             continue
         need = strat.tensor_sharding(rule, dims, mesh)
         have = shardings[v]
@@ -422,6 +424,13 @@ class PlanBuilder:
         # in another layout records the reshard (e.g. ZeRO's all-gather of the updated parameters).
         self._next = graph.carried()  # input -> its next value
         self._carry = {out: inp for inp, out in self._next.items()}
+        # Values XLA's CSE merges are one value: one layout, the first's (`shardc.cost.program.merged`; the
+        # lowering binds the op once). Outputs keep their own: they leave in the layout the caller gets.
+        outputs = set(graph.outputs)
+        self._same = {v: c for v, c in enumerate(merged(graph).canon) if c != v and v not in outputs}
+        self._dups: dict[int, list[int]] = {}
+        for v, c in self._same.items():
+            self._dups.setdefault(c, []).append(v)
 
     def build(self, prop: Propagation, changed: Any = None) -> Plan:
         graph = self.graph
@@ -429,6 +438,8 @@ class PlanBuilder:
             self.axes = [tuple(a) for a in prop.axes]
             for out, inp in self._carry.items():
                 self.axes[out] = _carried_axes(prop, inp, out)
+            for v, c in self._same.items():
+                self.axes[v] = self.axes[c]
             self.shardings = [Sharding(a) for a in self.axes]
             self.origins = [tuple(o) for o in prop.origin]
             self.strategies, self.reshards = [], []
@@ -445,8 +456,14 @@ class PlanBuilder:
             ops: set[int] = set()
             changed = set(changed)
             changed.update(self._next[v] for v in list(changed) if v in self._next)
-            for v in changed:
-                axes = _carried_axes(prop, self._carry[v], v) if v in self._carry else tuple(prop.axes[v])
+            changed.update(d for v in list(changed) for d in self._dups.get(v, ()))
+            for v in sorted(changed):  # (a value CSE merges into another comes after it)
+                if v in self._same:
+                    axes = self.axes[self._same[v]]
+                elif v in self._carry:
+                    axes = _carried_axes(prop, self._carry[v], v)
+                else:
+                    axes = tuple(prop.axes[v])
                 origin = tuple(prop.origin[v])
                 if axes != self.axes[v]:
                     self.axes[v] = axes

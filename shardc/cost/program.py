@@ -2,7 +2,8 @@
 
 * duplicate ops (same primitive, params and inputs as an earlier op) are merged by CSE — so are their
   reshards (`canon` maps every value to the one XLA keeps);
-* dead ops (nothing they make reaches an output) are removed by XLA's DCE;
+* dead ops (nothing they make reaches an output) are removed by XLA's DCE, loops and branches whole; an
+  operand XLA's simplifier stops reading (`unread_operands`) keeps nothing alive;
 * constant ops (all inputs are compile-time constants) are folded;
 * fused values: XLA fuses an elementwise-like op into its consumers when they are all elementwise-like
   or reductions in a loop fusion — duplicating it into each when it is cheap, not when it is expensive
@@ -28,7 +29,7 @@ from shardc.cost.estimator import params_key
 from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL
 from shardc.ir.graph import Graph
 
-__all__ = ["ProgramInfo", "program_info", "FUSIBLE", "FREE_PRIMITIVES"]
+__all__ = ["ProgramInfo", "program_info", "Merged", "merged", "unread_operands", "FUSIBLE", "FREE_PRIMITIVES"]
 
 # Ops XLA fuses into their consumers (loop fusion): elementwise math and cheap data movement.
 FUSIBLE = frozenset(ELEMENTWISE) | frozenset(TRANSCENDENTAL) | frozenset({
@@ -64,6 +65,7 @@ class ProgramInfo:
     backend: str = ""  # the backend whose rules apply ("cpu", "gpu", "tpu"; "": none)
     eager: bool = False  # reshards run as soon as their operand exists (XLA:CPU's breadth-first schedule)
     reshard_trips: tuple[tuple[int, int], ...] = ()  # per op: runs of its operands' and its results' reshards
+    unread: frozenset[tuple[int, int]] = frozenset()  # (op, operand index) XLA does not read (`unread_operands`)
 
     def counts(self, op_id: int) -> bool:
         """Whether an op does work in the compiled program."""
@@ -97,7 +99,8 @@ def _library_fusions(graph: Graph, live: list[bool], canon: list[int], constant:
     return absorbed, members
 
 
-def _liveness(graph: Graph, canon: Sequence[int], duplicate: Sequence[bool]) -> list[bool]:
+def _liveness(graph: Graph, canon: Sequence[int], duplicate: Sequence[bool],
+              unread: frozenset[tuple[int, int]]) -> list[bool]:
     """Per op: whether XLA's DCE keeps it (over the CSE-merged program, backwards from the outputs). A loop
     or branch (the ops of one outermost region) is kept whole when a value it makes is read after it —
     with its branch index (`Graph.region_reads`) — and removed whole otherwise."""
@@ -109,7 +112,10 @@ def _liveness(graph: Graph, canon: Sequence[int], duplicate: Sequence[bool]) -> 
 
     def keep(op: Any) -> None:
         live[op.id] = True
-        for v in op.inputs + graph.region_reads.get(op.region, ()):
+        for i, v in enumerate(op.inputs):
+            if (op.id, i) not in unread:
+                needed[canon[v]] = True
+        for v in graph.region_reads.get(op.region, ()):
             needed[canon[v]] = True
 
     i = len(ops) - 1
@@ -211,10 +217,41 @@ def program_info(graph: Graph, backend: str = "") -> ProgramInfo:
     return info
 
 
-def _analyse(graph: Graph, backend: str) -> ProgramInfo:
+@dataclasses.dataclass(frozen=True)
+class Merged:
+    """What XLA's CSE and constant folding make of a graph's values (plan-independent)."""
+
+    constant: tuple[bool, ...]  # per value: known at compile time
+    canon: tuple[int, ...]  # per value: the value CSE keeps for it
+    duplicate: tuple[bool, ...]  # per op: merged into an earlier identical op
+    pkeys: tuple[Any, ...]  # per op: its params as a hashable key
+    unread: frozenset[tuple[int, int]] = frozenset()  # (op, operand index) XLA's simplifier stops reading
+
+
+def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:
+    """Operands of `op` XLA's algebraic simplifier drops: a dynamic_update_slice whose update covers its
+    whole operand is the update."""
+    if op.primitive == "dynamic_update_slice" and len(op.inputs) > 1 \
+            and graph.values[op.inputs[1]].shape == graph.values[op.inputs[0]].shape:
+        return (0,)
+    return ()
+
+
+def merged(graph: Graph) -> Merged:
+    """CSE and constant folding over `graph`, forwards (cached on the graph)."""
+    hit = getattr(graph, "_shardc_merged", None)
+    if hit is None:
+        hit = _merge(graph)
+        try:
+            graph._shardc_merged = hit  # type: ignore[attr-defined]
+        except AttributeError:  # pragma: no cover - slotted graphs
+            pass
+    return hit
+
+
+def _merge(graph: Graph) -> Merged:
     nv, no = len(graph.values), len(graph.ops)
     pkeys = tuple(params_key(op.params) for op in graph.ops)
-    # CSE and constant folding, forwards.
     constant = [graph.values[v].is_const for v in range(nv)]
     canon = list(range(nv))
     duplicate = [False] * no
@@ -236,7 +273,15 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
         duplicate[op.id] = True
         for a, b in zip(op.outputs, graph.ops[first].outputs):
             canon[a] = canon[b]
-    live = _liveness(graph, canon, duplicate)
+    unread = frozenset((op.id, i) for op in graph.ops for i in unread_operands(graph, op))
+    return Merged(tuple(constant), tuple(canon), tuple(duplicate), pkeys, unread)
+
+
+def _analyse(graph: Graph, backend: str) -> ProgramInfo:
+    nv, no = len(graph.values), len(graph.ops)
+    cse = merged(graph)
+    constant, canon, duplicate, pkeys = list(cse.constant), cse.canon, cse.duplicate, cse.pkeys
+    live = _liveness(graph, canon, duplicate, cse.unread)
 
     consumers: list[list[int]] = [[] for _ in range(nv)]
     for op in graph.ops:
@@ -311,7 +356,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     return ProgramInfo(tuple(live), tuple(constant), tuple(canon), tuple(duplicate), tuple(fused),
                        tuple(trips), tuple(order), pkeys, tuple(kept), span=_spans(graph, live, order),
                        carried=carried, loop=loop, library=frozenset(library), backend=backend,
-                       eager=backend == "cpu", reshard_trips=reshard_trips)
+                       eager=backend == "cpu", reshard_trips=reshard_trips, unread=cse.unread)
 
 
 def _trips(graph: Graph) -> tuple[list[int], tuple[tuple[int, int], ...]]:

@@ -312,7 +312,8 @@ class TaskBuilder:
         info, out = self.info, []
         for op in self.graph.ops:
             cs = tuple(info.canon[v] for v in op.inputs)
-            ok = info.live[op.id] and not (op.primitive == "tie" and op.region == "io") and len(set(cs)) == len(cs)
+            ok = info.live[op.id] and not (op.primitive == "tie" and op.region == "io") and len(set(cs)) == len(cs) \
+                and not any((op.id, i) in info.unread for i in range(len(op.inputs)))
             out.append(cs if ok else None)
         self._canon_in = out
         return out
@@ -355,10 +356,11 @@ class TaskBuilder:
 
         deps = []
         need_shardings = []
-        for v in op.inputs:
+        for i, v in enumerate(op.inputs):
             need = needs.get((op_id, v), plan.shardings[v])
             need_shardings.append(need)
-            deps.append(have(v, need))
+            if (op_id, i) not in info.unread:
+                deps.append(have(v, need))
         out_keys: list[Key] = []
         for v, m in zip(op.outputs, self._made_layouts(op, plan.strategies[op_id])):
             out_keys.append((self.canon(v), m, HOME if m == plan.shardings[v] else MADE))
