@@ -18,7 +18,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from annotations.errors import ShardingError, SourceLine
 from shardc.cost.collectives import Collective
-from shardc.cost.program import merged, unread_operands
+from shardc.cost.program import broadcast_dims, merged, unread_operands
 from shardc.cost.reshard_path import reshard_steps, sent_bytes
 from shardc.ir.graph import Graph, Op
 from shardc.propagate import Cause, Propagation, project_dim
@@ -186,9 +186,10 @@ def lowers_reduce_scatter(mesh: Any) -> bool:
 @functools.lru_cache(maxsize=1 << 16)
 def _reshard_cost(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int,
                   mesh_items: tuple[tuple[str, int], ...], reduce_scatter: bool,
-                  groups: tuple[Axes, ...]) -> ReshardCost:
+                  groups: tuple[Axes, ...], bcast: frozenset[int]) -> ReshardCost:
     mesh = dict(mesh_items)
-    colls = tuple(c for _, step in reshard_steps(src, dst, shape, itemsize, mesh, reduce_scatter, groups) for c in step)
+    colls = tuple(c for _, step in reshard_steps(src, dst, shape, itemsize, mesh, reduce_scatter, groups, bcast)
+                  for c in step)
     if colls:
         kind = "+".join(dict.fromkeys(c.kind for c in colls))
     else:
@@ -197,10 +198,13 @@ def _reshard_cost(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize
 
 
 def reshard_cost(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int, mesh: Mapping[str, int],
-                 reduce_scatter: bool = True, groups: Sequence[Axes] = ()) -> ReshardCost:
+                 reduce_scatter: bool = True, groups: Sequence[Axes] = (),
+                 bcast: frozenset[int] = frozenset()) -> ReshardCost:
     """The collectives XLA emits to take a value of `shape` from `src` to `dst` (memoised); `groups`: how
-    the op that made `src` reduces its partial sums (`OpStrategy.partial_groups`)."""
-    return _reshard_cost(src, dst, tuple(shape), int(itemsize), tuple(mesh.items()), reduce_scatter, tuple(groups))
+    the op that made `src` reduces its partial sums (`OpStrategy.partial_groups`); `bcast`: the dims along
+    which the value is a broadcast (`shardc.cost.program.broadcast_dims`)."""
+    return _reshard_cost(src, dst, tuple(shape), int(itemsize), tuple(mesh.items()), reduce_scatter, tuple(groups),
+                         frozenset(bcast))
 
 
 def _greedy_strategy(op: Op, axes_of, tensors: Sequence[tuple[int, Any]], mesh: Mapping[str, int]) -> OpStrategy:
@@ -316,6 +320,8 @@ def op_reshard_specs(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequenc
     rule = op.rule
     specs: list[ReshardSpec] = []
     unread = unread_operands(graph, op)
+    bcast = broadcast_dims(graph)  # (as when every reshard before keeps them; the simulator follows the plan's)
+    param = op.primitive == "tie" and op.params.get("at") in ("out", "arg")
     for i, (v, dims) in enumerate(zip(op.inputs, rule.operands)):
         val = graph.values[v]
         if (val.is_const and val.rank == 0) or i in unread:
@@ -323,7 +329,8 @@ def op_reshard_specs(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequenc
         need = strat.tensor_sharding(rule, dims, mesh)
         have = shardings[v]
         if need != have:
-            cost = reshard_cost(have, need, val.shape, val.dtype.itemsize, mesh, reduce_scatter)
+            cost = reshard_cost(have, need, val.shape, val.dtype.itemsize, mesh, reduce_scatter,
+                                bcast=frozenset() if param else bcast[v])
             if cost.kind != "none":
                 specs.append((True, i, have, need, cost))
     partial, groups = strat.partial_axes(rule), strat.partial_groups(rule)
@@ -333,7 +340,7 @@ def op_reshard_specs(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequenc
         made = Sharding(made.dims, partial)
         want = shardings[v]
         if made != want:
-            cost = reshard_cost(made, want, val.shape, val.dtype.itemsize, mesh, reduce_scatter, groups)
+            cost = reshard_cost(made, want, val.shape, val.dtype.itemsize, mesh, reduce_scatter, groups, bcast[v])
             if cost.kind not in ("none", "slice"):
                 specs.append((False, i, made, want, cost))
     return specs
@@ -346,16 +353,19 @@ def _moved_bytes(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequence[Sh
 
 def _plan_classes(graph: Graph) -> list[int]:
     """Per op: the class of ops whose strategy and reshards are the same at the same tensor shardings
-    (rule, io tie or not, tensor shapes/itemsizes, scalar-constant operands); computed once per graph."""
+    (rule, io tie or not, parameter tie or not, tensor shapes/itemsizes/broadcast dims, scalar-constant
+    operands); computed once per graph."""
     cached = getattr(graph, "_shardc_plan_classes", None)
     if cached is not None:
         return cached
     classes: dict[tuple, int] = {}
     out: list[int] = []
+    bcast = broadcast_dims(graph)
     for op in graph.ops:
         vals = [graph.values[v] for v in op.inputs + op.outputs]
-        key = (op.rule, op.primitive == "tie" and op.region == "io",
-               tuple((v.shape, v.dtype.itemsize if v.dtype is not None else 4, v.nbytes) for v in vals),
+        tie = op.primitive == "tie"
+        key = (op.rule, tie and op.region == "io", tie and op.params.get("at") in ("out", "arg"),
+               tuple((v.shape, v.dtype.itemsize if v.dtype is not None else 4, v.nbytes, bcast[v.id]) for v in vals),
                tuple(graph.values[v].is_const and graph.values[v].rank == 0 for v in op.inputs))
         out.append(classes.setdefault(key, len(classes)))
     try:
@@ -504,7 +514,9 @@ class PlanBuilder:
         # listed in this mesh's order)
         val = self.graph.values[op.inputs[i] if operand else op.outputs[i]]
         groups = () if operand else strat.partial_groups(op.rule)
-        cost = reshard_cost(src, dst, val.shape, val.dtype.itemsize, self.sizes, self.reduce_scatter, groups)
+        bcast = frozenset() if operand and op.primitive == "tie" and op.params.get("at") in ("out", "arg") \
+            else broadcast_dims(self.graph)[val.id]
+        cost = reshard_cost(src, dst, val.shape, val.dtype.itemsize, self.sizes, self.reduce_scatter, groups, bcast)
         if op.id not in self._sources:
             self._sources[op.id] = op.source
         source = self._sources[op.id]

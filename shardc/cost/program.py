@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from typing import Any, Sequence
 
 from shardc.cost.estimator import params_key
 from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL
 from shardc.ir.graph import Graph
 
-__all__ = ["ProgramInfo", "program_info", "Merged", "merged", "unread_operands", "FUSIBLE", "FREE_PRIMITIVES"]
+__all__ = ["ProgramInfo", "program_info", "Merged", "merged", "unread_operands", "broadcast_dims", "broadcast_transfer",
+           "FUSIBLE", "FREE_PRIMITIVES"]
 
 # Ops XLA fuses into their consumers (loop fusion): elementwise math and cheap data movement.
 FUSIBLE = frozenset(ELEMENTWISE) | frozenset(TRANSCENDENTAL) | frozenset({
@@ -235,6 +237,93 @@ def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:
             and graph.values[op.inputs[1]].shape == graph.values[op.inputs[0]].shape:
         return (0,)
     return ()
+
+
+# Ops XLA's SPMD partitioner sees as elementwise (a result is a broadcast along the dims all operands are).
+_ELEMENTWISE_HLO = frozenset(ELEMENTWISE) | frozenset(TRANSCENDENTAL) | {"integer_pow", "stop_gradient", "copy",
+                                                                      "copy_p", "shardc_hint", "sharding_constraint"}
+
+
+def broadcast_transfer(graph: Graph, op: Any, operands: Sequence[frozenset[int]]) -> list[frozenset[int]]:
+    """The dims along which each result of `op` is a broadcast, given its operands' (XLA's SpmdBuilder
+    tracks them through broadcasts, elementwise ops, transposes, reshapes, slices and pads: a reshard that
+    only moves data along them is a local copy). Ties and scan slices/stacks: none (loop and branch
+    parameters and results are not tracked)."""
+    prim = op.primitive
+    shape = graph.values[op.outputs[0]].shape if op.outputs else ()
+    none = [frozenset()] * len(op.outputs)
+    if prim == "broadcast_in_dim":
+        mapped = op.params.get("broadcast_dimensions", ())
+        src = graph.values[op.inputs[0]].shape
+        new = {d for d in range(len(shape)) if d not in mapped}
+        new |= {d for i, d in enumerate(mapped) if src[i] == 1 and shape[d] != 1}
+        return [frozenset(new)]
+    if not operands or not operands[0] and prim not in _ELEMENTWISE_HLO:
+        return none
+    b = operands[0]
+    if prim in _ELEMENTWISE_HLO:
+        dims = set(range(len(shape)))
+        for u, ub in zip(op.inputs, operands):
+            if graph.values[u].rank:  # (a scalar operand is broadcast to every dim)
+                dims &= ub
+        return [frozenset(dims)] * len(op.outputs)
+    if prim == "transpose":
+        perm = op.params["permutation"]
+        return [frozenset(i for i, p in enumerate(perm) if p in b)]
+    if prim in ("reshape", "squeeze", "expand_dims"):
+        return [_reshape_broadcast(graph.values[op.inputs[0]].shape, shape, b)]
+    if prim in ("slice", "dynamic_slice"):
+        return [b]
+    if prim == "pad":
+        config = op.params["padding_config"]
+        return [frozenset(d for d in b if tuple(config[d]) == (0, 0, 0))]
+    return none
+
+
+def _reshape_broadcast(src: Sequence[int], dst: Sequence[int], b: frozenset[int]) -> frozenset[int]:
+    """SpmdBuilder::SetBroadcastDimsForReshape: dims of `dst` made only of broadcast dims of `src`, when
+    the reshape only splits and merges dims."""
+    if not dst or math.prod(dst) == 0:
+        return frozenset()
+    out = set(range(len(dst)))
+    before, after = list(reversed(src)), list(reversed(dst))
+    while before and after:
+        cb, ca = len(src) - len(before), len(dst) - len(after)
+        bs, a_s = before.pop(), after.pop()
+        if cb not in b:
+            out.discard(ca)
+        if bs == a_s:
+            continue
+        if bs % a_s == 0:
+            before.append(bs // a_s)
+        elif a_s % bs == 0:
+            after.append(a_s // bs)
+        else:
+            out -= set(range(ca, len(dst)))
+            break
+    return frozenset(out) if out and not before and not after else frozenset()
+
+
+def broadcast_dims(graph: Graph) -> tuple[frozenset[int], ...]:
+    """Per value: the dims along which it is a broadcast when every reshard on the way keeps it one (an
+    upper bound; a plan's collectives can make a new value: `shardc.sim.tasks.TaskBuilder.broadcasts`)."""
+    hit = getattr(graph, "_shardc_broadcast_dims", None)
+    if hit is not None:
+        return hit
+    canon = merged(graph).canon
+    out = [frozenset()] * len(graph.values)
+    for op in graph.ops:
+        if op.primitive in ("tie", "scan_slice", "scan_stack") or not op.outputs:
+            continue
+        for v, b in zip(op.outputs, broadcast_transfer(graph, op, [out[canon[u]] for u in op.inputs])):
+            if canon[v] == v:
+                out[v] = b
+    res = tuple(out[canon[v]] for v in range(len(out)))
+    try:
+        graph._shardc_broadcast_dims = res  # type: ignore[attr-defined]
+    except AttributeError:  # pragma: no cover - slotted graphs
+        pass
+    return res
 
 
 def merged(graph: Graph) -> Merged:

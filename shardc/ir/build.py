@@ -74,7 +74,8 @@ class _Builder:
 
     def tie(self, a: int, b: int, region: str, source_info: Any = None, at: str = "") -> None:
         """`b` is sharded like `a`. `at`: "in" for an outer value entering a loop, "out" for a loop's result
-        leaving it (their reshards run outside the loop: `shardc.cost.program.ProgramInfo.reshard_trips`)."""
+        leaving it (their reshards run outside the loop: `shardc.cost.program.ProgramInfo.reshard_trips`),
+        "arg" for a branch's or a loop condition's parameter (its reshards run inside, on the parameter)."""
         self.add("tie", [a], [b], {"at": at} if at else {}, _tie_rule(self.g.values[a].shape),
                  source_info=source_info, region=region)
 
@@ -184,7 +185,7 @@ class _Builder:
         outs = [self.new_value(a) for a in carry_avals]
         for x, bc, cc, o in zip(init, body_carry, cond_carry, outs):
             self.tie(x, bc, here, eqn.source_info, at="in")
-            self.tie(bc, cc, here, eqn.source_info)
+            self.tie(bc, cc, here, eqn.source_info, at="arg")
             self.tie(bc, o, here, eqn.source_info, at="out")
         self.inline(p["cond_jaxpr"], cond_const_vals + cond_carry, here)
         body_out = self.inline(p["body_jaxpr"], body_const_vals + body_carry, here)
@@ -202,7 +203,7 @@ class _Builder:
             inner_jaxpr, _ = self.closed(branch)
             args = [self.new_value(v.aval) for v in inner_jaxpr.invars]
             for outer, inner in zip(operands, args):
-                self.tie(outer, inner, here, eqn.source_info)
+                self.tie(outer, inner, here, eqn.source_info, at="arg")
             for bo, o in zip(self.inline(branch, args, here), outs):
                 self.tie(bo, o, here, eqn.source_info)
         return outs

@@ -20,8 +20,8 @@ from typing import Any, Mapping
 from shardc.cost.collectives import collective_phases
 from shardc.cost.estimator import AnalyticalEstimator, OpCostEstimator, OpKey
 from shardc.cost.flops import count_op
-from shardc.cost.program import FREE_PRIMITIVES, ProgramInfo, program_info
-from shardc.cost.reshard_path import reshard_steps
+from shardc.cost.program import FREE_PRIMITIVES, ProgramInfo, broadcast_dims, broadcast_transfer, program_info
+from shardc.cost.reshard_path import kept_after, reshard_steps
 from shardc.cost.topology import MeshMapping, Topology
 from shardc.plan import Plan
 from shardc.sharding import Sharding
@@ -145,6 +145,13 @@ class TaskBuilder:
         # of slots making them so; kept by the Simulator from `Slot.chained` (full and delta runs alike).
         self.chain_keys: dict[int, int] = {}
         self.value_keys: dict[int, list[int]] = {}  # canonical value -> ids of its keys
+        # Broadcast dims (XLA copies instead of permuting data along them; `broadcasts`): of the operand a
+        # chain starts from, (op, operand index) -> dims, and of the layout an op makes, (op, result) -> dims,
+        # for the current plan (only non-empty ones).
+        self.bc_start: dict[tuple[int, int], frozenset[int]] = {}
+        self.bc_made: dict[tuple[int, int], frozenset[int]] = {}
+        self._bc_static = broadcast_dims(graph)
+        self._bc_ops: list[int] | None = None
         vals = graph.values
         by_dtype: dict[Any, tuple[str, int]] = {}  # str(numpy dtype) is slow: once per distinct dtype
         for v in vals:
@@ -184,15 +191,76 @@ class TaskBuilder:
         return self._stream_of.get(f"comm:{level}", 0)
 
     # -- collectives ---------------------------------------------------------------------------------
-    def path(self, src: Sharding, dst: Sharding, v: int, groups: tuple = ()) -> tuple:
+    def path(self, src: Sharding, dst: Sharding, v: int, groups: tuple = (), bcast: frozenset[int] = frozenset()
+             ) -> tuple:
         """The reshard model's steps taking value `v` from `src` to `dst`: ((layout, collectives), ...)."""
         val = self.graph.values[v]
-        key = (src, dst, val.shape, self._itemsize[v], groups)
+        key = (src, dst, val.shape, self._itemsize[v], groups, bcast)
         hit = self._coll_memo.get(key)
         if hit is None:
             hit = self._coll_memo[key] = reshard_steps(src, dst, val.shape, self._itemsize[v], self.mesh,
-                                                       self.topology.reduce_scatter, groups)
+                                                       self.topology.reduce_scatter, groups, bcast)
         return hit
+
+    # -- broadcasts ----------------------------------------------------------------------------------
+    def broadcasts(self, plan: Plan, needs: Mapping[tuple[int, int], Sharding]
+                   ) -> tuple[dict[tuple[int, int], frozenset[int]], dict[tuple[int, int], frozenset[int]]]:
+        """Which chains of `plan` start from a value that is a broadcast, and along which dims (XLA's
+        partitioner tracks broadcasts through the instructions it makes, `broadcast_transfer`; a reshard
+        with a collective makes a new value), and which layouts an op makes are: ((op, operand) -> dims,
+        (op, result) -> dims), the non-empty ones. Loop and branch parameters are no broadcasts."""
+        if self._bc_ops is None:
+            st, live, dup = self._bc_static, self.info.live, self.info.duplicate
+            self._bc_ops = [op.id for op in self.graph.ops if live[op.id] and not dup[op.id]
+                            and not (op.primitive == "tie" and op.region == "io")
+                            and any(st[v] for v in op.inputs + op.outputs)]
+        g, info, sh = self.graph, self.info, plan.shardings
+        home: dict[int, frozenset[int]] = {}
+        start: dict[tuple[int, int], frozenset[int]] = {}
+        made: dict[tuple[int, int], frozenset[int]] = {}
+        for op_id in self._bc_ops:
+            op = g.ops[op_id]
+            boundary = op.primitive in ("tie", "scan_slice", "scan_stack")
+            param = op.primitive == "tie" and op.params.get("at") in ("out", "arg")
+            after = []
+            for i, u in enumerate(op.inputs):
+                c = info.canon[u]
+                b = frozenset() if param or (op_id, i) in info.unread else \
+                    self._bc_static[c] if info.constant[c] else home.get(c, frozenset())
+                if b:
+                    start[(op_id, i)] = b
+                    need = needs.get((op_id, u), sh[u])
+                    if need != sh[c]:
+                        b = kept_after(self.path(sh[c], need, u, (), b), sh[c], g.values[u].shape, self.mesh, b)
+                after.append(b)
+            if op.primitive == "tie":
+                out = [after[0]]
+            elif boundary:
+                out = [frozenset()] * len(op.outputs)
+            else:
+                out = broadcast_transfer(g, op, after)
+            strat = plan.strategies[op_id]
+            groups = strat.partial_groups(op.rule)
+            for k, (v, m, b) in enumerate(zip(op.outputs, self._made_layouts(op, strat), out)):
+                if m.partial or not b:
+                    continue
+                made[(op_id, k)] = b
+                if boundary:
+                    continue  # (its result is a loop's or branch's: a new value)
+                if m != sh[v]:
+                    b = kept_after(self.path(m, sh[v], v, groups, b), m, g.values[v].shape, self.mesh, b)
+                if b:
+                    home[v] = b
+        return start, made
+
+    def set_broadcasts(self, plan: Plan, needs: Mapping[tuple[int, int], Sharding]) -> set[int]:
+        """Take `plan`'s broadcasts (`broadcasts`); returns the ops whose chains they change."""
+        start, made = self.broadcasts(plan, needs)
+        changed = {k[0] for d, e in ((start, self.bc_start), (made, self.bc_made)) for k in d.keys() ^ e.keys()}
+        changed |= {k[0] for d, e in ((start, self.bc_start), (made, self.bc_made)) for k in d.keys() & e.keys()
+                    if d[k] != e[k]}
+        self.bc_start, self.bc_made = start, made
+        return changed
 
     def phases(self, c: Any) -> tuple:
         hit = self._phase_memo.get(c)
@@ -264,18 +332,21 @@ class TaskBuilder:
         sh = plan.shardings
         key_of = self.key_of
         state = []
-        for v, c in zip(op.inputs, canon_in):
+        bc_start, empty = self.bc_start, frozenset()
+        for i, (v, c) in enumerate(zip(op.inputs, canon_in)):
             need = needs.get((op_id, v), sh[v])
-            i = key_of.get((c, need, HOME))
-            if i is not None and i in keys:
+            k = key_of.get((c, need, HOME))
+            if k is not None and k in keys:
                 state.append(need)
             elif self.info.constant[c] or self.info.constant[v]:
                 state.append((need, None))
             else:
                 h = key_of.get((c, sh[c], HOME))
-                done = self.resume(c, self.path(sh[c], need, v), keys) if need != sh[c] else 0
-                state.append((need, sh[c], h is not None and h in keys, done))
-        mk = (tuple(state), plan.strategies[op_id], tuple([sh[v] for v in op.outputs]))
+                b = bc_start.get((op_id, i), empty)
+                done = self.resume(c, self.path(sh[c], need, v, (), b), keys) if need != sh[c] else 0
+                state.append((need, sh[c], h is not None and h in keys, done, b))
+        made_b = tuple(self.bc_made.get((op_id, k), empty) for k in range(len(op.outputs)))
+        mk = (tuple(state), plan.strategies[op_id], tuple([sh[v] for v in op.outputs]), made_b)
         memo = self._slot_memo.setdefault(op_id, {})
         slot = memo.get(mk)
         if slot is None:
@@ -336,20 +407,21 @@ class TaskBuilder:
             made_keys.append(i)
             return i
 
-        def have(v: int, s: Sharding) -> int:
-            """The key of value v at sharding s, building a reshard chain from its home layout if needed."""
+        def have(i: int, v: int, s: Sharding) -> int:
+            """The key of value v (operand i) at sharding s, building a reshard chain from its home layout
+            if needed."""
             c = self.canon(v)
-            i = kid((c, s, HOME))
-            if i in keys:
-                return i
+            k = kid((c, s, HOME))
+            if k in keys:
+                return k
             if info.constant[c] or info.constant[v]:  # folded by XLA: ready, in any layout, at the start
-                slot.tasks.append(Task(f"constant {g.values[v].name}", "join", -1, 0, (), (i,), op_id))
+                slot.tasks.append(Task(f"constant {g.values[v].name}", "join", -1, 0, (), (k,), op_id))
                 return made((c, s, HOME))
             home = (c, plan.shardings[c], HOME)
             if kid(home) not in keys:  # made by an op XLA drops: ready at the start
                 slot.tasks.append(Task(g.values[v].name, "join", -1, 0, (), (kid(home),), op_id))
                 made(home)
-            steps = self.path(home[1], s, v)
+            steps = self.path(home[1], s, v, (), self.bc_start.get((op_id, i), frozenset()))
             n = self.resume(c, steps, keys)
             src = (c, steps[n - 1][0], HOME) if n else home
             return [made(k) for k in self.chain(slot, src, steps[n:], v, op_id, trips_in)][-1]
@@ -360,7 +432,7 @@ class TaskBuilder:
             need = needs.get((op_id, v), plan.shardings[v])
             need_shardings.append(need)
             if (op_id, i) not in info.unread:
-                deps.append(have(v, need))
+                deps.append(have(i, v, need))
         out_keys: list[Key] = []
         for v, m in zip(op.outputs, self._made_layouts(op, plan.strategies[op_id])):
             out_keys.append((self.canon(v), m, HOME if m == plan.shardings[v] else MADE))
@@ -380,10 +452,11 @@ class TaskBuilder:
         for k in out_keys:
             made(k)
         groups = plan.strategies[op_id].partial_groups(op.rule)
-        for v, k in zip(op.outputs, out_keys):
+        for n, (v, k) in enumerate(zip(op.outputs, out_keys)):
             want = plan.shardings[v]
             if k[1] != want:
-                for key in self.chain(slot, k, self.path(k[1], want, v, groups), v, op_id, trips_out):
+                path = self.path(k[1], want, v, groups, self.bc_made.get((op_id, n), frozenset()))
+                for key in self.chain(slot, k, path, v, op_id, trips_out):
                     made(key)
         slot.made = tuple(made_keys)
         return slot.seal()

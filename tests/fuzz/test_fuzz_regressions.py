@@ -24,7 +24,9 @@ Fixed in shardc so that the compiled program's collectives are the plan's, kind 
 * a dynamic_update_slice whose update covers its whole operand is the update (XLA's simplifier): the
   operand's reshards and the ops only it needs do not run (`unread_operands`);
 * values CSE merges are one value with one layout in the plan (a duplicate planned apart was computed
-  apart by XLA while the simulator resharded the first one).
+  apart by XLA while the simulator resharded the first one);
+* a value that is a broadcast (the zeros a cond's gradient makes for a branch) needs no collective-permute
+  along its broadcast dims: XLA's partitioner copies (`reshard_collectives(bcast=)`, `broadcast_dims`).
 
 Fixed in the oracle:
 * a chain of contractions grew gradients to ~1.6e3 where float32 rounding of the (differently ordered)
@@ -162,6 +164,12 @@ FULL_UPDATE = Program(mesh=(("x", 4), ("y", 2)), steps=(  # seed 2 (fuzzq), shru
     Step(kind="update_slice", args=(4, 5), attrs=(("start", (0, 0, 0, 0)),), shape=(2, 2, 1, 1)),
 ), outputs=(6,))
 
+BROADCAST_RESHARD = Program(mesh=(("x", 2), ("y", 4)), steps=(  # seed 2 (fuzzq), shrunk by hand
+    Step(kind="input", args=(), attrs=(), shape=(16, 8)),
+    Step(kind="remat_chain", args=(0,), attrs=(("inner", (None, ("x",))),), shape=(16, 8)),
+    Step(kind="cond", args=(1,), attrs=(("inner", ("?", ("y", "x"))),), shape=(16, 8)),
+), outputs=(2,))
+
 TWO_STEP_RESHARD_TWICE = Program(mesh=(("x", 2), ("y", 4)), steps=(  # [-, x+y] -> [x, -] goes through [x, y]
     Step(kind="input", args=(), attrs=(), shape=(8, 8)),
     Step(kind="hint", args=(0,), attrs=(("how", "shard"), ("spec", (None, ("x", "y")))), shape=(8, 8)),
@@ -175,10 +183,11 @@ TWO_STEP_RESHARD_TWICE = Program(mesh=(("x", 2), ("y", 4)), steps=(  # [-, x+y] 
 
 @pytest.mark.parametrize("prog", [COND_INDEX, DEAD_LOOP, UPDATE_SLICE_SPLIT_DIM, UPDATE_ONE_ROW_OF_SPLIT_DIM,
                                   SCANNED_ARRAY_RESHARD, SCAN_FINAL_CARRY, SUM_OVER_TWO_SPLIT_DIMS,
-                                  DUPLICATE_OPS_RESHARDED, TWO_STEP_RESHARD_TWICE, FULL_UPDATE],
+                                  DUPLICATE_OPS_RESHARDED, TWO_STEP_RESHARD_TWICE, FULL_UPDATE, BROADCAST_RESHARD],
                          ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
                               "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
-                              "duplicate_ops_resharded", "two_step_reshard_twice", "full_update"])
+                              "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
+                              "broadcast_reshard"])
 def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
 
