@@ -16,8 +16,9 @@ Inputs and outputs get the plan's shardings through `in_shardings`/`out_sharding
 With `tag_ops`, each op's constraints and the op itself run under the name scope `shardc.op<id>`, so every
 collective XLA emits names the plan op it was made for in its metadata (`op_tag`; `shardc.check` uses it
 to attribute compiled collectives to the plan's reshards).
-Loop and branch bodies (scan/while/cond) are bound unchanged: inside them only hints constrain
-(lowering through the hint primitive's own rule on the mesh they were traced under).
+Loop and branch bodies (scan/while/cond) are re-traced by the same walk (`shardc.lower_regions`). An op
+that CSE merges into an identical earlier one (`shardc.cost.program.merged`) is not bound again, and each
+reshard step of one traced value is made once: the simulator counts them so.
 """
 from __future__ import annotations
 
