@@ -286,6 +286,8 @@ def _strategy(op: Op, graph: Graph, shardings: Sequence[Sharding], nbytes, mesh:
     def axes_of(v: int):
         return shardings[v].dims
 
+    if op.is_hint:  # a constraint: its value in the layout it pins; the lowering reshards the operand to it
+        return _greedy_strategy(op, axes_of, [(op.outputs[0], rule.results[0])], mesh)
     default = _greedy_strategy(op, axes_of, order, mesh)
     sharded = [i for i, (v, _) in enumerate(order) if i > 0 and shardings[v].dims and any(shardings[v].dims)]
     if not sharded or op.primitive not in _COSTED_PRIMITIVES:
@@ -320,11 +322,12 @@ def op_reshard_specs(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequenc
     rule = op.rule
     specs: list[ReshardSpec] = []
     unread = unread_operands(graph, op)
+    constant = merged(graph).constant  # (XLA folds them: any layout is free)
     bcast = broadcast_dims(graph)  # (as when every reshard before keeps them; the simulator follows the plan's)
     param = op.primitive == "tie" and op.params.get("at") in ("out", "arg")
     for i, (v, dims) in enumerate(zip(op.inputs, rule.operands)):
         val = graph.values[v]
-        if (val.is_const and val.rank == 0) or i in unread:
+        if (val.is_const and val.rank == 0) or i in unread or constant[v]:
             continue
         need = strat.tensor_sharding(rule, dims, mesh)
         have = shardings[v]
@@ -353,20 +356,20 @@ def _moved_bytes(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequence[Sh
 
 def _plan_classes(graph: Graph) -> list[int]:
     """Per op: the class of ops whose strategy and reshards are the same at the same tensor shardings
-    (rule, io tie or not, parameter tie or not, tensor shapes/itemsizes/broadcast dims, scalar-constant
-    operands); computed once per graph."""
+    (rule, io tie or not, parameter tie or not, tensor shapes/itemsizes/broadcast dims, constant operands);
+    computed once per graph."""
     cached = getattr(graph, "_shardc_plan_classes", None)
     if cached is not None:
         return cached
     classes: dict[tuple, int] = {}
     out: list[int] = []
-    bcast = broadcast_dims(graph)
+    bcast, constant = broadcast_dims(graph), merged(graph).constant
     for op in graph.ops:
         vals = [graph.values[v] for v in op.inputs + op.outputs]
         tie = op.primitive == "tie"
         key = (op.rule, tie and op.region == "io", tie and op.params.get("at") in ("out", "arg"),
                tuple((v.shape, v.dtype.itemsize if v.dtype is not None else 4, v.nbytes, bcast[v.id]) for v in vals),
-               tuple(graph.values[v].is_const and graph.values[v].rank == 0 for v in op.inputs))
+               tuple((graph.values[v].is_const and graph.values[v].rank == 0, constant[v]) for v in op.inputs))
         out.append(classes.setdefault(key, len(classes)))
     try:
         graph._shardc_plan_classes = out  # type: ignore[attr-defined]

@@ -230,6 +230,15 @@ class Merged:
     unread: frozenset[tuple[int, int]] = frozenset()  # (op, operand index) XLA's simplifier stops reading
 
 
+def folds_to_constant(graph: Graph, op: Any) -> bool:
+    """Whether XLA's simplifier makes `op`'s results constants whatever its operands: argmax/argmin over
+    dims of size 1 (the index is 0)."""
+    if op.primitive in ("argmax", "argmin") and op.inputs:
+        shape = graph.values[op.inputs[0]].shape
+        return all(shape[d] == 1 for d in op.params.get("axes", ()))
+    return False
+
+
 def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:
     """Operands of `op` XLA's algebraic simplifier drops: a dynamic_update_slice whose update covers its
     whole operand is the update."""
@@ -347,7 +356,8 @@ def _merge(graph: Graph) -> Merged:
     seen: dict[Any, int] = {}
     for op in graph.ops:
         ins = tuple(canon[v] for v in op.inputs)
-        if op.inputs and all(constant[v] for v in op.inputs) and not op.region and op.primitive not in _NOT_MERGED:
+        if (op.inputs and all(constant[v] for v in op.inputs) or folds_to_constant(graph, op)) and not op.region \
+                and op.primitive not in _NOT_MERGED:
             for v in op.outputs:
                 constant[v] = True
         if op.primitive in _NOT_MERGED or op.primitive in ("shardc_hint", "sharding_constraint"):

@@ -65,7 +65,14 @@ DIMS_CASES = [
 ]
 
 
-@pytest.mark.parametrize("shape,src,dst", DIMS_CASES, ids=[f"{s}->{d}" for _, s, d in DIMS_CASES])
+# XLA reshards these by involuntary full rematerialization (the model's collectives are checked for them too)
+REMAT_CASES = {((8, 64, 64), ("data", None, None), (None, None, "model")),
+               ((8, 64, 64), ("data", None, "model"), (None, ("data", "model"), None))}
+
+
+@pytest.mark.parametrize("shape,src,dst", [
+    pytest.param(*c, marks=pytest.mark.involuntary_remat("XLA's fallback is the case checked"))
+    if c in REMAT_CASES else c for c in DIMS_CASES], ids=[f"{s}->{d}" for _, s, d in DIMS_CASES])
 def test_dims_reshard_matches_xla(mesh, shape, src, dst):
     def fn(x):
         return jax.lax.with_sharding_constraint(x * 2, NamedSharding(mesh, P(*dst))) * 3

@@ -26,7 +26,10 @@ Fixed in shardc so that the compiled program's collectives are the plan's, kind 
 * values CSE merges are one value with one layout in the plan (a duplicate planned apart was computed
   apart by XLA while the simulator resharded the first one);
 * a value that is a broadcast (the zeros a cond's gradient makes for a branch) needs no collective-permute
-  along its broadcast dims: XLA's partitioner copies (`reshard_collectives(bcast=)`, `broadcast_dims`).
+  along its broadcast dims: XLA's partitioner copies (`reshard_collectives(bcast=)`, `broadcast_dims`);
+* a hint's strategy is its result's layout: the lowering reshards the hinted value itself, so a consumer
+  needing the same layout of it shares that reshard (the plan resharded the hint's result instead);
+* argmax over a dim of size 1 is a constant (XLA's simplifier): reshards of it are free.
 
 Fixed in the oracle:
 * a chain of contractions grew gradients to ~1.6e3 where float32 rounding of the (differently ordered)
@@ -170,6 +173,21 @@ BROADCAST_RESHARD = Program(mesh=(("x", 2), ("y", 4)), steps=(  # seed 2 (fuzzq)
     Step(kind="cond", args=(1,), attrs=(("inner", ("?", ("y", "x"))),), shape=(16, 8)),
 ), outputs=(2,))
 
+HINT_AND_CONSUMER_SHARE = Program(mesh=(("x", 2), ("y", 4)), steps=(  # seed 3 (fuzzq), shrunk by hand
+    Step(kind="input", args=(), attrs=(), shape=(8,)),
+    Step(kind="remat_chain", args=(0,), attrs=(("inner", (("x",),)),), shape=(8,)),
+    Step(kind="hint", args=(0,), attrs=(("how", "wsc"), ("spec", (None,))), shape=(8,)),
+    Step(kind="argmax", args=(0,), attrs=(("dim", 0),), shape=()),
+), outputs=(1, 2, 3))
+
+ARGMAX_OF_ONE = Program(mesh=_mesh3(), steps=(  # seed 3 (fuzzq), shrunk by hand
+    Step(kind="input", args=(), attrs=(), shape=(8, 1)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 0), ("axes", ("x",))), shape=(8, 1)),
+    Step(kind="argmax", args=(1,), attrs=(("dim", 1),), shape=(8,)),
+    Step(kind="input", args=(), attrs=(), shape=(4,)),
+    Step(kind="concat", args=(2, 3), attrs=(("dim", 0),), shape=(12,)),
+), outputs=(4,))
+
 TWO_STEP_RESHARD_TWICE = Program(mesh=(("x", 2), ("y", 4)), steps=(  # [-, x+y] -> [x, -] goes through [x, y]
     Step(kind="input", args=(), attrs=(), shape=(8, 8)),
     Step(kind="hint", args=(0,), attrs=(("how", "shard"), ("spec", (None, ("x", "y")))), shape=(8, 8)),
@@ -183,11 +201,12 @@ TWO_STEP_RESHARD_TWICE = Program(mesh=(("x", 2), ("y", 4)), steps=(  # [-, x+y] 
 
 @pytest.mark.parametrize("prog", [COND_INDEX, DEAD_LOOP, UPDATE_SLICE_SPLIT_DIM, UPDATE_ONE_ROW_OF_SPLIT_DIM,
                                   SCANNED_ARRAY_RESHARD, SCAN_FINAL_CARRY, SUM_OVER_TWO_SPLIT_DIMS,
-                                  DUPLICATE_OPS_RESHARDED, TWO_STEP_RESHARD_TWICE, FULL_UPDATE, BROADCAST_RESHARD],
+                                  DUPLICATE_OPS_RESHARDED, TWO_STEP_RESHARD_TWICE, FULL_UPDATE, BROADCAST_RESHARD,
+                                  HINT_AND_CONSUMER_SHARE, ARGMAX_OF_ONE],
                          ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
                               "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
                               "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
-                              "broadcast_reshard"])
+                              "broadcast_reshard", "hint_and_consumer_share", "argmax_of_one"])
 def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
 
