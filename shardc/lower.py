@@ -86,10 +86,10 @@ class Lowering:
         self.plan, self.graph, self.tag_ops = plan, plan.graph, tag_ops
         self.sizes = plan.mesh_sizes
         self.reduce_scatter = lowers_reduce_scatter(plan.mesh)
-        self.needs: dict[int, dict[int, Sharding]] = {}
+        self.needs: dict[int, dict[int, Sharding]] = {}  # op -> operand index -> the layout it needs
         for r in plan.reshards:
             if r.consumer is not None:
-                self.needs.setdefault(r.consumer, {})[r.value] = r.dst.without_partial()
+                self.needs.setdefault(r.consumer, {})[r.operand] = r.dst.without_partial()
         self.next_op = 0
         self.info = program_info(self.graph)
         # Per trace being built (the program, each re-traced loop or branch body): the traced value of each
@@ -131,8 +131,9 @@ class Lowering:
         return x
 
     def as_needed(self, x: Any, op_id: int, vid: int) -> Any:
-        """`x` (value `vid`) constrained to the layout op `op_id` needs it in (its planned one if no reshard)."""
-        need = self.needs.get(op_id, {}).get(vid)
+        """`x` (value `vid`, the operand of one-operand op `op_id`) constrained to the layout the op needs it
+        in (its planned one if no reshard)."""
+        need = self.needs.get(op_id, {}).get(0)
         x = self.reshard(x, vid, self.plan.shardings[vid], need) if need is not None else x
         return _constrain(x, self.named(need if need is not None else self.plan.shardings[vid]))
 
@@ -177,8 +178,8 @@ class Lowering:
         the layout its strategy makes and then to their planned layouts."""
         need = self.needs.get(op.id)
         if need:
-            invals = [self.reshard(x, v, self.plan.shardings[v], need[v]) if v in need else x
-                      for x, v in zip(invals, op.inputs)]
+            invals = [self.reshard(x, v, self.plan.shardings[v], need[i]) if i in need else x
+                      for i, (x, v) in enumerate(zip(invals, op.inputs))]
         if eqn.primitive is hint_p or op.primitive == "sharding_constraint":
             # a hint or jax's own constraint (maybe on the mesh the step was traced under, e.g. Flax's on
             # partitioned parameters): the plan's decided sharding of the value, on the plan's mesh

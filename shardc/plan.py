@@ -91,7 +91,8 @@ class OpStrategy:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Reshard:
-    """A change of sharding on one value: before op `consumer` (or after op `producer` for partial sums).
+    """A change of sharding on one value: before op `consumer` (its operand `operand`), or after the op that
+    makes it (partial sums, another layout).
     `collectives` are what XLA emits for it; `kind` names them ("all-to-all+collective-permute"; "slice"
     when the change is a free local slice); `bytes` is their payload per device (as `shardc.check` reads it
     from the compiled program)."""
@@ -105,6 +106,7 @@ class Reshard:
     source: SourceLine | None
     consumer: int | None = None
     collectives: tuple[Collective, ...] = ()
+    operand: int | None = None  # which operand of `consumer` (an op may read one value twice, in two layouts)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -528,7 +530,7 @@ class PlanBuilder:
             val = self.graph.values[v]
             cause = (f"{op.primitive} needs {val.name} {list(val.shape)} as {dst}, it is {src}"
                      f"{_describe_origin(self.origins[v])}")
-            return Reshard(v, src, dst, cost.kind, cost.payload, cause, source, op.id, cost.collectives)
+            return Reshard(v, src, dst, cost.kind, cost.payload, cause, source, op.id, cost.collectives, i)
         v = op.outputs[i]
         val = self.graph.values[v]
         partial = src.partial

@@ -229,7 +229,7 @@ class TaskBuilder:
                     self._bc_static[c] if info.constant[c] else home.get(c, frozenset())
                 if b:
                     start[(op_id, i)] = b
-                    need = needs.get((op_id, u), sh[u])
+                    need = needs.get((op_id, i), sh[u])
                     if need != sh[c]:
                         b = kept_after(self.path(sh[c], need, u, (), b), sh[c], g.values[u].shape, self.mesh, b)
                 after.append(b)
@@ -334,7 +334,7 @@ class TaskBuilder:
         state = []
         bc_start, empty = self.bc_start, frozenset()
         for i, (v, c) in enumerate(zip(op.inputs, canon_in)):
-            need = needs.get((op_id, v), sh[v])
+            need = needs.get((op_id, i), sh[v])
             k = key_of.get((c, need, HOME))
             if k is not None and k in keys:
                 state.append(need)
@@ -429,7 +429,7 @@ class TaskBuilder:
         deps = []
         need_shardings = []
         for i, v in enumerate(op.inputs):
-            need = needs.get((op_id, v), plan.shardings[v])
+            need = needs.get((op_id, i), plan.shardings[v])
             need_shardings.append(need)
             if (op_id, i) not in info.unread:
                 deps.append(have(i, v, need))
@@ -495,5 +495,6 @@ class TaskBuilder:
 
 
 def plan_needs(plan: Plan) -> dict[tuple[int, int], Sharding]:
-    """(consumer op, value) -> the layout the consumer needs, from the plan's reshards (as lowered)."""
-    return {(r.consumer, r.value): r.dst.without_partial() for r in plan.reshards if r.consumer is not None}
+    """(consumer op, operand index) -> the layout the consumer needs it in, from the plan's reshards (as
+    lowered)."""
+    return {(r.consumer, r.operand): r.dst.without_partial() for r in plan.reshards if r.consumer is not None}

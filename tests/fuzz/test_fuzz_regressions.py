@@ -29,7 +29,9 @@ Fixed in shardc so that the compiled program's collectives are the plan's, kind 
   along its broadcast dims: XLA's partitioner copies (`reshard_collectives(bcast=)`, `broadcast_dims`);
 * a hint's strategy is its result's layout: the lowering reshards the hinted value itself, so a consumer
   needing the same layout of it shares that reshard (the plan resharded the hint's result instead);
-* argmax over a dim of size 1 is a constant (XLA's simplifier): reshards of it are free.
+* argmax over a dim of size 1 is a constant (XLA's simplifier): reshards of it are free;
+* an op reading one value twice in two layouts (einsum('abc,acb->a', v, v)) got both operands in the second
+  layout (the lowering's needs were keyed by value): `Reshard.operand` says which operand a reshard is for.
 
 Fixed in the oracle:
 * a chain of contractions grew gradients to ~1.6e3 where float32 rounding of the (differently ordered)
@@ -188,6 +190,12 @@ ARGMAX_OF_ONE = Program(mesh=_mesh3(), steps=(  # seed 3 (fuzzq), shrunk by hand
     Step(kind="concat", args=(2, 3), attrs=(("dim", 0),), shape=(12,)),
 ), outputs=(4,))
 
+ONE_VALUE_TWO_LAYOUTS = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(  # seed 3 (fuzzq), shrunk by hand
+    Step(kind="input", args=(), attrs=(), shape=(2, 4, 4)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 2), ("axes", ("y", "x"))), shape=(2, 4, 4)),
+    Step(kind="einsum", args=(1, 1), attrs=(("spec", "abc,acb->a"),), shape=(2,)),
+), outputs=(2,))
+
 TWO_STEP_RESHARD_TWICE = Program(mesh=(("x", 2), ("y", 4)), steps=(  # [-, x+y] -> [x, -] goes through [x, y]
     Step(kind="input", args=(), attrs=(), shape=(8, 8)),
     Step(kind="hint", args=(0,), attrs=(("how", "shard"), ("spec", (None, ("x", "y")))), shape=(8, 8)),
@@ -202,11 +210,12 @@ TWO_STEP_RESHARD_TWICE = Program(mesh=(("x", 2), ("y", 4)), steps=(  # [-, x+y] 
 @pytest.mark.parametrize("prog", [COND_INDEX, DEAD_LOOP, UPDATE_SLICE_SPLIT_DIM, UPDATE_ONE_ROW_OF_SPLIT_DIM,
                                   SCANNED_ARRAY_RESHARD, SCAN_FINAL_CARRY, SUM_OVER_TWO_SPLIT_DIMS,
                                   DUPLICATE_OPS_RESHARDED, TWO_STEP_RESHARD_TWICE, FULL_UPDATE, BROADCAST_RESHARD,
-                                  HINT_AND_CONSUMER_SHARE, ARGMAX_OF_ONE],
+                                  HINT_AND_CONSUMER_SHARE, ARGMAX_OF_ONE, ONE_VALUE_TWO_LAYOUTS],
                          ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
                               "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
                               "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
-                              "broadcast_reshard", "hint_and_consumer_share", "argmax_of_one"])
+                              "broadcast_reshard", "hint_and_consumer_share", "argmax_of_one",
+                              "one_value_two_layouts"])
 def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
 
