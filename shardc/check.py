@@ -42,7 +42,8 @@ INVOLUNTARY_REMAT = "Involuntary full rematerialization"
 @contextlib.contextmanager
 def xla_log() -> Iterator[list[str]]:
     """What XLA's C++ code writes to the process's stderr inside the block (its SPMD warnings among it), as
-    a list of lines filled in when the block ends; the text is also passed on to stderr."""
+    a list of lines filled in when the block ends; the text is also passed on to file descriptor 2 (so an
+    enclosing `xla_log` — a test's — sees it too)."""
     lines: list[str] = []
     sys.stderr.flush()
     saved = os.dup(2)
@@ -58,7 +59,7 @@ def xla_log() -> Iterator[list[str]]:
             text = tmp.read().decode(errors="replace")
             lines.extend(text.splitlines())
             if text:
-                sys.stderr.write(text)
+                os.write(2, text.encode())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,14 +16,15 @@ Inputs and outputs get the plan's shardings through `in_shardings`/`out_sharding
 With `tag_ops`, each op's constraints and the op itself run under the name scope `shardc.op<id>`, so every
 collective XLA emits names the plan op it was made for in its metadata (`op_tag`; `shardc.check` uses it
 to attribute compiled collectives to the plan's reshards).
-Loop and branch bodies (scan/while/cond) are bound unchanged: inside them only hints constrain
-(lowering through the hint primitive's own rule on the mesh they were traced under).
+Loop and branch bodies (scan/while/cond) are re-traced by the same walk (`shardc.lower_regions`). An op
+that CSE merges into an identical earlier one (`shardc.cost.program.merged`) is not bound again, and each
+reshard step of one traced value is made once: the simulator counts them so.
 """
 from __future__ import annotations
 
 import contextlib
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 from jax._src import source_info_util
@@ -32,6 +33,7 @@ from jax.sharding import NamedSharding
 
 from annotations.primitive import hint_p
 from shardc.ir.build import CALL_PRIMITIVES, REGION_PRIMITIVES
+from shardc.cost.program import program_info
 from shardc.cost.reshard_path import reshard_steps
 from shardc.plan import Plan, lowers_reduce_scatter, require_devices
 from shardc.rules.core import FactorKind
@@ -53,7 +55,7 @@ def is_decision_op(primitive: str, rule: Any) -> bool:
     return any(k is FactorKind.REDUCTION for k in rule.kinds)
 
 
-_TAG = re.compile(r"shardc\.op(\d+)(?:/|$)")
+_TAG = re.compile(r"shardc\.op(\d+)(?![\w.])")  # also inside transforms: "jvp(shardc.op42)/..."
 
 
 def op_tag(op_id: int) -> str:
@@ -84,11 +86,25 @@ class Lowering:
         self.plan, self.graph, self.tag_ops = plan, plan.graph, tag_ops
         self.sizes = plan.mesh_sizes
         self.reduce_scatter = lowers_reduce_scatter(plan.mesh)
-        self.needs: dict[int, dict[int, Sharding]] = {}
+        self.needs: dict[int, dict[int, Sharding]] = {}  # op -> operand index -> the layout it needs
         for r in plan.reshards:
             if r.consumer is not None:
-                self.needs.setdefault(r.consumer, {})[r.value] = r.dst.without_partial()
+                self.needs.setdefault(r.consumer, {})[r.operand] = r.dst.without_partial()
         self.next_op = 0
+        self.info = program_info(self.graph)
+        # Per trace being built (the program, each re-traced loop or branch body): the traced value of each
+        # graph value bound so far, and each reshard made so far ((id of the traced source, layout) ->
+        # (source, result)): XLA reshards one instruction to one layout once; a later consumer reuses it.
+        self._traces: list[tuple[dict[int, Any], dict[tuple[int, Sharding], tuple[Any, Any]]]] = [({}, {})]
+
+    @contextlib.contextmanager
+    def new_trace(self) -> Iterator[None]:
+        """A body traced apart from the program (its values are not the enclosing trace's)."""
+        self._traces.append(({}, {}))
+        try:
+            yield
+        finally:
+            self._traces.pop()
 
     # -- constraints ---------------------------------------------------------------------------------
     def named(self, s: Sharding) -> NamedSharding:
@@ -100,18 +116,36 @@ class Lowering:
 
     def reshard(self, x: Any, vid: int, src: Sharding, dst: Sharding) -> Any:
         """`x` (value `vid`, laid out as `src`) constrained to `dst` through the layouts of the one reshard
-        model (`reshard_steps`: intermediate layouts where XLA would rematerialize the whole value)."""
+        model (`reshard_steps`: intermediate layouts where XLA would rematerialize the whole value). Each
+        step is made once per traced value and layout and reused by later consumers, as the simulator
+        counts it (XLA would share only a path's first step: each constraint is an instruction of its own)."""
         if src != dst:
             val = self.graph.values[vid]
+            made = self._traces[-1][1]
             for layout, _ in reshard_steps(src, dst, val.shape, val.dtype.itemsize, self.sizes, self.reduce_scatter):
-                x = _constrain(x, self.named(layout.without_partial()))
+                layout = layout.without_partial()
+                hit = made.get((id(x), layout))
+                if hit is None:
+                    hit = made[(id(x), layout)] = (x, _constrain(x, self.named(layout)))
+                x = hit[1]
         return x
 
     def as_needed(self, x: Any, op_id: int, vid: int) -> Any:
-        """`x` (value `vid`) constrained to the layout op `op_id` needs it in (its planned one if no reshard)."""
-        need = self.needs.get(op_id, {}).get(vid)
+        """`x` (value `vid`, the operand of one-operand op `op_id`) constrained to the layout the op needs it
+        in (its planned one if no reshard)."""
+        need = self.needs.get(op_id, {}).get(0)
         x = self.reshard(x, vid, self.plan.shardings[vid], need) if need is not None else x
         return _constrain(x, self.named(need if need is not None else self.plan.shardings[vid]))
+
+    def operand_side(self, x: Any, op: Any) -> Any:
+        """`x` (the operand of a one-operand op) taken to the layout `op` needs it in."""
+        return self.as_needed(x, op.id, op.inputs[0])
+
+    def result_side(self, x: Any, op: Any) -> Any:
+        """`x` (in the layout a one-result op's strategy makes) taken to its result's planned layout."""
+        made, vid = self.made_dims(op.id)[0], op.outputs[0]
+        x = _constrain(x, self.named(made))
+        return self.as_planned(self.reshard(x, vid, made, self.plan.shardings[vid]), vid)
 
     def take(self, *primitives: str) -> Any:
         """The next plan op, which must be one of `primitives` (the walk and the graph builder agree)."""
@@ -144,8 +178,8 @@ class Lowering:
         the layout its strategy makes and then to their planned layouts."""
         need = self.needs.get(op.id)
         if need:
-            invals = [self.reshard(x, v, self.plan.shardings[v], need[v]) if v in need else x
-                      for x, v in zip(invals, op.inputs)]
+            invals = [self.reshard(x, v, self.plan.shardings[v], need[i]) if i in need else x
+                      for i, (x, v) in enumerate(zip(invals, op.inputs))]
         if eqn.primitive is hint_p or op.primitive == "sharding_constraint":
             # a hint or jax's own constraint (maybe on the mesh the step was traced under, e.g. Flax's on
             # partitioned parameters): the plan's decided sharding of the value, on the plan's mesh
@@ -160,6 +194,18 @@ class Lowering:
             if made[i] != self.plan.shardings[vid]:
                 outs[i] = self.reshard(outs[i], vid, made[i], self.plan.shardings[vid])
         return outs
+
+    def merged(self, op: Any) -> list[Any] | None:
+        """The outputs of the op CSE merges `op` into (`shardc.cost.program`), when it was bound in this trace
+        and they are planned alike: the duplicate is not bound again (bound, each copy would be constrained
+        apart and XLA would reshard each for its consumers)."""
+        if not self.info.duplicate[op.id]:
+            return None
+        bound = self._traces[-1][0]
+        canon = [self.info.canon[v] for v in op.outputs]
+        if not all(c in bound and self.plan.shardings[c] == self.plan.shardings[v] for c, v in zip(canon, op.outputs)):
+            return None
+        return [bound[c] for c in canon]
 
     def walk(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], region: str) -> list[Any]:
         """Evaluate `jaxpr` (inlining calls, lowering loop and branch bodies with their plan) from op
@@ -186,8 +232,11 @@ class Lowering:
                 outs = lower_region(self, eqn, invals, region)
             else:
                 op = self.take(name)
-                with self.scope(op.id):
-                    outs = self.apply_op(op, eqn, invals)
+                outs = None if eqn.effects else self.merged(op)
+                if outs is None:
+                    with self.scope(op.id):
+                        outs = self.apply_op(op, eqn, invals)
+                    self._traces[-1][0].update(zip(op.outputs, outs))
             for var, val in zip(eqn.outvars, outs):
                 env[var] = val
         return [read(v) for v in jaxpr.outvars]

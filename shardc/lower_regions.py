@@ -24,10 +24,11 @@ def lower_region(w: Any, eqn: Any, invals: list[Any], region: str) -> list[Any]:
     return _LOWER[eqn.primitive.name](w, eqn, invals, region)
 
 
-def _trace(fn: Callable[..., list[Any]], avals: Sequence[Any]) -> jcore.ClosedJaxpr:
+def _trace(w: Any, fn: Callable[..., list[Any]], avals: Sequence[Any]) -> jcore.ClosedJaxpr:
     """`fn` traced on abstract values like `avals` into a closed jaxpr without constants."""
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in avals]
-    closed = jax.make_jaxpr(fn)(*specs)
+    with w.new_trace():
+        closed = jax.make_jaxpr(fn)(*specs)
     if closed.consts:  # pragma: no cover - the walk binds primitives on traced values and literals only
         raise AssertionError(f"a re-traced region body captured {len(closed.consts)} constants")
     return closed
@@ -37,16 +38,28 @@ def _consts_avals(body: jcore.ClosedJaxpr) -> list[Any]:
     return [jax.core.get_aval(c) for c in body.consts]
 
 
-def _enter(w: Any, x: Any, op: Any) -> Any:
-    """An outer value entering a region through boundary op `op`, in the layout its body value has."""
+def _tie(w: Any, x: Any, op: Any) -> Any:
+    """`x` through tie `op`: its operand's reshard, then its result's (each through the reshard model's
+    layouts); where this runs (before a loop, in its body, after it) is where the plan's reshards of `op`
+    run (`shardc.cost.program.ProgramInfo.reshard_trips`)."""
+    with w.scope(op.id):
+        return w.result_side(w.operand_side(x, op), op)
+
+
+def _param(w: Any, x: Any, op: Any) -> Any:
+    """A body parameter entering through tie `op` (already in its planned layout: `_tie` ran outside)."""
     with w.scope(op.id):
         return w.as_planned(x, op.outputs[0])
 
 
-def _leave(w: Any, x: Any, op: Any) -> Any:
-    """A body value leaving through boundary op `op`, in the layout `op` needs it in."""
+def _operand(w: Any, x: Any, op: Any) -> Any:
     with w.scope(op.id):
-        return w.as_needed(x, op.id, op.inputs[0])
+        return w.operand_side(x, op)
+
+
+def _result(w: Any, x: Any, op: Any) -> Any:
+    with w.scope(op.id):
+        return w.result_side(x, op)
 
 
 def _scan(w: Any, eqn: Any, invals: list[Any], region: str) -> list[Any]:
@@ -55,13 +68,9 @@ def _scan(w: Any, eqn: Any, invals: list[Any], region: str) -> list[Any]:
     body: jcore.ClosedJaxpr = p["jaxpr"]
     here = f"{region}/scan{w.next_op}"
     in_ops = [w.take("tie", "scan_slice") for _ in invals]
-    outer = []
-    for i, (x, op) in enumerate(zip(invals, in_ops)):
-        if i < nc + nk:
-            outer.append(_enter(w, x, op))  # consts and the carry's initial value: the body's layout
-        else:
-            with w.scope(op.id):  # a scanned array: as its slice needs it (scanned dim whole)
-                outer.append(w.as_needed(x, op.id, op.inputs[0]))
+    # consts and the carry's initial value: in the body's layout; a scanned array: as its slice needs it
+    # (scanned dim whole) — before the loop
+    outer = [_tie(w, x, op) if i < nc + nk else _operand(w, x, op) for i, (x, op) in enumerate(zip(invals, in_ops))]
     start = w.next_op
     n_out = len(eqn.outvars)
     boundary: list[Any] = []
@@ -69,18 +78,18 @@ def _scan(w: Any, eqn: Any, invals: list[Any], region: str) -> list[Any]:
     def run_body(*args: Any) -> list[Any]:
         w.next_op = start
         consts, vals = args[:len(body.consts)], args[len(body.consts):]
-        vals = [_enter(w, a, op) for a, op in zip(vals, in_ops)]
+        vals = [_param(w, a, op) if i < nc + nk else _result(w, a, op)  # a slice: to its planned layout
+                for i, (a, op) in enumerate(zip(vals, in_ops))]
         outs = w.walk(body.jaxpr, consts, vals, here)
         boundary[:] = w.graph.ops[w.next_op:w.next_op + nk + n_out]  # per carry: across, out; per y: stack
-        res = []
-        for i, o in enumerate(outs):
-            res.append(_leave(w, o, boundary[2 * i] if i < nk else boundary[nk + i]))
-        return res
+        # a new carry: to the carry's layout (across the iteration); a y: as its stacked array needs it
+        return [_tie(w, o, boundary[2 * i]) if i < nk else _operand(w, o, boundary[nk + i]) for i, o in enumerate(outs)]
 
-    new_body = _trace(run_body, _consts_avals(body) + list(body.in_avals))
+    new_body = _trace(w, run_body, _consts_avals(body) + list(body.in_avals))
     w.next_op = boundary[-1].id + 1  # past the body and its boundary ops
     outs = w.bind(eqn, list(body.consts) + outer, jaxpr=new_body, num_consts=nc + len(body.consts))
-    return [_enter(w, o, boundary[2 * i + 1] if i < nk else boundary[nk + i]) for i, o in enumerate(outs)]
+    # after the loop: the final carry through its out tie, the stacked ys to their planned layouts
+    return [_tie(w, o, boundary[2 * i + 1]) if i < nk else _result(w, o, boundary[nk + i]) for i, o in enumerate(outs)]
 
 
 def _while(w: Any, eqn: Any, invals: list[Any], region: str) -> list[Any]:
@@ -93,9 +102,9 @@ def _while(w: Any, eqn: Any, invals: list[Any], region: str) -> list[Any]:
     const_ops = [w.take("tie") for _ in range(bn + cn)]  # the body's constants, then the condition's
     body_const_ops, cond_const_ops = const_ops[:bn], const_ops[bn:]
     carry_ops = [(w.take("tie"), w.take("tie"), w.take("tie")) for _ in init]  # init->body, body->cond, body->out
-    cond_consts = [_enter(w, x, op) for x, op in zip(cond_consts, cond_const_ops)]
-    body_consts = [_enter(w, x, op) for x, op in zip(body_consts, body_const_ops)]
-    init = [_enter(w, x, ops[0]) for x, ops in zip(init, carry_ops)]
+    cond_consts = [_tie(w, x, op) for x, op in zip(cond_consts, cond_const_ops)]
+    body_consts = [_tie(w, x, op) for x, op in zip(body_consts, body_const_ops)]
+    init = [_tie(w, x, ops[0]) for x, ops in zip(init, carry_ops)]
 
     cond_start = w.next_op
     ends: dict[str, int] = {}
@@ -103,33 +112,33 @@ def _while(w: Any, eqn: Any, invals: list[Any], region: str) -> list[Any]:
     def run_cond(*args: Any) -> list[Any]:
         w.next_op = cond_start
         own, rest = args[:len(cond.consts)], args[len(cond.consts):]
-        consts = [_enter(w, a, op) for a, op in zip(rest[:cn], cond_const_ops)]
-        carry = [_enter(w, a, ops[1]) for a, ops in zip(rest[cn:], carry_ops)]
+        consts = [_param(w, a, op) for a, op in zip(rest[:cn], cond_const_ops)]
+        carry = [_tie(w, a, ops[1]) for a, ops in zip(rest[cn:], carry_ops)]
         out = w.walk(cond.jaxpr, own, consts + carry, here)
         ends["cond"] = w.next_op
         return out
 
-    new_cond = _trace(run_cond, _consts_avals(cond) + list(cond.in_avals))
+    new_cond = _trace(w, run_cond, _consts_avals(cond) + list(cond.in_avals))
     body_start = ends["cond"]
 
     def run_body(*args: Any) -> list[Any]:
         w.next_op = body_start
         own, rest = args[:len(body.consts)], args[len(body.consts):]
-        consts = [_enter(w, a, op) for a, op in zip(rest[:bn], body_const_ops)]
-        carry = [_enter(w, a, ops[0]) for a, ops in zip(rest[bn:], carry_ops)]
+        consts = [_param(w, a, op) for a, op in zip(rest[:bn], body_const_ops)]
+        carry = [_param(w, a, ops[0]) for a, ops in zip(rest[bn:], carry_ops)]
         outs = w.walk(body.jaxpr, own, consts + carry, here)
         ends["body"] = w.next_op
         back = w.graph.ops[w.next_op:w.next_op + len(outs)]  # the ties of each new carry to the body's
-        return [_leave(w, o, op) for o, op in zip(outs, back)]
+        return [_tie(w, o, op) for o, op in zip(outs, back)]
 
-    new_body = _trace(run_body, _consts_avals(body) + list(body.in_avals))
+    new_body = _trace(w, run_body, _consts_avals(body) + list(body.in_avals))
     w.next_op = ends["body"]
     for _ in init:
         w.take("tie")
     operands = list(cond.consts) + cond_consts + list(body.consts) + body_consts + init
     outs = w.bind(eqn, operands, cond_jaxpr=new_cond, body_jaxpr=new_body,
                   cond_nconsts=cn + len(cond.consts), body_nconsts=bn + len(body.consts))
-    return [_enter(w, o, ops[2]) for o, ops in zip(outs, carry_ops)]
+    return [_tie(w, o, ops[2]) for o, ops in zip(outs, carry_ops)]
 
 
 def _cond(w: Any, eqn: Any, invals: list[Any], region: str) -> list[Any]:
@@ -147,13 +156,13 @@ def _cond(w: Any, eqn: Any, invals: list[Any], region: str) -> list[Any]:
         def run_branch(*args: Any, branch: Any = branch, in_ops: list = in_ops, start: int = start,
                        here: str = here, ends: list = ends) -> list[Any]:
             w.next_op = start
-            outs = w.walk(branch.jaxpr, (), [_enter(w, a, op) for a, op in zip(args, in_ops)], here)
+            outs = w.walk(branch.jaxpr, (), [_tie(w, a, op) for a, op in zip(args, in_ops)], here)
             out_ops = w.graph.ops[w.next_op:w.next_op + len(outs)]
             ends.append(w.next_op + len(outs))
             # every branch leaves its results in the layout of the cond's results (the out ties' targets)
-            return [_enter(w, o, op) for o, op in zip(outs, out_ops)]
+            return [_tie(w, o, op) for o, op in zip(outs, out_ops)]
 
-        new_branches.append(_trace(run_branch, branch.in_avals))
+        new_branches.append(_trace(w, run_branch, branch.in_avals))
         w.next_op = ends[-1]
     outs = w.bind(eqn, [index] + list(operands), branches=tuple(new_branches))
     out_vids = [op.outputs[0] for op in w.graph.ops[w.next_op - len(outs):w.next_op]]  # the last branch's ties

@@ -18,6 +18,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from annotations.errors import ShardingError, SourceLine
 from shardc.cost.collectives import Collective
+from shardc.cost.program import broadcast_dims, merged, unread_operands
 from shardc.cost.reshard_path import reshard_steps, sent_bytes
 from shardc.ir.graph import Graph, Op
 from shardc.propagate import Cause, Propagation, project_dim
@@ -80,10 +81,18 @@ class OpStrategy:
     def partial_axes(self, rule: FactorRule) -> frozenset[str]:
         return frozenset(a for f, axes in enumerate(self.factor_axes) if rule.kinds[f] is FactorKind.REDUCTION for a in axes)
 
+    def partial_groups(self, rule: FactorRule) -> tuple[Axes, ...]:
+        """The axes of each sharded reduction factor, last factor first: XLA's partitioner reduces the
+        partial sums of a reduction or contraction over several sharded dims with one all-reduce per dim,
+        the last dim's first (a reduce_sum of f32[4,4] over [x, y] is an all-reduce over y, then one over x)."""
+        return tuple(tuple(axes) for f, axes in reversed(list(enumerate(self.factor_axes)))
+                     if axes and rule.kinds[f] is FactorKind.REDUCTION)
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Reshard:
-    """A change of sharding on one value: before op `consumer` (or after op `producer` for partial sums).
+    """A change of sharding on one value: before op `consumer` (its operand `operand`), or after the op that
+    makes it (partial sums, another layout).
     `collectives` are what XLA emits for it; `kind` names them ("all-to-all+collective-permute"; "slice"
     when the change is a free local slice); `bytes` is their payload per device (as `shardc.check` reads it
     from the compiled program)."""
@@ -97,6 +106,7 @@ class Reshard:
     source: SourceLine | None
     consumer: int | None = None
     collectives: tuple[Collective, ...] = ()
+    operand: int | None = None  # which operand of `consumer` (an op may read one value twice, in two layouts)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -178,9 +188,11 @@ def lowers_reduce_scatter(mesh: Any) -> bool:
 
 @functools.lru_cache(maxsize=1 << 16)
 def _reshard_cost(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int,
-                  mesh_items: tuple[tuple[str, int], ...], reduce_scatter: bool) -> ReshardCost:
+                  mesh_items: tuple[tuple[str, int], ...], reduce_scatter: bool,
+                  groups: tuple[Axes, ...], bcast: frozenset[int]) -> ReshardCost:
     mesh = dict(mesh_items)
-    colls = tuple(c for _, step in reshard_steps(src, dst, shape, itemsize, mesh, reduce_scatter) for c in step)
+    colls = tuple(c for _, step in reshard_steps(src, dst, shape, itemsize, mesh, reduce_scatter, groups, bcast)
+                  for c in step)
     if colls:
         kind = "+".join(dict.fromkeys(c.kind for c in colls))
     else:
@@ -189,9 +201,13 @@ def _reshard_cost(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize
 
 
 def reshard_cost(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int, mesh: Mapping[str, int],
-                 reduce_scatter: bool = True) -> ReshardCost:
-    """The collectives XLA emits to take a value of `shape` from `src` to `dst` (memoised)."""
-    return _reshard_cost(src, dst, tuple(shape), int(itemsize), tuple(mesh.items()), reduce_scatter)
+                 reduce_scatter: bool = True, groups: Sequence[Axes] = (),
+                 bcast: frozenset[int] = frozenset()) -> ReshardCost:
+    """The collectives XLA emits to take a value of `shape` from `src` to `dst` (memoised); `groups`: how
+    the op that made `src` reduces its partial sums (`OpStrategy.partial_groups`); `bcast`: the dims along
+    which the value is a broadcast (`shardc.cost.program.broadcast_dims`)."""
+    return _reshard_cost(src, dst, tuple(shape), int(itemsize), tuple(mesh.items()), reduce_scatter, tuple(groups),
+                         frozenset(bcast))
 
 
 def _greedy_strategy(op: Op, axes_of, tensors: Sequence[tuple[int, Any]], mesh: Mapping[str, int]) -> OpStrategy:
@@ -276,6 +292,8 @@ def _strategy(op: Op, graph: Graph, shardings: Sequence[Sharding], nbytes, mesh:
     def axes_of(v: int):
         return shardings[v].dims
 
+    if op.is_hint:  # a constraint: its value in the layout it pins; the lowering reshards the operand to it
+        return _greedy_strategy(op, axes_of, [(op.outputs[0], rule.results[0])], mesh)
     default = _greedy_strategy(op, axes_of, order, mesh)
     sharded = [i for i, (v, _) in enumerate(order) if i > 0 and shardings[v].dims and any(shardings[v].dims)]
     if not sharded or op.primitive not in _COSTED_PRIMITIVES:
@@ -309,24 +327,29 @@ def op_reshard_specs(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequenc
     the consumer's business)."""
     rule = op.rule
     specs: list[ReshardSpec] = []
+    unread = unread_operands(graph, op)
+    constant = merged(graph).constant  # (XLA folds them: any layout is free)
+    bcast = broadcast_dims(graph)  # (as when every reshard before keeps them; the simulator follows the plan's)
+    param = op.primitive == "tie" and op.params.get("at") in ("out", "arg")
     for i, (v, dims) in enumerate(zip(op.inputs, rule.operands)):
         val = graph.values[v]
-        if val.is_const and val.rank == 0:
+        if (val.is_const and val.rank == 0) or i in unread or constant[v]:
             continue
         need = strat.tensor_sharding(rule, dims, mesh)
         have = shardings[v]
         if need != have:
-            cost = reshard_cost(have, need, val.shape, val.dtype.itemsize, mesh, reduce_scatter)
+            cost = reshard_cost(have, need, val.shape, val.dtype.itemsize, mesh, reduce_scatter,
+                                bcast=frozenset() if param else bcast[v])
             if cost.kind != "none":
                 specs.append((True, i, have, need, cost))
-    partial = strat.partial_axes(rule)
+    partial, groups = strat.partial_axes(rule), strat.partial_groups(rule)
     for i, (v, dims) in enumerate(zip(op.outputs, rule.results)):
         val = graph.values[v]
         made = strat.tensor_sharding(rule, dims, mesh)
         made = Sharding(made.dims, partial)
         want = shardings[v]
         if made != want:
-            cost = reshard_cost(made, want, val.shape, val.dtype.itemsize, mesh, reduce_scatter)
+            cost = reshard_cost(made, want, val.shape, val.dtype.itemsize, mesh, reduce_scatter, groups, bcast[v])
             if cost.kind not in ("none", "slice"):
                 specs.append((False, i, made, want, cost))
     return specs
@@ -339,17 +362,20 @@ def _moved_bytes(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequence[Sh
 
 def _plan_classes(graph: Graph) -> list[int]:
     """Per op: the class of ops whose strategy and reshards are the same at the same tensor shardings
-    (rule, io tie or not, tensor shapes/itemsizes, scalar-constant operands); computed once per graph."""
+    (rule, io tie or not, parameter tie or not, tensor shapes/itemsizes/broadcast dims, constant operands);
+    computed once per graph."""
     cached = getattr(graph, "_shardc_plan_classes", None)
     if cached is not None:
         return cached
     classes: dict[tuple, int] = {}
     out: list[int] = []
+    bcast, constant = broadcast_dims(graph), merged(graph).constant
     for op in graph.ops:
         vals = [graph.values[v] for v in op.inputs + op.outputs]
-        key = (op.rule, op.primitive == "tie" and op.region == "io",
-               tuple((v.shape, v.dtype.itemsize if v.dtype is not None else 4, v.nbytes) for v in vals),
-               tuple(graph.values[v].is_const and graph.values[v].rank == 0 for v in op.inputs))
+        tie = op.primitive == "tie"
+        key = (op.rule, tie and op.region == "io", tie and op.params.get("at") in ("out", "arg"),
+               tuple((v.shape, v.dtype.itemsize if v.dtype is not None else 4, v.nbytes, bcast[v.id]) for v in vals),
+               tuple((graph.values[v].is_const and graph.values[v].rank == 0, constant[v]) for v in op.inputs))
         out.append(classes.setdefault(key, len(classes)))
     try:
         graph._shardc_plan_classes = out  # type: ignore[attr-defined]
@@ -417,6 +443,13 @@ class PlanBuilder:
         # in another layout records the reshard (e.g. ZeRO's all-gather of the updated parameters).
         self._next = graph.carried()  # input -> its next value
         self._carry = {out: inp for inp, out in self._next.items()}
+        # Values XLA's CSE merges are one value: one layout, the first's (`shardc.cost.program.merged`; the
+        # lowering binds the op once). Outputs keep their own: they leave in the layout the caller gets.
+        outputs = set(graph.outputs)
+        self._same = {v: c for v, c in enumerate(merged(graph).canon) if c != v and v not in outputs}
+        self._dups: dict[int, list[int]] = {}
+        for v, c in self._same.items():
+            self._dups.setdefault(c, []).append(v)
 
     def build(self, prop: Propagation, changed: Any = None) -> Plan:
         graph = self.graph
@@ -424,6 +457,8 @@ class PlanBuilder:
             self.axes = [tuple(a) for a in prop.axes]
             for out, inp in self._carry.items():
                 self.axes[out] = _carried_axes(prop, inp, out)
+            for v, c in self._same.items():
+                self.axes[v] = self.axes[c]
             self.shardings = [Sharding(a) for a in self.axes]
             self.origins = [tuple(o) for o in prop.origin]
             self.strategies, self.reshards = [], []
@@ -440,8 +475,14 @@ class PlanBuilder:
             ops: set[int] = set()
             changed = set(changed)
             changed.update(self._next[v] for v in list(changed) if v in self._next)
-            for v in changed:
-                axes = _carried_axes(prop, self._carry[v], v) if v in self._carry else tuple(prop.axes[v])
+            changed.update(d for v in list(changed) for d in self._dups.get(v, ()))
+            for v in sorted(changed):  # (a value CSE merges into another comes after it)
+                if v in self._same:
+                    axes = self.axes[self._same[v]]
+                elif v in self._carry:
+                    axes = _carried_axes(prop, self._carry[v], v)
+                else:
+                    axes = tuple(prop.axes[v])
                 origin = tuple(prop.origin[v])
                 if axes != self.axes[v]:
                     self.axes[v] = axes
@@ -467,7 +508,7 @@ class PlanBuilder:
         strat, specs = entry
         if not specs:
             return strat, ()
-        return strat, tuple(self._reshard(op, *spec) for spec in specs)
+        return strat, tuple(self._reshard(op, strat, *spec) for spec in specs)
 
     def _entry(self, op: Op) -> _Entry:
         """An op's strategy and its reshards (`ReshardSpec`s)."""
@@ -476,11 +517,15 @@ class PlanBuilder:
             return strat, ()
         return strat, tuple(op_reshard_specs(op, self.graph, strat, self.shardings, self.sizes, self.reduce_scatter))
 
-    def _reshard(self, op: Op, operand: bool, i: int, src: Sharding, dst: Sharding, cost: ReshardCost) -> Reshard:
+    def _reshard(self, op: Op, strat: OpStrategy, operand: bool, i: int, src: Sharding, dst: Sharding,
+                 cost: ReshardCost) -> Reshard:
         # (the memo is shared across meshes ordering the same axes differently: the collectives' axes are
         # listed in this mesh's order)
         val = self.graph.values[op.inputs[i] if operand else op.outputs[i]]
-        cost = reshard_cost(src, dst, val.shape, val.dtype.itemsize, self.sizes, self.reduce_scatter)
+        groups = () if operand else strat.partial_groups(op.rule)
+        bcast = frozenset() if operand and op.primitive == "tie" and op.params.get("at") in ("out", "arg") \
+            else broadcast_dims(self.graph)[val.id]
+        cost = reshard_cost(src, dst, val.shape, val.dtype.itemsize, self.sizes, self.reduce_scatter, groups, bcast)
         if op.id not in self._sources:
             self._sources[op.id] = op.source
         source = self._sources[op.id]
@@ -489,7 +534,7 @@ class PlanBuilder:
             val = self.graph.values[v]
             cause = (f"{op.primitive} needs {val.name} {list(val.shape)} as {dst}, it is {src}"
                      f"{_describe_origin(self.origins[v])}")
-            return Reshard(v, src, dst, cost.kind, cost.payload, cause, source, op.id, cost.collectives)
+            return Reshard(v, src, dst, cost.kind, cost.payload, cause, source, op.id, cost.collectives, i)
         v = op.outputs[i]
         val = self.graph.values[v]
         partial = src.partial

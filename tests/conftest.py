@@ -1,6 +1,8 @@
 """Test configuration: 8 virtual CPU devices, set before JAX initialises its backend; one pinned cpu-host
 measurement, so that plans priced on it (the default topology on CPU devices) do not depend on how busy
-the machine is while the tests run."""
+the machine is while the tests run; and no test may compile a program in which XLA fell back to an
+"[SPMD] Involuntary full rematerialization" (a reshard done by replicating the whole tensor) unless it is
+marked `involuntary_remat` with the reason it provokes one."""
 import atexit
 import os
 import shutil
@@ -27,3 +29,28 @@ REFERENCE_CPU_HOST = {"flops": 2.0e10, "vector_flops": 6.0e9, "bandwidth": 1.5e9
 from shardc.cost.calibrate import store  # noqa: E402
 
 store(REFERENCE_CPU_HOST)
+
+
+import pytest  # noqa: E402
+
+from shardc.check import INVOLUNTARY_REMAT, xla_log  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "involuntary_remat(reason): the test provokes XLA's involuntary full "
+                                       "rematerialization on purpose (it is not a failure there)")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """Fail a test whose compiles made XLA log an involuntary full rematerialization (XLA writes it to the
+    process's stderr; the captured text is passed on, so pytest still shows it)."""
+    if item.get_closest_marker("involuntary_remat") is not None:
+        return (yield)
+    with xla_log() as lines:
+        result = yield
+    remat = [line.strip() for line in lines if INVOLUNTARY_REMAT in line]
+    if remat:
+        raise AssertionError(f"XLA fell back to involuntary full rematerialization {len(remat)} time(s) while "
+                             f"this test compiled; the first: {remat[0][:600]}")
+    return result

@@ -2,7 +2,8 @@
 
 * duplicate ops (same primitive, params and inputs as an earlier op) are merged by CSE — so are their
   reshards (`canon` maps every value to the one XLA keeps);
-* dead ops (nothing they make reaches an output) are removed by XLA's DCE;
+* dead ops (nothing they make reaches an output) are removed by XLA's DCE, loops and branches whole; an
+  operand XLA's simplifier stops reading (`unread_operands`) keeps nothing alive;
 * constant ops (all inputs are compile-time constants) are folded;
 * fused values: XLA fuses an elementwise-like op into its consumers when they are all elementwise-like
   or reductions in a loop fusion — duplicating it into each when it is cheap, not when it is expensive
@@ -12,7 +13,8 @@
   absorb only producers read by them alone (`library`); the ops run in breadth-first order (`order`,
   `eager`: what depends only on the arguments runs at the start). Elsewhere: program order.
 * regions: each op's outermost loop/branch region (`span`) and the values a loop carries (`carried`).
-* loop regions run `trips` times (scan length; 1 when XLA cannot know it).
+* loop regions run `trips` times (scan length; 1 when XLA cannot know it); the reshards of values entering
+  or leaving a loop run outside it (`reshard_trips`).
 
 Computed once per Graph and backend (`program_info(graph, backend)`, cached on the graph object) and shared
 by every plan of it.
@@ -21,13 +23,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any
+import math
+from typing import Any, Sequence
 
 from shardc.cost.estimator import params_key
 from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL
 from shardc.ir.graph import Graph
 
-__all__ = ["ProgramInfo", "program_info", "FUSIBLE", "FREE_PRIMITIVES"]
+__all__ = ["ProgramInfo", "program_info", "Merged", "merged", "unread_operands", "broadcast_dims", "broadcast_transfer",
+           "FUSIBLE", "FREE_PRIMITIVES"]
 
 # Ops XLA fuses into their consumers (loop fusion): elementwise math and cheap data movement.
 FUSIBLE = frozenset(ELEMENTWISE) | frozenset(TRANSCENDENTAL) | frozenset({
@@ -62,6 +66,8 @@ class ProgramInfo:
     library: frozenset[int] = frozenset()  # ops inside a library fusion (XLA:CPU's YNNPACK fusions of reductions)
     backend: str = ""  # the backend whose rules apply ("cpu", "gpu", "tpu"; "": none)
     eager: bool = False  # reshards run as soon as their operand exists (XLA:CPU's breadth-first schedule)
+    reshard_trips: tuple[tuple[int, int], ...] = ()  # per op: runs of its operands' and its results' reshards
+    unread: frozenset[tuple[int, int]] = frozenset()  # (op, operand index) XLA does not read (`unread_operands`)
 
     def counts(self, op_id: int) -> bool:
         """Whether an op does work in the compiled program."""
@@ -93,6 +99,40 @@ def _library_fusions(graph: Graph, live: list[bool], canon: list[int], constant:
             stack.extend(canon[u] for u in graph.ops[p].inputs)
         members |= group
     return absorbed, members
+
+
+def _liveness(graph: Graph, canon: Sequence[int], duplicate: Sequence[bool],
+              unread: frozenset[tuple[int, int]]) -> list[bool]:
+    """Per op: whether XLA's DCE keeps it (over the CSE-merged program, backwards from the outputs). A loop
+    or branch (the ops of one outermost region) is kept whole when a value it makes is read after it —
+    with its branch index (`Graph.region_reads`) — and removed whole otherwise."""
+    ops = graph.ops
+    needed = [False] * len(graph.values)
+    for v in graph.outputs:
+        needed[canon[v]] = True
+    live = [False] * len(ops)
+
+    def keep(op: Any) -> None:
+        live[op.id] = True
+        for i, v in enumerate(op.inputs):
+            if (op.id, i) not in unread:
+                needed[canon[v]] = True
+        for v in graph.region_reads.get(op.region, ()):
+            needed[canon[v]] = True
+
+    i = len(ops) - 1
+    while i >= 0:
+        region = outer_region(ops[i])
+        j = i
+        while region and j > 0 and outer_region(ops[j - 1]) == region:
+            j -= 1
+        run = ops[j:i + 1]  # one op, or a region's ops (contiguous: the graph builder makes them in a row)
+        if any(needed[canon[v]] for op in run for v in op.outputs) or not run[-1].outputs:
+            for op in reversed(run):
+                if not duplicate[op.id]:
+                    keep(op)
+        i = j - 1
+    return live
 
 
 def outer_region(op: Any) -> str:
@@ -179,17 +219,145 @@ def program_info(graph: Graph, backend: str = "") -> ProgramInfo:
     return info
 
 
-def _analyse(graph: Graph, backend: str) -> ProgramInfo:
+@dataclasses.dataclass(frozen=True)
+class Merged:
+    """What XLA's CSE and constant folding make of a graph's values (plan-independent)."""
+
+    constant: tuple[bool, ...]  # per value: known at compile time
+    canon: tuple[int, ...]  # per value: the value CSE keeps for it
+    duplicate: tuple[bool, ...]  # per op: merged into an earlier identical op
+    pkeys: tuple[Any, ...]  # per op: its params as a hashable key
+    unread: frozenset[tuple[int, int]] = frozenset()  # (op, operand index) XLA's simplifier stops reading
+
+
+def folds_to_constant(graph: Graph, op: Any) -> bool:
+    """Whether XLA's simplifier makes `op`'s results constants whatever its operands: argmax/argmin over
+    dims of size 1 (the index is 0)."""
+    if op.primitive in ("argmax", "argmin") and op.inputs:
+        shape = graph.values[op.inputs[0]].shape
+        return all(shape[d] == 1 for d in op.params.get("axes", ()))
+    return False
+
+
+def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:
+    """Operands of `op` XLA's algebraic simplifier drops: a dynamic_update_slice whose update covers its
+    whole operand is the update."""
+    if op.primitive == "dynamic_update_slice" and len(op.inputs) > 1 \
+            and graph.values[op.inputs[1]].shape == graph.values[op.inputs[0]].shape:
+        return (0,)
+    return ()
+
+
+# Ops XLA's SPMD partitioner sees as elementwise (a result is a broadcast along the dims all operands are).
+_ELEMENTWISE_HLO = frozenset(ELEMENTWISE) | frozenset(TRANSCENDENTAL) | {"integer_pow", "stop_gradient", "copy",
+                                                                      "copy_p", "shardc_hint", "sharding_constraint"}
+
+
+def broadcast_transfer(graph: Graph, op: Any, operands: Sequence[frozenset[int]]) -> list[frozenset[int]]:
+    """The dims along which each result of `op` is a broadcast, given its operands' (XLA's SpmdBuilder
+    tracks them through broadcasts, elementwise ops, transposes, reshapes, slices and pads: a reshard that
+    only moves data along them is a local copy). Ties and scan slices/stacks: none (loop and branch
+    parameters and results are not tracked)."""
+    prim = op.primitive
+    shape = graph.values[op.outputs[0]].shape if op.outputs else ()
+    none = [frozenset()] * len(op.outputs)
+    if prim == "broadcast_in_dim":
+        mapped = op.params.get("broadcast_dimensions", ())
+        src = graph.values[op.inputs[0]].shape
+        new = {d for d in range(len(shape)) if d not in mapped}
+        new |= {d for i, d in enumerate(mapped) if src[i] == 1 and shape[d] != 1}
+        return [frozenset(new)]
+    if not operands or not operands[0] and prim not in _ELEMENTWISE_HLO:
+        return none
+    b = operands[0]
+    if prim in _ELEMENTWISE_HLO:
+        dims = set(range(len(shape)))
+        for u, ub in zip(op.inputs, operands):
+            if graph.values[u].rank:  # (a scalar operand is broadcast to every dim)
+                dims &= ub
+        return [frozenset(dims)] * len(op.outputs)
+    if prim == "transpose":
+        perm = op.params["permutation"]
+        return [frozenset(i for i, p in enumerate(perm) if p in b)]
+    if prim in ("reshape", "squeeze", "expand_dims"):
+        return [_reshape_broadcast(graph.values[op.inputs[0]].shape, shape, b)]
+    if prim in ("slice", "dynamic_slice"):
+        return [b]
+    if prim == "pad":
+        config = op.params["padding_config"]
+        return [frozenset(d for d in b if tuple(config[d]) == (0, 0, 0))]
+    return none
+
+
+def _reshape_broadcast(src: Sequence[int], dst: Sequence[int], b: frozenset[int]) -> frozenset[int]:
+    """SpmdBuilder::SetBroadcastDimsForReshape: dims of `dst` made only of broadcast dims of `src`, when
+    the reshape only splits and merges dims."""
+    if not dst or math.prod(dst) == 0:
+        return frozenset()
+    out = set(range(len(dst)))
+    before, after = list(reversed(src)), list(reversed(dst))
+    while before and after:
+        cb, ca = len(src) - len(before), len(dst) - len(after)
+        bs, a_s = before.pop(), after.pop()
+        if cb not in b:
+            out.discard(ca)
+        if bs == a_s:
+            continue
+        if bs % a_s == 0:
+            before.append(bs // a_s)
+        elif a_s % bs == 0:
+            after.append(a_s // bs)
+        else:
+            out -= set(range(ca, len(dst)))
+            break
+    return frozenset(out) if out and not before and not after else frozenset()
+
+
+def broadcast_dims(graph: Graph) -> tuple[frozenset[int], ...]:
+    """Per value: the dims along which it is a broadcast when every reshard on the way keeps it one (an
+    upper bound; a plan's collectives can make a new value: `shardc.sim.tasks.TaskBuilder.broadcasts`)."""
+    hit = getattr(graph, "_shardc_broadcast_dims", None)
+    if hit is not None:
+        return hit
+    canon = merged(graph).canon
+    out = [frozenset()] * len(graph.values)
+    for op in graph.ops:
+        if op.primitive in ("tie", "scan_slice", "scan_stack") or not op.outputs:
+            continue
+        for v, b in zip(op.outputs, broadcast_transfer(graph, op, [out[canon[u]] for u in op.inputs])):
+            if canon[v] == v:
+                out[v] = b
+    res = tuple(out[canon[v]] for v in range(len(out)))
+    try:
+        graph._shardc_broadcast_dims = res  # type: ignore[attr-defined]
+    except AttributeError:  # pragma: no cover - slotted graphs
+        pass
+    return res
+
+
+def merged(graph: Graph) -> Merged:
+    """CSE and constant folding over `graph`, forwards (cached on the graph)."""
+    hit = getattr(graph, "_shardc_merged", None)
+    if hit is None:
+        hit = _merge(graph)
+        try:
+            graph._shardc_merged = hit  # type: ignore[attr-defined]
+        except AttributeError:  # pragma: no cover - slotted graphs
+            pass
+    return hit
+
+
+def _merge(graph: Graph) -> Merged:
     nv, no = len(graph.values), len(graph.ops)
     pkeys = tuple(params_key(op.params) for op in graph.ops)
-    # CSE and constant folding, forwards.
     constant = [graph.values[v].is_const for v in range(nv)]
     canon = list(range(nv))
     duplicate = [False] * no
     seen: dict[Any, int] = {}
     for op in graph.ops:
         ins = tuple(canon[v] for v in op.inputs)
-        if op.inputs and all(constant[v] for v in op.inputs) and not op.region and op.primitive not in _NOT_MERGED:
+        if (op.inputs and all(constant[v] for v in op.inputs) or folds_to_constant(graph, op)) and not op.region \
+                and op.primitive not in _NOT_MERGED:
             for v in op.outputs:
                 constant[v] = True
         if op.primitive in _NOT_MERGED or op.primitive in ("shardc_hint", "sharding_constraint"):
@@ -204,22 +372,15 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
         duplicate[op.id] = True
         for a, b in zip(op.outputs, graph.ops[first].outputs):
             canon[a] = canon[b]
-    # Liveness (DCE) over the merged program, backwards from the outputs; loop and branch bodies stay whole.
-    needed = [False] * nv
-    for v in graph.outputs:
-        needed[canon[v]] = True
-    live = [False] * no
-    for op in reversed(graph.ops):
-        if duplicate[op.id]:
-            continue
-        if any(needed[canon[v]] for v in op.outputs) or op.region:
-            live[op.id] = True
-            for v in op.inputs:
-                needed[canon[v]] = True
-    live_regions = {op.region for op in graph.ops if live[op.id] and op.region and op.primitive != "tie"}
-    for op in graph.ops:
-        if op.region and not duplicate[op.id]:
-            live[op.id] = op.region in live_regions or op.primitive == "tie"
+    unread = frozenset((op.id, i) for op in graph.ops for i in unread_operands(graph, op))
+    return Merged(tuple(constant), tuple(canon), tuple(duplicate), pkeys, unread)
+
+
+def _analyse(graph: Graph, backend: str) -> ProgramInfo:
+    nv, no = len(graph.values), len(graph.ops)
+    cse = merged(graph)
+    constant, canon, duplicate, pkeys = list(cse.constant), cse.canon, cse.duplicate, cse.pkeys
+    live = _liveness(graph, canon, duplicate, cse.unread)
 
     consumers: list[list[int]] = [[] for _ in range(nv)]
     for op in graph.ops:
@@ -283,19 +444,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                     if kept[m] < 0 or order[kept[m]] < order[op.id]:
                         kept[m] = op.id
 
-    trips = [1] * no
-    lengths: dict[str, int] = {}
-    for op in graph.ops:
-        if op.primitive in ("scan_slice", "scan_stack") and op.rule.sizes:
-            lengths.setdefault(op.region, int(op.rule.sizes[0]))
-    if lengths:
-        for op in graph.ops:
-            if op.region:
-                n = 1
-                parts = op.region.split("/")
-                for i in range(1, len(parts)):
-                    n *= lengths.get("/".join(parts[: i + 1]), 1)
-                trips[op.id] = n
+    trips, reshard_trips = _trips(graph)
     # Loop state: values a region's ties carry to the next iteration or out of it.
     carried = frozenset(c for op in graph.ops if op.primitive == "tie" and outer_region(op) and live[op.id]
                         for c in (canon[op.inputs[0]],)
@@ -306,4 +455,39 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     return ProgramInfo(tuple(live), tuple(constant), tuple(canon), tuple(duplicate), tuple(fused),
                        tuple(trips), tuple(order), pkeys, tuple(kept), span=_spans(graph, live, order),
                        carried=carried, loop=loop, library=frozenset(library), backend=backend,
-                       eager=backend == "cpu")
+                       eager=backend == "cpu", reshard_trips=reshard_trips, unread=cse.unread)
+
+
+def _trips(graph: Graph) -> tuple[list[int], tuple[tuple[int, int], ...]]:
+    """Per op: how many times it runs per step (scan bodies `length` times, nested ones multiplied), and
+    how many times its operands' and its results' reshards run. The lowering (`shardc.lower_regions`)
+    reshards a value entering a loop before the loop (a `tie` at "in", a `scan_slice`'s stacked operand)
+    and a loop's result after it (a `tie` at "out", a `scan_stack`'s stacked result): those run as often
+    as the loop itself, not once per iteration."""
+    lengths: dict[str, int] = {}
+    for op in graph.ops:
+        if op.primitive in ("scan_slice", "scan_stack") and op.rule.sizes:
+            lengths.setdefault(op.region, int(op.rule.sizes[0]))
+
+    def of(region: str) -> int:
+        n = 1
+        parts = region.split("/")
+        for i in range(1, len(parts)):
+            n *= lengths.get("/".join(parts[: i + 1]), 1)
+        return n
+
+    trips = [of(op.region) if op.region else 1 for op in graph.ops]
+    reshard: list[tuple[int, int]] = []
+    for op in graph.ops:
+        inner = trips[op.id]
+        outer = of(op.region.rsplit("/", 1)[0]) if op.region.startswith("/") else inner
+        at = op.params.get("at") if op.primitive == "tie" else None
+        if at in ("in", "out"):
+            reshard.append((outer, outer))
+        elif op.primitive == "scan_slice":
+            reshard.append((outer, inner))
+        elif op.primitive == "scan_stack":
+            reshard.append((inner, outer))
+        else:
+            reshard.append((inner, inner))
+    return trips, tuple(reshard)

@@ -33,7 +33,10 @@ collective-permute apart. Then, in XLA's order of preference:
    `AllGatherShards`), then local slices: the involuntary full rematerialization.
 
 Steps 3 to 5 recurse. An attempt XLA abandons leaves no collectives (its dead code is removed), but a
-warning it logged on the way counts. Partial sums are reduced first: an all-reduce over the partial axes of
+warning it logged on the way counts. A value that is a broadcast along some dims (`bcast`: XLA's
+SpmdBuilder tracks them through broadcasts, elementwise ops, reshapes, transposes, slices and pads) needs no
+collective-permute whose source and target differ only along them: XLA copies instead; local slices and
+copies keep the value a broadcast, a collective's result is not one (`kept_broadcast`). Partial sums are reduced first: an all-reduce over the partial axes of
 the source's shards, or, on backends with one (`reduce_scatter=True`), a reduce-scatter when every partial
 axis becomes a new split of the result and nothing else moves (XLA:CPU all-reduces, then slices).
 
@@ -55,7 +58,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 from shardc.cost.collectives import Collective
 from shardc.sharding import Sharding
 
-__all__ = ["reshard_collectives", "is_involuntary_remat"]
+__all__ = ["reshard_collectives", "is_involuntary_remat", "kept_broadcast"]
 
 Dims = tuple[tuple[str, ...], ...]
 Mesh = tuple[tuple[str, int], ...]
@@ -432,6 +435,7 @@ class _Value:
     tiling: _Tiling
     shape: tuple[int, ...]
     groups: tuple[Devices, ...]
+    bcast: frozenset[int] = frozenset()  # dims along which the instruction is a broadcast (SpmdBuilder's)
 
     def local(self) -> list[int]:
         if self.tiling.replicated:
@@ -441,8 +445,10 @@ class _Value:
     def elements(self) -> int:
         return math.prod(self.local())
 
-    def at(self, tiling: _Tiling) -> "_Value":
-        return _Value(tiling, self.shape, self.groups)
+    def at(self, tiling: _Tiling, keep: bool = True) -> "_Value":
+        """The value in another sharding: a local slice or a copy (`keep`: it stays a broadcast along the
+        same dims) or a collective's result (it does not)."""
+        return _Value(tiling, self.shape, self.groups, self.bcast if keep else frozenset())
 
 
 def _expand(groups: tuple[Devices, ...], inner: Sequence[Devices]) -> tuple[Devices, ...]:
@@ -531,9 +537,15 @@ class _Partitioner:
         return self.reshard(self.replicate(v), target)
 
     def permute(self, v: _Value, target: _Tiling) -> _Value:
-        """ReshardWithCollectivePermute: each tile moves from its device under `v` to its device under target."""
+        """ReshardWithCollectivePermute: each tile moves from its device under `v` to its device under target
+        — unless the value is a broadcast along the dims on which the two differ: then every device already
+        holds its target tile, and XLA copies it."""
+        if v.bcast:
+            dims = sorted(v.bcast)
+            if _replicate_dims(v.tiling, dims) == _replicate_dims(target, dims):
+                return v.at(target)
         self.emit("collective-permute", v, list(zip(v.tiling.devices, target.devices)), v.elements())
-        return v.at(target)
+        return v.at(target, keep=False)
 
     def all_to_all(self, v: _Value, target: _Tiling, pairs: Sequence[tuple[int, int]],
                    multiple: bool = True) -> _Value:
@@ -558,11 +570,11 @@ class _Partitioner:
                 temp = _all_to_all_tiling(s, sources, targets)
                 sizes = [s.dims[sd] // s.dims[td] for sd, td in chosen]
                 self.emit("all-to-all", v, _groups_across(temp, targets, sizes), v.elements())
-                return self.all_to_all(v.at(temp), target, rest, multiple=False)
+                return self.all_to_all(v.at(temp, keep=False), target, rest, multiple=False)
         sd, td = pairs[0]
         temp = _all_to_all_tiling(s, [sd], [td])
         self.emit("all-to-all", v, _groups_across(temp, [td], [s.dims[sd] // s.dims[td]]), v.elements())
-        return self.all_to_all(v.at(temp), target, pairs[1:])
+        return self.all_to_all(v.at(temp, keep=False), target, pairs[1:])
 
     def from_partial_by_slice(self, v: _Value, target: _Tiling) -> _Value | None:
         """ReshardFromPartialReplicateWithDynamicSlice: slice the replicated copies locally, then a
@@ -585,7 +597,7 @@ class _Partitioner:
         grouped = _group(temp, dims, [temp.dims[d] // target.dims[d] for d in dims])
         inner = _Value(grouped.tiling, v.shape, _expand(v.groups, grouped.device_groups))
         self.replicate_partial(inner, dims, v.local())
-        return v.at(target)
+        return v.at(target, keep=not dims)
 
     def partial_by_all_to_all(self, v: _Value, target: _Tiling) -> _Value | None:
         """ReshardPartialReplicateWithAllToAll: [a, b] <-> [1, a, b(replicated)] through an all-to-all."""
@@ -620,10 +632,10 @@ class _Partitioner:
             local = v.shape[i] // s.dims[i]
             minor = local * split_s.dims[i + 1]
             shape = v.shape[:i] + (v.shape[i] // minor, minor) + v.shape[i + 1:]
-            r = self.reshard(_Value(split_s, shape, v.groups), split_t, allow_full=False)
+            r = self.reshard(_Value(split_s, shape, v.groups, _split_bcast(v.bcast, i)), split_t, allow_full=False)
             if r.tiling != split_t:
                 return None
-            merged = v.at(_merge_dim(r.tiling, i))
+            merged = _Value(_merge_dim(r.tiling, i), v.shape, v.groups, _merge_bcast(r.bcast, i))
             if merged.tiling != target:
                 merged = self.reshard(merged, target, allow_full=False)
             return merged if merged.tiling == target else None
@@ -651,15 +663,15 @@ class _Partitioner:
         gt = _align(_group(target, equal), g)
         local = v.local()
         shape = tuple(local[d] if d in equal else n for d, n in enumerate(v.shape))
-        self.reshard(_Value(g.tiling, shape, _expand(v.groups, g.device_groups)), gt.tiling)
-        return self.reshard(v.at(_ungroup(gt)), target)
+        r = self.reshard(_Value(g.tiling, shape, _expand(v.groups, g.device_groups), v.bcast), gt.tiling)
+        return self.reshard(_Value(_ungroup(gt), v.shape, v.groups, r.bcast), target)
 
     def replicate(self, v: _Value) -> _Value:
         """PartitionedHlo::Replicate."""
         if v.tiling.replicated:
             return v
         self.replicate_partial(v, range(len(v.shape)))
-        return v.at(REPLICATED)
+        return v.at(REPLICATED, keep=False)
 
     def replicate_partial(self, v: _Value, dims: Iterable[int], local: list[int] | None = None) -> None:
         """ReplicatePartial / AllGatherShards: one all-gather per split dim, last dim first (`local`: the
@@ -669,6 +681,19 @@ class _Partitioner:
         for d in reversed([d for d in dims if t.dims[d] > 1]):
             local[d] *= t.dims[d]
             self.emit("all-gather", v, _replication_groups(t, [d]), math.prod(local))
+
+
+def _split_bcast(bcast: frozenset[int], i: int) -> frozenset[int]:
+    """Broadcast dims after dim `i` is split in two (SetBroadcastDimsForReshape)."""
+    return frozenset(x for d in bcast for x in ((d, d + 1) if d == i else (d if d < i else d + 1,)))
+
+
+def _merge_bcast(bcast: frozenset[int], i: int) -> frozenset[int]:
+    """Broadcast dims after dims `i` and `i + 1` are merged: the merged dim only if both were."""
+    out = {d if d < i else d - 1 for d in bcast if d not in (i, i + 1)}
+    if i in bcast and i + 1 in bcast:
+        out.add(i)
+    return frozenset(out)
 
 
 def _merge_or_split(shape: Sequence[int], s: _Tiling, t: _Tiling) -> tuple[_Tiling, _Tiling, int] | None:
@@ -715,13 +740,14 @@ def _replicate_one_dim(s: _Tiling, t: _Tiling) -> _Tiling | None:
 # ---------------------------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=1 << 16)
-def _dims_reshard(src: Dims, dst: Dims, shape: tuple[int, ...], mesh: Mesh) -> tuple[tuple[_Emitted, ...], bool]:
-    """The collectives (elements, not bytes) of XLA's reshard of dim shardings, and whether it logs an
-    involuntary full rematerialization."""
+def _dims_reshard(src: Dims, dst: Dims, shape: tuple[int, ...], mesh: Mesh, bcast: frozenset[int] = frozenset()
+                  ) -> tuple[tuple[_Emitted, ...], bool, frozenset[int]]:
+    """The collectives (elements, not bytes) of XLA's reshard of dim shardings, whether it logs an
+    involuntary full rematerialization, and the dims along which the result is still a broadcast."""
     p = _Partitioner(mesh)
     n = math.prod(size for _, size in mesh)
-    p.reshard(_Value(_from_dims(src, mesh), shape, (tuple(range(n)),)), _from_dims(dst, mesh))
-    return tuple(p.out), p.remat
+    r = p.reshard(_Value(_from_dims(src, mesh), shape, (tuple(range(n)),), bcast), _from_dims(dst, mesh))
+    return tuple(p.out), p.remat, r.bcast
 
 
 def _key(s: Sharding, mesh: Mapping[str, int]) -> tuple[Dims, Mesh]:
@@ -747,11 +773,14 @@ def _slices_only(cur: Dims, target: Dims) -> bool:
 
 
 def reshard_collectives(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int,
-                        mesh: Mapping[str, int], *, reduce_scatter: bool = True) -> tuple[Collective, ...]:
+                        mesh: Mapping[str, int], *, reduce_scatter: bool = True,
+                        bcast: frozenset[int] = frozenset()) -> tuple[Collective, ...]:
     """Collectives (kind, mesh axes, payload bytes per device) that take a value from `src` to `dst`.
 
     `reduce_scatter=False` models backends that lower a reduce-scatter to an all-reduce followed by a
-    local slice (XLA:CPU)."""
+    local slice (XLA:CPU). `bcast`: the dims along which the value is a broadcast (`kept_broadcast`;
+    `shardc.cost.program.broadcast_dims`): XLA's partitioner knows that a collective-permute that would
+    only move data along them moves nothing, and copies instead."""
     out: list[Collective] = []
     cur, mesh_key = _key(src, mesh)
     target, _ = _key(dst, mesh)
@@ -764,9 +793,19 @@ def reshard_collectives(src: Sharding, dst: Sharding, shape: Sequence[int], item
             cur = _with_axes(cur, target, partial)
         else:
             out.append(Collective("all-reduce", _ordered(partial, mesh), payload))
-    emitted, _ = _dims_reshard(cur, target, tuple(shape), mesh_key)
+    emitted, _, _ = _dims_reshard(cur, target, tuple(shape), mesh_key, frozenset() if partial else bcast)
     out.extend(Collective(kind, axes, n * itemsize, group) for kind, axes, group, n in emitted)
     return tuple(out)
+
+
+def kept_broadcast(src: Sharding, dst: Sharding, shape: Sequence[int], mesh: Mapping[str, int],
+                   bcast: frozenset[int]) -> frozenset[int]:
+    """The dims along which a value that is a broadcast along `bcast` still is one once resharded from
+    `src` to `dst` (local slices and copies keep them; a collective's result is a new value)."""
+    if not bcast or src.partial - dst.partial:
+        return frozenset()
+    cur, mesh_key = _key(src, mesh)
+    return _dims_reshard(cur, _key(dst, mesh)[0], tuple(shape), mesh_key, bcast)[2]
 
 
 def is_involuntary_remat(src: Sharding, dst: Sharding, shape: Sequence[int], mesh: Mapping[str, int]) -> bool:

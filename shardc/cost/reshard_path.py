@@ -18,10 +18,10 @@ import math
 from typing import Mapping, Sequence
 
 from shardc.cost.collectives import Collective
-from shardc.cost.reshard import is_involuntary_remat, reshard_collectives
+from shardc.cost.reshard import is_involuntary_remat, kept_broadcast, reshard_collectives
 from shardc.sharding import Sharding
 
-__all__ = ["reshard_steps", "sent_bytes", "ReshardStep"]
+__all__ = ["reshard_steps", "kept_after", "sent_bytes", "ReshardStep"]
 
 ReshardStep = tuple[Sharding, tuple[Collective, ...]]  # (the layout after the step, its collectives)
 
@@ -36,31 +36,59 @@ def sent_bytes(c: Collective, mesh: Mapping[str, int]) -> int:
 
 
 def reshard_steps(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int, mesh: Mapping[str, int],
-                  reduce_scatter: bool = True) -> tuple[ReshardStep, ...]:
+                  reduce_scatter: bool = True, groups: Sequence[Sequence[str]] = (),
+                  bcast: frozenset[int] = frozenset()) -> tuple[ReshardStep, ...]:
     """The layouts a value goes through from `src` to `dst` (the last is `dst`), each with its collectives;
-    none of the steps is a full rematerialization when another way exists (memoised)."""
-    return _steps(src, dst, tuple(int(n) for n in shape), int(itemsize), tuple(mesh.items()), reduce_scatter)
+    none of the steps is a full rematerialization when another way exists (memoised).
+
+    `groups`: when `src`'s partial sums come from an op that reduces several sharded dims, the axes of each
+    (in the order XLA reduces them: `shardc.plan.OpStrategy.partial_groups`). XLA all-reduces them one dim
+    at a time — an all-reduce per group, each of the whole result — before the rest of the reshard.
+    `bcast`: the dims along which the value is a broadcast (`shardc.cost.reshard.reshard_collectives`)."""
+    shape_t, items = tuple(int(n) for n in shape), tuple(mesh.items())
+    lead: list[ReshardStep] = []
+    for g in groups[:-1] if len(groups) > 1 else ():
+        left = Sharding(src.dims, src.partial - frozenset(g))
+        lead.append((left, reshard_collectives(src, left, shape_t, itemsize, mesh, reduce_scatter=reduce_scatter)))
+        src, bcast = left, frozenset()
+    return tuple(lead) + _steps(src, dst, shape_t, int(itemsize), items, reduce_scatter, frozenset(bcast))
+
+
+def kept_after(steps: Sequence[ReshardStep], src: Sharding, shape: Sequence[int], mesh: Mapping[str, int],
+               bcast: frozenset[int]) -> frozenset[int]:
+    """The dims along which a value that is a broadcast along `bcast` still is one after `steps` from `src`."""
+    for layout, _ in steps:
+        if not bcast:
+            break
+        bcast, src = kept_broadcast(src, layout, shape, mesh, bcast), layout
+    return bcast
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def _steps(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int,
-           mesh_items: tuple[tuple[str, int], ...], reduce_scatter: bool) -> tuple[ReshardStep, ...]:
+           mesh_items: tuple[tuple[str, int], ...], reduce_scatter: bool,
+           bcast: frozenset[int]) -> tuple[ReshardStep, ...]:
     mesh = dict(mesh_items)
-    direct = reshard_collectives(src, dst, shape, itemsize, mesh, reduce_scatter=reduce_scatter)
+
+    def colls(a: Sharding, b: Sharding, along: frozenset[int]) -> tuple[Collective, ...]:
+        return reshard_collectives(a, b, shape, itemsize, mesh, reduce_scatter=reduce_scatter, bcast=along)
+
+    direct = colls(src, dst, bcast)
     if not is_involuntary_remat(src, dst, shape, mesh):
         return ((dst, direct),)
     steps: list[ReshardStep] = []
     start = src
     if src.partial - dst.partial:  # the partial sums are reduced first, in the source's dims
         start = Sharding(src.dims, src.partial & dst.partial)
-        steps.append((start, reshard_collectives(src, start, shape, itemsize, mesh, reduce_scatter=reduce_scatter)))
+        steps.append((start, colls(src, start, bcast)))
+        bcast = frozenset()
     best: tuple[int, int, tuple[ReshardStep, ...]] | None = None
     for mid in _layouts(len(shape), shape, mesh):
         if mid in (start, dst) or is_involuntary_remat(start, mid, shape, mesh) \
                 or is_involuntary_remat(mid, dst, shape, mesh):
             continue
-        a = reshard_collectives(start, mid, shape, itemsize, mesh, reduce_scatter=reduce_scatter)
-        b = reshard_collectives(mid, dst, shape, itemsize, mesh, reduce_scatter=reduce_scatter)
+        a = colls(start, mid, bcast)
+        b = colls(mid, dst, kept_broadcast(start, mid, shape, mesh, bcast))
         cost = (sum(sent_bytes(c, mesh) for c in a + b), len(a) + len(b))
         if best is None or cost < best[:2]:
             best = (*cost, ((mid, a), (dst, b)))

@@ -72,8 +72,12 @@ class _Builder:
         op = Op(len(self.g.ops), primitive, tuple(ins), tuple(outs), params, rule, conservative, source_info, region)
         self.g.add_op(op)
 
-    def tie(self, a: int, b: int, region: str, source_info: Any = None) -> None:
-        self.add("tie", [a], [b], {}, _tie_rule(self.g.values[a].shape), source_info=source_info, region=region)
+    def tie(self, a: int, b: int, region: str, source_info: Any = None, at: str = "") -> None:
+        """`b` is sharded like `a`. `at`: "in" for an outer value entering a loop, "out" for a loop's result
+        leaving it (their reshards run outside the loop: `shardc.cost.program.ProgramInfo.reshard_trips`),
+        "arg" for a branch's or a loop condition's parameter (its reshards run inside, on the parameter)."""
+        self.add("tie", [a], [b], {"at": at} if at else {}, _tie_rule(self.g.values[a].shape),
+                 source_info=source_info, region=region)
 
     # -- jaxprs -----------------------------------------------------------------------------------
     def closed(self, jaxpr: Any) -> tuple[Any, list]:
@@ -150,7 +154,7 @@ class _Builder:
         for i, vid in enumerate(body_in):
             outer = ins[i]
             if i < nc + nk:
-                self.tie(outer, vid, here, eqn.source_info)
+                self.tie(outer, vid, here, eqn.source_info, at="in")
             else:
                 self.add("scan_slice", [outer], [vid], {}, _stack_rule(self.g.values[vid].shape, length, stacked_is_operand=True),
                          source_info=eqn.source_info, region=here)
@@ -159,7 +163,8 @@ class _Builder:
         for i, (bo, oo) in enumerate(zip(body_out, outs)):
             if i < nk:
                 self.tie(bo, body_in[nc + i], here, eqn.source_info)  # carry across iterations
-                self.tie(bo, oo, here, eqn.source_info)
+                # the final carry leaves in the carry's layout (the loop state's, as XLA's while holds it)
+                self.tie(body_in[nc + i], oo, here, eqn.source_info, at="out")
             else:
                 self.add("scan_stack", [bo], [oo], {}, _stack_rule(self.g.values[bo].shape, length, stacked_is_operand=False),
                          source_info=eqn.source_info, region=here)
@@ -176,12 +181,12 @@ class _Builder:
         body_const_vals = [self.new_value(_Aval(self.g.values[c])) for c in body_consts]
         cond_const_vals = [self.new_value(_Aval(self.g.values[c])) for c in cond_consts]
         for outer, inner in zip(body_consts + cond_consts, body_const_vals + cond_const_vals):
-            self.tie(outer, inner, here, eqn.source_info)
+            self.tie(outer, inner, here, eqn.source_info, at="in")
         outs = [self.new_value(a) for a in carry_avals]
         for x, bc, cc, o in zip(init, body_carry, cond_carry, outs):
-            self.tie(x, bc, here, eqn.source_info)
-            self.tie(bc, cc, here, eqn.source_info)
-            self.tie(bc, o, here, eqn.source_info)
+            self.tie(x, bc, here, eqn.source_info, at="in")
+            self.tie(bc, cc, here, eqn.source_info, at="arg")
+            self.tie(bc, o, here, eqn.source_info, at="out")
         self.inline(p["cond_jaxpr"], cond_const_vals + cond_carry, here)
         body_out = self.inline(p["body_jaxpr"], body_const_vals + body_carry, here)
         for bo, bc in zip(body_out, body_carry):
@@ -194,10 +199,11 @@ class _Builder:
         outs = [self.new_value(v.aval) for v in eqn.outvars]
         for b, branch in enumerate(branches):
             here = f"{region}/cond{len(self.g.ops)}.{b}"
+            self.g.region_reads[here] = (ins[0],)
             inner_jaxpr, _ = self.closed(branch)
             args = [self.new_value(v.aval) for v in inner_jaxpr.invars]
             for outer, inner in zip(operands, args):
-                self.tie(outer, inner, here, eqn.source_info)
+                self.tie(outer, inner, here, eqn.source_info, at="arg")
             for bo, o in zip(self.inline(branch, args, here), outs):
                 self.tie(bo, o, here, eqn.source_info)
         return outs

@@ -123,6 +123,9 @@ class Graph:
     top_level: dict[Any, int] = dataclasses.field(default_factory=dict)
     # which eqn of the top-level jaxpr made which op ids
     conservative_primitives: set[str] = dataclasses.field(default_factory=set)
+    # values a region reads that no op of it takes as an operand: a cond's branch index (XLA computes it
+    # whenever the cond runs)
+    region_reads: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     def add_value(self, shape: tuple[int, ...], dtype: Any, name: str = "", *, is_const: bool = False) -> int:
         vid = len(self.values)

@@ -53,9 +53,12 @@ def dynamic_slice_rule(ins, outs, params) -> FactorRule | None:
 
 @rule_for("dynamic_update_slice")
 def dynamic_update_slice_rule(ins, outs, params) -> FactorRule | None:
-    """(operand, update, *start indices) -> result of operand's shape. Operand and result pass through on
-    every dim; the update shares the dims it covers whole, and its partial dims are need-replication
-    (blocked): every device must see the whole update to write its part."""
+    """(operand, update, *start indices) -> result of operand's shape. The update shares the dims it covers
+    whole with operand and result; its partial dims are need-replication (blocked): every device must see
+    the whole update to write its part. Operand and result pass through on a dim the update covers one
+    element wide (XLA's partitioner writes it with a select where it lands); a wider partial dim is
+    need-replication on them too: XLA gathers the operand there (and slices the result again) unless the
+    offset is a constant that puts the whole update in one shard, which a rule cannot see."""
     if len(outs) != 1 or len(ins) < 2:
         return None
     a, u, (r,) = ins[0], ins[1], outs
@@ -66,7 +69,10 @@ def dynamic_update_slice_rule(ins, outs, params) -> FactorRule | None:
         if n == k:
             b.factor(n, operands={0: d, 1: d}, results={0: d})
         else:
-            b.factor(n, operands={0: d}, results={0: d})
+            if k == 1:
+                b.factor(n, operands={0: d}, results={0: d})
+            else:
+                b.factor(n, operands={0: d}, results={0: d}, kind=NR, blocked=True)
             b.factor(k, operands={1: d}, kind=NR, blocked=True)
     return b.build()
 

@@ -203,6 +203,7 @@ class Simulator:
         b = self.builder
         keys = b.initial_keys(plan)
         needs = plan_needs(plan)
+        b.set_broadcasts(plan, needs)
         slots = [b.build_slot(plan, i, keys, needs) for i in range(len(self.graph.ops))]
         b.chain_keys.clear()
         for s in slots:
@@ -227,11 +228,13 @@ class Simulator:
         old = self._last
         if old is None or old.plan.graph is not plan.graph:
             return self.full(plan, donated)
-        found = self._affected(old.plan, plan)
+        b = self.builder
+        needs = plan_needs(plan)
+        bc = b.set_broadcasts(plan, needs)  # ops whose chains start from or make broadcasts differently
+        found = self._affected(old.plan, plan, bc)
         if found is None:
             return self.full(plan, donated)
         affected, values = found
-        b = self.builder
         keys = old.keys
         drop = {k for s in affected for k in old.slots[s].made if keys.get(k) == s}
         for c in values:
@@ -247,7 +250,6 @@ class Simulator:
             if k < len(old.ready):
                 old.ready[k] = 0
                 old.who[k] = -1
-        needs = plan_needs(plan)
         old_slots = {}
         for s in affected:
             new = b.build_slot(plan, s, keys, needs)
@@ -293,9 +295,9 @@ class Simulator:
                                      self.topology.combine_count)
 
     # -- internals -----------------------------------------------------------------------------------
-    def _affected(self, a: Plan, b: Plan) -> tuple[list[int], set[int]] | None:
-        """Slots to rebuild going from plan a to plan b, and the (canonical) values whose keys change;
-        None when the plans are too different to be worth it."""
+    def _affected(self, a: Plan, b: Plan, also: set[int] = frozenset()) -> tuple[list[int], set[int]] | None:
+        """Slots to rebuild going from plan a to plan b (and ops `also`), and the (canonical) values whose
+        keys change; None when the plans are too different to be worth it."""
         g = self.graph
         if len(a.strategies) != len(b.strategies) or a.mesh_sizes != b.mesh_sizes:
             return None
@@ -303,7 +305,7 @@ class Simulator:
         sa, sb = a.shardings, b.shardings
         values = {canon[v] for v in range(len(sa)) if sa[v] is not sb[v] and sa[v] != sb[v]}
         ta, tb = a.strategies, b.strategies
-        ops = {i for i in range(len(ta)) if ta[i] is not tb[i] and ta[i] != tb[i]}
+        ops = {i for i in range(len(ta)) if ta[i] is not tb[i] and ta[i] != tb[i]} | set(also)
         if a.reshards is not b.reshards:
             ra, rb = plan_needs(a), plan_needs(b)
             for key in set(ra) ^ set(rb) | {k for k in set(ra) & set(rb) if ra[k] != rb[k]}:

@@ -20,8 +20,8 @@ from typing import Any, Mapping
 from shardc.cost.collectives import collective_phases
 from shardc.cost.estimator import AnalyticalEstimator, OpCostEstimator, OpKey
 from shardc.cost.flops import count_op
-from shardc.cost.program import FREE_PRIMITIVES, ProgramInfo, program_info
-from shardc.cost.reshard_path import reshard_steps
+from shardc.cost.program import FREE_PRIMITIVES, ProgramInfo, broadcast_dims, broadcast_transfer, program_info
+from shardc.cost.reshard_path import kept_after, reshard_steps
 from shardc.cost.topology import MeshMapping, Topology
 from shardc.plan import Plan
 from shardc.sharding import Sharding
@@ -145,6 +145,13 @@ class TaskBuilder:
         # of slots making them so; kept by the Simulator from `Slot.chained` (full and delta runs alike).
         self.chain_keys: dict[int, int] = {}
         self.value_keys: dict[int, list[int]] = {}  # canonical value -> ids of its keys
+        # Broadcast dims (XLA copies instead of permuting data along them; `broadcasts`): of the operand a
+        # chain starts from, (op, operand index) -> dims, and of the layout an op makes, (op, result) -> dims,
+        # for the current plan (only non-empty ones).
+        self.bc_start: dict[tuple[int, int], frozenset[int]] = {}
+        self.bc_made: dict[tuple[int, int], frozenset[int]] = {}
+        self._bc_static = broadcast_dims(graph)
+        self._bc_ops: list[int] | None = None
         vals = graph.values
         by_dtype: dict[Any, tuple[str, int]] = {}  # str(numpy dtype) is slow: once per distinct dtype
         for v in vals:
@@ -184,14 +191,76 @@ class TaskBuilder:
         return self._stream_of.get(f"comm:{level}", 0)
 
     # -- collectives ---------------------------------------------------------------------------------
-    def collectives(self, src: Sharding, dst: Sharding, v: int) -> tuple:
+    def path(self, src: Sharding, dst: Sharding, v: int, groups: tuple = (), bcast: frozenset[int] = frozenset()
+             ) -> tuple:
+        """The reshard model's steps taking value `v` from `src` to `dst`: ((layout, collectives), ...)."""
         val = self.graph.values[v]
-        key = (src, dst, val.shape, self._itemsize[v])
+        key = (src, dst, val.shape, self._itemsize[v], groups, bcast)
         hit = self._coll_memo.get(key)
         if hit is None:
-            steps = reshard_steps(src, dst, val.shape, self._itemsize[v], self.mesh, self.topology.reduce_scatter)
-            hit = self._coll_memo[key] = tuple(c for _, colls in steps for c in colls)
+            hit = self._coll_memo[key] = reshard_steps(src, dst, val.shape, self._itemsize[v], self.mesh,
+                                                       self.topology.reduce_scatter, groups, bcast)
         return hit
+
+    # -- broadcasts ----------------------------------------------------------------------------------
+    def broadcasts(self, plan: Plan, needs: Mapping[tuple[int, int], Sharding]
+                   ) -> tuple[dict[tuple[int, int], frozenset[int]], dict[tuple[int, int], frozenset[int]]]:
+        """Which chains of `plan` start from a value that is a broadcast, and along which dims (XLA's
+        partitioner tracks broadcasts through the instructions it makes, `broadcast_transfer`; a reshard
+        with a collective makes a new value), and which layouts an op makes are: ((op, operand) -> dims,
+        (op, result) -> dims), the non-empty ones. Loop and branch parameters are no broadcasts."""
+        if self._bc_ops is None:
+            st, live, dup = self._bc_static, self.info.live, self.info.duplicate
+            self._bc_ops = [op.id for op in self.graph.ops if live[op.id] and not dup[op.id]
+                            and not (op.primitive == "tie" and op.region == "io")
+                            and any(st[v] for v in op.inputs + op.outputs)]
+        g, info, sh = self.graph, self.info, plan.shardings
+        home: dict[int, frozenset[int]] = {}
+        start: dict[tuple[int, int], frozenset[int]] = {}
+        made: dict[tuple[int, int], frozenset[int]] = {}
+        for op_id in self._bc_ops:
+            op = g.ops[op_id]
+            boundary = op.primitive in ("tie", "scan_slice", "scan_stack")
+            param = op.primitive == "tie" and op.params.get("at") in ("out", "arg")
+            after = []
+            for i, u in enumerate(op.inputs):
+                c = info.canon[u]
+                b = frozenset() if param or (op_id, i) in info.unread else \
+                    self._bc_static[c] if info.constant[c] else home.get(c, frozenset())
+                if b:
+                    start[(op_id, i)] = b
+                    need = needs.get((op_id, i), sh[u])
+                    if need != sh[c]:
+                        b = kept_after(self.path(sh[c], need, u, (), b), sh[c], g.values[u].shape, self.mesh, b)
+                after.append(b)
+            if op.primitive == "tie":
+                out = [after[0]]
+            elif boundary:
+                out = [frozenset()] * len(op.outputs)
+            else:
+                out = broadcast_transfer(g, op, after)
+            strat = plan.strategies[op_id]
+            groups = strat.partial_groups(op.rule)
+            for k, (v, m, b) in enumerate(zip(op.outputs, self._made_layouts(op, strat), out)):
+                if m.partial or not b:
+                    continue
+                made[(op_id, k)] = b
+                if boundary:
+                    continue  # (its result is a loop's or branch's: a new value)
+                if m != sh[v]:
+                    b = kept_after(self.path(m, sh[v], v, groups, b), m, g.values[v].shape, self.mesh, b)
+                if b:
+                    home[v] = b
+        return start, made
+
+    def set_broadcasts(self, plan: Plan, needs: Mapping[tuple[int, int], Sharding]) -> set[int]:
+        """Take `plan`'s broadcasts (`broadcasts`); returns the ops whose chains they change."""
+        start, made = self.broadcasts(plan, needs)
+        changed = {k[0] for d, e in ((start, self.bc_start), (made, self.bc_made)) for k in d.keys() ^ e.keys()}
+        changed |= {k[0] for d, e in ((start, self.bc_start), (made, self.bc_made)) for k in d.keys() & e.keys()
+                    if d[k] != e[k]}
+        self.bc_start, self.bc_made = start, made
+        return changed
 
     def phases(self, c: Any) -> tuple:
         hit = self._phase_memo.get(c)
@@ -199,39 +268,53 @@ class TaskBuilder:
             hit = self._phase_memo[c] = collective_phases(c, self.topology, self.mapping, self.mesh)
         return hit
 
-    def chain(self, slot: Slot, src_key: Key, dst: Sharding, v: int, op: int, trips: int) -> Key:
-        """Tasks taking value `v` from `src_key` to `dst`; returns the key they produce."""
-        c, src, _ = src_key
-        dst_key = (c, dst, HOME)
-        deps = (self.kid(src_key),)
-        tasks = []
+    def chain(self, slot: Slot, src_key: Key, steps: tuple, v: int, op: int, trips: int) -> list[Key]:
+        """Tasks taking value `v` from `src_key` through `steps` (a reshard path, or its tail); returns the
+        keys of the layouts they make, one per step: the last is a home key (consumers read it), the others
+        keep `src_key`'s origin (a later consumer whose path goes through one of them starts there, as the
+        lowering reuses a layout it made of one traced value)."""
+        c, _, origin = src_key
         val = self.graph.values[v]
-        colls = self.collectives(src, dst, v)
-        first = len(slot.tasks)
-        for coll in colls:
-            slot.payload[coll.kind] = slot.payload.get(coll.kind, 0) + coll.bytes * trips
-            slot.xla_payload[coll.kind] = slot.xla_payload.get(coll.kind, 0) + coll.bytes
-            if coll.kind == "all-reduce":
-                slot.xla_flops += coll.bytes // self._itemsize[v]
-            name = f"{coll.kind}({','.join(coll.axes)}) {val.name}"
-            for ph in self.phases(coll):
-                dur = int(round(ph.seconds * trips * PS))
-                stream = self.comm_stream(ph.level)
-                k = self.kid(("phase", c, len(slot.tasks) + len(tasks), op))
-                tasks.append(Task(name, ph.kind, stream, dur, deps, (k,), op, ph.level, coll.kind))
-                wk = (coll.kind, ph.level)
-                slot.wire[wk] = slot.wire.get(wk, 0) + int(round(ph.bytes * trips))
-                slot.comm_ps += dur
-                deps = (k,)
-        out = self.kid(dst_key)
-        if len(deps) == 1 and deps[0] != self.kid(src_key):
-            slot.chained += (out,)
-        tasks.append(Task(f"{val.name} as {dst}", "join", -1, 0, deps, (out,), op))
-        slot.tasks.extend(tasks)
-        if len(colls) == 1 and colls[0].kind == "all-reduce" and len(tasks) > 1:
-            slot.ars += (ArEntry(first, len(tasks), colls[0].axes, colls[0].bytes, self.kid(src_key), out,
-                                 tasks[0].name, self.graph.ops[op].region),)
-        return dst_key
+        made: list[Key] = []
+        deps = (self.kid(src_key),)
+        for n, (layout, colls) in enumerate(steps):
+            key = (c, layout, HOME if n == len(steps) - 1 else origin)
+            src_id = deps[0]
+            first = len(slot.tasks)
+            for coll in colls:
+                slot.payload[coll.kind] = slot.payload.get(coll.kind, 0) + coll.bytes * trips
+                slot.xla_payload[coll.kind] = slot.xla_payload.get(coll.kind, 0) + coll.bytes
+                if coll.kind == "all-reduce":
+                    slot.xla_flops += coll.bytes // self._itemsize[v]
+                name = f"{coll.kind}({','.join(coll.axes)}) {val.name}"
+                for ph in self.phases(coll):
+                    dur = int(round(ph.seconds * trips * PS))
+                    stream = self.comm_stream(ph.level)
+                    k = self.kid(("phase", c, len(slot.tasks), op))
+                    slot.tasks.append(Task(name, ph.kind, stream, dur, deps, (k,), op, ph.level, coll.kind))
+                    wk = (coll.kind, ph.level)
+                    slot.wire[wk] = slot.wire.get(wk, 0) + int(round(ph.bytes * trips))
+                    slot.comm_ps += dur
+                    deps = (k,)
+            out = self.kid(key)
+            if colls:
+                slot.chained += (out,)
+            slot.tasks.append(Task(f"{val.name} as {layout}", "join", -1, 0, deps, (out,), op))
+            if len(colls) == 1 and colls[0].kind == "all-reduce" and len(slot.tasks) - first > 1:
+                slot.ars += (ArEntry(first, len(slot.tasks) - first, colls[0].axes, colls[0].bytes, src_id, out,
+                                     slot.tasks[first].name, self.graph.ops[op].region),)
+            deps = (out,)
+            made.append(key)
+        return made
+
+    def resume(self, c: int, steps: tuple, keys: Mapping[int, int]) -> int:
+        """How many steps of a path from value `c`'s home layout are done: the furthest of its layouts some
+        slot made already (0: none)."""
+        for n in range(len(steps) - 1, 0, -1):
+            i = self.key_of.get((c, steps[n - 1][0], HOME))
+            if i is not None and i in keys:
+                return n
+        return 0
 
     # -- slots ---------------------------------------------------------------------------------------
     def build_slot(self, plan: Plan, op_id: int, keys: dict[int, int],
@@ -249,17 +332,21 @@ class TaskBuilder:
         sh = plan.shardings
         key_of = self.key_of
         state = []
-        for v, c in zip(op.inputs, canon_in):
-            need = needs.get((op_id, v), sh[v])
-            i = key_of.get((c, need, HOME))
-            if i is not None and i in keys:
+        bc_start, empty = self.bc_start, frozenset()
+        for i, (v, c) in enumerate(zip(op.inputs, canon_in)):
+            need = needs.get((op_id, i), sh[v])
+            k = key_of.get((c, need, HOME))
+            if k is not None and k in keys:
                 state.append(need)
             elif self.info.constant[c] or self.info.constant[v]:
                 state.append((need, None))
             else:
                 h = key_of.get((c, sh[c], HOME))
-                state.append((need, sh[c], h is not None and h in keys))
-        mk = (tuple(state), plan.strategies[op_id], tuple([sh[v] for v in op.outputs]))
+                b = bc_start.get((op_id, i), empty)
+                done = self.resume(c, self.path(sh[c], need, v, (), b), keys) if need != sh[c] else 0
+                state.append((need, sh[c], h is not None and h in keys, done, b))
+        made_b = tuple(self.bc_made.get((op_id, k), empty) for k in range(len(op.outputs)))
+        mk = (tuple(state), plan.strategies[op_id], tuple([sh[v] for v in op.outputs]), made_b)
         memo = self._slot_memo.setdefault(op_id, {})
         slot = memo.get(mk)
         if slot is None:
@@ -296,7 +383,8 @@ class TaskBuilder:
         info, out = self.info, []
         for op in self.graph.ops:
             cs = tuple(info.canon[v] for v in op.inputs)
-            ok = info.live[op.id] and not (op.primitive == "tie" and op.region == "io") and len(set(cs)) == len(cs)
+            ok = info.live[op.id] and not (op.primitive == "tie" and op.region == "io") and len(set(cs)) == len(cs) \
+                and not any((op.id, i) in info.unread for i in range(len(op.inputs)))
             out.append(cs if ok else None)
         self._canon_in = out
         return out
@@ -309,6 +397,7 @@ class TaskBuilder:
         if not info.live[op_id] or (op.primitive == "tie" and op.region == "io"):
             return slot.seal()
         trips = info.trips[op_id]
+        trips_in, trips_out = info.reshard_trips[op_id]  # (reshards of values entering/leaving a loop: outside it)
         made_keys: list[int] = []
         kid = self.kid
 
@@ -318,27 +407,32 @@ class TaskBuilder:
             made_keys.append(i)
             return i
 
-        def have(v: int, s: Sharding) -> int:
-            """The key of value v at sharding s, building a reshard chain from its home layout if needed."""
+        def have(i: int, v: int, s: Sharding) -> int:
+            """The key of value v (operand i) at sharding s, building a reshard chain from its home layout
+            if needed."""
             c = self.canon(v)
-            i = kid((c, s, HOME))
-            if i in keys:
-                return i
+            k = kid((c, s, HOME))
+            if k in keys:
+                return k
             if info.constant[c] or info.constant[v]:  # folded by XLA: ready, in any layout, at the start
-                slot.tasks.append(Task(f"constant {g.values[v].name}", "join", -1, 0, (), (i,), op_id))
+                slot.tasks.append(Task(f"constant {g.values[v].name}", "join", -1, 0, (), (k,), op_id))
                 return made((c, s, HOME))
             home = (c, plan.shardings[c], HOME)
             if kid(home) not in keys:  # made by an op XLA drops: ready at the start
                 slot.tasks.append(Task(g.values[v].name, "join", -1, 0, (), (kid(home),), op_id))
                 made(home)
-            return made(self.chain(slot, home, s, v, op_id, trips))
+            steps = self.path(home[1], s, v, (), self.bc_start.get((op_id, i), frozenset()))
+            n = self.resume(c, steps, keys)
+            src = (c, steps[n - 1][0], HOME) if n else home
+            return [made(k) for k in self.chain(slot, src, steps[n:], v, op_id, trips_in)][-1]
 
         deps = []
         need_shardings = []
-        for v in op.inputs:
-            need = needs.get((op_id, v), plan.shardings[v])
+        for i, v in enumerate(op.inputs):
+            need = needs.get((op_id, i), plan.shardings[v])
             need_shardings.append(need)
-            deps.append(have(v, need))
+            if (op_id, i) not in info.unread:
+                deps.append(have(i, v, need))
         out_keys: list[Key] = []
         for v, m in zip(op.outputs, self._made_layouts(op, plan.strategies[op_id])):
             out_keys.append((self.canon(v), m, HOME if m == plan.shardings[v] else MADE))
@@ -357,10 +451,13 @@ class TaskBuilder:
             slot.xla_flops += int(round(count.flops))
         for k in out_keys:
             made(k)
-        for v, k in zip(op.outputs, out_keys):
+        groups = plan.strategies[op_id].partial_groups(op.rule)
+        for n, (v, k) in enumerate(zip(op.outputs, out_keys)):
             want = plan.shardings[v]
             if k[1] != want:
-                made(self.chain(slot, k, want, v, op_id, trips))
+                path = self.path(k[1], want, v, groups, self.bc_made.get((op_id, n), frozenset()))
+                for key in self.chain(slot, k, path, v, op_id, trips_out):
+                    made(key)
         slot.made = tuple(made_keys)
         return slot.seal()
 
@@ -398,5 +495,6 @@ class TaskBuilder:
 
 
 def plan_needs(plan: Plan) -> dict[tuple[int, int], Sharding]:
-    """(consumer op, value) -> the layout the consumer needs, from the plan's reshards (as lowered)."""
-    return {(r.consumer, r.value): r.dst.without_partial() for r in plan.reshards if r.consumer is not None}
+    """(consumer op, operand index) -> the layout the consumer needs it in, from the plan's reshards (as
+    lowered)."""
+    return {(r.consumer, r.operand): r.dst.without_partial() for r in plan.reshards if r.consumer is not None}

@@ -25,7 +25,7 @@ def _op_reshards(plan: Plan, op_id: int, strategies: Sequence[OpStrategy],
         if operand:
             v = op.inputs[i]
             out.append(Reshard(v, src, dst, cost.kind, cost.payload, f"{op.primitive} needs {g.values[v].name} as {dst}",
-                               op.source, op_id, cost.collectives))
+                               op.source, op_id, cost.collectives, i))
         else:
             out.append(Reshard(op.outputs[i], src, dst, cost.kind, cost.payload, f"{op.primitive} makes {src}",
                                op.source, None, cost.collectives))

@@ -65,7 +65,14 @@ DIMS_CASES = [
 ]
 
 
-@pytest.mark.parametrize("shape,src,dst", DIMS_CASES, ids=[f"{s}->{d}" for _, s, d in DIMS_CASES])
+# XLA reshards these by involuntary full rematerialization (the model's collectives are checked for them too)
+REMAT_CASES = {((8, 64, 64), ("data", None, None), (None, None, "model")),
+               ((8, 64, 64), ("data", None, "model"), (None, ("data", "model"), None))}
+
+
+@pytest.mark.parametrize("shape,src,dst", [
+    pytest.param(*c, marks=pytest.mark.involuntary_remat("XLA's fallback is the case checked"))
+    if c in REMAT_CASES else c for c in DIMS_CASES], ids=[f"{s}->{d}" for _, s, d in DIMS_CASES])
 def test_dims_reshard_matches_xla(mesh, shape, src, dst):
     def fn(x):
         return jax.lax.with_sharding_constraint(x * 2, NamedSharding(mesh, P(*dst))) * 3
@@ -102,3 +109,26 @@ def test_partial_reshard_matches_xla(mesh, made, k, dst):
     shape, n = (16, 32, 64), 128
     got = _compiled(mesh, fn, (jnp.ones(shape), jnp.ones((64, n))), ((made[0], made[1], k), (k, made[2])), dst)
     assert got == _predicted(made, dst, (16, 32, n), partial=(k,))
+
+
+BROADCAST_CASES = [(shape, src, dst, along) for shape, src, dst in DIMS_CASES if len(shape) == 2
+                   for along in ((0, 1), (0,), (1,))]
+
+
+@pytest.mark.parametrize("shape,src,dst,along", BROADCAST_CASES,
+                         ids=[f"{s}->{d}/{a}" for _, s, d, a in BROADCAST_CASES])
+def test_broadcast_reshard_matches_xla(mesh, shape, src, dst, along):
+    """A value that is a broadcast along `along` (of a scalar, a row or a column): XLA copies where a
+    collective-permute would only move data along those dims."""
+    kept = [d for d in range(len(shape)) if d not in along]
+
+    def fn(x):
+        b = jax.lax.broadcast_in_dim(x, shape, tuple(kept))
+        b = jax.lax.with_sharding_constraint(b, NamedSharding(mesh, P(*src)))
+        return jax.lax.with_sharding_constraint(b, NamedSharding(mesh, P(*dst))) * 3
+
+    arg = jnp.arange(int(jnp.prod(jnp.array([shape[d] for d in kept]))), dtype=jnp.float32).reshape(
+        [shape[d] for d in kept])
+    got = _compiled(mesh, fn, (arg,), ((None,) * len(kept),), dst)
+    cs = reshard_collectives(_sh(src), _sh(dst), shape, 4, MESH, reduce_scatter=False, bcast=frozenset(along))
+    assert got == sorted((c.kind, c.bytes) for c in cs)

@@ -4,6 +4,35 @@ Fixed in shardc:
 * `empty2` (scan's residual buffers under grad) had no factor rule: every scan+grad program fell back
   to the conservative rule with a NoShardingRuleWarning. Now a result-only rule like iota's.
 
+Fixed in shardc so that the compiled program's collectives are the plan's, kind by kind and byte for byte
+(fuzzlib's collective check; each class is a named test below):
+* a cond's branch index was read by no graph op, so the simulator dropped its computation as dead: the
+  all-reduce of `jnp.sum(x) > 0` on a sharded x was planned but not counted (`Graph.region_reads`);
+* a loop whose results nothing reads was simulated (its operands' reshards counted); XLA removes it whole;
+* dynamic_update_slice kept its operand split on a dim the update covers partly; XLA's partitioner gathers
+  the operand there unless the update is one element wide (the rule now says so: need-replication);
+* reshards of a value entering a loop (a scanned array's, a constant's, the carry's initial value) and of a
+  loop's results ran once, outside the loop, but were counted once per iteration (`reshard_trips`);
+* a scan's final carry left in the layout of the body's new carry, the loop state's is the carry's: the
+  out tie now reads the carry (what XLA's while holds), so its reshard is the one that runs;
+* a reduction or contraction over several sharded dims: XLA all-reduces once per dim, not once over all
+  their axes (`OpStrategy.partial_groups`);
+* two identical ops (CSE merges them in the simulator) were lowered apart, each constrained, so XLA
+  resharded each for its consumers; the lowering now reuses the first op's result;
+* a reshard through an intermediate layout needed by two consumers: XLA shares only the first step of
+  constraints made per consumer; the lowering now makes each step of one traced value once.
+* a dynamic_update_slice whose update covers its whole operand is the update (XLA's simplifier): the
+  operand's reshards and the ops only it needs do not run (`unread_operands`);
+* values CSE merges are one value with one layout in the plan (a duplicate planned apart was computed
+  apart by XLA while the simulator resharded the first one);
+* a value that is a broadcast (the zeros a cond's gradient makes for a branch) needs no collective-permute
+  along its broadcast dims: XLA's partitioner copies (`reshard_collectives(bcast=)`, `broadcast_dims`);
+* a hint's strategy is its result's layout: the lowering reshards the hinted value itself, so a consumer
+  needing the same layout of it shares that reshard (the plan resharded the hint's result instead);
+* argmax over a dim of size 1 is a constant (XLA's simplifier): reshards of it are free;
+* an op reading one value twice in two layouts (einsum('abc,acb->a', v, v)) got both operands in the second
+  layout (the lowering's needs were keyed by value): `Reshard.operand` says which operand a reshard is for.
+
 Fixed in the oracle:
 * a chain of contractions grew gradients to ~1.6e3 where float32 rounding of the (differently ordered)
   sharded sums exceeded the 2e-4 relative tolerance, although the sharded result was closer to a float64
@@ -68,6 +97,156 @@ def test_empty_buffers_have_a_rule():
     for prim, outs in (("empty2", [()]), ("empty", [(4, 8)])):
         rule, conservative = rule_or_conservative(prim, [], outs, {})
         assert not conservative and len(rule.results) == 1
+
+
+# --------------------------------------------------------- fixed in shardc: compiled collectives == the plan's
+
+def _mesh3() -> tuple:
+    return (("x", 2), ("y", 2), ("z", 2))
+
+
+COND_INDEX = Program(mesh=(("x", 8),), steps=(  # seed 1 (fuzzq), shrunk by hand
+    Step(kind="input", args=(), attrs=(), shape=(8, 16, 3)),
+    Step(kind="cond", args=(0,), attrs=(("inner", ("?", ("x",), None)),), shape=(8, 16, 3)),
+), outputs=(1,))
+
+DEAD_LOOP = Program(mesh=(("x", 4), ("y", 2)), steps=(
+    Step(kind="input", args=(), attrs=(("meta", (None, "x")),), shape=(6, 4)),
+    Step(kind="pad", args=(0,), attrs=(("config", ((0, 0, 0), (1, 2, 1))),), shape=(6, 10)),
+    Step(kind="fori", args=(1,), attrs=(("n", 1), ("inner", (("y",), "?"))), shape=(6, 10)),
+), outputs=(0,))
+
+UPDATE_SLICE_SPLIT_DIM = Program(mesh=(("x", 4), ("y", 2)), steps=(
+    Step(kind="input", args=(), attrs=(), shape=(6, 2, 11)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 0), ("axes", ("y",))), shape=(6, 2, 11)),
+    Step(kind="input", args=(), attrs=(), shape=(5, 2, 4)),
+    Step(kind="update_slice", args=(1, 2), attrs=(("start", (0, 0, 0)),), shape=(6, 2, 11)),
+), outputs=(3,))
+
+UPDATE_ONE_ROW_OF_SPLIT_DIM = Program(mesh=(("x", 4), ("y", 2)), steps=(
+    Step(kind="input", args=(), attrs=(), shape=(6, 2, 11)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 0), ("axes", ("y",))), shape=(6, 2, 11)),
+    Step(kind="input", args=(), attrs=(), shape=(1, 2, 4)),
+    Step(kind="update_slice", args=(1, 2), attrs=(("start", (4, 0, 3)),), shape=(6, 2, 11)),
+), outputs=(3,))
+
+SCANNED_ARRAY_RESHARD = Program(mesh=_mesh3(), steps=(
+    Step(kind="input", args=(), attrs=(), shape=(8, 16)),
+    Step(kind="reshape", args=(0,), attrs=(), shape=(128,)),
+    Step(kind="input", args=(), attrs=(("meta", (("z", "y"), "x")),), shape=(4, 128)),
+    Step(kind="scan", args=(1, 2), attrs=(("inner", None),), shape=(4, 128)),
+), outputs=(3,))
+
+SCAN_FINAL_CARRY = Program(mesh=_mesh3(), steps=(
+    Step(kind="input", args=(), attrs=(), shape=(2,)),
+    Step(kind="input", args=(), attrs=(("meta", (("z", "x"), None, None)),), shape=(4, 2, 4)),
+    Step(kind="hint", args=(1,), attrs=(("how", "split"), ("dim", 0), ("axes", "x")), shape=(4, 2, 4)),
+    Step(kind="input", args=(), attrs=(), shape=(3, 4, 2, 4)),
+    Step(kind="scan", args=(2, 3), attrs=(("inner", ("?", "?", ("x",))),), shape=(3, 4, 2, 4)),
+    Step(kind="einsum", args=(4, 0), attrs=(("spec", "abcd,c->d"),), shape=(4,)),
+), outputs=(5,))
+
+SUM_OVER_TWO_SPLIT_DIMS = Program(mesh=_mesh3(), steps=(
+    Step(kind="input", args=(), attrs=(), shape=(4, 2, 4)),
+    Step(kind="fori", args=(0,), attrs=(("n", 2), ("inner", (("z",), "?", ("x", "y")))), shape=(4, 2, 4)),
+    Step(kind="cond", args=(1,), attrs=(("inner", None),), shape=(4, 2, 4)),  # jnp.sum(v) > 0 on [z, -, x+y]
+), outputs=(2,))
+
+DUPLICATE_OPS_RESHARDED = Program(mesh=_mesh3(), steps=(  # the scan's backward pass has two equal reshapes
+    Step(kind="input", args=(), attrs=(), shape=(4, 2, 4)),
+    Step(kind="cumsum", args=(0,), attrs=(("dim", 1),), shape=(4, 2, 4)),
+    Step(kind="fori", args=(1,), attrs=(("n", 2), ("inner", (("z",), "?", ("x", "y")))), shape=(4, 2, 4)),
+    Step(kind="hint", args=(2,), attrs=(("how", "split"), ("dim", 2), ("axes", ("y", "x"))), shape=(4, 2, 4)),
+), outputs=(3,))
+
+FULL_UPDATE = Program(mesh=(("x", 4), ("y", 2)), steps=(  # seed 2 (fuzzq), shrunk by hand
+    Step(kind="input", args=(), attrs=(), shape=(4,)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 0), ("axes", ("x",))), shape=(4,)),
+    Step(kind="unary", args=(1,), attrs=(("fn", "tanh"),), shape=(4,)),
+    Step(kind="hint", args=(2,), attrs=(("how", "replicate"),), shape=(4,)),
+    Step(kind="reshape", args=(3,), attrs=(), shape=(2, 2, 1, 1)),
+    Step(kind="input", args=(), attrs=(("meta", ("y", None, None, None)),), shape=(2, 2, 1, 1)),
+    Step(kind="update_slice", args=(4, 5), attrs=(("start", (0, 0, 0, 0)),), shape=(2, 2, 1, 1)),
+), outputs=(6,))
+
+BROADCAST_RESHARD = Program(mesh=(("x", 2), ("y", 4)), steps=(  # seed 2 (fuzzq), shrunk by hand
+    Step(kind="input", args=(), attrs=(), shape=(16, 8)),
+    Step(kind="remat_chain", args=(0,), attrs=(("inner", (None, ("x",))),), shape=(16, 8)),
+    Step(kind="cond", args=(1,), attrs=(("inner", ("?", ("y", "x"))),), shape=(16, 8)),
+), outputs=(2,))
+
+HINT_AND_CONSUMER_SHARE = Program(mesh=(("x", 2), ("y", 4)), steps=(  # seed 3 (fuzzq), shrunk by hand
+    Step(kind="input", args=(), attrs=(), shape=(8,)),
+    Step(kind="remat_chain", args=(0,), attrs=(("inner", (("x",),)),), shape=(8,)),
+    Step(kind="hint", args=(0,), attrs=(("how", "wsc"), ("spec", (None,))), shape=(8,)),
+    Step(kind="argmax", args=(0,), attrs=(("dim", 0),), shape=()),
+), outputs=(1, 2, 3))
+
+ARGMAX_OF_ONE = Program(mesh=_mesh3(), steps=(  # seed 3 (fuzzq), shrunk by hand
+    Step(kind="input", args=(), attrs=(), shape=(8, 1)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 0), ("axes", ("x",))), shape=(8, 1)),
+    Step(kind="argmax", args=(1,), attrs=(("dim", 1),), shape=(8,)),
+    Step(kind="input", args=(), attrs=(), shape=(4,)),
+    Step(kind="concat", args=(2, 3), attrs=(("dim", 0),), shape=(12,)),
+), outputs=(4,))
+
+ONE_VALUE_TWO_LAYOUTS = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(  # seed 3 (fuzzq), shrunk by hand
+    Step(kind="input", args=(), attrs=(), shape=(2, 4, 4)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 2), ("axes", ("y", "x"))), shape=(2, 4, 4)),
+    Step(kind="einsum", args=(1, 1), attrs=(("spec", "abc,acb->a"),), shape=(2,)),
+), outputs=(2,))
+
+TWO_STEP_RESHARD_TWICE = Program(mesh=(("x", 2), ("y", 4)), steps=(  # [-, x+y] -> [x, -] goes through [x, y]
+    Step(kind="input", args=(), attrs=(), shape=(8, 8)),
+    Step(kind="hint", args=(0,), attrs=(("how", "shard"), ("spec", (None, ("x", "y")))), shape=(8, 8)),
+    Step(kind="unary", args=(1,), attrs=(("fn", "tanh"),), shape=(8, 8)),
+    Step(kind="hint", args=(2,), attrs=(("how", "shard"), ("spec", (("x",), None))), shape=(8, 8)),
+    Step(kind="unary", args=(2,), attrs=(("fn", "sin"),), shape=(8, 8)),
+    Step(kind="hint", args=(4,), attrs=(("how", "shard"), ("spec", (("x",), None))), shape=(8, 8)),
+    Step(kind="binary", args=(3, 2), attrs=(("fn", "mul"),), shape=(8, 8)),
+), outputs=(5, 6))
+
+
+@pytest.mark.parametrize("prog", [COND_INDEX, DEAD_LOOP, UPDATE_SLICE_SPLIT_DIM, UPDATE_ONE_ROW_OF_SPLIT_DIM,
+                                  SCANNED_ARRAY_RESHARD, SCAN_FINAL_CARRY, SUM_OVER_TWO_SPLIT_DIMS,
+                                  DUPLICATE_OPS_RESHARDED, TWO_STEP_RESHARD_TWICE, FULL_UPDATE, BROADCAST_RESHARD,
+                                  HINT_AND_CONSUMER_SHARE, ARGMAX_OF_ONE, ONE_VALUE_TWO_LAYOUTS],
+                         ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
+                              "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
+                              "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
+                              "broadcast_reshard", "hint_and_consumer_share", "argmax_of_one",
+                              "one_value_two_layouts"])
+def test_compiled_collectives_are_the_plans(prog):
+    fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
+
+
+def test_update_slice_wider_than_one_row_gathers_the_split_dim():
+    """The plan, not only XLA, gathers the operand's split dim before a two-row update (and keeps a one-row
+    update's operand split)."""
+    def needs(prog):
+        fun, args = fuzzlib.program_function(prog), fuzzlib.make_args(prog)
+        plan = shardc.plan(fun, *args, mesh=shardc.make_mesh(dict(prog.mesh)), search=False)
+        return [(plan.graph.values[r.value].shape, r.kind) for r in plan.reshards
+                if r.consumer is not None and plan.graph.ops[r.consumer].primitive == "dynamic_update_slice"]
+
+    assert ((6, 2, 11), "all-gather") in needs(UPDATE_SLICE_SPLIT_DIM)
+    assert not any(kind == "all-gather" and shape == (6, 2, 11) for shape, kind in needs(UPDATE_ONE_ROW_OF_SPLIT_DIM))
+
+
+def test_two_split_dims_reduce_with_an_all_reduce_each():
+    fun, args = fuzzlib.program_function(SUM_OVER_TWO_SPLIT_DIMS), fuzzlib.make_args(SUM_OVER_TWO_SPLIT_DIMS)
+    plan = shardc.plan(fun, *args, mesh=shardc.make_mesh(dict(SUM_OVER_TWO_SPLIT_DIMS.mesh)), search=False)
+    scalar = [r for r in plan.reshards if plan.graph.values[r.value].shape == () and r.src.partial]
+    assert scalar and [sorted(c.axes) for c in scalar[0].collectives] == [["x", "y"], ["z"]]
+
+
+def test_attribution_reads_op_tags_inside_transforms():
+    from shardc.lower import tagged_op
+
+    assert tagged_op("jit(run)/jvp(shardc.op42)/reduce_sum") == 42
+    assert tagged_op("jit(run)/transpose(jvp(shardc.op7))/shardc.op12/dot_general") == 12
+    assert tagged_op("jit(run)/shardc.op3/sharding_constraint") == 3
+    assert tagged_op("jit(run)/reduce_sum") is None
 
 
 # ------------------------------------------------------------------------------------------ fixed in the oracle

@@ -523,13 +523,27 @@ def test_dynamic_slice_sliced_dims_need_replication_and_are_blocked():
 
 
 def test_dynamic_update_slice():
+    """A dim the update covers two wide: whole on every tensor (XLA gathers the operand there)."""
     x, u = jnp.ones((6, 8)), jnp.ones((2, 8))
     op = only(lambda x, u, i: lax.dynamic_update_slice_in_dim(x, u, i, 0), x, u, 1, prim="dynamic_update_slice")
     rule = op.rule
     nin = len(op.ins)
-    assert of(rule, nin, 0) == of(rule, 0, 0) and rule.kinds[one(rule, 0, 0)] is PT
+    assert of(rule, nin, 0) == of(rule, 0, 0)
+    dim = one(rule, 0, 0)
+    assert rule.kinds[dim] is NR and dim in rule.blocked
     upd = one(rule, 1, 0)
     assert rule.kinds[upd] is NR and upd in rule.blocked
+    assert of(rule, 1, 1) == of(rule, 0, 1) == of(rule, nin, 1)
+
+
+def test_dynamic_update_slice_of_one_row():
+    """A dim the update covers one element wide passes through operand and result (a KV-cache write: XLA
+    selects the row on the device holding it)."""
+    x, u = jnp.ones((6, 8)), jnp.ones((1, 8))
+    op = only(lambda x, u, i: lax.dynamic_update_slice_in_dim(x, u, i, 0), x, u, 1, prim="dynamic_update_slice")
+    rule = op.rule
+    nin = len(op.ins)
+    assert of(rule, nin, 0) == of(rule, 0, 0) and rule.kinds[one(rule, 0, 0)] is PT
     assert of(rule, 1, 1) == of(rule, 0, 1) == of(rule, nin, 1)
 
 
