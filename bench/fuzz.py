@@ -5,14 +5,16 @@
 
 Programs come from `tests/fuzz/fuzzlib.programs` (hypothesis) and are checked by
 `fuzzlib.check_program` (sharded == unsharded forward and gradients, compiled shardings == plan,
-hints placed as hinted, no conservative fallback). Work runs in child processes of `--chunk` programs
+hints placed as hinted, no conservative fallback, and the compiled collectives equal the plan's, kind
+by kind and byte for byte, with no involuntary rematerialization — a program that is right but differs
+there counts as "collectives", not "fail"). Work runs in child processes of `--chunk` programs
 each (seeds `--seed`, `--seed`+1, ...; `--jobs` of them at once), so a crash inside XLA ends one chunk, not
 the soak: the program that was running is recorded as a crash and re-run alone to see whether it
 reproduces. No chunk starts after `--minutes`; the ones running then finish. A chunk that runs past
 CHUNK_TIMEOUT_S is a hang (recorded like a crash) — not the deadline's doing.
 
 Every failure is shrunk (fuzzlib.shrink_program) and appended to `--out` as one JSON line: kind
-(fail / crash / upstream), error, seed, the program's repr (paste it into
+(fail / crash / upstream / collectives: the first SHRINK_PER_QUANTITY of each differing quantity), error, seed, the program's repr (paste it into
 tests/fuzz/test_fuzz_regressions.py) and its pseudo-code. `--write` puts the summary in
 docs/benchmarks.md.
 """
@@ -68,8 +70,9 @@ def child_chunk(seed: int, count: int, max_ops: int, const_cotangents: bool, pro
         t0 = time.perf_counter()
         rec = {"seed": seed, "program": repr(prog)}
         try:
-            o = fuzzlib.check_program(prog)
-            rec.update(kind="upstream" if o.upstream_bug else "ok", error=o.upstream_bug, hints=o.hints_checked,
+            o = fuzzlib.check_program(prog, strict_collectives=False)
+            kind = "upstream" if o.upstream_bug else "collectives" if o.collectives_differ else "ok"
+            rec.update(kind=kind, error=o.upstream_bug or o.collectives_differ, hints=o.hints_checked,
                        reshards=o.reshards, sharded=o.sharded_values, values=o.values, rounding=o.rounding)
         except Exception as e:  # noqa: BLE001 - every failure is recorded
             rec.update(kind="fail", error=_error_kind(e))
@@ -112,6 +115,7 @@ def child_one(program: str, results: str, shrink: bool) -> None:
         f.write(json.dumps(rec) + "\n")
 
 
+SHRINK_PER_QUANTITY = 3  # programs whose collectives differ, shrunk per differing quantity
 CHUNK_TIMEOUT_S = 3600.0  # a chunk of 100 programs takes 30-120 s; one that runs an hour has hung
 HUNG = -999
 
@@ -190,11 +194,16 @@ def soak(args: argparse.Namespace) -> None:
     elapsed = time.time() - t0
     kinds = Counter(r["kind"] for r in recs)
     failures = [r for r in recs if r["kind"] != "ok"] + crashes
-    # shrink and record every failure (upstream ones too: they are XLA's, but worth keeping)
+    # shrink and record every failure (upstream ones too: they are XLA's, but worth keeping); of programs
+    # whose collectives differ from the plan's, the first few of each quantity (a wrong result matters more)
     shrink_dir = os.path.join(work, "shrunk.jsonl")
     recorded = []
+    shrunk_per_quantity: Counter = Counter()
     for r in failures:
-        if r["kind"] == "fail":
+        quantity = (r.get("error") or "").split(":")[0]
+        if r["kind"] == "collectives":
+            shrunk_per_quantity[quantity] += 1
+        if r["kind"] == "fail" or (r["kind"] == "collectives" and shrunk_per_quantity[quantity] <= SHRINK_PER_QUANTITY):
             _spawn(["--child-one", r["program"], shrink_dir, "1"], timeout=1800)
             last = (_read_lines(shrink_dir) or [{}])[-1]
             r = {**r, "shrunk": last.get("shrunk"), "pseudo": last.get("pseudo")}
@@ -209,10 +218,10 @@ def soak(args: argparse.Namespace) -> None:
     per_s = len(recs) / elapsed if elapsed else 0.0
     summary = [
         "| programs | seconds | programs/s | ok | of which float64-adjudicated | fail | upstream (XLA) | crash "
-        "| hinted dims checked | reshards | sharded values |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| right, collectives differ from plan | hinted dims checked | reshards | sharded values |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         f"| {len(recs)} | {elapsed:.0f} | {per_s:.1f} | {kinds['ok']} | {sum(bool(r.get('rounding')) for r in recs)} | "
-        f"{kinds['fail']} | {kinds['upstream']} | {len(crashes)} | {sum(r.get('hints', 0) for r in recs)} | "
+        f"{kinds['fail']} | {kinds['upstream']} | {len(crashes)} | {kinds['collectives']} | {sum(r.get('hints', 0) for r in recs)} | "
         f"{sum(r.get('reshards', 0) for r in recs)} | {sum(r.get('sharded', 0) for r in recs)} / "
         f"{sum(r.get('values', 0) for r in recs)} |",
     ]
@@ -229,7 +238,7 @@ def soak(args: argparse.Namespace) -> None:
         write_section("fuzz", f"`python bench/fuzz.py --minutes {args.minutes} --seed {args.seed} --jobs {args.jobs} --max-ops "
                       f"{args.max_ops}{' --const-cotangents' if args.const_cotangents else ''}` "
                       f"({os.cpu_count()} cores; each program checked sharded vs unsharded, forward and "
-                      f"gradients, compiled shardings vs plan, hints).\n\n" + "\n".join(summary)
+                      f"gradients, compiled shardings vs plan, hints, compiled collectives vs plan).\n\n" + "\n".join(summary)
                       + "\n\nFailures (shrunk programs in `bench/fuzz_failures.jsonl`):\n\n" + lines + "\n")
 
 

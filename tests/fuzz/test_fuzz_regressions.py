@@ -269,7 +269,7 @@ ROUNDING_CHAIN = Program(
 
 
 def test_float32_rounding_of_a_contraction_chain_is_adjudicated_by_float64():
-    out = fuzzlib.check_program(ROUNDING_CHAIN)
+    out = fuzzlib.check_program(ROUNDING_CHAIN, strict_collectives=False)  # this test is about the rounding
     assert out.upstream_bug is None
 
 
