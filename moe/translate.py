@@ -1,15 +1,18 @@
 """Train a GShard MoE Transformer translation model on real parallel text, sharded with @shardc.auto.
 
-    python -m moe.translate                       # default: es->en Bible, ~10 min on 2 CPU cores
+    python -m moe.translate                       # default: es->en Bible, 600 steps (docs/moe.md: time, BLEU)
     python -m moe.translate --corpus trans-de-en  # German->English example sentences
     python -m moe.translate --data pairs.tsv      # your own "source<TAB>target" file
     python -m moe.translate --corpus synthetic --model tiny --steps 200
     python -m moe.translate --resume              # continue a stopped run bit for bit
 
-Runs on all local devices (8 virtual CPU devices by default: XLA_FLAGS is set before JAX starts). Prints
-the sharding plan, shows a progress bar with loss and tokens/s, checkpoints with orbax every
-``--ckpt-every`` steps, and at the end prints BLEU (sacrebleu) on the held-out split next to a
-copy-the-source baseline, a few sample translations, and writes a loss curve PNG to ``--out``.
+Runs on all local devices (8 virtual CPU devices by default: XLA_FLAGS is set before JAX starts). Plans
+the train step with shardc's strategy search on those devices and prints the chosen plan against the
+baselines (``--no-search``: the layers' hints plus propagation), shows a progress bar with loss and
+tokens/s, checkpoints with orbax every ``--ckpt-every`` steps, at the end and on Ctrl-C / SIGTERM (then it
+prints the exact ``--resume`` command), and at the end prints BLEU (sacrebleu) on the held-out split next
+to a copy-the-source baseline, a few sample translations, and writes a loss curve PNG to ``--out``.
+A run trains a fixed number of steps whatever the machine's load; ``--time-limit`` is opt-in.
 See docs/moe.md.
 """
 from __future__ import annotations
@@ -37,8 +40,12 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import shlex  # noqa: E402
+import signal  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Sequence  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -64,15 +71,15 @@ MODEL_PRESETS = {
 
 
 def _compile_step(fn, mesh, donate_argnums=(), example_args=None, mode="shardc", in_shardings=None,
-                  out_shardings=None, search=False):
+                  out_shardings=None, search=True):
     """The one place where the train step is compiled. Returns ``(step, compiler name, plan or None)``.
 
     ``mode="shardc"`` (the default): ``@shardc.auto(mesh=..., donate_argnums=...)``; its ``Plan`` is returned
     (``plan.explain()`` prints it). A step shardc cannot plan is an error, never a silent fallback.
     ``mode="jit"``: plain ``jax.jit`` under ``jax.set_mesh(mesh)``, where the layers' split/replicate hints
     lower to sharding constraints (for comparison, or to train past a shardc bug).
-    ``search``: let shardc's strategy search choose what the layers' GShard hints leave open (off by default:
-    the example trains with GShard's own layout, the hints plus propagation).
+    ``search``: let shardc's strategy search choose what the layers' GShard hints leave open, priced on the
+    devices at hand (the default); False: GShard's own layout, the hints plus propagation.
     """
     if mode == "shardc":
         import shardc
@@ -122,53 +129,117 @@ def make_mesh(shape: dict[str, int]):
         return jax.make_mesh(tuple(shape.values()), tuple(shape.keys()), axis_types=(AxisType.Auto,) * len(shape))
 
 
-def build_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m moe.translate", description=__doc__.split("\n")[0])
+def build_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line (``--help`` lists every option with its default)."""
+    p = argparse.ArgumentParser(prog="python -m moe.translate", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     p.add_argument("--corpus", default="sparv", choices=["sparv", "trans-de-en", "synthetic"],
-                   help="parallel corpus (default: sparv = Spanish->English Bible from Debian SWORD modules)")
+                   help="parallel corpus (sparv: Spanish->English Bible from Debian SWORD modules)")
     p.add_argument("--data", default=None, help="a TSV file of 'source<TAB>target' lines (overrides --corpus)")
     p.add_argument("--synthetic-size", type=int, default=20000, help="training pairs of the synthetic task")
-    p.add_argument("--test-every", type=int, default=50, help="hold out every N-th pair for BLEU (default 50)")
+    p.add_argument("--test-every", type=int, default=50, help="hold out every N-th pair for BLEU")
     p.add_argument("--holdout-books", default=None, help="sparv: hold out whole books instead, e.g. Ruth,Jude")
     p.add_argument("--vocab-size", type=int, default=4000, help="joint BPE vocabulary size")
     p.add_argument("--max-len", type=int, default=64, help="max subword tokens per side (longer pairs skipped)")
     p.add_argument("--buckets", default="24,40,64", help="length buckets (one compiled shape each)")
     p.add_argument("--model", default="small", choices=sorted(MODEL_PRESETS), help="model size preset")
-    p.add_argument("--experts", type=int, default=None, help="experts per MoE layer (default: preset)")
-    p.add_argument("--layers", type=int, default=None, help="encoder and decoder layers (default: preset)")
-    p.add_argument("--d-model", type=int, default=None)
-    p.add_argument("--steps", type=int, default=600, help="training steps")
+    p.add_argument("--experts", type=int, default=None, help="experts per MoE layer (None: the preset's)")
+    p.add_argument("--layers", type=int, default=None, help="encoder and decoder layers (None: the preset's)")
+    p.add_argument("--d-model", type=int, default=None, help="model width (None: the preset's)")
+    p.add_argument("--steps", type=int, default=600,
+                   help="training steps (the run always trains them all unless --time-limit or --stop-at says "
+                        "otherwise; docs/moe.md gives the time and BLEU of the default run)")
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch and side")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (Adam, warmup + cosine decay)")
-    p.add_argument("--warmup", type=int, default=150)
-    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=150, help="warmup steps (at most --steps / 5)")
+    p.add_argument("--dropout", type=float, default=0.1, help="dropout rate")
     p.add_argument("--aux-weight", type=float, default=0.01, help="weight of the MoE load-balancing loss")
     p.add_argument("--capacity-factor", type=float, default=2.0, help="training capacity factor (2.0 = 2S/E)")
     p.add_argument("--decode-capacity-factor", type=float, default=2.0,
                    help="capacity factor of a decoding step's group (0: C = S, never drop)")
-    p.add_argument("--second-expert-policy", default="random", choices=["random", "all"])
+    p.add_argument("--second-expert-policy", default="random", choices=["random", "all"],
+                   help="GShard's second-expert policy")
     p.add_argument("--mesh", default="data=2,expert=4", help="mesh axes, e.g. expert=8 or data=2,expert=4")
     p.add_argument("--compiler", default="shardc", choices=["shardc", "jit"],
-                   help="shardc: @shardc.auto (default); jit: plain jax.jit with the same hints, for comparison")
-    p.add_argument("--search", action="store_true",
-                   help="with --compiler shardc: search the shardings the hints leave open (simulated on an H100 "
-                        "preset) instead of propagating the hints alone")
+                   help="shardc: @shardc.auto; jit: plain jax.jit with the same hints, for comparison")
+    p.add_argument("--search", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --compiler shardc: shardc's strategy search chooses what the hints leave open, "
+                        "priced on the devices at hand; --no-search: the hints plus propagation (GShard's layout)")
     p.add_argument("--devices", type=int, default=8, help="virtual CPU devices (sets XLA_FLAGS before JAX starts)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="runs/moe-translate", help="output dir (loss curve, samples, summary)")
-    p.add_argument("--ckpt-dir", default=None, help="checkpoint dir (default: OUT/checkpoints)")
-    p.add_argument("--ckpt-every", type=int, default=200, help="save a checkpoint every N steps (0: never)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initialisation, batches and dropout")
+    p.add_argument("--out", default="runs/moe-translate", help="output dir (loss curve, samples, summary, plan)")
+    p.add_argument("--ckpt-dir", default=None, help="checkpoint dir (None: OUT/checkpoints)")
+    p.add_argument("--ckpt-every", type=int, default=200,
+                   help="save a checkpoint every N steps (0: only at the end and on Ctrl-C / SIGTERM)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
     p.add_argument("--stop-at", type=int, default=None, help="stop (after checkpointing) at this step")
     p.add_argument("--eval-every", type=int, default=0, help="held-out loss + BLEU on 100 sentences every N steps")
     p.add_argument("--eval-sentences", type=int, default=0, help="BLEU on the first N held-out pairs (0: all)")
-    p.add_argument("--time-limit", type=float, default=12.0,
-                   help="stop training after this many minutes (0: no limit), so a slow machine still finishes")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--time-limit", type=float, default=0.0,
+                   help="opt-in: stop training after this many minutes (checkpointed, resumable) and evaluate the "
+                        "partly trained model (0: no limit, train every step)")
+    p.add_argument("--log-every", type=int, default=0,
+                   help="without a progress bar (--quiet): print the loss every N steps (0: every 30 s)")
+    p.add_argument("--no-plot", action="store_true", help="do not write the loss curve PNG")
     p.add_argument("--no-final-eval", action="store_true", help="skip BLEU/decoding at the end")
     p.add_argument("--samples", type=int, default=5, help="sample translations to print")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
+
+
+def resume_command(argv: Sequence[str]) -> str:
+    """The shell command that continues this run: the same flags, with ``--resume`` and without ``--stop-at``."""
+    kept: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--stop-at":
+            skip = True
+        elif a != "--resume" and not a.startswith("--stop-at="):
+            kept.append(a)
+    return shlex.join(["python", "-m", "moe.translate", *kept, "--resume"])
+
+
+class StopSignals:
+    """While active, Ctrl-C (SIGINT) and SIGTERM ask the training loop to stop after the current step (it then
+    checkpoints and prints how to resume); a second signal, or any signal once ``immediate`` is set (nothing
+    left to save), raises KeyboardInterrupt at once. Outside the main thread (signals cannot be caught
+    there) it does nothing."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: signal.Signals | None = None
+        self.immediate = False
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        again = self.received is not None
+        self.received = self.received or signal.Signals(signum)
+        if again or self.immediate:
+            raise KeyboardInterrupt
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's convention for a process ended by the signal: 128 + its number."""
+        return 128 + int(self.received) if self.received is not None else 0
+
+
+def plan_report(plan) -> str:
+    """The top of ``plan.explain()``: mesh, topology, simulated step time and memory, the input layouts, the
+    decision groups, and the search's chosen plan against its baselines (the rest goes to OUT/plan.txt)."""
+    text = plan.explain(max_rows=0)
+    return text.split("\nsimulated cost:")[0].rstrip()
 
 
 def model_config(args, vocab_size: int, group_axes, max_len: int) -> TransformerConfig:
@@ -271,7 +342,10 @@ def save_plot(path: Path, history: list[dict], evals: list[dict]) -> None:
 # ----------------------------------------------------------------------------- main
 
 
-def main(argv=None) -> dict:
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Run the example; returns the step reached, the loss history, the summary (after a final evaluation)
+    and ``exit_code`` (128 + the signal's number when Ctrl-C / SIGTERM stopped it, else 0)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_args(argv)
     t_start = time.time()
     cpu_start = time.process_time()
@@ -376,16 +450,15 @@ def main(argv=None) -> dict:
     # ---- checkpoints
     import orbax.checkpoint as ocp
 
-    manager = None
-    if args.ckpt_every > 0 or args.resume:
-        manager = ocp.CheckpointManager(
-            ckpt_dir.resolve(),
-            options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True, enable_async_checkpointing=False),
-        )
+    # Always a manager: even with --ckpt-every 0 the run checkpoints at the end and when it is stopped.
+    manager = ocp.CheckpointManager(
+        ckpt_dir.resolve(),
+        options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True, enable_async_checkpointing=False),
+    )
     history: list[dict] = []
     evals: list[dict] = []
     start_step = 0
-    old = sorted(manager.all_steps()) if manager is not None and not args.resume else []
+    old = sorted(manager.all_steps()) if not args.resume else []
     if old:
         # A fresh run over an earlier run's checkpoints: they would clash with this run's (and a later
         # --resume would mix the two runs), so they go; --resume continues the earlier run instead.
@@ -394,7 +467,7 @@ def main(argv=None) -> dict:
         print(f"ckpt    removed the earlier run's checkpoints (steps {', '.join(map(str, old))}) in {ckpt_dir}; "
               f"pass --resume to continue a run instead of starting again")
     if args.resume:
-        latest = manager.latest_step() if manager else None
+        latest = manager.latest_step()
         if latest is None:
             print(f"resume  no checkpoint in {ckpt_dir}; starting from scratch")
         else:
@@ -420,14 +493,11 @@ def main(argv=None) -> dict:
                       + ": the continuation is not the uninterrupted run")
             start_step = int(state["step"])
             print(f"resume  from step {start_step} in {ckpt_dir}")
-    if tok_path.parent.exists() or args.ckpt_every > 0:
-        tok_path.parent.mkdir(parents=True, exist_ok=True)
-        if not (args.resume and tok_path.exists()):  # a fresh run's tokenizer replaces an earlier run's
-            tok.save(tok_path)
+    tok_path.parent.mkdir(parents=True, exist_ok=True)
+    if not (args.resume and tok_path.exists()):  # a fresh run's tokenizer replaces an earlier run's
+        tok.save(tok_path)
 
     def save(step):
-        if manager is None:
-            return
         meta = {"step": step, "seed": args.seed, "history": history, "evals": evals, "args": vars(args)}
         manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
                      force=True)
@@ -447,8 +517,9 @@ def main(argv=None) -> dict:
     )
     if plan is not None:
         (out_dir / "plan.txt").write_text(plan.explain(max_rows=100_000))
-        lines = plan.explain(max_rows=0).splitlines()
-        print("\n".join([lines[0]] + [ln for ln in lines[1:] if ln.startswith(("note", "reshards"))]))
+        print(plan_report(plan))
+        if not args.search:
+            print("(--no-search: the layers' hints plus propagation; without it the strategy search plans the step)")
         print(f"        full plan (every tensor's sharding and its cause): {out_dir / 'plan.txt'}")
     else:
         print("plan    jax.jit: the MoE layers' split/replicate hints + Flax partitioning metadata, XLA propagates")
@@ -485,6 +556,38 @@ def main(argv=None) -> dict:
         hyp = translator(params, src)
         return tot / max(cnt, 1.0), bleu(hyp, ref), hyp
 
+    def final_evaluation(step: int, train_time: float, timed_out: bool) -> dict:
+        """BLEU on the held-out split, samples, plot and summary.json; returns the summary."""
+        t0 = time.time()
+        vnll, test_bleu, hyps = evaluate(state["params"])
+        copy_bleu = bleu(test_src, test_ref)
+        evals.append({"step": step, "val_nll": vnll, "bleu": test_bleu})
+        eval_time = time.time() - t0
+        print(f"\nheld-out ({len(test)} pairs): NLL {vnll:.3f} nats/token, BLEU {test_bleu:.2f} "
+              f"(copy-the-source baseline: {copy_bleu:.2f})   [decode+score {eval_time:.0f}s]")
+        rng = np.random.default_rng(0)
+        for i in sorted(rng.choice(len(test), size=min(args.samples, len(test)), replace=False)):
+            print(f"  src: {test_src[i]}\n  ref: {test_ref[i]}\n  hyp: {hyps[i]}\n")
+        (out_dir / "translations.tsv").write_text(
+            "".join(f"{s}\t{r}\t{h}\n" for s, r, h in zip(test_src, test_ref, hyps)), encoding="utf-8")
+        if not args.no_plot:
+            save_plot(out_dir / "loss.png", history, evals)
+            print(f"loss curve: {out_dir / 'loss.png'}")
+        total = time.time() - t_start
+        summary = {
+            "corpus": corpus.name, "train_pairs": len(corpus.train), "test_pairs": len(test), "steps": step,
+            "bleu": test_bleu, "copy_bleu": copy_bleu, "val_nll": vnll, "train_time_s": train_time,
+            "total_time_s": total, "final_train_loss": history[-1]["loss"] if history else None,
+            "epochs": stream.epoch_of(step), "compiler": compiler, "search": args.search,
+            "mesh": dict(mesh.shape), "model": args.model, "params_m": n_params / 1e6, "stopped_early": timed_out,
+            "cpu_time_s": time.process_time() - cpu_start, "cpus": os.cpu_count(),
+            "load_avg_1m_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        }
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(f"done in {total / 60:.1f} min (training {train_time / 60:.1f} min, {step} steps, "
+              f"{stream.epoch_of(step):.2f} epochs); summary: {out_dir / 'summary.json'}")
+        return summary
+
     # ---- train
     use_bar = not args.quiet
     bar = None
@@ -500,88 +603,75 @@ def main(argv=None) -> dict:
     t_train = time.time()
     tok_window: list[tuple[float, float]] = []
     step = start_step
-    stopped_early = False
+    timed_out = False
     last_log = 0.0
-    while step < stop_at:
-        if args.time_limit and time.time() - t_start > args.time_limit * 60:
-            stopped_early = True
-            break
-        nb = stream.batch(step)
-        batch = jax.tree.map(jnp.asarray, nb)
-        state, metrics = step_fn(state, batch, step_key(step))
-        step += 1
-        metrics = jax.device_get(metrics)
-        now = time.time()
-        ntok = float(np.sum(nb["src"] != 0) + np.sum(nb["tgt_out"] != 0))  # real tokens, both sides
-        tok_window.append((now, ntok))
-        tok_window = tok_window[-20:]
-        rate = sum(t for _, t in tok_window[1:]) / max(tok_window[-1][0] - tok_window[0][0], 1e-9) \
-            if len(tok_window) > 1 else 0.0
-        history.append({"step": step, "loss": float(metrics["loss"]), "nll": float(metrics["nll"]),
-                        "aux": float(metrics["aux"]), "lr": float(sched(step - 1)), "time": now - t_train})
+    with StopSignals() as signals:
+        while step < stop_at and signals.received is None:
+            if args.time_limit and time.time() - t_start > args.time_limit * 60:
+                timed_out = True
+                break
+            nb = stream.batch(step)
+            batch = jax.tree.map(jnp.asarray, nb)
+            state, metrics = step_fn(state, batch, step_key(step))
+            step += 1
+            metrics = jax.device_get(metrics)
+            now = time.time()
+            ntok = float(np.sum(nb["src"] != 0) + np.sum(nb["tgt_out"] != 0))  # real tokens, both sides
+            tok_window.append((now, ntok))
+            tok_window = tok_window[-20:]
+            rate = sum(t for _, t in tok_window[1:]) / max(tok_window[-1][0] - tok_window[0][0], 1e-9) \
+                if len(tok_window) > 1 else 0.0
+            history.append({"step": step, "loss": float(metrics["loss"]), "nll": float(metrics["nll"]),
+                            "aux": float(metrics["aux"]), "lr": float(sched(step - 1)), "time": now - t_train})
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{float(metrics['loss']):.3f}", aux=f"{float(metrics['aux']):.3f}",
+                                tok_s=f"{rate:,.0f}", epoch=f"{stream.epoch_of(step):.2f}", refresh=False)
+            elif (step % args.log_every == 0) if args.log_every else (now - last_log > 30):
+                print(f"step {step} loss {float(metrics['loss']):.3f} aux {float(metrics['aux']):.3f} "
+                      f"tok/s {rate:,.0f}", flush=True)
+                last_log = now
+            if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+                vnll, vb, _ = evaluate(state["params"], n_bleu=100)
+                evals.append({"step": step, "val_nll": vnll, "bleu100": vb})
+                msg = f"eval    step {step}: held-out NLL {vnll:.3f}, BLEU (100 sentences) {vb:.1f}"
+                (bar.write(msg) if bar is not None else print(msg))
+            if args.ckpt_every and step % args.ckpt_every == 0:
+                save(step)
         if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{float(metrics['loss']):.3f}", aux=f"{float(metrics['aux']):.3f}",
-                            tok_s=f"{rate:,.0f}", epoch=f"{stream.epoch_of(step):.2f}", refresh=False)
-        elif now - last_log > 30:
-            print(f"step {step} loss {float(metrics['loss']):.3f} aux {float(metrics['aux']):.3f} tok/s {rate:,.0f}",
-                  flush=True)
-            last_log = now
-        if args.eval_every and step % args.eval_every == 0 and step < args.steps:
-            vnll, vb, _ = evaluate(state["params"], n_bleu=100)
-            evals.append({"step": step, "val_nll": vnll, "bleu100": vb})
-            msg = f"eval    step {step}: held-out NLL {vnll:.3f}, BLEU (100 sentences) {vb:.1f}"
-            (bar.write(msg) if bar is not None else print(msg))
-        if args.ckpt_every and step % args.ckpt_every == 0:
+            bar.close()
+        train_time = time.time() - t_train
+        if manager.latest_step() != step and (step > start_step or not manager.all_steps()):
             save(step)
-    if bar is not None:
-        bar.close()
-    train_time = time.time() - t_train
-    if stopped_early:
-        print(f"*** time limit of {args.time_limit} min reached: stopped training at step {step} of {args.steps}")
-    if manager is not None and (step % max(args.ckpt_every, 1) or stopped_early or step == stop_at):
-        if not history or manager.latest_step() != step:
-            save(step)
-    if step < args.steps and not stopped_early:
         (out_dir / "history.json").write_text(json.dumps(history))
-        print(f"stopped at step {step} (--stop-at); continue with --resume")
-        return {"step": step, "history": history}
-
-    (out_dir / "history.json").write_text(json.dumps(history))
-    if args.no_final_eval:
-        return {"step": step, "history": history}
-
-    # ---- final evaluation
-    t0 = time.time()
-    vnll, test_bleu, hyps = evaluate(state["params"])
-    copy_bleu = bleu(test_src, test_ref)
-    evals.append({"step": step, "val_nll": vnll, "bleu": test_bleu})
-    eval_time = time.time() - t0
-    print(f"\nheld-out ({len(test)} pairs): NLL {vnll:.3f} nats/token, BLEU {test_bleu:.2f} "
-          f"(copy-the-source baseline: {copy_bleu:.2f})   [decode+score {eval_time:.0f}s]")
-    rng = np.random.default_rng(0)
-    for i in sorted(rng.choice(len(test), size=min(args.samples, len(test)), replace=False)):
-        print(f"  src: {test_src[i]}\n  ref: {test_ref[i]}\n  hyp: {hyps[i]}\n")
-    (out_dir / "translations.tsv").write_text(
-        "".join(f"{s}\t{r}\t{h}\n" for s, r, h in zip(test_src, test_ref, hyps)), encoding="utf-8")
-    if not args.no_plot:
-        save_plot(out_dir / "loss.png", history, evals)
-        print(f"loss curve: {out_dir / 'loss.png'}")
-    total = time.time() - t_start
-    summary = {
-        "corpus": corpus.name, "train_pairs": len(corpus.train), "test_pairs": len(test), "steps": step,
-        "bleu": test_bleu, "copy_bleu": copy_bleu, "val_nll": vnll, "train_time_s": train_time,
-        "total_time_s": total, "final_train_loss": history[-1]["loss"] if history else None,
-        "epochs": stream.epoch_of(step), "compiler": compiler, "mesh": dict(mesh.shape),
-        "model": args.model, "params_m": n_params / 1e6, "stopped_early": stopped_early,
-        "cpu_time_s": time.process_time() - cpu_start, "cpus": os.cpu_count(),
-        "load_avg_1m_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-    }
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"done in {total / 60:.1f} min (training {train_time / 60:.1f} min, {step} steps, "
-          f"{stream.epoch_of(step):.2f} epochs); summary: {out_dir / 'summary.json'}")
-    return {"step": step, "history": history, "summary": summary}
+        resume = resume_command(argv)
+        if signals.received is not None:
+            print(f"*** {signals.received.name}: stopped training at step {step} of {args.steps}; checkpoint saved in "
+                  f"{ckpt_dir}. Continue with\n    {resume}", flush=True)
+            return {"step": step, "history": history, "exit_code": signals.exit_code}
+        if timed_out:
+            print(f"*** --time-limit {args.time_limit:g} min reached: stopped training at step {step} of {args.steps} "
+                  f"(checkpointed). The BLEU below is of a partly trained model; all {args.steps} steps give the "
+                  f"documented BLEU. Continue with\n    {resume}", flush=True)
+        elif step < args.steps:
+            print(f"stopped at step {step} (--stop-at); continue with\n    {resume}")
+            return {"step": step, "history": history, "exit_code": 0}
+        if args.no_final_eval:
+            return {"step": step, "history": history, "exit_code": 0}
+        signals.immediate = True  # training is saved: a signal now ends the evaluation at once
+        try:
+            summary = final_evaluation(step, train_time, timed_out)
+        except KeyboardInterrupt:
+            name = signals.received.name if signals.received is not None else "SIGINT"
+            print(f"\n*** {name}: evaluation interrupted; training finished and is checkpointed at step {step}. "
+                  f"Evaluate it with\n    {resume}", flush=True)
+            return {"step": step, "history": history, "exit_code": signals.exit_code or 130}
+    return {"step": step, "history": history, "summary": summary, "exit_code": 0}
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        sys.exit(main()["exit_code"])
+    except KeyboardInterrupt:  # before training started (or a second Ctrl-C): nothing new to save
+        print("\n*** interrupted; the checkpoints in the output dir are as they were", file=sys.stderr)
+        sys.exit(130)

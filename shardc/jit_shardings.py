@@ -99,7 +99,8 @@ def broadcast_prefix(prefix: Any, full: Any, option: str, path: str, what: str,
     if is_spec_leaf(prefix):
         return [(prefix, path)] * len(jax.tree_util.tree_leaves(full))
     children, node = _one_level(prefix)
-    if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(full)) and full is not None:
+    structure = jax.tree_util.tree_structure(full)  # (an empty container, e.g. optax.EmptyState(), is no leaf)
+    if structure.num_leaves == 1 and jax.tree_util.treedef_is_leaf(structure) and full is not None:
         raise ShardingError(f"{option}{path} is a {_describe_tree(prefix)} but {what}{path} is "
                             f"{_describe_tree(full)}: {option} must be a pytree prefix of {what}{_at(source)}")
     full_children, full_node = _one_level(full)

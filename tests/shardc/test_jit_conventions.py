@@ -59,6 +59,22 @@ def test_in_shardings_are_what_jax_jit_compiles(mesh, search):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_in_shardings_of_a_state_with_empty_containers(mesh):
+    """The shardings Flax computes for an optax state hold empty containers (`optax.EmptyState()` of SGD
+    without momentum, of `clip_by_global_norm`): a prefix like any other, as for jax.jit."""
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+    opt_state = tx.init(W)
+
+    def step(w, opt_state, x):
+        g = jax.grad(lambda w: _step(w, x)[1])(w)
+        updates, opt_state = tx.update(g, opt_state, w)
+        return optax.apply_updates(w, updates), opt_state
+
+    ins = (NamedSharding(mesh, P(None, "model")), jax.tree.map(lambda _: P(), opt_state), P("data"))
+    f = shardc.auto(step, mesh=mesh, in_shardings=ins, search=False)
+    _compiled_like_jit(f, step, (W, opt_state, X), mesh, in_shardings=ins)
+
+
 def test_out_shardings_are_what_jax_jit_compiles(mesh):
     outs = (NamedSharding(mesh, P("model", None)), None)
     f = shardc.auto(_step, mesh=mesh, out_shardings=outs, search=False)
