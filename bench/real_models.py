@@ -405,6 +405,11 @@ def measure(m: RealModel, steps: int, check_steps: int = 3) -> list[Row]:
             print(f"{m.name} / {v.name}:\n{v.plan.search.summary()}", flush=True)
         t = sorted(times[v.name][2:])
         st = stats[v.name]
+        kinds: dict[str, int] = {}
+        for c in st["collectives"]:
+            kinds[c.kind] = kinds.get(c.kind, 0) + c.count
+        print(f"{m.name} / {v.name}: collectives " + ", ".join(
+            f"{k} x{kinds[k]} {b / 2**20:.2f} MiB" for k, b in sorted(st["bytes"].items())), flush=True)
         chosen = v.plan.search.chosen if v.plan is not None and v.plan.search is not None else None
         rows.append(Row(m.name, v.name, ",".join(f"{a}={n}" for a, n in v.mesh.shape.items()),
                         1e3 * statistics.median(t), (1e3 * t[len(t) // 4], 1e3 * t[(3 * len(t)) // 4]),
