@@ -58,7 +58,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 from shardc.cost.collectives import Collective
 from shardc.sharding import Sharding
 
-__all__ = ["reshard_collectives", "is_involuntary_remat", "kept_broadcast"]
+__all__ = ["reshard_collectives", "is_involuntary_remat", "kept_broadcast", "permute_pairs"]
 
 Dims = tuple[tuple[str, ...], ...]
 Mesh = tuple[tuple[str, int], ...]
@@ -486,19 +486,24 @@ class _Partitioner:
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
         self.out: list[_Emitted] = []
+        self.pairs: list[tuple[tuple[int, int], ...]] = []  # each collective-permute's (source, target) devices
         self.remat = False
 
     # -- emitting ------------------------------------------------------------------------------------
     def emit(self, kind: str, v: _Value, in_group: Sequence[Sequence[int]], elements: int) -> None:
         groups = tuple(tuple(g[x] for x in grp) for g in v.groups for grp in in_group)
         self.out.append((kind, *_span(groups, kind == "collective-permute", self.mesh), elements))
+        if kind == "collective-permute":
+            self.pairs.append(tuple((a, b) for a, b in groups))
 
     def attempt(self, fn: Callable[[_Value, _Tiling], _Value | None], v: _Value, t: _Tiling) -> _Value | None:
         """Run one of XLA's optional strategies; drop what it emitted if it gives up."""
         mark = len(self.out)
+        pmark = len(self.pairs)
         r = fn(v, t)
         if r is None:
             del self.out[mark:]
+            del self.pairs[pmark:]
         return r
 
     # -- ReshardNoCache ------------------------------------------------------------------------------
@@ -813,3 +818,21 @@ def is_involuntary_remat(src: Sharding, dst: Sharding, shape: Sequence[int], mes
     all-gathers the whole value before slicing it; `shardc.check` fails such programs)."""
     cur, mesh_key = _key(src, mesh)
     return _dims_reshard(cur, _key(dst, mesh)[0], tuple(shape), mesh_key)[1]
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _pairs(src: Dims, dst: Dims, shape: tuple[int, ...], mesh: Mesh) -> tuple[tuple[int, int], ...] | None:
+    p = _Partitioner(mesh)
+    n = math.prod(size for _, size in mesh)
+    p.reshard(_Value(_from_dims(src, mesh), shape, (tuple(range(n)),)), _from_dims(dst, mesh))
+    if p.remat or [k for k, *_ in p.out] != ["collective-permute"]:
+        return None
+    return p.pairs[0]
+
+
+def permute_pairs(src: Sharding, dst: Sharding, shape: Sequence[int], mesh: Mapping[str, int]
+                  ) -> tuple[tuple[int, int], ...] | None:
+    """When XLA reshards `src` to `dst` (dims only) by local slices and one collective-permute: the (source
+    device, target device) pair of every tile, devices numbered row-major over the mesh's axes (self pairs
+    included); otherwise None."""
+    return _pairs(_key(src, mesh)[0], _key(dst, mesh)[0], tuple(shape), tuple(mesh.items()))

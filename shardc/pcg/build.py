@@ -25,7 +25,8 @@ from annotations.errors import ShardingError
 from shardc.ir.build import CALL_PRIMITIVES, REGION_PRIMITIVES
 from shardc.pcg.graph import PCG, Compute, GraphBuilder
 from shardc.pcg.ops import AllToAll, Combine, CollectivePermute, ParallelOp, Partition, Reduce, ReduceScatter, group_size
-from shardc.plan import Plan
+from shardc.pcg.reshard import xla_ops
+from shardc.plan import Plan, lowers_reduce_scatter
 from shardc.rules.elementwise import BINARY_ELEMENTWISE, NARY_ELEMENTWISE, UNARY_ELEMENTWISE
 from shardc.sharding import Sharding
 
@@ -55,13 +56,30 @@ def _lcp(a: Sequence[str], b: Sequence[str]) -> int:
     return n
 
 
-def reshard_ops(src: Sharding, dst: Sharding, mesh: Mapping[str, int], *, fuse: bool = False) -> list[ParallelOp]:
-    """Parallel ops taking a tensor from `src` to `dst`, each on one axes group.
+def reshard_ops(src: Sharding, dst: Sharding, mesh: Mapping[str, int], *, fuse: bool = False,
+                shape: Sequence[int] | None = None, itemsize: int = 4, reduce_scatter: bool = True) -> list[ParallelOp]:
+    """Parallel ops taking a tensor of `shape` from `src` to `dst`.
 
-    Without `fuse`: Combine the dims' extra minor axes, Reduce the partial axes, Partition the missing
-    ones, ordered so that a Combine/Reduce sits right before the Partition it could fuse with. With
-    `fuse`: AllToAll, ReduceScatter and CollectivePermute directly.
+    Without `fuse`: Unity's primitive ops, each on one axes group — Combine the dims' extra minor axes,
+    Reduce the partial axes, Partition the missing ones, ordered so that a Combine/Reduce sits right
+    before the Partition it could fuse with. With `fuse`: the one reshard model's collectives
+    (`shardc.pcg.reshard.xla_ops`: one op per collective XLA emits for the change, `reduce_scatter`:
+    whether the backend has reduce-scatters), which needs the value's `shape` and `itemsize`.
     """
+    if dst.partial - src.partial:
+        raise ShardingError(f"cannot reshard {src} to {dst}: partial sums cannot be created")
+    if src.rank != dst.rank:
+        raise ShardingError(f"cannot reshard {src} to {dst}: ranks differ")
+    if not fuse:
+        return _group_ops(src, dst, mesh, fuse=False)
+    if shape is None:
+        raise ShardingError("reshard_ops(fuse=True) needs the value's shape (the collectives depend on it)")
+    return xla_ops(src, dst, shape, itemsize, mesh, lambda a, b: _group_ops(a, b, mesh, fuse=False),
+                   reduce_scatter=reduce_scatter)
+
+
+def _group_ops(src: Sharding, dst: Sharding, mesh: Mapping[str, int], *, fuse: bool) -> list[ParallelOp]:
+    """The per-axes-group decomposition (`fuse`: AllToAll, ReduceScatter and CollectivePermute directly)."""
     if dst.partial - src.partial:
         raise ShardingError(f"cannot reshard {src} to {dst}: partial sums cannot be created")
     if src.rank != dst.rank:
@@ -209,7 +227,9 @@ class Scope:
             self.memo[(t, want)] = out
             return out
         cur = t
-        for pop in reshard_ops(have, want, self.ctx.sizes, fuse=self.ctx.fuse):
+        tensor = b.tensors[t]
+        for pop in reshard_ops(have, want, self.ctx.sizes, fuse=self.ctx.fuse, shape=tensor.shape,
+                               itemsize=tensor.itemsize, reduce_scatter=self.ctx.reduce_scatter):
             key = (cur, pop)
             if key not in self.steps:  # a step shared with another chain from the same tensor is made once
                 self.steps[key] = b.parallel(pop, cur, cause=cause)
@@ -269,6 +289,7 @@ class Walker:
         self.graph = plan.graph
         self.sizes = plan.mesh_sizes
         self.fuse = fuse
+        self.reduce_scatter = lowers_reduce_scatter(plan.mesh)
         self.causes = {(r.value, r.consumer): r.cause for r in plan.reshards}
         self.i = 0  # next graph op
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from annotations.errors import ShardingError
 from shardc.pcg.graph import PCG, Compute, Node, Region, Tensor
 from shardc.pcg.ops import (AllToAll, Combine, CollectivePermute, ParallelOp, Partition, Reduce, ReduceScatter,
-                            Replicate, group_size)
+                            ReduceScatterDims, Replicate, Shuffle, group_size)
 from shardc.sharding import Sharding
 
 __all__ = ["lower_pcg", "pcg_function", "LOCALIZE", "local_slice"]
@@ -67,9 +67,54 @@ def _parallel(op: ParallelOp, x: Any, mesh: Mapping[str, int]) -> Any:
                 v = v * n + ci
             return v
 
-        perm = [(lin(src), lin(dst)) for dst, src in op.source_of(mesh).items() if src != dst]
-        return jax.lax.ppermute(x, name, perm) if perm else x
+        perm = [(lin(src), lin(dst)) for dst, src in op.source_of(mesh).items()]  # (self pairs keep their piece)
+        return jax.lax.ppermute(x, name, perm) if any(a != b for a, b in perm) else x
+    if isinstance(op, ReduceScatterDims):
+        return _reduce_scatter_dims(op, x, mesh)
     raise NotImplementedError(type(op).__name__)  # pragma: no cover
+
+
+def _shuffle(op: Shuffle, x: Any, shape: Sequence[int], mesh: Mapping[str, int]) -> Any:
+    """Each device slices the piece the device it sends to needs (a table indexed by the device) and one
+    ppermute moves every piece (self pairs keep theirs)."""
+    axes = tuple(a for a in op.axes if mesh[a] > 1)
+    sources = op.sources(mesh, shape)
+    if sources is None:
+        raise ShardingError(f"{op}: some piece of the target layout lies in no piece of the source layout")
+    offsets = op.offsets(mesh, shape)
+    piece = Sharding(op.dst).local_shape(shape, mesh)
+    n = len(sources)
+    table = jnp.asarray([offsets[i] for i in range(n)], dtype=jnp.int32)
+    me = jax.lax.axis_index(axes) if axes else 0
+    start = table[me]
+    x = jax.lax.dynamic_slice(x, [start[d] for d in range(x.ndim)], piece)
+    perm = [(i, j) for j, i in sources.items()]
+    return jax.lax.ppermute(x, axes, perm) if any(a != b for a, b in perm) else x
+
+
+def _reduce_scatter_dims(op: ReduceScatterDims, x: Any, mesh: Mapping[str, int]) -> Any:
+    """One reduce-scatter over `op.axes` into several dims: each split dim is reshaped into (its new
+    axes' sizes, the rest), those factors moved to the front in the order of `op.axes` and merged,
+    scattered there, and the rest reshaped back."""
+    rank = x.ndim
+    per_dim: dict[int, list[str]] = {}
+    for a, d in zip(op.axes, op.dims):
+        per_dim.setdefault(d, []).append(a)
+    shape, where = [], {}
+    rest_pos = []
+    for d in range(rank):
+        for a in per_dim.get(d, []):
+            where[a] = len(shape)
+            shape.append(mesh[a])
+        rest = x.shape[d] // group_size(tuple(per_dim.get(d, [])), mesh)
+        rest_pos.append(len(shape))
+        shape.append(rest)
+    y = x.reshape(shape)
+    y = jnp.transpose(y, [where[a] for a in op.axes] + rest_pos)
+    n = group_size(op.axes, mesh)
+    y = y.reshape((n,) + tuple(shape[p] for p in rest_pos))
+    y = jax.lax.psum_scatter(y, _axis(op.axes), scatter_dimension=0, tiled=True)
+    return y.reshape(tuple(shape[p] for p in rest_pos))
 
 
 # -- compute nodes ---------------------------------------------------------------------------------
@@ -198,7 +243,10 @@ def pcg_function(pcg: PCG, *, strict: bool = True) -> Callable[..., list[Any]]:
                 x = vals[0]
                 if strict and node.op.collective not in ("none", "slice") and group_size(node.op.axes, mesh) > 1:
                     x = jax.lax.optimization_barrier(x)
-                outs = [_parallel(node.op, x, mesh)]
+                if isinstance(node.op, Shuffle):
+                    outs = [_shuffle(node.op, x, pcg.tensors[node.inputs[0]].shape, mesh)]
+                else:
+                    outs = [_parallel(node.op, x, mesh)]
             elif isinstance(node.op, Region):
                 outs = _region(node.op, vals, strict)
             else:

@@ -14,6 +14,8 @@ it from there. Each lowers to exactly one local slice or collective:
 | ReduceScatter(d,A)| partial over A added, dim d gains A          | reduce-scatter              |
 | AllToAll(s, t, A) | dim s loses A, dim t gains A                 | all-to-all                  |
 | CollectivePermute(d, A, B) | dim d split over A becomes split over B (same devices) | collective-permute |
+| ReduceScatterDims(A, ds) | partial over A added, axis A[i] joins dim ds[i] | reduce-scatter |
+| Shuffle(A, src, dst) | layout src becomes dst: each device's new piece lies in one old piece | slice + collective-permute |
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from shardc.sharding import Sharding
 
 __all__ = [
     "Axes", "ParallelOp", "Partition", "Combine", "Replicate", "Reduce", "ReduceScatter", "AllToAll",
-    "CollectivePermute", "PARALLEL_OPS", "group_size", "comm_bytes", "collective_kind",
+    "CollectivePermute", "Shuffle", "ReduceScatterDims", "PARALLEL_OPS", "group_size", "comm_bytes", "collective_kind",
 ]
 
 Axes = tuple[str, ...]
@@ -250,7 +252,132 @@ def _delinear(v: int, sizes: Sequence[int]) -> list[int]:
     return out[::-1]
 
 
-PARALLEL_OPS = (Partition, Combine, Replicate, Reduce, ReduceScatter, AllToAll, CollectivePermute)
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReduceScatterDims(ParallelOp):
+    """Reduce partial sums over `axes` and split several dims by them at once: axis `axes[i]` joins dim
+    `dims[i]` (minor-most, in the listed order). One reduce-scatter, as XLA does it when the reduced axes
+    end up on different dims (a `ReduceScatter` splits one dim)."""
+
+    dims: tuple[int, ...] = ()
+    kind = "reduce_scatter_dims"
+    collective = "reduce-scatter"
+
+    def apply(self, s: Sharding) -> Sharding:
+        if len(self.dims) != len(self.axes):
+            raise ShardingError(f"{self}: one dim per axis")
+        out = Reduce(tuple(self.axes)).apply(s)
+        for a, d in zip(self.axes, self.dims):
+            out = Partition((a,), d).apply(out)
+        return out
+
+    def short(self) -> str:
+        return f"reduce_scatter[{','.join(f'{a}->{d}' for a, d in zip(self.axes, self.dims))}]"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Shuffle(ParallelOp):
+    """Layout `src` (dims only) becomes `dst` by one collective-permute: every device's piece under `dst`
+    lies inside some device's piece under `src` (each dim split at least as finely, a multiple of the
+    source's degree), so each device slices from its piece the part one other device needs and sends it
+    there (XLA's `ReshardWithCollectivePermute`, after a local slice when the target is finer). `axes`:
+    every mesh axis (mesh order), so that devices are numbered as XLA numbers them."""
+
+    src: tuple[Axes, ...] = ()
+    dst: tuple[Axes, ...] = ()
+    kind = "shuffle"
+    collective = "collective-permute"
+
+    def apply(self, s: Sharding) -> Sharding:
+        if s.partial or s.dims != self.src:
+            raise ShardingError(f"{self}: expects {Sharding(self.src)}, got {s}")
+        return Sharding(self.dst)
+
+    def short(self) -> str:
+        return f"shuffle[{Sharding(self.src)}->{Sharding(self.dst)}]"
+
+    def sources(self, mesh: Mapping[str, int], shape: Sequence[int]) -> dict[int, int] | None:
+        """For each device (linear index over `axes`, major to minor), the device whose `src` piece holds its
+        `dst` piece: XLA's pairs when XLA does this change as one collective-permute
+        (`shardc.cost.reshard.permute_pairs`), else a bijection that keeps as many devices on their own
+        piece as possible; None when there is none (a piece of `dst` lies in no piece of `src`)."""
+        from shardc.cost.reshard import permute_pairs
+
+        sizes = tuple(mesh[a] for a in self.axes)
+        if [a for a in mesh if mesh[a] > 1] == [a for a in self.axes if mesh[a] > 1]:
+            pairs = permute_pairs(Sharding(self.src), Sharding(self.dst), shape, mesh)
+            if pairs is not None:
+                return {t: f for f, t in pairs}
+        return _shuffle_sources(self.src, self.dst, self.axes, sizes)
+
+    def pair_axes(self, mesh: Mapping[str, int], shape: Sequence[int]) -> Axes:
+        """The mesh axes along which a device and the device it receives from differ (what XLA reports
+        as the collective-permute's axes)."""
+        sizes = [mesh[a] for a in self.axes]
+        varying: set[str] = set()
+        for j, i in (self.sources(mesh, shape) or {}).items():
+            cj, ci = _delinear(j, sizes), _delinear(i, sizes)
+            varying.update(a for a, x, y in zip(self.axes, cj, ci) if x != y)
+        return tuple(a for a in self.axes if a in varying)
+
+    def offsets(self, mesh: Mapping[str, int], shape: Sequence[int]) -> dict[int, tuple[int, ...]]:
+        """For each sending device, where in its local `src` piece (per dim) the piece it sends starts."""
+        srcs = self.sources(mesh, shape) or {}
+        sizes = [mesh[a] for a in self.axes]
+        out = {}
+        for j, i in srcs.items():
+            cj = dict(zip(self.axes, _delinear(j, sizes)))
+            starts = []
+            for d, n in enumerate(shape):
+                ks, kd = group_size(self.src[d], mesh), group_size(self.dst[d], mesh)
+                starts.append((_index(cj, self.dst[d], mesh) % (kd // ks)) * (n // kd))
+            out[i] = tuple(starts)
+        return out
+
+
+def _index(coords: Mapping[str, int], axes: Axes, mesh: Mapping[str, int]) -> int:
+    """The piece index a device holds along a dim split over `axes` (major to minor)."""
+    return _linear([coords[a] for a in axes], [mesh[a] for a in axes])
+
+
+def _shuffle_sources(src: tuple[Axes, ...], dst: tuple[Axes, ...], axes: Axes, sizes: tuple[int, ...]
+                     ) -> dict[int, int] | None:
+    mesh = dict(zip(axes, sizes))
+    n = math.prod(sizes)
+    coords = [dict(zip(axes, _delinear(i, list(sizes)))) for i in range(n)]
+    ratio = []
+    for s, t in zip(src, dst):
+        ks, kd = group_size(s, mesh), group_size(t, mesh)
+        if kd % ks:
+            return None
+        ratio.append(kd // ks)
+
+    def holds(i: int, j: int) -> bool:  # device i's src piece contains device j's dst piece
+        return all(_index(coords[i], s, mesh) == _index(coords[j], t, mesh) // r for s, t, r in zip(src, dst, ratio))
+
+    holders = [[i for i in range(n) if holds(i, j)] for j in range(n)]
+    owner: dict[int, int] = {}  # source device -> receiver
+    for j in range(n):  # devices that already hold their piece keep it
+        if j in holders[j]:
+            owner[j] = j
+
+    def augment(j: int, seen: set[int]) -> bool:
+        for i in holders[j]:
+            if i in seen:
+                continue
+            seen.add(i)
+            if i not in owner or augment(owner[i], seen):
+                owner[i] = j
+                return True
+        return False
+
+    for j in range(n):
+        if owner.get(j) != j and not augment(j, set()):
+            return None
+    return {j: i for i, j in owner.items()}
+
+
+PARALLEL_OPS = (Partition, Combine, Replicate, Reduce, ReduceScatter, AllToAll, CollectivePermute, Shuffle,
+                ReduceScatterDims)
 
 
 def collective_kind(op: ParallelOp) -> str:
@@ -265,12 +392,17 @@ def comm_bytes(op: ParallelOp, in_local_bytes: int, mesh: Mapping[str, int]) -> 
         return 0.0
     if isinstance(op, Reduce):
         return 2.0 * in_local_bytes * (n - 1) / n
-    if isinstance(op, ReduceScatter):
+    if isinstance(op, (ReduceScatter, ReduceScatterDims)):
         return in_local_bytes * (n - 1) / n
     if isinstance(op, Combine):
         return float(in_local_bytes * (n - 1))
     if isinstance(op, AllToAll):
         return in_local_bytes * (n - 1) / n
-    if isinstance(op, CollectivePermute):
-        return float(in_local_bytes)
+    if isinstance(op, (CollectivePermute, Shuffle)):
+        return float(in_local_bytes) if isinstance(op, CollectivePermute) else float(in_local_bytes) / _ratio(op, mesh)
     return 0.0
+
+
+def _ratio(op: Shuffle, mesh: Mapping[str, int]) -> int:
+    """How many times smaller a device's piece is under `dst` than under `src`."""
+    return math.prod(group_size(t, mesh) // group_size(s, mesh) for s, t in zip(op.src, op.dst))
