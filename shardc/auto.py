@@ -690,7 +690,8 @@ def _flat_donate(donate_argnums: Sequence[int], args: Any, fun: Callable) -> lis
 
 def _tie_carried_state(graph: Graph, in_tree: Any, out_tree: Any, args: Any) -> None:
     """Tie each output leaf that is the next step's version of an input leaf (same subtree structure,
-    same shapes) to that input, so both get one sharding and step 2 does not reshard."""
+    same shapes; of several such outputs, the one whose leaves most update the input's) to that input, so
+    both get one sharding and step 2 does not reshard."""
     from shardc.ir.build import _tie_rule
 
     arg_trees = [jax.tree_util.tree_structure(a) for a in args]
@@ -704,20 +705,40 @@ def _tie_carried_state(graph: Graph, in_tree: Any, out_tree: Any, args: Any) -> 
     for c in out_children:
         starts.append(s)
         s += c.num_leaves
+    hinted: dict[int, set[int]] = {}  # value -> the hints of it (transitively)
+    for op in graph.ops:
+        if op.is_hint:
+            for v in (op.inputs[0], *hinted.get(op.inputs[0], ())):
+                hinted.setdefault(v, set()).add(op.outputs[0])
+
+    def updates(a: int, b: int) -> bool:
+        """Whether output leaf `b` is input leaf `a` updated: made by an op reading `a` (both maybe through
+        hints)."""
+        p = graph.values[b].producer
+        if p is not None and graph.ops[p].is_hint:
+            p = graph.values[graph.ops[p].inputs[0]].producer
+        return p is not None and bool(({a} | hinted.get(a, set())) & set(graph.ops[p].inputs))
+
     used: set[int] = set()
-    for ci, child in enumerate(out_children):
-        for ai, at in enumerate(arg_trees):
-            if ai in used or at != child or child.num_leaves == 0:
+    for ai, at in enumerate(arg_trees):
+        best: tuple[int, list[tuple[int, int]], int] | None = None
+        for ci, child in enumerate(out_children):
+            if ci in used or at != child or child.num_leaves == 0:
                 continue
             pairs = [(graph.inputs[arg_starts[ai] + k], graph.outputs[starts[ci] + k]) for k in range(child.num_leaves)]
             if all(graph.values[a].shape == graph.values[b].shape and graph.values[a].dtype == graph.values[b].dtype
                    for a, b in pairs):
-                used.add(ai)
-                for a, b in pairs:
-                    if a != b:
-                        graph.add_op(Op(len(graph.ops), "tie", (a,), (b,), {}, _tie_rule(graph.values[a].shape),
-                                        region="io"))
-                break
+                # of outputs shaped like the argument ((metrics, new_params) both like params), the one that
+                # updates it (the first of equals)
+                score = sum(updates(a, b) for a, b in pairs)
+                if best is None or score > best[0]:
+                    best = (score, pairs, ci)
+        if best is not None:
+            used.add(best[2])
+            for a, b in best[1]:
+                if a != b:
+                    graph.add_op(Op(len(graph.ops), "tie", (a,), (b,), {}, _tie_rule(graph.values[a].shape),
+                                    region="io"))
 
 
 def auto(fun: Callable | None = None, **options: Any) -> Any:

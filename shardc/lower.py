@@ -180,6 +180,7 @@ class Lowering:
         if need:
             invals = [self.reshard(x, v, self.plan.shardings[v], need[i]) if i in need else x
                       for i, (x, v) in enumerate(zip(invals, op.inputs))]
+        invals = self.constants_as_needed(op, invals)
         if eqn.primitive is hint_p or op.primitive == "sharding_constraint":
             # a hint or jax's own constraint (maybe on the mesh the step was traced under, e.g. Flax's on
             # partitioned parameters): the plan's decided sharding of the value, on the plan's mesh
@@ -190,10 +191,33 @@ class Lowering:
             if isinstance(var, jcore.DropVar) or not hasattr(outs[i], "shape") \
                     or len(made[i].dims) != len(outs[i].shape):
                 continue
+            if self.info.constant[vid]:  # whole on every device; its consumers slice it (`constants_as_needed`)
+                outs[i] = _constrain(outs[i], self.named(Sharding(((),) * len(outs[i].shape))))
+                continue
             outs[i] = _constrain(outs[i], self.named(made[i]))
             if made[i] != self.plan.shardings[vid]:
                 outs[i] = self.reshard(outs[i], vid, made[i], self.plan.shardings[vid])
         return outs
+
+    def constants_as_needed(self, op: Any, invals: list[Any]) -> list[Any]:
+        """`invals` with each compile-time constant operand of a non-constant op constrained to the layout
+        the op's strategy needs: the plan lists no reshard of a constant, so XLA computes it whole on every
+        device (`apply_op` constrains constant results replicated) and each consumer slices it for free (a
+        constant computed split would be all-gathered for a consumer needing it whole). Left in its planned
+        layout, it would steer XLA's partitioner (a scatter whose constant indices are split over an axis
+        computes partial sums there and permutes them back)."""
+        if op.is_hint or op.primitive in ("tie", "sharding_constraint") \
+                or all(self.info.constant[v] for v in op.outputs):
+            return invals
+        rule, strat, constant = op.rule, self.plan.strategies[op.id], self.info.constant
+        out = list(invals)
+        for i, (v, dims) in enumerate(zip(op.inputs, rule.operands)):
+            x = out[i]
+            if not constant[v] or not hasattr(x, "shape") or len(x.shape) != len(dims) or not x.shape \
+                    or i in self.needs.get(op.id, {}):
+                continue
+            out[i] = _constrain(x, self.named(strat.tensor_sharding(rule, dims, self.sizes)))
+        return out
 
     def merged(self, op: Any) -> list[Any] | None:
         """The outputs of the op CSE merges `op` into (`shardc.cost.program`), when it was bound in this trace

@@ -232,7 +232,10 @@ class Merged:
 
 def folds_to_constant(graph: Graph, op: Any) -> bool:
     """Whether XLA's simplifier makes `op`'s results constants whatever its operands: argmax/argmin over
-    dims of size 1 (the index is 0)."""
+    dims of size 1 (the index is 0); `empty`/`empty2` are zeros (a broadcast of a constant, which XLA's
+    partitioner makes in any layout without collectives)."""
+    if op.primitive in ("empty", "empty2") and not op.inputs:
+        return True
     if op.primitive in ("argmax", "argmin") and op.inputs:
         shape = graph.values[op.inputs[0]].shape
         return all(shape[d] == 1 for d in op.params.get("axes", ()))
@@ -267,6 +270,8 @@ def broadcast_transfer(graph: Graph, op: Any, operands: Sequence[frozenset[int]]
         new = {d for d in range(len(shape)) if d not in mapped}
         new |= {d for i, d in enumerate(mapped) if src[i] == 1 and shape[d] != 1}
         return [frozenset(new)]
+    if prim == "iota":  # (XLA makes it a broadcast of a 1-D iota along its dimension)
+        return [frozenset(d for d in range(len(shape)) if d != op.params.get("dimension", 0))]
     if not operands or not operands[0] and prim not in _ELEMENTWISE_HLO:
         return none
     b = operands[0]
@@ -356,8 +361,8 @@ def _merge(graph: Graph) -> Merged:
     seen: dict[Any, int] = {}
     for op in graph.ops:
         ins = tuple(canon[v] for v in op.inputs)
-        if (op.inputs and all(constant[v] for v in op.inputs) or folds_to_constant(graph, op)) and not op.region \
-                and op.primitive not in _NOT_MERGED:
+        if (op.inputs and all(constant[v] for v in op.inputs) or folds_to_constant(graph, op)) \
+                and op.primitive not in _NOT_MERGED:  # (in a loop or branch body too: XLA folds them there)
             for v in op.outputs:
                 constant[v] = True
         if op.primitive in _NOT_MERGED or op.primitive in ("shardc_hint", "sharding_constraint"):

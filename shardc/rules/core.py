@@ -424,5 +424,19 @@ def _components(rule: FactorRule) -> tuple[int, ...]:
         fs = [f for dim in tensor for f in dim]
         for f in fs[1:]:
             parent[find(f)] = find(fs[0])
-    # operand i and result i of a pairwise identity share factors: the union above links them
+    if not _pairwise(rule):
+        # one iteration space even where no tensor links two factors (a scatter's operand dims and its
+        # updates' batch dims; the two sides of einsum 'a,b->a'): one axis on both would leave each
+        # device a tile of one and a shard of the other that do not meet (XLA regroups the devices and
+        # permutes the result back)
+        for f in range(1, rule.num_factors):
+            parent[find(f)] = find(0)
     return tuple(find(f) for f in range(rule.num_factors))
+
+
+def _pairwise(rule: FactorRule) -> bool:
+    """Whether operand i and result i have the same factors for every i (optimization_barrier, hints):
+    the pairs are separate iteration spaces."""
+    if len(rule.operands) != len(rule.results):
+        return False
+    return all(tuple(a) == tuple(r) for a, r in zip(rule.operands, rule.results))

@@ -138,6 +138,7 @@ class TaskBuilder:
         self._canon_in: list | None = None
         self._plan_class: list[int] | None = None
         self._made_memo: dict[tuple, tuple[Sharding, ...]] = {}
+        self._layout_memo: dict[Sharding, Sharding] = {}
         self.key_of: dict[Any, int] = {}
         self.key_list: list[Any] = []
         self.is_value_key: list[bool] = []
@@ -165,7 +166,9 @@ class TaskBuilder:
         return self.info.canon[v]
 
     def kid(self, key: Any) -> int:
-        """The interned id of a key."""
+        """The interned id of a key (a value key's layout as `layout` gives it)."""
+        if len(key) == 3:
+            key = self.vkey(key)
         i = self.key_of.get(key)
         if i is None:
             i = self.key_of[key] = len(self.key_list)
@@ -174,6 +177,21 @@ class TaskBuilder:
             if len(key) == 3:
                 self.value_keys.setdefault(key[0], []).append(i)
         return i
+
+    def layout(self, s: Sharding) -> Sharding:
+        """`s` without the mesh axes of size 1: one layout, however many such axes name it ([y+x] and [x],
+        [y] and [-] with y of size 1 are the same HloSharding: XLA makes it once)."""
+        hit = self._layout_memo.get(s)
+        if hit is None:
+            one = {a for a, n in self.mesh.items() if n == 1}
+            hit = s if not one else Sharding(tuple(tuple(a for a in d if a not in one) for d in s.dims),
+                                             frozenset(s.partial - one))
+            self._layout_memo[s] = hit
+        return hit
+
+    def vkey(self, key: Key) -> Key:
+        """A value key with its layout as `layout` gives it."""
+        return (key[0], self.layout(key[1]), key[2])
 
     def initial_keys(self, plan: Plan) -> dict[int, int]:
         """Keys ready before the step: the inputs at their planned shardings (owner -1)."""
@@ -311,7 +329,7 @@ class TaskBuilder:
         """How many steps of a path from value `c`'s home layout are done: the furthest of its layouts some
         slot made already (0: none)."""
         for n in range(len(steps) - 1, 0, -1):
-            i = self.key_of.get((c, steps[n - 1][0], HOME))
+            i = self.key_of.get(self.vkey((c, steps[n - 1][0], HOME)))
             if i is not None and i in keys:
                 return n
         return 0
@@ -335,13 +353,13 @@ class TaskBuilder:
         bc_start, empty = self.bc_start, frozenset()
         for i, (v, c) in enumerate(zip(op.inputs, canon_in)):
             need = needs.get((op_id, i), sh[v])
-            k = key_of.get((c, need, HOME))
+            k = key_of.get(self.vkey((c, need, HOME)))
             if k is not None and k in keys:
                 state.append(need)
             elif self.info.constant[c] or self.info.constant[v]:
                 state.append((need, None))
             else:
-                h = key_of.get((c, sh[c], HOME))
+                h = key_of.get(self.vkey((c, sh[c], HOME)))
                 b = bc_start.get((op_id, i), empty)
                 done = self.resume(c, self.path(sh[c], need, v, (), b), keys) if need != sh[c] else 0
                 state.append((need, sh[c], h is not None and h in keys, done, b))

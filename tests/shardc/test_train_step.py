@@ -113,3 +113,24 @@ def test_explain_names_hints_and_lines(mesh):
     assert "test_train_step.py" in text
     assert "['Dense_0']['kernel']" in text
     assert "model" in text
+
+
+def test_the_updated_params_are_the_carried_state_not_metrics_shaped_like_them(mesh):
+    """A step returning (metrics, new_params) with metrics shaped like the params: the params' next value
+    is the output that updates them (its layout is the input's, so step 2 runs the same program), not the
+    first output of the same structure."""
+    def step(params, x):
+        w = split(params["w"], 0, "data")
+        metrics = {"w": split(jnp.tanh(w) * 3.0, 1, "model")}
+        return metrics, {"w": w - 0.1 * jnp.sum(x)}
+
+    params, x = {"w": jnp.ones((8, 8))}, jnp.ones((4,))
+    auto = shardc.auto(step, mesh=mesh, search=False)
+    plan = shardc.plan(auto, params, x)
+    n_in = len(plan.graph.inputs)
+    carried = plan.graph.carried()
+    assert carried == {plan.graph.inputs[0]: plan.graph.outputs[1]}, (carried, n_in)
+    assert plan.output_shardings()[1] == plan.input_shardings()[0]
+    _, p2 = auto(params, x)
+    auto(p2, x)
+    assert len(auto._cache) == 1
