@@ -35,7 +35,9 @@ from annotations.errors import ShardingError
 from shardc.pipeline.shift import stage_shift
 from shardc.pipeline.value import Pipeline
 
-__all__ = ["pipelined_scan", "is_key"]
+__all__ = ["pipelined_scan", "is_key", "LOOP_SCOPE"]
+
+LOOP_SCOPE = "shardc_pipeline"  # the name scope of the pipeline loop
 
 
 def is_key(x: Any) -> bool:
@@ -177,6 +179,7 @@ def pipelined_scan(body: Callable, init: Any, xs: Any, p: Pipeline, scan: Callab
         io = [jax.lax.dynamic_update_index_in_dim(b, c, slot, axis=1) for b, c in zip(io, cols)]
         return (io, shift), None
 
-    (io, _), _ = scan(iteration, (io, shift), jnp.arange(p.iterations, dtype=jnp.int32))
+    with jax.named_scope(LOOP_SCOPE):  # (how the simulator finds the loop's ops, forward and backward)
+        (io, _), _ = scan(iteration, (io, shift), jnp.arange(p.iterations, dtype=jnp.int32))
     out = [_from_microbatches(bf, p) for bf in io]
     return jax.tree.unflatten(carry_tree, out), jax.tree.unflatten(ys_tree[0], [])
