@@ -48,7 +48,7 @@ from shardc.waste import IdleDevicesWarning, user_stacklevel, waste_warning
 import shardc.search.integrate as _search
 from shardc.ties import check_ties
 from shardc.search.remat_choice import apply_choice, choose_remat
-from shardc.pipeline.jit import check_mesh
+from shardc.pipeline.jit import check_mesh, pipeline_meshes
 from shardc.pipeline.stacks import find_stacks, largest, pipelining
 from shardc.pipeline.value import Pipeline
 
@@ -136,7 +136,7 @@ class AutoFunction:
             raise ShardingError(f"shardc.auto(memory_limit={memory_limit!r}): expected a positive number of bytes per "
                                 f"device (or None for the topology's device memory)")
         # pipeline: a shardc.pipeline.Pipeline; the step's layer stack runs as that pipeline (docs/pipeline.md)
-        self.pipeline = _check_pipeline(pipeline, mesh)
+        self.pipeline = _check_pipeline(pipeline, mesh, devices)
         self._stack: Any = None  # the layer stack the pipeline cuts (found on the first trace)
         self._options = dict(mesh=mesh, rules=rules, donate_argnums=donate_argnums, topology=topology, search=search,
                              budget_s=budget_s, seed=seed, devices=devices, static_argnums=static_argnums,
@@ -741,16 +741,20 @@ def _tie_carried_state(graph: Graph, in_tree: Any, out_tree: Any, args: Any) -> 
                 break
 
 
-def _check_pipeline(pipeline: Any, mesh: Mesh | None) -> Any:
-    """`pipeline=` of shardc.auto: None, or a Pipeline on a given mesh that has its stage and data axes."""
+def _check_pipeline(pipeline: Any, mesh: Mesh | None, devices: int | None) -> Any:
+    """`pipeline=` of shardc.auto: None, or a Pipeline on a given mesh that has its stage and data axes (or,
+    planning for `devices` without a mesh, on the meshes `pipeline_meshes` makes for it)."""
     if pipeline is None:
         return None
     if not isinstance(pipeline, Pipeline):
         raise ShardingError(f"shardc.auto(pipeline={pipeline!r}): expected a shardc.pipeline.Pipeline or None")
-    if mesh is None:
-        raise ShardingError("shardc.auto(pipeline=...) needs mesh= with the pipeline's stage axis (the search does "
-                            "not choose pipelined meshes yet)")
-    check_mesh(pipeline, dict(mesh.shape))
+    if mesh is None and devices is None:
+        raise ShardingError("shardc.auto(pipeline=...) needs mesh= with the pipeline's stage axis, or devices= "
+                            "(shardc.plan_for) to plan on the meshes the pipeline implies")
+    if mesh is not None:
+        check_mesh(pipeline, dict(mesh.shape))
+    else:
+        pipeline_meshes(pipeline, devices)
     return pipeline
 
 

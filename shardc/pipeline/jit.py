@@ -19,7 +19,7 @@ from annotations.errors import ShardingError
 from shardc.pipeline.stacks import Stack, find_stacks, largest, pipelining
 from shardc.pipeline.value import Pipeline
 
-__all__ = ["check_mesh", "for_mesh", "stack_of", "pipeline_jit"]
+__all__ = ["check_mesh", "for_mesh", "pipeline_meshes", "stack_of", "pipeline_jit"]
 
 
 def check_mesh(p: Pipeline, mesh: Mapping[str, int]) -> None:
@@ -37,6 +37,21 @@ def check_mesh(p: Pipeline, mesh: Mapping[str, int]) -> None:
     if n != p.shards:
         raise ShardingError(f"pipeline data axes {p.data} hold {n} devices on mesh {dict(mesh)}, but the pipeline "
                             f"says shards={p.shards}")
+
+
+def pipeline_meshes(p: Pipeline, devices: int, model_axis: str = "model") -> list[dict[str, int]]:
+    """The meshes of `devices` devices a pipeline implies when no mesh is given: the stage axis outermost (the
+    slowest topology level: only activations cross it), then its data axis (one, of `shards` devices) and
+    `model_axis` with the devices left, in either order (which of them lies inside a node). Without data axes
+    the mesh still has a "data" axis, of size 1 (hints on the batch name it)."""
+    if len(p.data) > 1:
+        raise ShardingError(f"pipeline data axes {p.data}: without mesh=, name at most one data axis")
+    if devices % (p.stages * p.shards):
+        raise ShardingError(f"pipeline of {p.stages} stages x {p.shards} data shards does not divide {devices} "
+                            f"devices")
+    rest = {p.data[0] if p.data else "data": p.shards, model_axis: devices // (p.stages * p.shards)}
+    orders = [rest] if 1 in rest.values() else [rest, dict(reversed(list(rest.items())))]
+    return [{p.axis: p.stages, **r} for r in orders]
 
 
 def for_mesh(stages: int, microbatches: int, mesh: Mapping[str, int], schedule: str = "gpipe", repeats: int = 1,

@@ -15,6 +15,7 @@ parameters per layer) are no stack (docs/pipeline.md says why); one stack per pr
 from __future__ import annotations
 
 import contextlib
+import re
 import dataclasses
 import threading
 from typing import Any, Callable, Iterator
@@ -91,7 +92,10 @@ def _as_stack(index: int, init: Any, xs: Any, length: int | None, reverse: bool)
     nbytes = sum(x.size * x.dtype.itemsize for x in xs_leaves if jax.dtypes.issubdtype(x.dtype, jax.numpy.floating))
     if not nbytes:
         return None
-    name = str(source_info_util.current_name_stack()) or f"scan {index}"
+    name = str(source_info_util.current_name_stack())
+    while re.fullmatch(r"\w+\((.*)\)", name):  # jvp(Model) -> Model: the module path, not the transforms
+        name = re.fullmatch(r"\w+\((.*)\)", name).group(1)
+    name = name or f"scan {index}"
     return Stack(index, n, int(carry[0].shape[0]), int(nbytes), name)
 
 

@@ -120,6 +120,19 @@ class Pipeline:
         """Whether each stage's layers are recomputed in the backward pass (the 1F1B-memory schedule)."""
         return self.schedule == "1f1b"
 
+    def stage_map(self) -> str:
+        """Which layers of the stack each stage (a position on the stage axis) holds, one line per stage."""
+        def spans(idx: tuple[int, ...]) -> str:
+            runs, start = [], idx[0]
+            for a, b in zip(idx, idx[1:] + (None,)):
+                if b != a + 1:
+                    runs.append(f"{start}" if start == a else f"{start}-{a}")
+                    start = b
+            return ", ".join(runs)
+
+        return "\n".join(f"stage {s} ({self.axis}={s}): layers {spans(idx)} of {self.stack or 'the stack'}"
+                         for s, idx in enumerate(self.stage_layers()))
+
     def describe(self) -> str:
         rep = f" x {self.repeats} repeats" if self.repeats > 1 else ""
         data = f", each split over {'+'.join(self.data)} ({self.shards})" if self.data else ""

@@ -90,3 +90,14 @@ def test_pipeline_option_errors():
     with pytest.raises(shardc.ShardingError, match="no layer stack"):
         shardc.plan(lambda p, s, x, y: x @ p["embed"], *args, mesh=shardc.make_mesh({"stage": 2, "data": 4}),
                     pipeline=Pipeline(2, 4), search=False)
+
+
+def test_explain_shows_the_stage_map():
+    axes = {"stage": 2, "data": 4}
+    plan = shardc.plan(make_step(None), *make_args(), mesh=shardc.make_mesh(axes), search=False,
+                       pipeline=for_mesh(2, 4, axes, "1f1b", data=("data",)), topology="h100-sxm-8")
+    text = plan.explain()
+    assert "pipeline: 1f1b, 2 stages over mesh axis 'stage', 4 microbatches" in text
+    assert "stage 0 (stage=0): layers 0-3 of scan 0" in text
+    assert "stage 1 (stage=1): layers 4-7 of scan 0" in text
+    assert "stage boundary" in text  # the simulated cost's pipeline view
