@@ -27,9 +27,11 @@ SIZES = {"full": dict(layers=12, batch=8, seq=512, vocab=32768, d=6144, heads=48
          "tiny": dict(layers=4, batch=8, seq=32, vocab=256, d=64, heads=4)}
 
 
-def build(scale: str):
+def build(scale: str, batch_scale: int = 1):
+    """The step and abstract arguments; the batch is `batch_scale` times the size's (the zoo scales its
+    8-device batches with the device count: 64 sequences on 64 devices)."""
     kw = dict(SIZES[scale])
-    batch, seq = kw.pop("batch"), kw["seq"]
+    batch, seq = kw.pop("batch") * batch_scale, kw["seq"]
     model = ScanGPT(**kw)
     tx = optax.adamw(1e-3)
     # no mesh: Flax applies no partitioning constraint; the metadata is dropped (every strategy is the search's)
@@ -46,7 +48,7 @@ def configs(devices: int, layers: int, batch: int):
         for shards in (1, 2, 4):
             if devices % (stages * shards):
                 continue
-            for micro in (stages, 2 * stages, 4 * stages):
+            for micro in (stages, 2 * stages, 4 * stages, 8 * stages):
                 if micro > batch or batch % micro or (batch // micro) % shards:
                     continue
                 for schedule in ("gpipe", "1f1b"):
@@ -65,8 +67,8 @@ def main() -> None:
     ap.add_argument("--unpipelined", action="store_true", help="also search without a pipeline (and list the "
                                                                 "baselines it scored)")
     a = ap.parse_args()
-    step, args = build(a.scale)
     n = as_topology(a.topology).num_devices
+    step, args = build(a.scale, max(1, n // 8))  # weak scaling, as bench/zoo.py
     if a.unpipelined:
         t = time.time()
         plan = shardc.plan_for(step, *args, topology=a.topology, budget_s=a.budget, donate_argnums=(0, 1))
@@ -75,7 +77,7 @@ def main() -> None:
         for c in plan.search.baselines:
             print(f"  baseline {c.name} {c.mesh} {c.score.time * 1e3:.2f} ms feasible={c.score.feasible} "
                   f"peak {c.score.peak / 2**30:.1f} GiB")
-    cfgs = list(configs(n, SIZES[a.scale]["layers"], SIZES[a.scale]["batch"]))
+    cfgs = list(configs(n, SIZES[a.scale]["layers"], SIZES[a.scale]["batch"] * max(1, n // 8)))
     pick = {int(i) for i in a.only.split(",") if i} or set(range(len(cfgs)))
     print("| # | pipeline | mesh | step | bubble | boundary | peak | plan time |")
     print("|---|---|---|---|---|---|---|---|")

@@ -45,7 +45,7 @@ class Choice:
 
 def candidates(devices: int, layers: int, batch: int, max_stages: int = 8) -> Iterator[Pipeline]:
     """Pipelines of a `layers`-deep stack and a batch of `batch` on `devices` devices: stages dividing both,
-    1, 2 or 4 data shards, microbatches 1, 2 or 4 times the stages (each a whole number of rows per
+    1, 2 or 4 data shards, microbatches 1, 2, 4 or 8 times the stages (each a whole number of rows per
     shard), gpipe and 1f1b, and circular with 2 repeats where the layers allow."""
     for stages in range(2, max_stages + 1):
         if layers % stages or devices % stages:
@@ -54,7 +54,7 @@ def candidates(devices: int, layers: int, batch: int, max_stages: int = 8) -> It
             if devices % (stages * shards):
                 continue
             data = ("data",) if shards > 1 else ()
-            for micro in (stages, 2 * stages, 4 * stages):
+            for micro in (stages, 2 * stages, 4 * stages, 8 * stages):
                 if micro > batch or batch % micro or (batch // micro) % shards:
                     continue
                 for schedule in ("gpipe", "1f1b"):
