@@ -51,6 +51,33 @@ class GPT(nn.Module):
         return nn.Dense(self.vocab, kernel_init=_kernel((None, "model")))(nn.LayerNorm()(x))
 
 
+class _ScanBlock(nn.Module):
+    """A Block as an `nn.scan` body: (carry, x) -> (carry, y)."""
+
+    d: int
+    heads: int
+
+    @nn.compact
+    def __call__(self, x, _):
+        return Block(self.d, self.heads)(x), None
+
+
+class ScanGPT(GPT):
+    """The same LM with its blocks as one `nn.scan` over stacked parameters (MaxText's `scan_layers=True`):
+    the form shardc can cut into pipeline stages. Each block's parameters gain a leading layer dim
+    (partitioning name "layers")."""
+
+    @nn.compact
+    def __call__(self, ids):
+        ids = split(ids, 0, "data")
+        x = nn.Embed(self.vocab, self.d, embedding_init=_kernel(("model", None)))(ids)
+        x = x + self.param("pos", nn.initializers.normal(0.02), (self.seq, self.d))[None]
+        blocks = nn.scan(_ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.layers,
+                         metadata_params={nn.PARTITION_NAME: "layers"})
+        x, _ = blocks(self.d, self.heads, name="blocks")(x, None)
+        return nn.Dense(self.vocab, kernel_init=_kernel((None, "model")))(nn.LayerNorm()(x))
+
+
 def make_train_step(model: GPT, tx: optax.GradientTransformation):
     def train_step(params, opt_state, ids):
         def loss_fn(p):
@@ -64,8 +91,8 @@ def make_train_step(model: GPT, tx: optax.GradientTransformation):
     return train_step
 
 
-def setup(layers: int = 12, batch: int = 8, seq: int = 64, **kw):
-    model = GPT(layers=layers, seq=seq, **kw)
+def setup(layers: int = 12, batch: int = 8, seq: int = 64, scan: bool = False, **kw):
+    model = (ScanGPT if scan else GPT)(layers=layers, seq=seq, **kw)
     ids = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, model.vocab)
     params = model.init(jax.random.key(1), ids[:, :-1])["params"]
     tx = optax.adamw(1e-3)

@@ -48,6 +48,9 @@ from shardc.waste import IdleDevicesWarning, user_stacklevel, waste_warning
 import shardc.search.integrate as _search
 from shardc.ties import check_ties
 from shardc.search.remat_choice import apply_choice, choose_remat
+from shardc.pipeline.jit import check_mesh, pipeline_meshes
+from shardc.pipeline.stacks import find_stacks, largest, pipelining
+from shardc.pipeline.value import Pipeline
 
 __all__ = ["auto", "AutoFunction", "plan", "plan_for", "Compiled"]
 
@@ -89,7 +92,8 @@ class AutoFunction:
                  budget_s: float | None = None, seed: int = 0, devices: int | None = None,
                  static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
                  time_cap_s: float | None = None, in_shardings: Any = None, out_shardings: Any = None,
-                 remat: bool = True, memory_limit: float | None = None, _source: SourceLine | None = None) -> None:
+                 remat: bool = True, memory_limit: float | None = None, pipeline: Any = None,
+                 _source: SourceLine | None = None) -> None:
         if not callable(fun):
             raise TypeError(f"shardc.auto expects a function, got {type(fun).__name__}")
         functools.update_wrapper(self, fun)
@@ -131,10 +135,13 @@ class AutoFunction:
                                          or not memory_limit > 0):
             raise ShardingError(f"shardc.auto(memory_limit={memory_limit!r}): expected a positive number of bytes per "
                                 f"device (or None for the topology's device memory)")
+        # pipeline: a shardc.pipeline.Pipeline; the step's layer stack runs as that pipeline (docs/pipeline.md)
+        self.pipeline = _check_pipeline(pipeline, mesh, devices)
+        self._stack: Any = None  # the layer stack the pipeline cuts (found on the first trace)
         self._options = dict(mesh=mesh, rules=rules, donate_argnums=donate_argnums, topology=topology, search=search,
                              budget_s=budget_s, seed=seed, devices=devices, static_argnums=static_argnums,
                              static_argnames=static_argnames, time_cap_s=time_cap_s, remat=remat,
-                             memory_limit=memory_limit, in_shardings=in_shardings,
+                             memory_limit=memory_limit, pipeline=pipeline, in_shardings=in_shardings,
                              out_shardings=out_shardings, _source=self.shardings.source)
         self._mesh_steps: dict[tuple, AutoFunction] = {}  # mesh=None: per mesh the arguments were placed on
         self._placed_plans: dict[tuple, Compiled] = {}  # per signature and layouts of placed arguments
@@ -367,7 +374,11 @@ class AutoFunction:
 
         def flat_fun(*flat_args: Any) -> list[Any]:
             args, kwargs = jax.tree_util.tree_unflatten(in_tree, flat_args)
-            out = self.fun(*args, **kwargs)
+            if self.pipeline is not None and self._stack is not None:
+                with pipelining(self.pipeline, self._stack.index):
+                    out = self.fun(*args, **kwargs)
+            else:
+                out = self.fun(*args, **kwargs)
             leaves, out_tree = jax.tree_util.tree_flatten(out)
             out_tree_box.append(out_tree)
             return leaves
@@ -394,6 +405,14 @@ class AutoFunction:
                     rules_context(self.rules):  # Flax's logical rules context, as jax.jit users enter it
                 # Trace from shapes and dtypes only: an argument still placed on another mesh (a key returned
                 # by an earlier run) must not bring that mesh into the trace.
+                if self.pipeline is not None and self._stack is None:  # which layer stack to pipeline
+                    with find_stacks() as seen:  # (a function of its own: JAX would reuse this trace for flat_fun)
+                        jax.make_jaxpr(lambda *a: flat_fun(*a))(*[_abstract(x) for x in flat])
+                    self._stack = largest(seen)
+                    if self._stack is None:
+                        raise ShardingError(f"shardc.auto(pipeline=...): {_describe(self.fun)} has no layer stack to "
+                                            f"pipeline (a jax.lax.scan or nn.scan over stacked per-layer parameters "
+                                            f"that carries the activations)")
                 closed = jax.make_jaxpr(flat_fun)(*[_abstract(x) for x in flat])
         except ValueError as e:
             if isinstance(e, ShardingError) or not _is_jax_sharding_error(e):
@@ -483,7 +502,9 @@ class AutoFunction:
             check_plan_agreement(the_plan)
         t3 = time.perf_counter()
         donate = _flat_donate(self.donate_argnums, args, self.fun)
-        the_plan = dataclasses.replace(the_plan, program=closed, donated=tuple(donate))
+        the_plan = dataclasses.replace(the_plan, program=closed, donated=tuple(donate), pipeline=None
+                                       if self.pipeline is None else self.pipeline.bind(self._stack.layers,
+                                                                                        self._stack.name))
         # The simulated cost goes with the plan (plan.explain() shows it) on the topology given, or, when the
         # search chose the plan (or loaded it from its file), on the one it scores plans on (the devices at hand).
         topology = self.topology
@@ -739,6 +760,23 @@ def _tie_carried_state(graph: Graph, in_tree: Any, out_tree: Any, args: Any) -> 
                 if a != b:
                     graph.add_op(Op(len(graph.ops), "tie", (a,), (b,), {}, _tie_rule(graph.values[a].shape),
                                     region="io"))
+
+
+def _check_pipeline(pipeline: Any, mesh: Mesh | None, devices: int | None) -> Any:
+    """`pipeline=` of shardc.auto: None, or a Pipeline on a given mesh that has its stage and data axes (or,
+    planning for `devices` without a mesh, on the meshes `pipeline_meshes` makes for it)."""
+    if pipeline is None:
+        return None
+    if not isinstance(pipeline, Pipeline):
+        raise ShardingError(f"shardc.auto(pipeline={pipeline!r}): expected a shardc.pipeline.Pipeline or None")
+    if mesh is None and devices is None:
+        raise ShardingError("shardc.auto(pipeline=...) needs mesh= with the pipeline's stage axis, or devices= "
+                            "(shardc.plan_for) to plan on the meshes the pipeline implies")
+    if mesh is not None:
+        check_mesh(pipeline, dict(mesh.shape))
+    else:
+        pipeline_meshes(pipeline, devices)
+    return pipeline
 
 
 def auto(fun: Callable | None = None, **options: Any) -> Any:

@@ -129,6 +129,7 @@ class Plan:
     cost: Any = None
     search: Any = None  # set by the strategy search: its SearchReport (baselines beside the chosen plan)
     remat: Any = None  # set by the search when it rematerializes repeated layers: its RematChoice
+    pipeline: Any = None  # a shardc.pipeline.Pipeline (bound to its layer stack) when the step is pipelined
 
     @property
     def mesh_sizes(self) -> dict[str, int]:

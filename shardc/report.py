@@ -301,6 +301,10 @@ def explain(plan: "Plan", *, max_rows: int = 60, width: int = 120) -> str:
     remat = getattr(plan, "remat", None)
     if remat is not None:
         lines += [""] + [w for line in remat.summary().splitlines() for w in _wrap(line, width)]
+    pipeline = getattr(plan, "pipeline", None)
+    if pipeline is not None:
+        text = f"pipeline: {pipeline.describe()}\n{pipeline.stage_map()}"
+        lines += [""] + [w for line in text.splitlines() for w in _wrap(line, width)]
     if cost is not None:
         lines += ["", "simulated cost:"] + [w for line in cost.summary().splitlines() for w in _wrap(line, width)]
     lines += _details(plan, names, max_rows, width)

@@ -183,7 +183,13 @@ def plan_by_search(af: Any, graph: Any, user_seeds: Callable, in_paths: Sequence
         return load_plan(path, problem, mesh=mesh_shape(af.mesh) if mesh_given else None, topology=topology_name)
     fixed = mesh_shape(af.mesh) if mesh_given else None
     required = list(dict.fromkeys(list(required_axes) + _hinted_axes(graph)))
-    meshes = mesh_candidates(n, required, fixed=fixed, topology=topology)
+    pipe = getattr(af, "pipeline", None)
+    if pipe is not None and fixed is None:  # a pipelined step: the meshes its stage and data axes imply
+        from shardc.pipeline.jit import pipeline_meshes
+
+        meshes = pipeline_meshes(pipe, n)
+    else:
+        meshes = mesh_candidates(n, required, fixed=fixed, topology=topology)
     method = True if path is not None else af.search
     user = list(user_seeds(af.mesh)) if mesh_given else None
     key = (graph_key(graph), None if user is None else hints_key(user), tuple(tuple(m.items()) for m in meshes),

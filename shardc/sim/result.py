@@ -108,6 +108,13 @@ class SimResult:
         return self.memory.peak
 
     @property
+    def pipeline(self) -> Any:
+        """The pipeline view of a pipelined plan's step (`shardc.sim.pipeline.PipelineCost`), else None."""
+        from shardc.sim.pipeline import pipeline_cost
+
+        return pipeline_cost(self)
+
+    @property
     def comm_bytes(self) -> dict[str, int]:
         """Payload bytes per device per step, by collective kind."""
         return dict(self.payload)
@@ -205,6 +212,9 @@ class SimResult:
             for (kind, level), b in self.wire.items():
                 levels[level] = levels.get(level, 0.0) + b
             lines.append("sent per device by level: " + ", ".join(f"{lv} {_fmt_bytes(b)}" for lv, b in levels.items()))
+        pipe = self.pipeline
+        if pipe is not None:
+            lines.extend(pipe.describe().splitlines())
         ops = sorted(self.per_op(), key=lambda o: -(o.compute + o.comm))[:top]
         if ops:
             lines.append("most expensive ops:")

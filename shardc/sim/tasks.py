@@ -20,6 +20,7 @@ from typing import Any, Mapping
 from shardc.cost.collectives import collective_phases
 from shardc.cost.estimator import AnalyticalEstimator, OpCostEstimator, OpKey
 from shardc.cost.flops import count_op
+from shardc.cost.op_collectives import op_collectives
 from shardc.cost.program import FREE_PRIMITIVES, ProgramInfo, broadcast_dims, broadcast_transfer, program_info
 from shardc.cost.reshard_path import kept_after, reshard_steps
 from shardc.cost.topology import MeshMapping, Topology
@@ -286,6 +287,29 @@ class TaskBuilder:
             hit = self._phase_memo[c] = collective_phases(c, self.topology, self.mapping, self.mesh)
         return hit
 
+    def collective_tasks(self, slot: Slot, colls: tuple, deps: tuple[int, ...], c: int, v: int, op: int,
+                         trips: int) -> tuple[int, ...]:
+        """Append to `slot` the per-level phases of `colls` on value `v` (canonical `c`), run one after the other
+        from `deps`, and add their bytes to the slot's totals; returns the key the last phase makes (`deps`
+        when there is none)."""
+        name_of = self.graph.values[v].name
+        for coll in colls:
+            slot.payload[coll.kind] = slot.payload.get(coll.kind, 0) + coll.bytes * trips
+            slot.xla_payload[coll.kind] = slot.xla_payload.get(coll.kind, 0) + coll.bytes
+            if coll.kind == "all-reduce":
+                slot.xla_flops += coll.bytes // self._itemsize[v]
+            name = f"{coll.kind}({','.join(coll.axes)}) {name_of}"
+            for ph in self.phases(coll):
+                dur = int(round(ph.seconds * trips * PS))
+                stream = self.comm_stream(ph.level)
+                k = self.kid(("phase", c, len(slot.tasks), op))
+                slot.tasks.append(Task(name, ph.kind, stream, dur, deps, (k,), op, ph.level, coll.kind))
+                wk = (coll.kind, ph.level)
+                slot.wire[wk] = slot.wire.get(wk, 0) + int(round(ph.bytes * trips))
+                slot.comm_ps += dur
+                deps = (k,)
+        return deps
+
     def chain(self, slot: Slot, src_key: Key, steps: tuple, v: int, op: int, trips: int) -> list[Key]:
         """Tasks taking value `v` from `src_key` through `steps` (a reshard path, or its tail); returns the
         keys of the layouts they make, one per step: the last is a home key (consumers read it), the others
@@ -299,21 +323,7 @@ class TaskBuilder:
             key = (c, layout, HOME if n == len(steps) - 1 else origin)
             src_id = deps[0]
             first = len(slot.tasks)
-            for coll in colls:
-                slot.payload[coll.kind] = slot.payload.get(coll.kind, 0) + coll.bytes * trips
-                slot.xla_payload[coll.kind] = slot.xla_payload.get(coll.kind, 0) + coll.bytes
-                if coll.kind == "all-reduce":
-                    slot.xla_flops += coll.bytes // self._itemsize[v]
-                name = f"{coll.kind}({','.join(coll.axes)}) {val.name}"
-                for ph in self.phases(coll):
-                    dur = int(round(ph.seconds * trips * PS))
-                    stream = self.comm_stream(ph.level)
-                    k = self.kid(("phase", c, len(slot.tasks), op))
-                    slot.tasks.append(Task(name, ph.kind, stream, dur, deps, (k,), op, ph.level, coll.kind))
-                    wk = (coll.kind, ph.level)
-                    slot.wire[wk] = slot.wire.get(wk, 0) + int(round(ph.bytes * trips))
-                    slot.comm_ps += dur
-                    deps = (k,)
+            deps = self.collective_tasks(slot, colls, deps, c, v, op, trips)
             out = self.kid(key)
             if colls:
                 slot.chained += (out,)
@@ -456,6 +466,12 @@ class TaskBuilder:
             out_keys.append((self.canon(v), m, HOME if m == plan.shardings[v] else MADE))
         outs = tuple(kid(k) for k in out_keys)
         free = op.primitive in FREE_PRIMITIVES or all(info.constant[self.canon(v)] for v in op.outputs)
+        own = () if free else op_collectives(op, need_shardings, [g.values[v].shape for v in op.inputs],
+                                             [self._itemsize[v] for v in op.inputs], self.mesh)
+        if own:  # the op is its own collectives (shardc.cost.op_collectives), from its operands to its results
+            deps = list(self.collective_tasks(slot, own, tuple(deps), self.canon(op.inputs[0]), op.inputs[0], op_id,
+                                              trips))
+            free = True
         slot.at = len(slot.tasks)
         if free:
             slot.tasks.append(Task(op.primitive, "join", -1, 0, tuple(deps), outs, op_id))

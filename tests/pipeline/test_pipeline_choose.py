@@ -1,0 +1,37 @@
+"""Choosing a pipeline: the enumeration of pipelines a stack admits, and the choice of the fastest plan
+that fits among the unpipelined search, pipelined searches and their megatron-3d baselines."""
+import shardc
+from shardc.pipeline import Pipeline
+from shardc.pipeline.choose import candidates, choose_pipeline
+
+from test_pipeline_lowering import make_args, make_step
+
+
+def test_candidates():
+    got = list(candidates(64, 12, 8))
+    assert got  # 12 layers on 64 devices: 2 or 4 stages (3 and 6 do not divide 64; 8 does not divide 12)
+    assert {p.stages for p in got} == {2, 4}
+    for p in got:
+        assert 12 % (p.stages * p.repeats) == 0 and 8 % p.microbatches == 0
+        assert (8 // p.microbatches) % p.shards == 0 and 64 % (p.stages * p.shards) == 0
+    assert Pipeline(4, 4, "1f1b", data=("data",), shards=2) in got
+    assert Pipeline(2, 2, "circular", repeats=2) in got
+    assert not any(p.schedule == "circular" and p.stages == 4 for p in got)  # 12 % 8
+
+
+def test_choose_pipeline_keeps_the_fastest_that_fits():
+    step, args = make_step(None), make_args()
+    pipes = [Pipeline(2, 4, data=("data",), shards=4), Pipeline(4, 4, "1f1b")]
+    best, choices = choose_pipeline(step, args, topology="h100-sxm-8", budget_s=1.0, pipelines=pipes)
+    names = [c.name for c in choices]
+    assert names.count("unpipelined") == 1 and names.count("pipelined") == 2
+    assert "megatron-3d" in names
+    planned = [c for c in choices if c.name in ("unpipelined", "pipelined")]
+    fastest = min(planned, key=lambda c: (not c.feasible, c.time))
+    assert best.cost.step_time == fastest.time
+    assert (best.pipeline is None) == (fastest.pipeline is None)
+    for c in choices:
+        if c.name == "pipelined":
+            assert c.mesh["stage"] == c.pipeline.stages and list(c.mesh)[0] == "stage"
+    only, rows = choose_pipeline(step, args, topology="h100-sxm-8", budget_s=1.0, pipeline=False)
+    assert only.pipeline is None and [c.name for c in rows] == ["unpipelined"]
