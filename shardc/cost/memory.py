@@ -192,9 +192,11 @@ class MemoryModel:
                     return 2 * self.order[last] + 1
             elif (self.graph.ops[op].primitive == "scan_stack"
                   or self.keys.key_list[kid][0] in self.info.carried):
-                return 2 * self.order[first]
+                return 0 if self.keys.key_list[kid][0] in self.info.preset else 2 * self.order[first]
         if i < slot.at and self.info.eager and not self._fused_slice(slot, i):
             return self._ready[self.keys.key_list[kid][0]]
+        if not read and i == slot.at and self.keys.key_list[kid][0] in self.info.preset:
+            return 0  # written in place into a buffer made at the start (`ProgramInfo.preset`)
         return 2 * self.order[op] + (i > slot.at)
 
     def _reads_of(self, slot: Any) -> dict[int, int]:

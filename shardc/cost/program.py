@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from shardc.cost.estimator import params_key
 from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL
@@ -84,6 +84,7 @@ class ProgramInfo:
     # `order` that materialises what is computed from that input) pairs: the op's reads of it last until then
     span: tuple[tuple[int, int], ...] = ()  # per op: first and last op (by `order`) of its outermost region
     carried: frozenset[int] = frozenset()  # canonical values a loop carries (or a region returns): loop state
+    preset: frozenset[int] = frozenset()  # loop state whose buffer exists from the program's start (`_preset_state`)
     loop: tuple[bool, ...] = ()  # per op: emitted in a loop fusion (reads its operands element by element)
     library: frozenset[int] = frozenset()  # ops inside a library fusion (XLA:CPU's YNNPACK fusions of reductions)
     backend: str = ""  # the backend whose rules apply ("cpu", "gpu", "tpu"; "": none)
@@ -271,6 +272,52 @@ def _fused_reads(graph: Graph, live: list[bool], canon: list[int], fused: list[b
                     pairs[c] = later(pairs.get(c, -1), e)
             out[op.id] = tuple(sorted(pairs.items()))
     return tuple(out)
+
+
+SCATTERS = frozenset({"scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
+                      "scatter_min", "scatter-max", "scatter_max"})
+
+
+def _preset_state(graph: Graph, live: Sequence[bool], canon: Sequence[int], constant: Sequence[bool],
+                  carried: frozenset[int]) -> frozenset[int]:
+    """Buffers XLA:CPU makes at the program's start, written in place later: the state of top-level loops
+    initialised from constants — a scan's stacked outputs (JAX starts them as zeros), the carries whose
+    initial value is a compile-time constant (copy insertion copies the constant into the loop's buffer) —
+    and the results of top-level scatters into a constant operand (the scatter writes into a broadcast of
+    it). What makes these buffers reads nothing computed, so the breadth-first schedule runs it first."""
+    init = {op.outputs[0]: op.inputs[0] for op in graph.ops
+            if op.primitive == "tie" and op.params.get("at") == "in" and live[op.id]}
+    users: dict[int, list[Any]] = collections.defaultdict(list)
+    for op in graph.ops:
+        if live[op.id]:
+            for v in op.inputs:
+                users[canon[v]].append(op)
+    out: set[int] = set()
+    for op in graph.ops:
+        if not live[op.id]:
+            continue
+        if op.primitive in SCATTERS and not op.region and constant[canon[op.inputs[0]]] \
+                and not constant[canon[op.outputs[0]]] and not _scatter_into_sum(graph, op, canon, users):
+            out.add(canon[op.outputs[0]])
+        if op.region.count("/") != 1:
+            continue
+        if op.primitive == "scan_stack":
+            out.update(canon[v] for v in op.outputs)
+        elif op.primitive == "tie" and not op.params.get("at") and canon[op.inputs[0]] in carried:
+            start = init.get(op.outputs[0])
+            if start is not None and constant[canon[start]]:
+                out.add(canon[op.inputs[0]])
+    return frozenset(out)
+
+
+def _scatter_into_sum(graph: Graph, op: Any, canon: Sequence[int], users: Mapping[int, list[Any]]) -> bool:
+    """Whether XLA's algebraic simplifier turns add(scatter-add(zeros, i, u), x) into scatter-add(x, i, u): the
+    scatter's only reader adds a value of its shape to it (a softmax cross-entropy's gradient)."""
+    c = canon[op.outputs[0]]
+    readers = users.get(c, [])
+    return (op.primitive in ("scatter-add", "scatter_add") and len(readers) == 1
+            and readers[0].primitive in ("add", "add_any")
+            and all(graph.values[v].shape == graph.values[c].shape for v in readers[0].inputs))
 
 
 def _post_order(graph: Graph, canon: list[int]) -> list[int]:
@@ -513,6 +560,11 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                 all((graph.ops[u].primitive in FUSIBLE or graph.ops[u].primitive in REDUCTIONS) and u not in library
                     for u in users)
                 and (not expensive(op, graph, backend, constant) or len(users) == 1))
+    for op in graph.ops:  # a scatter-add the simplifier moves into the sum reading it writes that sum's buffer
+        if live[op.id] and op.primitive in SCATTERS and op.outputs and canon[op.outputs[0]] not in outputs \
+                and _scatter_into_sum(graph, op, canon, {c: [graph.ops[u] for u in consumers[c]]
+                                                          for c in (canon[op.outputs[0]],)}):
+            fused[canon[op.outputs[0]]] = True
     order = (_breadth_first(graph, live, canon, constant, fused, consumers) if backend == "cpu"
              else list(range(no)))
     until = _fused_reads(graph, live, canon, fused, consumers, order)
@@ -525,9 +577,10 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                         and outer_region(graph.ops[graph.values[c].producer]) == outer_region(op))
     loop = tuple(live[op.id] and (op.primitive in FUSIBLE or op.primitive in REDUCTIONS) and op.id not in library
                  for op in graph.ops)
+    preset = _preset_state(graph, live, canon, constant, carried) if backend == "cpu" else frozenset()
     return ProgramInfo(tuple(live), tuple(constant), tuple(canon), tuple(duplicate), tuple(fused),
                        tuple(trips), tuple(order), pkeys, until, span=_spans(graph, live, order),
-                       carried=carried, loop=loop, library=frozenset(library), backend=backend,
+                       carried=carried, loop=loop, library=frozenset(library), backend=backend, preset=preset,
                        eager=backend == "cpu", reshard_trips=reshard_trips, unread=cse.unread,
                        post=tuple(_post_order(graph, canon)))
 
