@@ -10,7 +10,8 @@ to the last position that reads it, positions following `ProgramInfo.order` (XLA
 operand's reshards right after its producer). Values XLA fuses into their readers, local slices fused into
 elementwise readers and compile-time constants take no memory. Loop bodies are counted once (their
 buffers are reused across iterations); a loop holds the values it reads from outside until its end, and
-its stacked outputs and carried values from its start. Some ops need buffers beyond their operands and
+its stacked outputs and carried values from its start (XLA:CPU: from the program's start when a constant
+initialises them, `ProgramInfo.preset`). Some ops need buffers beyond their operands and
 results where the backend expands them (`_workspace_of`).
 
 `update` recomputes only the buffers of the slots a delta simulation rebuilt; the peak is a prefix sum

@@ -13,7 +13,9 @@
 * backend rules (`backend="cpu"`, XLA:CPU): floating-point reductions are library (YNNPACK) fusions that
   absorb only producers read by them alone (`library`); the ops run in breadth-first order (`order`,
   `eager`: what depends only on the arguments runs at the start). Elsewhere: program order.
-* regions: each op's outermost loop/branch region (`span`) and the values a loop carries (`carried`).
+* regions: each op's outermost loop/branch region (`span`) and the values a loop carries (`carried`);
+  on XLA:CPU, buffers made at the program's start and written in place later (`preset`: loop state
+  initialised from constants, scatters into a constant operand).
 * loop regions run `trips` times (scan length; 1 when XLA cannot know it); the reshards of values entering
   or leaving a loop run outside it (`reshard_trips`).
 
