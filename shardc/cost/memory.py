@@ -10,7 +10,8 @@ to the last position that reads it, positions following `ProgramInfo.order` (XLA
 operand's reshards right after its producer). Values XLA fuses into their readers, local slices fused into
 elementwise readers and compile-time constants take no memory. Loop bodies are counted once (their
 buffers are reused across iterations); a loop holds the values it reads from outside until its end, and
-its stacked outputs and carried values from its start. Some ops need buffers beyond their operands and
+its stacked outputs and carried values from its start (XLA:CPU: from the program's start when a constant
+initialises them, `ProgramInfo.preset`). Some ops need buffers beyond their operands and
 results where the backend expands them (`_workspace_of`).
 
 `update` recomputes only the buffers of the slots a delta simulation rebuilt; the peak is a prefix sum
@@ -104,10 +105,6 @@ class MemoryModel:
         lo, hi = self.bounds.get(kid, (-1, -1))
         order = self.order
         lo, hi = 2 * order[lo] + 1 if lo >= 0 else -1, 2 * order[hi] + 1 if hi >= 0 else -1  # merged all-reduces
-        if origin == 0 and self.info.kept[c] >= 0 and sharding == self._planned[c]:
-            # alive while fused values recomputed from it are read (in its planned layout: another layout, such
-            # as an FSDP plan's gathered weight, is not what a fused consumer recomputes from)
-            hi = max(hi, 2 * order[self.info.kept[c]])
         start = max(owner[1], lo)
         end = max(end, hi, start)
         self.buffers[kid] = (start, end, b)
@@ -196,18 +193,30 @@ class MemoryModel:
                     return 2 * self.order[last] + 1
             elif (self.graph.ops[op].primitive == "scan_stack"
                   or self.keys.key_list[kid][0] in self.info.carried):
-                return 2 * self.order[first]
+                return 0 if self.keys.key_list[kid][0] in self.info.preset else 2 * self.order[first]
         if i < slot.at and self.info.eager and not self._fused_slice(slot, i):
             return self._ready[self.keys.key_list[kid][0]]
+        if not read and i == slot.at and self.keys.key_list[kid][0] in self.info.preset:
+            return 0  # written in place into a buffer made at the start (`ProgramInfo.preset`)
         return 2 * self.order[op] + (i > slot.at)
 
     def _reads_of(self, slot: Any) -> dict[int, int]:
+        """The last position a slot reads each key at. An op whose results are fused into their readers reads
+        its operands (and the operands of local slices fused into it) wherever a value computed from them is
+        materialised (`ProgramInfo.until`)."""
         flags = self.keys.is_value_key
+        until = dict(self.info.until[slot.op]) if self.info.until else {}
         out: dict[int, int] = {}
         for i, t in enumerate(slot.tasks):
+            fused_in = until and (i == slot.at or self._fused_slice(slot, i))
             for d in t.deps:
                 if flags[d]:
-                    out[d] = max(out.get(d, -1), self._position(slot, i, d, read=True))
+                    pos = self._position(slot, i, d, read=True)
+                    if fused_in:
+                        u = until.get(self.keys.key_list[d][0], -1)
+                        if u >= 0:
+                            pos = max(pos, 2 * self.order[u])
+                    out[d] = max(out.get(d, -1), pos)
         return out
 
     def _makes_of(self, slot: Any) -> dict[int, tuple[int, bool]]:

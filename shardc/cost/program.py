@@ -8,11 +8,14 @@
 * fused values: XLA fuses an elementwise-like op into its consumers when they are all elementwise-like
   or reductions in a loop fusion — duplicating it into each when it is cheap, not when it is expensive
   (transcendentals, divides: those are fused only into a single consumer) — so its result is never written
-  to memory. A fused value read late keeps the values it is recomputed from alive (`kept`).
+  to memory. A fused value is recomputed where it is materialised: the operands it is computed from are
+  read until then (`until`; an optimization barrier's result i is its operand i, not the others).
 * backend rules (`backend="cpu"`, XLA:CPU): floating-point reductions are library (YNNPACK) fusions that
   absorb only producers read by them alone (`library`); the ops run in breadth-first order (`order`,
   `eager`: what depends only on the arguments runs at the start). Elsewhere: program order.
-* regions: each op's outermost loop/branch region (`span`) and the values a loop carries (`carried`).
+* regions: each op's outermost loop/branch region (`span`) and the values a loop carries (`carried`);
+  on XLA:CPU, buffers made at the program's start and written in place later (`preset`: loop state
+  initialised from constants, scatters into a constant operand).
 * loop regions run `trips` times (scan length; 1 when XLA cannot know it); the reshards of values entering
   or leaving a loop run outside it (`reshard_trips`).
 
@@ -24,7 +27,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from shardc.cost.estimator import params_key
 from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL
@@ -45,8 +48,28 @@ LIBRARY_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 FREE_PRIMITIVES = frozenset({"shardc_hint", "sharding_constraint", "tie", "scan_slice", "scan_stack",
                              "stop_gradient", "optimization_barrier", "name"})
 _NOT_MERGED = frozenset({"tie", "scan_slice", "scan_stack"})
-# XLA duplicates cheap producers into each consumer, but not these (InstructionFusion::IsExpensive).
+# XLA duplicates cheap producers into each consumer, but not expensive ones (InstructionFusion::IsExpensive):
+# transcendentals and floating divides, except sin and cos (and, on XLA:CPU, tan) of real numbers, and abs and
+# sign, which are cheap unless complex. XLA:GPU also counts f32/f16 divides, sqrt, rsqrt and exp as cheap.
 EXPENSIVE = frozenset(TRANSCENDENTAL) | {"div", "rem"}
+_CHEAP_REAL = {"": frozenset({"sin", "cos"}), "cpu": frozenset({"sin", "cos", "tan"}),
+               "gpu": frozenset({"sin", "cos"})}
+_CHEAP_F32_GPU = frozenset({"div", "sqrt", "rsqrt", "exp"})
+
+
+def expensive(op: Any, graph: Graph, backend: str = "", constant: Sequence[bool] = ()) -> bool:
+    """Whether XLA's fusion on `backend` would not duplicate `op` into several consumers (its IsExpensive).
+    `constant`: per value, known at compile time (an integer division by a constant is cheap)."""
+    if op.primitive not in EXPENSIVE:
+        return False
+    dtype = graph.values[op.outputs[0]].dtype if op.outputs else None
+    kind = dtype.kind if dtype is not None else "f"
+    if op.primitive in _CHEAP_REAL.get(backend, _CHEAP_REAL[""]) and kind != "c":
+        return False
+    if op.primitive in ("div", "rem") and kind in "iub":
+        d = op.inputs[1] if len(op.inputs) > 1 else None
+        return not (d is not None and (graph.values[d].is_const or (d < len(constant) and constant[d])))
+    return not (backend == "gpu" and op.primitive in _CHEAP_F32_GPU and str(dtype) in ("float32", "float16"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,12 +82,15 @@ class ProgramInfo:
     trips: tuple[int, ...]  # per op: how many times it runs per step
     order: tuple[int, ...]  # per op: its position in the order the compiled program runs the ops
     pkeys: tuple[Any, ...]  # per op: its params as a hashable key
-    kept: tuple[int, ...]  # per canonical value: last op (by `order`) reading a fused value recomputed from it (-1: none)
+    until: tuple[tuple[tuple[int, int], ...], ...]  # per op with fused results: (canonical input, last op by
+    # `order` that materialises what is computed from that input) pairs: the op's reads of it last until then
     span: tuple[tuple[int, int], ...] = ()  # per op: first and last op (by `order`) of its outermost region
     carried: frozenset[int] = frozenset()  # canonical values a loop carries (or a region returns): loop state
+    preset: frozenset[int] = frozenset()  # loop state whose buffer exists from the program's start (`_preset_state`)
     loop: tuple[bool, ...] = ()  # per op: emitted in a loop fusion (reads its operands element by element)
     library: frozenset[int] = frozenset()  # ops inside a library fusion (XLA:CPU's YNNPACK fusions of reductions)
     backend: str = ""  # the backend whose rules apply ("cpu", "gpu", "tpu"; "": none)
+    post: tuple[int, ...] = ()  # per op: its position in XLA's post order of the program (the combiners' walk)
     eager: bool = False  # reshards run as soon as their operand exists (XLA:CPU's breadth-first schedule)
     reshard_trips: tuple[tuple[int, int], ...] = ()  # per op: runs of its operands' and its results' reshards
     unread: frozenset[tuple[int, int]] = frozenset()  # (op, operand index) XLA does not read (`unread_operands`)
@@ -202,6 +228,130 @@ def _breadth_first(graph: Graph, live: list[bool], canon: list[int], constant: l
             order[i] = pos
             pos += 1
     return order
+
+
+def _derived(op: Any, c: int, canon: list[int]) -> list[int]:
+    """The results of `op` computed from its canonical input `c` (an optimization barrier passes operand i
+    through as result i; other ops compute every result from every operand)."""
+    if op.primitive == "optimization_barrier":
+        return [w for u, w in zip(op.inputs, op.outputs) if canon[u] == c]
+    return list(op.outputs)
+
+
+def _fused_reads(graph: Graph, live: list[bool], canon: list[int], fused: list[bool], consumers: list[list[int]],
+                 order: list[int]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per op whose results are fused into their readers: for each canonical input, the last op (by `order`)
+    that materialises a value computed from it — XLA recomputes a fused value inside each fusion reading it,
+    so the operands it is computed from are read there."""
+    nv = len(graph.values)
+    at = [-1] * nv  # per fused canonical value: the last op materialising something computed from it
+
+    def later(a: int, b: int) -> int:
+        return b if a < 0 or (b >= 0 and order[b] > order[a]) else a
+
+    def end(op: Any, c: int) -> int:
+        last = -1
+        for w in _derived(op, c, canon):
+            cw = canon[w]
+            last = later(last, at[cw] if fused[cw] and at[cw] >= 0 else op.id)
+        return last
+
+    out: list[tuple[tuple[int, int], ...]] = [()] * len(graph.ops)
+    for op in reversed(graph.ops):  # readers come after producers
+        if not live[op.id] or not op.outputs:
+            continue
+        for v in op.outputs:
+            c = canon[v]
+            if c == v and fused[c]:
+                for u in consumers[c]:
+                    at[c] = later(at[c], end(graph.ops[u], c))
+        if any(fused[canon[w]] for w in op.outputs):
+            pairs = {}
+            for u in op.inputs:
+                c = canon[u]
+                e = end(op, c)
+                if e >= 0 and e != op.id:
+                    pairs[c] = later(pairs.get(c, -1), e)
+            out[op.id] = tuple(sorted(pairs.items()))
+    return tuple(out)
+
+
+SCATTERS = frozenset({"scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
+                      "scatter_min", "scatter-max", "scatter_max"})
+
+
+def _preset_state(graph: Graph, live: Sequence[bool], canon: Sequence[int], constant: Sequence[bool],
+                  carried: frozenset[int]) -> frozenset[int]:
+    """Buffers XLA:CPU makes at the program's start, written in place later: the state of top-level loops
+    initialised from constants — a scan's stacked outputs (JAX starts them as zeros), the carries whose
+    initial value is a compile-time constant (copy insertion copies the constant into the loop's buffer) —
+    and the results of top-level scatters into a constant operand (the scatter writes into a broadcast of
+    it). What makes these buffers reads nothing computed, so the breadth-first schedule runs it first."""
+    init = {op.outputs[0]: op.inputs[0] for op in graph.ops
+            if op.primitive == "tie" and op.params.get("at") == "in" and live[op.id]}
+    users: dict[int, list[Any]] = collections.defaultdict(list)
+    for op in graph.ops:
+        if live[op.id]:
+            for v in op.inputs:
+                users[canon[v]].append(op)
+    out: set[int] = set()
+    for op in graph.ops:
+        if not live[op.id]:
+            continue
+        if op.primitive in SCATTERS and not op.region and constant[canon[op.inputs[0]]] \
+                and not constant[canon[op.outputs[0]]] and not _scatter_into_sum(graph, op, canon, users):
+            out.add(canon[op.outputs[0]])
+        if op.region.count("/") != 1:
+            continue
+        if op.primitive == "scan_stack":
+            out.update(canon[v] for v in op.outputs)
+        elif op.primitive == "tie" and not op.params.get("at") and canon[op.inputs[0]] in carried:
+            start = init.get(op.outputs[0])
+            if start is not None and constant[canon[start]]:
+                out.add(canon[op.inputs[0]])
+    return frozenset(out)
+
+
+def _scatter_into_sum(graph: Graph, op: Any, canon: Sequence[int], users: Mapping[int, list[Any]]) -> bool:
+    """Whether XLA's algebraic simplifier turns add(scatter-add(zeros, i, u), x) into scatter-add(x, i, u): the
+    scatter's only reader adds a value of its shape to it (a softmax cross-entropy's gradient)."""
+    c = canon[op.outputs[0]]
+    readers = users.get(c, [])
+    return (op.primitive in ("scatter-add", "scatter_add") and len(readers) == 1
+            and readers[0].primitive in ("add", "add_any")
+            and all(graph.values[v].shape == graph.values[c].shape for v in readers[0].inputs))
+
+
+def _post_order(graph: Graph, canon: list[int]) -> list[int]:
+    """Per op, its position in the post order XLA walks a computation in (MakeInstructionPostOrder): depth
+    first from the root — the tuple of the outputs, in order — each instruction's operands first to last,
+    an instruction after its operands. Ops no output reaches come after, in program order."""
+    no = len(graph.ops)
+    pos = [-1] * no
+    n = 0
+    for root in graph.outputs:
+        p = graph.values[canon[root]].producer
+        if p is None or pos[p] >= 0:
+            continue
+        stack: list[tuple[int, bool]] = [(p, False)]
+        while stack:
+            op, done = stack.pop()
+            if pos[op] >= 0:
+                continue
+            if done:
+                pos[op] = n
+                n += 1
+                continue
+            stack.append((op, True))
+            for v in reversed(graph.ops[op].inputs):  # the first operand is visited first
+                q = graph.values[canon[v]].producer
+                if q is not None and pos[q] < 0:
+                    stack.append((q, False))
+    for i in range(no):
+        if pos[i] < 0:
+            pos[i] = n
+            n += 1
+    return pos
 
 
 def program_info(graph: Graph, backend: str = "") -> ProgramInfo:
@@ -416,38 +566,15 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
             fused[v] = v in absorbed or (
                 all((graph.ops[u].primitive in FUSIBLE or graph.ops[u].primitive in REDUCTIONS) and u not in library
                     for u in users)
-                and (op.primitive not in EXPENSIVE or len(users) == 1))
-    # A fused value is recomputed where it is read, from the materialised values it is made of: those
-    # stay alive until its last reader.
-    kept = [-1] * nv
-    frontier: dict[int, frozenset[int]] = {}
-
-    def made_of(v: int) -> frozenset[int]:
-        hit = frontier.get(v)
-        if hit is None:
-            p = graph.values[v].producer
-            out: set[int] = set()
-            if p is not None:
-                for u in graph.ops[p].inputs:
-                    c = canon[u]
-                    if fused[c]:
-                        out |= made_of(c)
-                    elif not constant[c]:
-                        out.add(c)
-            hit = frontier[v] = frozenset(out)
-        return hit
-
+                and (not expensive(op, graph, backend, constant) or len(users) == 1))
+    for op in graph.ops:  # a scatter-add the simplifier moves into the sum reading it writes that sum's buffer
+        if live[op.id] and op.primitive in SCATTERS and op.outputs and canon[op.outputs[0]] not in outputs \
+                and _scatter_into_sum(graph, op, canon, {c: [graph.ops[u] for u in consumers[c]]
+                                                          for c in (canon[op.outputs[0]],)}):
+            fused[canon[op.outputs[0]]] = True
     order = (_breadth_first(graph, live, canon, constant, fused, consumers) if backend == "cpu"
              else list(range(no)))
-    for op in graph.ops:
-        if not live[op.id]:
-            continue
-        for v in op.inputs:
-            c = canon[v]
-            if fused[c]:
-                for m in made_of(c):
-                    if kept[m] < 0 or order[kept[m]] < order[op.id]:
-                        kept[m] = op.id
+    until = _fused_reads(graph, live, canon, fused, consumers, order)
 
     trips, reshard_trips = _trips(graph)
     # Loop state: values a region's ties carry to the next iteration or out of it.
@@ -457,10 +584,12 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                         and outer_region(graph.ops[graph.values[c].producer]) == outer_region(op))
     loop = tuple(live[op.id] and (op.primitive in FUSIBLE or op.primitive in REDUCTIONS) and op.id not in library
                  for op in graph.ops)
+    preset = _preset_state(graph, live, canon, constant, carried) if backend == "cpu" else frozenset()
     return ProgramInfo(tuple(live), tuple(constant), tuple(canon), tuple(duplicate), tuple(fused),
-                       tuple(trips), tuple(order), pkeys, tuple(kept), span=_spans(graph, live, order),
-                       carried=carried, loop=loop, library=frozenset(library), backend=backend,
-                       eager=backend == "cpu", reshard_trips=reshard_trips, unread=cse.unread)
+                       tuple(trips), tuple(order), pkeys, until, span=_spans(graph, live, order),
+                       carried=carried, loop=loop, library=frozenset(library), backend=backend, preset=preset,
+                       eager=backend == "cpu", reshard_trips=reshard_trips, unread=cse.unread,
+                       post=tuple(_post_order(graph, canon)))
 
 
 def _trips(graph: Graph) -> tuple[list[int], tuple[tuple[int, int], ...]]:

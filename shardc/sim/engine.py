@@ -291,7 +291,8 @@ class Simulator:
     def _groups(self, st: _State) -> list:
         if self._combiner is None:
             self._combiner = Combiner(self.graph, self.builder.info.canon, self.builder.key_list)
-        return self._combiner.groups(st.slots, sorted(st.ar_slots), self.topology.combine_bytes,
+        post = self.builder.info.post
+        return self._combiner.groups(st.slots, sorted(st.ar_slots, key=post.__getitem__), self.topology.combine_bytes,
                                      self.topology.combine_count)
 
     # -- internals -----------------------------------------------------------------------------------
