@@ -732,12 +732,16 @@ def _tie_carried_state(graph: Graph, in_tree: Any, out_tree: Any, args: Any) -> 
             for v in (op.inputs[0], *hinted.get(op.inputs[0], ())):
                 hinted.setdefault(v, set()).add(op.outputs[0])
 
+    def unhinted(b: int) -> int:
+        """The value `b` is a hint (of a hint ...) of, or `b`."""
+        while (p := graph.values[b].producer) is not None and graph.ops[p].is_hint:
+            b = graph.ops[p].inputs[0]
+        return b
+
     def updates(a: int, b: int) -> bool:
-        """Whether output leaf `b` is input leaf `a` updated: made by an op reading `a` (both maybe through
-        hints)."""
-        p = graph.values[b].producer
-        if p is not None and graph.ops[p].is_hint:
-            p = graph.values[graph.ops[p].inputs[0]].producer
+        """Whether output leaf `b` is input leaf `a` updated: made by an op other than a hint that reads `a`
+        (both maybe through hints). `a` itself re-hinted is not an update of it."""
+        p = graph.values[unhinted(b)].producer
         return p is not None and bool(({a} | hinted.get(a, set())) & set(graph.ops[p].inputs))
 
     used: set[int] = set()
@@ -757,7 +761,9 @@ def _tie_carried_state(graph: Graph, in_tree: Any, out_tree: Any, args: Any) -> 
         if best is not None:
             used.add(best[2])
             for a, b in best[1]:
-                if a != b:
+                # (the input itself returned re-hinted is a view of it in the layout its hints say, not its
+                # next value: tied, the hints on both sides would conflict)
+                if a != b and unhinted(b) != a:
                     graph.add_op(Op(len(graph.ops), "tie", (a,), (b,), {}, _tie_rule(graph.values[a].shape),
                                     region="io"))
 

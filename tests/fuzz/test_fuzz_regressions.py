@@ -360,6 +360,35 @@ def test_second_step_rounding_is_adjudicated_by_float64():
     assert out.upstream_bug is None and out.rounding
 
 
+# Soak seeds 50000-50041 and 60042: a train step returning its parameters re-hinted to another layout
+# (beside the updated ones, which carry Flax metadata that step 2's unboxed arguments do not): step 2 tied
+# the parameters to the re-hinted view, the only output of the same structure, and the two layouts' hints
+# conflicted ("conflicting hints on a value carried to the next step"). A re-hinted input is not its next
+# value; and of outputs of the same structure, the one that updates the input is.
+CARRIED_REHINT = Program(  # seed 60042, shrunk
+    mesh=(('x', 2), ('y', 4)),
+    steps=(Step(kind='input', args=(), attrs=(('meta', (None, ('y', 'x'))),), shape=(16, 16), dtype='float32'),
+           Step(kind='hint', args=(0,), attrs=(('how', 'replicate'),), shape=(16, 16), dtype='float32'),
+           Step(kind='hint', args=(1,), attrs=(('how', 'shard'), ('spec', (None, ('x',)))), shape=(16, 16),
+                dtype='float32')),
+    outputs=(2,), step_mode=True, const_cotangents=False)
+
+CARRIED_VMAP_HINT = Program(  # seed 50000-range, shrunk
+    mesh=(('x', 2), ('y', 1), ('z', 4)),
+    steps=(Step(kind='input', args=(), attrs=(('meta', (None, ('y', 'z'), 'x')),), shape=(4, 8, 4), dtype='float32'),
+           Step(kind='input', args=(), attrs=(), shape=(6, 8), dtype='float32'),
+           Step(kind='hint', args=(1,), attrs=(('how', 'shard'), ('spec', (('y',), ('x',)))), shape=(6, 8),
+                dtype='float32'),
+           Step(kind='vmap_hint', args=(2,), attrs=(('dim', 1), ('spec', (('x',),))), shape=(6, 8), dtype='float32')),
+    outputs=(0, 3), step_mode=True, const_cotangents=False)
+
+
+@pytest.mark.parametrize("prog", [CARRIED_REHINT, CARRIED_VMAP_HINT], ids=["rehint", "vmap_hint"])
+def test_a_re_hinted_parameter_is_not_the_next_steps_parameter(prog):
+    out = fuzzlib.check_program(prog)  # step 2 takes step 1's outputs as placed
+    assert out.upstream_bug is None and out.hints_checked >= 1
+
+
 def test_second_step_adjudication_still_rejects_a_wrong_result(monkeypatch):
     """Break only shardc's second call (its result off by 1%): the step-2 comparison must fail."""
     real = shardc.AutoFunction.__call__
