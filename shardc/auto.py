@@ -715,7 +715,7 @@ def _tie_carried_state(graph: Graph, in_tree: Any, out_tree: Any, args: Any) -> 
     both get one sharding and step 2 does not reshard."""
     from shardc.ir.build import _tie_rule
 
-    arg_trees = [jax.tree_util.tree_structure(a) for a in args]
+    arg_trees = [_unboxed_structure(jax.tree_util.tree_structure(a)) for a in args]
     arg_starts, s = [], 0
     for a in args:
         arg_starts.append(s)
@@ -748,7 +748,7 @@ def _tie_carried_state(graph: Graph, in_tree: Any, out_tree: Any, args: Any) -> 
     for ai, at in enumerate(arg_trees):
         best: tuple[int, list[tuple[int, int]], int] | None = None
         for ci, child in enumerate(out_children):
-            if ci in used or at != child or child.num_leaves == 0:
+            if ci in used or at != _unboxed_structure(child) or child.num_leaves == 0:
                 continue
             pairs = [(graph.inputs[arg_starts[ai] + k], graph.outputs[starts[ci] + k]) for k in range(child.num_leaves)]
             if all(graph.values[a].shape == graph.values[b].shape and graph.values[a].dtype == graph.values[b].dtype
@@ -761,9 +761,7 @@ def _tie_carried_state(graph: Graph, in_tree: Any, out_tree: Any, args: Any) -> 
         if best is not None:
             used.add(best[2])
             for a, b in best[1]:
-                # (the input itself returned re-hinted is a view of it in the layout its hints say, not its
-                # next value: tied, the hints on both sides would conflict)
-                if a != b and unhinted(b) != a:
+                if a != b:
                     graph.add_op(Op(len(graph.ops), "tie", (a,), (b,), {}, _tie_rule(graph.values[a].shape),
                                     region="io"))
 
@@ -783,6 +781,28 @@ def _check_pipeline(pipeline: Any, mesh: Mesh | None, devices: int | None) -> An
     else:
         pipeline_meshes(pipeline, devices)
     return pipeline
+
+
+def _unboxed_structure(tree: Any) -> Any:
+    """A pytree structure with Flax's metadata boxes (`nn.Partitioned` and other `AxisMetadata`) replaced by
+    what they hold: parameters passed boxed to one step and unboxed to the next have one structure."""
+    node = tree.node_data()
+    if node is None:
+        return "*" if tree.num_leaves == 1 else None
+    children = tree.children()
+    if _is_axis_metadata(node[0]) and len(children) == 1:
+        return _unboxed_structure(children[0])
+    aux = node[1] if isinstance(node[1], (tuple, str, int, type(None))) else repr(node[1])
+    return (node[0], aux if node[0] is not tuple and node[0] is not list else len(children),
+            tuple(_unboxed_structure(c) for c in children))
+
+
+def _is_axis_metadata(node_type: type) -> bool:
+    try:
+        from flax.core.meta import AxisMetadata
+    except ImportError:  # pragma: no cover - flax is a dependency of the Flax integration only
+        return False
+    return isinstance(node_type, type) and issubclass(node_type, AxisMetadata)
 
 
 def auto(fun: Callable | None = None, **options: Any) -> Any:

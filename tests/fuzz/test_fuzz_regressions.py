@@ -363,8 +363,9 @@ def test_second_step_rounding_is_adjudicated_by_float64():
 # Soak seeds 50000-50041 and 60042: a train step returning its parameters re-hinted to another layout
 # (beside the updated ones, which carry Flax metadata that step 2's unboxed arguments do not): step 2 tied
 # the parameters to the re-hinted view, the only output of the same structure, and the two layouts' hints
-# conflicted ("conflicting hints on a value carried to the next step"). A re-hinted input is not its next
-# value; and of outputs of the same structure, the one that updates the input is.
+# conflicted ("conflicting hints on a value carried to the next step"). Structures now match with Flax's
+# metadata boxes looked through, and of outputs of the same structure the one that updates the input wins
+# (a re-hinted input is not an update of it).
 CARRIED_REHINT = Program(  # seed 60042, shrunk
     mesh=(('x', 2), ('y', 4)),
     steps=(Step(kind='input', args=(), attrs=(('meta', (None, ('y', 'x'))),), shape=(16, 16), dtype='float32'),
@@ -383,7 +384,19 @@ CARRIED_VMAP_HINT = Program(  # seed 50000-range, shrunk
     outputs=(0, 3), step_mode=True, const_cotangents=False)
 
 
-@pytest.mark.parametrize("prog", [CARRIED_REHINT, CARRIED_VMAP_HINT], ids=["rehint", "vmap_hint"])
+CARRIED_REMAT_VIEW = Program(  # seed 70000-range: the view passes through a remat'd chain of hints
+    mesh=(('x', 2), ('y', 2), ('z', 2)),
+    steps=(Step(kind='input', args=(), attrs=(('meta', ('y',)),), shape=(2,), dtype='float32'),
+           Step(kind='input', args=(), attrs=(), shape=(16, 3, 6), dtype='float32'),
+           Step(kind='hint', args=(1,), attrs=(('how', 'split'), ('dim', 0), ('axes', 2)), shape=(16, 3, 6),
+                dtype='float32'),
+           Step(kind='remat_chain', args=(2,), attrs=(('inner', (('y',), '?', '?')),), shape=(16, 3, 6),
+                dtype='float32')),
+    outputs=(0, 3), step_mode=True, const_cotangents=False)
+
+
+@pytest.mark.parametrize("prog", [CARRIED_REHINT, CARRIED_VMAP_HINT, CARRIED_REMAT_VIEW],
+                         ids=["rehint", "vmap_hint", "remat_view"])
 def test_a_re_hinted_parameter_is_not_the_next_steps_parameter(prog):
     out = fuzzlib.check_program(prog)  # step 2 takes step 1's outputs as placed
     assert out.upstream_bug is None and out.hints_checked >= 1

@@ -137,9 +137,9 @@ def test_the_updated_params_are_the_carried_state_not_metrics_shaped_like_them(m
 
 
 def test_the_input_itself_re_hinted_is_not_its_update(mesh):
-    """A step returning (params re-hinted to another layout, new_params): the re-hinted input is not the
-    params' next value (fuzz soak, seed 60042: step 2 failed with 'conflicting hints on a value carried to
-    the next step' when the two outputs tied alike and the first won)."""
+    """A step returning (params re-hinted to another layout, new_params): the re-hinted input is not an
+    update of the params, the new params are (fuzz soak, seed 60042: step 2 failed with 'conflicting hints
+    on a value carried to the next step' when the two outputs scored alike and the first won)."""
     def step(params, x):
         view = split(replicate(params["w"]), 1, "data")
         return {"w": view}, {"w": params["w"] - 0.1 * jnp.sum(x)}
