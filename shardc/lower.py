@@ -32,7 +32,7 @@ from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 
 from annotations.primitive import hint_p
-from shardc.ir.build import CALL_PRIMITIVES, REGION_PRIMITIVES
+from shardc.ir.build import REGION_PRIMITIVES, call_jaxpr
 from shardc.cost.program import program_info
 from shardc.cost.reshard_path import reshard_steps
 from shardc.plan import Plan, lowers_reduce_scatter, require_devices
@@ -71,11 +71,6 @@ def tagged_op(op_name: str) -> int | None:
 
 def _constrain(x: Any, sharding: NamedSharding) -> Any:
     return jax.lax.with_sharding_constraint(x, sharding)
-
-
-def _call_jaxpr(eqn: Any) -> Any:
-    key = CALL_PRIMITIVES.get(eqn.primitive.name)
-    return eqn.params.get(key) if key else None
 
 
 class Lowering:
@@ -248,7 +243,7 @@ class Lowering:
         for eqn in jaxpr.eqns:
             invals = [read(v) for v in eqn.invars]
             name = eqn.primitive.name
-            sub = _call_jaxpr(eqn)
+            sub = call_jaxpr(eqn)
             if sub is not None:
                 inner = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
                 outs = self.walk(inner, sub.consts if isinstance(sub, jcore.ClosedJaxpr) else (), invals, region)

@@ -33,7 +33,7 @@ import jax
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
-from shardc.ir.build import CALL_PRIMITIVES
+from shardc.ir.build import call_jaxpr
 
 __all__ = ["POLICIES", "Layer", "layer_groups", "rematerialize", "inline_calls", "uses_own_remat"]
 
@@ -87,8 +87,7 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], prefix: Any) -
         env[var] = a
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        key = CALL_PRIMITIVES.get(eqn.primitive.name)
-        sub = eqn.params.get(key) if key else None
+        sub = call_jaxpr(eqn)
         if sub is not None:
             inner = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
             outs = _eval(inner, sub.consts if isinstance(sub, jcore.ClosedJaxpr) else (), invals,

@@ -15,7 +15,7 @@ from shardc.ir.graph import Graph, Op
 from shardc.rules.core import rule_or_conservative
 from shardc.rules.core import FactorKind, FactorRule
 
-__all__ = ["build_graph", "CALL_PRIMITIVES", "REGION_PRIMITIVES"]
+__all__ = ["build_graph", "CALL_PRIMITIVES", "REGION_PRIMITIVES", "call_jaxpr"]
 
 CALL_PRIMITIVES = {
     "jit": "jaxpr",
@@ -30,6 +30,12 @@ CALL_PRIMITIVES = {
     "custom_lin": None,
 }
 REGION_PRIMITIVES = ("scan", "while", "cond")
+
+
+def call_jaxpr(eqn: Any) -> Any:
+    """The (closed) jaxpr a call-like eqn (`CALL_PRIMITIVES`) calls, or None."""
+    key = CALL_PRIMITIVES.get(eqn.primitive.name)
+    return eqn.params.get(key) if key else None
 
 
 def _tie_rule(shape: Sequence[int]) -> FactorRule:
@@ -102,8 +108,8 @@ class _Builder:
         for eqn in eqns:
             ins = [self.read(env, v) for v in eqn.invars]
             name = eqn.primitive.name
-            if name in CALL_PRIMITIVES and self._call_jaxpr(eqn) is not None:
-                outs = self.inline(self._call_jaxpr(eqn), ins, region)
+            if (called := call_jaxpr(eqn)) is not None:
+                outs = self.inline(called, ins, region)
                 for var, vid in zip(eqn.outvars, outs):
                     env[var] = vid
                 continue
@@ -136,11 +142,6 @@ class _Builder:
         if hit is None:
             hit = self.rule_cache[key] = rule_or_conservative(name, ins, outs, params)
         return hit
-
-    @staticmethod
-    def _call_jaxpr(eqn: Any) -> Any:
-        key = CALL_PRIMITIVES.get(eqn.primitive.name)
-        return eqn.params.get(key) if key else None
 
     # -- regions ----------------------------------------------------------------------------------
     def scan(self, eqn: Any, ins: list[int], region: str) -> list[int]:

@@ -22,7 +22,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from annotations.errors import ShardingError
-from shardc.ir.build import CALL_PRIMITIVES, REGION_PRIMITIVES
+from shardc.ir.build import REGION_PRIMITIVES, call_jaxpr
 from shardc.pcg.graph import PCG, Compute, GraphBuilder
 from shardc.pcg.ops import AllToAll, Combine, CollectivePermute, ParallelOp, Partition, Reduce, ReduceScatter, group_size
 from shardc.pcg.reshard import xla_ops
@@ -329,9 +329,8 @@ class Walker:
         for eqn in jaxpr.eqns:
             ins = [read(a) for a in eqn.invars]
             name = eqn.primitive.name
-            key = CALL_PRIMITIVES.get(name)
-            inner = eqn.params.get(key) if key else None
-            if name in CALL_PRIMITIVES and inner is not None:
+            inner = call_jaxpr(eqn)
+            if inner is not None:
                 sub = inner.jaxpr if isinstance(inner, jcore.ClosedJaxpr) else inner
                 sub_consts = inner.consts if isinstance(inner, jcore.ClosedJaxpr) else []
                 outs = self.walk(scope, sub, sub_consts, ins)
