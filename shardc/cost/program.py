@@ -356,13 +356,7 @@ def _post_order(graph: Graph, canon: list[int]) -> list[int]:
 
 def program_info(graph: Graph, backend: str = "") -> ProgramInfo:
     """What XLA keeps of `graph` when compiled for `backend` ("cpu", "gpu", "tpu" or "": no backend rule)."""
-    cache = getattr(graph, "_shardc_program_info", None)
-    if cache is None:
-        cache = {}
-        try:
-            graph._shardc_program_info = cache  # type: ignore[attr-defined]
-        except AttributeError:  # pragma: no cover - slotted graphs
-            pass
+    cache: dict[str, ProgramInfo] = graph.analysis("program_info", dict)
     info = cache.get(backend)
     if info is None:
         info = cache[backend] = _analyse(graph, backend)
@@ -471,9 +465,10 @@ def _reshape_broadcast(src: Sequence[int], dst: Sequence[int], b: frozenset[int]
 def broadcast_dims(graph: Graph) -> tuple[frozenset[int], ...]:
     """Per value: the dims along which it is a broadcast when every reshard on the way keeps it one (an
     upper bound; a plan's collectives can make a new value: `shardc.sim.tasks.TaskBuilder.broadcasts`)."""
-    hit = getattr(graph, "_shardc_broadcast_dims", None)
-    if hit is not None:
-        return hit
+    return graph.analysis("broadcast_dims", lambda: _broadcast_dims(graph))
+
+
+def _broadcast_dims(graph: Graph) -> tuple[frozenset[int], ...]:
     canon = merged(graph).canon
     out = [frozenset()] * len(graph.values)
     for op in graph.ops:
@@ -482,24 +477,12 @@ def broadcast_dims(graph: Graph) -> tuple[frozenset[int], ...]:
         for v, b in zip(op.outputs, broadcast_transfer(graph, op, [out[canon[u]] for u in op.inputs])):
             if canon[v] == v:
                 out[v] = b
-    res = tuple(out[canon[v]] for v in range(len(out)))
-    try:
-        graph._shardc_broadcast_dims = res  # type: ignore[attr-defined]
-    except AttributeError:  # pragma: no cover - slotted graphs
-        pass
-    return res
+    return tuple(out[canon[v]] for v in range(len(out)))
 
 
 def merged(graph: Graph) -> Merged:
     """CSE and constant folding over `graph`, forwards (cached on the graph)."""
-    hit = getattr(graph, "_shardc_merged", None)
-    if hit is None:
-        hit = _merge(graph)
-        try:
-            graph._shardc_merged = hit  # type: ignore[attr-defined]
-        except AttributeError:  # pragma: no cover - slotted graphs
-            pass
-    return hit
+    return graph.analysis("merged", lambda: _merge(graph))
 
 
 def _merge(graph: Graph) -> Merged:

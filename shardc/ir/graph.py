@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 import numpy as np
 
@@ -110,6 +110,9 @@ def _dtype(dtype: Any) -> Any:
     return np.dtype(dtype)
 
 
+_T = TypeVar("_T")
+
+
 @dataclasses.dataclass
 class Graph:
     """Ops in program order over values. `inputs`/`outputs` are the flattened train-step args/results."""
@@ -126,6 +129,13 @@ class Graph:
     # values a region reads that no op of it takes as an operand: a cond's branch index (XLA computes it
     # whenever the cond runs)
     region_reads: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+
+    def analysis(self, name: str, compute: Callable[[], _T]) -> _T:
+        """`compute()`, once per graph: a plan-independent analysis cached on the graph under `name`."""
+        cache = self.__dict__.setdefault("_shardc_analyses", {})
+        if name not in cache:
+            cache[name] = compute()
+        return cache[name]
 
     def add_value(self, shape: tuple[int, ...], dtype: Any, name: str = "", *, is_const: bool = False) -> int:
         vid = len(self.values)
