@@ -2,7 +2,8 @@
 
     python -m shardc rules          the primitives with a factor rule
     python -m shardc version
-    python -m shardc verify-rules   prove every PCG substitution rule with Z3 (or refute it)
+    python -m shardc verify-rules   prove every PCG substitution rule with Z3 (or refute it);
+                                    --record writes the proof record the rewrite engine trusts
     python -m shardc generate-rules enumerate, fingerprint, verify and save generated PCG rules
 """
 from __future__ import annotations
@@ -51,11 +52,17 @@ def _verify_rules(args: argparse.Namespace) -> int:
                 return 2
     else:
         rules = library_rules() if args.library_only else all_rules()
+    if args.record and (args.files or args.library_only):
+        print("--record writes the packaged record of the library and generated rules: give no FILES and no "
+              "--library-only")
+        return 2
     t0 = time.perf_counter()
     failed = 0
+    proved = []
     for r in rules:
-        v = verify_rule(r)
+        v = verify_rule(r, use_record=False)  # this command is what the proof record trusts: always Z3
         if v.proved:
+            proved.append((r.name, r.text))
             print(f"{r.name}: proved ({v.instances} instances)")
         else:
             failed += 1
@@ -63,6 +70,10 @@ def _verify_rules(args: argparse.Namespace) -> int:
             print(f"    counterexample: {v.counterexample}")
     dt = time.perf_counter() - t0
     print(f"{len(rules) - failed} of {len(rules)} rules proved, {failed} refuted ({dt:.1f} s)")
+    if args.record:
+        from shardc.pcg.proofs import write_record
+
+        print(f"wrote {write_record(proved)} ({len(proved)} proved rules; refuted ones are not recorded)")
     return 1 if failed else 0
 
 
@@ -80,6 +91,8 @@ def _generate_rules(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else data_path(GENERATED_FILE)
     out.write_text(format_rules_file(report, args.max_ops))
     print(f"wrote {out}")
+    if not args.out:
+        print("the proof record does not list the new rules yet: run `python -m shardc verify-rules --record`")
     return 0
 
 
@@ -91,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     vr = sub.add_parser("verify-rules", help="prove PCG substitution rules with Z3; non-zero exit if any fails")
     vr.add_argument("files", nargs="*", help="rule files to check (default: the library and the generated rules)")
     vr.add_argument("--library-only", action="store_true", help="skip the generated rules")
+    vr.add_argument("--record", action="store_true",
+                    help="write the proof record (shardc/pcg/data/proofs.record) the rewrite engine trusts "
+                         "instead of running Z3 in every process")
     vr.set_defaults(run=_verify_rules)
     gr = sub.add_parser("generate-rules", help="generate, verify and save PCG rules (TASO-style)")
     gr.add_argument("--max-ops", type=int, default=3, help="ops per pattern (default 3)")

@@ -11,7 +11,9 @@ A right-hand side that is undefined or of another shape where the left is define
 too (the shapes are the witness).
 
 Verdicts are cached by the rule's text (its name does not matter); `is_proved` is what the rewrite
-engine checks before it applies anything.
+engine checks before it applies anything. A rule whose exact text is in the proof record
+(`shardc.pcg.proofs`, written by `python -m shardc verify-rules --record` under this same verifier)
+is accepted without running Z3 again.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import numpy as np
 import z3
 
 from shardc.pcg.lang import OPS, Rule, term_ops
+from shardc.pcg.proofs import recorded
 from shardc.pcg.semantics import D, G, IllTyped, Model, evaluate, flat_pairs
 
 __all__ = ["Verdict", "verify_rule", "verify_rules", "is_proved", "CHECKS", "clear_cache"]
@@ -41,8 +44,11 @@ class Verdict:
     instances: int
     seconds: float
     counterexample: str | None = None
+    recorded: bool = False  # proved by an earlier Z3 run of this verifier, read from the proof record
 
     def __str__(self) -> str:
+        if self.recorded:
+            return f"{self.rule.name}: proved (proof record)"
         if self.proved:
             return f"{self.rule.name}: proved ({self.instances} instances, {self.seconds * 1e3:.0f} ms)"
         return f"{self.rule.name}: REFUTED\n    {self.rule.text}\n    {self.counterexample}"
@@ -56,7 +62,7 @@ def clear_cache() -> None:
 
 
 def is_proved(rule: Rule) -> bool:
-    """True only if `verify_rule` proved this rule (by its text) in this process."""
+    """True only if `verify_rule` proved this rule (by its text) in this process, by Z3 or the record."""
     v = _CACHE.get(rule.text)
     return v is not None and v.proved
 
@@ -257,12 +263,20 @@ def _real(x: Any) -> Any:
     return x if isinstance(x, z3.ExprRef) else z3.RealVal(x)
 
 
-def verify_rule(rule: Rule, checks: Sequence[tuple[int, int]] = CHECKS, *, use_cache: bool = True) -> Verdict:
-    """Prove `rule` at every (degree, rank) of `checks`, or find a counterexample."""
+def verify_rule(rule: Rule, checks: Sequence[tuple[int, int]] = CHECKS, *, use_cache: bool = True,
+                use_record: bool = True) -> Verdict:
+    """Prove `rule` at every (degree, rank) of `checks`, or find a counterexample.
+
+    With `use_record`, a rule the proof record lists under this verifier is proved without Z3;
+    `python -m shardc verify-rules` passes False (it is what writes the record)."""
     key = rule.text
-    if use_cache and key in _CACHE and tuple(checks) == CHECKS:
-        hit = _CACHE[key]
+    hit = _CACHE.get(key) if use_cache and tuple(checks) == CHECKS else None
+    if hit is not None and (use_record or not hit.recorded):
         return dataclasses.replace(hit, rule=rule)
+    if use_record and tuple(checks) == CHECKS and recorded(key):
+        verdict = Verdict(rule, True, 0, 0.0, recorded=True)
+        _CACHE[key] = verdict
+        return verdict
     t0 = time.perf_counter()
     kinds = rule.var_kinds()
     fixed = _ranks(rule)
