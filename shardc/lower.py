@@ -129,6 +129,12 @@ class Lowering:
         """`x` (value `vid`, the operand of one-operand op `op_id`) constrained to the layout the op needs it
         in (its planned one if no reshard)."""
         need = self.needs.get(op_id, {}).get(0)
+        if need is None and self.info.constant[vid]:
+            # the plan lists no reshard of a compile-time constant: made whole, it is sliced to what the op
+            # needs (through its planned layout, XLA would move it as data)
+            op = self.graph.ops[op_id]
+            return _constrain(x, self.named(self.plan.strategies[op_id].tensor_sharding(
+                op.rule, op.rule.operands[0], self.sizes)))
         x = self.reshard(x, vid, self.plan.shardings[vid], need) if need is not None else x
         return _constrain(x, self.named(need if need is not None else self.plan.shardings[vid]))
 
@@ -178,7 +184,11 @@ class Lowering:
         invals = self.constants_as_needed(op, invals)
         if eqn.primitive is hint_p or op.primitive == "sharding_constraint":
             # a hint or jax's own constraint (maybe on the mesh the step was traced under, e.g. Flax's on
-            # partitioned parameters): the plan's decided sharding of the value, on the plan's mesh
+            # partitioned parameters): the plan's decided sharding of the value, on the plan's mesh. A
+            # compile-time constant stays whole (XLA would slice it by device and all-gather it for a
+            # consumer needing it whole; its consumers slice it, `constants_as_needed`).
+            if self.info.constant[op.outputs[0]] and hasattr(invals[0], "shape") and invals[0].shape:
+                return [_constrain(invals[0], self.named(Sharding(((),) * len(invals[0].shape))))]
             return [self.as_planned(invals[0], op.outputs[0])]
         outs = self.bind(eqn, invals, op.id)
         made = self.made_dims(op.id)

@@ -346,6 +346,8 @@ def op_reshard_specs(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequenc
     partial, groups = strat.partial_axes(rule), strat.partial_groups(rule)
     for i, (v, dims) in enumerate(zip(op.outputs, rule.results)):
         val = graph.values[v]
+        if constant[v]:  # folded by XLA: made in the layout wanted
+            continue
         made = strat.tensor_sharding(rule, dims, mesh)
         made = Sharding(made.dims, partial)
         want = shardings[v]

@@ -488,7 +488,9 @@ class TaskBuilder:
         groups = plan.strategies[op_id].partial_groups(op.rule)
         for n, (v, k) in enumerate(zip(op.outputs, out_keys)):
             want = plan.shardings[v]
-            if k[1] != want:
+            if k[1] != want and info.constant[self.canon(v)]:  # folded by XLA: made in the layout wanted
+                made((k[0], want, HOME))
+            elif k[1] != want:
                 path = self.path(k[1], want, v, groups, self.bc_made.get((op_id, n), frozenset()))
                 for key in self.chain(slot, k, path, v, op_id, trips_out):
                     made(key)

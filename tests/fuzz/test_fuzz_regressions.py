@@ -43,7 +43,15 @@ Fixed in shardc so that the compiled program's collectives are the plan's, kind 
   (`TaskBuilder.layout`);
 * an iota is a broadcast along its other dims (XLA makes it one): moving it along them is a copy;
 * `empty`/`empty2` (the zeros a cond's gradient makes) are constants, in loop and branch bodies too: XLA
-  makes a broadcast of a constant in any layout, without the all-gather the plan listed.
+  makes a broadcast of a constant in any layout, without the all-gather the plan listed;
+* an op's result that is a compile-time constant is made in the layout wanted (the plan listed an
+  all-gather from the op's strategy's layout);
+* an op folded to a constant whatever its operands (argmax over a dim of size 1) reads none of them: what
+  only it reads is dead (a gather's partial-sum all-reduce was planned);
+* a hinted constant is computed whole (constrained as hinted, XLA sliced it by device and all-gathered it
+  for a consumer needing it whole);
+* a constant passed through a tie (a branch's result) is sliced straight to the layout the tie needs (via
+  its planned layout, XLA all-to-all'd the zeros of a cond's gradient).
 
 Fixed in the oracle:
 * a chain of contractions grew gradients to ~1.6e3 where float32 rounding of the (differently ordered)
@@ -258,18 +266,53 @@ ZEROS_IN_A_BRANCH = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(  # CI b
     Step(kind="binary", args=(3, 1), attrs=(("fn", "mul"),), shape=(16, 8)),
 ), outputs=(2,))
 
+RESULT_OF_A_CONSTANT = Program(mesh=(("x", 2), ("y", 4)), steps=(  # seed 80001, shrunk
+    Step(kind="input", args=(), attrs=(), shape=(1, 8, 6)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 1), ("axes", ("x", "y"))), shape=(1, 8, 6)),
+    Step(kind="argmax", args=(1,), attrs=(("dim", 0),), shape=(8, 6)),  # the index 0: a constant
+    Step(kind="unary", args=(2,), attrs=(("fn", "scale"),), shape=(8, 6)),  # still one, wanted replicated
+), outputs=(3,))
+
+READ_ONLY_BY_A_FOLDED_OP = Program(mesh=(("x", 2), ("y", 2), ("z", 2)), steps=(  # seed 80005, shrunk
+    Step(kind="input", args=(), attrs=(("meta", ("y", None)),), shape=(2, 3)),
+    Step(kind="input", args=(), attrs=(("high", 2),), shape=(1, 1), dtype="int32"),
+    Step(kind="gather", args=(0, 1), attrs=(("dim", 0),), shape=(1, 1, 3)),  # partial sums over y, read by ...
+    Step(kind="pad", args=(2,), attrs=(("config", ((2, 0, 0), (0, 0, 0), (0, 0, 0))),), shape=(3, 1, 3)),
+    Step(kind="reshape", args=(3,), attrs=(), shape=(3, 3, 1)),
+    Step(kind="argmax", args=(4,), attrs=(("dim", 2),), shape=(3, 3)),  # ... nothing XLA keeps
+), outputs=(5,))
+
+HINTED_CONSTANT = Program(mesh=(("x", 2), ("y", 4)), steps=(  # seed 80008, shrunk
+    Step(kind="input", args=(), attrs=(), shape=(8, 1, 16)),
+    Step(kind="argmax", args=(0,), attrs=(("dim", 1),), shape=(8, 16)),
+    Step(kind="cumsum", args=(1,), attrs=(("dim", 1),), shape=(8, 16)),
+    Step(kind="remat_chain", args=(2,), attrs=(("inner", (None, ("y",))),), shape=(8, 16)),  # a hint on it
+    Step(kind="input", args=(), attrs=(), shape=(1, 11)),
+    Step(kind="update_slice", args=(3, 4), attrs=(("start", (7, 3)),), shape=(8, 16)),  # needs it whole
+), outputs=(5,))
+
+CONSTANT_LEAVING_A_BRANCH = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(  # seed 80017, shrunk
+    Step(kind="input", args=(), attrs=(), shape=(2, 8, 12)),
+    Step(kind="hint", args=(0,), attrs=(("how", "shard"), ("spec", (("y", "x"), "?", ("z",)))), shape=(2, 8, 12)),
+    Step(kind="cond", args=(1,), attrs=(("inner", None),), shape=(2, 8, 12)),  # its gradient's zeros leave ...
+    Step(kind="remat_chain", args=(2,), attrs=(("inner", ("?", ("z", "x"), None)),), shape=(2, 8, 12)),
+), outputs=(3,))  # ... in another layout than the one they are planned in
+
 @pytest.mark.parametrize("prog", [COND_INDEX, DEAD_LOOP, UPDATE_SLICE_SPLIT_DIM, UPDATE_ONE_ROW_OF_SPLIT_DIM,
                                   SCANNED_ARRAY_RESHARD, SCAN_FINAL_CARRY, SUM_OVER_TWO_SPLIT_DIMS,
                                   DUPLICATE_OPS_RESHARDED, TWO_STEP_RESHARD_TWICE, FULL_UPDATE, BROADCAST_RESHARD,
                                   HINT_AND_CONSUMER_SHARE, ARGMAX_OF_ONE, ONE_VALUE_TWO_LAYOUTS,
                                   SCATTER_ONE_AXIS_TWICE, CONSTANT_SCATTER_INDICES, SIZE_ONE_AXIS,
-                                  IOTA_IS_A_BROADCAST, ZEROS_IN_A_BRANCH],
+                                  IOTA_IS_A_BROADCAST, ZEROS_IN_A_BRANCH, RESULT_OF_A_CONSTANT,
+                                  READ_ONLY_BY_A_FOLDED_OP, HINTED_CONSTANT, CONSTANT_LEAVING_A_BRANCH],
                          ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
                               "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
                               "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
                               "broadcast_reshard", "hint_and_consumer_share", "argmax_of_one",
                               "one_value_two_layouts", "scatter_one_axis_twice", "constant_scatter_indices",
-                              "size_one_axis", "iota_is_a_broadcast", "zeros_in_a_branch"])
+                              "size_one_axis", "iota_is_a_broadcast", "zeros_in_a_branch",
+                              "result_of_a_constant", "read_only_by_a_folded_op", "hinted_constant",
+                              "constant_leaving_a_branch"])
 def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
 
