@@ -583,7 +583,7 @@ def _trips(graph: Graph) -> tuple[list[int], tuple[tuple[int, int], ...]]:
     reshards a value entering a loop before the loop (a `tie` at "in", a `scan_slice`'s stacked operand)
     and a loop's result after it (a `tie` at "out", a `scan_stack`'s stacked result): those run as often
     as the loop itself, not once per iteration."""
-    lengths: dict[str, int] = {}
+    lengths: dict[str, int] = dict(graph.region_trips)
     for op in graph.ops:
         if op.primitive in ("scan_slice", "scan_stack") and op.rule.sizes:
             lengths.setdefault(op.region, int(op.rule.sizes[0]))

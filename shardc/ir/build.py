@@ -150,6 +150,7 @@ class _Builder:
         nc, nk = p["num_consts"], p["num_carry"]
         length = p["length"]
         here = f"{region}/scan{len(self.g.ops)}"
+        self.g.region_trips[here] = int(length)
         inner_jaxpr, _ = self.closed(body)
         body_in = [self.new_value(v.aval) for v in inner_jaxpr.invars]
         for i, vid in enumerate(body_in):

@@ -129,6 +129,9 @@ class Graph:
     # values a region reads that no op of it takes as an operand: a cond's branch index (XLA computes it
     # whenever the cond runs)
     region_reads: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    # iterations of each scan region (a scan with no scanned operand or result, e.g. a fori_loop with
+    # static bounds, has no scan_slice/scan_stack op to read its length from)
+    region_trips: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def analysis(self, name: str, compute: Callable[[], _T]) -> _T:
         """`compute()`, once per graph: a plan-independent analysis cached on the graph under `name`."""

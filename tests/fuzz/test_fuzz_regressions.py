@@ -52,6 +52,9 @@ Fixed in shardc so that the compiled program's collectives are the plan's, kind 
   for a consumer needing it whole);
 * a constant passed through a tie (a branch's result) is sliced straight to the layout the tie needs (via
   its planned layout, XLA all-to-all'd the zeros of a cond's gradient).
+* a scan that scans no value (a `fori_loop` with static bounds, no gradient to stack residuals for) ran
+  once in the simulator: its length is read from the scan itself (`Graph.region_trips`), not from its
+  scanned operands.
 
 Fixed in the oracle:
 * a chain of contractions grew gradients to ~1.6e3 where float32 rounding of the (differently ordered)
@@ -298,13 +301,22 @@ CONSTANT_LEAVING_A_BRANCH = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(
     Step(kind="remat_chain", args=(2,), attrs=(("inner", ("?", ("z", "x"), None)),), shape=(2, 8, 12)),
 ), outputs=(3,))  # ... in another layout than the one they are planned in
 
+FORI_WITHOUT_SCANNED_VALUES = Program(mesh=(("x", 2), ("y", 4)), steps=(  # seed 90001, shrunk by hand
+    Step(kind="input", args=(), attrs=(), shape=(2, 8, 8)),
+    Step(kind="argmax", args=(0,), attrs=(("dim", 0),), shape=(8, 8)),  # no gradient: no residuals stacked
+    Step(kind="hint", args=(1,), attrs=(("how", "split"), ("dim", 0), ("axes", ("x", "y"))), shape=(8, 8)),
+    Step(kind="fori", args=(2,), attrs=(("n", 3), ("inner", (None, None))), shape=(8, 8)),  # gathers 3 times
+    Step(kind="hint", args=(3,), attrs=(("how", "split"), ("dim", 0), ("axes", ("x", "y"))), shape=(8, 8)),
+), outputs=(4,))
+
 @pytest.mark.parametrize("prog", [COND_INDEX, DEAD_LOOP, UPDATE_SLICE_SPLIT_DIM, UPDATE_ONE_ROW_OF_SPLIT_DIM,
                                   SCANNED_ARRAY_RESHARD, SCAN_FINAL_CARRY, SUM_OVER_TWO_SPLIT_DIMS,
                                   DUPLICATE_OPS_RESHARDED, TWO_STEP_RESHARD_TWICE, FULL_UPDATE, BROADCAST_RESHARD,
                                   HINT_AND_CONSUMER_SHARE, ARGMAX_OF_ONE, ONE_VALUE_TWO_LAYOUTS,
                                   SCATTER_ONE_AXIS_TWICE, CONSTANT_SCATTER_INDICES, SIZE_ONE_AXIS,
                                   IOTA_IS_A_BROADCAST, ZEROS_IN_A_BRANCH, RESULT_OF_A_CONSTANT,
-                                  READ_ONLY_BY_A_FOLDED_OP, HINTED_CONSTANT, CONSTANT_LEAVING_A_BRANCH],
+                                  READ_ONLY_BY_A_FOLDED_OP, HINTED_CONSTANT, CONSTANT_LEAVING_A_BRANCH,
+                                  FORI_WITHOUT_SCANNED_VALUES],
                          ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
                               "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
                               "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
@@ -312,7 +324,7 @@ CONSTANT_LEAVING_A_BRANCH = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(
                               "one_value_two_layouts", "scatter_one_axis_twice", "constant_scatter_indices",
                               "size_one_axis", "iota_is_a_broadcast", "zeros_in_a_branch",
                               "result_of_a_constant", "read_only_by_a_folded_op", "hinted_constant",
-                              "constant_leaving_a_branch"])
+                              "constant_leaving_a_branch", "fori_without_scanned_values"])
 def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
 

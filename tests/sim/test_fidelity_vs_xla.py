@@ -265,3 +265,22 @@ def test_peak_memory_of_a_scanned_lm_with_cross_entropy(batch, seq, vocab):
     # the one-hot gradient is fused into its sum; the embedding gradient writes into zeros made at the start
     assert sorted((info.fused[info.canon[op.outputs[0]]], info.canon[op.outputs[0]] in info.preset)
                   for op in scatters) == [(False, True), (True, False)]
+
+
+def test_a_fori_loop_runs_its_body_as_often_as_compiled():
+    """A scan that scans no value (`fori_loop` with static bounds, no gradient stacking residuals) still
+    runs `length` times: its body's all-gathers are counted per iteration, as compiled."""
+    mesh = shardc.make_mesh({"data": 2, "model": 4})
+
+    def rollout(w, h):
+        h = split(h, 0, "data")
+
+        def body(_, h):
+            return shardc.shard(jnp.tanh(h @ split(w, 1, "model")), ("data", None))  # gathers each iteration
+
+        return jax.lax.fori_loop(0, 5, body, h)
+
+    args = (jnp.ones((128, 128)), jnp.ones((64, 128)))
+    report = shardc.check(shardc.auto(rollout, mesh=mesh, search=False), *args)
+    assert report.ok, str(report)
+    assert report.row("all-gather bytes").compiled == 5 * 32 * 128 * 4  # one [32, 128] gather per iteration
