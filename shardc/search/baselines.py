@@ -170,11 +170,13 @@ def _split_axes(mesh: Mapping[str, int]) -> tuple[list[str], str | None]:
     return big[:-1], big[-1]
 
 
-def megatron(graph: Graph, mesh: Mapping[str, int], stacked: Sequence[int] = ()) -> list[Seed]:
+def megatron(graph: Graph, mesh: Mapping[str, int], stacked: Sequence[int] = (),
+             axes: tuple[list[str], str | None] | None = None) -> list[Seed]:
     """Tensor parallel on the last mesh axis (column-parallel for expanding/input projections, row-parallel
-    for output/down projections, chosen by name then by shape) with data parallel on the others. The
-    `stacked` inputs' dim 0 is a layer dim (a stack of per-layer matrices), not a matrix dim."""
-    data, model = _split_axes(mesh)
+    for output/down projections, chosen by name then by shape) with data parallel on the others (`axes`:
+    (data axes, model axis) chosen otherwise). The `stacked` inputs' dim 0 is a layer dim (a stack of
+    per-layer matrices), not a matrix dim."""
+    data, model = _split_axes(mesh) if axes is None else axes
     seeds = _batch(graph, mesh, data, "megatron")
     if model is None:
         return seeds
@@ -266,8 +268,10 @@ def _pipelined(name: str, graph: Graph, mesh: Mapping[str, int], pipeline: Any) 
     axis = pipeline.axis
     inner = {a: n for a, n in mesh.items() if a != axis}
     stacked = stacked_state(graph, pipeline.layers)
-    if name == "megatron-3d":
-        seeds = megatron(graph, inner, stacked) if _split_axes(inner)[1] is not None else None
+    if name == "megatron-3d":  # tensor parallel on the innermost axis that does not split the microbatches
+        big = [a for a in inner if inner[a] > 1]
+        model = next((a for a in reversed(big) if a not in pipeline.data), None)
+        seeds = None if model is None else megatron(graph, inner, stacked, ([a for a in big if a != model], model))
     else:
         seeds = BASELINES[name](graph, inner) if inner else []
     if seeds is None:
