@@ -33,7 +33,7 @@ def test_megatron_3d_seeds_stages_tensor_and_data_parallel():
         else:  # the bias: replicated inside the stage
             assert dims[1:] == ((),), (name, dims)
     for v in set(state_inputs(g)) - set(stacked):  # embedding and head: not on the stage axis
-        assert all("stage" not in ax for ax in seeds[v]), g.values[v].name
+        assert all("stage" not in ax for ax in seeds.get(v, ())), g.values[v].name  # (a scalar: no seed)
     for v in data_inputs(g):  # the batch over the data axis, not the stage axis nor the model axis
         assert seeds[v][0] == ("data",)
     assert baseline_seeds("megatron", g, MESH, (), pipe) is None  # megatron-3d stands in for it
