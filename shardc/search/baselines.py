@@ -20,8 +20,8 @@ from typing import Any, Callable, Mapping, Sequence
 from shardc.ir.graph import Graph
 from shardc.propagate import Cause, Seed
 
-__all__ = ["BASELINES", "baseline_seeds", "stacked_state", "baseline_plan", "state_inputs", "data_inputs", "parameter_inputs",
-           "role_mixes", "consistent_carry", "expert_weights"]
+__all__ = ["BASELINES", "baseline_seeds", "stacked_state", "baseline_plan", "state_inputs", "data_inputs",
+           "parameter_inputs", "role_mixes", "consistent_carry", "expert_weights"]
 
 Axes = tuple[str, ...]
 # the argument a flattened input's path starts with: its parameter name (params[...]) or index ([0][...])
@@ -253,8 +253,9 @@ def hints_only(graph: Graph, mesh: Mapping[str, int]) -> list[Seed]:
 
 BASELINES: dict[str, Callable[[Graph, Mapping[str, int]], list[Seed] | None]] = {
     "hints": hints_only, "data-parallel": data_parallel, "fsdp": fsdp, "megatron": megatron,
-    "megatron-3d": megatron, "expert-parallel": expert_parallel,
+    "megatron-3d": megatron, "expert-parallel": expert_parallel,  # (megatron-3d: pipelined programs only)
 }
+
 
 def stacked_state(graph: Graph, layers: int) -> list[int]:
     """The carried inputs that are a stack of per-layer state: dim 0 is the pipelined stack's `layers`
