@@ -1,12 +1,15 @@
-"""Pipeline parallelism on the zoo's memory-tight LM: simulated step time of pipelined plans against the
-non-pipelined search and baselines.
+"""Pipeline parallelism on the zoo's memory-tight LM: simulated step time of the pipelines
+`shardc.pipeline.choose_pipeline` chooses from, against the non-pipelined search and its baselines.
 
-    python -m bench.pipeline [--scale tiny|full] [--topology h100-sxm-8x8] [--budget 20]
+    python -m bench.pipeline [--scale tiny|full] [--topology h100-sxm-8x8] [--budget 15] [--stages 4]
+                             [--screen-budget 0.5] [--finalists 2]
 
 The model is `bench.gpt.ScanGPT` (the zoo's GPT with its blocks as one `nn.scan`, the form shardc cuts into
-stages) at the `gpt12-wide` size. Each pipeline (stages, microbatches, schedule, data shards) is planned by
-`shardc.plan_for(..., pipeline=...)`: the search chooses the intra-stage strategies on the meshes the
-pipeline implies (stage axis outermost). Not a test: it prints a table.
+stages) at the `gpt12-wide` size, with the zoo's weak scaling (8 sequences per 8 devices). The unpipelined
+step is searched with `--budget`; every candidate pipeline (stages, microbatches, schedule, data shards:
+`shardc.pipeline.choose.candidates`, `--stages` keeps some stage counts) is screened (a search of
+`--screen-budget`: its baselines inside the stages, megatron-3d among them, and a few moves) and the
+`--finalists` best screened get the full search. Not a test: it prints a table.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import optax
 import shardc
 from bench.gpt import ScanGPT, make_train_step
 from bench.zoo_models import _abstract, _unbox
-from shardc.pipeline import Pipeline
+from shardc.pipeline.choose import Choice, candidates, choose_pipeline
 from shardc.sim import as_topology
 
 SIZES = {"full": dict(layers=12, batch=8, seq=512, vocab=32768, d=6144, heads=48),
@@ -41,62 +44,53 @@ def build(scale: str, batch_scale: int = 1):
     return make_train_step(model, tx), (params, _abstract(tx.init, params), ids)
 
 
-def configs(devices: int, layers: int, batch: int):
-    for stages in (2, 4, 8):
-        if layers % stages or devices % stages:
-            continue
-        for shards in (1, 2, 4):
-            if devices % (stages * shards):
-                continue
-            for micro in (stages, 2 * stages, 4 * stages, 8 * stages):
-                if micro > batch or batch % micro or (batch // micro) % shards:
-                    continue
-                for schedule in ("gpipe", "1f1b"):
-                    yield Pipeline(stages, micro, schedule, data=("data",) if shards > 1 else (), shards=shards)
-                if micro == stages and layers % (2 * stages) == 0:
-                    yield Pipeline(stages, micro, "circular", repeats=2, data=("data",) if shards > 1 else (),
-                                   shards=shards)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scale", default="full", choices=sorted(SIZES))
     ap.add_argument("--topology", default="h100-sxm-8x8")
-    ap.add_argument("--budget", type=float, default=20.0)
-    ap.add_argument("--only", default="", help="comma-separated indices of the configs to run")
-    ap.add_argument("--unpipelined", action="store_true", help="also search without a pipeline (and list the "
-                                                                "baselines it scored)")
+    ap.add_argument("--budget", type=float, default=15.0, help="search budget of the unpipelined step and finalists")
+    ap.add_argument("--screen-budget", type=float, default=0.5, help="search budget of each candidate's screen")
+    ap.add_argument("--finalists", type=int, default=2)
+    ap.add_argument("--stages", default="", help="comma-separated stage counts to keep (default: all)")
+    ap.add_argument("--unpipelined", action="store_true", help="(kept for old command lines: always searched)")
     a = ap.parse_args()
     n = as_topology(a.topology).num_devices
     step, args = build(a.scale, max(1, n // 8))  # weak scaling, as bench/zoo.py
-    if a.unpipelined:
-        t = time.time()
-        plan = shardc.plan_for(step, *args, topology=a.topology, budget_s=a.budget, donate_argnums=(0, 1))
-        print(f"unpipelined search: {dict(plan.mesh_sizes)} {plan.cost.step_time * 1e3:.2f} ms, "
-              f"peak {plan.cost.peak_memory / 2**30:.1f} GiB ({time.time() - t:.0f} s)")
-        for c in plan.search.baselines:
-            print(f"  baseline {c.name} {c.mesh} {c.score.time * 1e3:.2f} ms feasible={c.score.feasible} "
-                  f"peak {c.score.peak / 2**30:.1f} GiB")
-    cfgs = list(configs(n, SIZES[a.scale]["layers"], SIZES[a.scale]["batch"] * max(1, n // 8)))
-    pick = {int(i) for i in a.only.split(",") if i} or set(range(len(cfgs)))
-    print("| # | pipeline | mesh | step | bubble | boundary | peak | plan time |")
-    print("|---|---|---|---|---|---|---|---|")
-    for i, p in enumerate(cfgs):
-        if i not in pick:
-            continue
-        t = time.time()
-        try:
-            plan = shardc.plan_for(step, *args, topology=a.topology, pipeline=p, budget_s=a.budget,
-                                   donate_argnums=(0, 1), remat=False)
-        except shardc.ShardingError as e:
-            print(f"| {i} | {p.describe()} | – | error: {str(e).splitlines()[0][:120]} |")
-            continue
-        c, pc = plan.cost, plan.cost.pipeline
-        fits = "" if c.fits else " (OOM)"
-        print(f"| {i} | {p.schedule} S={p.stages} M={p.microbatches} R={p.repeats} data={p.shards} | "
-              f"{dict(plan.mesh_sizes)} | {c.step_time * 1e3:.2f} ms{fits} | {pc.bubble_s * 1e3:.1f} ms | "
-              f"{pc.boundary_bytes / 2**20:.1f} MiB, {pc.boundary_s * 1e3:.2f} ms | {c.peak_memory / 2**30:.1f} GiB | "
-              f"{time.time() - t:.1f} s |", flush=True)
+    size = SIZES[a.scale]
+    keep = {int(s) for s in a.stages.split(",") if s}
+    pipes = [p for p in candidates(n, size["layers"], size["batch"] * max(1, n // 8)) if not keep or p.stages in keep]
+    print(f"{len(pipes)} candidate pipelines on {a.topology}; unpipelined and {a.finalists} finalists searched with "
+          f"budget {a.budget} s, candidates screened with {a.screen_budget} s")
+    print("| plan | pipeline | mesh | step | peak | wall |")
+    print("|---|---|---|---|---|---|")
+    t = [time.time()]
+    plans: dict[int, object] = {}
+
+    def row(c: Choice) -> None:
+        p = c.pipeline
+        what = (f"{p.schedule} S={p.stages} M={p.microbatches}" + (f" R={p.repeats}" if p.repeats > 1 else "")
+                + f" data={p.shards}") if p is not None else "–"
+        fits = "" if c.feasible else " (OOM)"
+        print(f"| {c.name} | {what} | {c.mesh} | {c.time * 1e3:.2f} ms{fits} | {c.peak / 2**30:.1f} GiB | "
+              f"{time.time() - t[0]:.0f} s |", flush=True)
+        t[0] = time.time()
+
+    t0 = time.time()
+    best, choices = choose_pipeline(step, args, topology=a.topology, budget_s=a.budget, pipelines=pipes,
+                                    screen_budget_s=a.screen_budget, finalists=a.finalists, on_choice=row,
+                                    donate_argnums=(0, 1), remat=False)
+    base = min((c for c in choices if c.name.startswith("baseline ") and c.feasible), key=lambda c: c.time)
+    m3d = min((c for c in choices if c.name == "megatron-3d" and c.feasible), key=lambda c: c.time, default=None)
+    print(f"\nchosen: {best.pipeline.describe() if best.pipeline is not None else 'no pipeline'}, mesh "
+          f"{dict(best.mesh_sizes)}: {best.cost.step_time * 1e3:.2f} ms ({time.time() - t0:.0f} s in all)")
+    pc = best.cost.pipeline
+    if pc is not None:
+        print(f"  bubble {pc.bubble_s * 1e3:.1f} ms of loop compute {pc.loop_compute_s * 1e3:.1f} ms; stage boundary "
+              f"{pc.boundary_bytes / 2**20:.0f} MiB in {pc.boundary_s * 1e3:.2f} ms")
+    print(f"  {base.time / best.cost.step_time:.2f}x the best unpipelined baseline ({base.name}, "
+          f"{base.time * 1e3:.2f} ms)" + (f"; {m3d.time / best.cost.step_time:.2f}x the best megatron-3d "
+                                         f"({m3d.time * 1e3:.2f} ms)" if m3d is not None else ""))
+    print(best.cost.summary(top=6))
 
 
 if __name__ == "__main__":

@@ -2,12 +2,14 @@
 finds for it, against the unpipelined search.
 
 `choose_pipeline` enumerates the pipelines a step's layer stack admits on a device count (`candidates`),
-plans each with the strategy search on the meshes it implies (`shardc.plan_for(..., pipeline=p)`), plans
-the step without a pipeline too, and keeps the fastest plan that fits memory. Every pipelined search also
-scores the `megatron` baseline on its meshes: tensor parallel inside a stage, data parallel across, the
-stages over the outermost axis — Megatron-LM's 3-D parallelism ("megatron-3d" in the table).
+and plans the step without a pipeline (the ordinary search). Every candidate is then *screened*: traced and
+planned with a small search budget (`screen_budget_s`: the baselines on the meshes it implies — each run
+inside the stages, `shardc.search.baselines` — and a few search moves), which costs a trace and a dozen
+simulations instead of a search. The `finalists` best screened candidates get the full search
+(`budget_s`), and the fastest plan that fits memory wins. The screen also scores `megatron-3d` (Megatron
+inside each stage, the stages over the slowest level: Megatron-LM's 3-D parallelism) on every candidate.
 
-It is an outer enumeration around the search, not one search space: each candidate costs a search.
+It is an outer enumeration around the search, not one joint search space.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import jax
 from annotations import provisional_mesh
 from annotations.errors import ShardingError
 from shardc.pipeline.jit import stack_of
+from shardc.search.baselines import BASELINES
 from shardc.pipeline.value import Pipeline
 from shardc.sharding import make_mesh
 
@@ -27,8 +30,9 @@ __all__ = ["Choice", "candidates", "choose_pipeline"]
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """One scored plan: `name` ("unpipelined", "pipelined", "megatron-3d"), its pipeline (None unpipelined),
-    mesh, simulated step time (s) and peak (bytes per device), and whether it fits."""
+    """One scored plan: `name` ("unpipelined"; "screened" or "pipelined" — a candidate after the screen or
+    the full search —; a baseline's name, e.g. "megatron-3d"), its pipeline (None unpipelined), mesh,
+    simulated step time (s) and peak (bytes per device), and whether it fits."""
 
     name: str
     pipeline: Pipeline | None
@@ -45,12 +49,12 @@ class Choice:
 
 def candidates(devices: int, layers: int, batch: int, max_stages: int = 8) -> Iterator[Pipeline]:
     """Pipelines of a `layers`-deep stack and a batch of `batch` on `devices` devices: stages dividing both,
-    1, 2 or 4 data shards, microbatches 1, 2, 4 or 8 times the stages (each a whole number of rows per
+    1, 2, 4 or 8 data shards, microbatches 1, 2, 4 or 8 times the stages (each a whole number of rows per
     shard), gpipe and 1f1b, and circular with 2 repeats where the layers allow."""
     for stages in range(2, max_stages + 1):
         if layers % stages or devices % stages:
             continue
-        for shards in (1, 2, 4):
+        for shards in (1, 2, 4, 8):
             if devices % (stages * shards):
                 continue
             data = ("data",) if shards > 1 else ()
@@ -68,37 +72,71 @@ def _choice(name: str, plan: Any, pipeline: Pipeline | None) -> Choice:
     return Choice(name, pipeline, dict(plan.mesh_sizes), c.step_time, c.peak_memory, c.fits)
 
 
+def _baseline_choices(plan: Any, names: tuple[str, ...]) -> list[Choice]:
+    """The named baselines a plan's search scored, each on its best mesh."""
+    best: dict[str, Any] = {}
+    for b in plan.search.baselines if plan.search is not None else ():
+        if b.name in names and (b.name not in best or b.score.key < best[b.name].score.key):
+            best[b.name] = b
+    return [Choice(n, plan.pipeline, dict(b.mesh), b.score.time, b.score.peak, b.score.feasible)
+            for n, b in best.items()]
+
+
 def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: float, pipeline: bool = True,
                     pipelines: list[Pipeline] | None = None, plan_for: Callable | None = None,
-                    **options: Any) -> tuple[Any, list[Choice]]:
+                    screen_budget_s: float = 0.5, finalists: int = 2,
+                    on_choice: Callable[[Choice], None] | None = None, **options: Any) -> tuple[Any, list[Choice]]:
     """The fastest plan that fits, over the unpipelined search and (with `pipeline=True`) every pipeline of
-    `pipelines` (default: `candidates` for the step's largest layer stack); returns it and every choice
-    scored, "megatron-3d" rows included. `options` go to `shardc.plan_for`."""
+    `pipelines` (default: `candidates` for the step's largest layer stack): each screened with a search of
+    `screen_budget_s`, the `finalists` fastest searched with `budget_s`. Returns the plan and every choice
+    scored (also passed to `on_choice` as it is made): the unpipelined search's baselines ("baseline fsdp",
+    ...) and the candidates' "megatron-3d" rows included. `options` go to
+    `shardc.plan_for`."""
     if plan_for is None:
         from shardc.auto import plan_for
+    if not isinstance(finalists, int) or isinstance(finalists, bool) or finalists < 0:
+        raise ShardingError(f"choose_pipeline(finalists={finalists!r}): expected an int >= 0")
     from shardc.sim import as_topology
+
+    choices: list[Choice] = []
+
+    def note(c: Choice) -> None:
+        choices.append(c)
+        if on_choice is not None:
+            on_choice(c)
 
     n = as_topology(topology).num_devices
     base = plan_for(step, *args, topology=topology, budget_s=budget_s, **options)
-    best, choices = base, [_choice("unpipelined", base, None)]
-    if pipeline:
-        if pipelines is None:
-            with provisional_mesh(True):
-                stack = stack_of(step, args, make_mesh({"data": len(jax.devices()), "model": 1, "expert": 1}))
-            pipelines = list(candidates(n, stack.layers, stack.batch))
-        for p in pipelines:
-            try:
-                plan = plan_for(step, *args, topology=topology, budget_s=budget_s, pipeline=p, **options)
-            except ShardingError as e:  # a pipeline this step cannot take (said in the table, not fatal)
-                choices.append(Choice(f"error: {str(e).splitlines()[0][:80]}", p, {}, float("inf"), 0.0, False))
-                continue
-            choices.append(_choice("pipelined", plan, plan.pipeline))
-            for b in plan.search.baselines if plan.search is not None else ():
-                if b.name == "megatron":
-                    choices.append(Choice("megatron-3d", plan.pipeline, dict(b.mesh), b.score.time, b.score.peak,
-                                          b.score.feasible))
-            if _key(plan) < _key(best):
-                best = plan
+    best = base
+    note(_choice("unpipelined", base, None))
+    for c in _baseline_choices(base, tuple(BASELINES)):  # each on its best mesh
+        note(dataclasses.replace(c, name=f"baseline {c.name}"))
+    if not pipeline:
+        return best, choices
+    if pipelines is None:
+        with provisional_mesh(True):
+            stack = stack_of(step, args, make_mesh({"data": len(jax.devices()), "model": 1, "expert": 1}))
+        pipelines = list(candidates(n, stack.layers, stack.batch))
+    screened: list[tuple[tuple, int, Pipeline, Any]] = []
+    for i, p in enumerate(pipelines):
+        try:
+            plan = plan_for(step, *args, topology=topology, budget_s=screen_budget_s, pipeline=p, **options)
+        except ShardingError as e:  # a pipeline this step cannot take (said in the table, not fatal)
+            note(Choice(f"error: {str(e).splitlines()[0][:80]}", p, {}, float("inf"), 0.0, False))
+            continue
+        note(_choice("screened", plan, plan.pipeline))
+        for c in _baseline_choices(plan, ("megatron-3d",)):
+            note(c)
+        screened.append((_key(plan), i, p, plan))
+    screened.sort(key=lambda x: (x[0], x[1]))
+    for key, _, p, plan in screened:
+        if key < _key(best):
+            best = plan
+    for _, _, p, _ in screened[:finalists]:
+        plan = plan_for(step, *args, topology=topology, budget_s=budget_s, pipeline=p, **options)
+        note(_choice("pipelined", plan, plan.pipeline))
+        if _key(plan) < _key(best):
+            best = plan
     return best, choices
 
 

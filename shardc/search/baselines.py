@@ -3,18 +3,25 @@ tensor parallel + data parallel, expert parallel, and the user's hints alone.
 
 Inputs are told apart by the graph: an input tied to an output (carried train-step state: params,
 optimizer state) is *state*; any other input is *data* (its dim 0 is the batch).
+
+In a pipelined program (`shardc.pipeline`) the stage axis is the pipeline's: every baseline runs inside a
+stage, on the mesh without the stage axis, and the stacked per-layer state (dim 0 = the stack's layers:
+parameters and their optimizer moments) has its layer dim over the stage axis, so each stage keeps its own
+layers where the pipeline loop reads them. Megatron there is Megatron-LM's 3-D parallelism — stages over
+the stage axis (the slowest level), tensor parallel on the innermost axis, data parallel on the rest —
+reported as `megatron-3d`.
 """
 from __future__ import annotations
 
 import math
 import re
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from shardc.ir.graph import Graph
 from shardc.propagate import Cause, Seed
 
-__all__ = ["BASELINES", "baseline_seeds", "baseline_plan", "state_inputs", "data_inputs", "parameter_inputs",
-           "role_mixes", "consistent_carry", "expert_weights"]
+__all__ = ["BASELINES", "baseline_seeds", "stacked_state", "baseline_plan", "state_inputs", "data_inputs",
+           "parameter_inputs", "role_mixes", "consistent_carry", "expert_weights"]
 
 Axes = tuple[str, ...]
 # the argument a flattened input's path starts with: its parameter name (params[...]) or index ([0][...])
@@ -163,23 +170,29 @@ def _split_axes(mesh: Mapping[str, int]) -> tuple[list[str], str | None]:
     return big[:-1], big[-1]
 
 
-def megatron(graph: Graph, mesh: Mapping[str, int]) -> list[Seed]:
+def megatron(graph: Graph, mesh: Mapping[str, int], stacked: Sequence[int] = (),
+             axes: tuple[list[str], str | None] | None = None) -> list[Seed]:
     """Tensor parallel on the last mesh axis (column-parallel for expanding/input projections, row-parallel
-    for output/down projections, chosen by name then by shape) with data parallel on the others."""
-    data, model = _split_axes(mesh)
+    for output/down projections, chosen by name then by shape) with data parallel on the others (`axes`:
+    (data axes, model axis) chosen otherwise). The `stacked` inputs' dim 0 is a layer dim (a stack of
+    per-layer matrices), not a matrix dim."""
+    data, model = _split_axes(mesh) if axes is None else axes
     seeds = _batch(graph, mesh, data, "megatron")
     if model is None:
         return seeds
+    stacked = set(stacked)
     for v in state_inputs(graph):
         val = graph.values[v]
+        lead = 1 if v in stacked else 0  # a stacked layer dim is not a matrix dim
+        shape = val.shape[lead:]
         dims: list[Axes] = [() for _ in val.shape]
-        if val.rank == 2:
-            d_in, d_out = val.shape
+        if len(shape) == 2:
+            d_in, d_out = shape
             row = bool(_ROW.search(_ARG.sub("", val.name or "", count=1))) or d_in > d_out
             d = 0 if row else 1
-            if val.shape[d] % mesh[model] == 0:
-                dims[d] = (model,)
-        elif val.rank >= 3 and val.shape[-1] % mesh[model] == 0:
+            if shape[d] % mesh[model] == 0:
+                dims[lead + d] = (model,)
+        elif len(shape) >= 3 and shape[-1] % mesh[model] == 0:
             dims[-1] = (model,)
         seeds.append(Seed(v, tuple(dims), _cause("megatron"), 1))
     return seeds
@@ -240,16 +253,57 @@ def hints_only(graph: Graph, mesh: Mapping[str, int]) -> list[Seed]:
 
 BASELINES: dict[str, Callable[[Graph, Mapping[str, int]], list[Seed] | None]] = {
     "hints": hints_only, "data-parallel": data_parallel, "fsdp": fsdp, "megatron": megatron,
-    "expert-parallel": expert_parallel,
+    "megatron-3d": megatron, "expert-parallel": expert_parallel,  # (megatron-3d: pipelined programs only)
 }
 
 
-def baseline_seeds(name: str, graph: Graph, mesh: Mapping[str, int], user_seeds: Sequence[Seed] = ()) -> list[Seed] | None:
+def stacked_state(graph: Graph, layers: int) -> list[int]:
+    """The carried inputs that are a stack of per-layer state: dim 0 is the pipelined stack's `layers`
+    (its parameters and their optimizer moments)."""
+    return [v for v in state_inputs(graph) if graph.values[v].rank >= 1 and graph.values[v].shape[0] == layers]
+
+
+def _pipelined(name: str, graph: Graph, mesh: Mapping[str, int], pipeline: Any) -> list[Seed] | None:
+    """Baseline `name` inside each stage of `pipeline`: on the mesh without the stage axis, with the
+    stacked state's layer dim over the stage axis."""
+    axis = pipeline.axis
+    inner = {a: n for a, n in mesh.items() if a != axis}
+    stacked = stacked_state(graph, pipeline.layers)
+    if name == "megatron-3d":  # tensor parallel on the innermost axis that does not split the microbatches
+        big = [a for a in inner if inner[a] > 1]
+        model = next((a for a in reversed(big) if a not in pipeline.data), None)
+        seeds = None if model is None else megatron(graph, inner, stacked, ([a for a in big if a != model], model))
+    else:
+        seeds = BASELINES[name](graph, inner) if inner else []
+    if seeds is None:
+        return None
+    by_value = {s.value: s for s in seeds}
+    out = [s for s in seeds if s.value not in stacked]
+    for v in stacked:
+        val = graph.values[v]
+        s = by_value.get(v)
+        dims = list(s.dims) if s is not None else [() for _ in val.shape]
+        dims[0] = (axis,) + tuple(a for a in (dims[0] or ()) if a != axis)
+        out.append(Seed(v, tuple(dims), _cause(name), 1))
+    return out
+
+
+def baseline_seeds(name: str, graph: Graph, mesh: Mapping[str, int], user_seeds: Sequence[Seed] = (),
+                   pipeline: Any = None) -> list[Seed] | None:
     """The seeds of baseline `name` on this mesh, minus the dims the user pinned (hints win); None when
-    the baseline does not apply (e.g. expert parallel without experts, Megatron on a 1-axis mesh)."""
-    if name == "megatron" and _split_axes(mesh)[1] is None:
+    the baseline does not apply (e.g. expert parallel without experts, Megatron on a 1-axis mesh,
+    `megatron-3d` without a pipeline, `megatron` with one: there it is `megatron-3d`). With `pipeline` (a
+    bound `shardc.pipeline.Pipeline` whose stage axis `mesh` has), each baseline runs inside the stages."""
+    if pipeline is not None and pipeline.axis in mesh and pipeline.layers:
+        if name == "megatron":
+            return None
+        seeds = _pipelined(name, graph, mesh, pipeline)
+    elif name == "megatron-3d":
+        return None
+    elif name == "megatron" and _split_axes(mesh)[1] is None:
         return None  # (on one axis it would fight the batch hints most programs have; see docs/search.md)
-    seeds = BASELINES[name](graph, mesh)
+    else:
+        seeds = BASELINES[name](graph, mesh)
     if seeds is None:
         return None
     pinned: dict[int, dict[int, Axes]] = {}
@@ -281,5 +335,5 @@ def baseline_plan(name: str, problem, mesh):
     from shardc.sharding import mesh_shape
 
     user = list(problem.user_seeds(mesh)) if callable(problem.user_seeds) else list(problem.user_seeds or ())
-    extra = baseline_seeds(name, problem.graph, mesh_shape(mesh), user)
+    extra = baseline_seeds(name, problem.graph, mesh_shape(mesh), user, getattr(problem, "pipeline", None))
     return None if extra is None else plan_from_seeds(problem, mesh, user + extra)

@@ -187,7 +187,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
         scored: dict[tuple, tuple[Plan, Score]] = {}  # baselines that seed alike plan alike: scored once
         for name in baselines:
             try:
-                extra = baseline_seeds(name, problem.graph, sizes, user)
+                extra = baseline_seeds(name, problem.graph, sizes, user, problem.pipeline)
                 if extra is None:
                     continue
                 key = tuple((s.value, s.dims, s.priority) for s in extra)

@@ -49,6 +49,7 @@ class Problem:
     donated: tuple[int, ...] = ()
     program: Any = None
     memory_limit: float | None = None  # bytes per device; default: the topology's device memory
+    pipeline: Any = None  # the bound shardc.pipeline.Pipeline of a pipelined program (baselines run per stage)
 
 
 @dataclasses.dataclass(frozen=True)

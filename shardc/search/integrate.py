@@ -170,8 +170,10 @@ def plan_by_search(af: Any, graph: Any, user_seeds: Callable, in_paths: Sequence
     `required_axes`: mesh axes the inputs' metadata names (every candidate mesh has them)."""
     n = getattr(af, "devices", None) or len(jax.devices())
     topology, why = pricing_topology(af, n)
+    pipe, stack = getattr(af, "pipeline", None), getattr(af, "_stack", None)
     problem = Problem(graph, user_seeds, topology, list(in_paths), list(out_paths), list(notes), tuple(donate), closed,
-                      memory_limit=getattr(af, "memory_limit", None))
+                      memory_limit=getattr(af, "memory_limit", None),
+                      pipeline=pipe.bind(stack.layers, stack.name) if pipe is not None and stack is not None else None)
     resume, af._search_resume = getattr(af, "_search_resume", None), None
     if resume is not None:  # retraced under the mesh the search chose: rebuild its plan
         user = list(user_seeds(af.mesh))
@@ -183,7 +185,6 @@ def plan_by_search(af: Any, graph: Any, user_seeds: Callable, in_paths: Sequence
         return load_plan(path, problem, mesh=mesh_shape(af.mesh) if mesh_given else None, topology=topology_name)
     fixed = mesh_shape(af.mesh) if mesh_given else None
     required = list(dict.fromkeys(list(required_axes) + _hinted_axes(graph)))
-    pipe = getattr(af, "pipeline", None)
     if pipe is not None and fixed is None:  # a pipelined step: the meshes its stage and data axes imply
         from shardc.pipeline.jit import pipeline_meshes
 

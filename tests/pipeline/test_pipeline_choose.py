@@ -15,6 +15,8 @@ def test_candidates():
         assert 12 % (p.stages * p.repeats) == 0 and 8 % p.microbatches == 0
         assert (8 // p.microbatches) % p.shards == 0 and 64 % (p.stages * p.shards) == 0
     assert Pipeline(4, 4, "1f1b", data=("data",), shards=2) in got
+    assert Pipeline(4, 8, data=("data",), shards=8) not in got  # a microbatch of 1 row does not split 8 ways
+    assert Pipeline(2, 2, data=("data",), shards=4) in got
     assert Pipeline(2, 2, "circular", repeats=2) in got
     assert not any(p.schedule == "circular" and p.stages == 4 for p in got)  # 12 % 8
 
@@ -22,16 +24,41 @@ def test_candidates():
 def test_choose_pipeline_keeps_the_fastest_that_fits():
     step, args = make_step(None), make_args()
     pipes = [Pipeline(2, 4, data=("data",), shards=4), Pipeline(4, 4, "1f1b")]
-    best, choices = choose_pipeline(step, args, topology="h100-sxm-8", budget_s=1.0, pipelines=pipes)
+    seen = []
+    best, choices = choose_pipeline(step, args, topology="h100-sxm-8", budget_s=1.0, pipelines=pipes, finalists=1,
+                                    on_choice=seen.append)
+    assert seen == choices
     names = [c.name for c in choices]
-    assert names.count("unpipelined") == 1 and names.count("pipelined") == 2
-    assert "megatron-3d" in names
-    planned = [c for c in choices if c.name in ("unpipelined", "pipelined")]
+    assert names.count("unpipelined") == 1 and names.count("screened") == 2 and names.count("pipelined") == 1
+    assert "megatron-3d" in names and "baseline fsdp" in names
+    # the finalist is the fastest screened candidate
+    screened = min((c for c in choices if c.name == "screened"), key=lambda c: (not c.feasible, c.time))
+    assert next(c for c in choices if c.name == "pipelined").pipeline == screened.pipeline
+    planned = [c for c in choices if c.name in ("unpipelined", "screened", "pipelined")]
     fastest = min(planned, key=lambda c: (not c.feasible, c.time))
     assert best.cost.step_time == fastest.time
     assert (best.pipeline is None) == (fastest.pipeline is None)
     for c in choices:
-        if c.name == "pipelined":
+        if c.name in ("screened", "pipelined"):
             assert c.mesh["stage"] == c.pipeline.stages and list(c.mesh)[0] == "stage"
     only, rows = choose_pipeline(step, args, topology="h100-sxm-8", budget_s=1.0, pipeline=False)
-    assert only.pipeline is None and [c.name for c in rows] == ["unpipelined"]
+    assert only.pipeline is None and [c.name for c in rows if not c.name.startswith("baseline ")] == ["unpipelined"]
+
+
+def test_choose_pipeline_finds_the_brute_force_optimum():
+    """Stages x microbatches x data shards x schedule on a tiny stack, each searched in full (the brute
+    force), against choose_pipeline's screen + 2 finalists: the same fastest pipeline and step time, and the
+    same overall choice (here the unpipelined plan: the tiny step is latency-bound)."""
+    step, args = make_step(None), make_args()
+    pipes = [Pipeline(2, 2), Pipeline(2, 8), Pipeline(4, 4), Pipeline(4, 8, "1f1b"),
+             Pipeline(2, 4, data=("data",), shards=2)]
+    key = lambda pl: (not pl.cost.fits, pl.cost.step_time)  # noqa: E731
+    brute = [shardc.plan_for(step, *args, topology="h100-sxm-8", budget_s=1.0, pipeline=p) for p in pipes]
+    fastest = min(brute, key=key)
+    assert len({pl.cost.step_time for pl in brute}) == len(brute)  # a strict order: one optimum
+    unpiped = shardc.plan_for(step, *args, topology="h100-sxm-8", budget_s=1.0)
+    best, choices = choose_pipeline(step, args, topology="h100-sxm-8", budget_s=1.0, pipelines=pipes, finalists=2)
+    piped = min((c for c in choices if c.name in ("screened", "pipelined")), key=lambda c: (not c.feasible, c.time))
+    assert piped.time == fastest.cost.step_time and piped.pipeline == fastest.pipeline
+    overall = min([fastest, unpiped], key=key)
+    assert best.cost.step_time == overall.cost.step_time and best.pipeline == overall.pipeline
