@@ -235,24 +235,31 @@ class PCGSimulation:
         return out
 
 
-def simulate_pcg(pcg: PCG, topology: Any = DEFAULT_TOPOLOGY, *, estimator: Any = None) -> PCGSimulation:
-    """Simulate one step of the PCG on `topology` (a Topology, a preset name, a dict or a file)."""
+def simulate_pcg(pcg: PCG, topology: Any = DEFAULT_TOPOLOGY, *, estimator: Any = None,
+                 donated: tuple[int, ...] = ()) -> PCGSimulation:
+    """Simulate one step of the PCG on `topology` (a Topology, a preset name, a dict or a file);
+    `donated`: indices of the PCG's inputs whose buffers the step may reuse (as `jax.jit`'s
+    `donate_argnums` over the flat inputs; a plan's PCG has the plan's inputs in order)."""
     from shardc.sim import simulator_for
 
     plan, origin = pcg_plan(pcg)
     sim = simulator_for(plan, topology, estimator=estimator)
-    return PCGSimulation(pcg, plan, sim.full(plan), origin)
+    return PCGSimulation(pcg, plan, sim.full(plan, tuple(donated)), origin)
 
 
 class SimCost:
     """`CostFn`: the simulated step time of a PCG in seconds, on one topology (memoised per PCG key)."""
 
-    def __init__(self, topology: Any = DEFAULT_TOPOLOGY, *, estimator: Any = None) -> None:
+    def __init__(self, topology: Any = DEFAULT_TOPOLOGY, *, estimator: Any = None, donated: tuple[int, ...] = (),
+                 memory_limit: float | None = None) -> None:
         from shardc.sim import as_topology
         from shardc.cost.estimator import AnalyticalEstimator
 
         self.topology = as_topology(topology)
         self.estimator = estimator if estimator is not None else AnalyticalEstimator(self.topology.device)
+        self.donated = tuple(donated)
+        # memory_limit: bytes per device; a PCG whose simulated peak is above it costs infinity (never kept)
+        self.memory_limit = memory_limit
         self._memo: dict[str, float] = {}
         self.simulations = 0
 
@@ -260,7 +267,11 @@ class SimCost:
         k = pcg.key() + repr([(pcg.tensors[t].shape, str(pcg.tensors[t].dtype)) for t in pcg.inputs])
         hit = self._memo.get(k)
         if hit is None:
-            hit = self._memo[k] = simulate_pcg(pcg, self.topology, estimator=self.estimator).step_time
+            res = simulate_pcg(pcg, self.topology, estimator=self.estimator, donated=self.donated).result
+            hit = res.step_time
+            if self.memory_limit is not None and res.peak_memory > self.memory_limit:
+                hit = float("inf")
+            self._memo[k] = hit
             self.simulations += 1
         return hit
 
