@@ -115,6 +115,8 @@ def _run_gather(node: Any, args: list[Any], ins: list[Any], outs: list[Any], mes
         if sizes[d] == ins[0].shape[d]:
             sizes[d] = local[d]  # a whole dim: the whole local piece
             continue
+        if d in tuple(getattr(dn, "operand_batching_dims", ())):
+            continue  # a batch dim shared with the indices (take_along_axis): split alike, one row each
         k = list(dn.start_index_map).index(d)  # an indexed dim taken one row at a time: shift and mask
         start = _index(axes) * local[d]
         i = idx[..., k] - start.astype(idx.dtype)

@@ -7,8 +7,8 @@ PCG tensor's layout — and simulated as it is:
 * a compute node is an op whose strategy makes exactly its tensors' layouts (one factor per dim, and
   a reduction factor over the axes its result holds partial sums on), priced by the simulator's op-cost
   estimator at the local shapes;
-* a parallel node is a free identity op (`shardc_hint`) that makes its input's layout while the plan
-  wants its output's: the simulator's reshard of that one change is the op's one communication task
+* a parallel node is a free identity op (`pcg_collective`: no compute, a result in a buffer of its
+  own, as the collective's) that makes its input's layout while the plan wants its output's: the simulator's reshard of that one change is the op's one communication task
   (`shardc.cost.reshard`: Combine -> all-gather, Reduce -> all-reduce, ReduceScatter -> reduce-scatter,
   AllToAll -> all-to-all, CollectivePermute -> collective-permute; Partition and Replicate move
   nothing);
@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from shardc.cost.program import PCG_COLLECTIVE
 from shardc.ir.graph import Graph, Op
 from shardc.pcg.graph import PCG, Node, Region
 from shardc.pcg.ops import group_size
@@ -121,7 +122,7 @@ def _emit(pcg: PCG, emit: _Emitter, args: list[int], region: str, path: tuple[in
         if n.is_parallel:  # makes its input's layout; the plan wants its output's: one reshard
             src = tin[0].sharding
             rule, axes = _dims_rule([src, src], [tin[0].shape, tout[0].shape], 1, src.partial, emit)
-            emit.op("shardc_hint", ins, outs, {}, rule, axes, region, (path, n.id))
+            emit.op(PCG_COLLECTIVE, ins, outs, {}, rule, axes, region, (path, n.id))
         else:
             partial = frozenset().union(*(t.sharding.partial for t in tout)) if tout else frozenset()
             rule, axes = _dims_rule([t.sharding for t in tin + tout], [t.shape for t in tin + tout], len(tin),
