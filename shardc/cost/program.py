@@ -541,11 +541,22 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                     fused[canon[v]] = True
     absorbed, library = (_library_fusions(graph, live, canon, constant, consumers) if backend == "cpu"
                          else (set(), set()))
+    def readers(v: int) -> list[int]:
+        """The ops reading v, looking through PCG collectives to the ops reading their results (a plan
+        prices a value by the ops reading it, its reshards aside; a PCG must price it the same)."""
+        out = []
+        for u in consumers[v]:
+            if graph.ops[u].primitive == PCG_COLLECTIVE:
+                out += [w for r in graph.ops[u].outputs for w in readers(canon[r])]
+            else:
+                out.append(u)
+        return out
+
     for op in graph.ops:
         if op.primitive not in FUSIBLE or not live[op.id]:
             continue
         for v in op.outputs:
-            users = consumers[v]
+            users = readers(v)
             if v in outputs or not users:
                 continue
             # Loop fusion takes a value into its readers when every one of them is an elementwise-like op or a
