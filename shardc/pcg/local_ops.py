@@ -12,7 +12,8 @@ own per-device program:
   embedding gradients) leave partial sums: the operand is added on the first device of those axes only;
 * `dynamic_slice` / `dynamic_update_slice`: dims taken whole split;
 * `conv_general_dilated` without feature or batch groups: batch, input and output feature dims split
-  (spatial dims need halos: not local).
+  (spatial dims need halos: not local);
+* pooling (`reduce_window_*`, `select_and_scatter_add`): dims outside the window (batch, channels) split.
 
 `is_local(op, strat, sizes)` says whether a strategy is one of these; `RUNNERS` holds the per-device
 programs `shardc.pcg.lower` runs instead of binding the primitive on the local pieces.
@@ -78,6 +79,9 @@ LOCAL_CHECKS: dict[str, Callable[[Any, Any], bool]] = {
     "scatter-add": _scatter_local, "scatter_add": _scatter_local,
     "dynamic_slice": _pass_through_only, "dynamic_update_slice": _pass_through_only,
     "conv_general_dilated": _conv_local,
+    # pooling (and its gradient) with the split dims outside the window (batch, channels)
+    "reduce_window_max": _pass_through_only, "reduce_window_min": _pass_through_only,
+    "reduce_window_sum": _pass_through_only, "select_and_scatter_add": _pass_through_only,
 }
 
 

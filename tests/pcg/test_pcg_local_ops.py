@@ -56,8 +56,8 @@ def test_vocab_split_embedding_gathers_locally(mesh):
 
 
 def test_embedding_train_step_and_conv_same_numbers(mesh):
-    """A data-parallel train step of an embedding + conv + dense model (scatter-add of the embedding
-    gradient into partial sums, batch-split convolution): the PCG's lowering equals jax.jit(step), and
+    """A data-parallel train step of an embedding + conv + max-pool + dense model (scatter-add of the
+    embedding gradient into partial sums, batch-split convolution and pooling): the PCG's lowering equals jax.jit(step), and
     the PCG simulates within 2% of its plan (the same collectives)."""
 
     class M(nn.Module):
@@ -66,7 +66,8 @@ def test_embedding_train_step_and_conv_same_numbers(mesh):
             ids = split(ids, 0, "data")
             x = nn.Embed(32, 8)(ids)  # [b, l, 8]
             x = nn.relu(nn.Conv(8, (3,), padding="SAME")(x))
-            return nn.Dense(32)(x)
+            x = nn.max_pool(x, (2,), (2,))  # [b, l/2, 8]
+            return nn.Dense(32)(x.reshape(x.shape[0], -1)).reshape(x.shape[0], 1, 32)
 
     model, tx = M(), optax.sgd(0.1)
     ids = jax.random.randint(jax.random.key(2), (8, 12), 0, 32)
@@ -76,7 +77,7 @@ def test_embedding_train_step_and_conv_same_numbers(mesh):
     def step(params, opt, ids):
         def loss(p):
             logits = model.apply({"params": p}, ids)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, ids).mean()
+            return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, :1]).mean()
 
         l, g = jax.value_and_grad(loss)(params)
         u, opt = tx.update(g, opt, params)
@@ -87,8 +88,8 @@ def test_embedding_train_step_and_conv_same_numbers(mesh):
     c, flat = _run(af, args)
     topo = as_topology("h100-sxm-8")
     pcg = build_pcg(c.plan, c.closed_jaxpr, fuse=True, reduce_scatter=topo.reduce_scatter)
-    assert _node_layouts(pcg, "conv_general_dilated") and all(
-        ins[0].dims[0] == ("data",) for ins in _node_layouts(pcg, "conv_general_dilated"))
+    for prim in ("conv_general_dilated", "reduce_window_max", "select_and_scatter_add"):  # batch-split, local
+        assert _node_layouts(pcg, prim) and all(ins[0].dims[0] == ("data",) for ins in _node_layouts(pcg, prim))
     out = lower_pcg(pcg)(*flat)
     ref = jax.tree.leaves(jax.jit(step)(*args))
     for a, b in zip(out, ref):
