@@ -834,7 +834,9 @@ def auto(fun: Callable | None = None, **options: Any) -> Any:
     measured `cpu-host` on CPU devices, the matching preset on H100/A100/TPU; `shardc.cost.local`);
     `search=False` propagates the hints alone, as GSPMD/Shardy do. The search's budget counts simulated
     plans, so the same seed gives the same plan however busy the machine (`time_cap_s` adds a wall-clock
-    cap, at that price). See docs/search.md."""
+    cap, at that price). `pcg=True` rewrites the chosen plan's Parallel Computation Graph with Z3-proved rules
+    under the same simulator and memory limit and runs it when that is faster (docs/pcg.md; off by default:
+    it costs a full simulation per candidate rewrite). See docs/search.md."""
     _check_options("auto", options)
     options.setdefault("_source", caller_source_line())  # (where in_shardings / out_shardings were written)
     if fun is None:
