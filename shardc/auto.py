@@ -93,7 +93,7 @@ class AutoFunction:
                  static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
                  time_cap_s: float | None = None, in_shardings: Any = None, out_shardings: Any = None,
                  remat: bool = True, memory_limit: float | None = None, pipeline: Any = None,
-                 _source: SourceLine | None = None) -> None:
+                 pcg: bool = False, _source: SourceLine | None = None) -> None:
         if not callable(fun):
             raise TypeError(f"shardc.auto expects a function, got {type(fun).__name__}")
         functools.update_wrapper(self, fun)
@@ -135,13 +135,17 @@ class AutoFunction:
                                          or not memory_limit > 0):
             raise ShardingError(f"shardc.auto(memory_limit={memory_limit!r}): expected a positive number of bytes per "
                                 f"device (or None for the topology's device memory)")
+        if not isinstance(pcg, bool):
+            raise ShardingError(f"shardc.auto(pcg={pcg!r}): expected True (the plan's PCG is rewritten with proved "
+                                f"rules and runs when that is faster) or False")
+        self.pcg = pcg  # rewrite the chosen plan's PCG with proved rules (shardc/pcg/choice.py)
         # pipeline: a shardc.pipeline.Pipeline; the step's layer stack runs as that pipeline (docs/pipeline.md)
         self.pipeline = _check_pipeline(pipeline, mesh, devices)
         self._stack: Any = None  # the layer stack the pipeline cuts (found on the first trace)
         self._options = dict(mesh=mesh, rules=rules, donate_argnums=donate_argnums, topology=topology, search=search,
                              budget_s=budget_s, seed=seed, devices=devices, static_argnums=static_argnums,
                              static_argnames=static_argnames, time_cap_s=time_cap_s, remat=remat,
-                             memory_limit=memory_limit, pipeline=pipeline, in_shardings=in_shardings,
+                             memory_limit=memory_limit, pipeline=pipeline, pcg=pcg, in_shardings=in_shardings,
                              out_shardings=out_shardings, _source=self.shardings.source)
         self._mesh_steps: dict[tuple, AutoFunction] = {}  # mesh=None: per mesh the arguments were placed on
         self._placed_plans: dict[tuple, Compiled] = {}  # per signature and layouts of placed arguments
@@ -514,9 +518,24 @@ class AutoFunction:
             from shardc.sim import simulate
 
             the_plan = dataclasses.replace(the_plan, cost=simulate(the_plan, topology))
+        choice = None
+        if self.pcg and self.pipeline is None:  # the plan's PCG rewritten with proved rules (shardc/pcg/choice.py)
+            from shardc.pcg.choice import choose_pcg
+
+            with _internal_errors("rewriting the PCG of", self.fun):
+                choice = choose_pcg(the_plan, closed, topology if topology is not None else _search.default_topology(
+                    math.prod(the_plan.mesh_sizes.values())), donated=tuple(donate), memory_limit=self.memory_limit)
+            the_plan = dataclasses.replace(the_plan, pcg=choice)
         self._warn_if_wasteful(the_plan)
         with _internal_errors("lowering", self.fun):
-            jitted = None if is_abstract(the_plan.mesh) else jit_plan(the_plan, closed, donate)
+            if is_abstract(the_plan.mesh):
+                jitted = None
+            elif choice is not None and choice.chosen:  # the rewritten PCG runs: its shard_map lowering
+                from shardc.pcg.choice import jit_pcg
+
+                jitted = jit_pcg(the_plan, choice.pcg, donate)
+            else:
+                jitted = jit_plan(the_plan, closed, donate)
         timings = {"trace_s": t1 - t0, "graph_s": t2 - t1, "propagate_s": t3 - t2}
         if provisional:  # (the chosen mesh's seeds say which placed arguments a stronger hint overrides)
             self._input_seeds(graph, args, kwargs, out_tree, the_plan.mesh, overridden)
@@ -815,7 +834,9 @@ def auto(fun: Callable | None = None, **options: Any) -> Any:
     measured `cpu-host` on CPU devices, the matching preset on H100/A100/TPU; `shardc.cost.local`);
     `search=False` propagates the hints alone, as GSPMD/Shardy do. The search's budget counts simulated
     plans, so the same seed gives the same plan however busy the machine (`time_cap_s` adds a wall-clock
-    cap, at that price). See docs/search.md."""
+    cap, at that price). `pcg=True` rewrites the chosen plan's Parallel Computation Graph with Z3-proved rules
+    under the same simulator and memory limit and runs it when that is faster (docs/pcg.md; off by default:
+    it costs a full simulation per candidate rewrite). See docs/search.md."""
     _check_options("auto", options)
     options.setdefault("_source", caller_source_line())  # (where in_shardings / out_shardings were written)
     if fun is None:

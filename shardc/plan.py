@@ -130,6 +130,7 @@ class Plan:
     search: Any = None  # set by the strategy search: its SearchReport (baselines beside the chosen plan)
     remat: Any = None  # set by the search when it rematerializes repeated layers: its RematChoice
     pipeline: Any = None  # a shardc.pipeline.Pipeline (bound to its layer stack) when the step is pipelined
+    pcg: Any = None  # with shardc.auto(pcg=True): the PCG rewriting's PCGChoice (shardc.pcg.choice)
 
     @property
     def mesh_sizes(self) -> dict[str, int]:

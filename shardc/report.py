@@ -301,6 +301,9 @@ def explain(plan: "Plan", *, max_rows: int = 60, width: int = 120) -> str:
     remat = getattr(plan, "remat", None)
     if remat is not None:
         lines += [""] + [w for line in remat.summary().splitlines() for w in _wrap(line, width)]
+    rewrites = getattr(plan, "pcg", None)
+    if rewrites is not None:
+        lines += [""] + [w for line in rewrites.summary().splitlines() for w in _wrap(line, width)]
     pipeline = getattr(plan, "pipeline", None)
     if pipeline is not None:
         text = f"pipeline: {pipeline.describe()}\n{pipeline.stage_map()}"

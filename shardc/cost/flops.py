@@ -60,7 +60,7 @@ ELEMENTWISE = ("add", "sub", "mul", "div", "rem", "max", "min", "neg", "sign", "
                "square", "reduce_precision", "copysign", "stop_gradient_add")
 MOVEMENT = ("broadcast_in_dim", "reshape", "transpose", "slice", "dynamic_slice", "dynamic_update_slice",
             "concatenate", "pad", "gather", "iota", "copy", "copy_p", "squeeze", "expand_dims", "rev", "split",
-            "stop_gradient", "sharding_constraint", "shardc_hint", "tie", "scan_slice", "scan_stack",
+            "stop_gradient", "sharding_constraint", "shardc_hint", "pcg_collective", "tie", "scan_slice", "scan_stack",
             "random_wrap", "random_unwrap", "random_bits", "random_seed", "random_fold_in", "random_split",
             "threefry2x32", "optimization_barrier", "name", "device_put", "bitcast_convert_type", "psum", "pmax")
 

@@ -34,7 +34,7 @@ from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL
 from shardc.ir.graph import Graph
 
 __all__ = ["ProgramInfo", "program_info", "Merged", "merged", "unread_operands", "broadcast_dims", "broadcast_transfer",
-           "FUSIBLE", "FREE_PRIMITIVES"]
+           "FUSIBLE", "FREE_PRIMITIVES", "PCG_COLLECTIVE"]
 
 # Ops XLA fuses into their consumers (loop fusion): elementwise math and cheap data movement.
 FUSIBLE = frozenset(ELEMENTWISE) | frozenset(TRANSCENDENTAL) | frozenset({
@@ -44,9 +44,12 @@ REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
                         "argmax", "argmin"})
 # Reductions XLA:CPU hands to a library (YNNPACK) as a fusion of their own (floating point only).
 LIBRARY_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
+# A PCG's parallel op in the plan `shardc.pcg.simcost` makes of a PCG: no computation of its own, but (as
+# the collective it stands for) a result in a buffer of its own that its readers read from memory.
+PCG_COLLECTIVE = "pcg_collective"
 # Ops that are not computation at all: hints, constraints, region ties.
 FREE_PRIMITIVES = frozenset({"shardc_hint", "sharding_constraint", "tie", "scan_slice", "scan_stack",
-                             "stop_gradient", "optimization_barrier", "name"})
+                             "stop_gradient", "optimization_barrier", "name", PCG_COLLECTIVE})
 _NOT_MERGED = frozenset({"tie", "scan_slice", "scan_stack"})
 # XLA duplicates cheap producers into each consumer, but not expensive ones (InstructionFusion::IsExpensive):
 # transcendentals and floating divides, except sin and cos (and, on XLA:CPU, tan) of real numbers, and abs and
@@ -399,7 +402,8 @@ def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:
 
 # Ops XLA's SPMD partitioner sees as elementwise (a result is a broadcast along the dims all operands are).
 _ELEMENTWISE_HLO = frozenset(ELEMENTWISE) | frozenset(TRANSCENDENTAL) | {"integer_pow", "stop_gradient", "copy",
-                                                                      "copy_p", "shardc_hint", "sharding_constraint"}
+                                                                      "copy_p", "shardc_hint", "sharding_constraint",
+                                                                      PCG_COLLECTIVE}
 
 
 def broadcast_transfer(graph: Graph, op: Any, operands: Sequence[frozenset[int]]) -> list[frozenset[int]]:
@@ -500,7 +504,7 @@ def _merge(graph: Graph) -> Merged:
                 and op.primitive not in _NOT_MERGED:  # (in a loop or branch body too: XLA folds them there)
             for v in op.outputs:
                 constant[v] = True
-        if op.primitive in _NOT_MERGED or op.primitive in ("shardc_hint", "sharding_constraint"):
+        if op.primitive in _NOT_MERGED or op.primitive in ("shardc_hint", "sharding_constraint", PCG_COLLECTIVE):
             continue
         lits = tuple((graph.values[v].shape, str(graph.values[v].dtype), graph.values[v].name)
                      if graph.values[v].is_const else None for v in op.inputs)
@@ -533,17 +537,28 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     for op in graph.ops:
         # Hints, constraints, ties and scan slices have no buffer of their own (a constraint that moves data
         # is a collective, which makes one); a scan's stacked outputs do.
-        if op.primitive in FREE_PRIMITIVES and op.primitive != "scan_stack" and live[op.id]:
+        if op.primitive in FREE_PRIMITIVES and op.primitive not in ("scan_stack", PCG_COLLECTIVE) and live[op.id]:
             for v in op.outputs:
                 if canon[v] not in outputs and not constant[canon[v]]:
                     fused[canon[v]] = True
     absorbed, library = (_library_fusions(graph, live, canon, constant, consumers) if backend == "cpu"
                          else (set(), set()))
+    def readers(v: int) -> list[int]:
+        """The ops reading v, looking through PCG collectives to the ops reading their results (a plan
+        prices a value by the ops reading it, its reshards aside; a PCG must price it the same)."""
+        out = []
+        for u in consumers[v]:
+            if graph.ops[u].primitive == PCG_COLLECTIVE:
+                out += [w for r in graph.ops[u].outputs for w in readers(canon[r])]
+            else:
+                out.append(u)
+        return out
+
     for op in graph.ops:
         if op.primitive not in FUSIBLE or not live[op.id]:
             continue
         for v in op.outputs:
-            users = consumers[v]
+            users = readers(v)
             if v in outputs or not users:
                 continue
             # Loop fusion takes a value into its readers when every one of them is an elementwise-like op or a

@@ -25,6 +25,7 @@ from annotations.errors import ShardingError
 from shardc.ir.build import REGION_PRIMITIVES, call_jaxpr
 from shardc.pcg.graph import PCG, Compute, GraphBuilder
 from shardc.pcg.ops import AllToAll, Combine, CollectivePermute, ParallelOp, Partition, Reduce, ReduceScatter, group_size
+from shardc.pcg.local_ops import LOCAL_CHECKS, is_local
 from shardc.pcg.reshard import xla_ops
 from shardc.plan import Plan, lowers_reduce_scatter
 from shardc.rules.elementwise import BINARY_ELEMENTWISE, NARY_ELEMENTWISE, UNARY_ELEMENTWISE
@@ -162,7 +163,12 @@ def _group_ops(src: Sharding, dst: Sharding, mesh: Mapping[str, int], *, fuse: b
 
 
 def _is_local(op: Any, strat: Any, partial: frozenset[str], sizes: Mapping[str, int]) -> bool:
-    if op.primitive not in LOCAL_PRIMITIVES or op.conservative:
+    if op.conservative:
+        return False
+    if op.primitive in LOCAL_CHECKS:  # indexing and convolutions: only some strategies (shardc.pcg.local_ops)
+        if not is_local(op, strat):
+            return False
+    elif op.primitive not in LOCAL_PRIMITIVES:
         return False
     if partial and op.rule.reduce_op not in _LOCAL_REDUCE_OPS:
         return False
@@ -284,12 +290,12 @@ class Scope:
 class Walker:
     """Walks the jaxpr and the plan's ops in lockstep (the order `shardc.ir.build_graph` made ops in)."""
 
-    def __init__(self, plan: Plan, fuse: bool) -> None:
+    def __init__(self, plan: Plan, fuse: bool, reduce_scatter: bool | None = None) -> None:
         self.plan = plan
         self.graph = plan.graph
         self.sizes = plan.mesh_sizes
         self.fuse = fuse
-        self.reduce_scatter = lowers_reduce_scatter(plan.mesh)
+        self.reduce_scatter = lowers_reduce_scatter(plan.mesh) if reduce_scatter is None else reduce_scatter
         self.causes = {(r.value, r.consumer): r.cause for r in plan.reshards}
         self.i = 0  # next graph op
 
@@ -349,17 +355,20 @@ class Walker:
         return [read(a) for a in jaxpr.outvars]
 
 
-def build_pcg(plan: Plan, closed_jaxpr: Any = None, *, fuse: bool = False) -> PCG:
+def build_pcg(plan: Plan, closed_jaxpr: Any = None, *, fuse: bool = False, reduce_scatter: bool | None = None) -> PCG:
     """The PCG of a plan. `closed_jaxpr` is the program the plan was made from
     (`AutoFunction.compiled_info(*args).closed_jaxpr`; default: the one `shardc.auto` records on the plan,
-    so `build_pcg(shardc.plan(f, *args, mesh=mesh))` works)."""
+    so `build_pcg(shardc.plan(f, *args, mesh=mesh))` works). With `fuse`, `reduce_scatter` says whether
+    the collectives may include reduce-scatters (default: whether XLA emits them on the plan's backend;
+    the PCG's own lowering emits them on any backend, so a PCG priced on a topology that has them
+    should have them: `Topology.reduce_scatter`)."""
     if closed_jaxpr is None:
         closed_jaxpr = plan.program
         if closed_jaxpr is None:
             raise ShardingError("build_pcg needs the program the plan was made from: pass closed_jaxpr "
                                 "(AutoFunction.compiled_info(*args).closed_jaxpr)")
     graph = plan.graph
-    walker = Walker(plan, fuse)
+    walker = Walker(plan, fuse, reduce_scatter)
     scope = Scope(walker)
     for v in graph.inputs:
         scope.vmap[v] = scope.input(v, plan.shardings[v])

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from annotations.errors import ShardingError
 from shardc.pcg.graph import PCG, Compute, Node, Region, Tensor
+from shardc.pcg.local_ops import RUNNERS
 from shardc.pcg.ops import (AllToAll, Combine, CollectivePermute, ParallelOp, Partition, Reduce, ReduceScatter,
                             ReduceScatterDims, Replicate, Shuffle, group_size)
 from shardc.sharding import Sharding
@@ -168,13 +169,18 @@ def _compute(node: Node, op: Compute, args: list[Any], pcg: PCG) -> list[Any]:
     mesh = pcg.mesh_sizes
     ins = [pcg.tensors[t] for t in node.inputs]
     outs = [pcg.tensors[t] for t in node.outputs]
-    params = LOCALIZE.get(op.primitive, lambda n, i, o, m: dict(n.params))(op, ins, outs, mesh)
-    if "sharding" in params:
-        params["sharding"] = None
-    if "out_sharding" in params:
-        params["out_sharding"] = None
-    res = op.prim.bind(*args, **params)
-    res = list(res) if op.prim.multiple_results else [res]
+    runner = RUNNERS.get(op.primitive)
+    if runner is not None:  # indexing and convolutions (shardc.pcg.local_ops)
+        res = runner(op, args, ins, outs, mesh)
+        params = op.params
+    else:
+        params = LOCALIZE.get(op.primitive, lambda n, i, o, m: dict(n.params))(op, ins, outs, mesh)
+        if "sharding" in params:
+            params["sharding"] = None
+        if "out_sharding" in params:
+            params["out_sharding"] = None
+        res = op.prim.bind(*args, **params)
+        res = list(res) if op.prim.multiple_results else [res]
     if op.primitive == "iota":
         res = [_iota_offset(res[0], outs[0], params["dimension"], mesh)]
     for r, t in zip(res, outs):

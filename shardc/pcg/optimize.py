@@ -26,7 +26,7 @@ from shardc.pcg.match import Match, RewriteError, apply_match, find_matches
 from shardc.pcg.simcost import DEFAULT_TOPOLOGY, SimCost
 from shardc.pcg.verify import verify_rule
 
-__all__ = ["Step", "Optimized", "Lookahead", "optimize", "usable_rules"]
+__all__ = ["Step", "Optimized", "Lookahead", "optimize", "usable_rules", "describe_match"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,9 +38,25 @@ class Step:
     where: str
     cost_before: float
     cost_after: float
+    ops: str = ""  # the matched nodes: compute ops with their user source lines, parallel ops with their cause
 
     def __str__(self) -> str:
         return f"{self.where}: {_fmt(self.cost_before)} -> {_fmt(self.cost_after)}"
+
+
+def describe_match(pcg: PCG, m: Match) -> str:
+    """The nodes a match rewrites, as a user reads them: each compute op with the source line it came
+    from, each parallel op with why it is there (its reshard's cause)."""
+    parts = []
+    for n in pcg.nodes:
+        if n.id not in m.nodes:
+            continue
+        if n.is_parallel:
+            parts.append(f"{n.op}" + (f" ({n.cause})" if n.cause else ""))
+        else:
+            src = getattr(n.op, "source", None)
+            parts.append(f"{n.op}" + (f" at {src}" if src is not None else ""))
+    return "; ".join(parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +207,7 @@ def _lookahead(base: PCG, cost: float, near: list[tuple[float, PCG, Step]], rule
                     continue
                 seen.add(k)
                 c = cost_fn(new)
-                step = Step(rule.name, str(m), path[-1].cost_after, c)
+                step = Step(rule.name, str(m), path[-1].cost_after, c, describe_match(p, m))
                 if c < cost * (1 - 1e-12):
                     return (path + [step], new), n
                 if c <= cost * search.alpha:
@@ -200,12 +216,45 @@ def _lookahead(base: PCG, cost: float, near: list[tuple[float, PCG, Step]], rule
     return None, n
 
 
+class _OutOfBudget(Exception):
+    """The cost function was called `max_evaluations` times."""
+
+
+class _Budgeted:
+    """A cost function that stops the rewriting after `limit` evaluations (a count, not a clock, so the
+    result is the same however busy the machine)."""
+
+    def __init__(self, cost_fn: CostFn, limit: int) -> None:
+        self.cost_fn, self.limit, self.calls = cost_fn, limit, 0
+
+    def __call__(self, pcg: PCG) -> float:
+        if self.calls >= self.limit:
+            raise _OutOfBudget
+        self.calls += 1
+        return self.cost_fn(pcg)
+
+
 def _descend(pcg: PCG, rules: list[Rule], cost_fn: CostFn, max_steps: int, refuted: set[str],
              search: Lookahead = Lookahead()) -> Optimized:
     t0 = time.perf_counter()
     current, cost = pcg, cost_fn(pcg)
     initial = cost
+    state = {"current": current, "cost": cost, "steps": [], "candidates": 0}
+    try:
+        _rewrite(state, rules, cost_fn, max_steps, refuted, search)
+    except _OutOfBudget:  # the rewrites kept so far stand: each made the cost go down
+        pass
+    return Optimized(state["current"], initial, state["cost"], tuple(state["steps"]), state["candidates"],
+                     time.perf_counter() - t0)
+
+
+def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, refuted: set[str],
+             search: Lookahead) -> None:
+    """The descent of `_descend`, keeping its progress in `state` (current PCG, cost, steps, candidates)
+    so that a budget running out mid-way keeps what was found."""
+    current, cost = state["current"], state["cost"]
     current, cost, steps, candidates = _optimize_bodies(current, rules, cost_fn, cost, max_steps, refuted, search)
+    state.update(current=current, cost=cost, steps=steps, candidates=candidates)
     seen = {current.key()}
     for _ in range(max_steps):
         better: list[tuple[float, int, PCG, Rule, Match]] = []  # rewrites that pay, cheapest first
@@ -220,12 +269,13 @@ def _descend(pcg: PCG, rules: list[Rule], cost_fn: CostFn, max_steps: int, refut
             if c < cost * (1 - 1e-12):
                 better.append((c, len(better), new, rule, m))
             elif c <= cost * search.alpha:
-                near.append((c, new, Step(rule.name, str(m), cost, c)))
+                near.append((c, new, Step(rule.name, str(m), cost, c, describe_match(current, m))))
         if better:
             better.sort(key=lambda e: e[:2])
             c, _, new, rule, m = better[0]
-            steps.append(Step(rule.name, str(m), cost, c))
+            steps.append(Step(rule.name, str(m), cost, c, describe_match(current, m)))
             cost, current = c, new
+            state.update(current=current, cost=cost, candidates=candidates)
             # the other rewrites that paid, where they still apply, each kept if the cost still goes down
             for _, _, _, rule, m in better[1:]:
                 again = _same_match(current, rule, m)
@@ -238,8 +288,9 @@ def _descend(pcg: PCG, rules: list[Rule], cost_fn: CostFn, max_steps: int, refut
                 candidates += 1
                 c = cost_fn(new)
                 if c < cost * (1 - 1e-12):
-                    steps.append(Step(rule.name, str(again), cost, c))
+                    steps.append(Step(rule.name, str(again), cost, c, describe_match(current, again)))
                     cost, current = c, new
+                    state.update(current=current, cost=cost, candidates=candidates)
                     seen.add(new.key())
             continue
         found, n = _lookahead(current, cost, near, rules, cost_fn, search, refuted, seen)
@@ -249,16 +300,22 @@ def _descend(pcg: PCG, rules: list[Rule], cost_fn: CostFn, max_steps: int, refut
         path, current = found
         cost = path[-1].cost_after
         steps += path
-    return Optimized(current, initial, cost, tuple(steps), candidates, time.perf_counter() - t0)
+        state.update(current=current, cost=cost, candidates=candidates)
+    state["candidates"] = candidates
 
 
 def optimize(pcg: PCG, rules: Sequence[Rule] | None = None, *, cost_fn: CostFn | None = None,
              topology: Any = DEFAULT_TOPOLOGY, max_steps: int = 200,
-             lookahead: Lookahead | None = Lookahead()) -> Optimized:
+             lookahead: Lookahead | None = Lookahead(), max_evaluations: int | None = None) -> Optimized:
     """Rewrite `pcg` with proved rules while the cost goes down: by default the step time shardc's
     simulator gives the PCG on `topology` (`SimCost`); `cost_fn` replaces it (e.g. `bytes_moved`).
     Rules are verified when they first match (`verify_rule` caches verdicts); a refuted rule is
-    dropped. `lookahead=None` makes it purely greedy (one rewrite at a time must pay)."""
+    dropped. `lookahead=None` makes it purely greedy (one rewrite at a time must pay).
+    `max_evaluations` caps the calls of the cost function (simulations); the rewrites kept before the
+    cap are the result."""
     usable = usable_rules(all_rules() if rules is None else rules)
     search = lookahead if lookahead is not None else Lookahead(depth=1)
-    return _descend(pcg, usable, cost_fn if cost_fn is not None else SimCost(topology), max_steps, set(), search)
+    cost = cost_fn if cost_fn is not None else SimCost(topology)
+    if max_evaluations is not None:
+        cost = _Budgeted(cost, max(1, int(max_evaluations)))
+    return _descend(pcg, usable, cost, max_steps, set(), search)

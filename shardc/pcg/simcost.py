@@ -7,8 +7,8 @@ PCG tensor's layout — and simulated as it is:
 * a compute node is an op whose strategy makes exactly its tensors' layouts (one factor per dim, and
   a reduction factor over the axes its result holds partial sums on), priced by the simulator's op-cost
   estimator at the local shapes;
-* a parallel node is a free identity op (`shardc_hint`) that makes its input's layout while the plan
-  wants its output's: the simulator's reshard of that one change is the op's one communication task
+* a parallel node is a free identity op (`pcg_collective`: no compute, a result in a buffer of its
+  own, as the collective's) that makes its input's layout while the plan wants its output's: the simulator's reshard of that one change is the op's one communication task
   (`shardc.cost.reshard`: Combine -> all-gather, Reduce -> all-reduce, ReduceScatter -> reduce-scatter,
   AllToAll -> all-to-all, CollectivePermute -> collective-permute; Partition and Replicate move
   nothing);
@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from shardc.cost.program import PCG_COLLECTIVE
 from shardc.ir.graph import Graph, Op
 from shardc.pcg.graph import PCG, Node, Region
 from shardc.pcg.ops import group_size
@@ -121,7 +122,7 @@ def _emit(pcg: PCG, emit: _Emitter, args: list[int], region: str, path: tuple[in
         if n.is_parallel:  # makes its input's layout; the plan wants its output's: one reshard
             src = tin[0].sharding
             rule, axes = _dims_rule([src, src], [tin[0].shape, tout[0].shape], 1, src.partial, emit)
-            emit.op("shardc_hint", ins, outs, {}, rule, axes, region, (path, n.id))
+            emit.op(PCG_COLLECTIVE, ins, outs, {}, rule, axes, region, (path, n.id))
         else:
             partial = frozenset().union(*(t.sharding.partial for t in tout)) if tout else frozenset()
             rule, axes = _dims_rule([t.sharding for t in tin + tout], [t.shape for t in tin + tout], len(tin),
@@ -235,24 +236,31 @@ class PCGSimulation:
         return out
 
 
-def simulate_pcg(pcg: PCG, topology: Any = DEFAULT_TOPOLOGY, *, estimator: Any = None) -> PCGSimulation:
-    """Simulate one step of the PCG on `topology` (a Topology, a preset name, a dict or a file)."""
+def simulate_pcg(pcg: PCG, topology: Any = DEFAULT_TOPOLOGY, *, estimator: Any = None,
+                 donated: tuple[int, ...] = ()) -> PCGSimulation:
+    """Simulate one step of the PCG on `topology` (a Topology, a preset name, a dict or a file);
+    `donated`: indices of the PCG's inputs whose buffers the step may reuse (as `jax.jit`'s
+    `donate_argnums` over the flat inputs; a plan's PCG has the plan's inputs in order)."""
     from shardc.sim import simulator_for
 
     plan, origin = pcg_plan(pcg)
     sim = simulator_for(plan, topology, estimator=estimator)
-    return PCGSimulation(pcg, plan, sim.full(plan), origin)
+    return PCGSimulation(pcg, plan, sim.full(plan, tuple(donated)), origin)
 
 
 class SimCost:
     """`CostFn`: the simulated step time of a PCG in seconds, on one topology (memoised per PCG key)."""
 
-    def __init__(self, topology: Any = DEFAULT_TOPOLOGY, *, estimator: Any = None) -> None:
+    def __init__(self, topology: Any = DEFAULT_TOPOLOGY, *, estimator: Any = None, donated: tuple[int, ...] = (),
+                 memory_limit: float | None = None) -> None:
         from shardc.sim import as_topology
         from shardc.cost.estimator import AnalyticalEstimator
 
         self.topology = as_topology(topology)
         self.estimator = estimator if estimator is not None else AnalyticalEstimator(self.topology.device)
+        self.donated = tuple(donated)
+        # memory_limit: bytes per device; a PCG whose simulated peak is above it costs infinity (never kept)
+        self.memory_limit = memory_limit
         self._memo: dict[str, float] = {}
         self.simulations = 0
 
@@ -260,7 +268,11 @@ class SimCost:
         k = pcg.key() + repr([(pcg.tensors[t].shape, str(pcg.tensors[t].dtype)) for t in pcg.inputs])
         hit = self._memo.get(k)
         if hit is None:
-            hit = self._memo[k] = simulate_pcg(pcg, self.topology, estimator=self.estimator).step_time
+            res = simulate_pcg(pcg, self.topology, estimator=self.estimator, donated=self.donated).result
+            hit = res.step_time
+            if self.memory_limit is not None and res.peak_memory > self.memory_limit:
+                hit = float("inf")
+            self._memo[k] = hit
             self.simulations += 1
         return hit
 

@@ -381,8 +381,8 @@ class Simulator:
                     r = ready[d]
                     if r > start:
                         start, bind = r, who[d]
-                if s >= 0:
-                    idle = gaps[s] if dur else ()
+                if s >= 0 and dur:  # (a task of no duration, such as a bitcast, holds no stream: as a join)
+                    idle = gaps[s]
                     for gi, (a, b, before) in enumerate(idle):
                         at = start if start > a else a
                         if at + dur <= b:  # fits in an idle interval of its stream
@@ -395,7 +395,7 @@ class Simulator:
                     else:  # after the stream's last task
                         if free[s] > start:
                             start, bind = free[s], last[s]
-                        elif start > free[s] and dur:
+                        elif start > free[s]:
                             gaps[s] = (gaps[s] + ((free[s], start, last[s]),))[-_GAPS:]
                         end = start + dur
                         free[s] = end

@@ -71,9 +71,10 @@ def test_a_rewrite_is_decided_by_the_simulator(mesh):
     (m,) = find_matches(pcg, rule("partition_ew1"))  # slice x before tanh instead of after
     new = apply_match(pcg, m)
     sim = SimCost("h100-sxm-8")
-    # less local work, the same bytes: the stand-in says it pays, the simulated step is slower
+    # less local work, the same bytes: the stand-in says it pays, the simulated step is not faster (the
+    # tanh is off the critical path, which the dot reading the sliced copy sets)
     assert bytes_moved(new) < bytes_moved(pcg) and new.comm_bytes() == pcg.comm_bytes()
-    assert sim(new) > sim(pcg)
+    assert sim(new) >= sim(pcg)
     assert [s.rule for s in optimize(pcg, [rule("partition_ew1")], cost_fn=bytes_moved).steps] == ["partition_ew1"]
     assert optimize(pcg, [rule("partition_ew1")]).steps == ()  # the default cost is the simulator
 

@@ -1,0 +1,166 @@
+"""Indexing and convolution ops run on local pieces, as XLA's SPMD partitioner runs them.
+
+Elementwise ops, dots, reshapes and the like compute a local piece from local pieces whatever their
+strategy (`shardc.pcg.build.LOCAL_PRIMITIVES`). These ops do so only for some strategies, each with its
+own per-device program:
+
+* `gather`: batch and whole-slice dims split freely; an indexed operand dim taken one row at a time
+  (a vocab-split embedding, the rows of the logits a label picks) split too: each device gathers the
+  rows it holds (indices shifted to its piece, the others masked to zero) and the result holds partial
+  sums over those axes, as GSPMD does;
+* `scatter-add`: window and batch dims split; updates split over an implicit batch dim (data-parallel
+  embedding gradients) leave partial sums: the operand is added on the first device of those axes only;
+* `dynamic_slice` / `dynamic_update_slice`: dims taken whole split;
+* `conv_general_dilated` without feature or batch groups: batch, input and output feature dims split
+  (spatial dims need halos: not local);
+* pooling (`reduce_window_*`, `select_and_scatter_add`): dims outside the window (batch, channels) split.
+
+`is_local(op, strat, sizes)` says whether a strategy is one of these; `RUNNERS` holds the per-device
+programs `shardc.pcg.lower` runs instead of binding the primitive on the local pieces.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from shardc.rules.core import FactorKind
+
+__all__ = ["LOCAL_CHECKS", "is_local", "RUNNERS", "Runner"]
+
+PT, RED = FactorKind.PASS_THROUGH, FactorKind.REDUCTION
+
+
+def _sharded(strat: Any) -> list[int]:
+    return [f for f, axes in enumerate(strat.factor_axes) if axes]
+
+
+def _dim_of(factors: Sequence[Sequence[int]], f: int) -> int | None:
+    return next((d for d, fs in enumerate(factors) if f in fs), None)
+
+
+def _gather_local(op: Any, strat: Any) -> bool:
+    rule, p = op.rule, op.params
+    index_map = tuple(p["dimension_numbers"].start_index_map)
+    for f in _sharded(strat):
+        if rule.kinds[f] is PT:
+            continue
+        d = _dim_of(rule.operands[0], f)
+        if rule.kinds[f] is not RED or d is None or d not in index_map or p["slice_sizes"][d] != 1:
+            return False
+    return True
+
+
+def _scatter_local(op: Any, strat: Any) -> bool:
+    rule = op.rule
+    for f in _sharded(strat):
+        in_updates = _dim_of(rule.operands[2], f) is not None
+        if not in_updates or (rule.kinds[f] is RED and op.primitive not in ("scatter-add", "scatter_add")):
+            return False
+        if rule.kinds[f] not in (PT, RED):
+            return False
+    return True
+
+
+def _pass_through_only(op: Any, strat: Any) -> bool:
+    return all(op.rule.kinds[f] is PT for f in _sharded(strat))
+
+
+def _conv_local(op: Any, strat: Any) -> bool:
+    p = op.params
+    if int(p.get("feature_group_count", 1) or 1) != 1 or int(p.get("batch_group_count", 1) or 1) != 1:
+        return False
+    return all(op.rule.kinds[f] in (PT, RED) for f in _sharded(strat))
+
+
+LOCAL_CHECKS: dict[str, Callable[[Any, Any], bool]] = {
+    "gather": _gather_local,
+    "scatter-add": _scatter_local, "scatter_add": _scatter_local,
+    "dynamic_slice": _pass_through_only, "dynamic_update_slice": _pass_through_only,
+    "conv_general_dilated": _conv_local,
+    # pooling (and its gradient) with the split dims outside the window (batch, channels)
+    "reduce_window_max": _pass_through_only, "reduce_window_min": _pass_through_only,
+    "reduce_window_sum": _pass_through_only, "select_and_scatter_add": _pass_through_only,
+}
+
+
+def is_local(op: Any, strat: Any) -> bool:
+    """Whether `op` (one of `LOCAL_CHECKS`) runs on local pieces under strategy `strat`."""
+    check = LOCAL_CHECKS.get(op.primitive)
+    return check is not None and check(op, strat)
+
+
+# -- per-device programs -----------------------------------------------------------------------------
+
+Runner = Callable[[Any, list[Any], list[Any], list[Any], Mapping[str, int]], list[Any]]
+# (Compute, args, input Tensors, output Tensors, mesh sizes) -> local results
+
+
+def _axis(axes: Sequence[str]) -> Any:
+    return tuple(axes) if len(axes) > 1 else axes[0]
+
+
+def _index(axes: Sequence[str]) -> Any:
+    return jax.lax.axis_index(_axis(axes))
+
+
+def _run_gather(node: Any, args: list[Any], ins: list[Any], outs: list[Any], mesh: Mapping[str, int]) -> list[Any]:
+    x, idx = args
+    p = dict(node.params)
+    dn = p["dimension_numbers"]
+    local = ins[0].local_shape(mesh)
+    sizes = list(p["slice_sizes"])
+    mask = None
+    shifted = []
+    for d, axes in enumerate(ins[0].sharding.dims):
+        if not axes:
+            continue
+        if sizes[d] == ins[0].shape[d]:
+            sizes[d] = local[d]  # a whole dim: the whole local piece
+            continue
+        if d in tuple(getattr(dn, "operand_batching_dims", ())):
+            continue  # a batch dim shared with the indices (take_along_axis): split alike, one row each
+        k = list(dn.start_index_map).index(d)  # an indexed dim taken one row at a time: shift and mask
+        start = _index(axes) * local[d]
+        i = idx[..., k] - start.astype(idx.dtype)
+        ok = (i >= 0) & (i < local[d])
+        mask = ok if mask is None else mask & ok
+        shifted.append((k, jnp.clip(i, 0, local[d] - 1)))
+    for k, i in shifted:
+        idx = idx.at[..., k].set(i)
+    p["slice_sizes"] = tuple(sizes)
+    y = node.prim.bind(x, idx, **p)
+    if mask is not None:  # batch dims of the result are the indices' leading dims, in order
+        batch = [d for d in range(y.ndim) if d not in tuple(dn.offset_dims)]
+        m = jax.lax.broadcast_in_dim(mask, y.shape, tuple(batch))
+        y = jnp.where(m, y, jnp.zeros((), y.dtype))
+    return [y]
+
+
+def _run_scatter(node: Any, args: list[Any], ins: list[Any], outs: list[Any], mesh: Mapping[str, int]) -> list[Any]:
+    x, idx, upd = args
+    partial = [a for a in mesh if a in outs[0].sharding.partial and a not in ins[0].sharding.partial]
+    if partial:  # the operand counts once in the sum of the devices' partial results
+        first = _index(partial) == 0
+        x = jnp.where(first, x, jnp.zeros((), x.dtype))
+    return [node.prim.bind(x, idx, upd, **node.params)]
+
+
+def _run_dynamic_slice(node: Any, args: list[Any], ins: list[Any], outs: list[Any], mesh: Mapping[str, int]
+                       ) -> list[Any]:
+    p = dict(node.params, slice_sizes=tuple(outs[0].local_shape(mesh)))
+    return [node.prim.bind(*args, **p)]
+
+
+def _run_conv(node: Any, args: list[Any], ins: list[Any], outs: list[Any], mesh: Mapping[str, int]) -> list[Any]:
+    p = dict(node.params)
+    for key in ("lhs_shape", "rhs_shape"):  # (only some jax versions carry shapes)
+        p.pop(key, None)
+    return [node.prim.bind(*args, **p)]
+
+
+RUNNERS: dict[str, Runner] = {
+    "gather": _run_gather, "scatter-add": _run_scatter, "scatter_add": _run_scatter,
+    "dynamic_slice": _run_dynamic_slice, "conv_general_dilated": _run_conv,
+}

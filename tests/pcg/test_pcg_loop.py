@@ -1,0 +1,106 @@
+"""The substitution engine in the planning loop (`shardc.auto(pcg=True)`, shardc/pcg/choice.py): the plan's
+PCG rewritten with proved rules runs when the simulator says it is faster — its compiled collectives are
+the PCG's and its results those of jax.jit(step) — and plan.explain() lists the rewrites."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import shardc
+from shardc import ShardingError, split
+from shardc.pcg import build_pcg, hlo_collectives, simulate_pcg
+from shardc.pcg.choice import choose_pcg
+from shardc.sim import simulate
+
+TOPO = "h100-sxm-8"
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return shardc.make_mesh({"data": 2, "model": 4}, jax.devices()[:8])
+
+
+def two_branch(x, w1, w2):
+    """Two Megatron row-parallel matmuls whose partial sums meet in an add: the plan reduce-scatters each
+    (the output is split over model); proved rules merge the two into one after the add and fuse the dots."""
+    x = split(x, 0, "data")
+    x = split(x, 1, "model")
+    w1, w2 = split(w1, 0, "model"), split(w2, 0, "model")
+    y = x @ w1 + jnp.tanh(x) @ w2
+    return split(jnp.tanh(y), 1, "model")
+
+
+@pytest.fixture(scope="module")
+def args():
+    k = jax.random.split(jax.random.key(0), 3)
+    return (jax.random.normal(k[0], (256, 512)), jax.random.normal(k[1], (512, 512)) / 20,
+            jax.random.normal(k[2], (512, 512)) / 20)
+
+
+def test_rewritten_pcg_runs_with_its_collectives_and_jit_numbers(mesh, args):
+    af = shardc.auto(two_branch, mesh=mesh, search=False, pcg=True, topology=TOPO)
+    plan = af.plan(*args)
+    ch = plan.pcg
+    assert ch.chosen and ch.steps
+    # the unrewritten PCG is priced as the plan is; the gain comes from the rewrites
+    assert ch.pcg_time == pytest.approx(ch.plan_time, rel=0.01)
+    assert ch.time < ch.plan_time and ch.time == pytest.approx(simulate_pcg(ch.pcg, TOPO).step_time)
+    assert all(s.cost_before > 0 for s in ch.steps) and ch.steps[-1].cost_after == ch.time
+    c = af.compiled_info(*args)
+    hlo = hlo_collectives(c.jitted.lower(*args).compile().as_text())
+    assert hlo == ch.pcg.collectives() and hlo != build_pcg(plan, fuse=True, reduce_scatter=True).collectives()
+    np.testing.assert_allclose(af(*args), jax.jit(two_branch)(*args), rtol=1e-5, atol=1e-5)
+    text = plan.explain()
+    assert "PCG rewrites" in text and "the rewritten PCG runs" in text
+    assert ch.steps[0].rule in text and "test_pcg_loop.py:" in text  # rule name and the user's source line
+
+
+def test_pcg_off_by_default_and_checked(mesh, args):
+    plan = shardc.auto(two_branch, mesh=mesh, search=False, topology=TOPO).plan(*args)
+    assert plan.pcg is None and "PCG rewrites" not in plan.explain()
+    with pytest.raises(ShardingError, match="pcg="):
+        shardc.auto(two_branch, mesh=mesh, pcg="yes")
+
+
+def test_rewrite_over_the_memory_limit_is_not_kept(mesh, args):
+    """The rewritten PCG competes under the memory limit: a limit below every rewrite's peak keeps none."""
+    plan = shardc.auto(two_branch, mesh=mesh, search=False, topology=TOPO).plan(*args)
+    free = choose_pcg(plan, plan.program, TOPO)
+    assert free.chosen
+    tight = choose_pcg(plan, plan.program, TOPO, memory_limit=min(free.peak, simulate(plan, TOPO).peak_memory) - 1)
+    assert not tight.chosen and not tight.steps and "no rewrite paid" in tight.summary()
+
+
+def test_searched_train_step_with_pcg_equals_jit(mesh):
+    """pcg=True on a searched plan of a train step (search, then rewriting): whichever wins runs, with
+    jax.jit's numbers over two steps (carried state keeps its layout)."""
+
+    def mlp(p, x):
+        h = jnp.tanh(x @ p["w1"])
+        return h @ p["w2"] + jnp.tanh(x) @ p["w3"]
+
+    tx = optax.sgd(0.05)
+
+    def step(p, opt, x, y):
+        loss, g = jax.value_and_grad(lambda q: jnp.mean((mlp(q, x) - y) ** 2))(p)
+        u, opt = tx.update(g, opt, p)
+        return optax.apply_updates(p, u), opt, loss
+
+    k = jax.random.split(jax.random.key(1), 5)
+    p = {"w1": jax.random.normal(k[0], (64, 128)) / 8, "w2": jax.random.normal(k[1], (128, 64)) / 8,
+         "w3": jax.random.normal(k[2], (64, 64)) / 8}
+    x, y = jax.random.normal(k[3], (32, 64)), jax.random.normal(k[4], (32, 64))
+    opt = tx.init(p)
+    af = shardc.auto(step, mesh=mesh, topology=TOPO, pcg=True, budget_s=1.0)
+    plan = af.plan(p, opt, x, y)
+    assert plan.pcg is not None and plan.pcg.time <= plan.pcg.pcg_time
+    a, ref = (p, opt), (p, opt)
+    for _ in range(2):
+        *a, la = af(*a, x, y)
+        *ref, lr = jax.jit(step)(*ref, x, y)
+        np.testing.assert_allclose(la, lr, rtol=1e-5)
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6)
