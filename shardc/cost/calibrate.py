@@ -16,7 +16,7 @@ All devices run at once, as they do in a sharded step, so the rates are per devi
   t = 2(n-1) a + 2(n-1)/n B / bw;
 * the fixed cost of a collective-permute: a chain of small permutes (each device sends to the next) minus
   the same chain without them. XLA:CPU meets every device of the program at each permute, so one costs
-  about what an all-reduce over all devices does, not one ring step (issue 14: a plan whose reshards were
+  several ring steps, not one (issue 14: a plan whose reshards were
   collective-permutes ran slower than the model said).
 
 XLA:CPU runs collectives on the compute threads (no overlap), has no reduce-scatter (it all-reduces and

@@ -40,7 +40,7 @@ def test_cpu_host_carries_the_measured_permute_latency():
     # tests/conftest.py pins a measurement with permute_latency 500 us: the topology is built from it
     level = calibrate.cpu_host().levels[0]
     assert level.permute_latency == pytest.approx(5e-4)
-    assert level.permute_fixed > 2 * (level.size - 1) * level.latency  # more than an all-reduce's steps
+    assert level.permute_fixed > 2 * (level.size - 1) * level.latency  # (the reference: more than an all-reduce's steps)
 
 
 def test_many_small_collectives_cost_more_than_one_big_one():
