@@ -207,8 +207,9 @@ def topology_pricer(topology: Any, mesh: Any, mapping: Any = None) -> ReshardPri
     def price(cost: ReshardCost) -> float:
         return seconds(cost.collectives) if cost.collectives else 0.0
 
-    # (what plan memos are shared by: the same topology, each axis on the same levels, whatever the axis order)
-    price.key = (topology.name, id(topology), tuple(sorted(mapping.axes)))  # type: ignore[attr-defined]
+    # (what plan memos are shared by: the same link levels, each axis on the same ones, whatever the axis order;
+    # the formulas read nothing else of the topology)
+    price.key = (topology.levels, tuple(sorted(mapping.axes)))  # type: ignore[attr-defined]
     return price
 
 

@@ -12,8 +12,8 @@ With `bw_l` the per-device bandwidth of level `l` and `a_l` its per-step latency
 * all-to-all on one level:           (n-1)/n * B / bw + (n-1) a
 * collective-permute:                B / bw + a  on the outermost level the pairs cross (a: the level's
                                      `permute_latency` when it has one: on XLA:CPU every device of the
-                                     program meets at each permute, which costs as much as an all-reduce's
-                                     steps, not one)
+                                     program meets at each permute, which costs several ring steps, not
+                                     one)
 
 Across levels (innermost l0 .. outermost lk), hierarchically: a reduce-scatter runs level by level outward
 on a shrinking buffer (B, B/n0, B/(n0 n1), ...); an all-gather is its mirror (outermost first, on the

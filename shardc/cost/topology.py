@@ -172,7 +172,8 @@ class Topology:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Topology":
         """From a dict: {"name", "device": {"name", "peak_flops": {dtype: FLOP/s}, "mem_bandwidth",
-        "memory", ...}, "levels": [{"name", "size", "bandwidth", "latency", optional "permute_latency"}, ...] (innermost first),
+        "memory", ...}, "levels": [{"name", "size", "bandwidth", "latency", optional "permute_latency"}, ...]
+        (innermost first),
         optional "overlap", "reduce_scatter", "source"}. Numbers may be strings with SI suffixes
         ("989T", "3.35e12", "80GiB", "450GB", "2us")."""
         try:
