@@ -39,10 +39,10 @@ from shardc.jit_shardings import JitShardings, same_mesh
 from shardc.lower import jit_plan
 from shardc.metadata import has_logical_boxes, input_hints
 from shardc.placement import PlacementWarning, call_mesh, fits, is_placed, placed_dims, replacement_note
-from shardc.plan import Plan, build_plan, is_abstract, require_devices
+from shardc.plan import Plan, build_plan, is_abstract, require_devices, topology_pricer
 from shardc.propagate import Cause, Seed, propagate
 from shardc.seeds import input_seed, program_seeds
-from shardc.sharding import make_mesh
+from shardc.sharding import make_mesh, mesh_shape
 from shardc.static_args import StaticArgs
 from shardc.waste import IdleDevicesWarning, user_stacklevel, waste_warning
 import shardc.search.integrate as _search
@@ -501,7 +501,13 @@ class AutoFunction:
                 prop = propagate(graph, dict(mesh.shape), seeds)
                 check_ties(graph, prop)
             with _internal_errors("planning", self.fun):
-                the_plan = build_plan(graph, mesh, prop, input_names=in_paths, output_names=out_paths, warnings=notes)
+                price = None
+                if self.topology is not None:  # (an op's layout is weighed in seconds on the topology it is priced on)
+                    from shardc.sim import as_topology
+
+                    price = topology_pricer(as_topology(self.topology), mesh_shape(mesh))
+                the_plan = build_plan(graph, mesh, prop, input_names=in_paths, output_names=out_paths, warnings=notes,
+                                      price=price)
         if is_multiprocess():
             check_plan_agreement(the_plan)
         t3 = time.perf_counter()

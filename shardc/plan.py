@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from annotations.errors import ShardingError, SourceLine
-from shardc.cost.collectives import Collective
+from shardc.cost.collectives import Collective, collectives_time
 from shardc.cost.program import broadcast_dims, merged, unread_operands
 from shardc.cost.reshard_path import reshard_steps, sent_bytes
 from shardc.ir.graph import Graph, Op
@@ -26,7 +26,8 @@ from shardc.rules.core import FactorKind, FactorRule
 from shardc.sharding import Sharding, mesh_shape
 
 __all__ = ["OpStrategy", "Reshard", "Plan", "PlanBuilder", "build_plan", "abstract_mesh", "is_abstract",
-           "require_devices", "reshard_cost", "ReshardCost", "op_reshard_specs", "lowers_reduce_scatter"]
+           "require_devices", "reshard_cost", "ReshardCost", "op_reshard_specs", "lowers_reduce_scatter",
+           "ReshardPricer", "topology_pricer"]
 
 Axes = tuple[str, ...]
 
@@ -188,6 +189,31 @@ def lowers_reduce_scatter(mesh: Any) -> bool:
     return next(iter(mesh.devices.flat)).platform != "cpu"
 
 
+# What a reshard costs when an op's layout is chosen: seconds on a topology (`topology_pricer`), or, without
+# one, the bytes each device sends.
+ReshardPricer = Callable[[ReshardCost], float]
+
+
+def topology_pricer(topology: Any, mesh: Any, mapping: Any = None) -> ReshardPricer:
+    """Seconds of a reshard's collectives, one after another, on `topology` with the mesh laid out by `mapping`
+    (default: `topology.map_mesh` of the mesh's axes in order) — the simulator's collective formulas, so a
+    collective's fixed cost counts as well as its bytes (many small collectives cost more than one big one)."""
+    sizes = dict(mesh_shape(mesh)) if not isinstance(mesh, Mapping) else dict(mesh)
+    mapping = topology.map_mesh(sizes) if mapping is None else mapping
+
+    @functools.lru_cache(maxsize=1 << 14)
+    def seconds(colls: tuple[Collective, ...]) -> float:
+        return collectives_time(colls, topology, mapping, sizes)
+
+    def price(cost: ReshardCost) -> float:
+        return seconds(cost.collectives) if cost.collectives else 0.0
+
+    # (what plan memos are shared by: the same link levels, each axis on the same ones, whatever the axis order;
+    # the formulas read nothing else of the topology)
+    price.key = (topology.levels, tuple(sorted(mapping.axes)))  # type: ignore[attr-defined]
+    return price
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _reshard_cost(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int,
                   mesh_items: tuple[tuple[str, int], ...], reduce_scatter: bool,
@@ -276,11 +302,11 @@ def _degree(strat: OpStrategy, mesh: Mapping[str, int]) -> int:
 
 
 def _strategy(op: Op, graph: Graph, shardings: Sequence[Sharding], nbytes, mesh: Mapping[str, int],
-              reduce_scatter: bool = True) -> OpStrategy:
+              reduce_scatter: bool = True, price: ReshardPricer | None = None) -> OpStrategy:
     """The op's factor axes: of the layouts that keep one of its tensors as it is (the others giving way,
-    largest first), the one that moves the fewest bytes among those dividing the work over the most
-    devices; ties go to keeping the largest tensor (results first among equals), as propagation's
-    conflict resolution does.
+    largest first), the one whose reshards cost least (`price`: seconds on the plan's topology; without
+    one, bytes sent) among those dividing the work over the most devices; ties go to fewer bytes, then to
+    keeping the largest tensor (results first among equals), as propagation's conflict resolution does.
 
     Keeping the largest tensor is usually cheapest, but not always: GShard's dispatch einsum
     GSEC,GSM->EGCM has a result (split on E) larger than either operand (split on G), yet computing it
@@ -300,14 +326,19 @@ def _strategy(op: Op, graph: Graph, shardings: Sequence[Sharding], nbytes, mesh:
     sharded = [i for i, (v, _) in enumerate(order) if i > 0 and shardings[v].dims and any(shardings[v].dims)]
     if not sharded or op.primitive not in _COSTED_PRIMITIVES:
         return default
-    best, best_key = default, (-_degree(default, mesh), _moved_bytes(op, graph, default, shardings, mesh, reduce_scatter))
+    def key(strat: OpStrategy) -> tuple:
+        specs = op_reshard_specs(op, graph, strat, shardings, mesh, reduce_scatter)
+        sent = sum(spec[4].sent for spec in specs)
+        return (-_degree(strat, mesh), sent if price is None else sum(price(spec[4]) for spec in specs), sent)
+
+    best, best_key = default, key(default)
     for i in sharded:
         strat = _greedy_strategy(op, axes_of, [order[i]] + order[:i] + order[i + 1:], mesh)
         if strat == best:
             continue
-        key = (-_degree(strat, mesh), _moved_bytes(op, graph, strat, shardings, mesh, reduce_scatter))
-        if key < best_key:
-            best, best_key = strat, key
+        k = key(strat)
+        if k < best_key:
+            best, best_key = strat, k
     return best
 
 
@@ -359,11 +390,6 @@ def op_reshard_specs(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequenc
     return specs
 
 
-def _moved_bytes(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequence[Sharding], mesh: Mapping[str, int],
-                 reduce_scatter: bool = True) -> int:
-    return sum(spec[4].sent for spec in op_reshard_specs(op, graph, strat, shardings, mesh, reduce_scatter))
-
-
 def _plan_classes(graph: Graph) -> list[int]:
     """Per op: the class of ops whose strategy and reshards are the same at the same tensor shardings
     (rule, io tie or not, parameter tie or not, tensor shapes/itemsizes/broadcast dims, constant operands);
@@ -394,10 +420,12 @@ def _describe_origin(origins: Sequence[Cause | None]) -> str:
 
 
 def build_plan(graph: Graph, mesh: Mesh, prop: Propagation, *, input_names: Sequence[str] = (),
-               output_names: Sequence[str] = (), warnings: Sequence[str] = ()) -> Plan:
-    """The plan of a propagation result (strategies and reshards of every op)."""
+               output_names: Sequence[str] = (), warnings: Sequence[str] = (),
+               price: ReshardPricer | None = None) -> Plan:
+    """The plan of a propagation result (strategies and reshards of every op); `price` prices the reshards
+    an op's layout choice weighs (`topology_pricer`; default: bytes sent)."""
     return PlanBuilder(graph, mesh, input_names=input_names, output_names=output_names,
-                       warnings=warnings).build(prop)
+                       warnings=warnings, price=price).build(prop)
 
 
 _Entry = tuple[OpStrategy, tuple[ReshardSpec, ...]]
@@ -426,9 +454,12 @@ class PlanBuilder:
 
     def __init__(self, graph: Graph, mesh: Mesh, *, input_names: Sequence[str] = (),
                  output_names: Sequence[str] = (), warnings: Sequence[str] = (),
-                 memo: dict | None = None) -> None:
-        """`memo`: a memo shared with other builders of this graph and axis sizes (any axis order)."""
+                 memo: dict | None = None, price: ReshardPricer | None = None) -> None:
+        """`memo`: a memo shared with other builders of this graph, axis sizes and pricer (any axis order when
+        the pricer does not depend on it); `price`: what an op's layout choice weighs its reshards by
+        (`topology_pricer`; default: bytes sent)."""
         self.graph, self.mesh = graph, mesh
+        self.price = price
         self.sizes = mesh_shape(mesh)
         self.reduce_scatter = lowers_reduce_scatter(mesh)
         self.names = (tuple(input_names), tuple(output_names), tuple(warnings))
@@ -516,7 +547,7 @@ class PlanBuilder:
 
     def _entry(self, op: Op) -> _Entry:
         """An op's strategy and its reshards (`ReshardSpec`s)."""
-        strat = _strategy(op, self.graph, self.shardings, self.nbytes, self.sizes, self.reduce_scatter)
+        strat = _strategy(op, self.graph, self.shardings, self.nbytes, self.sizes, self.reduce_scatter, self.price)
         if op.primitive == "tie" and op.region == "io":
             return strat, ()
         return strat, tuple(op_reshard_specs(op, self.graph, strat, self.shardings, self.sizes, self.reduce_scatter))

@@ -13,7 +13,11 @@ All devices run at once, as they do in a sharded step, so the rates are per devi
 * contention: how much faster one device runs the matmul alone than each device runs it with all busy
   (ops profiled alone, `shardc.cost.profile`, are scaled by it);
 * link bandwidth and latency: all-reduces of two sizes over all devices, fitted to the ring formula
-  t = 2(n-1) a + 2(n-1)/n B / bw.
+  t = 2(n-1) a + 2(n-1)/n B / bw;
+* the fixed cost of a collective-permute: a chain of small permutes (each device sends to the next) minus
+  the same chain without them. XLA:CPU meets every device of the program at each permute, so one costs
+  several ring steps, not one (issue 14: a plan whose reshards were
+  collective-permutes ran slower than the model said).
 
 XLA:CPU runs collectives on the compute threads (no overlap), has no reduce-scatter (it all-reduces and
 slices) and merges all-reduces without a byte limit; the topology says so. In a multi-process job each
@@ -32,7 +36,7 @@ from shardc.cost.topology import Device, Level, Topology
 
 __all__ = ["cpu_host", "measured_local", "measure_cpu_host", "contention", "store"]
 
-_VERSION = 3
+_VERSION = 4
 _MEMO: dict[tuple[str, str], dict[str, float]] = {}  # (cache file, host key) -> measurement, per process
 
 
@@ -115,9 +119,32 @@ def measure_cpu_host() -> dict[str, float]:
     frac = 2 * (n - 1) / n if n > 1 else 1.0
     link_bw = frac * (big_b - small_b) / max(t_big - t_small, 1e-9)
     latency = max(t_small - frac * small_b / link_bw, 1e-7) / steps
+    permute = _permute_latency(mesh, rows, small_b // 4) - small_b / link_bw if n > 1 else latency
     return {"flops": flops, "bandwidth": bandwidth, "overhead": overhead, "link_bandwidth": link_bw,
             "latency": latency, "devices": float(n), "contention": max(alone / flops, 1.0),
-            "vector_flops": min(vector, flops)}
+            "vector_flops": min(vector, flops), "permute_latency": max(permute, latency)}
+
+
+def _permute_latency(mesh: Any, rows: Any, elems: int, k: int = 16) -> float:
+    """Seconds per collective-permute of `elems` float32 per device (each device to the next), from a chain of
+    `k` of them minus the same chain without them (the call's fixed cost and the chain's arithmetic cancel)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    n = mesh.size
+    pairs = [(i, (i + 1) % n) for i in range(n)]
+
+    def chain(permute: bool) -> Callable:
+        def body(a):
+            for _ in range(k):
+                a = (jax.lax.ppermute(a, "d", pairs) if permute else a) * 1.0001 + 0.5
+            return a
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+
+    x = jax.device_put(jnp.ones((n * elems,), jnp.float32), rows)
+    with_p, without = chain(True), chain(False)
+    return max(_best_time(lambda: with_p(x), repeats=7) - _best_time(lambda: without(x), repeats=7), 0.0) / k
 
 
 def _host_key() -> str:
@@ -185,7 +212,8 @@ def cpu_host(*, refresh: bool = False) -> Topology:
                                     "float16": m["flops"] / 2, "int8": m["flops"]},
                  mem_bandwidth=m["bandwidth"], memory=_ram_per_device(local), matmul_efficiency=1.0,
                  vector_efficiency=1.0, op_overhead=m["overhead"], vector_flops=m.get("vector_flops", 0.0))
-    return Topology("cpu-host", dev, (Level("host", n, m["link_bandwidth"], m["latency"]),), overlap=False,
+    level = Level("host", n, m["link_bandwidth"], m["latency"], m.get("permute_latency"))
+    return Topology("cpu-host", dev, (level,), overlap=False,
                     reduce_scatter=False, source=f"measured on {platform.node()} ({os.cpu_count()} cores, {n} devices)",
                     combine_bytes=float("inf"), backend="cpu")
 

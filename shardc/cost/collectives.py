@@ -10,7 +10,10 @@ With `bw_l` the per-device bandwidth of level `l` and `a_l` its per-step latency
 * ring reduce-scatter on one level:  (n-1)/n * B / bw + (n-1) a
 * ring all-reduce on one level:      2 (n-1)/n * B / bw + 2 (n-1) a   (reduce-scatter + all-gather)
 * all-to-all on one level:           (n-1)/n * B / bw + (n-1) a
-* collective-permute:                B / bw + a  on the outermost level the pairs cross
+* collective-permute:                B / bw + a  on the outermost level the pairs cross (a: the level's
+                                     `permute_latency` when it has one: on XLA:CPU every device of the
+                                     program meets at each permute, which costs several ring steps, not
+                                     one)
 
 Across levels (innermost l0 .. outermost lk), hierarchically: a reduce-scatter runs level by level outward
 on a shrinking buffer (B, B/n0, B/(n0 n1), ...); an all-gather is its mirror (outermost first, on the
@@ -22,10 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Iterable
 
 from shardc.cost.topology import MeshMapping, Topology
 
-__all__ = ["Collective", "Phase", "collective_phases", "collective_time", "ring_time"]
+__all__ = ["Collective", "Phase", "collective_phases", "collective_time", "ring_time", "collectives_time"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -98,7 +102,8 @@ def collective_phases(c: Collective, topo: Topology, mapping: MeshMapping, mesh:
         return Phase(level, kind, t, sent)
 
     if c.kind == "collective-permute":
-        return (ph("collective-permute", groups[-1][0], 2, B),)
+        lv = topo.level(groups[-1][0])
+        return (Phase(lv.name, "collective-permute", B / lv.bandwidth + lv.permute_fixed, B),)
     if c.kind == "all-to-all":
         total = math.prod(n for _, n in groups)
         out, inner = [], 1
@@ -138,3 +143,8 @@ def collective_phases(c: Collective, topo: Topology, mapping: MeshMapping, mesh:
 def collective_time(c: Collective, topo: Topology, mapping: MeshMapping, mesh: dict[str, int]) -> float:
     """Total seconds of a collective (its phases back to back)."""
     return sum(p.seconds for p in collective_phases(c, topo, mapping, mesh))
+
+
+def collectives_time(cs: Iterable[Collective], topo: Topology, mapping: MeshMapping, mesh: dict[str, int]) -> float:
+    """Seconds of collectives run one after another (e.g. the steps of one reshard)."""
+    return sum(collective_time(c, topo, mapping, mesh) for c in cs)

@@ -54,13 +54,22 @@ class Level:
     """One level of the link hierarchy: `size` groups of the level below are joined by links of this class.
 
     bandwidth: bytes/s each device can send (and receive) at once over this level in a ring collective;
-    latency: seconds per step of a collective algorithm on it.
+    latency: seconds per step of a collective algorithm on it;
+    permute_latency: the fixed seconds of a collective-permute on it, when that is not one step: XLA:CPU
+    meets every device of the program at each collective-permute, however few pairs it moves (measured by
+    `shardc.cost.calibrate`); None: `latency`.
     """
 
     name: str
     size: int
     bandwidth: float
     latency: float
+    permute_latency: float | None = None
+
+    @property
+    def permute_fixed(self) -> float:
+        """Seconds a collective-permute costs on this level beyond its bytes."""
+        return self.latency if self.permute_latency is None else self.permute_latency
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -163,7 +172,8 @@ class Topology:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Topology":
         """From a dict: {"name", "device": {"name", "peak_flops": {dtype: FLOP/s}, "mem_bandwidth",
-        "memory", ...}, "levels": [{"name", "size", "bandwidth", "latency"}, ...] (innermost first),
+        "memory", ...}, "levels": [{"name", "size", "bandwidth", "latency", optional "permute_latency"}, ...]
+        (innermost first),
         optional "overlap", "reduce_scatter", "source"}. Numbers may be strings with SI suffixes
         ("989T", "3.35e12", "80GiB", "450GB", "2us")."""
         try:
@@ -178,7 +188,8 @@ class Topology:
                 op_overhead=_num(dev.get("op_overhead", 0.0)),
                 vector_flops=_num(dev.get("vector_flops", 0.0)),
             )
-            levels = tuple(Level(str(lv["name"]), int(lv["size"]), _num(lv["bandwidth"]), _num(lv.get("latency", 0.0)))
+            levels = tuple(Level(str(lv["name"]), int(lv["size"]), _num(lv["bandwidth"]), _num(lv.get("latency", 0.0)),
+                                 None if lv.get("permute_latency") is None else _num(lv["permute_latency"]))
                            for lv in d["levels"])
         except (KeyError, TypeError, ValueError) as e:
             raise ShardingError(f"bad topology description: {type(e).__name__}: {e}") from None

@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from annotations.errors import ShardingError
 from shardc.ir.graph import Graph
-from shardc.plan import Plan, PlanBuilder, build_plan
+from shardc.plan import Plan, PlanBuilder, build_plan, topology_pricer
 from shardc.propagate import Propagation, Seed, propagate
 from shardc.search.space import Assignment, Space, seeds_for
 from shardc.sharding import mesh_shape
@@ -172,14 +172,16 @@ def plan_from_seeds(problem: Problem, mesh: Mesh, seeds: Sequence[Seed], *,
     prop = base.run(list(seeds)) if base is not None else propagate(problem.graph, mesh_shape(mesh), list(seeds))
     check_ties(problem.graph, prop)
     plan = build_plan(problem.graph, mesh, prop, input_names=problem.input_names,
-                      output_names=problem.output_names, warnings=list(problem.warnings))
+                      output_names=problem.output_names, warnings=list(problem.warnings),
+                      price=None if problem.topology is None else
+                      topology_pricer(as_topology(problem.topology), mesh_shape(mesh)))
     return dataclasses.replace(plan, program=problem.program, donated=tuple(problem.donated))
 
 
 def _shared_base(graph: Graph, sizes: dict[str, int], user_seeds: Sequence[Seed]) -> tuple[UserPropagation, dict]:
-    """The user's propagation and the plan memo for these axis sizes, shared by the meshes that only order
-    the same axes differently (propagation and plans depend on the sizes, not on the order; the
-    simulator's mapping onto the topology does). Kept on the graph."""
+    """The user's propagation and the plan memos (per reshard pricer's key) for these axis sizes, shared by the
+    meshes that only order the same axes differently (propagation and plans depend on the sizes and on which
+    topology levels each axis spans, not on the order). Kept on the graph."""
     cache = getattr(graph, "_shardc_search_bases", None)
     if cache is None:
         cache = {}
@@ -206,7 +208,9 @@ class Evaluator:
         self.user_seeds = list(user_seeds)
         self.topology = as_topology(problem.topology)
         sizes = mesh_shape(mesh)
-        self.sim = Simulator(problem.graph, self.topology, self.topology.map_mesh(sizes), sizes)
+        mapping = self.topology.map_mesh(sizes)
+        self.sim = Simulator(problem.graph, self.topology, mapping, sizes)
+        self.price = topology_pricer(self.topology, sizes, mapping)
         self.limit = problem.memory_limit if problem.memory_limit is not None else self.topology.device.memory
         self.cache: dict[Assignment, Score] = {}
         self._base: UserPropagation | None = None
@@ -222,9 +226,10 @@ class Evaluator:
     
         pr = self.problem
         if self._base is None:
-            self._base, memo = _shared_base(pr.graph, mesh_shape(self.mesh), self.user_seeds)
+            self._base, memos = _shared_base(pr.graph, mesh_shape(self.mesh), self.user_seeds)
             self._builder = PlanBuilder(pr.graph, self.mesh, input_names=pr.input_names,
-                                        output_names=pr.output_names, warnings=list(pr.warnings), memo=memo)
+                                        output_names=pr.output_names, warnings=list(pr.warnings),
+                                        memo=memos.setdefault(self.price.key, {}), price=self.price)
         prop = self._base.run(list(extra))
         check_ties(pr.graph, prop)
         # Incremental: only values this or the last propagation wrote can differ from the last build's.

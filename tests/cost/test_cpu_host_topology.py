@@ -12,6 +12,7 @@ def test_cpu_host_measured_then_cached(tmp_path, monkeypatch):
     assert not topo.overlap and not topo.reduce_scatter  # XLA:CPU: collectives on the compute threads
     assert topo.device.flops_per_s("float32") > 1e7 and topo.device.mem_bandwidth > 1e6
     assert topo.levels[0].bandwidth > 0 and topo.levels[0].latency > 0 and topo.device.op_overhead > 0
+    assert topo.levels[0].permute_latency >= topo.levels[0].latency  # a permute's fixed cost, measured
     assert (tmp_path / "cpu-host.json").exists()
 
     def boom():

@@ -13,7 +13,7 @@ import shardc
 from bench.gpt import make_train_step
 from annotations.errors import ShardingError
 from search_models import graph_of
-from shardc.plan import PlanBuilder, abstract_mesh, build_plan, require_devices
+from shardc.plan import PlanBuilder, abstract_mesh, build_plan, require_devices, topology_pricer
 from shardc.propagate import Cause, Seed, propagate
 from shardc.lower import jit_plan
 from shardc.search.baselines import BASELINES, baseline_seeds
@@ -99,7 +99,8 @@ def test_incremental_evaluation_equals_full_evaluation(sizes):
                 ev.plan_with(extra)
             continue
         inc = ev.plan_with(extra)
-        full = build_plan(g, mesh, full_prop, input_names=names, output_names=outs)
+        full = build_plan(g, mesh, full_prop, input_names=names, output_names=outs,
+                          price=topology_pricer(topo, sizes))  # (the search weighs op layouts on its topology)
         _same_plan(inc, full)
         r_inc = ev.score_plan(inc)[1]
         r_full = Simulator(g, topo, topo.map_mesh(sizes), sizes).full(full)
@@ -171,7 +172,8 @@ def test_meshes_ordering_the_same_axes_differently_share_propagation_exactly():
         a = tuple(rng.randrange(grp.size) for grp in ev.space.groups)
         extra = seeds_for(ev.space, a)
         inc = ev.plan_with(extra)
-        full = build_plan(g, mesh, propagate(g, sizes, extra), input_names=names, output_names=outs)
+        full = build_plan(g, mesh, propagate(g, sizes, extra), input_names=names, output_names=outs,
+                          price=topology_pricer(topo, sizes))
         _same_plan(inc, full)
         assert list(inc.mesh_sizes) == list(sizes)
         assert _timeline(ev.score_plan(inc)[1]) == _timeline(
