@@ -11,6 +11,17 @@ from shardc.ir.build import build_graph
 
 X = jnp.ones((32, 48))
 Y = jnp.ones((48, 16))
+IMG = jnp.ones((2, 8, 8, 4))  # NHWC
+KER = jnp.ones((3, 3, 4, 6))  # HWIO
+
+
+def _conv(x, w, padding, strides=(1, 1), rhs_dilation=(1, 1), groups=1):
+    return jax.lax.conv_general_dilated(x, w, strides, padding, rhs_dilation=rhs_dilation,
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=groups)
+
+
+def _conv_loss(x, w):
+    return jnp.sum(_conv(x, w, "SAME", strides=(2, 2)) ** 2)
 
 CASES = {
     "dot_general": (lambda x, y: x @ y, (X, Y)),
@@ -26,6 +37,14 @@ CASES = {
     "argmax": (lambda x: jnp.argmax(x, axis=1), (X,)),
     "cumsum": (lambda x: jnp.cumsum(x, axis=1), (X,)),
     "cumsum_short": (lambda x: jnp.cumsum(x, axis=0), (jnp.ones((8, 5)),)),
+    # Convolutions: XLA counts only the kernel taps that read an input element, not those over padding
+    # (11% of a 3x3 SAME conv's taps on an 8x8 image; the CPU-scale CNN of bench/fidelity.py).
+    "conv_same": (lambda x, w: _conv(x, w, "SAME"), (IMG, KER)),
+    "conv_valid": (lambda x, w: _conv(x, w, "VALID"), (IMG, KER)),
+    "conv_strided": (lambda x, w: _conv(x, w, "SAME", strides=(2, 2)), (IMG, KER)),
+    "conv_dilated": (lambda x, w: _conv(x, w, "SAME", rhs_dilation=(2, 2)), (IMG, KER)),
+    "conv_grouped": (lambda x, w: _conv(x, w[:, :, :2, :], "SAME", groups=2), (IMG, KER)),
+    "conv_grads": (lambda x, w: jax.grad(_conv_loss, (0, 1))(x, w), (IMG, KER)),  # lhs- and rhs-dilated convs
 }
 
 
