@@ -23,6 +23,7 @@ all-reduces XLA merges (`shardc.sim.combine`), regrouped on every run (a pass ov
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import numpy as np
@@ -52,12 +53,17 @@ def _static(start: int, end: int, stream: int) -> bool:
 
 @dataclasses.dataclass
 class _Probe:
-    """One replay's attempts to keep the old tail: the first replayed slot, when to try next, and the keys
-    made before the replay that later slots read (computed at the first check of reads)."""
+    """One replay's attempts to keep the old tail: the first replayed slot, when to try next, the keys
+    made before the replay that later slots read (computed at the first check of reads), and the keys the
+    replay made that a slot at or after the last check still reads (`live`; the replay's keys are taken in
+    from `seen` on). A check at slot j only looks at keys read at or after j, and j only grows during one
+    replay, so a key read last before it is dropped for good."""
 
     first: int
     next_try: int = 0
     crossing: list[int] | None = None
+    live: list[int] = dataclasses.field(default_factory=list)
+    seen: int = 0
 
 
 class _Reads:
@@ -464,12 +470,18 @@ class Simulator:
             tail_first = int((st.slot_min[j:] + st.offset[j:]).min())
             if not (tail_first > 0 and tail_first + shift > 0):
                 return False
-        suspects = [k for k, before in replaced.items() if before is None or ready[k] - before != shift]
+        last_read = reads.last_read
+        if probe.seen < len(replaced):
+            probe.live.extend(itertools.islice(replaced, probe.seen, None))
+            probe.seen = len(replaced)
+        n = len(last_read)
+        live = probe.live = [k for k in probe.live if k < n and last_read[k] >= j]
+        suspects = [k for k in live if (before := replaced[k]) is None or ready[k] - before != shift]
         if shift:
             if probe.crossing is None:
                 probe.crossing = reads.crossing(probe.first, replaced)
-            last_read = reads.last_read
-            suspects.extend(k for k in probe.crossing if k not in replaced and last_read[k] >= j)
+            probe.crossing = [k for k in probe.crossing if last_read[k] >= j]
+            suspects.extend(k for k in probe.crossing if k not in replaced)
         for k in suspects:
             r, maker = ready[k], who[k]
             for t in reads.readers.get(k, ()):
