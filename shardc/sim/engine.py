@@ -198,6 +198,7 @@ class Simulator:
         self._users_cache: dict[int, list[int]] | None = None
         self._combiner: Combiner | None = None
         self._reads: _Reads | None = None  # who reads each key (built by the first delta)
+        self._needs: dict | None = None  # plan_needs of the last plan simulated
 
     @property
     def graph(self) -> Any:
@@ -208,7 +209,7 @@ class Simulator:
         """Simulate a plan from scratch."""
         b = self.builder
         keys = b.initial_keys(plan)
-        needs = plan_needs(plan)
+        needs = self._needs = plan_needs(plan)
         b.set_broadcasts(plan, needs)
         slots = [b.build_slot(plan, i, keys, needs) for i in range(len(self.graph.ops))]
         b.chain_keys.clear()
@@ -236,8 +237,11 @@ class Simulator:
             return self.full(plan, donated)
         b = self.builder
         needs = plan_needs(plan)
-        bc = b.set_broadcasts(plan, needs)  # ops whose chains start from or make broadcasts differently
-        found = self._affected(old.plan, plan, bc)
+        diff = self._diff(old.plan, plan, needs)
+        if diff is None:
+            return self.full(plan, donated)
+        bc = b.set_broadcasts(plan, needs, diff)  # ops whose chains start from or make broadcasts differently
+        found = self._affected(diff, bc)
         if found is None:
             return self.full(plan, donated)
         affected, values = found
@@ -302,21 +306,33 @@ class Simulator:
                                      self.topology.combine_count)
 
     # -- internals -----------------------------------------------------------------------------------
-    def _affected(self, a: Plan, b: Plan, also: set[int] = frozenset()) -> tuple[list[int], set[int]] | None:
-        """Slots to rebuild going from plan a to plan b (and ops `also`), and the (canonical) values whose
-        keys change; None when the plans are too different to be worth it."""
-        g = self.graph
+    def _diff(self, a: Plan, b: Plan, needs_b: dict) -> tuple[set[int], set[int]] | None:
+        """The values whose sharding differs between plans a and b, and the ops whose strategy or needed
+        operand layouts differ; None when the plans do not share a mesh and graph shape."""
         if len(a.strategies) != len(b.strategies) or a.mesh_sizes != b.mesh_sizes:
             return None
-        canon = self.builder.info.canon
         sa, sb = a.shardings, b.shardings
-        values = {canon[v] for v in range(len(sa)) if sa[v] is not sb[v] and sa[v] != sb[v]}
+        values = {v for v in range(len(sa)) if sa[v] is not sb[v] and sa[v] != sb[v]}
         ta, tb = a.strategies, b.strategies
-        ops = {i for i in range(len(ta)) if ta[i] is not tb[i] and ta[i] != tb[i]} | set(also)
+        ops = {i for i in range(len(ta)) if ta[i] is not tb[i] and ta[i] != tb[i]}
+        needs_a = self._needs
         if a.reshards is not b.reshards:
-            ra, rb = plan_needs(a), plan_needs(b)
-            for key in set(ra) ^ set(rb) | {k for k in set(ra) & set(rb) if ra[k] != rb[k]}:
+            if needs_a is None:
+                needs_a = plan_needs(a)
+            for key in needs_a.keys() ^ needs_b.keys() | {k for k in needs_a.keys() & needs_b.keys()
+                                                         if needs_a[k] != needs_b[k]}:
                 ops.add(key[0])
+        self._needs = needs_b
+        return values, ops
+
+    def _affected(self, diff: tuple[set[int], set[int]], also: set[int] = frozenset()
+                  ) -> tuple[list[int], set[int]] | None:
+        """Slots to rebuild for a plan change `diff` (see `_diff`; and ops `also`), and the (canonical)
+        values whose keys change; None when the plans are too different to be worth it."""
+        g = self.graph
+        canon = self.builder.info.canon
+        values = {canon[v] for v in diff[0]}
+        ops = diff[1] | set(also)
         for i in ops:
             op = g.ops[i]
             values.update(canon[v] for v in op.inputs + op.outputs)
