@@ -10,7 +10,9 @@
 * dot_general: 2 x result elements x contracted size; convolution: 2 x (output, kernel) positions that
   read an input element (taps over padding and dilation holes not counted, as XLA counts them);
 * data movement (broadcast, reshape, transpose, slice, concatenate, pad, gather, iota, copies): none;
-* scatter-add and friends: one FLOP per update element; sort: n log2 n.
+* scatter-add and friends: one FLOP per update element; sort: n log2 n;
+* pooling (reduce_window_*): window size - 1 per result element; its gradient (select_and_scatter_add) as
+  XLA counts it on the backend (XLA:CPU rewrites it, see `_select_and_scatter`).
 
 Rules live in one table keyed by primitive name (`FLOP_RULES`); unknown primitives count as zero.
 """
@@ -172,6 +174,22 @@ def _valid_positions(n_in: int, n_kernel: int, n_out: int, stride: int, pad_lo: 
     return count
 
 
+@register_flops("reduce_window_max", "reduce_window_min", "reduce_window_sum")
+def _reduce_window(ins, outs, params) -> OpCount:
+    """One application of the reduction per window element but the first, per result element (pooling)."""
+    return OpCount(flops=float(_n(outs[0]) * (math.prod(params["window_dimensions"]) - 1)))
+
+
+@register_flops("select_and_scatter_add")
+def _select_and_scatter(ins, outs, params, backend: str = "") -> OpCount:
+    """The gradient of max pooling, per source element (the pooled gradient): a select per window element but
+    the first and one scatter-add. XLA:CPU rewrites it into a variadic reduce-window carrying the value and
+    one index per dim (7 + rank FLOPs per application, measured against `cost_analysis`) and a scatter."""
+    window = math.prod(params["window_dimensions"])
+    per = 7 + len(ins[1]) if backend == "cpu" else 1
+    return OpCount(flops=float(_n(ins[0]) * ((window - 1) * per + 1)))
+
+
 @register_flops("scatter-add", "scatter_add", "scatter_mul", "scatter_min", "scatter_max", "scatter")
 def _scatter(ins, outs, params) -> OpCount:
     updates = ins[2] if len(ins) > 2 else ins[-1]
@@ -204,4 +222,4 @@ def count_op(primitive: str, ins: Sequence[Shape], outs: Sequence[Shape], params
         return OpCount()
 
 
-_BACKEND_AWARE = {_reduce, _cumulative}
+_BACKEND_AWARE = {_reduce, _cumulative, _select_and_scatter}

@@ -142,6 +142,7 @@ class TaskBuilder:
         self._made_memo: dict[tuple, tuple[Sharding, ...]] = {}
         self._layout_memo: dict[Sharding, Sharding] = {}
         self.key_of: dict[Any, int] = {}
+        self._input_keys: dict[int, tuple[Sharding, int]] = {}  # input value -> (sharding, its key id)
         self.key_list: list[Any] = []
         self.is_value_key: list[bool] = []
         # Keys made by collectives in the current plan's slots (always written to memory), with the number
@@ -202,7 +203,13 @@ class TaskBuilder:
 
     def initial_keys(self, plan: Plan) -> dict[int, int]:
         """Keys ready before the step: the inputs at their planned shardings (owner -1)."""
-        return {self.kid((self.canon(v), plan.shardings[v], HOME)): -1 for v in self.graph.inputs}
+        memo, sh, out = self._input_keys, plan.shardings, {}
+        for v in self.graph.inputs:
+            hit = memo.get(v)
+            if hit is None or hit[0] is not sh[v]:
+                hit = memo[v] = (sh[v], self.kid((self.canon(v), sh[v], HOME)))
+            out[hit[1]] = -1
+        return out
 
     def local_shape(self, v: int, s: Sharding) -> tuple[int, ...]:
         shape = self.graph.values[v].shape
