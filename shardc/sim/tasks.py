@@ -99,13 +99,7 @@ class Slot:
 def _shared(graph: Any, what: str, topology: Topology, make: Any) -> Any:
     """An object shared by the simulators of one graph on one device type and backend (the default op-cost
     estimator and its memo, FLOP counts: they depend on local shapes only, not on the mesh), kept on the graph."""
-    cache = getattr(graph, "_shardc_sim_shared", None)
-    if cache is None:
-        cache = {}
-        try:
-            graph._shardc_sim_shared = cache
-        except AttributeError:  # pragma: no cover - slotted graphs
-            return make()
+    cache: dict = graph.analysis("sim_shared", dict)
     key = (what, repr(topology.device), topology.backend)
     hit = cache.get(key)
     if hit is None:
