@@ -22,6 +22,7 @@ all-reduces XLA merges (`shardc.sim.combine`), regrouped on every run (a pass ov
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 from typing import Any
@@ -64,6 +65,7 @@ class _Probe:
     crossing: list[int] | None = None
     live: list[int] = dataclasses.field(default_factory=list)
     seen: int = 0
+    readers: dict = dataclasses.field(default_factory=dict)  # key -> its readers from `first` on, sorted
 
 
 class _Reads:
@@ -498,12 +500,14 @@ class Simulator:
                 probe.crossing = reads.crossing(probe.first, replaced)
             probe.crossing = [k for k in probe.crossing if last_read[k] >= j]
             suspects.extend(k for k in probe.crossing if k not in replaced)
+        from_j = j * TASKS_PER_SLOT
         for k in suspects:
             r, maker = ready[k], who[k]
-            for t in reads.readers.get(k, ()):
+            later = probe.readers.get(k)
+            if later is None:
+                later = probe.readers[k] = sorted(t for t in reads.readers.get(k, ()) if t >= from_j)
+            for t in itertools.islice(later, bisect.bisect_left(later, from_j), None):
                 si, ti = divmod(t, TASKS_PER_SLOT)
-                if si < j:
-                    continue
                 start, end = st.starts[si][ti], st.ends[si][ti]
                 if _static(start, end, st.slots[si].sched[ti][1]):
                     if r:
