@@ -394,9 +394,10 @@ def _plan_classes(graph: Graph) -> list[int]:
     """Per op: the class of ops whose strategy and reshards are the same at the same tensor shardings
     (rule, io tie or not, parameter tie or not, tensor shapes/itemsizes/broadcast dims, constant operands);
     computed once per graph."""
-    cached = getattr(graph, "_shardc_plan_classes", None)
-    if cached is not None:
-        return cached
+    return graph.analysis("plan_classes", lambda: _compute_plan_classes(graph))
+
+
+def _compute_plan_classes(graph: Graph) -> list[int]:
     classes: dict[tuple, int] = {}
     out: list[int] = []
     bcast, constant = broadcast_dims(graph), merged(graph).constant
@@ -407,10 +408,6 @@ def _plan_classes(graph: Graph) -> list[int]:
                tuple((v.shape, v.dtype.itemsize if v.dtype is not None else 4, v.nbytes, bcast[v.id]) for v in vals),
                tuple((graph.values[v].is_const and graph.values[v].rank == 0, constant[v]) for v in op.inputs))
         out.append(classes.setdefault(key, len(classes)))
-    try:
-        graph._shardc_plan_classes = out  # type: ignore[attr-defined]
-    except AttributeError:  # pragma: no cover - slotted graphs
-        pass
     return out
 
 

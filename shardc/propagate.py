@@ -370,9 +370,10 @@ class _Propagator:
 def _op_classes(graph: Graph) -> list[int]:
     """Per op: the class of ops with the same rule and tensor sizes (-1: an op reading one value twice);
     computed once per graph."""
-    cached = getattr(graph, "_shardc_visit_classes", None)
-    if cached is not None:
-        return cached
+    return graph.analysis("visit_classes", lambda: _compute_op_classes(graph))
+
+
+def _compute_op_classes(graph: Graph) -> list[int]:
     classes: dict[tuple, int] = {}
     out: list[int] = []
     for op in graph.ops:
@@ -381,10 +382,6 @@ def _op_classes(graph: Graph) -> list[int]:
             out.append(-1)
         else:
             out.append(classes.setdefault((op.rule, tuple(graph.values[v].nbytes for v in tensors)), len(classes)))
-    try:
-        graph._shardc_visit_classes = out  # type: ignore[attr-defined]
-    except AttributeError:  # pragma: no cover - slotted graphs
-        pass
     return out
 
 

@@ -7,9 +7,12 @@
 * `integer_pow(x, n)`: the multiplies of square-and-multiply (n=2: one; a negative n adds a divide);
 * reductions: (input elements - output elements) applications of the combiner (one FLOP each); on
   XLA:CPU a long reduction becomes a tree (windows of 32, padded), counted as XLA:CPU counts it;
-* dot_general: 2 x result elements x contracted size; convolution: 2 x (output, kernel) positions;
+* dot_general: 2 x result elements x contracted size; convolution: 2 x (output, kernel) positions that
+  read an input element (taps over padding and dilation holes not counted, as XLA counts them);
 * data movement (broadcast, reshape, transpose, slice, concatenate, pad, gather, iota, copies): none;
-* scatter-add and friends: one FLOP per update element; sort: n log2 n.
+* scatter-add and friends: one FLOP per update element; sort: n log2 n;
+* pooling (reduce_window_*): window size - 1 per result element; its gradient (select_and_scatter_add) as
+  XLA counts it on the backend (XLA:CPU rewrites it, see `_select_and_scatter`).
 
 Rules live in one table keyed by primitive name (`FLOP_RULES`); unknown primitives count as zero.
 """
@@ -134,13 +137,57 @@ def _dot(ins, outs, params) -> OpCount:
 
 @register_flops("conv_general_dilated")
 def _conv(ins, outs, params) -> OpCount:
-    rhs = ins[1]
+    """2 x input features per group x output features x batch per group x, per spatial dim, the (output,
+    kernel) position pairs that read an input element (not padding, not a hole of the input's dilation):
+    what XLA's `HloCostAnalysis::GetConvolutionFlops` counts."""
+    lhs, rhs, out = ins[0], ins[1], outs[0]
     dn = params.get("dimension_numbers")
-    rhs_spec = tuple(range(len(rhs))) if dn is None else tuple(dn[1])
-    in_feat = rhs[rhs_spec[1]]  # input features per group
-    kernel = math.prod(rhs[d] for d in rhs_spec[2:])
-    # Output positions x kernel taps (taps over padding are not subtracted: an upper bound).
-    return OpCount(flops=2.0 * _n(outs[0]) * in_feat * kernel)
+    lhs_spec, rhs_spec, out_spec = (tuple(range(len(lhs))),) * 3 if dn is None else (tuple(d) for d in dn)
+    nsp = len(lhs) - 2
+    strides = tuple(params.get("window_strides") or (1,) * nsp)
+    padding = tuple(params.get("padding") or ((0, 0),) * nsp)
+    lhs_dil = tuple(params.get("lhs_dilation") or (1,) * nsp)
+    rhs_dil = tuple(params.get("rhs_dilation") or (1,) * nsp)
+    positions = 1
+    for d in range(nsp):
+        positions *= _valid_positions(lhs[lhs_spec[d + 2]], rhs[rhs_spec[d + 2]], out[out_spec[d + 2]],
+                                      strides[d], padding[d][0], lhs_dil[d], rhs_dil[d])
+    fgc = int(params.get("feature_group_count", 1) or 1)
+    bgc = int(params.get("batch_group_count", 1) or 1)
+    fma = (lhs[lhs_spec[1]] // fgc) * out[out_spec[1]] * (lhs[lhs_spec[0]] // bgc) * positions
+    return OpCount(flops=2.0 * fma)
+
+
+def _valid_positions(n_in: int, n_kernel: int, n_out: int, stride: int, pad_lo: int, lhs_dil: int,
+                     rhs_dil: int) -> int:
+    """(output index, kernel index) pairs of one spatial dim whose input index is a real element."""
+    count = 0
+    for k in range(n_kernel):
+        if stride == 1 and lhs_dil == 1:  # a contiguous range of output indices
+            base = pad_lo - k * rhs_dil
+            count += max(min(n_in + base, n_out) - max(base, 0), 0)
+            continue
+        for o in range(n_out):
+            i = o * stride - pad_lo + k * rhs_dil
+            if i % lhs_dil == 0 and 0 <= i // lhs_dil < n_in:
+                count += 1
+    return count
+
+
+@register_flops("reduce_window_max", "reduce_window_min", "reduce_window_sum")
+def _reduce_window(ins, outs, params) -> OpCount:
+    """One application of the reduction per window element but the first, per result element (pooling)."""
+    return OpCount(flops=float(_n(outs[0]) * (math.prod(params["window_dimensions"]) - 1)))
+
+
+@register_flops("select_and_scatter_add")
+def _select_and_scatter(ins, outs, params, backend: str = "") -> OpCount:
+    """The gradient of max pooling, per source element (the pooled gradient): a select per window element but
+    the first and one scatter-add. XLA:CPU rewrites it into a variadic reduce-window carrying the value and
+    one index per dim (7 + rank FLOPs per application, measured against `cost_analysis`) and a scatter."""
+    window = math.prod(params["window_dimensions"])
+    per = 7 + len(ins[1]) if backend == "cpu" else 1
+    return OpCount(flops=float(_n(ins[0]) * ((window - 1) * per + 1)))
 
 
 @register_flops("scatter-add", "scatter_add", "scatter_mul", "scatter_min", "scatter_max", "scatter")
@@ -175,4 +222,4 @@ def count_op(primitive: str, ins: Sequence[Shape], outs: Sequence[Shape], params
         return OpCount()
 
 
-_BACKEND_AWARE = {_reduce, _cumulative}
+_BACKEND_AWARE = {_reduce, _cumulative, _select_and_scatter}

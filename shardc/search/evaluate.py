@@ -74,9 +74,10 @@ def _worklist(graph: Graph, phase_of: Sequence[int]) -> tuple:
     """The worklist of `_Propagator.run_to_fixed_point`, precomputed once per graph: per value the ops it
     queues (its users and producer) and every op it is a tensor of; per phase the ops allowed, and the ops
     first queued (as a list and as a mask)."""
-    cached = getattr(graph, "_shardc_worklist", None)
-    if cached is not None:
-        return cached
+    return graph.analysis("worklist", lambda: _compute_worklist(graph, phase_of))
+
+
+def _compute_worklist(graph: Graph, phase_of: Sequence[int]) -> tuple:
     n = len(graph.ops)
     queues = [list(graph.users[v]) + ([graph.values[v].producer] if graph.values[v].producer is not None else [])
               for v in range(len(graph.values))]
@@ -93,12 +94,7 @@ def _worklist(graph: Graph, phase_of: Sequence[int]) -> tuple:
         for i in ops:
             mask[i] = 1
         first_mask[k] = bytes(mask)
-    out = (queues, ops_of, allowed, first, first_mask)
-    try:
-        graph._shardc_worklist = out  # type: ignore[attr-defined]
-    except AttributeError:  # pragma: no cover - slotted graphs
-        pass
-    return out
+    return queues, ops_of, allowed, first, first_mask
 
 
 class UserPropagation:
@@ -182,13 +178,7 @@ def _shared_base(graph: Graph, sizes: dict[str, int], user_seeds: Sequence[Seed]
     """The user's propagation and the plan memos (per reshard pricer's key) for these axis sizes, shared by the
     meshes that only order the same axes differently (propagation and plans depend on the sizes and on which
     topology levels each axis spans, not on the order). Kept on the graph."""
-    cache = getattr(graph, "_shardc_search_bases", None)
-    if cache is None:
-        cache = {}
-        try:
-            graph._shardc_search_bases = cache  # type: ignore[attr-defined]
-        except AttributeError:  # pragma: no cover - slotted graphs
-            pass
+    cache: dict = graph.analysis("search_bases", dict)
     try:
         key = (tuple(sorted(sizes.items())), tuple(user_seeds))
         hash(key)

@@ -34,7 +34,8 @@ class Group:
 class Combiner:
     def __init__(self, graph: Any, canon: Sequence[int], key_list: Sequence[Any]) -> None:
         self.key_list = key_list
-        cached = getattr(graph, "_shardc_descendants", None)
+        cache: dict = graph.analysis("descendants", dict)  # id(canon) -> (canon, desc); canon: a ProgramInfo's
+        cached = cache.get(id(canon))
         if cached is not None and cached[0] is canon:
             self.desc = cached[1]
             return
@@ -48,10 +49,7 @@ class Combiner:
                     c = canon[v]
                     desc[c] |= below
         self.desc = desc  # canonical value -> bitmask of the values computed from it
-        try:
-            graph._shardc_descendants = (canon, desc)  # once per graph (canon is the graph's ProgramInfo's)
-        except AttributeError:  # pragma: no cover - slotted graphs
-            pass
+        cache[id(canon)] = (canon, desc)  # (the entry keeps canon alive: its id is not reused)
 
     def groups(self, slots: Sequence[Slot], ar_slots: Iterable[int], max_bytes: float, max_count: int) -> list[Group]:
         """Groups of two or more all-reduces XLA merges (`ar_slots`: the slots holding candidates, in order)."""

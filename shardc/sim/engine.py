@@ -22,7 +22,9 @@ all-reduces XLA merges (`shardc.sim.combine`), regrouped on every run (a pass ov
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 from typing import Any
 
 import numpy as np
@@ -52,12 +54,18 @@ def _static(start: int, end: int, stream: int) -> bool:
 
 @dataclasses.dataclass
 class _Probe:
-    """One replay's attempts to keep the old tail: the first replayed slot, when to try next, and the keys
-    made before the replay that later slots read (computed at the first check of reads)."""
+    """One replay's attempts to keep the old tail: the first replayed slot, when to try next, the keys
+    made before the replay that later slots read (computed at the first check of reads), and the keys the
+    replay made that a slot at or after the last check still reads (`live`; the replay's keys are taken in
+    from `seen` on). A check at slot j only looks at keys read at or after j, and j only grows during one
+    replay, so a key read last before it is dropped for good."""
 
     first: int
     next_try: int = 0
     crossing: list[int] | None = None
+    live: list[int] = dataclasses.field(default_factory=list)
+    seen: int = 0
+    readers: dict = dataclasses.field(default_factory=dict)  # key -> its readers from `first` on, sorted
 
 
 class _Reads:
@@ -192,6 +200,7 @@ class Simulator:
         self._users_cache: dict[int, list[int]] | None = None
         self._combiner: Combiner | None = None
         self._reads: _Reads | None = None  # who reads each key (built by the first delta)
+        self._needs: dict | None = None  # plan_needs of the last plan simulated
 
     @property
     def graph(self) -> Any:
@@ -202,7 +211,7 @@ class Simulator:
         """Simulate a plan from scratch."""
         b = self.builder
         keys = b.initial_keys(plan)
-        needs = plan_needs(plan)
+        needs = self._needs = plan_needs(plan)
         b.set_broadcasts(plan, needs)
         slots = [b.build_slot(plan, i, keys, needs) for i in range(len(self.graph.ops))]
         b.chain_keys.clear()
@@ -230,8 +239,11 @@ class Simulator:
             return self.full(plan, donated)
         b = self.builder
         needs = plan_needs(plan)
-        bc = b.set_broadcasts(plan, needs)  # ops whose chains start from or make broadcasts differently
-        found = self._affected(old.plan, plan, bc)
+        diff = self._diff(old.plan, plan, needs)
+        if diff is None:
+            return self.full(plan, donated)
+        bc = b.set_broadcasts(plan, needs, diff)  # ops whose chains start from or make broadcasts differently
+        found = self._affected(diff, bc)
         if found is None:
             return self.full(plan, donated)
         affected, values = found
@@ -296,21 +308,33 @@ class Simulator:
                                      self.topology.combine_count)
 
     # -- internals -----------------------------------------------------------------------------------
-    def _affected(self, a: Plan, b: Plan, also: set[int] = frozenset()) -> tuple[list[int], set[int]] | None:
-        """Slots to rebuild going from plan a to plan b (and ops `also`), and the (canonical) values whose
-        keys change; None when the plans are too different to be worth it."""
-        g = self.graph
+    def _diff(self, a: Plan, b: Plan, needs_b: dict) -> tuple[set[int], set[int]] | None:
+        """The values whose sharding differs between plans a and b, and the ops whose strategy or needed
+        operand layouts differ; None when the plans do not share a mesh and graph shape."""
         if len(a.strategies) != len(b.strategies) or a.mesh_sizes != b.mesh_sizes:
             return None
-        canon = self.builder.info.canon
         sa, sb = a.shardings, b.shardings
-        values = {canon[v] for v in range(len(sa)) if sa[v] is not sb[v] and sa[v] != sb[v]}
+        values = {v for v in range(len(sa)) if sa[v] is not sb[v] and sa[v] != sb[v]}
         ta, tb = a.strategies, b.strategies
-        ops = {i for i in range(len(ta)) if ta[i] is not tb[i] and ta[i] != tb[i]} | set(also)
+        ops = {i for i in range(len(ta)) if ta[i] is not tb[i] and ta[i] != tb[i]}
+        needs_a = self._needs
         if a.reshards is not b.reshards:
-            ra, rb = plan_needs(a), plan_needs(b)
-            for key in set(ra) ^ set(rb) | {k for k in set(ra) & set(rb) if ra[k] != rb[k]}:
+            if needs_a is None:
+                needs_a = plan_needs(a)
+            for key in needs_a.keys() ^ needs_b.keys() | {k for k in needs_a.keys() & needs_b.keys()
+                                                         if needs_a[k] != needs_b[k]}:
                 ops.add(key[0])
+        self._needs = needs_b
+        return values, ops
+
+    def _affected(self, diff: tuple[set[int], set[int]], also: set[int] = frozenset()
+                  ) -> tuple[list[int], set[int]] | None:
+        """Slots to rebuild for a plan change `diff` (see `_diff`; and ops `also`), and the (canonical)
+        values whose keys change; None when the plans are too different to be worth it."""
+        g = self.graph
+        canon = self.builder.info.canon
+        values = {canon[v] for v in diff[0]}
+        ops = diff[1] | set(also)
         for i in ops:
             op = g.ops[i]
             values.update(canon[v] for v in op.inputs + op.outputs)
@@ -464,18 +488,26 @@ class Simulator:
             tail_first = int((st.slot_min[j:] + st.offset[j:]).min())
             if not (tail_first > 0 and tail_first + shift > 0):
                 return False
-        suspects = [k for k, before in replaced.items() if before is None or ready[k] - before != shift]
+        last_read = reads.last_read
+        if probe.seen < len(replaced):
+            probe.live.extend(itertools.islice(replaced, probe.seen, None))
+            probe.seen = len(replaced)
+        n = len(last_read)
+        live = probe.live = [k for k in probe.live if k < n and last_read[k] >= j]
+        suspects = [k for k in live if (before := replaced[k]) is None or ready[k] - before != shift]
         if shift:
             if probe.crossing is None:
                 probe.crossing = reads.crossing(probe.first, replaced)
-            last_read = reads.last_read
-            suspects.extend(k for k in probe.crossing if k not in replaced and last_read[k] >= j)
+            probe.crossing = [k for k in probe.crossing if last_read[k] >= j]
+            suspects.extend(k for k in probe.crossing if k not in replaced)
+        from_j = j * TASKS_PER_SLOT
         for k in suspects:
             r, maker = ready[k], who[k]
-            for t in reads.readers.get(k, ()):
+            later = probe.readers.get(k)
+            if later is None:
+                later = probe.readers[k] = sorted(t for t in reads.readers.get(k, ()) if t >= from_j)
+            for t in itertools.islice(later, bisect.bisect_left(later, from_j), None):
                 si, ti = divmod(t, TASKS_PER_SLOT)
-                if si < j:
-                    continue
                 start, end = st.starts[si][ti], st.ends[si][ti]
                 if _static(start, end, st.slots[si].sched[ti][1]):
                     if r:

@@ -15,6 +15,7 @@ simulation do exactly the same arithmetic.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from typing import Any, Mapping
 
 from shardc.cost.collectives import collective_phases
@@ -98,13 +99,7 @@ class Slot:
 def _shared(graph: Any, what: str, topology: Topology, make: Any) -> Any:
     """An object shared by the simulators of one graph on one device type and backend (the default op-cost
     estimator and its memo, FLOP counts: they depend on local shapes only, not on the mesh), kept on the graph."""
-    cache = getattr(graph, "_shardc_sim_shared", None)
-    if cache is None:
-        cache = {}
-        try:
-            graph._shardc_sim_shared = cache
-        except AttributeError:  # pragma: no cover - slotted graphs
-            return make()
+    cache: dict = graph.analysis("sim_shared", dict)
     key = (what, repr(topology.device), topology.backend)
     hit = cache.get(key)
     if hit is None:
@@ -141,6 +136,7 @@ class TaskBuilder:
         self._made_memo: dict[tuple, tuple[Sharding, ...]] = {}
         self._layout_memo: dict[Sharding, Sharding] = {}
         self.key_of: dict[Any, int] = {}
+        self._input_keys: dict[int, tuple[Sharding, int]] = {}  # input value -> (sharding, its key id)
         self.key_list: list[Any] = []
         self.is_value_key: list[bool] = []
         # Keys made by collectives in the current plan's slots (always written to memory), with the number
@@ -154,6 +150,11 @@ class TaskBuilder:
         self.bc_made: dict[tuple[int, int], frozenset[int]] = {}
         self._bc_static = broadcast_dims(graph)
         self._bc_ops: list[int] | None = None
+        self._bc_rec: list[tuple] | None = None  # per op of _bc_ops: its part of `broadcasts` for the current plan
+        self._bc_home: dict[int, frozenset[int]] = {}  # value -> broadcast dims in its planned layout (non-empty)
+        self._bc_pos: dict[int, int] | None = None
+        self._bc_users: dict[int, list[int]] = {}
+        self._bc_maker: dict[int, int] = {}
         vals = graph.values
         by_dtype: dict[Any, tuple[str, int]] = {}  # str(numpy dtype) is slow: once per distinct dtype
         for v in vals:
@@ -196,7 +197,13 @@ class TaskBuilder:
 
     def initial_keys(self, plan: Plan) -> dict[int, int]:
         """Keys ready before the step: the inputs at their planned shardings (owner -1)."""
-        return {self.kid((self.canon(v), plan.shardings[v], HOME)): -1 for v in self.graph.inputs}
+        memo, sh, out = self._input_keys, plan.shardings, {}
+        for v in self.graph.inputs:
+            hit = memo.get(v)
+            if hit is None or hit[0] is not sh[v]:
+                hit = memo[v] = (sh[v], self.kid((self.canon(v), sh[v], HOME)))
+            out[hit[1]] = -1
+        return out
 
     def local_shape(self, v: int, s: Sharding) -> tuple[int, ...]:
         shape = self.graph.values[v].shape
@@ -228,58 +235,152 @@ class TaskBuilder:
         partitioner tracks broadcasts through the instructions it makes, `broadcast_transfer`; a reshard
         with a collective makes a new value), and which layouts an op makes are: ((op, operand) -> dims,
         (op, result) -> dims), the non-empty ones. Loop and branch parameters are no broadcasts."""
+        home: dict[int, frozenset[int]] = {}
+        start: dict[tuple[int, int], frozenset[int]] = {}
+        made: dict[tuple[int, int], frozenset[int]] = {}
+        self._broadcast_index()
+        for at, op_id in enumerate(self._bc_ops):
+            starts, mades, homes = self._op_broadcasts(op_id, plan, needs, home, at)
+            start.update(((op_id, i), b) for i, b in starts)
+            made.update(((op_id, k), b) for k, b in mades)
+            home.update(homes)
+        return start, made
+
+    def _broadcast_ops(self) -> list[int]:
+        """The ops (program order) whose operands or results can be broadcasts."""
         if self._bc_ops is None:
             st, live, dup = self._bc_static, self.info.live, self.info.duplicate
             self._bc_ops = [op.id for op in self.graph.ops if live[op.id] and not dup[op.id]
                             and not (op.primitive == "tie" and op.region == "io")
                             and any(st[v] for v in op.inputs + op.outputs)]
-        g, info, sh = self.graph, self.info, plan.shardings
-        home: dict[int, frozenset[int]] = {}
-        start: dict[tuple[int, int], frozenset[int]] = {}
-        made: dict[tuple[int, int], frozenset[int]] = {}
-        for op_id in self._bc_ops:
-            op = g.ops[op_id]
-            boundary = op.primitive in ("tie", "scan_slice", "scan_stack")
-            param = op.primitive == "tie" and op.params.get("at") in ("out", "arg")
-            after = []
-            for i, u in enumerate(op.inputs):
-                c = info.canon[u]
-                b = frozenset() if param or (op_id, i) in info.unread else \
-                    self._bc_static[c] if info.constant[c] else home.get(c, frozenset())
-                if b:
-                    start[(op_id, i)] = b
-                    need = needs.get((op_id, i), sh[u])
-                    if need != sh[c]:
-                        b = kept_after(self.path(sh[c], need, u, (), b), sh[c], g.values[u].shape, self.mesh, b)
-                after.append(b)
-            if op.primitive == "tie":
-                out = [after[0]]
-            elif boundary:
-                out = [frozenset()] * len(op.outputs)
-            else:
-                out = broadcast_transfer(g, op, after)
-            strat = plan.strategies[op_id]
-            groups = strat.partial_groups(op.rule)
-            for k, (v, m, b) in enumerate(zip(op.outputs, self._made_layouts(op, strat), out)):
-                if m.partial or not b:
-                    continue
-                made[(op_id, k)] = b
-                if boundary:
-                    continue  # (its result is a loop's or branch's: a new value)
-                if m != sh[v]:
-                    b = kept_after(self.path(m, sh[v], v, groups, b), m, g.values[v].shape, self.mesh, b)
-                if b:
-                    home[v] = b
-        return start, made
+        return self._bc_ops
 
-    def set_broadcasts(self, plan: Plan, needs: Mapping[tuple[int, int], Sharding]) -> set[int]:
-        """Take `plan`'s broadcasts (`broadcasts`); returns the ops whose chains they change."""
-        start, made = self.broadcasts(plan, needs)
+    def _op_broadcasts(self, op_id: int, plan: Plan, needs: Mapping[tuple[int, int], Sharding],
+                       home: Mapping[int, frozenset[int]], at: int) -> tuple[tuple, tuple, tuple]:
+        """One op's part of `broadcasts`, given the broadcast dims of the values made before it in their
+        planned layouts (`home`): its chains' start dims ((operand, dims), ...), the dims of the layouts it
+        makes ((result, dims), ...) and those of its results in their planned layouts ((value, dims), ...);
+        non-empty ones only. `at`: its position in `_broadcast_ops` (only values made before it count)."""
+        g, info, sh = self.graph, self.info, plan.shardings
+        op = g.ops[op_id]
+        boundary = op.primitive in ("tie", "scan_slice", "scan_stack")
+        param = op.primitive == "tie" and op.params.get("at") in ("out", "arg")
+        after, starts, mades, homes = [], [], [], []
+        for i, u in enumerate(op.inputs):
+            c = info.canon[u]
+            b = frozenset() if param or (op_id, i) in info.unread else \
+                self._bc_static[c] if info.constant[c] else \
+                home.get(c, frozenset()) if self._bc_maker.get(c, at) < at else frozenset()
+            if b:
+                starts.append((i, b))
+                need = needs.get((op_id, i), sh[u])
+                if need != sh[c]:
+                    b = kept_after(self.path(sh[c], need, u, (), b), sh[c], g.values[u].shape, self.mesh, b)
+            after.append(b)
+        if op.primitive == "tie":
+            out = [after[0]]
+        elif boundary:
+            out = [frozenset()] * len(op.outputs)
+        else:
+            out = broadcast_transfer(g, op, after)
+        strat = plan.strategies[op_id]
+        groups = strat.partial_groups(op.rule)
+        for k, (v, m, b) in enumerate(zip(op.outputs, self._made_layouts(op, strat), out)):
+            if m.partial or not b:
+                continue
+            mades.append((k, b))
+            if boundary:
+                continue  # (its result is a loop's or branch's: a new value)
+            if m != sh[v]:
+                b = kept_after(self.path(m, sh[v], v, groups, b), m, g.values[v].shape, self.mesh, b)
+            if b:
+                homes.append((v, b))
+        return tuple(starts), tuple(mades), tuple(homes)
+
+    def set_broadcasts(self, plan: Plan, needs: Mapping[tuple[int, int], Sharding],
+                       changed: "tuple[set[int], set[int]] | None" = None) -> set[int]:
+        """Take `plan`'s broadcasts (`broadcasts`); returns the ops whose chains they change.
+
+        `changed`: (values whose sharding changed, ops whose strategy or needed operand layouts changed)
+        since the plan of the last call: only those ops, and the ops reading a value whose broadcast dims
+        they change, are recomputed (in program order; the same result as from scratch)."""
+        if changed is None or self._bc_rec is None:
+            return self._set_all_broadcasts(plan, needs)
+        values, ops = changed
+        pos, users = self._broadcast_index()
+        heap = [pos[i] for i in ops if i in pos]
+        for v in values:
+            heap.extend(users.get(v, ()))
+        heapq.heapify(heap)
+        order, rec, home = self._bc_ops, self._bc_rec, self._bc_home
+        bc_start, bc_made = self.bc_start, self.bc_made
+        out: set[int] = set()
+        done = -1
+        while heap:
+            at = heapq.heappop(heap)
+            if at == done:
+                continue
+            done = at
+            op_id = order[at]
+            new = self._op_broadcasts(op_id, plan, needs, home, at)
+            old = rec[at]
+            if new == old:
+                continue
+            rec[at] = new
+            if new[0] != old[0] or new[1] != old[1]:
+                out.add(op_id)
+                for i, _ in old[0]:
+                    del bc_start[(op_id, i)]
+                for k, _ in old[1]:
+                    del bc_made[(op_id, k)]
+                bc_start.update(((op_id, i), b) for i, b in new[0])
+                bc_made.update(((op_id, k), b) for k, b in new[1])
+            if new[2] != old[2]:
+                was, now = dict(old[2]), dict(new[2])
+                for v in was.keys() | now.keys():
+                    if was.get(v) != now.get(v):
+                        if v in now:
+                            home[v] = now[v]
+                        else:
+                            del home[v]
+                        for r in users.get(v, ()):
+                            if r > at:
+                                heapq.heappush(heap, r)
+        return out
+
+    def _set_all_broadcasts(self, plan: Plan, needs: Mapping[tuple[int, int], Sharding]) -> set[int]:
+        home: dict[int, frozenset[int]] = {}
+        rec = []
+        self._broadcast_index()
+        for at, op_id in enumerate(self._bc_ops):
+            r = self._op_broadcasts(op_id, plan, needs, home, at)
+            rec.append(r)
+            home.update(r[2])
+        start = {(op_id, i): b for op_id, r in zip(self._bc_ops, rec) for i, b in r[0]}
+        made = {(op_id, k): b for op_id, r in zip(self._bc_ops, rec) for k, b in r[1]}
         changed = {k[0] for d, e in ((start, self.bc_start), (made, self.bc_made)) for k in d.keys() ^ e.keys()}
         changed |= {k[0] for d, e in ((start, self.bc_start), (made, self.bc_made)) for k in d.keys() & e.keys()
                     if d[k] != e[k]}
         self.bc_start, self.bc_made = start, made
+        self._bc_rec, self._bc_home = rec, home
         return changed
+
+    def _broadcast_index(self) -> tuple[dict[int, int], dict[int, list[int]]]:
+        """Op id -> its position in `_broadcast_ops`, and value -> the positions of the ops whose part of
+        `broadcasts` reads its sharding or broadcast dims (operands, their canonical values, results); also
+        value -> the position of the op making it (`_bc_maker`)."""
+        if self._bc_pos is None:
+            canon = self.info.canon
+            users: dict[int, list[int]] = {}
+            for at, op_id in enumerate(self._broadcast_ops()):
+                op = self.graph.ops[op_id]
+                for v in {*op.inputs, *(canon[u] for u in op.inputs), *op.outputs}:
+                    users.setdefault(v, []).append(at)
+                for v in op.outputs:
+                    self._bc_maker.setdefault(v, at)
+            self._bc_pos = {op_id: at for at, op_id in enumerate(self._bc_ops)}
+            self._bc_users = users
+        return self._bc_pos, self._bc_users
 
     def phases(self, c: Any) -> tuple:
         hit = self._phase_memo.get(c)

@@ -6,11 +6,27 @@ import pytest
 from shardc.cost.estimator import AnalyticalEstimator, FakeEstimator, OpKey
 from shardc.cost.flops import count_op
 from shardc.cost.profile import ProfilingEstimator
+from shardc.cost.program import program_info
 from shardc.cost.topology import Topology
 from shardc.ir.build import build_graph
 
 X = jnp.ones((32, 48))
 Y = jnp.ones((48, 16))
+IMG = jnp.ones((2, 8, 8, 4))  # NHWC
+KER = jnp.ones((3, 3, 4, 6))  # HWIO
+
+
+def _conv(x, w, padding, strides=(1, 1), rhs_dilation=(1, 1), groups=1):
+    return jax.lax.conv_general_dilated(x, w, strides, padding, rhs_dilation=rhs_dilation,
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=groups)
+
+
+def _pool(x, window):
+    return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, window, window, "VALID")
+
+
+def _conv_loss(x, w):
+    return jnp.sum(_conv(x, w, "SAME", strides=(2, 2)) ** 2)
 
 CASES = {
     "dot_general": (lambda x, y: x @ y, (X, Y)),
@@ -26,6 +42,20 @@ CASES = {
     "argmax": (lambda x: jnp.argmax(x, axis=1), (X,)),
     "cumsum": (lambda x: jnp.cumsum(x, axis=1), (X,)),
     "cumsum_short": (lambda x: jnp.cumsum(x, axis=0), (jnp.ones((8, 5)),)),
+    # Convolutions: XLA counts only the kernel taps that read an input element, not those over padding
+    # (11% of a 3x3 SAME conv's taps on an 8x8 image; the CPU-scale CNN of bench/fidelity.py).
+    "conv_same": (lambda x, w: _conv(x, w, "SAME"), (IMG, KER)),
+    "conv_valid": (lambda x, w: _conv(x, w, "VALID"), (IMG, KER)),
+    "conv_strided": (lambda x, w: _conv(x, w, "SAME", strides=(2, 2)), (IMG, KER)),
+    "conv_dilated": (lambda x, w: _conv(x, w, "SAME", rhs_dilation=(2, 2)), (IMG, KER)),
+    "conv_grouped": (lambda x, w: _conv(x, w[:, :, :2, :], "SAME", groups=2), (IMG, KER)),
+    # Max pooling and its gradient (select_and_scatter_add), as in the CNN of bench/fidelity.py
+    "max_pool": (lambda x: _pool(x, (1, 3, 3, 1)), (IMG,)),
+    "max_pool_grad": (lambda g, x: jax.vjp(lambda x: _pool(x, (1, 2, 2, 1)), x)[1](g)[0],
+                      (jnp.ones((2, 4, 4, 4)), IMG)),
+    "max_pool_grad_1d": (lambda g, x: jax.vjp(lambda x: _pool(x, (1, 2, 1)), x)[1](g)[0],
+                         (jnp.ones((2, 4, 4)), IMG[:, 0])),
+    "conv_grads": (lambda x, w: jax.grad(_conv_loss, (0, 1))(x, w), (IMG, KER)),  # lhs- and rhs-dilated convs
 }
 
 
@@ -36,8 +66,11 @@ def _xla_flops(fn, args):
 
 def _ours(fn, args):
     g = build_graph(jax.make_jaxpr(fn)(*args))  # inlines jnp's jitted helpers, as the simulator sees them
+    live = program_info(g, jax.default_backend()).live  # (XLA drops dead ops, as the simulator does)
     total = 0.0
     for op in g.ops:
+        if not live[op.id]:
+            continue
         ins = [g.values[v].shape for v in op.inputs]
         outs = [g.values[v].shape for v in op.outputs]
         total += count_op(op.primitive, ins, outs, op.params, backend=jax.default_backend()).flops

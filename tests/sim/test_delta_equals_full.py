@@ -81,6 +81,9 @@ def test_delta_is_exactly_full(base, data):
             plan = with_sharding(plan, v, random_sharding(data.draw, plan, v))
         got = incremental.delta(plan)
         assert same(got, reference.full(plan))
+        # the broadcasts the delta updated incrementally are those of the plan from scratch
+        assert (incremental.builder.bc_start, incremental.builder.bc_made) == \
+            (reference.builder.bc_start, reference.builder.bc_made)
 
 
 def test_delta_handles_no_change_and_other_graphs(base):
