@@ -94,10 +94,91 @@ class ProgramInfo:
     eager: bool = False  # reshards run as soon as their operand exists (XLA:CPU's breadth-first schedule)
     reshard_trips: tuple[tuple[int, int], ...] = ()  # per op: runs of its operands' and its results' reshards
     unread: frozenset[tuple[int, int]] = frozenset()  # (op, operand index) XLA does not read (`unread_operands`)
+    # per op (XLA:CPU): (operand index, last op by `order` reading the same copy) of each operand copy a dot
+    # makes (`dot_copies`), at the first dot reading that copy
+    copies: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     def counts(self, op_id: int) -> bool:
         """Whether an op does work in the compiled program."""
         return self.live[op_id] and not self.duplicate[op_id]
+
+
+# Ops whose result XLA's layout assignment gives the layout of their (same-shaped) operand.
+_SAME_LAYOUT = frozenset(ELEMENTWISE) | frozenset(TRANSCENDENTAL) | frozenset({
+    "integer_pow", "convert_element_type", "select_n", "stop_gradient", "copy", "copy_p", "name", "shardc_hint",
+    "sharding_constraint", "optimization_barrier"})
+
+
+def physical_orders(graph: Graph, canon: Sequence[int]) -> dict[int, tuple[int, ...]]:
+    """Per canonical value whose buffer is not laid out row-major on XLA:CPU, its dims from major to minor:
+    layout assignment makes a transpose a bitcast (its result keeps its operand's memory order, permuted), and
+    elementwise-like ops give their result the layout of their operand of the same shape."""
+    out: dict[int, tuple[int, ...]] = {}
+    for op in graph.ops:
+        if not op.inputs or not op.outputs:
+            continue
+        if op.primitive == "transpose":
+            src = canon[op.inputs[0]]
+            order = out.get(src, tuple(range(graph.values[src].rank)))
+            inverse = {p: i for i, p in enumerate(op.params["permutation"])}
+            found: list[tuple[int, ...] | None] = [tuple(inverse[d] for d in order)]
+        elif op.primitive == "optimization_barrier":
+            found = [out.get(canon[u]) for u in op.inputs]
+        elif op.primitive in _SAME_LAYOUT:
+            shape = graph.values[op.outputs[0]].shape
+            found = [next((out[canon[u]] for u in op.inputs
+                           if graph.values[u].shape == shape and canon[u] in out), None)] * len(op.outputs)
+        else:
+            continue
+        for v, order in zip(op.outputs, found):
+            c = canon[v]
+            if c == v and order is not None and order != tuple(range(len(order))):
+                out[c] = order
+    return out
+
+
+def _dot_orders(op: Any, graph: Graph) -> list[tuple[tuple[int, ...], ...]]:
+    """Per operand of dot_general `op`, the memory orders (major to minor, size-1 dims left out) XLA:CPU's dot
+    decomposition reads without a copy: [batch, free, contracting] for the left operand, [batch, contracting,
+    free] for the right one; with at most one free and one contracting dim, also those two swapped (the
+    matmul library reads a matrix transposed). Another order is transposed into a copy first."""
+    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+    out = []
+    for i, (contract, batch) in enumerate(((lc, lb), (rc, rb))):
+        shape = graph.values[op.inputs[i]].shape
+        keep = lambda dims: [d for d in dims if shape[d] != 1]
+        b, c = keep(batch), keep(contract)
+        f = keep(d for d in range(len(shape)) if d not in contract and d not in batch)
+        first, second = (f, c) if i == 0 else (c, f)
+        orders = [tuple(b + first + second)]
+        if len(f) <= 1 and len(c) <= 1:
+            orders.append(tuple(b + second + first))
+        out.append(tuple(orders))
+    return out
+
+
+def dot_copies(graph: Graph, live: Sequence[bool], canon: Sequence[int], order: Sequence[int],
+               physical: Mapping[int, tuple[int, ...]]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """XLA:CPU's dot decomposition transposes a dot's operand into an order it reads (`_dot_orders`):
+    a copy of the operand unless its buffer already has that memory order (`physical_orders`). One copy per
+    (operand, order), shared by the dots that want it (CSE). Per op: (operand index, last dot by `order`
+    reading that copy) for each copy the op is the first (by `order`) to read."""
+    readers: dict[tuple[int, tuple[int, ...]], list[tuple[int, int]]] = {}
+    for op in graph.ops:
+        if op.primitive != "dot_general" or not live[op.id]:
+            continue
+        for i, wanted in enumerate(_dot_orders(op, graph)):
+            c = canon[op.inputs[i]]
+            shape = graph.values[c].shape
+            have = tuple(d for d in physical.get(c, range(len(shape))) if shape[d] != 1)
+            if have not in wanted:
+                readers.setdefault((c, wanted[0]), []).append((op.id, i))
+    out: list[list[tuple[int, int]]] = [[] for _ in graph.ops]
+    for ops in readers.values():
+        ops.sort(key=lambda x: order[x[0]])
+        first, i = ops[0]
+        out[first].append((i, ops[-1][0]))
+    return tuple(tuple(x) for x in out)
 
 
 def _library_fusions(graph: Graph, live: list[bool], canon: list[int], constant: list[bool],
@@ -550,6 +631,12 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                 all((graph.ops[u].primitive in FUSIBLE or graph.ops[u].primitive in REDUCTIONS) and u not in library
                     for u in users)
                 and (not expensive(op, graph, backend, constant) or len(users) == 1))
+    if backend == "cpu":  # layout assignment makes a transpose read only by dots a bitcast (`physical_orders`)
+        for op in graph.ops:
+            if op.primitive == "transpose" and live[op.id] and op.outputs[0] not in outputs \
+                    and consumers[op.outputs[0]] \
+                    and all(graph.ops[u].primitive == "dot_general" for u in consumers[op.outputs[0]]):
+                fused[op.outputs[0]] = True
     for op in graph.ops:  # a scatter-add the simplifier moves into the sum reading it writes that sum's buffer
         if live[op.id] and op.primitive in SCATTERS and op.outputs and canon[op.outputs[0]] not in outputs \
                 and _scatter_into_sum(graph, op, canon, {c: [graph.ops[u] for u in consumers[c]]
@@ -572,7 +659,9 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                        tuple(trips), tuple(order), pkeys, until, span=_spans(graph, live, order),
                        carried=carried, loop=loop, library=frozenset(library), backend=backend, preset=preset,
                        eager=backend == "cpu", reshard_trips=reshard_trips, unread=cse.unread,
-                       post=tuple(_post_order(graph, canon)))
+                       post=tuple(_post_order(graph, canon)),
+                       copies=dot_copies(graph, live, canon, order, physical_orders(graph, canon)) if backend == "cpu"
+                       else ())
 
 
 def _trips(graph: Graph) -> tuple[list[int], tuple[tuple[int, int], ...]]:
