@@ -94,9 +94,7 @@ class ProgramInfo:
     eager: bool = False  # reshards run as soon as their operand exists (XLA:CPU's breadth-first schedule)
     reshard_trips: tuple[tuple[int, int], ...] = ()  # per op: runs of its operands' and its results' reshards
     unread: frozenset[tuple[int, int]] = frozenset()  # (op, operand index) XLA does not read (`unread_operands`)
-    # per op (XLA:CPU): (operand index, last op by `order` reading the same copy) of each operand copy a dot
-    # makes (`dot_copies`), at the first dot reading that copy
-    copies: tuple[tuple[tuple[int, int], ...], ...] = ()
+    copies: tuple[tuple[int, ...], ...] = ()  # per op (XLA:CPU): operands its dot decomposition copies (`dot_copies`)
 
     def counts(self, op_id: int) -> bool:
         """Whether an op does work in the compiled program."""
@@ -157,28 +155,23 @@ def _dot_orders(op: Any, graph: Graph) -> list[tuple[tuple[int, ...], ...]]:
     return out
 
 
-def dot_copies(graph: Graph, live: Sequence[bool], canon: Sequence[int], order: Sequence[int],
-               physical: Mapping[int, tuple[int, ...]]) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """XLA:CPU's dot decomposition transposes a dot's operand into an order it reads (`_dot_orders`):
-    a copy of the operand unless its buffer already has that memory order (`physical_orders`). One copy per
-    (operand, order), shared by the dots that want it (CSE). Per op: (operand index, last dot by `order`
-    reading that copy) for each copy the op is the first (by `order`) to read."""
-    readers: dict[tuple[int, tuple[int, ...]], list[tuple[int, int]]] = {}
+def dot_copies(graph: Graph, live: Sequence[bool], canon: Sequence[int],
+               physical: Mapping[int, tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    """XLA:CPU's dot decomposition transposes a dot's operand into an order it reads (`_dot_orders`): a copy
+    of the operand unless its buffer already has that memory order (`physical_orders`). Per op: the indices
+    of the operands it copies (each copy lives while its dot runs)."""
+    out: list[tuple[int, ...]] = [()] * len(graph.ops)
     for op in graph.ops:
         if op.primitive != "dot_general" or not live[op.id]:
             continue
+        copied = []
         for i, wanted in enumerate(_dot_orders(op, graph)):
             c = canon[op.inputs[i]]
             shape = graph.values[c].shape
-            have = tuple(d for d in physical.get(c, range(len(shape))) if shape[d] != 1)
-            if have not in wanted:
-                readers.setdefault((c, wanted[0]), []).append((op.id, i))
-    out: list[list[tuple[int, int]]] = [[] for _ in graph.ops]
-    for ops in readers.values():
-        ops.sort(key=lambda x: order[x[0]])
-        first, i = ops[0]
-        out[first].append((i, ops[-1][0]))
-    return tuple(tuple(x) for x in out)
+            if tuple(d for d in physical.get(c, range(len(shape))) if shape[d] != 1) not in wanted:
+                copied.append(i)
+        out[op.id] = tuple(copied)
+    return tuple(out)
 
 
 def _library_fusions(graph: Graph, live: list[bool], canon: list[int], constant: list[bool],
@@ -660,7 +653,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                        carried=carried, loop=loop, library=frozenset(library), backend=backend, preset=preset,
                        eager=backend == "cpu", reshard_trips=reshard_trips, unread=cse.unread,
                        post=tuple(_post_order(graph, canon)),
-                       copies=dot_copies(graph, live, canon, order, physical_orders(graph, canon)) if backend == "cpu"
+                       copies=dot_copies(graph, live, canon, physical_orders(graph, canon)) if backend == "cpu"
                        else ())
 
 
