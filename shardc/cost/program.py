@@ -87,7 +87,8 @@ class ProgramInfo:
     span: tuple[tuple[int, int], ...] = ()  # per op: first and last op (by `order`) of its outermost region
     carried: frozenset[int] = frozenset()  # canonical values a loop carries (or a region returns): loop state
     preset: frozenset[int] = frozenset()  # loop state whose buffer exists from the program's start (`_preset_state`)
-    loop: tuple[bool, ...] = ()  # per op: emitted in a loop fusion (reads its operands element by element)
+    loop: tuple[bool, ...] = ()  # per op: emitted in a loop fusion (reads its operands element by element; a
+    # local slice it reads is fused into it)
     library: frozenset[int] = frozenset()  # ops inside a library fusion (XLA:CPU's YNNPACK fusions of reductions)
     backend: str = ""  # the backend whose rules apply ("cpu", "gpu", "tpu"; "": none)
     post: tuple[int, ...] = ()  # per op: its position in XLA's post order of the program (the combiners' walk)
@@ -645,7 +646,10 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                         for c in (canon[op.inputs[0]],)
                         if graph.values[c].producer is not None
                         and outer_region(graph.ops[graph.values[c].producer]) == outer_region(op))
-    loop = tuple(live[op.id] and (op.primitive in FUSIBLE or op.primitive in REDUCTIONS) and op.id not in library
+    # XLA:CPU removes optimization barriers before fusion: a local slice a barrier reads is fused into the
+    # fusions that read the barrier's result (what it slices is read there: `until`)
+    loop = tuple(live[op.id] and ((op.primitive in FUSIBLE or op.primitive in REDUCTIONS) and op.id not in library
+                                  or backend == "cpu" and op.primitive == "optimization_barrier")
                  for op in graph.ops)
     preset = _preset_state(graph, live, canon, constant, carried) if backend == "cpu" else frozenset()
     return ProgramInfo(tuple(live), tuple(constant), tuple(canon), tuple(duplicate), tuple(fused),
