@@ -625,12 +625,6 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                 all((graph.ops[u].primitive in FUSIBLE or graph.ops[u].primitive in REDUCTIONS) and u not in library
                     for u in users)
                 and (not expensive(op, graph, backend, constant) or len(users) == 1))
-    if backend == "cpu":  # layout assignment makes a transpose read only by dots a bitcast (`physical_orders`)
-        for op in graph.ops:
-            if op.primitive == "transpose" and live[op.id] and op.outputs[0] not in outputs \
-                    and consumers[op.outputs[0]] \
-                    and all(graph.ops[u].primitive == "dot_general" for u in consumers[op.outputs[0]]):
-                fused[op.outputs[0]] = True
     for op in graph.ops:  # a scatter-add the simplifier moves into the sum reading it writes that sum's buffer
         if live[op.id] and op.primitive in SCATTERS and op.outputs and canon[op.outputs[0]] not in outputs \
                 and _scatter_into_sum(graph, op, canon, {c: [graph.ops[u] for u in consumers[c]]
