@@ -145,7 +145,9 @@ class MemoryModel:
           iota of the operand's shape per dim (no operands: made at the start), a reduce-window over (operand,
           iotas) giving the value and index per dim of each window (as soon as the operand exists), the
           indices concatenated, and a scatter (the op) into zeros of the operand's shape (a broadcast, made
-          at the start; the scatter writes its result in place)."""
+          at the start; the scatter writes its result in place);
+        * a dot whose operand is not in a memory order the dot decomposition reads makes a transposed copy of
+          it while it runs (`ProgramInfo.copies`)."""
         if self.info.backend != "cpu" or slot.at >= len(slot.tasks):
             return ()
         op = self.graph.ops[slot.op]
@@ -161,6 +163,11 @@ class MemoryModel:
                 if v.shape != shape and len(v.shape) == len(shape) and sharding is not None:
                     n = math.prod(self.keys.local_shape(op.outputs[0], sharding))
                     out.append((min(self._ready[c], at), at, int(v.dtype.itemsize) * n))
+        for i in self.info.copies[op.id] if self.info.copies else ():  # the dot decomposition's operand copies
+            c = self.info.canon[op.inputs[i]]
+            s = next((s for k, s, _ in keys if k == c), None)
+            if s is not None:
+                out.append((at, at, int(self.graph.values[c].dtype.itemsize) * math.prod(self.keys.local_shape(c, s))))
         if op.primitive == "select_and_scatter_add" and len(keys) >= 2:
             (cs, ss, _), (co, so, _) = keys[:2]  # (source, operand)
             rank = len(self.graph.values[co].shape)

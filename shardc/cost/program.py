@@ -90,17 +90,92 @@ class ProgramInfo:
     span: tuple[tuple[int, int], ...] = ()  # per op: first and last op (by `order`) of its outermost region
     carried: frozenset[int] = frozenset()  # canonical values a loop carries (or a region returns): loop state
     preset: frozenset[int] = frozenset()  # loop state whose buffer exists from the program's start (`_preset_state`)
-    loop: tuple[bool, ...] = ()  # per op: emitted in a loop fusion (reads its operands element by element)
+    loop: tuple[bool, ...] = ()  # per op: emitted in a loop fusion (reads its operands element by element; a
+    # local slice it reads is fused into it)
     library: frozenset[int] = frozenset()  # ops inside a library fusion (XLA:CPU's YNNPACK fusions of reductions)
     backend: str = ""  # the backend whose rules apply ("cpu", "gpu", "tpu"; "": none)
     post: tuple[int, ...] = ()  # per op: its position in XLA's post order of the program (the combiners' walk)
     eager: bool = False  # reshards run as soon as their operand exists (XLA:CPU's breadth-first schedule)
     reshard_trips: tuple[tuple[int, int], ...] = ()  # per op: runs of its operands' and its results' reshards
     unread: frozenset[tuple[int, int]] = frozenset()  # (op, operand index) XLA does not read (`unread_operands`)
+    copies: tuple[tuple[int, ...], ...] = ()  # per op (XLA:CPU): operands its dot decomposition copies (`dot_copies`)
 
     def counts(self, op_id: int) -> bool:
         """Whether an op does work in the compiled program."""
         return self.live[op_id] and not self.duplicate[op_id]
+
+
+# Ops whose result XLA's layout assignment gives the layout of their (same-shaped) operand.
+_SAME_LAYOUT = frozenset(ELEMENTWISE) | frozenset(TRANSCENDENTAL) | frozenset({
+    "integer_pow", "convert_element_type", "select_n", "stop_gradient", "copy", "copy_p", "name", "shardc_hint",
+    "sharding_constraint", "optimization_barrier"})
+
+
+def physical_orders(graph: Graph, canon: Sequence[int]) -> dict[int, tuple[int, ...]]:
+    """Per canonical value whose buffer is not laid out row-major on XLA:CPU, its dims from major to minor:
+    layout assignment makes a transpose a bitcast (its result keeps its operand's memory order, permuted), and
+    elementwise-like ops give their result the layout of their operand of the same shape."""
+    out: dict[int, tuple[int, ...]] = {}
+    for op in graph.ops:
+        if not op.inputs or not op.outputs:
+            continue
+        if op.primitive == "transpose":
+            src = canon[op.inputs[0]]
+            order = out.get(src, tuple(range(graph.values[src].rank)))
+            inverse = {p: i for i, p in enumerate(op.params["permutation"])}
+            found: list[tuple[int, ...] | None] = [tuple(inverse[d] for d in order)]
+        elif op.primitive == "optimization_barrier":
+            found = [out.get(canon[u]) for u in op.inputs]
+        elif op.primitive in _SAME_LAYOUT:
+            shape = graph.values[op.outputs[0]].shape
+            found = [next((out[canon[u]] for u in op.inputs
+                           if graph.values[u].shape == shape and canon[u] in out), None)] * len(op.outputs)
+        else:
+            continue
+        for v, order in zip(op.outputs, found):
+            c = canon[v]
+            if c == v and order is not None and order != tuple(range(len(order))):
+                out[c] = order
+    return out
+
+
+def _dot_orders(op: Any, graph: Graph) -> list[tuple[tuple[int, ...], ...]]:
+    """Per operand of dot_general `op`, the memory orders (major to minor, size-1 dims left out) XLA:CPU's dot
+    decomposition reads without a copy: [batch, free, contracting] for the left operand, [batch, contracting,
+    free] for the right one; with at most one free and one contracting dim, also those two swapped (the
+    matmul library reads a matrix transposed). Another order is transposed into a copy first."""
+    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+    out = []
+    for i, (contract, batch) in enumerate(((lc, lb), (rc, rb))):
+        shape = graph.values[op.inputs[i]].shape
+        keep = lambda dims: [d for d in dims if shape[d] != 1]
+        b, c = keep(batch), keep(contract)
+        f = keep(d for d in range(len(shape)) if d not in contract and d not in batch)
+        first, second = (f, c) if i == 0 else (c, f)
+        orders = [tuple(b + first + second)]
+        if len(f) <= 1 and len(c) <= 1:
+            orders.append(tuple(b + second + first))
+        out.append(tuple(orders))
+    return out
+
+
+def dot_copies(graph: Graph, live: Sequence[bool], canon: Sequence[int],
+               physical: Mapping[int, tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    """XLA:CPU's dot decomposition transposes a dot's operand into an order it reads (`_dot_orders`): a copy
+    of the operand unless its buffer already has that memory order (`physical_orders`). Per op: the indices
+    of the operands it copies (each copy lives while its dot runs)."""
+    out: list[tuple[int, ...]] = [()] * len(graph.ops)
+    for op in graph.ops:
+        if op.primitive != "dot_general" or not live[op.id]:
+            continue
+        copied = []
+        for i, wanted in enumerate(_dot_orders(op, graph)):
+            c = canon[op.inputs[i]]
+            shape = graph.values[c].shape
+            if tuple(d for d in physical.get(c, range(len(shape))) if shape[d] != 1) not in wanted:
+                copied.append(i)
+        out[op.id] = tuple(copied)
+    return tuple(out)
 
 
 def _library_fusions(graph: Graph, live: list[bool], canon: list[int], constant: list[bool],
@@ -582,14 +657,19 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                         for c in (canon[op.inputs[0]],)
                         if graph.values[c].producer is not None
                         and outer_region(graph.ops[graph.values[c].producer]) == outer_region(op))
-    loop = tuple(live[op.id] and (op.primitive in FUSIBLE or op.primitive in REDUCTIONS) and op.id not in library
+    # XLA:CPU removes optimization barriers before fusion: a local slice a barrier reads is fused into the
+    # fusions that read the barrier's result (what it slices is read there: `until`)
+    loop = tuple(live[op.id] and ((op.primitive in FUSIBLE or op.primitive in REDUCTIONS) and op.id not in library
+                                  or backend == "cpu" and op.primitive == "optimization_barrier")
                  for op in graph.ops)
     preset = _preset_state(graph, live, canon, constant, carried) if backend == "cpu" else frozenset()
     return ProgramInfo(tuple(live), tuple(constant), tuple(canon), tuple(duplicate), tuple(fused),
                        tuple(trips), tuple(order), pkeys, until, span=_spans(graph, live, order),
                        carried=carried, loop=loop, library=frozenset(library), backend=backend, preset=preset,
                        eager=backend == "cpu", reshard_trips=reshard_trips, unread=cse.unread,
-                       post=tuple(_post_order(graph, canon)))
+                       post=tuple(_post_order(graph, canon)),
+                       copies=dot_copies(graph, live, canon, physical_orders(graph, canon)) if backend == "cpu"
+                       else ())
 
 
 def _trips(graph: Graph) -> tuple[list[int], tuple[tuple[int, int], ...]]:
