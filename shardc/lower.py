@@ -132,9 +132,7 @@ class Lowering:
         if need is None and self.info.constant[vid]:
             # the plan lists no reshard of a compile-time constant: made whole, it is sliced to what the op
             # needs (through its planned layout, XLA would move it as data)
-            op = self.graph.ops[op_id]
-            return _constrain(x, self.named(self.plan.strategies[op_id].tensor_sharding(
-                op.rule, op.rule.operands[0], self.sizes)))
+            return _constrain(x, self.named(self.needed_dims(op_id, 0)))
         x = self.reshard(x, vid, self.plan.shardings[vid], need) if need is not None else x
         return _constrain(x, self.named(need if need is not None else self.plan.shardings[vid]))
 
@@ -160,6 +158,15 @@ class Lowering:
         return jax.named_scope(op_tag(op_id)) if self.tag_ops else contextlib.nullcontext()
 
     # -- ops -----------------------------------------------------------------------------------------
+    def needed_dims(self, op_id: int, i: int) -> Sharding:
+        """The layout op `op_id`'s strategy needs its operand `i` in."""
+        op = self.graph.ops[op_id]
+        return self.plan.strategies[op_id].tensor_sharding(op.rule, op.rule.operands[i], self.sizes)
+
+    def whole(self, x: Any) -> Any:
+        """`x` constrained to be whole on every device."""
+        return _constrain(x, self.named(Sharding(((),) * len(x.shape))))
+
     def made_dims(self, op_id: int) -> list[Sharding]:
         op = self.graph.ops[op_id]
         strat = self.plan.strategies[op_id]
@@ -188,7 +195,7 @@ class Lowering:
             # compile-time constant stays whole (XLA would slice it by device and all-gather it for a
             # consumer needing it whole; its consumers slice it, `constants_as_needed`).
             if self.info.constant[op.outputs[0]] and hasattr(invals[0], "shape") and invals[0].shape:
-                return [_constrain(invals[0], self.named(Sharding(((),) * len(invals[0].shape))))]
+                return [self.whole(invals[0])]
             return [self.as_planned(invals[0], op.outputs[0])]
         outs = self.bind(eqn, invals, op.id)
         made = self.made_dims(op.id)
@@ -197,7 +204,7 @@ class Lowering:
                     or len(made[i].dims) != len(outs[i].shape):
                 continue
             if self.info.constant[vid]:  # whole on every device; its consumers slice it (`constants_as_needed`)
-                outs[i] = _constrain(outs[i], self.named(Sharding(((),) * len(outs[i].shape))))
+                outs[i] = self.whole(outs[i])
                 continue
             outs[i] = _constrain(outs[i], self.named(made[i]))
             if made[i] != self.plan.shardings[vid]:
@@ -214,14 +221,14 @@ class Lowering:
         if op.is_hint or op.primitive in ("tie", "sharding_constraint") \
                 or all(self.info.constant[v] for v in op.outputs):
             return invals
-        rule, strat, constant = op.rule, self.plan.strategies[op.id], self.info.constant
+        constant = self.info.constant
         out = list(invals)
-        for i, (v, dims) in enumerate(zip(op.inputs, rule.operands)):
+        for i, (v, dims) in enumerate(zip(op.inputs, op.rule.operands)):
             x = out[i]
             if not constant[v] or not hasattr(x, "shape") or len(x.shape) != len(dims) or not x.shape \
                     or i in self.needs.get(op.id, {}):
                 continue
-            out[i] = _constrain(x, self.named(strat.tensor_sharding(rule, dims, self.sizes)))
+            out[i] = _constrain(x, self.named(self.needed_dims(op.id, i)))
         return out
 
     def merged(self, op: Any) -> list[Any] | None:

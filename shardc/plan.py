@@ -302,8 +302,9 @@ def _degree(strat: OpStrategy, mesh: Mapping[str, int]) -> int:
 
 
 def _strategy(op: Op, graph: Graph, shardings: Sequence[Sharding], nbytes, mesh: Mapping[str, int],
-              reduce_scatter: bool = True, price: ReshardPricer | None = None) -> OpStrategy:
-    """The op's factor axes: of the layouts that keep one of its tensors as it is (the others giving way,
+              reduce_scatter: bool = True, price: ReshardPricer | None = None
+              ) -> tuple[OpStrategy, list[ReshardSpec] | None]:
+    """The op's factor axes, and its reshards when choosing it computed them (else None): of the layouts that keep one of its tensors as it is (the others giving way,
     largest first), the one whose reshards cost least (`price`: seconds on the plan's topology; without
     one, bytes sent) among those dividing the work over the most devices; ties go to fewer bytes, then to
     keeping the largest tensor (results first among equals), as propagation's conflict resolution does.
@@ -321,25 +322,27 @@ def _strategy(op: Op, graph: Graph, shardings: Sequence[Sharding], nbytes, mesh:
         return shardings[v].dims
 
     if op.is_hint:  # a constraint: its value in the layout it pins; the lowering reshards the operand to it
-        return _greedy_strategy(op, axes_of, [(op.outputs[0], rule.results[0])], mesh)
+        return _greedy_strategy(op, axes_of, [(op.outputs[0], rule.results[0])], mesh), None
     default = _greedy_strategy(op, axes_of, order, mesh)
     sharded = [i for i, (v, _) in enumerate(order) if i > 0 and shardings[v].dims and any(shardings[v].dims)]
     if not sharded or op.primitive not in _COSTED_PRIMITIVES:
-        return default
-    def key(strat: OpStrategy) -> tuple:
-        specs = op_reshard_specs(op, graph, strat, shardings, mesh, reduce_scatter)
+        return default, None
+
+    def key(strat: OpStrategy, specs: list[ReshardSpec]) -> tuple:
         sent = sum(spec[4].sent for spec in specs)
         return (-_degree(strat, mesh), sent if price is None else sum(price(spec[4]) for spec in specs), sent)
 
-    best, best_key = default, key(default)
+    best_specs = op_reshard_specs(op, graph, default, shardings, mesh, reduce_scatter)
+    best, best_key = default, key(default, best_specs)
     for i in sharded:
         strat = _greedy_strategy(op, axes_of, [order[i]] + order[:i] + order[i + 1:], mesh)
         if strat == best:
             continue
-        k = key(strat)
+        specs = op_reshard_specs(op, graph, strat, shardings, mesh, reduce_scatter)
+        k = key(strat, specs)
         if k < best_key:
-            best, best_key = strat, k
-    return best
+            best, best_key, best_specs = strat, k, specs
+    return best, best_specs
 
 
 # Ops whose layout is chosen by cost (above): those whose tensors have different shapes, where which one
@@ -544,10 +547,13 @@ class PlanBuilder:
 
     def _entry(self, op: Op) -> _Entry:
         """An op's strategy and its reshards (`ReshardSpec`s)."""
-        strat = _strategy(op, self.graph, self.shardings, self.nbytes, self.sizes, self.reduce_scatter, self.price)
+        strat, specs = _strategy(op, self.graph, self.shardings, self.nbytes, self.sizes, self.reduce_scatter,
+                                 self.price)
         if op.primitive == "tie" and op.region == "io":
             return strat, ()
-        return strat, tuple(op_reshard_specs(op, self.graph, strat, self.shardings, self.sizes, self.reduce_scatter))
+        if specs is None:
+            specs = op_reshard_specs(op, self.graph, strat, self.shardings, self.sizes, self.reduce_scatter)
+        return strat, tuple(specs)
 
     def _reshard(self, op: Op, strat: OpStrategy, operand: bool, i: int, src: Sharding, dst: Sharding,
                  cost: ReshardCost) -> Reshard:
