@@ -25,7 +25,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 # measurement itself is tested in tests/cost/test_cpu_host_topology.py, in a directory of its own.
 REFERENCE_CPU_HOST = {"flops": 2.0e10, "vector_flops": 6.0e9, "bandwidth": 1.5e9, "overhead": 5.0e-6,
                       "link_bandwidth": 3.5e9, "latency": 2.3e-5, "devices": 8.0, "contention": 1.0,
-                      "permute_latency": 5.0e-4}
+                      "permute_latency": 5.0e-4, "fresh_memory_cost": 1.6e-9}
 
 from shardc.cost.calibrate import store  # noqa: E402
 

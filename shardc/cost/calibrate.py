@@ -17,7 +17,12 @@ All devices run at once, as they do in a sharded step, so the rates are per devi
 * the fixed cost of a collective-permute: a chain of small permutes (each device sends to the next) minus
   the same chain without them. XLA:CPU meets every device of the program at each permute, so one costs
   several ring steps, not one (issue 14: a plan whose reshards were
-  collective-permutes ran slower than the model said).
+  collective-permutes ran slower than the model said);
+* the cost of fresh memory: XLA:CPU allocates a step's temporaries as one buffer per device with `malloc`,
+  and glibc maps an allocation over its mmap threshold (at most 32 MiB) from the OS and unmaps it when it is
+  freed, so a step whose temporaries reach the threshold faults every page in again, every step (about 1.5
+  us per 4 KiB page here: a third of a 62 MiB-temporary step). Measured as an elementwise op over a
+  48 MiB-per-device array writing a fresh output minus the same op writing over its donated input.
 
 XLA:CPU runs collectives on the compute threads (no overlap), has no reduce-scatter (it all-reduces and
 slices) and merges all-reduces without a byte limit; the topology says so. In a multi-process job each
@@ -36,7 +41,11 @@ from shardc.cost.topology import Device, Level, Topology
 
 __all__ = ["cpu_host", "measured_local", "measure_cpu_host", "contention", "store"]
 
-_VERSION = 4
+_VERSION = 5
+# glibc's largest mmap threshold on 64-bit hosts (DEFAULT_MMAP_THRESHOLD_MAX): allocations at least this
+# large are always mapped afresh; below it glibc raises its threshold as mapped chunks are freed and reuses
+# its heap, so a buffer allocated every step stops faulting after the first steps.
+_GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20
 _MEMO: dict[tuple[str, str], dict[str, float]] = {}  # (cache file, host key) -> measurement, per process
 
 
@@ -122,7 +131,36 @@ def measure_cpu_host() -> dict[str, float]:
     permute = _permute_latency(mesh, rows, small_b // 4) - small_b / link_bw if n > 1 else latency
     return {"flops": flops, "bandwidth": bandwidth, "overhead": overhead, "link_bandwidth": link_bw,
             "latency": latency, "devices": float(n), "contention": max(alone / flops, 1.0),
-            "vector_flops": min(vector, flops), "permute_latency": max(permute, latency)}
+            "vector_flops": min(vector, flops), "permute_latency": max(permute, latency),
+            "fresh_memory_cost": _fresh_memory_cost(rows, n) if _glibc() else 0.0}
+
+
+def _glibc() -> bool:
+    """Whether this process allocates with glibc's malloc (whose mmap threshold the fresh-memory cost models)."""
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
+def _fresh_memory_cost(rows: Any, n: int, mib: int = 48) -> float:
+    """Seconds per byte of a buffer mapped afresh by every device at once: an elementwise op writing a fresh
+    `mib`-MiB output per device (over the mmap threshold, so mapped and faulted in every call) minus the same op
+    writing over its donated input."""
+    import jax
+    import jax.numpy as jnp
+
+    elems = mib * 2**20 // 4
+    fresh = jax.jit(lambda a: a * 1.0001 + 0.5, out_shardings=rows)
+    in_place = jax.jit(lambda a: a * 1.0001 + 0.5, out_shardings=rows, donate_argnums=0)
+    x = jax.device_put(jnp.ones((n * elems,), jnp.float32), rows)
+    t_fresh = _best_time(lambda: fresh(x))
+    box = [jax.device_put(jnp.ones((n * elems,), jnp.float32), rows)]
+
+    def step() -> Any:
+        box[0] = in_place(box[0])
+        return box[0]
+
+    t_in_place = _best_time(step)
+    del x, box
+    return max(t_fresh - t_in_place, 0.0) / (elems * 4)
 
 
 def _permute_latency(mesh: Any, rows: Any, elems: int, k: int = 16) -> float:
@@ -211,7 +249,8 @@ def cpu_host(*, refresh: bool = False) -> Topology:
     dev = Device("cpu (measured)", {"float32": m["flops"], "float64": m["flops"] / 2, "bfloat16": m["flops"] / 2,
                                     "float16": m["flops"] / 2, "int8": m["flops"]},
                  mem_bandwidth=m["bandwidth"], memory=_ram_per_device(local), matmul_efficiency=1.0,
-                 vector_efficiency=1.0, op_overhead=m["overhead"], vector_flops=m.get("vector_flops", 0.0))
+                 vector_efficiency=1.0, op_overhead=m["overhead"], vector_flops=m.get("vector_flops", 0.0),
+                 fresh_memory_cost=m.get("fresh_memory_cost", 0.0), fresh_memory_threshold=_GLIBC_MMAP_THRESHOLD_MAX)
     level = Level("host", n, m["link_bandwidth"], m["latency"], m.get("permute_latency"))
     return Topology("cpu-host", dev, (level,), overlap=False,
                     reduce_scatter=False, source=f"measured on {platform.node()} ({os.cpu_count()} cores, {n} devices)",

@@ -33,6 +33,17 @@ class Device:
     # FLOP/s of elementwise work (0: a sixteenth of the float32 matmul peak, as on GPUs, whose tensor cores
     # outrun their vector units; a CPU's vector units run its matmuls too, so cpu-host measures it)
     vector_flops: float = 0.0
+    # A step whose temporary buffer is at least `fresh_memory_threshold` bytes gets it freshly mapped from the
+    # OS every step (glibc's malloc maps allocations over its mmap threshold and unmaps them when freed), and
+    # every page of it is faulted in again: `fresh_memory_cost` seconds per byte (0: not modelled).
+    fresh_memory_cost: float = 0.0
+    fresh_memory_threshold: float = float("inf")
+
+    def fresh_memory_time(self, temporary_bytes: float) -> float:
+        """Seconds a step spends mapping a temporary buffer of `temporary_bytes` afresh (page faults)."""
+        if self.fresh_memory_cost <= 0 or temporary_bytes < self.fresh_memory_threshold:
+            return 0.0
+        return temporary_bytes * self.fresh_memory_cost
 
     @property
     def vector_peak(self) -> float:
@@ -187,6 +198,8 @@ class Topology:
                 vector_efficiency=float(dev.get("vector_efficiency", 0.8)),
                 op_overhead=_num(dev.get("op_overhead", 0.0)),
                 vector_flops=_num(dev.get("vector_flops", 0.0)),
+                fresh_memory_cost=_num(dev.get("fresh_memory_cost", 0.0)),
+                fresh_memory_threshold=_num(dev.get("fresh_memory_threshold", float("inf"))),
             )
             levels = tuple(Level(str(lv["name"]), int(lv["size"]), _num(lv["bandwidth"]), _num(lv.get("latency", 0.0)),
                                  None if lv.get("permute_latency") is None else _num(lv["permute_latency"]))
@@ -220,7 +233,9 @@ class Topology:
                        "mem_bandwidth": self.device.mem_bandwidth, "memory": self.device.memory,
                        "matmul_efficiency": self.device.matmul_efficiency,
                        "vector_efficiency": self.device.vector_efficiency, "op_overhead": self.device.op_overhead,
-                       "vector_flops": self.device.vector_flops},
+                       "vector_flops": self.device.vector_flops,
+                       "fresh_memory_cost": self.device.fresh_memory_cost,
+                       "fresh_memory_threshold": self.device.fresh_memory_threshold},
             "levels": [dataclasses.asdict(lv) for lv in self.levels],
             "overlap": self.overlap, "reduce_scatter": self.reduce_scatter, "source": self.source,
             "combine_bytes": self.combine_bytes, "combine_count": self.combine_count, "backend": self.backend,

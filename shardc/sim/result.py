@@ -99,8 +99,14 @@ class SimResult:
     # -- headline numbers ----------------------------------------------------------------------------
     @property
     def step_time(self) -> float:
-        """Seconds per step."""
-        return self.makespan_ps / PS
+        """Seconds per step: the schedule's makespan plus the time to map a fresh temporary buffer."""
+        return self.makespan_ps / PS + self.fresh_memory_time
+
+    @property
+    def fresh_memory_time(self) -> float:
+        """Seconds per step spent faulting in a temporary buffer the allocator maps afresh every step
+        (`Device.fresh_memory_time`; XLA:CPU on glibc when the temporaries reach 32 MiB per device)."""
+        return self.topology.device.fresh_memory_time(self.memory.temp_peak)
 
     @property
     def peak_memory(self) -> int:
@@ -205,6 +211,10 @@ class SimResult:
             f"; capacity {_fmt_bytes(self.topology.device.memory)})"
             + ("" if self.fits else " -- DOES NOT FIT in device memory"),
         ]
+        if self.fresh_memory_time:
+            lines.append(f"fresh memory: the {_fmt_bytes(m.temp_peak)} temporary buffer is mapped and faulted in "
+                         f"every step ({_fmt_time(self.fresh_memory_time)}; under "
+                         f"{_fmt_bytes(self.topology.device.fresh_memory_threshold)} the allocator reuses it)")
         if self.payload:
             by_kind = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in sorted(self.payload.items()))
             lines.append(f"communication per device: {by_kind}")
