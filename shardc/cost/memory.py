@@ -37,6 +37,7 @@ class MemoryResult:
     aliased: int
     temp_peak: int
     peak_slot: int  # op index at which temporaries peak
+    fresh_outputs: tuple[int, ...] = ()  # bytes of each output buffer the step allocates (not donated, not an input)
 
     @property
     def peak(self) -> int:
@@ -64,6 +65,7 @@ class MemoryModel:
         self._local: dict[int, int] = {}  # input/output value -> local bytes
         self.bounds: dict[int, tuple[int, int]] = {}  # key id -> (starts no earlier, ends no earlier) slots
         self.args = self.outs = self.alias = 0
+        self.fresh_outs: tuple[int, ...] = ()
         self._planned: Sequence[Any] = ()  # the plan's sharding per value
         self.order = info.order  # op -> its position in the compiled program's schedule
         self._op_at = [0] * self.n  # position -> op
@@ -313,6 +315,8 @@ class MemoryModel:
         self.outs = sum(nbytes(v) for v in g.outputs) + (8 * len(g.outputs) if len(g.outputs) > 1 else 0)
         alias = 0
         free = [g.inputs[i] for i in donated if i < len(g.inputs)]
+        inputs = set(g.inputs)
+        fresh = []
         for v in g.outputs:
             val = g.values[v]
             for j, u in enumerate(free):
@@ -321,11 +325,15 @@ class MemoryModel:
                     alias += nbytes(v)
                     free.pop(j)
                     break
+            else:
+                if v not in inputs:
+                    fresh.append(nbytes(v))
         self.alias = alias
+        self.fresh_outs = tuple(fresh)
 
     def result(self) -> MemoryResult:
         if not self.n:
-            return MemoryResult(self.args, self.outs, self.alias, 0, 0)
+            return MemoryResult(self.args, self.outs, self.alias, 0, 0, self.fresh_outs)
         live = np.cumsum(self.diff[: 2 * self.n])
         i = int(np.argmax(live))
-        return MemoryResult(self.args, self.outs, self.alias, int(live[i]), self._op_at[i // 2])
+        return MemoryResult(self.args, self.outs, self.alias, int(live[i]), self._op_at[i // 2], self.fresh_outs)

@@ -33,17 +33,17 @@ class Device:
     # FLOP/s of elementwise work (0: a sixteenth of the float32 matmul peak, as on GPUs, whose tensor cores
     # outrun their vector units; a CPU's vector units run its matmuls too, so cpu-host measures it)
     vector_flops: float = 0.0
-    # A step whose temporary buffer is at least `fresh_memory_threshold` bytes gets it freshly mapped from the
-    # OS every step (glibc's malloc maps allocations over its mmap threshold and unmaps them when freed), and
-    # every page of it is faulted in again: `fresh_memory_cost` seconds per byte (0: not modelled).
+    # A buffer a step allocates of at least `fresh_memory_threshold` bytes is freshly mapped from the OS every
+    # step (glibc's malloc maps allocations over its mmap threshold and unmaps them when freed), and every
+    # page of it is faulted in again: `fresh_memory_cost` seconds per byte (0: not modelled).
     fresh_memory_cost: float = 0.0
     fresh_memory_threshold: float = float("inf")
 
-    def fresh_memory_time(self, temporary_bytes: float) -> float:
-        """Seconds a step spends mapping a temporary buffer of `temporary_bytes` afresh (page faults)."""
-        if self.fresh_memory_cost <= 0 or temporary_bytes < self.fresh_memory_threshold:
+    def fresh_memory_time(self, *buffer_bytes: float) -> float:
+        """Seconds a step spends mapping the buffers it allocates (sizes in bytes) afresh: page faults."""
+        if self.fresh_memory_cost <= 0:
             return 0.0
-        return temporary_bytes * self.fresh_memory_cost
+        return sum(b for b in buffer_bytes if b >= self.fresh_memory_threshold) * self.fresh_memory_cost
 
     @property
     def vector_peak(self) -> float:

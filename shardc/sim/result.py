@@ -104,9 +104,10 @@ class SimResult:
 
     @property
     def fresh_memory_time(self) -> float:
-        """Seconds per step spent faulting in a temporary buffer the allocator maps afresh every step
-        (`Device.fresh_memory_time`; XLA:CPU on glibc when the temporaries reach 32 MiB per device)."""
-        return self.topology.device.fresh_memory_time(self.memory.temp_peak)
+        """Seconds per step spent faulting in the buffers the allocator maps afresh every step: the
+        temporaries (one buffer) and each output buffer not donated (`Device.fresh_memory_time`; XLA:CPU on
+        glibc, for buffers of 32 MiB per device or more)."""
+        return self.topology.device.fresh_memory_time(self.memory.temp_peak, *self.memory.fresh_outputs)
 
     @property
     def peak_memory(self) -> int:
@@ -212,9 +213,11 @@ class SimResult:
             + ("" if self.fits else " -- DOES NOT FIT in device memory"),
         ]
         if self.fresh_memory_time:
-            lines.append(f"fresh memory: the {_fmt_bytes(m.temp_peak)} temporary buffer is mapped and faulted in "
-                         f"every step ({_fmt_time(self.fresh_memory_time)}; under "
-                         f"{_fmt_bytes(self.topology.device.fresh_memory_threshold)} the allocator reuses it)")
+            big = [b for b in (m.temp_peak, *m.fresh_outputs) if b >= self.topology.device.fresh_memory_threshold]
+            lines.append(f"fresh memory: {len(big)} buffer{'s' if len(big) > 1 else ''} of "
+                         f"{_fmt_bytes(sum(big))} (temporaries, outputs not donated) mapped and faulted in every step "
+                         f"({_fmt_time(self.fresh_memory_time)}; under "
+                         f"{_fmt_bytes(self.topology.device.fresh_memory_threshold)} the allocator reuses them)")
         if self.payload:
             by_kind = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in sorted(self.payload.items()))
             lines.append(f"communication per device: {by_kind}")

@@ -54,9 +54,10 @@ def test_temporaries_over_the_threshold_are_faulted_in_every_step_and_priced():
     compiled = f.compiled_info(*args).jitted.lower(*args).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp >= _GLIBC_MMAP_THRESHOLD_MAX
-    assert _faults_per_step(f, args) >= 0.9 * 8 * temp / PAGE  # every page of every device's buffer
+    assert _faults_per_step(f, args) >= 0.75 * 8 * temp / PAGE  # every page of (nearly) every device
 
     sim = shardc.simulate(f.plan(*args), _topology())
+    assert not [b for b in sim.memory.fresh_outputs if b >= _GLIBC_MMAP_THRESHOLD_MAX]  # the gradients are small
     assert sim.fresh_memory_time == pytest.approx(sim.memory.temp_peak * COST)
     assert sim.step_time == pytest.approx(sim.makespan_ps / 1e12 + sim.fresh_memory_time)
     assert "fresh memory" in sim.summary()
@@ -69,7 +70,9 @@ def test_temporaries_under_the_threshold_are_reused_and_not_priced():
     compiled = f.compiled_info(*args).jitted.lower(*args).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp < _GLIBC_MMAP_THRESHOLD_MAX
-    assert _faults_per_step(f, args) < 0.5 * 8 * temp / PAGE  # glibc reuses its heap for most of it
+    # glibc reuses its heap for most of it (15-46% of the pages fault again where the heap's top is trimmed:
+    # not modelled)
+    assert _faults_per_step(f, args) < 0.6 * 8 * temp / PAGE
 
     sim = shardc.simulate(f.plan(*args), _topology())
     assert sim.memory.temp_peak < _GLIBC_MMAP_THRESHOLD_MAX
@@ -77,11 +80,28 @@ def test_temporaries_under_the_threshold_are_reused_and_not_priced():
     assert "fresh memory" not in sim.summary()
 
 
+@glibc_only
+def test_an_output_over_the_threshold_is_faulted_in_every_step_unless_donated():
+    x = jnp.ones((8 * 10 * 2**20,), jnp.float32)  # 40 MiB per device, split over 8
+    plans = {}
+    for donate in (False, True):
+        mesh = shardc.make_mesh({"data": 8})
+        f = shardc.auto(lambda x: x * 1.5 + 0.5, mesh=mesh, search=False, donate_argnums=(0,) if donate else ())
+        arg = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))  # kept
+        if not donate:
+            assert _faults_per_step(f, (arg,)) >= 0.75 * x.nbytes / PAGE  # (nearly) every device, every step
+        plans[donate] = shardc.simulate(f.plan(arg), _topology())
+    assert plans[False].memory.fresh_outputs == (x.nbytes // 8,)
+    assert plans[False].fresh_memory_time == pytest.approx(x.nbytes // 8 * COST)
+    assert plans[True].memory.fresh_outputs == () and plans[True].fresh_memory_time == 0.0
+
+
 def test_the_fresh_memory_time_is_a_threshold_and_survives_a_round_trip():
     dev = Device("d", {"float32": 1e12}, mem_bandwidth=1e11, memory=2**34, fresh_memory_cost=2e-9,
                  fresh_memory_threshold=32 * 2**20)
     assert dev.fresh_memory_time(32 * 2**20 - 1) == 0.0
     assert dev.fresh_memory_time(64 * 2**20) == pytest.approx(64 * 2**20 * 2e-9)
+    assert dev.fresh_memory_time(64 * 2**20, 2**20, 40 * 2**20) == pytest.approx(104 * 2**20 * 2e-9)
     assert Device("d", {"float32": 1e12}, mem_bandwidth=1e11, memory=2**34).fresh_memory_time(2**40) == 0.0
     topo = _topology()
     again = shardc.Topology.from_dict(topo.to_dict())
