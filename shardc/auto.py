@@ -197,7 +197,11 @@ class AutoFunction:
             return step.lower(*args, **kwargs)
         c = self._compiled(args, kwargs)
         require_devices(c.plan)
-        return c.jitted.lower(*jax.tree_util.tree_leaves((args, kwargs)))
+        leaves = jax.tree_util.tree_leaves((args, kwargs))
+        # As a call would place them: an argument committed elsewhere than the plan lays it out (a layout
+        # that is no hint, e.g. split over a mesh axis of size 1) is lowered at the plan's layout.
+        placed = [self._abstract_at(x, s, c.plan.mesh) for x, s in zip(leaves, c.plan.input_shardings())]
+        return c.jitted.lower(*placed)
 
     def compiled_info(self, *args: Any, **kwargs: Any) -> Compiled:
         """Plan, jaxpr, trees, jitted function and timings for these arguments."""
@@ -324,6 +328,17 @@ class AutoFunction:
                 f"program, so give both the same mesh (or call the undecorated function)")
         with _annotations.mesh_context(outer if outer is not None else self._mesh()):
             return self.fun(*args, **kwargs)
+
+    def _abstract_at(self, x: Any, sharding: Any, mesh: Mesh) -> Any:
+        """`x` to lower with: itself when `_place` would leave it as it is, else its shape and dtype at the
+        plan's layout."""
+        current = getattr(x, "sharding", None)
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or current is None:
+            return x
+        target = sharding.named(mesh)
+        if current == target:
+            return x
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target, weak_type=x.weak_type)
 
     def _place(self, x: Any, sharding: Any, mesh: Mesh) -> Any:
         target = sharding.named(mesh)

@@ -186,6 +186,20 @@ def test_a_batch_placed_on_data_keeps_its_layout(mesh, search):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_lower_places_an_argument_whose_committed_layout_is_no_hint_as_a_call_would():
+    """The Flax lm1b example commits its batch to P('data') on a mesh whose data axis has size 1: no hint
+    (it splits nothing), so the plan may lay it out otherwise; `lower` lowers it there, as a call places it
+    (JAX's mismatch error before)."""
+    mesh = shardc.make_mesh({"data": 1, "fsdp": 8})
+    x = jax.device_put(X, NamedSharding(mesh, P("data")))
+    f = shardc.auto(lambda w, x: _step(w, shardc.split(x, 0, ("fsdp",))), mesh=mesh, search=False)
+    assert f.plan(W, x).input_shardings()[1].dims == (("fsdp",), ())
+    compiled = f.lower(W, x).compile()
+    assert compiled.input_shardings[0][1].is_equivalent_to(NamedSharding(mesh, P("fsdp")), 2)
+    for got, want in zip(f(W, x), jax.jit(_step)(W, X)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_the_next_step_reuses_the_plan_for_its_own_outputs(mesh):
     """Outputs come back placed as the plan laid them out: the same plan, no re-plan per layout."""
     f = shardc.auto(_step, mesh=mesh, search=False)
