@@ -338,7 +338,7 @@ class AutoFunction:
         target = sharding.named(mesh)
         if current == target:
             return x
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target, weak_type=x.weak_type)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target, weak_type=getattr(x, "weak_type", False))
 
     def _place(self, x: Any, sharding: Any, mesh: Mesh) -> Any:
         target = sharding.named(mesh)
