@@ -27,7 +27,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from shardc.cost.estimator import params_key
 from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL
@@ -232,11 +232,37 @@ def _liveness(graph: Graph, canon: Sequence[int], duplicate: Sequence[bool],
             j -= 1
         run = ops[j:i + 1]  # one op, or a region's ops (contiguous: the graph builder makes them in a row)
         if any(needed[canon[v]] for op in run for v in op.outputs) or not run[-1].outputs:
-            for op in reversed(run):
-                if not duplicate[op.id]:
-                    keep(op)
+            if _prunable_loop(run):
+                _keep_needed(run, canon, duplicate, needed, live, keep)
+            else:
+                for op in reversed(run):
+                    if not duplicate[op.id]:
+                        keep(op)
         i = j - 1
     return live
+
+
+def _prunable_loop(run: Sequence[Any]) -> bool:
+    """Whether a region's ops are a scan (with scans and branches inside, no while loop) whose unneeded parts
+    XLA removes: its while-loop simplifier drops loop state that nothing needed reads (a carry whose final value
+    and stack are unread and that no needed value depends on, a stacked result nobody reads, a scanned operand
+    no needed op slices), so the ops and reshards computing only those do not run."""
+    return len(run) > 1 and outer_region(run[0]).startswith("scan") and not any("/while" in op.region for op in run)
+
+
+def _keep_needed(run: Sequence[Any], canon: Sequence[int], duplicate: Sequence[bool], needed: list[bool],
+                 live: list[bool], keep: Callable[[Any], None]) -> None:
+    """Keep the ops of a loop whose results are needed (the values needed after it, then what they need
+    inside it: a fixpoint, as the carries feed the body's earlier ops)."""
+    changed = True
+    while changed:
+        changed = False
+        for op in reversed(run):
+            if live[op.id] or duplicate[op.id]:
+                continue
+            if not op.outputs or any(needed[canon[v]] for v in op.outputs):
+                keep(op)
+                changed = True
 
 
 def outer_region(op: Any) -> str:
