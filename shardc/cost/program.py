@@ -492,12 +492,15 @@ def folds_to_constant(graph: Graph, op: Any) -> bool:
 
 def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:
     """Operands of `op` XLA's algebraic simplifier drops: a dynamic_update_slice whose update covers its
-    whole operand is the update; an op folded to a constant whatever its operands reads none of them."""
+    whole operand is the update; a select whose cases are one value is that value (`where(p, x, x)`: the
+    predicate is not read); an op folded to a constant whatever its operands reads none of them."""
     if folds_to_constant(graph, op):
         return tuple(range(len(op.inputs)))
     if op.primitive == "dynamic_update_slice" and len(op.inputs) > 1 \
             and graph.values[op.inputs[1]].shape == graph.values[op.inputs[0]].shape:
         return (0,)
+    if op.primitive == "select_n" and len(op.inputs) > 2 and len(set(op.inputs[1:])) == 1:
+        return (0, *range(2, len(op.inputs)))
     return ()
 
 

@@ -58,6 +58,8 @@ Fixed in shardc so that the compiled program's collectives are the plan's, kind 
 * a loop's carry whose final value and stack nobody needs, and on which no needed value depends, was
   computed (with the all-reduce of its initial value): XLA's while-loop simplifier removes such loop state.
   Liveness inside a scan is now per op, to a fixpoint (`program._keep_needed`).
+* `where(x, x)` (a select whose cases are one value) is that value (XLA's simplifier): its predicate is not
+  read, so the plan's reshard of it does not run (`unread_operands`).
 
 Fixed in the oracle:
 * a chain of contractions grew gradients to ~1.6e3 where float32 rounding of the (differently ordered)
@@ -323,6 +325,14 @@ DEAD_CARRY = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(  # seed 92000,
     Step(kind="update_slice", args=(6, 5), attrs=(("start", (0, 0)),), shape=(2, 1)),  # overwrites its stack
 ), outputs=(7,))  # the gradient's scan reads only residuals that do not depend on the carry: XLA drops it
 
+SELECT_OF_ONE_VALUE = Program(mesh=(("x", 2), ("y", 2), ("z", 2)), steps=(  # seed 92010, shrunk by hand
+    Step(kind="input", args=(), attrs=(), shape=(4, 1, 4)),
+    Step(kind="transpose", args=(0,), attrs=(("perm", (2, 0, 1)),), shape=(4, 4, 1)),
+    Step(kind="where", args=(1, 1), attrs=(), shape=(4, 4, 1)),  # select(x != 0, x, x) is x: no predicate read
+    Step(kind="cond", args=(2,), attrs=(("inner", (("y", "x"), "?", "?")),), shape=(4, 4, 1)),
+    Step(kind="hint", args=(2,), attrs=(("how", "split"), ("dim", 1), ("axes", "x")), shape=(4, 4, 1)),
+), outputs=(3,))
+
 ARGMAX_OF_ONE_SPLIT_TWO_WAYS = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(  # seed 91002, shrunk
     Step(kind="input", args=(), attrs=(("meta", (("y", "z"), None)),), shape=(4, 1)),
     Step(kind="argmax", args=(0,), attrs=(("dim", 1),), shape=(4,)),  # a constant, split over y+z
@@ -346,7 +356,7 @@ def test_a_folded_argmax_split_over_two_axes_is_gathered_by_xla():
                                   SCATTER_ONE_AXIS_TWICE, CONSTANT_SCATTER_INDICES, SIZE_ONE_AXIS,
                                   IOTA_IS_A_BROADCAST, ZEROS_IN_A_BRANCH, RESULT_OF_A_CONSTANT,
                                   READ_ONLY_BY_A_FOLDED_OP, HINTED_CONSTANT, CONSTANT_LEAVING_A_BRANCH,
-                                  FORI_WITHOUT_SCANNED_VALUES, DEAD_CARRY],
+                                  FORI_WITHOUT_SCANNED_VALUES, DEAD_CARRY, SELECT_OF_ONE_VALUE],
                          ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
                               "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
                               "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
@@ -354,7 +364,8 @@ def test_a_folded_argmax_split_over_two_axes_is_gathered_by_xla():
                               "one_value_two_layouts", "scatter_one_axis_twice", "constant_scatter_indices",
                               "size_one_axis", "iota_is_a_broadcast", "zeros_in_a_branch",
                               "result_of_a_constant", "read_only_by_a_folded_op", "hinted_constant",
-                              "constant_leaving_a_branch", "fori_without_scanned_values", "dead_carry"])
+                              "constant_leaving_a_branch", "fori_without_scanned_values", "dead_carry",
+                              "select_of_one_value"])
 def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
 
