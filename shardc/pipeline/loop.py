@@ -110,18 +110,23 @@ def pipelined_scan(body: Callable, init: Any, xs: Any, p: Pipeline, scan: Callab
                             f"microbatches) does not split over {'+'.join(p.data)} ({g} devices)")
     xs_leaves, xs_tree = jax.tree.flatten(xs)
     keys = [is_key(x) for x in xs_leaves]
-    lead = 2 if g > 1 else 1  # [stages, (shards,) ...]
+
+    sd = 1 if r == 1 else 2  # the weights' stage dim: [(repeats,) k, stages, (shards,) ...]
 
     def by_stage(x: jax.Array) -> jax.Array:
-        """A stacked per-layer input as [stages, (shards,) (repeats,) k, ...]: each data shard gets its own
-        copy of the stage's parameters (made once, before the loop), whose gradient it accumulates alone."""
+        """A stacked per-layer input as [(repeats,) k, stages, (shards,) ...]: the layer dim leads, as the layer
+        scan inside a stage reads it, so neither the scan's reads nor its stacked gradients (the per-iteration
+        gradient the loop accumulates) move a dim; the one reorder from the stack's [layers, ...] is here, once
+        per step. Each data shard gets its own copy of the stage's parameters (made once, before the loop),
+        whose gradient it accumulates alone."""
         if r == 1:
-            x = x.reshape((s, k) + x.shape[1:])
+            x = jnp.moveaxis(x.reshape((s, k) + x.shape[1:]), 0, 1)
         else:
-            x = jnp.moveaxis(x.reshape((r, s, k) + x.shape[1:]), 1, 0)
+            x = jnp.moveaxis(x.reshape((r, s, k) + x.shape[1:]), 1, 2)
         if g > 1:
-            x = split(jnp.broadcast_to(x[:, None], (s, g) + x.shape[1:]), 1, p.data)
-        return _stage_dim(x, p)
+            x = split(jnp.broadcast_to(jnp.expand_dims(x, sd + 1), x.shape[:sd + 1] + (g,) + x.shape[sd + 1:]),
+                      sd + 1, p.data)
+        return split(x, sd, p.axis)
 
     weights = [by_stage(x) for x in xs_leaves]
     ys_tree: list[Any] = []
@@ -139,11 +144,11 @@ def pipelined_scan(body: Callable, init: Any, xs: Any, p: Pipeline, scan: Callab
 
     if p.remat:
         stage = jax.checkpoint(stage, policy=jax.checkpoint_policies.nothing_saveable)
+    # the weights are vmapped at dim 1 ([k, stages, (shards,) ...], one repeat taken): the layer scan's own dim
+    run = stage
     if g > 1:
-        per_shard = jax.vmap(stage, spmd_axis_name=p.data)
-        run = jax.vmap(per_shard, spmd_axis_name=p.axis)
-    else:
-        run = jax.vmap(stage, spmd_axis_name=p.axis)
+        run = jax.vmap(run, in_axes=(0, 1, 0), spmd_axis_name=p.data)
+    run = jax.vmap(run, in_axes=(0, 1, 0), spmd_axis_name=p.axis)
 
     def run_stages(ins: list[jax.Array], w: list[jax.Array], micro: jax.Array) -> list[jax.Array]:
         if g == 1:
@@ -158,7 +163,7 @@ def pipelined_scan(body: Callable, init: Any, xs: Any, p: Pipeline, scan: Callab
     first_final = p.microbatches * (r - 1) + s - 1  # the first iteration whose last-stage output is final
 
     def take_repeat(x: jax.Array, i: jax.Array) -> jax.Array:
-        return jax.lax.dynamic_index_in_dim(x, i, axis=lead - 1, keepdims=False)
+        return jax.lax.dynamic_index_in_dim(x, i, axis=0, keepdims=False)
 
     def iteration(state: tuple[list, list], t: jax.Array) -> tuple[tuple[list, list], None]:
         io, shift = state
@@ -171,7 +176,8 @@ def pipelined_scan(body: Callable, init: Any, xs: Any, p: Pipeline, scan: Callab
         ins = [_stage_dim(jnp.where(row_is(0, c) & (t < p.microbatches), c, sh), p) for c, sh in zip(cols, shift)]
         done = jnp.maximum(t - rows, 0)  # per stage: pieces of work taken so far
         w = weights if r == 1 else [
-            _stage_dim(jax.vmap(take_repeat)(x, jnp.minimum(done // p.microbatches, r - 1)), p) for x in weights]
+            split(jax.vmap(take_repeat, in_axes=(sd, 0), out_axes=1)(x, jnp.minimum(done // p.microbatches, r - 1)),
+                  1, p.axis) for x in weights]
         outs = [_stage_dim(o, p) for o in run_stages(ins, w, done % p.microbatches)]
         shift = [stage_shift(o, 1) for o in outs]
         final = t >= first_final
