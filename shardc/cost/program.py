@@ -689,11 +689,14 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                 and _scatter_into_sum(graph, op, canon, {c: [graph.ops[u] for u in consumers[c]]
                                                           for c in (canon[op.outputs[0]],)}):
             fused[canon[op.outputs[0]]] = True
-    # A bitcast transpose fused into its readers already costs what they read of the dot's buffer; one that
-    # would be materialised (read by a dot, a scan's stacked output, a collective) is free: no buffer of its
-    # own, its readers read the dot's, written in their order.
+    # A bitcast transpose fused into its readers already costs what they read of the dot's buffer. One read
+    # only by dots (GEMMs reading the dot's buffer in its order) is free: no buffer of its own. Any other
+    # reader copies it anyway — a scan's stacked output is a dynamic-update-slice fusion copying it into the
+    # stack (XLA:GPU's dynamic-slice fusion, which would let the GEMM write in place, is off by default), which
+    # the transpose's price stands for — so there it keeps its price.
     bitcast = frozenset(t for t in (dot_bitcasts(graph, live, canon, consumers) if backend == "gpu" else ())
-                        if not fused[canon[graph.ops[t].outputs[0]]] and canon[graph.ops[t].outputs[0]] not in outputs)
+                        if not fused[c := canon[graph.ops[t].outputs[0]]] and c not in outputs
+                        and consumers[c] and all(graph.ops[u].primitive == "dot_general" for u in consumers[c]))
     for t in bitcast:
         fused[canon[graph.ops[t].outputs[0]]] = True
     order = (_breadth_first(graph, live, canon, constant, fused, consumers) if backend == "cpu"

@@ -131,15 +131,27 @@ def pipelined_scan(body: Callable, init: Any, xs: Any, p: Pipeline, scan: Callab
     weights = [by_stage(x) for x in xs_leaves]
     ys_tree: list[Any] = []
 
+    def layer_inputs(w: list[jax.Array]) -> list[list[jax.Array]]:
+        """Per layer of the stage, its slice of each stacked input: `lax.split` along the layer dim, whose
+        transpose is one concatenate of the layers' gradients (fused by XLA into the accumulation over the
+        microbatches; a layer scan instead writes each gradient into a stacked buffer, a copy per layer and
+        iteration). Keys (no gradient) are indexed."""
+        cols = [[x[i] for i in range(k)] if key or k == 1 else
+                [jax.lax.squeeze(piece, (0,)) for piece in jax.lax.split(x, (1,) * k, axis=0)]
+                for x, key in zip(w, keys)]
+        return [[c[i] for c in cols] for i in range(k)]
+
     def stage(h: list[jax.Array], w: list[jax.Array], m: jax.Array) -> list[jax.Array]:
-        """One stage's layers on one microbatch (or its share on one data shard); `m` is folded into the
-        per-layer keys (microbatch index, times shards, plus the shard)."""
+        """One stage's layers, unrolled, on one microbatch (or its share on one data shard); `m` is folded into
+        the per-layer keys (microbatch index, times shards, plus the shard)."""
         w = [_fold(x, m) if key else x for x, key in zip(w, keys)]
-        out, ys = scan(body, jax.tree.unflatten(carry_tree, h), jax.tree.unflatten(xs_tree, w))
-        if jax.tree.leaves(ys):
-            raise ShardingError(f"{where}: the layer body returns per-layer outputs ({jax.tree.structure(ys)}); a "
-                                f"pipelined stack can only carry its activations (return None as the scan's y)")
-        ys_tree.append(jax.tree.structure(ys))
+        out = jax.tree.unflatten(carry_tree, h)
+        for x in layer_inputs(w):
+            out, ys = body(out, jax.tree.unflatten(xs_tree, x))
+            if jax.tree.leaves(ys):
+                raise ShardingError(f"{where}: the layer body returns per-layer outputs ({jax.tree.structure(ys)}); "
+                                    f"a pipelined stack can only carry its activations (return None as the scan's y)")
+            ys_tree.append(jax.tree.structure(ys))
         return jax.tree.leaves(out)
 
     if p.remat:

@@ -4,6 +4,7 @@ simulator prices such a transpose as free on GPU topologies, and as a copy elsew
 import dataclasses
 import warnings
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -50,7 +51,7 @@ def test_transposed_dot_result_read_by_a_dot_is_free_on_gpu():
     assert len(cpu) == 1 and cpu[0] > 0  # a copy where no backend rule applies
 
 
-def test_not_a_bitcast_when_the_dot_has_other_readers_or_the_batch_would_be_minor():
+def test_priced_when_the_dot_has_other_readers_the_batch_would_be_minor_or_a_copy_follows():
     def two_readers(x, y, z):
         d = jnp.einsum("bi,bj->ij", x, y)
         return d.T @ z, d
@@ -59,6 +60,12 @@ def test_not_a_bitcast_when_the_dot_has_other_readers_or_the_batch_would_be_mino
         d = jnp.einsum("gbi,gbj->gij", x.reshape(4, 16, 512), y.reshape(4, 16, 256))
         return jnp.einsum("ijg,jk->ikg", jnp.transpose(d, (1, 2, 0)), jnp.ones((256, 8)))
 
-    for f in (two_readers, batch_minor):
+    def into_a_scan_stack(x, y, z):  # the stacked output's dynamic-update-slice copies it: priced as that copy
+        def body(c, ab):
+            return c, jnp.einsum("bi,bj->ij", ab[0], ab[1]).T
+
+        return jax.lax.scan(body, 0.0, (x.reshape(4, 16, 512), y.reshape(4, 16, 256)))[1]
+
+    for f in (two_readers, batch_minor, into_a_scan_stack):
         t = _transpose_times(f, (X, Y, Z), "gpu")
         assert t and all(v > 0 for v in t), (f.__name__, t)
