@@ -3,14 +3,15 @@
 `pipelined_scan(body, init, xs, pipeline)` computes what `lax.scan(body, init, xs)` computes — the carry
 (the activations, batch on dim 0) through every layer of the stack — as one SPMD loop:
 
-* the stacked per-layer inputs `xs` (parameters, per-layer RNG keys) are reshaped to
-  [stages, layers_per_stage, ...] ([stages, repeats, layers_per_stage, ...] for the circular schedule),
+* the stacked per-layer inputs `xs` (parameters, per-layer RNG keys) are laid out
+  [layers_per_stage, stages, ...] ([repeats, layers_per_stage, stages, ...] for the circular schedule),
   the stage dim hinted onto the pipeline's mesh axis;
 * the batch is cut into `microbatches` (strided: microbatch m holds rows m, m + M, m + 2M, ..., so a batch
   split over data axes stays split inside each microbatch) and kept in an input/output buffer
   [stages, microbatches / stages, microbatch, ...] split over the stage axis;
 * the loop runs `pipeline.iterations` iterations; in each, every stage applies its layers (the original
-  scan body, `vmap`ped over the stage dim) to the microbatch it holds; the stage outputs move one stage on
+  scan body, called once per layer on `lax.split` slices of the stage's weights, `vmap`ped over the stage
+  dim) to the microbatch it holds; the stage outputs move one stage on
   (`stage_shift`: one collective-permute), stage 0 takes its next microbatch from the buffer and the last
   stage writes its finished one there (the buffer's column rotates one stage back each visit, another
   collective-permute, so neither a broadcast nor a gather is needed);
@@ -101,7 +102,7 @@ def _check_carry(leaves: list[Any], p: Pipeline, where: str) -> int:
 
 def pipelined_scan(body: Callable, init: Any, xs: Any, p: Pipeline, scan: Callable, where: str = "layer scan") -> tuple[Any, Any]:
     """`scan(body, init, xs)` run as the pipeline `p` (bound to the stack's length). `scan` is the original
-    `lax.scan` (for the loop and each stage's layers); returns (carry, ys) like it."""
+    `lax.scan` (for the loop); returns (carry, ys) like it."""
     carry_leaves, carry_tree = jax.tree.flatten(init)
     b = _check_carry(carry_leaves, p, where)
     s, r, k, g = p.stages, p.repeats, p.layers_per_stage, p.shards
