@@ -99,6 +99,7 @@ class ProgramInfo:
     reshard_trips: tuple[tuple[int, int], ...] = ()  # per op: runs of its operands' and its results' reshards
     unread: frozenset[tuple[int, int]] = frozenset()  # (op, operand index) XLA does not read (`unread_operands`)
     copies: tuple[tuple[int, ...], ...] = ()  # per op (XLA:CPU): operands its dot decomposition copies (`dot_copies`)
+    bitcast: frozenset[int] = frozenset()  # transposes layout assignment makes bitcasts (XLA:GPU: `dot_bitcasts`)
 
     def counts(self, op_id: int) -> bool:
         """Whether an op does work in the compiled program."""
@@ -176,6 +177,47 @@ def dot_copies(graph: Graph, live: Sequence[bool], canon: Sequence[int],
                 copied.append(i)
         out[op.id] = tuple(copied)
     return tuple(out)
+
+
+def _gemm_layout(perm: Sequence[int], batch: int, rows: int) -> bool:
+    """Whether a GEMM can write a dot result [batch..., rows..., cols...] in the memory order `perm` (major to
+    minor): each group's dims adjacent and in order, the groups as (B,R,C), (B,C,R), (R,B,C) or (C,B,R) — the
+    batch never most minor (XLA:GPU's `MatrixLayout::For`, xla/service/gpu/matmul_utils.cc)."""
+    rank = len(perm)
+    groups = [g for g in (tuple(range(batch)), tuple(range(batch, batch + rows)), tuple(range(batch + rows, rank)))]
+    order: list[int] = []
+    at = 0
+    while at < rank:
+        g = next(i for i, dims in enumerate(groups) if perm[at] in dims)
+        if tuple(perm[at:at + len(groups[g])]) != groups[g]:
+            return False
+        order.append(g)
+        at += len(groups[g])
+    present = [g for g in (0, 1, 2) if groups[g]]
+    return not (0 in present and len(present) > 1 and order[-1] == 0)
+
+
+def dot_bitcasts(graph: Graph, live: Sequence[bool], canon: Sequence[int],
+                 consumers: Sequence[Sequence[int]]) -> frozenset[int]:
+    """XLA:GPU: transposes that layout assignment makes bitcasts. `GpuLayoutAssignment::AddBackendConstraints`
+    (xla/service/gpu/transforms/layout_assignment.cc) gives a dot read only by a transpose the layout that makes
+    the transpose a bitcast when a GEMM can write that layout (`_gemm_layout`): the dot's result is written in
+    the transposed order and the transpose moves nothing."""
+    out = set()
+    outputs = {canon[v] for v in graph.outputs}  # (the program's result tuple reads them too)
+    for op in graph.ops:
+        if op.primitive != "transpose" or not live[op.id]:
+            continue
+        src = canon[op.inputs[0]]
+        p = graph.values[src].producer
+        if p is None or graph.ops[p].primitive != "dot_general" or len(set(consumers[src])) != 1 or src in outputs:
+            continue
+        dot = graph.ops[p]
+        (lc, _), (lb, _) = dot.params["dimension_numbers"]
+        rows = graph.values[dot.inputs[0]].rank - len(lc) - len(lb)
+        if _gemm_layout(tuple(op.params["permutation"]), len(lb), rows):
+            out.add(op.id)
+    return frozenset(out)
 
 
 def _library_fusions(graph: Graph, live: list[bool], canon: list[int], constant: list[bool],
@@ -676,6 +718,16 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                 and _scatter_into_sum(graph, op, canon, {c: [graph.ops[u] for u in consumers[c]]
                                                           for c in (canon[op.outputs[0]],)}):
             fused[canon[op.outputs[0]]] = True
+    # A bitcast transpose fused into its readers already costs what they read of the dot's buffer. One read
+    # only by dots (GEMMs reading the dot's buffer in its order) is free: no buffer of its own. Any other
+    # reader copies it anyway — a scan's stacked output is a dynamic-update-slice fusion copying it into the
+    # stack (XLA:GPU's dynamic-slice fusion, which would let the GEMM write in place, is off by default), which
+    # the transpose's price stands for — so there it keeps its price.
+    bitcast = frozenset(t for t in (dot_bitcasts(graph, live, canon, consumers) if backend == "gpu" else ())
+                        if not fused[c := canon[graph.ops[t].outputs[0]]] and c not in outputs
+                        and consumers[c] and all(graph.ops[u].primitive == "dot_general" for u in consumers[c]))
+    for t in bitcast:
+        fused[canon[graph.ops[t].outputs[0]]] = True
     order = (_breadth_first(graph, live, canon, constant, fused, consumers) if backend == "cpu"
              else list(range(no)))
     until = _fused_reads(graph, live, canon, fused, consumers, order)
@@ -698,7 +750,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                        eager=backend == "cpu", reshard_trips=reshard_trips, unread=cse.unread,
                        post=tuple(_post_order(graph, canon)),
                        copies=dot_copies(graph, live, canon, physical_orders(graph, canon)) if backend == "cpu"
-                       else ())
+                       else (), bitcast=bitcast)
 
 
 def _trips(graph: Graph) -> tuple[list[int], tuple[tuple[int, int], ...]]:

@@ -3,14 +3,15 @@
 `pipelined_scan(body, init, xs, pipeline)` computes what `lax.scan(body, init, xs)` computes — the carry
 (the activations, batch on dim 0) through every layer of the stack — as one SPMD loop:
 
-* the stacked per-layer inputs `xs` (parameters, per-layer RNG keys) are reshaped to
-  [stages, layers_per_stage, ...] ([stages, repeats, layers_per_stage, ...] for the circular schedule),
+* the stacked per-layer inputs `xs` (parameters, per-layer RNG keys) are laid out
+  [layers_per_stage, stages, ...] ([repeats, layers_per_stage, stages, ...] for the circular schedule),
   the stage dim hinted onto the pipeline's mesh axis;
 * the batch is cut into `microbatches` (strided: microbatch m holds rows m, m + M, m + 2M, ..., so a batch
   split over data axes stays split inside each microbatch) and kept in an input/output buffer
   [stages, microbatches / stages, microbatch, ...] split over the stage axis;
 * the loop runs `pipeline.iterations` iterations; in each, every stage applies its layers (the original
-  scan body, `vmap`ped over the stage dim) to the microbatch it holds; the stage outputs move one stage on
+  scan body, called once per layer on `lax.split` slices of the stage's weights, `vmap`ped over the stage
+  dim) to the microbatch it holds; the stage outputs move one stage on
   (`stage_shift`: one collective-permute), stage 0 takes its next microbatch from the buffer and the last
   stage writes its finished one there (the buffer's column rotates one stage back each visit, another
   collective-permute, so neither a broadcast nor a gather is needed);
@@ -101,7 +102,7 @@ def _check_carry(leaves: list[Any], p: Pipeline, where: str) -> int:
 
 def pipelined_scan(body: Callable, init: Any, xs: Any, p: Pipeline, scan: Callable, where: str = "layer scan") -> tuple[Any, Any]:
     """`scan(body, init, xs)` run as the pipeline `p` (bound to the stack's length). `scan` is the original
-    `lax.scan` (for the loop and each stage's layers); returns (carry, ys) like it."""
+    `lax.scan` (for the loop); returns (carry, ys) like it."""
     carry_leaves, carry_tree = jax.tree.flatten(init)
     b = _check_carry(carry_leaves, p, where)
     s, r, k, g = p.stages, p.repeats, p.layers_per_stage, p.shards
@@ -110,40 +111,57 @@ def pipelined_scan(body: Callable, init: Any, xs: Any, p: Pipeline, scan: Callab
                             f"microbatches) does not split over {'+'.join(p.data)} ({g} devices)")
     xs_leaves, xs_tree = jax.tree.flatten(xs)
     keys = [is_key(x) for x in xs_leaves]
-    lead = 2 if g > 1 else 1  # [stages, (shards,) ...]
+
+    sd = 1 if r == 1 else 2  # the weights' stage dim: [(repeats,) k, stages, (shards,) ...]
 
     def by_stage(x: jax.Array) -> jax.Array:
-        """A stacked per-layer input as [stages, (shards,) (repeats,) k, ...]: each data shard gets its own
-        copy of the stage's parameters (made once, before the loop), whose gradient it accumulates alone."""
+        """A stacked per-layer input as [(repeats,) k, stages, (shards,) ...]: the layer dim leads, as the layer
+        scan inside a stage reads it, so neither the scan's reads nor its stacked gradients (the per-iteration
+        gradient the loop accumulates) move a dim; the one reorder from the stack's [layers, ...] is here, once
+        per step. Each data shard gets its own copy of the stage's parameters (made once, before the loop),
+        whose gradient it accumulates alone."""
         if r == 1:
-            x = x.reshape((s, k) + x.shape[1:])
+            x = jnp.moveaxis(x.reshape((s, k) + x.shape[1:]), 0, 1)
         else:
-            x = jnp.moveaxis(x.reshape((r, s, k) + x.shape[1:]), 1, 0)
+            x = jnp.moveaxis(x.reshape((r, s, k) + x.shape[1:]), 1, 2)
         if g > 1:
-            x = split(jnp.broadcast_to(x[:, None], (s, g) + x.shape[1:]), 1, p.data)
-        return _stage_dim(x, p)
+            x = split(jnp.broadcast_to(jnp.expand_dims(x, sd + 1), x.shape[:sd + 1] + (g,) + x.shape[sd + 1:]),
+                      sd + 1, p.data)
+        return split(x, sd, p.axis)
 
     weights = [by_stage(x) for x in xs_leaves]
     ys_tree: list[Any] = []
 
+    def layer_inputs(w: list[jax.Array]) -> list[list[jax.Array]]:
+        """Per layer of the stage, its slice of each stacked input: `lax.split` along the layer dim, whose
+        transpose is one concatenate of the layers' gradients (fused by XLA into the accumulation over the
+        microbatches; a layer scan instead writes each gradient into a stacked buffer, a copy per layer and
+        iteration). Keys (no gradient) are indexed."""
+        cols = [[x[i] for i in range(k)] if key or k == 1 else
+                [jax.lax.squeeze(piece, (0,)) for piece in jax.lax.split(x, (1,) * k, axis=0)]
+                for x, key in zip(w, keys)]
+        return [[c[i] for c in cols] for i in range(k)]
+
     def stage(h: list[jax.Array], w: list[jax.Array], m: jax.Array) -> list[jax.Array]:
-        """One stage's layers on one microbatch (or its share on one data shard); `m` is folded into the
-        per-layer keys (microbatch index, times shards, plus the shard)."""
+        """One stage's layers, unrolled, on one microbatch (or its share on one data shard); `m` is folded into
+        the per-layer keys (microbatch index, times shards, plus the shard)."""
         w = [_fold(x, m) if key else x for x, key in zip(w, keys)]
-        out, ys = scan(body, jax.tree.unflatten(carry_tree, h), jax.tree.unflatten(xs_tree, w))
-        if jax.tree.leaves(ys):
-            raise ShardingError(f"{where}: the layer body returns per-layer outputs ({jax.tree.structure(ys)}); a "
-                                f"pipelined stack can only carry its activations (return None as the scan's y)")
-        ys_tree.append(jax.tree.structure(ys))
+        out = jax.tree.unflatten(carry_tree, h)
+        for x in layer_inputs(w):
+            out, ys = body(out, jax.tree.unflatten(xs_tree, x))
+            if jax.tree.leaves(ys):
+                raise ShardingError(f"{where}: the layer body returns per-layer outputs ({jax.tree.structure(ys)}); "
+                                    f"a pipelined stack can only carry its activations (return None as the scan's y)")
+            ys_tree.append(jax.tree.structure(ys))
         return jax.tree.leaves(out)
 
     if p.remat:
         stage = jax.checkpoint(stage, policy=jax.checkpoint_policies.nothing_saveable)
+    # the weights are vmapped at dim 1 ([k, stages, (shards,) ...], one repeat taken): the layer scan's own dim
+    run = stage
     if g > 1:
-        per_shard = jax.vmap(stage, spmd_axis_name=p.data)
-        run = jax.vmap(per_shard, spmd_axis_name=p.axis)
-    else:
-        run = jax.vmap(stage, spmd_axis_name=p.axis)
+        run = jax.vmap(run, in_axes=(0, 1, 0), spmd_axis_name=p.data)
+    run = jax.vmap(run, in_axes=(0, 1, 0), spmd_axis_name=p.axis)
 
     def run_stages(ins: list[jax.Array], w: list[jax.Array], micro: jax.Array) -> list[jax.Array]:
         if g == 1:
@@ -158,7 +176,7 @@ def pipelined_scan(body: Callable, init: Any, xs: Any, p: Pipeline, scan: Callab
     first_final = p.microbatches * (r - 1) + s - 1  # the first iteration whose last-stage output is final
 
     def take_repeat(x: jax.Array, i: jax.Array) -> jax.Array:
-        return jax.lax.dynamic_index_in_dim(x, i, axis=lead - 1, keepdims=False)
+        return jax.lax.dynamic_index_in_dim(x, i, axis=0, keepdims=False)
 
     def iteration(state: tuple[list, list], t: jax.Array) -> tuple[tuple[list, list], None]:
         io, shift = state
@@ -171,7 +189,8 @@ def pipelined_scan(body: Callable, init: Any, xs: Any, p: Pipeline, scan: Callab
         ins = [_stage_dim(jnp.where(row_is(0, c) & (t < p.microbatches), c, sh), p) for c, sh in zip(cols, shift)]
         done = jnp.maximum(t - rows, 0)  # per stage: pieces of work taken so far
         w = weights if r == 1 else [
-            _stage_dim(jax.vmap(take_repeat)(x, jnp.minimum(done // p.microbatches, r - 1)), p) for x in weights]
+            split(jax.vmap(take_repeat, in_axes=(sd, 0), out_axes=1)(x, jnp.minimum(done // p.microbatches, r - 1)),
+                  1, p.axis) for x in weights]
         outs = [_stage_dim(o, p) for o in run_stages(ins, w, done % p.microbatches)]
         shift = [stage_shift(o, 1) for o in outs]
         final = t >= first_final

@@ -566,7 +566,8 @@ class TaskBuilder:
         for v, m in zip(op.outputs, self._made_layouts(op, plan.strategies[op_id])):
             out_keys.append((self.canon(v), m, HOME if m == plan.shardings[v] else MADE))
         outs = tuple(kid(k) for k in out_keys)
-        free = op.primitive in FREE_PRIMITIVES or all(info.constant[self.canon(v)] for v in op.outputs)
+        free = (op.primitive in FREE_PRIMITIVES or all(info.constant[self.canon(v)] for v in op.outputs)
+                or op_id in info.bitcast and self._reads_dot_as_made(plan, op, need_shardings[0]))
         own = () if free else op_collectives(op, need_shardings, [g.values[v].shape for v in op.inputs],
                                              [self._itemsize[v] for v in op.inputs], self.mesh)
         if own:  # the op is its own collectives (shardc.cost.op_collectives), from its operands to its results
@@ -597,6 +598,15 @@ class TaskBuilder:
                     made(key)
         slot.made = tuple(made_keys)
         return slot.seal()
+
+    def _reads_dot_as_made(self, plan: Plan, op: Any, need: Sharding) -> bool:
+        """Whether transpose `op` reads its dot's result in the layout the dot makes it (no reshard between
+        them: in XLA the transpose's operand is the dot itself, which layout assignment can make it a
+        bitcast of, `ProgramInfo.bitcast`)."""
+        v = op.inputs[0]
+        p = self.graph.values[self.canon(v)].producer
+        made = self._made_layouts(self.graph.ops[p], plan.strategies[p])[0]
+        return need == plan.shardings[v] == made
 
     def _op_cost(self, op: Any, ins: list[Sharding], outs: list[Sharding]) -> tuple[float, Any]:
         """Seconds and FLOP count of one op at these layouts, memoised over ops with the same primitive,

@@ -124,7 +124,8 @@ def dots_run(hlo: str) -> int:
 
 def test_1f1b_recomputes_each_stage():
     """1F1B keeps only stage inputs: its backward pass recomputes the stages' forward, two more dots per layer
-    and microbatch on top of gpipe's 2 forward + 4 backward."""
+    and microbatch on top of gpipe's 2 forward + 4 backward — but the stage's last dot (its output, which no
+    gradient reads; the stage's layers are unrolled, so XLA drops it)."""
     axes = {"stage": 2, "data": 4}
     mesh = shardc.make_mesh(axes)
     step, args = make_step(None), make_args()
@@ -132,8 +133,9 @@ def test_1f1b_recomputes_each_stage():
     for schedule in ("gpipe", "1f1b"):
         piped = pipeline_jit(step, for_mesh(2, 4, axes, schedule, data=("data",)), mesh)
         dots[schedule] = dots_run(piped.lower(*args).compile().as_text())
-    per_layer_iteration = 5 * (LAYERS // 2)  # iterations x layers per stage
-    assert dots["1f1b"] - dots["gpipe"] == 2 * per_layer_iteration, dots
+    iterations = 5
+    per_layer_iteration = iterations * (LAYERS // 2)  # iterations x layers per stage
+    assert dots["1f1b"] - dots["gpipe"] == 2 * per_layer_iteration - iterations, dots
 
 
 def test_stack_found_and_errors():
@@ -210,3 +212,30 @@ def test_auto_pipeline_runs_the_plan(search):
     rows = {r.quantity: r for r in report.rows}
     assert rows["collective-permute bytes"].predicted == rows["collective-permute bytes"].compiled > 0
     assert all(r.ok for q, r in rows.items() if q.endswith("bytes") and q != "peak memory bytes")
+
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_weight_gradients_accumulate_without_copies(case, schedule):
+    """Each stage's layers are unrolled over `lax.split` slices of its weights, so the backward loop sums the
+    layers' weight gradients into the accumulator as one concatenate, fused with the add: XLA makes no
+    per-layer copy of a gradient into a stacked buffer (a layer scan's dynamic-update-slice, once per layer and
+    iteration). (The circular schedule still writes each iteration's gradient into its repeat's slot.)"""
+    axes, model_axis, data = CASES[case]
+    mesh = shardc.make_mesh(axes)
+    step, args = make_step(model_axis), make_args()
+    pipe = for_mesh(axes["stage"], 4, axes, schedule, data=data)
+    mod = parse_hlo(pipeline_jit(step, pipe, mesh).lower(*args).compile().as_text())
+    mult = _multiplicities(mod)
+    weights = {(D, 2 * D), (2 * D, D), (D, D)}  # a layer's matrices on a device (a model split halves 2D)
+    copies, concats = 0, 0
+    for comp, instrs in mod.computations.items():
+        for i in instrs:
+            dims = re.match(r"\w+\[([\d,]*)\]", str(i.shape))
+            shape = tuple(int(d) for d in dims.group(1).split(",") if d) if dims else ()
+            if mult.get(comp, 0) > 1 and shape[-2:] in weights:
+                copies += mult[comp] * (i.opcode == "dynamic-update-slice")
+                concats += mult[comp] * (i.opcode == "concatenate")
+    assert copies == 0
+    assert concats == 2 * pipe.iterations  # per matrix, its layers' gradients concatenated once per iteration
