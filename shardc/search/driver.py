@@ -309,7 +309,7 @@ def save_plan(plan: Plan, path: str, topology: str | None = None, hints: Sequenc
     data = {"version": 1, "graph": graph_key(plan.graph), "mesh": plan.mesh_sizes, "topology": topology,
             "hints": None if hints is None else hints_key(hints),
             "seeds": [{"value": s.value, "dims": [None if d is None else list(d) for d in s.dims],
-                       "cause": s.cause.description} for s in seeds]}
+                       "cause": s.cause.description, "priority": s.priority} for s in seeds]}
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
@@ -350,5 +350,6 @@ def load_plan(path: str, problem: Problem, *, mesh: Mapping[str, int] | None = N
         raise ShardingError(f"saved plan {path} was made for other hints (a hint or the Flax partitioning metadata "
                             f"changed since it was saved); delete it to search again")
     extra = [Seed(s["value"], tuple(None if d is None else tuple(d) for d in s["dims"]),
-                  Cause(SEARCH_CAUSE.kind, s.get("cause", SEARCH_CAUSE.description)), 1) for s in data["seeds"]]
+                  Cause(SEARCH_CAUSE.kind, s.get("cause", SEARCH_CAUSE.description)), int(s.get("priority", 1)))
+             for s in data["seeds"]]
     return plan_from_seeds(problem, mesh, user + extra)
