@@ -23,6 +23,7 @@ from shardc.search.compare import GroupNote, compare_groups
 from shardc.search.dp import sp_dp
 from shardc.search.evaluate import INVALID, Evaluator, Problem, Score, paused_gc, plan_from_seeds
 from shardc.search.mcmc import mcmc
+from shardc.search.polish import polish
 from shardc.search.space import (SEARCH_CAUSE, Assignment, Space, build_space, mixing_domains,
                                  plan_choices, project_plan, seeds_for)
 from shardc.sharding import make_mesh
@@ -234,6 +235,14 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
             mixes.append(plan_choices(ev.space, plan))
         base = min(starts, key=lambda s: (ev.score(s).key, s))
         doms = mixing_domains(ev.space, mixes + [base])  # the DP mixes the baselines per kind of layer
+        # each other start polished by single-group moves (a slower baseline may be one move from the best
+        # plan): at most a quarter of the share, split evenly between the starts, the fastest first
+        others = sorted({s for s in starts if s != base}, key=lambda s: (ev.score(s).key, s))
+        for s in others:
+            if not math.isfinite(share) or budget.out_of_time():
+                break
+            starts.append(polish(ev, s, doms, max_evals=int(share / 4 / len(others)), on_eval=lambda: bar.update(1)))
+        base = min(starts, key=lambda s: (ev.score(s).key, s))
         dp_evals = sum(len(d) - 1 for d in doms) + 10  # its unary pass
         skip_dp = method is True and dp_evals > share / 2  # (DP+MCMC skips a DP that cannot finish in half its share)
         if method in (True, "dp") and not skip_dp and not budget.out_of_time():
