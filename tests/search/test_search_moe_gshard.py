@@ -75,3 +75,42 @@ def test_unhinted_moe_layer_is_planned_in_gshard_form():
     got, want = af(*args), jax.jit(step)(*args)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-5)
+
+
+def test_role_mixes_pair_expert_parallel_experts_with_another_baselines_rest():
+    """In a program with experts, a role mix takes expert parallelism's seeds for the expert weights (and their
+    moments) and another baseline's for everything else: GShard's experts with FSDP's dense state."""
+    import optax
+
+    from search_models import problem_of
+    from shardc.search.baselines import baseline_seeds, expert_weights, role_mixes
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            moe = MoeFeedForward(num_experts=8, hidden_dim=64, num_groups=8, group_axes=None, expert_axes=None)
+            return moe(nn.Dense(32)(x))[0]
+
+    net = Net()
+    x = jnp.ones((8, 16, 32))
+    params = net.init(jax.random.key(0), x)["params"]
+    tx = optax.adam(1e-3)
+
+    def step(params, opt_state, x):
+        grads = jax.grad(lambda p: jnp.mean(net.apply({"params": p}, x) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    g = problem_of(step, (params, tx.init(params), x)).graph
+    experts = set(expert_weights(g))
+    assert {g.values[v].shape for v in experts} == {(8, 32, 64), (8, 64, 32)}  # wi, wo (moments: by name)
+    sets = {n: baseline_seeds(n, g, {"data": 8}) for n in ("expert-parallel", "fsdp")}
+    mixes = dict(role_mixes(g, sets))
+    mix = {(s.value, s.priority): s.dims for s in mixes["expert-parallel experts + fsdp rest"]}
+    for s in sets["expert-parallel"]:
+        if s.value in experts:
+            assert mix[(s.value, s.priority)] == s.dims
+    for s in sets["fsdp"]:
+        if s.value not in experts:
+            assert mix[(s.value, s.priority)] == s.dims
+    assert list(mixes)[0].endswith("experts + fsdp rest") or list(mixes)[0].endswith("experts + expert-parallel rest")
