@@ -412,9 +412,11 @@ Against the targets (issue 6):
   2), so FSDP gathers a weight where it is used instead of re-splitting the activations along it (`moe-auto` FSDP
   on `h100-sxm-8`: 67.51 ms at the old code, 40.58 ms now); role mixes take expert parallelism's experts with
   another baseline's rest (GShard's experts with FSDP's dense state); and every start but the best is polished by
-  single-group moves. `moe-auto`'s search against the hinted `moe` search: H100_AUTO on `h100-sxm-8`, and
+  single-group moves. `moe-auto`'s search against the hinted `moe` search: 34.37 ms against 34.70 ms (0.99x) on `h100-sxm-8`, and
   97.09 ms against 95.32 ms (1.02x) on `tpu-v5e-8` (before: 38.21 ms against 34.62 ms, 1.10x, on `h100-sxm-8` at
-  the old code today). The `h100-sxm-8x8` rows of both models are the earlier session's: the machine was too
+  the old code today). Their planning times are wall-clock under a load average of about 14 on the 2 cores
+  (other sessions' jobs); the budget is a number of plans, so a quiet machine gets the same plans faster. The
+  `h100-sxm-8x8` rows of both models are the earlier session's: the machine was too
   loaded to re-measure them in this session, so the target there is not shown met. The other models' rows were
   not re-measured at this code either (their plans may change slightly: they have batch hints, which the new
   seeding order does not touch, but the polish takes up to a quarter of each mesh's share from MCMC).
