@@ -21,7 +21,15 @@ from shardc.ir.graph import Graph
 from shardc.propagate import Cause, Seed
 
 __all__ = ["BASELINES", "baseline_seeds", "stacked_state", "baseline_plan", "state_inputs", "data_inputs",
-           "parameter_inputs", "role_mixes", "consistent_carry", "expert_weights"]
+           "parameter_inputs", "role_mixes", "consistent_carry", "expert_weights", "input_priority",
+           "COMPUTE_PRIORITY", "STORAGE_PRIORITY"]
+
+# Seed priorities of the search's own seeds (the user's are 0). The layouts that decide where the compute runs
+# -- the batch, the experts, the ops the search decides -- are propagated first; the carried state's storage
+# layout after them, so that where the two disagree the state is resharded (an FSDP weight gathered where it
+# is used), not the activations (a batch-split activation re-split along the weight's sharded dim).
+COMPUTE_PRIORITY = 1
+STORAGE_PRIORITY = 2
 
 Axes = tuple[str, ...]
 # the argument a flattened input's path starts with: its parameter name (params[...]) or index ([0][...])
@@ -58,33 +66,57 @@ def parameter_inputs(graph: Graph) -> list[int]:
 
 
 def role_mixes(graph: Graph, seed_sets: Mapping[str, Sequence[Seed]]) -> list[tuple[str, list[Seed]]]:
-    """For each ordered pair of baselines (name -> its seeds on one mesh): the first's seeds for the
-    parameters and the data, the second's for the rest of the carried state. Data parallel's parameters
-    with FSDP's optimizer state is ZeRO-1/2 (parameters replicated for compute, moments sharded, gradients
-    reduce-scattered, updated parameters all-gathered); Megatron's with FSDP's is Megatron + ZeRO-1. These
-    mix whole roles at once, which one-decision moves (MCMC) and per-group mixing (the DP) reach only one
-    group at a time. Returns (label, seeds), identical seed sets once."""
+    """For each ordered pair of baselines (name -> its seeds on one mesh), two kinds of mix:
+
+    * in a program with experts (`expert_weights`), the first's seeds for the expert weights (and their
+      moments), the second's for everything else: expert parallelism's experts with FSDP's dense state is
+      GShard's layout with ZeRO-3 for the rest (tokens over the data axes, experts over the expert axis);
+    * the first's seeds for the parameters and the data, the second's for the rest of the carried state.
+      Data parallel's parameters with FSDP's optimizer state is ZeRO-1/2 (parameters replicated for compute,
+      moments sharded, gradients reduce-scattered, updated parameters all-gathered); Megatron's with FSDP's
+      is Megatron + ZeRO-1.
+
+    These mix whole roles at once, which one-decision moves (MCMC) and per-group mixing (the DP) reach only
+    one group at a time. Returns (label, seeds), identical seed sets once, the expert mixes first."""
     params = set(parameter_inputs(graph))
     rest = set(state_inputs(graph)) - params
-    if not params or not rest:
-        return []
+    experts = set(expert_weights(graph))
+    roles: list[tuple[set[int], str, str]] = []  # (values the first baseline seeds, its role, the other's)
+    if experts:
+        roles.append((experts, "experts", "rest"))
+    if params and rest:
+        roles.append((set(graph.inputs) - rest, "parameters", "state"))
     tied = graph.carried()
     out: list[tuple[str, list[Seed]]] = []
     seen: set[tuple] = set()
-    for a, sa in seed_sets.items():
-        for b, sb in seed_sets.items():
-            if a == b:
-                continue
-            seeds = [s for s in sa if s.value not in rest] + [s for s in sb if s.value in rest]
-            # the next step's state seeded like this one, so propagation lays out the update for it (the
-            # plan would keep the carried layout anyway, resharding the result at the end)
-            seeds += [Seed(tied[s.value], s.dims, s.cause, s.priority) for s in seeds if s.value in tied]
-            key = tuple(sorted((s.value, s.dims) for s in seeds))
-            if key in seen or not seeds:
-                continue
-            seen.add(key)
-            out.append((f"{a} parameters + {b} state", seeds))
+    for first, role_a, role_b in roles:
+        for a, sa in seed_sets.items():
+            for b, sb in seed_sets.items():
+                if a == b:
+                    continue
+                seeds = [s for s in sa if s.value in first] + [s for s in sb if s.value not in first]
+                # the next step's state seeded like this one, so propagation lays out the update for it (the
+                # plan would keep the carried layout anyway, resharding the result at the end)
+                seeds += [Seed(tied[s.value], s.dims, s.cause, s.priority) for s in seeds if s.value in tied]
+                key = tuple(sorted((s.value, s.dims, s.priority) for s in seeds))
+                if key in seen or not seeds:
+                    continue
+                seen.add(key)
+                out.append((f"{a} {role_a} + {b} {role_b}", seeds))
     return out
+
+
+def input_priority(graph: Graph, v: int) -> int:
+    """The priority of a search seed on graph input `v`: `STORAGE_PRIORITY` for carried state, but for the
+    expert weights and their moments (`expert_weights`: their expert dim is a batch dim of the einsum they
+    feed, so their layout is where the experts compute, as the batch's is where the tokens do);
+    `COMPUTE_PRIORITY` for the rest (the data)."""
+    storage = graph.analysis("storage_inputs", lambda: frozenset(state_inputs(graph)) - frozenset(expert_weights(graph)))
+    return STORAGE_PRIORITY if v in storage else COMPUTE_PRIORITY
+
+
+def _seed(graph: Graph, v: int, dims: Sequence[Axes | None], name: str) -> Seed:
+    return Seed(v, tuple(dims), _cause(name), input_priority(graph, v))
 
 
 def data_inputs(graph: Graph) -> list[int]:
@@ -133,12 +165,12 @@ def _batch(graph: Graph, mesh: Mapping[str, int], axes: Sequence[str], name: str
         val = graph.values[v]
         dims: list[Axes | None] = [None] * val.rank
         dims[0] = _fit_batch(axes, val.shape[0], mesh)
-        seeds.append(Seed(v, tuple(dims), _cause(name), 1))
+        seeds.append(Seed(v, tuple(dims), _cause(name), COMPUTE_PRIORITY))
     return seeds
 
 
 def _replicated_state(graph: Graph, name: str) -> list[Seed]:
-    return [Seed(v, tuple(() for _ in graph.values[v].shape), _cause(name), 1) for v in state_inputs(graph)]
+    return [_seed(graph, v, [() for _ in graph.values[v].shape], name) for v in state_inputs(graph)]
 
 
 def data_parallel(graph: Graph, mesh: Mapping[str, int]) -> list[Seed]:
@@ -158,7 +190,7 @@ def fsdp(graph: Graph, mesh: Mapping[str, int]) -> list[Seed]:
             if ax:
                 dims[d] = ax
                 break
-        seeds.append(Seed(v, tuple(dims), _cause("fsdp"), 1))
+        seeds.append(_seed(graph, v, dims, "fsdp"))
     return seeds
 
 
@@ -194,7 +226,7 @@ def megatron(graph: Graph, mesh: Mapping[str, int], stacked: Sequence[int] = (),
                 dims[lead + d] = (model,)
         elif len(shape) >= 3 and shape[-1] % mesh[model] == 0:
             dims[-1] = (model,)
-        seeds.append(Seed(v, tuple(dims), _cause("megatron"), 1))
+        seeds.append(_seed(graph, v, dims, "megatron"))
     return seeds
 
 
@@ -242,7 +274,7 @@ def expert_parallel(graph: Graph, mesh: Mapping[str, int]) -> list[Seed] | None:
     seeds = _batch(graph, mesh, data if model else list(mesh), "expert-parallel")
     for v in experts:
         val = graph.values[v]
-        seeds.append(Seed(v, ((axis,),) + tuple(() for _ in val.shape[1:]), _cause("expert-parallel"), 1))
+        seeds.append(_seed(graph, v, ((axis,),) + tuple(() for _ in val.shape[1:]), "expert-parallel"))
     return seeds
 
 
@@ -284,7 +316,7 @@ def _pipelined(name: str, graph: Graph, mesh: Mapping[str, int], pipeline: Any) 
         s = by_value.get(v)
         dims = list(s.dims) if s is not None else [() for _ in val.shape]
         dims[0] = (axis,) + tuple(a for a in (dims[0] or ()) if a != axis)
-        out.append(Seed(v, tuple(dims), _cause(name), 1))
+        out.append(Seed(v, tuple(dims), _cause(name), COMPUTE_PRIORITY))  # (the stage axis places the compute)
     return out
 
 

@@ -23,6 +23,7 @@ from shardc.search.compare import GroupNote, compare_groups
 from shardc.search.dp import sp_dp
 from shardc.search.evaluate import INVALID, Evaluator, Problem, Score, paused_gc, plan_from_seeds
 from shardc.search.mcmc import mcmc
+from shardc.search.polish import polish
 from shardc.search.space import (SEARCH_CAUSE, Assignment, Space, build_space, mixing_domains,
                                  plan_choices, project_plan, seeds_for)
 from shardc.sharding import make_mesh
@@ -234,6 +235,14 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
             mixes.append(plan_choices(ev.space, plan))
         base = min(starts, key=lambda s: (ev.score(s).key, s))
         doms = mixing_domains(ev.space, mixes + [base])  # the DP mixes the baselines per kind of layer
+        # each other start polished by single-group moves (a slower baseline may be one move from the best
+        # plan): at most a quarter of the share, split evenly between the starts, the fastest first
+        others = sorted({s for s in starts if s != base}, key=lambda s: (ev.score(s).key, s))
+        for s in others:
+            if not math.isfinite(share) or budget.out_of_time():
+                break
+            starts.append(polish(ev, s, doms, max_evals=int(share / 4 / len(others)), on_eval=lambda: bar.update(1)))
+        base = min(starts, key=lambda s: (ev.score(s).key, s))
         dp_evals = sum(len(d) - 1 for d in doms) + 10  # its unary pass
         skip_dp = method is True and dp_evals > share / 2  # (DP+MCMC skips a DP that cannot finish in half its share)
         if method in (True, "dp") and not skip_dp and not budget.out_of_time():
@@ -309,7 +318,7 @@ def save_plan(plan: Plan, path: str, topology: str | None = None, hints: Sequenc
     data = {"version": 1, "graph": graph_key(plan.graph), "mesh": plan.mesh_sizes, "topology": topology,
             "hints": None if hints is None else hints_key(hints),
             "seeds": [{"value": s.value, "dims": [None if d is None else list(d) for d in s.dims],
-                       "cause": s.cause.description} for s in seeds]}
+                       "cause": s.cause.description, "priority": s.priority} for s in seeds]}
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
@@ -350,5 +359,6 @@ def load_plan(path: str, problem: Problem, *, mesh: Mapping[str, int] | None = N
         raise ShardingError(f"saved plan {path} was made for other hints (a hint or the Flax partitioning metadata "
                             f"changed since it was saved); delete it to search again")
     extra = [Seed(s["value"], tuple(None if d is None else tuple(d) for d in s["dims"]),
-                  Cause(SEARCH_CAUSE.kind, s.get("cause", SEARCH_CAUSE.description)), 1) for s in data["seeds"]]
+                  Cause(SEARCH_CAUSE.kind, s.get("cause", SEARCH_CAUSE.description)), int(s.get("priority", 1)))
+             for s in data["seeds"]]
     return plan_from_seeds(problem, mesh, user + extra)

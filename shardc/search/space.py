@@ -242,26 +242,31 @@ def _op_choice_ok(graph: Graph, ops, choice, pinned, mesh) -> bool:
 
 
 def seeds_for(space: Space, assignment: Assignment, user_seeds: Sequence[Seed] = ()) -> list[Seed]:
-    """Seeds (priority 1) that realise `assignment`: inputs first, then ops' operands and results; a dim
-    the user pinned or an earlier decision set is left alone, and no axis is put twice on one value."""
+    """Seeds that realise `assignment`: inputs first, then ops' operands and results; a dim the user pinned
+    or an earlier decision set is left alone, and no axis is put twice on one value. An op's choice is a
+    compute layout (priority 1); an input's has the priority of `baselines.input_priority` (the carried
+    state's storage layout comes after the compute's), as the baselines seed them, so that a baseline's
+    point of the space (`project_plan`) is the baseline."""
+    from shardc.search.baselines import COMPUTE_PRIORITY, input_priority
+
     g = space.graph
     pinned_vals: dict[int, dict[int, Axes]] = {}
     for s in user_seeds:
         for d, ax in enumerate(s.dims):
             if ax is not None:
                 pinned_vals.setdefault(s.value, {})[d] = tuple(ax)
-    chosen: dict[int, dict[int, Axes]] = {}
+    chosen: dict[int, dict[int, tuple[Axes, int]]] = {}  # value -> dim -> (axes, priority)
 
-    def put(vid: int, dims: Sequence[Axes]) -> None:
+    def put(vid: int, dims: Sequence[Axes], priority: int) -> None:
         cur = chosen.setdefault(vid, {})
         pins = pinned_vals.get(vid, {})
-        used = {a for ax in list(cur.values()) + list(pins.values()) for a in ax}
+        used = {a for ax, _ in cur.values() for a in ax} | {a for ax in pins.values() for a in ax}
         for d, ax in enumerate(dims):
             if d in cur or d in pins:
                 continue
             if used & set(ax):
                 ax = ()
-            cur[d] = ax
+            cur[d] = (ax, priority)
             used.update(ax)
 
     order = sorted(range(len(space.groups)), key=lambda i: space.groups[i].kind != "input")
@@ -272,16 +277,18 @@ def seeds_for(space: Space, assignment: Assignment, user_seeds: Sequence[Seed] =
         choice = grp.choices[c]
         for m in grp.members:
             if grp.kind == "input":
-                put(m, choice)
+                put(m, choice, input_priority(g, m))
             else:
                 op = g.ops[m]
                 st = OpStrategy(choice)
                 for v, dims in zip(op.inputs + op.outputs, op.rule.operands + op.rule.results):
-                    put(v, st.tensor_sharding(op.rule, dims, space.mesh).dims)
+                    put(v, st.tensor_sharding(op.rule, dims, space.mesh).dims, COMPUTE_PRIORITY)
     seeds = []
     for vid, dims in chosen.items():
         rank = g.values[vid].rank
-        seeds.append(Seed(vid, tuple(dims.get(d) for d in range(rank)), SEARCH_CAUSE, 1))
+        for prio in sorted({p for _, p in dims.values()}):
+            seeds.append(Seed(vid, tuple(dims[d][0] if d in dims and dims[d][1] == prio else None for d in range(rank)),
+                              SEARCH_CAUSE, prio))
     return seeds
 
 
