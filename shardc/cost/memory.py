@@ -25,9 +25,11 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from shardc.cost.program import ProgramInfo
+from shardc.cost.program import _ARITHMETIC, ProgramInfo
 
 __all__ = ["MemoryModel", "MemoryResult"]
+
+COPIES_EARLY = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,10 +166,13 @@ class MemoryModel:
                     n = math.prod(self.keys.local_shape(op.outputs[0], sharding))
                     out.append((min(self._ready[c], at), at, int(v.dtype.itemsize) * n))
         for i in self.info.copies[op.id] if self.info.copies else ():  # the dot decomposition's operand copies
+            if COPIES_EARLY and (op.id, i) not in self.info.copy_owner:
+                continue
             c = self.info.canon[op.inputs[i]]
             s = next((s for k, s, _ in keys if k == c), None)
             if s is not None:
-                out.append((at, at, int(self.graph.values[c].dtype.itemsize) * math.prod(self.keys.local_shape(c, s))))
+                start = min(self._copy_start(c), at) if COPIES_EARLY else at
+                out.append((start, at, int(self.graph.values[c].dtype.itemsize) * math.prod(self.keys.local_shape(c, s))))
         if op.primitive == "select_and_scatter_add" and len(keys) >= 2:
             (cs, ss, _), (co, so, _) = keys[:2]  # (source, operand)
             rank = len(self.graph.values[co].shape)
@@ -178,6 +183,22 @@ class MemoryModel:
             out += [(0, ready, 4 * rank * n_in), (ready, ready, (item + 4 * rank) * n_out),
                     (min(ready + 1, at), at, 4 * rank * n_out), (0, at - 1, item * n_in)]
         return tuple(out)
+
+    def _copied(self, op_id: int) -> frozenset[int]:
+        """Canonical values dot `op_id` reads only through the dot decomposition's copies of them (its reads of
+        the value itself end where the copy is made)."""
+        if not COPIES_EARLY or not self.info.copies or not self.info.copies[op_id]:
+            return frozenset()
+        op, canon, idx = self.graph.ops[op_id], self.info.canon, self.info.copies[op_id]
+        return frozenset(canon[op.inputs[i]] for i in idx) - {canon[v] for j, v in enumerate(op.inputs) if j not in idx}
+
+    def _copy_start(self, c: int) -> int:
+        """Where the breadth-first schedule makes a dot decomposition's copy of value `c`: as soon as `c` exists,
+        or, when `c` is cheap elementwise work, with `c` itself (the copy is a fusion recomputing it)."""
+        p = self.graph.values[c].producer
+        if p is not None and self.info.eager and self.info.live[p] and self.graph.ops[p].primitive in _ARITHMETIC:
+            return 2 * self.order[p]
+        return self._ready[c]
 
     def _fused_slice(self, slot: Any, i: int) -> bool:
         """Whether task `i` of a slot is a reshard without collectives (a local slice of its operand) that XLA
@@ -213,12 +234,15 @@ class MemoryModel:
         materialised (`ProgramInfo.until`)."""
         flags = self.keys.is_value_key
         until = dict(self.info.until[slot.op]) if self.info.until else {}
+        copied = self._copied(slot.op)
         out: dict[int, int] = {}
         for i, t in enumerate(slot.tasks):
             fused_in = until and (i == slot.at or self._fused_slice(slot, i))
             for d in t.deps:
                 if flags[d]:
                     pos = self._position(slot, i, d, read=True)
+                    if i == slot.at and self.keys.key_list[d][0] in copied:  # the dot reads its copy
+                        pos = min(pos, self._copy_start(self.keys.key_list[d][0]))
                     if fused_in:
                         u = until.get(self.keys.key_list[d][0], -1)
                         if u >= 0:

@@ -42,6 +42,8 @@ FUSIBLE = frozenset(ELEMENTWISE) | frozenset(TRANSCENDENTAL) | frozenset({
     "select_n", "stop_gradient", "slice", "transpose", "rev", "pad", "concatenate", "split"})
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
                         "argmax", "argmin"})
+# Elementwise computation (not data movement): what a fusion recomputes into each consumer when it is cheap.
+_ARITHMETIC = frozenset(ELEMENTWISE) | frozenset(TRANSCENDENTAL) | frozenset({"integer_pow", "select_n"})
 # Reductions XLA:CPU hands to a library (YNNPACK) as a fusion of their own (floating point only).
 LIBRARY_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 # A PCG's parallel op in the plan `shardc.pcg.simcost` makes of a PCG: no computation of its own, but (as
@@ -99,6 +101,7 @@ class ProgramInfo:
     reshard_trips: tuple[tuple[int, int], ...] = ()  # per op: runs of its operands' and its results' reshards
     unread: frozenset[tuple[int, int]] = frozenset()  # (op, operand index) XLA does not read (`unread_operands`)
     copies: tuple[tuple[int, ...], ...] = ()  # per op (XLA:CPU): operands its dot decomposition copies (`dot_copies`)
+    copy_owner: frozenset[tuple[int, int]] = frozenset()  # (op, operand) whose copy is counted (`last_copies`)
 
     def counts(self, op_id: int) -> bool:
         """Whether an op does work in the compiled program."""
@@ -159,23 +162,44 @@ def _dot_orders(op: Any, graph: Graph) -> list[tuple[tuple[int, ...], ...]]:
     return out
 
 
-def dot_copies(graph: Graph, live: Sequence[bool], canon: Sequence[int],
-               physical: Mapping[int, tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+def dot_copies(graph: Graph, live: Sequence[bool], canon: Sequence[int], physical: Mapping[int, tuple[int, ...]],
+               cheap: frozenset[int] = frozenset()) -> tuple[tuple[int, ...], ...]:
     """XLA:CPU's dot decomposition transposes a dot's operand into an order it reads (`_dot_orders`): a copy
-    of the operand unless its buffer already has that memory order (`physical_orders`). Per op: the indices
-    of the operands it copies (each copy lives while its dot runs)."""
+    of the operand unless its buffer already has that memory order (`physical_orders`). It also reshapes an
+    operand with several batch, free or contracting dims into one of each; that reshape is a bitcast unless
+    the operand is computed by a cheap elementwise op (`cheap`: canonical values), which fusion duplicates
+    into the reshape: a buffer of its own for that dot. Per op: the indices of the operands it copies."""
     out: list[tuple[int, ...]] = [()] * len(graph.ops)
     for op in graph.ops:
         if op.primitive != "dot_general" or not live[op.id]:
             continue
         copied = []
+        (lc, rc), (lb, rb) = op.params["dimension_numbers"]
         for i, wanted in enumerate(_dot_orders(op, graph)):
             c = canon[op.inputs[i]]
             shape = graph.values[c].shape
             if tuple(d for d in physical.get(c, range(len(shape))) if shape[d] != 1) not in wanted:
                 copied.append(i)
+            elif c in cheap:
+                contract, batch = (lc, lb) if i == 0 else (rc, rb)
+                free = [d for d in range(len(shape)) if d not in contract and d not in batch]
+                if any(sum(shape[d] != 1 for d in dims) > 1 for dims in (contract, batch, free)):
+                    copied.append(i)
         out[op.id] = tuple(copied)
     return tuple(out)
+
+
+def last_copies(graph: Graph, canon: Sequence[int], copies: Sequence[tuple[int, ...]],
+                order: Sequence[int]) -> frozenset[tuple[int, int]]:
+    """(op, operand index) of the dot scheduled last among those copying one value into one memory order
+    (XLA's CSE makes that copy once; it lives until its last reader)."""
+    last: dict[tuple[int, tuple[int, ...]], tuple[int, int]] = {}
+    for op in graph.ops:
+        for i in copies[op.id] if copies else ():
+            key = (canon[op.inputs[i]], _dot_orders(op, graph)[i][0])
+            if key not in last or order[op.id] > order[last[key][0]]:
+                last[key] = (op.id, i)
+    return frozenset(last.values())
 
 
 def _library_fusions(graph: Graph, live: list[bool], canon: list[int], constant: list[bool],
@@ -317,21 +341,26 @@ def _derived(op: Any, c: int, canon: list[int]) -> list[int]:
 
 
 def _fused_reads(graph: Graph, live: list[bool], canon: list[int], fused: list[bool], consumers: list[list[int]],
-                 order: list[int]) -> tuple[tuple[tuple[int, int], ...], ...]:
+                 order: list[int], dup: Mapping[int, list[int]] | None = None) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Per op whose results are fused into their readers: for each canonical input, the last op (by `order`)
     that materialises a value computed from it — XLA recomputes a fused value inside each fusion reading it,
-    so the operands it is computed from are read there."""
+    so the operands it is computed from are read there. `dup`: materialised values also recomputed inside
+    these readers of theirs (cheap ones)."""
+    dup = dup or {}
     nv = len(graph.values)
     at = [-1] * nv  # per fused canonical value: the last op materialising something computed from it
 
     def later(a: int, b: int) -> int:
         return b if a < 0 or (b >= 0 and order[b] > order[a]) else a
 
-    def end(op: Any, c: int) -> int:
+    def end(op: Any, c: int, own: bool = False) -> int:
+        """The last op materialising what `op` computes from `c` (`own`: `op` is the producer of a `dup`
+        value, whose recomputations in its fusing readers count too; a reader's materialised result ends
+        the chain)."""
         last = -1
         for w in _derived(op, c, canon):
             cw = canon[w]
-            last = later(last, at[cw] if fused[cw] and at[cw] >= 0 else op.id)
+            last = later(last, at[cw] if (fused[cw] or own and cw in dup) and at[cw] >= 0 else op.id)
         return last
 
     out: list[tuple[tuple[int, int], ...]] = [()] * len(graph.ops)
@@ -340,14 +369,14 @@ def _fused_reads(graph: Graph, live: list[bool], canon: list[int], fused: list[b
             continue
         for v in op.outputs:
             c = canon[v]
-            if c == v and fused[c]:
-                for u in consumers[c]:
+            if c == v and (fused[c] or c in dup):
+                for u in consumers[c] if fused[c] else dup[c]:
                     at[c] = later(at[c], end(graph.ops[u], c))
-        if any(fused[canon[w]] for w in op.outputs):
+        if any(fused[canon[w]] or canon[w] in dup for w in op.outputs):
             pairs = {}
             for u in op.inputs:
                 c = canon[u]
-                e = end(op, c)
+                e = end(op, c, own=True)
                 if e >= 0 and e != op.id:
                     pairs[c] = later(pairs.get(c, -1), e)
             out[op.id] = tuple(sorted(pairs.items()))
@@ -649,7 +678,21 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
             fused[canon[op.outputs[0]]] = True
     order = (_breadth_first(graph, live, canon, constant, fused, consumers) if backend == "cpu"
              else list(range(no)))
-    until = _fused_reads(graph, live, canon, fused, consumers, order)
+    # A cheap value that is materialised (some reader cannot fuse it) is still recomputed inside each reader
+    # that fuses it (XLA duplicates cheap producers per consumer): its operands are read there too.
+    dup: dict[int, list[int]] = {}
+    if backend == "cpu":
+        for op in graph.ops:
+            if not live[op.id] or op.primitive not in _ARITHMETIC or expensive(op, graph, backend, constant):
+                continue
+            for v in op.outputs:
+                if canon[v] != v or fused[v] or constant[v] or v in outputs:
+                    continue
+                fusing = [u for u in consumers[v] if (graph.ops[u].primitive in FUSIBLE
+                                                      or graph.ops[u].primitive in REDUCTIONS) and u not in library]
+                if fusing:
+                    dup[v] = fusing
+    until = _fused_reads(graph, live, canon, fused, consumers, order, dup)
 
     trips, reshard_trips = _trips(graph)
     # Loop state: values a region's ties carry to the next iteration or out of it.
@@ -663,13 +706,18 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                                   or backend == "cpu" and op.primitive == "optimization_barrier")
                  for op in graph.ops)
     preset = _preset_state(graph, live, canon, constant, carried) if backend == "cpu" else frozenset()
+    copies: tuple[tuple[int, ...], ...] = ()
+    if backend == "cpu":
+        cheap = frozenset(c for c in set(canon) for p in (graph.values[c].producer,)
+                          if p is not None and live[p] and graph.ops[p].primitive in _ARITHMETIC
+                          and not expensive(graph.ops[p], graph, backend, constant) and not constant[c])
+        copies = dot_copies(graph, live, canon, physical_orders(graph, canon), cheap)
     return ProgramInfo(tuple(live), tuple(constant), tuple(canon), tuple(duplicate), tuple(fused),
                        tuple(trips), tuple(order), pkeys, until, span=_spans(graph, live, order),
                        carried=carried, loop=loop, library=frozenset(library), backend=backend, preset=preset,
                        eager=backend == "cpu", reshard_trips=reshard_trips, unread=cse.unread,
                        post=tuple(_post_order(graph, canon)),
-                       copies=dot_copies(graph, live, canon, physical_orders(graph, canon)) if backend == "cpu"
-                       else ())
+                       copies=copies, copy_owner=last_copies(graph, canon, copies, order))
 
 
 def _trips(graph: Graph) -> tuple[list[int], tuple[tuple[int, int], ...]]:
