@@ -30,6 +30,7 @@ from shardc.cost.program import _ARITHMETIC, ProgramInfo
 __all__ = ["MemoryModel", "MemoryResult"]
 
 COPIES_EARLY = True
+_MIN_REUSE = 1024  # outputs smaller than this (a loss) are not worth looking for values to put in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,8 @@ class MemoryModel:
         self.bounds: dict[int, tuple[int, int]] = {}  # key id -> (starts no earlier, ends no earlier) slots
         self.args = self.outs = self.alias = 0
         self._planned: Sequence[Any] = ()  # the plan's sharding per value
+        self.out_made: dict[int, int] = {}  # output value -> the position that makes it
+        self._free_outs: list[tuple[int, int]] = []  # (bytes, value) of outputs not written into donated inputs
         self.order = info.order  # op -> its position in the compiled program's schedule
         self._op_at = [0] * self.n  # position -> op
         for op, i in enumerate(self.order):
@@ -98,6 +101,8 @@ class MemoryModel:
             return
         c, sharding, origin = self.keys.key_list[kid]
         if (c in self._inputs or c in self._outputs) and origin == 0 and sharding == self._planned[c]:
+            if c in self._outputs and c not in self._inputs:
+                self.out_made[c] = owner[1]
             return  # counted with the arguments / outputs (other layouts of them are temporaries)
         b = 0 if owner[2] else self._bytes(kid)
         if b == 0:
@@ -267,6 +272,7 @@ class MemoryModel:
         self.diff[:] = 0
         self.buffers.clear()
         self.owner.clear()
+        self.out_made.clear()
         self.readers.clear()
         for s in slots:
             for k, (pos, free) in self._makes(s).items():
@@ -336,6 +342,7 @@ class MemoryModel:
         # A tuple of outputs also holds its table of pointers (8 bytes each), as XLA counts it.
         self.outs = sum(nbytes(v) for v in g.outputs) + (8 * len(g.outputs) if len(g.outputs) > 1 else 0)
         alias = 0
+        aliased: set[int] = set()
         free = [g.inputs[i] for i in donated if i < len(g.inputs)]
         for v in g.outputs:
             val = g.values[v]
@@ -343,13 +350,49 @@ class MemoryModel:
                 w = g.values[u]
                 if w.shape == val.shape and w.dtype == val.dtype and plan.shardings[u] == plan.shardings[v]:
                     alias += nbytes(v)
+                    aliased.add(v)
                     free.pop(j)
                     break
         self.alias = alias
+        canon = self.info.canon
+        self._free_outs = sorted((nbytes(v), canon[v]) for v in set(g.outputs) - aliased
+                                 if canon[v] not in self._inputs and nbytes(v) >= _MIN_REUSE)
+
+    def _in_outputs(self) -> np.ndarray | None:
+        """Bytes of temporaries XLA places in the output buffers before the outputs are written, per position.
+
+        XLA's buffer assignment gives each output (not written into a donated input) an allocation of its own
+        and reuses it for values that die before the output is made and fit in it, so those values are not
+        temporaries (`memory_analysis()`'s temp heap); a pipelined step's loop state and gradient accumulators
+        live there. Modelled as XLA assigns: values largest first (then earliest), each into the smallest
+        output allocation free over its whole live range that it fits in."""
+        if not self._free_outs:
+            return None
+        slots = [(b, self.out_made.get(v, 2 * self.n)) for b, v in self._free_outs]
+        limit = max(t for _, t in slots)
+        biggest = max(b for b, _ in slots)
+        cands = sorted(((b, s, e) for s, e, b in self.buffers.values() if e < limit and b <= biggest),
+                       key=lambda x: (-x[0], x[1], x[2]))
+        if not cands:
+            return None
+        busy: list[list[tuple[int, int]]] = [[] for _ in slots]
+        placed = np.zeros(2 * self.n + 1, dtype=np.int64)
+        for b, s, e in cands:
+            for j, (size, made) in enumerate(slots):
+                if size < b or e >= made or any(s <= f and a <= e for a, f in busy[j]):
+                    continue
+                busy[j].append((s, e))
+                placed[s] += b
+                placed[e + 1] -= b
+                break
+        return np.cumsum(placed[: 2 * self.n])
 
     def result(self) -> MemoryResult:
         if not self.n:
             return MemoryResult(self.args, self.outs, self.alias, 0, 0)
         live = np.cumsum(self.diff[: 2 * self.n])
+        reused = self._in_outputs()
+        if reused is not None:
+            live = live - reused
         i = int(np.argmax(live))
         return MemoryResult(self.args, self.outs, self.alias, int(live[i]), self._op_at[i // 2])

@@ -210,3 +210,16 @@ def test_auto_pipeline_runs_the_plan(search):
     rows = {r.quantity: r for r in report.rows}
     assert rows["collective-permute bytes"].predicted == rows["collective-permute bytes"].compiled > 0
     assert all(r.ok for q, r in rows.items() if q.endswith("bytes") and q != "peak memory bytes")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipelined_peak_memory_matches_xla(schedule):
+    """A step that does not donate its state: XLA's buffer assignment puts the pipelined loop's state and the
+    stacked gradient accumulators into the output buffers (not yet written), so they are no temporaries. The
+    simulator places them so too: within 10% of `memory_analysis()` (it was 49% over on 1f1b without that)."""
+    axes = {"stage": 2, "data": 4}
+    mesh = shardc.make_mesh(axes)
+    f = shardc.auto(make_step(None), mesh=mesh, search=False,
+                    pipeline=for_mesh(2, 4, axes, schedule, data=("data",)), topology="h100-sxm-8")
+    row = shardc.check(f.plan(*make_args())).row("peak memory bytes")
+    assert row.ok, f"predicted {row.predicted:,.0f} bytes, XLA {row.compiled:,.0f} ({100 * row.error:.1f}% off)"
