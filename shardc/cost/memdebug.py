@@ -210,7 +210,6 @@ class ModelLive:
 
     def __init__(self, plan: Any, topology: Any = None) -> None:
         import jax
-        import numpy as np
 
         from shardc.check import _host_topology
         from shardc.sim import simulator_for
@@ -220,7 +219,8 @@ class ModelLive:
         self.result = self.sim.full(plan, tuple(getattr(plan, "donated", ()) or ()))
         self.mem = self.sim.memory
         self.plan = plan
-        self.live = np.cumsum(self.mem.diff[: 2 * self.mem.n])
+        self.live = self.mem.live()
+        self.in_outputs = self.mem.in_outputs()[1]  # buffers XLA would place in output buffers
 
     def peak(self) -> int:
         return int(self.live.argmax())
@@ -233,11 +233,12 @@ class ModelLive:
         return self.mem._op_at[pos // 2]
 
     def at(self, pos: int) -> list[Buffer]:
-        """The buffers and workspaces live at a position, largest first."""
+        """The temporary buffers and workspaces live at a position, largest first (not those placed in output
+        buffers: `MemoryModel.in_outputs`)."""
         mem, g = self.mem, self.plan.graph
         out = []
         for kid, (s, e, b) in mem.buffers.items():
-            if s <= pos <= e:
+            if s <= pos <= e and kid not in self.in_outputs:
                 c, sh, origin = mem.keys.key_list[kid]
                 v = g.values[c]
                 what = f"v{c} {v.dtype}{list(v.shape)} {sh}" + (" (op layout)" if origin == 1 else "")

@@ -358,8 +358,9 @@ class MemoryModel:
         self._free_outs = sorted((nbytes(v), canon[v]) for v in set(g.outputs) - aliased
                                  if canon[v] not in self._inputs and nbytes(v) >= _MIN_REUSE)
 
-    def _in_outputs(self) -> np.ndarray | None:
-        """Bytes of temporaries XLA places in the output buffers before the outputs are written, per position.
+    def in_outputs(self) -> tuple[np.ndarray | None, set[int]]:
+        """Bytes of temporaries XLA places in the output buffers before the outputs are written, per position,
+        and the key ids of those buffers.
 
         XLA's buffer assignment gives each output (not written into a donated input) an allocation of its own
         and reuses it for values that die before the output is made and fit in it, so those values are not
@@ -367,32 +368,37 @@ class MemoryModel:
         live there. Modelled as XLA assigns: values largest first (then earliest), each into the smallest
         output allocation free over its whole live range that it fits in."""
         if not self._free_outs:
-            return None
+            return None, set()
         slots = [(b, self.out_made.get(v, 2 * self.n)) for b, v in self._free_outs]
         limit = max(t for _, t in slots)
         biggest = max(b for b, _ in slots)
-        cands = sorted(((b, s, e) for s, e, b in self.buffers.values() if e < limit and b <= biggest),
+        cands = sorted(((b, s, e, k) for k, (s, e, b) in self.buffers.items() if e < limit and b <= biggest),
                        key=lambda x: (-x[0], x[1], x[2]))
         if not cands:
-            return None
+            return None, set()
         busy: list[list[tuple[int, int]]] = [[] for _ in slots]
         placed = np.zeros(2 * self.n + 1, dtype=np.int64)
-        for b, s, e in cands:
+        kids: set[int] = set()
+        for b, s, e, k in cands:
             for j, (size, made) in enumerate(slots):
                 if size < b or e >= made or any(s <= f and a <= e for a, f in busy[j]):
                     continue
                 busy[j].append((s, e))
                 placed[s] += b
                 placed[e + 1] -= b
+                kids.add(k)
                 break
-        return np.cumsum(placed[: 2 * self.n])
+        return np.cumsum(placed[: 2 * self.n]), kids
+
+    def live(self) -> np.ndarray:
+        """Bytes of temporaries per position."""
+        live = np.cumsum(self.diff[: 2 * self.n])
+        reused, _ = self.in_outputs()
+        return live if reused is None else live - reused
 
     def result(self) -> MemoryResult:
         if not self.n:
             return MemoryResult(self.args, self.outs, self.alias, 0, 0)
-        live = np.cumsum(self.diff[: 2 * self.n])
-        reused = self._in_outputs()
-        if reused is not None:
-            live = live - reused
+        live = self.live()
         i = int(np.argmax(live))
         return MemoryResult(self.args, self.outs, self.alias, int(live[i]), self._op_at[i // 2])
