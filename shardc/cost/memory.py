@@ -25,7 +25,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from shardc.cost.program import _ARITHMETIC, ProgramInfo
+from shardc.cost.program import ProgramInfo
 
 __all__ = ["MemoryModel", "MemoryResult"]
 
@@ -69,6 +69,8 @@ class MemoryModel:
         self.args = self.outs = self.alias = 0
         self._planned: Sequence[Any] = ()  # the plan's sharding per value
         self.out_made: dict[int, int] = {}  # output value -> the position that makes it
+        self.slices: dict[int, set[int]] = {}  # key id -> fused local slices of it (key ids)
+        self.slice_src: dict[int, tuple[int, ...]] = {}  # fused local slice -> the keys it slices
         self._free_outs: list[tuple[int, int]] = []  # (bytes, value) of outputs not written into donated inputs
         self.order = info.order  # op -> its position in the compiled program's schedule
         self._op_at = [0] * self.n  # position -> op
@@ -109,6 +111,11 @@ class MemoryModel:
             return
         rs = self.readers.get(kid)
         end = max(rs.values()) if rs else owner[1]
+        loop = self.info.loop
+        for k in self.slices.get(kid, ()):  # a local slice of it fused into its readers (loop fusions) reads it
+            for r, pos in (self.readers.get(k) or {}).items():
+                if loop and loop[r]:
+                    end = max(end, pos)
         lo, hi = self.bounds.get(kid, (-1, -1))
         order = self.order
         lo, hi = 2 * order[lo] + 1 if lo >= 0 else -1, 2 * order[hi] + 1 if hi >= 0 else -1  # merged all-reduces
@@ -201,7 +208,7 @@ class MemoryModel:
         """Where the breadth-first schedule makes a dot decomposition's copy of value `c`: as soon as `c` exists,
         or, when `c` is cheap elementwise work, with `c` itself (the copy is a fusion recomputing it)."""
         p = self.graph.values[c].producer
-        if p is not None and self.info.eager and self.info.live[p] and self.graph.ops[p].primitive in _ARITHMETIC:
+        if p is not None and self.info.eager and c in self.info.cheap:
             return 2 * self.order[p]
         return self._ready[c]
 
@@ -255,13 +262,14 @@ class MemoryModel:
                     out[d] = max(out.get(d, -1), pos)
         return out
 
-    def _makes_of(self, slot: Any) -> dict[int, tuple[int, bool]]:
+    def _makes_of(self, slot: Any) -> dict[int, tuple[int, bool, tuple[int, ...]]]:
         flags = self.keys.is_value_key
-        out: dict[int, tuple[int, bool]] = {}
+        out: dict[int, tuple[int, bool, tuple[int, ...]]] = {}
         for i, t in enumerate(slot.tasks):
             for k in t.outs:
                 if flags[k] and k not in out:
-                    out[k] = (self._position(slot, i, k), self._fused_slice(slot, i))
+                    fused = self._fused_slice(slot, i)
+                    out[k] = (self._position(slot, i, k), fused, tuple(t.deps) if fused else ())
         return out
 
     def full(self, plan: Any, slots: Sequence[Any], donated: Sequence[int] = (),
@@ -274,9 +282,16 @@ class MemoryModel:
         self.owner.clear()
         self.out_made.clear()
         self.readers.clear()
+        self.slices.clear()
+        self.slice_src.clear()
         for s in slots:
-            for k, (pos, free) in self._makes(s).items():
-                self.owner.setdefault(k, (s.op, pos, free))
+            for k, (pos, free, srcs) in self._makes(s).items():
+                if k not in self.owner:
+                    self.owner[k] = (s.op, pos, free)
+                    if srcs:
+                        self.slice_src[k] = srcs
+                    for d in srcs:
+                        self.slices.setdefault(d, set()).add(k)
             for k, pos in self._reads(s).items():
                 self.readers.setdefault(k, {})[s.op] = pos
         for k in self.owner:
@@ -300,10 +315,13 @@ class MemoryModel:
             old = old_slots[i]
             self._work(old, -1)
             self._work(slots[i], 1)
-            for k in self._makes(old):
+            for k, (_, _, srcs) in self._makes(old).items():
                 if self.owner.get(k, (None,))[0] == i:
                     del self.owner[k]
                     touched.add(k)
+                    for d in self.slice_src.pop(k, ()):
+                        self.slices.get(d, set()).discard(k)
+                        touched.add(d)
             for k in self._reads(old):
                 rs = self.readers.get(k)
                 if rs is not None:
@@ -311,13 +329,20 @@ class MemoryModel:
                 touched.add(k)
         for i in affected:
             new = slots[i]
-            for k, (pos, free) in self._makes(new).items():
+            for k, (pos, free, srcs) in self._makes(new).items():
                 if k not in self.owner:
                     self.owner[k] = (i, pos, free)
                     touched.add(k)
+                    if srcs:
+                        self.slice_src[k] = srcs
+                    for d in srcs:
+                        self.slices.setdefault(d, set()).add(k)
+                        touched.add(d)
             for k, pos in self._reads(new).items():
                 self.readers.setdefault(k, {})[i] = pos
                 touched.add(k)
+        for k in list(touched):  # a fused slice's readers read what it slices
+            touched.update(self.slice_src.get(k, ()))
         for k in touched:
             self._set(k)
         self.io(plan, donated, values)

@@ -102,6 +102,7 @@ class ProgramInfo:
     unread: frozenset[tuple[int, int]] = frozenset()  # (op, operand index) XLA does not read (`unread_operands`)
     copies: tuple[tuple[int, ...], ...] = ()  # per op (XLA:CPU): operands its dot decomposition copies (`dot_copies`)
     copy_owner: frozenset[tuple[int, int]] = frozenset()  # (op, operand) whose copy is counted (`last_copies`)
+    cheap: frozenset[int] = frozenset()  # (XLA:CPU) canonical values of cheap elementwise work fusion recomputes
 
     def counts(self, op_id: int) -> bool:
         """Whether an op does work in the compiled program."""
@@ -187,6 +188,13 @@ def dot_copies(graph: Graph, live: Sequence[bool], canon: Sequence[int], physica
                     copied.append(i)
         out[op.id] = tuple(copied)
     return tuple(out)
+
+
+def _moved_scatter(graph: Graph, canon: Sequence[int], fused: Sequence[bool], v: int) -> bool:
+    """Whether `v` is a scatter the simplifier moves into the sum reading it (the sum is the scatter's
+    result, written in place: no cheap elementwise work)."""
+    p = graph.values[canon[v]].producer
+    return p is not None and graph.ops[p].primitive in SCATTERS and fused[canon[v]]
 
 
 def last_copies(graph: Graph, canon: Sequence[int], copies: Sequence[tuple[int, ...]],
@@ -678,20 +686,32 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
             fused[canon[op.outputs[0]]] = True
     order = (_breadth_first(graph, live, canon, constant, fused, consumers) if backend == "cpu"
              else list(range(no)))
-    # A cheap value that is materialised (some reader cannot fuse it) is still recomputed inside each reader
-    # that fuses it (XLA duplicates cheap producers per consumer): its operands are read there too.
+    # A dot decomposition's copy of cheap work is a fusion recomputing it, and the cheap values it is computed
+    # from even where they are also materialised (XLA duplicates cheap producers into each consumer fusing
+    # them): those values' operands are read until the copy is made.
+    copies: tuple[tuple[int, ...], ...] = ()
+    cheap: frozenset[int] = frozenset()
     dup: dict[int, list[int]] = {}
     if backend == "cpu":
-        for op in graph.ops:
-            if not live[op.id] or op.primitive not in _ARITHMETIC or expensive(op, graph, backend, constant):
+        cheap = frozenset(c for c in set(canon) for p in (graph.values[c].producer,)
+                          if p is not None and live[p] and graph.ops[p].primitive in _ARITHMETIC
+                          and not expensive(graph.ops[p], graph, backend, constant) and not constant[c]
+                          and not any(_moved_scatter(graph, canon, fused, u) for u in graph.ops[p].inputs))
+        copies = dot_copies(graph, live, canon, physical_orders(graph, canon), cheap)
+        copied = {canon[op.inputs[i]] for op in graph.ops for i in copies[op.id]} & cheap
+
+        def into_copy(u: int, depth: int = 0) -> bool:
+            """Whether op u's result is copied cheap work, or fused cheap work leading to one."""
+            out = canon[graph.ops[u].outputs[0]] if graph.ops[u].outputs else -1
+            return out in copied or (out in cheap and fused[out] and depth < 8
+                                     and any(into_copy(w, depth + 1) for w in consumers[out]))
+
+        for c in cheap:
+            if fused[c] or c in outputs:
                 continue
-            for v in op.outputs:
-                if canon[v] != v or fused[v] or constant[v] or v in outputs:
-                    continue
-                fusing = [u for u in consumers[v] if (graph.ops[u].primitive in FUSIBLE
-                                                      or graph.ops[u].primitive in REDUCTIONS) and u not in library]
-                if fusing:
-                    dup[v] = fusing
+            fusing = [u for u in consumers[c] if into_copy(u)]
+            if fusing:
+                dup[c] = fusing
     until = _fused_reads(graph, live, canon, fused, consumers, order, dup)
 
     trips, reshard_trips = _trips(graph)
@@ -706,18 +726,12 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                                   or backend == "cpu" and op.primitive == "optimization_barrier")
                  for op in graph.ops)
     preset = _preset_state(graph, live, canon, constant, carried) if backend == "cpu" else frozenset()
-    copies: tuple[tuple[int, ...], ...] = ()
-    if backend == "cpu":
-        cheap = frozenset(c for c in set(canon) for p in (graph.values[c].producer,)
-                          if p is not None and live[p] and graph.ops[p].primitive in _ARITHMETIC
-                          and not expensive(graph.ops[p], graph, backend, constant) and not constant[c])
-        copies = dot_copies(graph, live, canon, physical_orders(graph, canon), cheap)
     return ProgramInfo(tuple(live), tuple(constant), tuple(canon), tuple(duplicate), tuple(fused),
                        tuple(trips), tuple(order), pkeys, until, span=_spans(graph, live, order),
                        carried=carried, loop=loop, library=frozenset(library), backend=backend, preset=preset,
                        eager=backend == "cpu", reshard_trips=reshard_trips, unread=cse.unread,
                        post=tuple(_post_order(graph, canon)),
-                       copies=copies, copy_owner=last_copies(graph, canon, copies, order))
+                       copies=copies, copy_owner=last_copies(graph, canon, copies, order), cheap=cheap)
 
 
 def _trips(graph: Graph) -> tuple[list[int], tuple[tuple[int, int], ...]]:
