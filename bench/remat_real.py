@@ -1,7 +1,7 @@
 """Rematerialization on a model written the way its authors write it: the lm1b-style LM of
 `bench/real_models.py`, planned by `@shardc.auto` bare under `memory_limit`s that need recomputation.
 
-    python -m bench.remat_real [--limits 17,15.5]
+    python -m bench.remat_real [--limits 21,18]
 
 For each limit (MiB per device): the remat policy the search chose, the predicted peak, what
 `shardc.check` reads from the compiled program (memory and every collective kind), and the largest
@@ -38,7 +38,7 @@ def run(limit_mib: float) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--limits", default="17,15.5", help="memory limits in MiB per device, comma-separated")
+    ap.add_argument("--limits", default="21,18", help="memory limits in MiB per device, comma-separated")
     for limit in ap.parse_args().limits.split(","):
         run(float(limit))
 
