@@ -25,7 +25,11 @@ def run(limit_mib: float) -> None:
     m = real_models.lm()
     state = real_models.fresh(m, placed=False)
     step = shardc.auto(m.step, donate_argnums=0, memory_limit=int(limit_mib * 2**20))
-    plan = step.plan(state, m.batch)
+    try:
+        plan = step.plan(state, m.batch)
+    except shardc.ShardingError as e:  # no plan fits this limit: say so (the smallest peak found)
+        print(f"limit {limit_mib:g} MiB: {e}\n")
+        return
     policies = plan.remat.policies if plan.remat is not None else "none"
     print(f"limit {limit_mib:g} MiB: remat {policies}, predicted peak {plan.cost.peak_memory / 2**20:.1f} MiB")
     print(shardc.check(plan))
