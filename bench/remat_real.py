@@ -1,7 +1,7 @@
 """Rematerialization on a model written the way its authors write it: the lm1b-style LM of
 `bench/real_models.py`, planned by `@shardc.auto` bare under `memory_limit`s that need recomputation.
 
-    python -m bench.remat_real [--limits 17,15.5]
+    python -m bench.remat_real [--limits 21,18]
 
 For each limit (MiB per device): the remat policy the search chose, the predicted peak, what
 `shardc.check` reads from the compiled program (memory and every collective kind), and the largest
@@ -25,7 +25,11 @@ def run(limit_mib: float) -> None:
     m = real_models.lm()
     state = real_models.fresh(m, placed=False)
     step = shardc.auto(m.step, donate_argnums=0, memory_limit=int(limit_mib * 2**20))
-    plan = step.plan(state, m.batch)
+    try:
+        plan = step.plan(state, m.batch)
+    except shardc.ShardingError as e:  # no plan fits this limit: say so (the smallest peak found)
+        print(f"limit {limit_mib:g} MiB: {e}\n")
+        return
     policies = plan.remat.policies if plan.remat is not None else "none"
     print(f"limit {limit_mib:g} MiB: remat {policies}, predicted peak {plan.cost.peak_memory / 2**20:.1f} MiB")
     print(shardc.check(plan))
@@ -38,7 +42,7 @@ def run(limit_mib: float) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--limits", default="17,15.5", help="memory limits in MiB per device, comma-separated")
+    ap.add_argument("--limits", default="21,18", help="memory limits in MiB per device, comma-separated")
     for limit in ap.parse_args().limits.split(","):
         run(float(limit))
 

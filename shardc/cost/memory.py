@@ -29,6 +29,9 @@ from shardc.cost.program import ProgramInfo
 
 __all__ = ["MemoryModel", "MemoryResult"]
 
+COPIES_EARLY = True
+_MIN_REUSE = 1024  # outputs smaller than this (a loss) are not worth looking for values to put in
+
 
 @dataclasses.dataclass(frozen=True)
 class MemoryResult:
@@ -67,6 +70,10 @@ class MemoryModel:
         self.args = self.outs = self.alias = 0
         self.fresh_outs: tuple[int, ...] = ()
         self._planned: Sequence[Any] = ()  # the plan's sharding per value
+        self.out_made: dict[int, int] = {}  # output value -> the position that makes it
+        self.slices: dict[int, set[int]] = {}  # key id -> fused local slices of it (key ids)
+        self.slice_src: dict[int, tuple[int, ...]] = {}  # fused local slice -> the keys it slices
+        self._free_outs: list[tuple[int, int]] = []  # (bytes, value) of outputs not written into donated inputs
         self.order = info.order  # op -> its position in the compiled program's schedule
         self._op_at = [0] * self.n  # position -> op
         for op, i in enumerate(self.order):
@@ -98,12 +105,19 @@ class MemoryModel:
             return
         c, sharding, origin = self.keys.key_list[kid]
         if (c in self._inputs or c in self._outputs) and origin == 0 and sharding == self._planned[c]:
+            if c in self._outputs and c not in self._inputs:
+                self.out_made[c] = owner[1]
             return  # counted with the arguments / outputs (other layouts of them are temporaries)
         b = 0 if owner[2] else self._bytes(kid)
         if b == 0:
             return
         rs = self.readers.get(kid)
         end = max(rs.values()) if rs else owner[1]
+        loop = self.info.loop
+        for k in self.slices.get(kid, ()):  # a local slice of it fused into its readers (loop fusions) reads it
+            for r, pos in (self.readers.get(k) or {}).items():
+                if loop and loop[r]:
+                    end = max(end, pos)
         lo, hi = self.bounds.get(kid, (-1, -1))
         order = self.order
         lo, hi = 2 * order[lo] + 1 if lo >= 0 else -1, 2 * order[hi] + 1 if hi >= 0 else -1  # merged all-reduces
@@ -166,10 +180,13 @@ class MemoryModel:
                     n = math.prod(self.keys.local_shape(op.outputs[0], sharding))
                     out.append((min(self._ready[c], at), at, int(v.dtype.itemsize) * n))
         for i in self.info.copies[op.id] if self.info.copies else ():  # the dot decomposition's operand copies
+            if COPIES_EARLY and (op.id, i) not in self.info.copy_owner:
+                continue
             c = self.info.canon[op.inputs[i]]
             s = next((s for k, s, _ in keys if k == c), None)
             if s is not None:
-                out.append((at, at, int(self.graph.values[c].dtype.itemsize) * math.prod(self.keys.local_shape(c, s))))
+                start = min(self._copy_start(c), at) if COPIES_EARLY else at
+                out.append((start, at, int(self.graph.values[c].dtype.itemsize) * math.prod(self.keys.local_shape(c, s))))
         if op.primitive == "select_and_scatter_add" and len(keys) >= 2:
             (cs, ss, _), (co, so, _) = keys[:2]  # (source, operand)
             rank = len(self.graph.values[co].shape)
@@ -180,6 +197,22 @@ class MemoryModel:
             out += [(0, ready, 4 * rank * n_in), (ready, ready, (item + 4 * rank) * n_out),
                     (min(ready + 1, at), at, 4 * rank * n_out), (0, at - 1, item * n_in)]
         return tuple(out)
+
+    def _copied(self, op_id: int) -> frozenset[int]:
+        """Canonical values dot `op_id` reads only through the dot decomposition's copies of them (its reads of
+        the value itself end where the copy is made)."""
+        if not COPIES_EARLY or not self.info.copies or not self.info.copies[op_id]:
+            return frozenset()
+        op, canon, idx = self.graph.ops[op_id], self.info.canon, self.info.copies[op_id]
+        return frozenset(canon[op.inputs[i]] for i in idx) - {canon[v] for j, v in enumerate(op.inputs) if j not in idx}
+
+    def _copy_start(self, c: int) -> int:
+        """Where the breadth-first schedule makes a dot decomposition's copy of value `c`: as soon as `c` exists,
+        or, when `c` is cheap elementwise work, with `c` itself (the copy is a fusion recomputing it)."""
+        p = self.graph.values[c].producer
+        if p is not None and self.info.eager and c in self.info.cheap:
+            return 2 * self.order[p]
+        return self._ready[c]
 
     def _fused_slice(self, slot: Any, i: int) -> bool:
         """Whether task `i` of a slot is a reshard without collectives (a local slice of its operand) that XLA
@@ -215,12 +248,15 @@ class MemoryModel:
         materialised (`ProgramInfo.until`)."""
         flags = self.keys.is_value_key
         until = dict(self.info.until[slot.op]) if self.info.until else {}
+        copied = self._copied(slot.op)
         out: dict[int, int] = {}
         for i, t in enumerate(slot.tasks):
             fused_in = until and (i == slot.at or self._fused_slice(slot, i))
             for d in t.deps:
                 if flags[d]:
                     pos = self._position(slot, i, d, read=True)
+                    if i == slot.at and self.keys.key_list[d][0] in copied:  # the dot reads its copy
+                        pos = min(pos, self._copy_start(self.keys.key_list[d][0]))
                     if fused_in:
                         u = until.get(self.keys.key_list[d][0], -1)
                         if u >= 0:
@@ -228,13 +264,14 @@ class MemoryModel:
                     out[d] = max(out.get(d, -1), pos)
         return out
 
-    def _makes_of(self, slot: Any) -> dict[int, tuple[int, bool]]:
+    def _makes_of(self, slot: Any) -> dict[int, tuple[int, bool, tuple[int, ...]]]:
         flags = self.keys.is_value_key
-        out: dict[int, tuple[int, bool]] = {}
+        out: dict[int, tuple[int, bool, tuple[int, ...]]] = {}
         for i, t in enumerate(slot.tasks):
             for k in t.outs:
                 if flags[k] and k not in out:
-                    out[k] = (self._position(slot, i, k), self._fused_slice(slot, i))
+                    fused = self._fused_slice(slot, i)
+                    out[k] = (self._position(slot, i, k), fused, tuple(t.deps) if fused else ())
         return out
 
     def full(self, plan: Any, slots: Sequence[Any], donated: Sequence[int] = (),
@@ -245,10 +282,18 @@ class MemoryModel:
         self.diff[:] = 0
         self.buffers.clear()
         self.owner.clear()
+        self.out_made.clear()
         self.readers.clear()
+        self.slices.clear()
+        self.slice_src.clear()
         for s in slots:
-            for k, (pos, free) in self._makes(s).items():
-                self.owner.setdefault(k, (s.op, pos, free))
+            for k, (pos, free, srcs) in self._makes(s).items():
+                if k not in self.owner:
+                    self.owner[k] = (s.op, pos, free)
+                    if srcs:
+                        self.slice_src[k] = srcs
+                    for d in srcs:
+                        self.slices.setdefault(d, set()).add(k)
             for k, pos in self._reads(s).items():
                 self.readers.setdefault(k, {})[s.op] = pos
         for k in self.owner:
@@ -272,10 +317,13 @@ class MemoryModel:
             old = old_slots[i]
             self._work(old, -1)
             self._work(slots[i], 1)
-            for k in self._makes(old):
+            for k, (_, _, srcs) in self._makes(old).items():
                 if self.owner.get(k, (None,))[0] == i:
                     del self.owner[k]
                     touched.add(k)
+                    for d in self.slice_src.pop(k, ()):
+                        self.slices.get(d, set()).discard(k)
+                        touched.add(d)
             for k in self._reads(old):
                 rs = self.readers.get(k)
                 if rs is not None:
@@ -283,13 +331,20 @@ class MemoryModel:
                 touched.add(k)
         for i in affected:
             new = slots[i]
-            for k, (pos, free) in self._makes(new).items():
+            for k, (pos, free, srcs) in self._makes(new).items():
                 if k not in self.owner:
                     self.owner[k] = (i, pos, free)
                     touched.add(k)
+                    if srcs:
+                        self.slice_src[k] = srcs
+                    for d in srcs:
+                        self.slices.setdefault(d, set()).add(k)
+                        touched.add(d)
             for k, pos in self._reads(new).items():
                 self.readers.setdefault(k, {})[i] = pos
                 touched.add(k)
+        for k in list(touched):  # a fused slice's readers read what it slices
+            touched.update(self.slice_src.get(k, ()))
         for k in touched:
             self._set(k)
         self.io(plan, donated, values)
@@ -314,6 +369,7 @@ class MemoryModel:
         # A tuple of outputs also holds its table of pointers (8 bytes each), as XLA counts it.
         self.outs = sum(nbytes(v) for v in g.outputs) + (8 * len(g.outputs) if len(g.outputs) > 1 else 0)
         alias = 0
+        aliased: set[int] = set()
         free = [g.inputs[i] for i in donated if i < len(g.inputs)]
         inputs = set(g.inputs)
         fresh = []
@@ -323,6 +379,7 @@ class MemoryModel:
                 w = g.values[u]
                 if w.shape == val.shape and w.dtype == val.dtype and plan.shardings[u] == plan.shardings[v]:
                     alias += nbytes(v)
+                    aliased.add(v)
                     free.pop(j)
                     break
             else:
@@ -330,10 +387,51 @@ class MemoryModel:
                     fresh.append(nbytes(v))
         self.alias = alias
         self.fresh_outs = tuple(fresh)
+        canon = self.info.canon
+        self._free_outs = sorted((nbytes(v), canon[v]) for v in set(g.outputs) - aliased
+                                 if canon[v] not in self._inputs and nbytes(v) >= _MIN_REUSE)
+
+    def in_outputs(self) -> tuple[np.ndarray | None, set[int]]:
+        """Bytes of temporaries XLA places in the output buffers before the outputs are written, per position,
+        and the key ids of those buffers.
+
+        XLA's buffer assignment gives each output (not written into a donated input) an allocation of its own
+        and reuses it for values that die before the output is made and fit in it, so those values are not
+        temporaries (`memory_analysis()`'s temp heap); a pipelined step's loop state and gradient accumulators
+        live there. Modelled as XLA assigns: values largest first (then earliest), each into the smallest
+        output allocation free over its whole live range that it fits in."""
+        if not self._free_outs:
+            return None, set()
+        slots = [(b, self.out_made.get(v, 2 * self.n)) for b, v in self._free_outs]
+        limit = max(t for _, t in slots)
+        biggest = max(b for b, _ in slots)
+        cands = sorted(((b, s, e, k) for k, (s, e, b) in self.buffers.items() if e < limit and b <= biggest),
+                       key=lambda x: (-x[0], x[1], x[2]))
+        if not cands:
+            return None, set()
+        busy: list[list[tuple[int, int]]] = [[] for _ in slots]
+        placed = np.zeros(2 * self.n + 1, dtype=np.int64)
+        kids: set[int] = set()
+        for b, s, e, k in cands:
+            for j, (size, made) in enumerate(slots):
+                if size < b or e >= made or any(s <= f and a <= e for a, f in busy[j]):
+                    continue
+                busy[j].append((s, e))
+                placed[s] += b
+                placed[e + 1] -= b
+                kids.add(k)
+                break
+        return np.cumsum(placed[: 2 * self.n]), kids
+
+    def live(self) -> np.ndarray:
+        """Bytes of temporaries per position."""
+        live = np.cumsum(self.diff[: 2 * self.n])
+        reused, _ = self.in_outputs()
+        return live if reused is None else live - reused
 
     def result(self) -> MemoryResult:
         if not self.n:
             return MemoryResult(self.args, self.outs, self.alias, 0, 0, self.fresh_outs)
-        live = np.cumsum(self.diff[: 2 * self.n])
+        live = self.live()
         i = int(np.argmax(live))
         return MemoryResult(self.args, self.outs, self.alias, int(live[i]), self._op_at[i // 2], self.fresh_outs)

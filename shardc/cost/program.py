@@ -42,6 +42,8 @@ FUSIBLE = frozenset(ELEMENTWISE) | frozenset(TRANSCENDENTAL) | frozenset({
     "select_n", "stop_gradient", "slice", "transpose", "rev", "pad", "concatenate", "split"})
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
                         "argmax", "argmin"})
+# Elementwise computation (not data movement): what a fusion recomputes into each consumer when it is cheap.
+_ARITHMETIC = frozenset(ELEMENTWISE) | frozenset(TRANSCENDENTAL) | frozenset({"integer_pow", "select_n"})
 # Reductions XLA:CPU hands to a library (YNNPACK) as a fusion of their own (floating point only).
 LIBRARY_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 # A PCG's parallel op in the plan `shardc.pcg.simcost` makes of a PCG: no computation of its own, but (as
@@ -100,6 +102,8 @@ class ProgramInfo:
     unread: frozenset[tuple[int, int]] = frozenset()  # (op, operand index) XLA does not read (`unread_operands`)
     copies: tuple[tuple[int, ...], ...] = ()  # per op (XLA:CPU): operands its dot decomposition copies (`dot_copies`)
     bitcast: frozenset[int] = frozenset()  # transposes layout assignment makes bitcasts (XLA:GPU: `dot_bitcasts`)
+    copy_owner: frozenset[tuple[int, int]] = frozenset()  # (op, operand) whose copy is counted (`last_copies`)
+    cheap: frozenset[int] = frozenset()  # (XLA:CPU) canonical values of cheap elementwise work fusion recomputes
 
     def counts(self, op_id: int) -> bool:
         """Whether an op does work in the compiled program."""
@@ -160,21 +164,29 @@ def _dot_orders(op: Any, graph: Graph) -> list[tuple[tuple[int, ...], ...]]:
     return out
 
 
-def dot_copies(graph: Graph, live: Sequence[bool], canon: Sequence[int],
-               physical: Mapping[int, tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+def dot_copies(graph: Graph, live: Sequence[bool], canon: Sequence[int], physical: Mapping[int, tuple[int, ...]],
+               cheap: frozenset[int] = frozenset()) -> tuple[tuple[int, ...], ...]:
     """XLA:CPU's dot decomposition transposes a dot's operand into an order it reads (`_dot_orders`): a copy
-    of the operand unless its buffer already has that memory order (`physical_orders`). Per op: the indices
-    of the operands it copies (each copy lives while its dot runs)."""
+    of the operand unless its buffer already has that memory order (`physical_orders`). It also reshapes an
+    operand with several batch, free or contracting dims into one of each; that reshape is a bitcast unless
+    the operand is computed by a cheap elementwise op (`cheap`: canonical values), which fusion duplicates
+    into the reshape: a buffer of its own for that dot. Per op: the indices of the operands it copies."""
     out: list[tuple[int, ...]] = [()] * len(graph.ops)
     for op in graph.ops:
         if op.primitive != "dot_general" or not live[op.id]:
             continue
         copied = []
+        (lc, rc), (lb, rb) = op.params["dimension_numbers"]
         for i, wanted in enumerate(_dot_orders(op, graph)):
             c = canon[op.inputs[i]]
             shape = graph.values[c].shape
             if tuple(d for d in physical.get(c, range(len(shape))) if shape[d] != 1) not in wanted:
                 copied.append(i)
+            elif c in cheap:
+                contract, batch = (lc, lb) if i == 0 else (rc, rb)
+                free = [d for d in range(len(shape)) if d not in contract and d not in batch]
+                if any(sum(shape[d] != 1 for d in dims) > 1 for dims in (contract, batch, free)):
+                    copied.append(i)
         out[op.id] = tuple(copied)
     return tuple(out)
 
@@ -218,6 +230,26 @@ def dot_bitcasts(graph: Graph, live: Sequence[bool], canon: Sequence[int],
         if _gemm_layout(tuple(op.params["permutation"]), len(lb), rows):
             out.add(op.id)
     return frozenset(out)
+
+
+def _moved_scatter(graph: Graph, canon: Sequence[int], fused: Sequence[bool], v: int) -> bool:
+    """Whether `v` is a scatter the simplifier moves into the sum reading it (the sum is the scatter's
+    result, written in place: no cheap elementwise work)."""
+    p = graph.values[canon[v]].producer
+    return p is not None and graph.ops[p].primitive in SCATTERS and fused[canon[v]]
+
+
+def last_copies(graph: Graph, canon: Sequence[int], copies: Sequence[tuple[int, ...]],
+                order: Sequence[int]) -> frozenset[tuple[int, int]]:
+    """(op, operand index) of the dot scheduled last among those copying one value into one memory order
+    (XLA's CSE makes that copy once; it lives until its last reader)."""
+    last: dict[tuple[int, tuple[int, ...]], tuple[int, int]] = {}
+    for op in graph.ops:
+        for i in copies[op.id] if copies else ():
+            key = (canon[op.inputs[i]], _dot_orders(op, graph)[i][0])
+            if key not in last or order[op.id] > order[last[key][0]]:
+                last[key] = (op.id, i)
+    return frozenset(last.values())
 
 
 def _library_fusions(graph: Graph, live: list[bool], canon: list[int], constant: list[bool],
@@ -385,21 +417,26 @@ def _derived(op: Any, c: int, canon: list[int]) -> list[int]:
 
 
 def _fused_reads(graph: Graph, live: list[bool], canon: list[int], fused: list[bool], consumers: list[list[int]],
-                 order: list[int]) -> tuple[tuple[tuple[int, int], ...], ...]:
+                 order: list[int], dup: Mapping[int, list[int]] | None = None) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Per op whose results are fused into their readers: for each canonical input, the last op (by `order`)
     that materialises a value computed from it — XLA recomputes a fused value inside each fusion reading it,
-    so the operands it is computed from are read there."""
+    so the operands it is computed from are read there. `dup`: materialised values also recomputed inside
+    these readers of theirs (cheap ones)."""
+    dup = dup or {}
     nv = len(graph.values)
     at = [-1] * nv  # per fused canonical value: the last op materialising something computed from it
 
     def later(a: int, b: int) -> int:
         return b if a < 0 or (b >= 0 and order[b] > order[a]) else a
 
-    def end(op: Any, c: int) -> int:
+    def end(op: Any, c: int, own: bool = False) -> int:
+        """The last op materialising what `op` computes from `c` (`own`: `op` is the producer of a `dup`
+        value, whose recomputations in its fusing readers count too; a reader's materialised result ends
+        the chain)."""
         last = -1
         for w in _derived(op, c, canon):
             cw = canon[w]
-            last = later(last, at[cw] if fused[cw] and at[cw] >= 0 else op.id)
+            last = later(last, at[cw] if (fused[cw] or own and cw in dup) and at[cw] >= 0 else op.id)
         return last
 
     out: list[tuple[tuple[int, int], ...]] = [()] * len(graph.ops)
@@ -408,14 +445,14 @@ def _fused_reads(graph: Graph, live: list[bool], canon: list[int], fused: list[b
             continue
         for v in op.outputs:
             c = canon[v]
-            if c == v and fused[c]:
-                for u in consumers[c]:
+            if c == v and (fused[c] or c in dup):
+                for u in consumers[c] if fused[c] else dup[c]:
                     at[c] = later(at[c], end(graph.ops[u], c))
-        if any(fused[canon[w]] for w in op.outputs):
+        if any(fused[canon[w]] or canon[w] in dup for w in op.outputs):
             pairs = {}
             for u in op.inputs:
                 c = canon[u]
-                e = end(op, c)
+                e = end(op, c, own=True)
                 if e >= 0 and e != op.id:
                     pairs[c] = later(pairs.get(c, -1), e)
             out[op.id] = tuple(sorted(pairs.items()))
@@ -730,7 +767,33 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
         fused[canon[graph.ops[t].outputs[0]]] = True
     order = (_breadth_first(graph, live, canon, constant, fused, consumers) if backend == "cpu"
              else list(range(no)))
-    until = _fused_reads(graph, live, canon, fused, consumers, order)
+    # A dot decomposition's copy of cheap work is a fusion recomputing it, and the cheap values it is computed
+    # from even where they are also materialised (XLA duplicates cheap producers into each consumer fusing
+    # them): those values' operands are read until the copy is made.
+    copies: tuple[tuple[int, ...], ...] = ()
+    cheap: frozenset[int] = frozenset()
+    dup: dict[int, list[int]] = {}
+    if backend == "cpu":
+        cheap = frozenset(c for c in set(canon) for p in (graph.values[c].producer,)
+                          if p is not None and live[p] and graph.ops[p].primitive in _ARITHMETIC
+                          and not expensive(graph.ops[p], graph, backend, constant) and not constant[c]
+                          and not any(_moved_scatter(graph, canon, fused, u) for u in graph.ops[p].inputs))
+        copies = dot_copies(graph, live, canon, physical_orders(graph, canon), cheap)
+        copied = {canon[op.inputs[i]] for op in graph.ops for i in copies[op.id]} & cheap
+
+        def into_copy(u: int, depth: int = 0) -> bool:
+            """Whether op u's result is copied cheap work, or fused cheap work leading to one."""
+            out = canon[graph.ops[u].outputs[0]] if graph.ops[u].outputs else -1
+            return out in copied or (out in cheap and fused[out] and depth < 8
+                                     and any(into_copy(w, depth + 1) for w in consumers[out]))
+
+        for c in cheap:
+            if fused[c] or c in outputs:
+                continue
+            fusing = [u for u in consumers[c] if into_copy(u)]
+            if fusing:
+                dup[c] = fusing
+    until = _fused_reads(graph, live, canon, fused, consumers, order, dup)
 
     trips, reshard_trips = _trips(graph)
     # Loop state: values a region's ties carry to the next iteration or out of it.
@@ -749,8 +812,8 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                        carried=carried, loop=loop, library=frozenset(library), backend=backend, preset=preset,
                        eager=backend == "cpu", reshard_trips=reshard_trips, unread=cse.unread,
                        post=tuple(_post_order(graph, canon)),
-                       copies=dot_copies(graph, live, canon, physical_orders(graph, canon)) if backend == "cpu"
-                       else (), bitcast=bitcast)
+                       copies=copies, copy_owner=last_copies(graph, canon, copies, order), cheap=cheap,
+                       bitcast=bitcast)
 
 
 def _trips(graph: Graph) -> tuple[list[int], tuple[tuple[int, int], ...]]:

@@ -239,3 +239,16 @@ def test_weight_gradients_accumulate_without_copies(case, schedule):
                 concats += mult[comp] * (i.opcode == "concatenate")
     assert copies == 0
     assert concats == 2 * pipe.iterations  # per matrix, its layers' gradients concatenated once per iteration
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipelined_peak_memory_matches_xla(schedule):
+    """A step that does not donate its state: XLA's buffer assignment puts the pipelined loop's state and the
+    stacked gradient accumulators into the output buffers (not yet written), so they are no temporaries. The
+    simulator places them so too: within 10% of `memory_analysis()` (it was 49% over on 1f1b without that)."""
+    axes = {"stage": 2, "data": 4}
+    mesh = shardc.make_mesh(axes)
+    f = shardc.auto(make_step(None), mesh=mesh, search=False,
+                    pipeline=for_mesh(2, 4, axes, schedule, data=("data",)), topology="h100-sxm-8")
+    row = shardc.check(f.plan(*make_args())).row("peak memory bytes")
+    assert row.ok, f"predicted {row.predicted:,.0f} bytes, XLA {row.compiled:,.0f} ({100 * row.error:.1f}% off)"

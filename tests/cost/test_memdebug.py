@@ -1,0 +1,47 @@
+"""`shardc.cost.memdebug`: XLA's temporaries at its peak, read from its own dumps, next to the memory model's."""
+import jax
+import jax.numpy as jnp
+import optax
+
+import shardc
+from shardc.check import _lowered
+from shardc.cost.memdebug import ModelLive, peak_buffers, xla_live
+from shardc.lower import compiler_options
+
+
+def _plan():
+    mesh = shardc.make_mesh({"data": 2, "model": 4})
+    params = {"w1": jnp.ones((128, 256)), "w2": jnp.ones((256, 128))}
+    tx = optax.sgd(0.1)
+
+    def step(p, x):
+        def loss(p):
+            h = jnp.tanh(shardc.split(x, 0, "data") @ shardc.split(p["w1"], 1, "model"))
+            return jnp.mean((h @ p["w2"]) ** 2)
+
+        g = jax.grad(loss)(p)
+        return optax.apply_updates(p, tx.update(g, tx.init(p), p)[0])
+
+    return shardc.auto(step, mesh=mesh, search=False).plan(params, jnp.ones((64, 128)))
+
+
+def test_xla_side_accounts_for_the_temp_allocation_and_names_plan_ops():
+    """The temp buffers live at XLA's peak add up to its temp allocation (heap packing aside), and those made
+    for a plan op name an op of the plan."""
+    plan = _plan()
+    x = xla_live(_lowered(plan), compiler_options(plan))
+    at = x.at(x.peak())
+    total = sum(b.nbytes for b in at)
+    assert 0.9 * x.temp_size <= total <= x.temp_size
+    tagged = [b for b in at if b.op is not None]
+    assert tagged and all(0 <= b.op < len(plan.graph.ops) for b in tagged)
+    assert all(b.start <= x.peak() <= b.end for b in at)
+
+
+def test_model_side_is_the_simulated_temporary_peak():
+    """Read at its own peak, the model's live buffers and workspaces add up to the simulated temporaries."""
+    plan = _plan()
+    m = ModelLive(plan)
+    assert sum(b.nbytes for b in m.at(m.peak())) == m.result.memory.temp_peak
+    report = str(peak_buffers(plan))
+    assert "XLA temporaries" in report and "model" in report
