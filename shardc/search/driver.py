@@ -17,7 +17,8 @@ from annotations.errors import ShardingError
 from shardc.plan import Plan, abstract_mesh
 from shardc.propagate import Seed
 from shardc.report import format_bytes
-from shardc.search.baselines import BASELINES, baseline_seeds, consistent_carry, role_mixes
+from shardc.search.baselines import (BASELINES, baseline_seeds, consistent_carry, role_mixes, state_inputs,
+                                     storage_mixes)
 from shardc.search.budget import MESH_SETUP_UNITS, Budget, full_plan_units
 from shardc.search.compare import GroupNote, compare_groups
 from shardc.search.dp import sp_dp
@@ -185,6 +186,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
         seed_sets: dict[str, list[Seed]] = {}
         top = INVALID
         scored: dict[tuple, tuple[Plan, Score]] = {}  # baselines that seed alike plan alike: scored once
+        plans: dict[str, Plan] = {}  # each baseline's plan on this mesh
         for name in baselines:
             try:
                 extra = baseline_seeds(name, problem.graph, sizes, user, problem.pipeline)
@@ -205,9 +207,31 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
             budget.charge(full_plan_units(n_devices))
             consider(name, sizes, plan, score, tuple(extra))
             seed_sets[name] = list(extra)
+            plans[name] = plan
             starts.append(project(space, plan))
             mixes.append(plan_choices(space, plan))
             base_choices[name] = mixes[-1]
+            top = min(top, score, key=lambda x: x.key)
+        # One baseline's storage of the state with another's compute (FSDP of it: see storage_mixes)
+        state = set(state_inputs(problem.graph))
+        for a, b in storage_mixes(problem.graph, plans):
+            point = tuple(sa if grp.kind == "input" and grp.members[0] in state else sb
+                          for grp, sa, sb in zip(space.groups, base_choices[a], base_choices[b]))
+            if point in ev.cache:
+                continue
+            try:
+                plan = ev.plan(point)
+                score = ev.cache[point] = ev.score_plan(plan)[0]
+            except ShardingError:
+                ev.cache[point] = INVALID
+                continue
+            bar.update(1)
+            budget.charge(1)
+            if not consistent_carry(problem.graph, plan):
+                continue
+            consider("search", sizes, plan, score, tuple(seeds_for(space, point, user)), point)
+            starts.append(point)
+            mixes.append(plan_choices(space, plan))
             top = min(top, score, key=lambda x: x.key)
         states.append((top.key, len(states), sizes, user, ev, starts, mixes, seed_sets))
     # Phase 2: search the most promising meshes (by their best baseline), sharing what is left of the budget.
