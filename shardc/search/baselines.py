@@ -21,7 +21,7 @@ from shardc.ir.graph import Graph
 from shardc.propagate import Cause, Seed
 
 __all__ = ["BASELINES", "baseline_seeds", "stacked_state", "baseline_plan", "state_inputs", "data_inputs",
-           "parameter_inputs", "role_mixes", "storage_mixes", "consistent_carry", "expert_weights", "scanned_state", "embed_size"]
+           "parameter_inputs", "role_mixes", "storage_mixes", "consistent_carry", "COMPUTE_OF", "expert_weights", "scanned_state", "embed_size"]
 
 Axes = tuple[str, ...]
 # the argument a flattened input's path starts with: its parameter name (params[...]) or index ([0][...])
@@ -380,6 +380,13 @@ BASELINES: dict[str, Callable[[Graph, Mapping[str, int]], list[Seed] | None]] = 
 }
 
 
+# Baselines that store the carried state as their seeds say and compute as another baseline does (its
+# layouts of every op and of the data): the FSDP of that baseline. Seeding the storage alone would let the
+# weights' axes reach the activations first (an embedding table split on its embed dim over the data axes
+# takes the batch's axis from the lookup), which is not what FSDP computes.
+COMPUTE_OF: dict[str, str] = {"fsdp-tp": "megatron"}
+
+
 def stacked_state(graph: Graph, layers: int) -> list[int]:
     """The carried inputs that are a stack of per-layer state: dim 0 is the pipelined stack's `layers`
     (its parameters and their optimizer moments)."""
@@ -458,5 +465,15 @@ def baseline_plan(name: str, problem, mesh):
     from shardc.sharding import mesh_shape
 
     user = list(problem.user_seeds(mesh)) if callable(problem.user_seeds) else list(problem.user_seeds or ())
-    extra = baseline_seeds(name, problem.graph, mesh_shape(mesh), user, getattr(problem, "pipeline", None))
-    return None if extra is None else plan_from_seeds(problem, mesh, user + extra)
+    sizes = mesh_shape(mesh)
+    extra = baseline_seeds(name, problem.graph, sizes, user, getattr(problem, "pipeline", None))
+    if extra is None or name not in COMPUTE_OF:
+        return None if extra is None else plan_from_seeds(problem, mesh, user + extra)
+    from shardc.search.space import build_space, plan_choices, seeds_for, with_input_layouts
+
+    compute = baseline_plan(COMPUTE_OF[name], problem, mesh)
+    if compute is None:
+        return None
+    space = build_space(problem.graph, sizes, user)
+    point = with_input_layouts(space, plan_choices(space, compute), extra, state_inputs(problem.graph))
+    return plan_from_seeds(problem, mesh, user + seeds_for(space, point, user))
