@@ -21,7 +21,8 @@ from shardc.ir.graph import Graph
 from shardc.propagate import Cause, Seed
 
 __all__ = ["BASELINES", "baseline_seeds", "stacked_state", "baseline_plan", "state_inputs", "data_inputs",
-           "parameter_inputs", "role_mixes", "storage_mixes", "consistent_carry", "COMPUTE_OF", "expert_weights", "scanned_state", "embed_size"]
+           "parameter_inputs", "role_mixes", "storage_mixes", "consistent_carry", "COMPUTE_OF", "expert_weights",
+           "scanned_state", "embed_size"]
 
 Axes = tuple[str, ...]
 # the argument a flattened input's path starts with: its parameter name (params[...]) or index ([0][...])
@@ -323,7 +324,8 @@ def _with_moments(graph: Graph, weights: Sequence[int]) -> list[int]:
     in the weight's path)."""
     paths = {(graph.values[v].shape, _PREFIX.sub("", graph.values[v].name or "", count=1)) for v in weights}
     return [v for v in state_inputs(graph) if v in weights or any(
-        graph.values[v].shape == shape and path and (graph.values[v].name or "").endswith(path) for shape, path in paths)]
+        graph.values[v].shape == shape and path and (graph.values[v].name or "").endswith(path)
+        for shape, path in paths)]
 
 
 def expert_weights(graph: Graph) -> list[int]:
