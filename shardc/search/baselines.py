@@ -214,7 +214,8 @@ def megatron(graph: Graph, mesh: Mapping[str, int], stacked: Sequence[int] | Non
     """Tensor parallel on the last mesh axis (column-parallel for expanding/input projections, row-parallel
     for output/down projections, chosen by name then by shape; an N-d kernel such as attention's
     (embed, heads, head_dim) or (heads, head_dim, embed) split on its first dim that is not the model
-    width, `embed_size`: its heads) with data parallel on the others (`axes`: (data axes, model axis)
+    width, `embed_size`: its heads; other N-d state, such as conv kernels and expert stacks, on its last dim)
+    with data parallel on the others (`axes`: (data axes, model axis)
     chosen otherwise). The `stacked` inputs' dim 0 is a layer dim (a stack of per-layer matrices), not a
     matrix dim (default: a scan's stacked state, `scanned_state`)."""
     data, model = _split_axes(mesh) if axes is None else axes
@@ -223,7 +224,7 @@ def megatron(graph: Graph, mesh: Mapping[str, int], stacked: Sequence[int] | Non
         return seeds
     stacked = set(scanned_state(graph) if stacked is None else stacked)
     embed = embed_size(graph, stacked)
-    experts = set(expert_weights(graph))
+    experts, matrices = set(expert_weights(graph)), _matrices(graph)
     for v in state_inputs(graph):
         val = graph.values[v]
         lead = 1 if v in stacked else 0  # a stacked layer dim is not a matrix dim
@@ -235,7 +236,7 @@ def megatron(graph: Graph, mesh: Mapping[str, int], stacked: Sequence[int] | Non
             d = 0 if row else 1
             if shape[d] % mesh[model] == 0:
                 dims[lead + d] = (model,)
-        elif len(shape) >= 3 and v in experts:  # (expert parallel is its own baseline)
+        elif len(shape) >= 3 and (v in experts or v not in matrices):  # expert stacks, conv kernels: last dim
             if shape[-1] % mesh[model] == 0:
                 dims[-1] = (model,)
         elif len(shape) >= 3:
@@ -291,15 +292,28 @@ def scanned_state(graph: Graph) -> list[int]:
     return graph.analysis("baseline_scanned_state", compute)
 
 
+def _matrices(graph: Graph) -> set[int]:
+    """Carried inputs a dot_general reads (directly or through a dtype cast, a hint or a scan's slice), and
+    their optimizer moments: the matrices of projections (not conv kernels, norms or counters)."""
+    users = _users(graph)
+
+    def feeds_dot(v: int, depth: int = 0) -> bool:
+        return any(op.primitive == "dot_general" or (op.primitive in _PASS_THROUGH | {"scan_slice"} and depth < 3
+                                                     and feeds_dot(op.outputs[0], depth + 1))
+                   for op, _ in users.get(v, ()))
+    return graph.analysis("baseline_matrices", lambda: set(_with_moments(
+        graph, [v for v in state_inputs(graph) if graph.values[v].rank >= 2 and feeds_dot(v)])))
+
+
 def embed_size(graph: Graph, stacked: Sequence[int] = ()) -> int | None:
-    """The model width: the size that most matrices (state of rank >= 2, a stacked layer dim left out) have
-    among their dims (every projection of a Transformer reads or writes it), the smaller on a tie; None
-    without matrices."""
-    stacked = set(stacked)
+    """The model width: the size that most matrices (state of rank >= 2 that a dot_general reads, a stacked
+    layer dim left out) have among their dims (every projection of a Transformer reads or writes it), the
+    smaller on a tie; None without matrices."""
+    stacked, matrices = set(stacked), _matrices(graph)
     count: dict[int, int] = {}
     for v in state_inputs(graph):
         shape = graph.values[v].shape[int(v in stacked):]
-        if len(shape) >= 2:
+        if len(shape) >= 2 and v in matrices:
             for n in set(shape):
                 count[n] = count.get(n, 0) + 1
     return min(count, key=lambda n: (-count[n], n)) if count else None
