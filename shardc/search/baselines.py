@@ -21,8 +21,8 @@ from shardc.ir.graph import Graph
 from shardc.propagate import Cause, Seed
 
 __all__ = ["BASELINES", "baseline_seeds", "stacked_state", "baseline_plan", "state_inputs", "data_inputs",
-           "parameter_inputs", "role_mixes", "consistent_carry", "expert_weights", "input_priority",
-           "COMPUTE_PRIORITY", "STORAGE_PRIORITY"]
+           "parameter_inputs", "role_mixes", "storage_mixes", "consistent_carry", "COMPUTE_OF", "expert_weights",
+           "scanned_state", "embed_size", "input_priority", "COMPUTE_PRIORITY", "STORAGE_PRIORITY"]
 
 # Seed priorities of the search's own seeds (the user's are 0). The layouts that decide where the compute runs
 # -- the batch, the experts, the ops the search decides -- are propagated first; the carried state's storage
@@ -34,6 +34,9 @@ STORAGE_PRIORITY = 2
 Axes = tuple[str, ...]
 # the argument a flattened input's path starts with: its parameter name (params[...]) or index ([0][...])
 _ARG = re.compile(r"^(\[\d+\]|[A-Za-z_]\w*)")
+# ... and the attributes that follow it (`state.params['w']`: a TrainState's parameters), leaving the path
+# inside the parameter tree that the optimizer state repeats (`state.opt_state[0].mu['w']`)
+_PREFIX = re.compile(r"^(\[\d+\]|[A-Za-z_]\w*)(\.[A-Za-z_]\w*)*")
 _ROW = re.compile(r"(out|o_proj|\bo\b|'o'|down|wo\b|fc2|c_proj|proj_out|dense_?1)", re.I)
 
 
@@ -53,16 +56,30 @@ def parameter_inputs(graph: Graph) -> list[int]:
     statistics such as BatchNorm's). The other carried inputs (optimizer moments, step counters) only feed
     their own updates."""
     tied = set(graph.carried().values())
+    writers = _writers(graph)
     needed: set[int] = set()
     stack = [v for v in graph.outputs if v not in tied]
     while stack:
         v = stack.pop()
         if v not in needed:
             needed.add(v)
-            op = graph.values[v].producer
-            if op is not None:
+            for op in writers.get(v, ()):
                 stack.extend(graph.ops[op].inputs)
     return [v for v in state_inputs(graph) if v in needed]
+
+
+def _writers(graph: Graph) -> dict[int, list[int]]:
+    """The ops that write each value: its producer and, for a loop's carry, the tie that feeds it the
+    previous iteration's result (`Value.producer` records only the first, the tie from outside the loop)."""
+    def compute() -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for op in graph.ops:
+            if op.region == "io":
+                continue  # (a carried input's next value is not what made it)
+            for v in op.outputs:
+                out.setdefault(v, []).append(op.id)
+        return out
+    return graph.analysis("baseline_writers", compute)
 
 
 def role_mixes(graph: Graph, seed_sets: Mapping[str, Sequence[Seed]]) -> list[tuple[str, list[Seed]]]:
@@ -117,6 +134,25 @@ def input_priority(graph: Graph, v: int) -> int:
 
 def _seed(graph: Graph, v: int, dims: Sequence[Axes | None], name: str) -> Seed:
     return Seed(v, tuple(dims), _cause(name), input_priority(graph, v))
+
+
+def storage_mixes(graph: Graph, plans: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Ordered pairs (a, b) of baseline names (-> their plans on one mesh) where `a` stores the carried state
+    strictly more sharded than `b` does: on every dim, `b`'s axes are a prefix of `a`'s. `a`'s storage with
+    `b`'s compute (the search's point with `a`'s state inputs and `b`'s choices for the rest) is the FSDP of
+    `b`: ZeRO-3 when `b` is data parallel; FSDP x tensor parallel (MaxText's 2-D layout) when `b` is Megatron
+    and `a` adds the data axes to each weight (`fsdp-tp`). Seeding `a`'s layout alone lets the weights' axes
+    reach the activations first (an embedding table split on its embed dim takes the batch's axis from the
+    lookup), which is not what FSDP computes."""
+    state = state_inputs(graph)
+
+    def layout(name: str) -> list[tuple[Axes, ...]]:
+        return [tuple(plans[name].shardings[v].dims) for v in state]
+
+    def refines(a: list, b: list) -> bool:
+        return a != b and all(tuple(db) == tuple(da[:len(db)]) for sa, sb in zip(a, b) for da, db in zip(sa, sb))
+    layouts = {n: layout(n) for n in plans}
+    return [(a, b) for a in plans for b in plans if a != b and refines(layouts[a], layouts[b])]
 
 
 def data_inputs(graph: Graph) -> list[int]:
@@ -180,12 +216,14 @@ def data_parallel(graph: Graph, mesh: Mapping[str, int]) -> list[Seed]:
 
 def fsdp(graph: Graph, mesh: Mapping[str, int]) -> list[Seed]:
     """ZeRO-3: batch over every axis; each piece of state sharded over every axis on its largest divisible
-    dim (gathered where it is used)."""
+    dim (gathered where it is used), never on the scanned dim of a scan's stacked state (`scanned_state`:
+    each iteration reads the whole of it)."""
     seeds = _batch(graph, mesh, list(mesh), "fsdp")
+    scanned = set(scanned_state(graph))
     for v in state_inputs(graph):
         val = graph.values[v]
         dims: list[Axes] = [() for _ in val.shape]
-        for d in sorted(range(val.rank), key=lambda d: -val.shape[d]):
+        for d in sorted(range(int(v in scanned), val.rank), key=lambda d: -val.shape[d]):
             ax = _fit(list(mesh), val.shape[d], mesh)
             if ax:
                 dims[d] = ax
@@ -202,17 +240,22 @@ def _split_axes(mesh: Mapping[str, int]) -> tuple[list[str], str | None]:
     return big[:-1], big[-1]
 
 
-def megatron(graph: Graph, mesh: Mapping[str, int], stacked: Sequence[int] = (),
+def megatron(graph: Graph, mesh: Mapping[str, int], stacked: Sequence[int] | None = None,
              axes: tuple[list[str], str | None] | None = None) -> list[Seed]:
     """Tensor parallel on the last mesh axis (column-parallel for expanding/input projections, row-parallel
-    for output/down projections, chosen by name then by shape) with data parallel on the others (`axes`:
-    (data axes, model axis) chosen otherwise). The `stacked` inputs' dim 0 is a layer dim (a stack of
-    per-layer matrices), not a matrix dim."""
+    for output/down projections, chosen by name then by shape; an N-d kernel such as attention's
+    (embed, heads, head_dim) or (heads, head_dim, embed) split on its first dim that is not the model
+    width, `embed_size`: its heads; other N-d state, such as conv kernels and expert stacks, on its last dim)
+    with data parallel on the others (`axes`: (data axes, model axis)
+    chosen otherwise). The `stacked` inputs' dim 0 is a layer dim (a stack of per-layer matrices), not a
+    matrix dim (default: a scan's stacked state, `scanned_state`)."""
     data, model = _split_axes(mesh) if axes is None else axes
     seeds = _batch(graph, mesh, data, "megatron")
     if model is None:
         return seeds
-    stacked = set(stacked)
+    stacked = set(scanned_state(graph) if stacked is None else stacked)
+    embed = embed_size(graph, stacked)
+    experts, matrices = set(expert_weights(graph)), _matrices(graph)
     for v in state_inputs(graph):
         val = graph.values[v]
         lead = 1 if v in stacked else 0  # a stacked layer dim is not a matrix dim
@@ -224,13 +267,110 @@ def megatron(graph: Graph, mesh: Mapping[str, int], stacked: Sequence[int] = (),
             d = 0 if row else 1
             if shape[d] % mesh[model] == 0:
                 dims[lead + d] = (model,)
-        elif len(shape) >= 3 and shape[-1] % mesh[model] == 0:
-            dims[-1] = (model,)
+        elif len(shape) >= 3 and (v in experts or v not in matrices):  # expert stacks, conv kernels: last dim
+            if shape[-1] % mesh[model] == 0:
+                dims[-1] = (model,)
+        elif len(shape) >= 3:
+            d = next((d for d, n in enumerate(shape) if n != embed and n % mesh[model] == 0), None)
+            if d is not None:
+                dims[lead + d] = (model,)
         seeds.append(_seed(graph, v, dims, "megatron"))
     return seeds
 
 
+def fsdp_tp(graph: Graph, mesh: Mapping[str, int]) -> list[Seed] | None:
+    """2-D: Megatron's tensor parallel on the last mesh axis and FSDP (ZeRO-3) over the others, as MaxText's
+    rules give (`embed -> fsdp`, `mlp`/`heads`/`vocab -> tensor`): the batch over the data axes, each piece
+    of state split as Megatron splits it and also over the data axes on its largest other divisible dim
+    (a projection's embed dim), never on a stacked layer dim; vectors (norm scales, biases) keep Megatron's
+    layout, as MaxText's `norm -> None` (a few bytes saved per device would cost a collective at each use).
+    None on a one-axis mesh."""
+    data, model = _split_axes(mesh)
+    if model is None or not data:
+        return None
+    stacked = set(scanned_state(graph))
+    state = set(state_inputs(graph))
+    out = []
+    for s in megatron(graph, mesh, stacked):
+        if s.value not in state:
+            out.append(Seed(s.value, s.dims, _cause("fsdp-tp"), s.priority))
+            continue
+        val = graph.values[s.value]
+        dims = list(s.dims)
+        lead = int(s.value in stacked)
+        for d in sorted(range(lead, val.rank if val.rank - lead >= 2 else 0), key=lambda d: -val.shape[d]):
+            ax = () if dims[d] else _fit(data, val.shape[d], mesh)
+            if ax:
+                dims[d] = ax
+                break
+        out.append(Seed(s.value, tuple(dims), _cause("fsdp-tp"), s.priority))
+    return out
+
+
+def scanned_state(graph: Graph) -> list[int]:
+    """Carried inputs that are a stack of per-iteration state of a scan (`nn.scan`'s stacked layer
+    parameters): dim 0 is the scanned dim of a `scan_slice` they feed (directly or through a dtype cast or
+    hint), and their optimizer moments (same shape, a path ending in the parameter's)."""
+    def compute() -> list[int]:
+        users = _users(graph)
+
+        def sliced(v: int, depth: int = 0) -> bool:
+            return any(op.primitive == "scan_slice" or (op.primitive in _PASS_THROUGH and depth < 3
+                                                        and sliced(op.outputs[0], depth + 1))
+                       for op, _ in users.get(v, ()))
+        state = state_inputs(graph)
+        return _with_moments(graph, [v for v in state if graph.values[v].rank >= 1 and sliced(v)])
+    return graph.analysis("baseline_scanned_state", compute)
+
+
+def _matrices(graph: Graph) -> set[int]:
+    """Carried inputs a dot_general reads (directly or through a dtype cast, a hint or a scan's slice), and
+    their optimizer moments: the matrices of projections (not conv kernels, norms or counters)."""
+    users = _users(graph)
+
+    def feeds_dot(v: int, depth: int = 0) -> bool:
+        return any(op.primitive == "dot_general" or (op.primitive in _PASS_THROUGH | {"scan_slice"} and depth < 3
+                                                     and feeds_dot(op.outputs[0], depth + 1))
+                   for op, _ in users.get(v, ()))
+    return graph.analysis("baseline_matrices", lambda: set(_with_moments(
+        graph, [v for v in state_inputs(graph) if graph.values[v].rank >= 2 and feeds_dot(v)])))
+
+
+def embed_size(graph: Graph, stacked: Sequence[int] = ()) -> int | None:
+    """The model width: the size that most matrices (state of rank >= 2 that a dot_general reads, a stacked
+    layer dim left out) have among their dims (every projection of a Transformer reads or writes it), the
+    smaller on a tie; None without matrices."""
+    stacked, matrices = set(stacked), _matrices(graph)
+    count: dict[int, int] = {}
+    for v in state_inputs(graph):
+        shape = graph.values[v].shape[int(v in stacked):]
+        if len(shape) >= 2 and v in matrices:
+            for n in set(shape):
+                count[n] = count.get(n, 0) + 1
+    return min(count, key=lambda n: (-count[n], n)) if count else None
+
+
 _PASS_THROUGH = frozenset({"convert_element_type", "copy", "copy_p", "shardc_hint", "sharding_constraint"})
+
+
+def _users(graph: Graph) -> dict[int, list]:
+    """Each value's (op, operand index) uses."""
+    def compute() -> dict[int, list]:
+        users: dict[int, list] = {}
+        for op in graph.ops:
+            for i, v in enumerate(op.inputs):
+                users.setdefault(v, []).append((op, i))
+        return users
+    return graph.analysis("baseline_users", compute)
+
+
+def _with_moments(graph: Graph, weights: Sequence[int]) -> list[int]:
+    """The state inputs among `weights` and their optimizer state (Adam's moments: same shape, a path ending
+    in the weight's path)."""
+    paths = {(graph.values[v].shape, _PREFIX.sub("", graph.values[v].name or "", count=1)) for v in weights}
+    return [v for v in state_inputs(graph) if v in weights or any(
+        graph.values[v].shape == shape and path and (graph.values[v].name or "").endswith(path)
+        for shape, path in paths)]
 
 
 def expert_weights(graph: Graph) -> list[int]:
@@ -238,10 +378,11 @@ def expert_weights(graph: Graph) -> list[int]:
     dot_general they feed (`EGCM,EMH->EGCH`: each expert's tokens meet that expert's matrix), directly or
     through a dtype cast or a hint. A (d_model, heads, head_dim) attention kernel is rank 3 too, but its
     dim 0 is contracted."""
-    users: dict[int, list] = {}
-    for op in graph.ops:
-        for i, v in enumerate(op.inputs):
-            users.setdefault(v, []).append((op, i))
+    return graph.analysis("baseline_expert_weights", lambda: _expert_weights(graph))
+
+
+def _expert_weights(graph: Graph) -> list[int]:
+    users = _users(graph)
 
     def batched_dim0(v: int, depth: int = 0) -> bool:
         for op, i in users.get(v, ()):
@@ -254,11 +395,8 @@ def expert_weights(graph: Graph) -> list[int]:
         return False
 
     state = state_inputs(graph)
-    weights = [v for v in state if graph.values[v].rank >= 3 and graph.values[v].shape[0] > 1 and batched_dim0(v)]
-    # their optimizer state (Adam's moments: same shape, a path ending in the weight's path)
-    paths = {(graph.values[v].shape, _ARG.sub("", graph.values[v].name or "", count=1)) for v in weights}
-    return [v for v in state if v in weights or any(
-        graph.values[v].shape == shape and path and (graph.values[v].name or "").endswith(path) for shape, path in paths)]
+    return _with_moments(graph, [v for v in state if graph.values[v].rank >= 3 and graph.values[v].shape[0] > 1
+                                 and batched_dim0(v)])
 
 
 def expert_parallel(graph: Graph, mesh: Mapping[str, int]) -> list[Seed] | None:
@@ -284,9 +422,16 @@ def hints_only(graph: Graph, mesh: Mapping[str, int]) -> list[Seed]:
 
 
 BASELINES: dict[str, Callable[[Graph, Mapping[str, int]], list[Seed] | None]] = {
-    "hints": hints_only, "data-parallel": data_parallel, "fsdp": fsdp, "megatron": megatron,
+    "hints": hints_only, "data-parallel": data_parallel, "fsdp": fsdp, "megatron": megatron, "fsdp-tp": fsdp_tp,
     "megatron-3d": megatron, "expert-parallel": expert_parallel,  # (megatron-3d: pipelined programs only)
 }
+
+
+# Baselines that store the carried state as their seeds say and compute as another baseline does (its
+# layouts of every op and of the data): the FSDP of that baseline. Seeding the storage alone would let the
+# weights' axes reach the activations first (an embedding table split on its embed dim over the data axes
+# takes the batch's axis from the lookup), which is not what FSDP computes.
+COMPUTE_OF: dict[str, str] = {"fsdp-tp": "megatron"}
 
 
 def stacked_state(graph: Graph, layers: int) -> list[int]:
@@ -367,5 +512,15 @@ def baseline_plan(name: str, problem, mesh):
     from shardc.sharding import mesh_shape
 
     user = list(problem.user_seeds(mesh)) if callable(problem.user_seeds) else list(problem.user_seeds or ())
-    extra = baseline_seeds(name, problem.graph, mesh_shape(mesh), user, getattr(problem, "pipeline", None))
-    return None if extra is None else plan_from_seeds(problem, mesh, user + extra)
+    sizes = mesh_shape(mesh)
+    extra = baseline_seeds(name, problem.graph, sizes, user, getattr(problem, "pipeline", None))
+    if extra is None or name not in COMPUTE_OF:
+        return None if extra is None else plan_from_seeds(problem, mesh, user + extra)
+    from shardc.search.space import build_space, plan_choices, seeds_for, with_input_layouts
+
+    compute = baseline_plan(COMPUTE_OF[name], problem, mesh)
+    if compute is None:
+        return None
+    space = build_space(problem.graph, sizes, user)
+    point = with_input_layouts(space, plan_choices(space, compute), extra, state_inputs(problem.graph))
+    return plan_from_seeds(problem, mesh, user + seeds_for(space, point, user))

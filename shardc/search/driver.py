@@ -17,7 +17,8 @@ from annotations.errors import ShardingError
 from shardc.plan import Plan, abstract_mesh
 from shardc.propagate import Seed
 from shardc.report import format_bytes
-from shardc.search.baselines import BASELINES, baseline_seeds, consistent_carry, role_mixes
+from shardc.search.baselines import (BASELINES, COMPUTE_OF, baseline_seeds, consistent_carry, role_mixes,
+                                     state_inputs, storage_mixes)
 from shardc.search.budget import MESH_SETUP_UNITS, Budget, full_plan_units
 from shardc.search.compare import GroupNote, compare_groups
 from shardc.search.dp import sp_dp
@@ -25,7 +26,7 @@ from shardc.search.evaluate import INVALID, Evaluator, Problem, Score, paused_gc
 from shardc.search.mcmc import mcmc
 from shardc.search.polish import polish
 from shardc.search.space import (SEARCH_CAUSE, Assignment, Space, build_space, mixing_domains,
-                                 plan_choices, project_plan, seeds_for)
+                                 plan_choices, project_plan, seeds_for, with_input_layouts)
 from shardc.sharding import make_mesh
 
 __all__ = ["SearchReport", "search_plan", "save_plan", "load_plan", "graph_key", "NoPlanFits"]
@@ -186,10 +187,27 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
         seed_sets: dict[str, list[Seed]] = {}
         top = INVALID
         scored: dict[tuple, tuple[Plan, Score]] = {}  # baselines that seed alike plan alike: scored once
+        plans: dict[str, Plan] = {}  # each baseline's plan on this mesh
+        state = state_inputs(problem.graph)
         for name in baselines:
             try:
                 extra = baseline_seeds(name, problem.graph, sizes, user, problem.pipeline)
                 if extra is None:
+                    continue
+                if name in COMPUTE_OF:  # its storage, another baseline's compute: one incremental evaluation
+                    if COMPUTE_OF[name] not in base_choices:
+                        continue
+                    point = with_input_layouts(space, base_choices[COMPUTE_OF[name]], extra, state)
+                    plan = ev.plan(point)
+                    score = ev.cache[point] = ev.score_plan(plan)[0]
+                    bar.update(1)
+                    budget.charge(1)
+                    consider(name, sizes, plan, score, tuple(seeds_for(space, point, user)), point)
+                    plans[name] = plan
+                    starts.append(point)
+                    mixes.append(plan_choices(space, plan))
+                    base_choices[name] = mixes[-1]
+                    top = min(top, score, key=lambda x: x.key)
                     continue
                 key = tuple((s.value, s.dims, s.priority) for s in extra)
                 if key in scored:
@@ -206,20 +224,43 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
             budget.charge(full_plan_units(n_devices))
             consider(name, sizes, plan, score, tuple(extra))
             seed_sets[name] = list(extra)
+            plans[name] = plan
             starts.append(project(space, plan))
             mixes.append(plan_choices(space, plan))
             base_choices[name] = mixes[-1]
             top = min(top, score, key=lambda x: x.key)
-        states.append((top.key, len(states), sizes, user, ev, starts, mixes, seed_sets))
+        states.append((top.key, len(states), sizes, user, ev, starts, mixes, seed_sets, plans, base_choices))
     # Phase 2: search the most promising meshes (by their best baseline), sharing what is left of the budget.
     states.sort(key=lambda st: (st[0], st[1]))
     states = states[:max_meshes]
-    for i, (_, _, sizes, user, ev, starts, mixes, seed_sets) in enumerate(states):
+    for i, (_, _, sizes, user, ev, starts, mixes, seed_sets, plans, base_choices) in enumerate(states):
         share = budget.left / (len(states) - i)  # plans for this mesh
         used0 = ev.evaluations
         roles = role_mixes(problem.graph, seed_sets)
         if math.isfinite(share):  # role mixes get at most a quarter of the share
             roles = roles[:int(share / 4 / full_plan_units(n_devices))]
+        # one baseline's storage of the state with another's compute (the FSDP of the second: storage_mixes)
+        storage = storage_mixes(problem.graph, plans)
+        if math.isfinite(share):  # at most a quarter of the share too
+            storage = storage[:int(share / 4)]
+        state = set(state_inputs(problem.graph))
+        for a, b in storage:
+            point = tuple(sa if grp.kind == "input" and grp.members[0] in state else sb
+                          for grp, sa, sb in zip(ev.space.groups, base_choices[a], base_choices[b]))
+            if point in ev.cache:
+                continue
+            try:
+                plan = ev.plan(point)
+                score = ev.cache[point] = ev.score_plan(plan)[0]
+            except ShardingError:
+                ev.cache[point] = INVALID
+                continue
+            bar.update(1)
+            if not consistent_carry(problem.graph, plan):
+                continue
+            consider("search", sizes, plan, score, tuple(seeds_for(ev.space, point, user)), point)
+            starts.append(point)
+            mixes.append(plan_choices(ev.space, plan))
         for _, seeds in roles:
             try:
                 plan = ev.plan_with(seeds)

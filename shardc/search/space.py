@@ -302,6 +302,19 @@ def plan_choices(space: Space, plan) -> Assignment:
     return tuple(out)
 
 
+def with_input_layouts(space: Space, point: Assignment, seeds: Sequence[Seed], values: Sequence[int]) -> Assignment:
+    """`point` with each input group whose members are among `values` set to the layout `seeds` give its
+    first member, when that layout is one of the group's choices (else the group keeps `point`'s choice)."""
+    want = {s.value: tuple(() if d is None else tuple(d) for d in s.dims) for s in seeds}
+    values = set(values)
+    out = list(point)
+    for i, grp in enumerate(space.groups):
+        m = grp.members[0]
+        if grp.kind == "input" and m in values and m in want and want[m] in grp.choices:
+            out[i] = grp.choices.index(want[m])
+    return tuple(out)
+
+
 def project_plan(space: Space, plan) -> Assignment:
     """The point of the space that gives `plan` back when its decisions are made by seeding the graph inputs
     (every baseline is): the inputs' choices of `plan_choices`, op groups left to propagation (0)."""

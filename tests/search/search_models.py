@@ -27,6 +27,6 @@ def graph_of(fun, args, names=None):
     return g, closed, names, outs
 
 
-def problem_of(fun, args, *, topology="h100-sxm-8", seeds=(), memory_limit=None):
-    g, closed, names, outs = graph_of(fun, args)
+def problem_of(fun, args, *, topology="h100-sxm-8", seeds=(), memory_limit=None, names=None):
+    g, closed, names, outs = graph_of(fun, args, names)
     return Problem(g, list(seeds), topology, names, outs, (), (), closed, memory_limit)
