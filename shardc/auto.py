@@ -831,8 +831,8 @@ def _is_axis_metadata(node_type: type) -> bool:
 
 def auto(fun: Callable | None = None, **options: Any) -> Any:
     """Decorator: `@shardc.auto` or `@shardc.auto(mesh=..., rules=..., in_shardings=..., out_shardings=...,
-    donate_argnums=..., static_argnums=..., search=...)` — the options of `jax.jit` keep their meaning
-    (docs/jax_flax.md).
+    donate_argnums=..., donate_argnames=..., static_argnums=..., search=...)` — the options of `jax.jit` keep their
+    meaning (docs/jax_flax.md).
 
     By default the strategy search chooses every sharding the hints leave open (and, with `mesh=None`, the
     mesh shape), costed by the simulator on `topology` (default: the devices this step runs on — the
