@@ -44,7 +44,7 @@ from shardc.propagate import Cause, Seed, propagate
 from shardc.seeds import input_seed, program_seeds
 from shardc.sharding import make_mesh, mesh_shape
 from shardc.donation import Donation
-from shardc.explicit import explicit_axes, is_explicit_mode_error, trace_explicit
+from shardc.explicit import caller_mesh, explicit_axes, is_explicit_mode_error, retype, trace_explicit
 from shardc.static_args import StaticArgs
 from shardc.waste import IdleDevicesWarning, user_stacklevel, waste_warning
 import shardc.search.integrate as _search
@@ -185,6 +185,8 @@ class AutoFunction:
         self._warn_replacements(c, leaves)
         flat = [self._place(x, s, c.plan.mesh) for x, s in zip(leaves, c.plan.input_shardings())]
         out = c.jitted(*flat)
+        if (caller := caller_mesh(leaves, c.plan.mesh)) is not None:  # results typed as jax.jit types them there
+            out = retype(out, caller)
         self._carried.record(tree, leaves, c.plan.input_names, out, c.plan.output_names)
         return jax.tree_util.tree_unflatten(c.out_tree, out)
 

@@ -26,7 +26,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from annotations.api import _hint
 from annotations.errors import ShardingError, SourceLine
 
-__all__ = ["explicit_axes", "is_explicit_mode_error", "trace_explicit", "to_auto"]
+__all__ = ["caller_mesh", "explicit_axes", "is_explicit_mode_error", "retype", "trace_explicit", "to_auto"]
 
 _TYPED_PARAMS = ("sharding", "out_sharding")  # params that only carry a type's sharding
 _INLINED = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "checkpoint", "remat")
@@ -42,6 +42,27 @@ def explicit_axes(leaves: Sequence[Any]) -> frozenset[str]:
         if m is not None and not getattr(m, "empty", False):
             names |= {n for n, t in zip(m.axis_names, m.axis_types) if t == AxisType.Explicit}
     return frozenset(names)
+
+
+def caller_mesh(leaves: Sequence[Any], plan_mesh: Any) -> Mesh | None:
+    """The mesh with Explicit axes the call came from (`jax.set_mesh`'s, else an argument's) when it is the
+    plan's mesh but for the axis types; None otherwise."""
+    candidates = [jax.sharding.get_mesh()]
+    candidates += [x.sharding.mesh for x in leaves if isinstance(x, jax.Array)
+                   and not isinstance(x, jax.core.Tracer) and isinstance(x.sharding, NamedSharding)]
+    for m in candidates:
+        if isinstance(m, Mesh) and not m.empty and AxisType.Explicit in m.axis_types and isinstance(plan_mesh, Mesh) \
+                and m.axis_names == plan_mesh.axis_names and m.devices.shape == plan_mesh.devices.shape \
+                and (m.devices == plan_mesh.devices).all():
+            return m
+    return None
+
+
+def retype(outs: Sequence[Any], mesh: Mesh) -> list[Any]:
+    """Outputs laid out on the plan's (Auto) mesh, typed on the caller's Explicit `mesh` as `jax.jit` would
+    return them there (the same buffers: a device_put between two meshes of the same devices copies nothing)."""
+    return [jax.device_put(x, NamedSharding(mesh, x.sharding.spec))
+            if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) else x for x in outs]
 
 
 def is_explicit_mode_error(e: Exception) -> bool:
