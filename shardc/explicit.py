@@ -25,6 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from annotations.api import _hint
 from annotations.errors import ShardingError, SourceLine
+from annotations.spec import UNCONSTRAINED
 
 __all__ = ["caller_mesh", "explicit_axes", "is_explicit_mode_error", "retype", "trace_explicit", "to_auto"]
 
@@ -104,11 +105,18 @@ def _source(eqn: Any) -> SourceLine | None:
 
 
 def _as_hint(x: Any, sharding: Any, eqn: Any) -> Any:
+    """`x` with the hint a written sharding means. On Explicit axes a spec is a type: what it names is split, a
+    None dim replicated. Where the sharding's mesh has Auto axes (`auto_axes` enters such a region through a
+    `reshard`), an unnamed dim is left open, and a sharding on Auto axes only is no hint at all."""
     spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
     if not isinstance(spec, PartitionSpec) or not hasattr(x, "shape"):
         return x
-    dims = tuple(() if e is None else ((e,) if isinstance(e, str) else tuple(e)) for e in spec)
-    dims += ((),) * (len(x.shape) - len(dims))
+    types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+    if types and AxisType.Explicit not in types:
+        return x
+    unnamed = UNCONSTRAINED if AxisType.Auto in types else ()
+    dims = tuple(unnamed if e is None else ((e,) if isinstance(e, str) else tuple(e)) for e in spec)
+    dims += (unnamed,) * (len(x.shape) - len(dims))
     return _hint(x, "shard", dims, x.shape, x.dtype, _source(eqn))
 
 

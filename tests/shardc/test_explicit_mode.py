@@ -185,3 +185,27 @@ def test_results_come_back_on_the_callers_explicit_mesh():
         want, _ = jax.jit(step)(w1, x)  # fails on results typed on shardc's Auto mesh
         got, _ = f(w1, x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_auto_axes_region_is_no_replication_hint():
+    """`jax.sharding.auto_axes` enters its region through a reshard to the Auto axes (spec all None): that
+    leaves the layout to shardc, it does not pin the value replicated."""
+    mesh = explicit_mesh()
+
+    def top2(x):
+        shd = jax.typeof(x).sharding
+        values, _ = jax.sharding.auto_axes(lambda a: jax.lax.top_k(a, 2), out_sharding=shd)(jnp.abs(x))
+        return values.sum(axis=1)
+
+    x = placed(mesh)[2]
+    with jax.set_mesh(mesh):
+        closed = jax.make_jaxpr(top2)(x)
+        want = jax.jit(top2)(x)
+        got = shardc.auto(top2, search=False)(x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+    auto = jax.sharding.Mesh(mesh.devices, mesh.axis_names)
+    from annotations import mesh_context
+
+    with mesh_context(auto), jax.set_mesh(auto):
+        hints = [e.params["spec"] for e in to_auto(closed).jaxpr.eqns if e.primitive.name == "shardc_hint"]
+    assert [h.dims for h in hints] == [(("data",), ()), (("data",), ())]  # the two reshards back to the types
