@@ -43,6 +43,8 @@ from shardc.plan import Plan, build_plan, is_abstract, require_devices, topology
 from shardc.propagate import Cause, Seed, propagate
 from shardc.seeds import input_seed, program_seeds
 from shardc.sharding import make_mesh, mesh_shape
+from shardc.donation import Donation
+from shardc.explicit import caller_mesh, explicit_axes, is_explicit_mode_error, retype, trace_explicit
 from shardc.static_args import StaticArgs
 from shardc.waste import IdleDevicesWarning, user_stacklevel, waste_warning
 import shardc.search.integrate as _search
@@ -88,7 +90,8 @@ class AutoFunction:
     """A function planned and run sharded by shardc (what `@shardc.auto` returns)."""
 
     def __init__(self, fun: Callable, *, mesh: Mesh | None = None, rules: Any = None,
-                 donate_argnums: int | Sequence[int] = (), topology: Any = None, search: Any = True,
+                 donate_argnums: int | Sequence[int] = (), donate_argnames: str | Sequence[str] = (),
+                 topology: Any = None, search: Any = True,
                  budget_s: float | None = None, seed: int = 0, devices: int | None = None,
                  static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
                  time_cap_s: float | None = None, in_shardings: Any = None, out_shardings: Any = None,
@@ -105,7 +108,8 @@ class AutoFunction:
         mesh = self._mesh_of_shardings(mesh, devices)
         self.mesh = mesh
         self.rules = _check_rules(rules)
-        self.donate_argnums = _check_donate(donate_argnums)
+        self.donation = Donation.make(fun, donate_argnums, donate_argnames)
+        self.donate_argnums = self.donation.nums
         self.topology = topology
         self.search = search
         self.budget_s = budget_s
@@ -142,7 +146,8 @@ class AutoFunction:
         # pipeline: a shardc.pipeline.Pipeline; the step's layer stack runs as that pipeline (docs/pipeline.md)
         self.pipeline = _check_pipeline(pipeline, mesh, devices)
         self._stack: Any = None  # the layer stack the pipeline cuts (found on the first trace)
-        self._options = dict(mesh=mesh, rules=rules, donate_argnums=donate_argnums, topology=topology, search=search,
+        self._options = dict(mesh=mesh, rules=rules, donate_argnums=donate_argnums, donate_argnames=donate_argnames,
+                             topology=topology, search=search,
                              budget_s=budget_s, seed=seed, devices=devices, static_argnums=static_argnums,
                              static_argnames=static_argnames, time_cap_s=time_cap_s, remat=remat,
                              memory_limit=memory_limit, pipeline=pipeline, pcg=pcg, in_shardings=in_shardings,
@@ -180,6 +185,8 @@ class AutoFunction:
         self._warn_replacements(c, leaves)
         flat = [self._place(x, s, c.plan.mesh) for x, s in zip(leaves, c.plan.input_shardings())]
         out = c.jitted(*flat)
+        if (caller := caller_mesh(leaves, c.plan.mesh)) is not None:  # results typed as jax.jit types them there
+            out = retype(out, caller)
         self._carried.record(tree, leaves, c.plan.input_names, out, c.plan.output_names)
         return jax.tree_util.tree_unflatten(c.out_tree, out)
 
@@ -432,7 +439,12 @@ class AutoFunction:
                         raise ShardingError(f"shardc.auto(pipeline=...): {_describe(self.fun)} has no layer stack to "
                                             f"pipeline (a jax.lax.scan or nn.scan over stacked per-layer parameters "
                                             f"that carries the activations)")
-                closed = jax.make_jaxpr(flat_fun)(*[_abstract(x) for x in flat])
+                try:
+                    closed = jax.make_jaxpr(flat_fun)(*[_abstract(x) for x in flat])
+                except ValueError as e:  # explicit-sharding code (jax.make_mesh's default): traced as jax.jit does
+                    if not (is_explicit_mode_error(e) and (axes := explicit_axes(flat))):
+                        raise
+                    closed = trace_explicit(flat_fun, flat, mesh, axes)
         except ValueError as e:
             if isinstance(e, ShardingError) or not _is_jax_sharding_error(e):
                 raise
@@ -487,7 +499,7 @@ class AutoFunction:
         if graph.conservative_primitives:
             notes.append("replicated (no sharding rule): " + ", ".join(sorted(graph.conservative_primitives)))
         if _search.enabled(self.search):
-            donate = _flat_donate(self.donate_argnums, args, self.fun)
+            donate = self.donation.flat(args, kwargs, self.fun)
 
             def plan_of(program: Any, graph: Any = None) -> Plan:
                 if graph is None:
@@ -526,7 +538,7 @@ class AutoFunction:
         if is_multiprocess():
             check_plan_agreement(the_plan)
         t3 = time.perf_counter()
-        donate = _flat_donate(self.donate_argnums, args, self.fun)
+        donate = self.donation.flat(args, kwargs, self.fun)
         the_plan = dataclasses.replace(the_plan, program=closed, donated=tuple(donate), pipeline=None
                                        if self.pipeline is None else self.pipeline.bind(self._stack.layers,
                                                                                         self._stack.name))
@@ -663,18 +675,6 @@ def _check_rules(rules: Any) -> Any:
     return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules)
 
 
-def _check_donate(donate_argnums: Any) -> tuple[int, ...]:
-    nums = (donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums
-    try:
-        nums = tuple(nums)
-    except TypeError:
-        nums = (donate_argnums,)
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in nums):
-        raise ShardingError(f"shardc.auto(donate_argnums={donate_argnums!r}) needs non-negative ints "
-                            f"(positions of positional arguments)")
-    return nums
-
-
 @contextlib.contextmanager
 def _internal_errors(phase: str, fun: Callable) -> Any:
     """An unexpected exception inside one of shardc's passes becomes a ShardingError that says which
@@ -733,20 +733,6 @@ def _check_donated_once(flat: Sequence[Any], plan: Plan, fun: Callable) -> None:
             names = plan.input_names
             raise ShardingError(f"{_describe(fun)}: the same array is passed as {names[j]} and {names[i]}, and "
                                 f"donate_argnums donates it; donate it once, or pass a copy (jnp.copy(x))")
-
-
-def _flat_donate(donate_argnums: Sequence[int], args: Any, fun: Callable) -> list[int]:
-    bad = [i for i in donate_argnums if i >= len(args)]
-    if bad:
-        raise ShardingError(f"shardc.auto(donate_argnums={tuple(donate_argnums)}): {_describe(fun)} was called with "
-                            f"{len(args)} positional argument(s), so there is no argument {bad[0]} to donate")
-    out, start = [], 0
-    for i, a in enumerate(args):
-        n = len(jax.tree_util.tree_leaves(a))
-        if i in donate_argnums:
-            out.extend(range(start, start + n))
-        start += n
-    return out
 
 
 def _tie_carried_state(graph: Graph, in_tree: Any, out_tree: Any, args: Any) -> None:
@@ -847,8 +833,8 @@ def _is_axis_metadata(node_type: type) -> bool:
 
 def auto(fun: Callable | None = None, **options: Any) -> Any:
     """Decorator: `@shardc.auto` or `@shardc.auto(mesh=..., rules=..., in_shardings=..., out_shardings=...,
-    donate_argnums=..., static_argnums=..., search=...)` — the options of `jax.jit` keep their meaning
-    (docs/jax_flax.md).
+    donate_argnums=..., donate_argnames=..., static_argnums=..., search=...)` — the options of `jax.jit` keep their
+    meaning (docs/jax_flax.md).
 
     By default the strategy search chooses every sharding the hints leave open (and, with `mesh=None`, the
     mesh shape), costed by the simulator on `topology` (default: the devices this step runs on — the

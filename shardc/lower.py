@@ -282,7 +282,9 @@ def plan_function(plan: Plan, closed_jaxpr: Any, tag_ops: bool = False) -> Calla
     """A function of the flat inputs that computes the program with the plan's constraints."""
 
     def run(*args: Any) -> list[Any]:
-        return Lowering(plan, tag_ops).walk(closed_jaxpr.jaxpr, closed_jaxpr.consts, args, "")
+        # under the plan's (Auto) mesh, also when called under a `jax.set_mesh` of Explicit axes
+        with jax.sharding.use_abstract_mesh(plan.mesh.abstract_mesh):
+            return Lowering(plan, tag_ops).walk(closed_jaxpr.jaxpr, closed_jaxpr.consts, args, "")
 
     return run
 
