@@ -20,6 +20,7 @@ from annotations.errors import ShardingError, SourceLine
 from shardc.cost.collectives import Collective, collectives_time
 from shardc.cost.program import broadcast_dims, merged, unread_operands
 from shardc.cost.reshard_path import reshard_steps, sent_bytes
+from shardc.cost.wire import wire_itemsize
 from shardc.ir.graph import Graph, Op
 from shardc.propagate import Cause, Propagation, project_dim
 from shardc.rules.core import FactorKind, FactorRule
@@ -27,6 +28,7 @@ from shardc.sharding import Sharding, mesh_shape
 
 __all__ = ["OpStrategy", "Reshard", "Plan", "PlanBuilder", "build_plan", "abstract_mesh", "is_abstract",
            "require_devices", "reshard_cost", "ReshardCost", "op_reshard_specs", "lowers_reduce_scatter",
+           "lowers_backend",
            "ReshardPricer", "topology_pricer"]
 
 Axes = tuple[str, ...]
@@ -184,9 +186,15 @@ class ReshardCost:
 def lowers_reduce_scatter(mesh: Any) -> bool:
     """Whether XLA emits reduce-scatters on this mesh's backend (XLA:CPU all-reduces, then slices). A mesh
     without devices (`abstract_mesh`) is planned for accelerators, which have them."""
+    return lowers_backend(mesh) != "cpu"
+
+
+def lowers_backend(mesh: Any) -> str:
+    """The platform of this mesh's devices ("cpu", "gpu", "tpu"), whose backend rules apply to the collectives
+    XLA emits (`reduce_scatter`, `shardc.cost.wire`); "" for a mesh without devices (planned for accelerators)."""
     if is_abstract(mesh):
-        return True
-    return next(iter(mesh.devices.flat)).platform != "cpu"
+        return ""
+    return next(iter(mesh.devices.flat)).platform
 
 
 # What a reshard costs when an op's layout is chosen: seconds on a topology (`topology_pricer`), or, without
@@ -302,7 +310,7 @@ def _degree(strat: OpStrategy, mesh: Mapping[str, int]) -> int:
 
 
 def _strategy(op: Op, graph: Graph, shardings: Sequence[Sharding], nbytes, mesh: Mapping[str, int],
-              reduce_scatter: bool = True, price: ReshardPricer | None = None
+              reduce_scatter: bool = True, price: ReshardPricer | None = None, backend: str = ""
               ) -> tuple[OpStrategy, list[ReshardSpec] | None]:
     """The op's factor axes, and its reshards when choosing it computed them (else None): of the layouts that keep one of its tensors as it is (the others giving way,
     largest first), the one whose reshards cost least (`price`: seconds on the plan's topology; without
@@ -332,13 +340,13 @@ def _strategy(op: Op, graph: Graph, shardings: Sequence[Sharding], nbytes, mesh:
         sent = sum(spec[4].sent for spec in specs)
         return (-_degree(strat, mesh), sent if price is None else sum(price(spec[4]) for spec in specs), sent)
 
-    best_specs = op_reshard_specs(op, graph, default, shardings, mesh, reduce_scatter)
+    best_specs = op_reshard_specs(op, graph, default, shardings, mesh, reduce_scatter, backend)
     best, best_key = default, key(default, best_specs)
     for i in sharded:
         strat = _greedy_strategy(op, axes_of, [order[i]] + order[:i] + order[i + 1:], mesh)
         if strat == best:
             continue
-        specs = op_reshard_specs(op, graph, strat, shardings, mesh, reduce_scatter)
+        specs = op_reshard_specs(op, graph, strat, shardings, mesh, reduce_scatter, backend)
         k = key(strat, specs)
         if k < best_key:
             best, best_key, best_specs = strat, k, specs
@@ -357,10 +365,10 @@ ReshardSpec = tuple[bool, int, Sharding, Sharding, ReshardCost]  # (on an operan
 
 
 def op_reshard_specs(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequence[Sharding],
-                     mesh: Mapping[str, int], reduce_scatter: bool = True) -> list[ReshardSpec]:
-    """The reshards `strat` needs: (on an operand?, tensor index, src, dst, cost). An operand that only
-    needs a free slice is listed (its layout changes); a result that only needs one is not (the slice is
-    the consumer's business)."""
+                     mesh: Mapping[str, int], reduce_scatter: bool = True, backend: str = "") -> list[ReshardSpec]:
+    """The reshards `strat` needs: (on an operand?, tensor index, src, dst, cost), their bytes as `backend`'s
+    collectives carry them (`wire_itemsize`). An operand that only needs a free slice is listed (its layout
+    changes); a result that only needs one is not (the slice is the consumer's business)."""
     rule = op.rule
     specs: list[ReshardSpec] = []
     unread = unread_operands(graph, op)
@@ -374,7 +382,7 @@ def op_reshard_specs(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequenc
         need = strat.tensor_sharding(rule, dims, mesh)
         have = shardings[v]
         if need != have:
-            cost = reshard_cost(have, need, val.shape, val.dtype.itemsize, mesh, reduce_scatter,
+            cost = reshard_cost(have, need, val.shape, wire_itemsize(val.dtype, backend), mesh, reduce_scatter,
                                 bcast=frozenset() if param else bcast[v])
             if cost.kind != "none":
                 specs.append((True, i, have, need, cost))
@@ -387,7 +395,8 @@ def op_reshard_specs(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequenc
         made = Sharding(made.dims, partial)
         want = shardings[v]
         if made != want:
-            cost = reshard_cost(made, want, val.shape, val.dtype.itemsize, mesh, reduce_scatter, groups, bcast[v])
+            cost = reshard_cost(made, want, val.shape, wire_itemsize(val.dtype, backend), mesh, reduce_scatter,
+                                groups, bcast[v])
             if cost.kind not in ("none", "slice"):
                 specs.append((False, i, made, want, cost))
     return specs
@@ -395,7 +404,7 @@ def op_reshard_specs(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequenc
 
 def _plan_classes(graph: Graph) -> list[int]:
     """Per op: the class of ops whose strategy and reshards are the same at the same tensor shardings
-    (rule, io tie or not, parameter tie or not, tensor shapes/itemsizes/broadcast dims, constant operands);
+    (rule, io tie or not, parameter tie or not, tensor shapes/dtypes/broadcast dims, constant operands);
     computed once per graph."""
     return graph.analysis("plan_classes", lambda: _compute_plan_classes(graph))
 
@@ -408,7 +417,7 @@ def _compute_plan_classes(graph: Graph) -> list[int]:
         vals = [graph.values[v] for v in op.inputs + op.outputs]
         tie = op.primitive == "tie"
         key = (op.rule, tie and op.region == "io", tie and op.params.get("at") in ("out", "arg"),
-               tuple((v.shape, v.dtype.itemsize if v.dtype is not None else 4, v.nbytes, bcast[v.id]) for v in vals),
+               tuple((v.shape, v.dtype, v.nbytes, bcast[v.id]) for v in vals),
                tuple((graph.values[v].is_const and graph.values[v].rank == 0, constant[v]) for v in op.inputs))
         out.append(classes.setdefault(key, len(classes)))
     return out
@@ -462,6 +471,7 @@ class PlanBuilder:
         self.price = price
         self.sizes = mesh_shape(mesh)
         self.reduce_scatter = lowers_reduce_scatter(mesh)
+        self.backend = lowers_backend(mesh)
         self.names = (tuple(input_names), tuple(output_names), tuple(warnings))
         self.nbytes = [v.nbytes for v in graph.values]
         self._memo: dict[tuple, _Entry] = memo if memo is not None else {}
@@ -548,11 +558,12 @@ class PlanBuilder:
     def _entry(self, op: Op) -> _Entry:
         """An op's strategy and its reshards (`ReshardSpec`s)."""
         strat, specs = _strategy(op, self.graph, self.shardings, self.nbytes, self.sizes, self.reduce_scatter,
-                                 self.price)
+                                 self.price, self.backend)
         if op.primitive == "tie" and op.region == "io":
             return strat, ()
         if specs is None:
-            specs = op_reshard_specs(op, self.graph, strat, self.shardings, self.sizes, self.reduce_scatter)
+            specs = op_reshard_specs(op, self.graph, strat, self.shardings, self.sizes, self.reduce_scatter,
+                                     self.backend)
         return strat, tuple(specs)
 
     def _reshard(self, op: Op, strat: OpStrategy, operand: bool, i: int, src: Sharding, dst: Sharding,
@@ -563,7 +574,8 @@ class PlanBuilder:
         groups = () if operand else strat.partial_groups(op.rule)
         bcast = frozenset() if operand and op.primitive == "tie" and op.params.get("at") in ("out", "arg") \
             else broadcast_dims(self.graph)[val.id]
-        cost = reshard_cost(src, dst, val.shape, val.dtype.itemsize, self.sizes, self.reduce_scatter, groups, bcast)
+        cost = reshard_cost(src, dst, val.shape, wire_itemsize(val.dtype, self.backend), self.sizes,
+                            self.reduce_scatter, groups, bcast)
         if op.id not in self._sources:
             self._sources[op.id] = op.source
         source = self._sources[op.id]

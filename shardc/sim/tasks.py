@@ -25,6 +25,7 @@ from shardc.cost.op_collectives import op_collectives
 from shardc.cost.program import FREE_PRIMITIVES, ProgramInfo, broadcast_dims, broadcast_transfer, program_info
 from shardc.cost.reshard_path import kept_after, reshard_steps
 from shardc.cost.topology import MeshMapping, Topology
+from shardc.cost.wire import wire_itemsize
 from shardc.plan import Plan
 from shardc.sharding import Sharding
 
@@ -159,9 +160,9 @@ class TaskBuilder:
         by_dtype: dict[Any, tuple[str, int]] = {}  # str(numpy dtype) is slow: once per distinct dtype
         for v in vals:
             if v.dtype not in by_dtype:
-                by_dtype[v.dtype] = (str(v.dtype), int(v.dtype.itemsize) if v.dtype is not None else 4)
+                by_dtype[v.dtype] = (str(v.dtype), wire_itemsize(v.dtype, topology.backend))
         self._dtype = [by_dtype[v.dtype][0] for v in vals]
-        self._itemsize = [by_dtype[v.dtype][1] for v in vals]
+        self._itemsize = [by_dtype[v.dtype][1] for v in vals]  # as the backend's collectives carry them
 
     # -- keys ----------------------------------------------------------------------------------------
     def canon(self, v: int) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from shardc.plan import OpStrategy, Plan, Reshard, lowers_reduce_scatter, op_reshard_specs
+from shardc.plan import OpStrategy, Plan, Reshard, lowers_backend, lowers_reduce_scatter, op_reshard_specs
 from shardc.rules.core import FactorKind
 from shardc.sharding import Sharding
 
@@ -20,7 +20,8 @@ def _op_reshards(plan: Plan, op_id: int, strategies: Sequence[OpStrategy],
     if op.primitive == "tie" and op.region == "io":
         return []
     out: list[Reshard] = []
-    specs = op_reshard_specs(op, g, strategies[op_id], shardings, plan.mesh_sizes, lowers_reduce_scatter(plan.mesh))
+    specs = op_reshard_specs(op, g, strategies[op_id], shardings, plan.mesh_sizes, lowers_reduce_scatter(plan.mesh),
+                             lowers_backend(plan.mesh))
     for operand, i, src, dst, cost in specs:
         if operand:
             v = op.inputs[i]
