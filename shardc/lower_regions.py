@@ -46,6 +46,17 @@ def _tie(w: Any, x: Any, op: Any) -> Any:
         return w.result_side(w.operand_side(x, op), op)
 
 
+def _leave(w: Any, x: Any, op: Any) -> Any:
+    """A loop's final carry `x` through its out tie `op`, constrained first to the carry's planned layout (the
+    loop state's). A reshard right after the loop alone would not do: XLA's propagation gives the loop state
+    the layout its results' users want when that is more split than its init and body (a constraint on the
+    loop's result, [y] where the carry is [-], makes the loop state [y] and every iteration all-gathers it
+    for the body; seed 93004)."""
+    with w.scope(op.id):
+        x = w.as_planned(x, op.inputs[0])
+    return _tie(w, x, op)
+
+
 def _param(w: Any, x: Any, op: Any) -> Any:
     """A body parameter entering through tie `op` (already in its planned layout: `_tie` ran outside)."""
     with w.scope(op.id):
@@ -89,7 +100,7 @@ def _scan(w: Any, eqn: Any, invals: list[Any], region: str) -> list[Any]:
     w.next_op = boundary[-1].id + 1  # past the body and its boundary ops
     outs = w.bind(eqn, list(body.consts) + outer, jaxpr=new_body, num_consts=nc + len(body.consts))
     # after the loop: the final carry through its out tie, the stacked ys to their planned layouts
-    return [_tie(w, o, boundary[2 * i + 1]) if i < nk else _result(w, o, boundary[nk + i]) for i, o in enumerate(outs)]
+    return [_leave(w, o, boundary[2 * i + 1]) if i < nk else _result(w, o, boundary[nk + i]) for i, o in enumerate(outs)]
 
 
 def _while(w: Any, eqn: Any, invals: list[Any], region: str) -> list[Any]:
@@ -138,7 +149,7 @@ def _while(w: Any, eqn: Any, invals: list[Any], region: str) -> list[Any]:
     operands = list(cond.consts) + cond_consts + list(body.consts) + body_consts + init
     outs = w.bind(eqn, operands, cond_jaxpr=new_cond, body_jaxpr=new_body,
                   cond_nconsts=cn + len(cond.consts), body_nconsts=bn + len(body.consts))
-    return [_tie(w, o, ops[2]) for o, ops in zip(outs, carry_ops)]
+    return [_leave(w, o, ops[2]) for o, ops in zip(outs, carry_ops)]
 
 
 def _cond(w: Any, eqn: Any, invals: list[Any], region: str) -> list[Any]:

@@ -683,8 +683,11 @@ def _merge(graph: Graph) -> Merged:
     seen: dict[Any, int] = {}
     for op in graph.ops:
         ins = tuple(canon[v] for v in op.inputs)
-        if (op.inputs and all(constant[v] for v in op.inputs) or folds_to_constant(graph, op)) \
-                and op.primitive not in _NOT_MERGED:  # (in a loop or branch body too: XLA folds them there)
+        # (an operand the simplifier drops does not count: a dynamic_update_slice of a constant over its whole
+        # operand is that constant; in a loop or branch body too: XLA folds them there)
+        unread = unread_operands(graph, op)
+        if (op.inputs and all(constant[v] for i, v in enumerate(op.inputs) if i not in unread)
+                or folds_to_constant(graph, op)) and op.primitive not in _NOT_MERGED:
             for v in op.outputs:
                 constant[v] = True
         if op.primitive in _NOT_MERGED or op.primitive in ("shardc_hint", "sharding_constraint", PCG_COLLECTIVE):

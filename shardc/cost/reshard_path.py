@@ -68,27 +68,47 @@ def kept_after(steps: Sequence[ReshardStep], src: Sharding, shape: Sequence[int]
 def _steps(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int,
            mesh_items: tuple[tuple[str, int], ...], reduce_scatter: bool,
            bcast: frozenset[int]) -> tuple[ReshardStep, ...]:
+    """The path's layouts are chosen as for a value that is no broadcast: the lowering constrains the value
+    to them (`shardc.lower.Lowering.reshard`), and it does not know which values XLA's partitioner sees as
+    broadcasts. Only the collectives of each step know it (a collective-permute along broadcast dims is a
+    copy; a collective's result is no broadcast): a path chosen for the broadcast is not the one that runs
+    (seed 95004: [-, -, y] -> [-, y+x, -] of a broadcast along dims 1, 2 priced through [-, x+y, z], a copy
+    and an all-gather over z, where the lowering constrained it through [-, -, y+x], an all-to-all)."""
+    layouts = _path(src, dst, shape, itemsize, mesh_items, reduce_scatter)
+    if not bcast:
+        return layouts
+    mesh = dict(mesh_items)
+    out: list[ReshardStep] = []
+    for layout, _ in layouts:
+        out.append((layout, reshard_collectives(src, layout, shape, itemsize, mesh, reduce_scatter=reduce_scatter,
+                                                bcast=bcast)))
+        bcast, src = kept_broadcast(src, layout, shape, mesh, bcast), layout
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _path(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int,
+          mesh_items: tuple[tuple[str, int], ...], reduce_scatter: bool) -> tuple[ReshardStep, ...]:
+    """The steps from `src` to `dst` of a value that is no broadcast, with their collectives."""
     mesh = dict(mesh_items)
 
-    def colls(a: Sharding, b: Sharding, along: frozenset[int]) -> tuple[Collective, ...]:
-        return reshard_collectives(a, b, shape, itemsize, mesh, reduce_scatter=reduce_scatter, bcast=along)
+    def colls(a: Sharding, b: Sharding) -> tuple[Collective, ...]:
+        return reshard_collectives(a, b, shape, itemsize, mesh, reduce_scatter=reduce_scatter)
 
-    direct = colls(src, dst, bcast)
+    direct = colls(src, dst)
     if not is_involuntary_remat(src, dst, shape, mesh):
         return ((dst, direct),)
     steps: list[ReshardStep] = []
     start = src
     if src.partial - dst.partial:  # the partial sums are reduced first, in the source's dims
         start = Sharding(src.dims, src.partial & dst.partial)
-        steps.append((start, colls(src, start, bcast)))
-        bcast = frozenset()
+        steps.append((start, colls(src, start)))
     best: tuple[int, int, tuple[ReshardStep, ...]] | None = None
     for mid in _layouts(len(shape), shape, mesh):
         if mid in (start, dst) or is_involuntary_remat(start, mid, shape, mesh) \
                 or is_involuntary_remat(mid, dst, shape, mesh):
             continue
-        a = colls(start, mid, bcast)
-        b = colls(mid, dst, kept_broadcast(start, mid, shape, mesh, bcast))
+        a, b = colls(start, mid), colls(mid, dst)
         cost = (sum(sent_bytes(c, mesh) for c in a + b), len(a) + len(b))
         if best is None or cost < best[:2]:
             best = (*cost, ((mid, a), (dst, b)))
