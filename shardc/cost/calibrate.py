@@ -8,20 +8,24 @@ All devices run at once, as they do in a sharded step, so the rates are per devi
 * matmul FLOP/s: a data-parallel float32 matmul over every device;
 * elementwise FLOP/s: a fused chain of multiply-adds on a cache-sized array (the time of a long chain
   minus a short one, so the call's fixed cost cancels);
-* memory bandwidth: a data-parallel elementwise op on large arrays (bytes read + written);
+* memory bandwidth: a data-parallel elementwise op on large arrays (bytes read + written), writing over its
+  donated input: a step's buffers are XLA's preallocated temporaries or donated state, and a fresh output
+  would add the page faults of a new allocation (priced apart, below), which made the measured rate 1.5-2x lower;
 * per-op overhead: a chain of tiny dependent matmuls (one XLA thunk each);
 * contention: how much faster one device runs the matmul alone than each device runs it with all busy
   (ops profiled alone, `shardc.cost.profile`, are scaled by it);
 * what each collective kind costs (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute):
-  chains of 8 collectives of 1 KiB and of 256 KiB per device over pairs of devices and over all devices, each
-  minus the same chain without them, fitted per kind to a fixed cost linear in the group size plus seconds per
-  payload byte (`CollectiveFit`). XLA:CPU runs every device on a thread of the host and meets all the threads
-  of a group at each collective, so a collective's fixed cost is that of a rendezvous of its group: on 8
-  devices over 2 cores, ~150 us over all 8 whatever the kind, ~30-70 us over pairs, and a collective-permute
-  meets every device of the program whatever its pairs. The ring model (`link_bandwidth`, `latency`: 24 us
-  per step) had priced an all-reduce at twice an all-gather's fixed cost and a small all-to-all at 7 steps.
-  The ring model's link bandwidth and latency are still derived (from the all-reduce fit over all devices)
-  for what `Topology.__str__` shows and for kinds a level has no fit for;
+  chains of 8 collectives of 1 KiB per device over pairs of devices and over all devices, and of 256 KiB over
+  all devices, each collective after a tanh pass over 256 KiB per device that it depends on, minus the same
+  chains without the collectives, fitted per kind to a fixed cost linear in the group size plus seconds per
+  payload byte (`CollectiveFit`). XLA:CPU runs every device on a thread of the host and meets all the threads of a group at
+  each collective: a barrier, which costs the rendezvous and the wait for the slowest thread of the group,
+  whose work the threads sharing the cores have not finished alike (so the work between collectives counts:
+  at load 9, ~110-165 us over 8 devices with none, ~350-500 us with the 256 KiB pass; ~30-190 us over
+  pairs). A collective-permute meets every device of the program whatever its pairs. The ring model it
+  replaces (`link_bandwidth`, `latency`: 24 us per step) had priced an all-reduce at twice an all-gather's
+  fixed cost and a small all-to-all at 7 steps. Its link bandwidth and latency are still derived (from the
+  all-reduce fit over all devices) for what `Topology.__str__` shows and for kinds a level has no fit for;
 * the cost of fresh memory: XLA:CPU allocates a step's temporaries as one buffer per device with `malloc`,
   and glibc maps an allocation over its mmap threshold (at most 32 MiB) from the OS and unmaps it when it is
   freed, so a step whose temporaries reach the threshold faults every page in again, every step (about 1.5
@@ -107,10 +111,7 @@ def measure_cpu_host() -> dict[str, float]:
     dt = _best_time(lambda: long(v), repeats=7) - _best_time(lambda: short(v), repeats=7)
     vector = 2.0 * 64 * 64 * 1024 / max(dt, 1e-9)
 
-    big = jax.device_put(jnp.ones((n * 1024, 1024), jnp.float32), rows)
-    ew = jax.jit(lambda a: a * 1.5 + 0.5, out_shardings=rows)
-    t = _best_time(lambda: ew(big))
-    bandwidth = 2.0 * 1024 * 1024 * 4 / t
+    bandwidth = 2.0 * 1024 * 1024 * 4 / _in_place_time(rows, n, 1024 * 1024)
 
     k = 64
     small = jax.device_put(jnp.ones((n * 8, 8), jnp.float32), rows)
@@ -143,6 +144,23 @@ def _ring_summary(fits: dict[str, float], n: int, bandwidth: float, overhead: fl
             "permute_latency": _fit_of(fits, "collective-permute").fixed(n)}
 
 
+def _in_place_time(rows: Any, n: int, elems: int) -> float:
+    """Seconds of an elementwise op over `elems` float32 per device writing over its donated input: memory
+    traffic alone, without allocating (a step's buffers come from XLA's preallocated temporaries or donated
+    state; a fresh output would also fault its pages in, which `_fresh_memory_cost` prices apart)."""
+    import jax
+    import jax.numpy as jnp
+
+    in_place = jax.jit(lambda a: a * 1.0001 + 0.5, out_shardings=rows, donate_argnums=0)
+    box = [jax.device_put(jnp.ones((n * elems,), jnp.float32), rows)]
+
+    def step() -> Any:
+        box[0] = in_place(box[0])
+        return box[0]
+
+    return _best_time(step)
+
+
 def _glibc() -> bool:
     """Whether this process allocates with glibc's malloc (whose mmap threshold the fresh-memory cost models)."""
     return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
@@ -157,22 +175,16 @@ def _fresh_memory_cost(rows: Any, n: int, mib: int = 48) -> float:
 
     elems = mib * 2**20 // 4
     fresh = jax.jit(lambda a: a * 1.0001 + 0.5, out_shardings=rows)
-    in_place = jax.jit(lambda a: a * 1.0001 + 0.5, out_shardings=rows, donate_argnums=0)
     x = jax.device_put(jnp.ones((n * elems,), jnp.float32), rows)
     t_fresh = _best_time(lambda: fresh(x))
-    box = [jax.device_put(jnp.ones((n * elems,), jnp.float32), rows)]
-
-    def step() -> Any:
-        box[0] = in_place(box[0])
-        return box[0]
-
-    t_in_place = _best_time(step)
-    del x, box
-    return max(t_fresh - t_in_place, 0.0) / (elems * 4)
+    del x
+    return max(t_fresh - _in_place_time(rows, n, elems), 0.0) / (elems * 4)
 
 
-# Collective fits: float32 elements per device of the small and the large payload, and collectives per chain.
-_FIT_SMALL, _FIT_LARGE, _FIT_CHAIN = 256, 64 * 1024, 8
+# Collective fits: float32 elements per device of the small and the large payload, collectives per chain, and
+# the work between two collectives (float32 elements per device of a tanh pass: ~0.1-0.4 ms here, about what a
+# layer of the models planned on this host computes between two collectives).
+_FIT_SMALL, _FIT_LARGE, _FIT_CHAIN, _FIT_WORK = 256, 64 * 1024, 8, 64 * 1024
 _FIT_FIELDS = ("base", "per_peer", "per_byte", "per_byte_spread")
 
 
@@ -184,8 +196,8 @@ def _fit_groups(n: int) -> tuple[int, ...]:
 
 def _collective_chain(mesh: Any, kind: str | None, axis: Any, group: int, elems: int) -> Callable:
     """A jitted chain of `_FIT_CHAIN` collectives of `kind` over `axis` (groups of `group` devices), each on a
-    payload of `elems` float32 per device and followed by one fused multiply-add (kind None: the chain without
-    the collectives, whose time is subtracted)."""
+    payload of `elems` float32 per device, after a tanh pass over `_FIT_WORK` elements that depends on the
+    collective before it (kind None: the chain without the collectives, whose time is subtracted)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -203,19 +215,22 @@ def _collective_chain(mesh: Any, kind: str | None, axis: Any, group: int, elems:
             return jax.lax.ppermute(x, axis, [(j, (j + 1) % group) for j in range(group)])
         return x
 
-    def body(x: Any) -> Any:
+    def body(x: Any, w: Any) -> Any:
         for _ in range(_FIT_CHAIN):
-            x = collective(x) * 1.0001 + 0.5
-        return x
+            w = jnp.tanh(w * 1.0001 + x[0])  # the work between collectives, after the last one ...
+            x = collective(x + w[0]) * 1.0001 + 0.5  # ... and before the next
+        return x, w
 
     spec = P(mesh.axis_names)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec)))
 
 
 def _collective_fits(devs: Sequence[Any], rounds: int = 7) -> dict[str, float]:
-    """Fit each collective kind's cost (`CollectiveFit`) on these devices: chains of collectives of a small and a
-    large payload over the groups of `_fit_groups`, each minus the chain without them, the fastest of `rounds`
-    round-robin runs (other processes only ever add time). Keys `"<kind>:<field>"`."""
+    """Fit each collective kind's cost (`CollectiveFit`) on these devices: chains of collectives of a small
+    payload over the groups of `_fit_groups` and of a large one over all devices, each minus the chain without
+    them, the fastest of `rounds` round-robin runs (other processes only ever add time). Keys
+    `"<kind>:<field>"`. (The seconds per byte are measured over all devices only: over pairs they differed by
+    less than the noise of a busy machine, and each chain compiled costs ~0.2-0.5 s of the first plan.)"""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -227,13 +242,16 @@ def _collective_fits(devs: Sequence[Any], rounds: int = 7) -> dict[str, float]:
     axis = {2: "i", n: mesh.axis_names}
     sizes = tuple(-(-e // n) * n for e in (_FIT_SMALL, _FIT_LARGE))  # (divisible by every group)
     spec = NamedSharding(mesh, P(mesh.axis_names))
-    todo = [(kind, g, e) for e in sizes for kind, g in [(None, 0)] + [(k, g) for k in COLLECTIVE_KINDS for g in groups]]
+    small, large = sizes
+    todo = [(None, 0, small), (None, 0, large)] + [(k, g, small) for k in COLLECTIVE_KINDS for g in groups] + \
+        [(k, n, large) for k in COLLECTIVE_KINDS]
     inputs = {e: jax.device_put(jnp.ones((n * e,), jnp.float32), spec) for e in sizes}
+    work = jax.device_put(jnp.ones((n * max(_FIT_WORK, 1),), jnp.float32), spec)
 
     def compiled(key: tuple) -> Callable:
         kind, g, e = key
-        return functools.partial(_collective_chain(mesh, kind, axis.get(g), g, e).lower(inputs[e]).compile(),
-                                 inputs[e])
+        return functools.partial(_collective_chain(mesh, kind, axis.get(g), g, e).lower(inputs[e], work).compile(),
+                                 inputs[e], work)
 
     with concurrent.futures.ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:  # (XLA compiles without the GIL)
         runs = dict(zip(todo, pool.map(compiled, todo)))
@@ -242,24 +260,24 @@ def _collective_fits(devs: Sequence[Any], rounds: int = 7) -> dict[str, float]:
            for (kind, g, e), t in best.items() if kind is not None}
     out: dict[str, float] = {}
     for kind in COLLECTIVE_KINDS:
-        fit = _fit(kind, n, groups, {g: [(4 * e, per[(kind, g, e)]) for e in sizes] for g in groups})
+        fit = _fit(kind, groups, {g: (4 * small, per[(kind, g, small)]) for g in groups},
+                   (4 * small, per[(kind, n, small)]), (4 * large, per[(kind, n, large)]))
         out.update({f"{kind}:{f}": float(getattr(fit, f)) for f in _FIT_FIELDS})
     return out
 
 
-def _fit(kind: str, n: int, groups: tuple[int, ...], points: dict[int, list[tuple[int, float]]]) -> CollectiveFit:
-    """The fit through (payload bytes, seconds) points per group size: per group, a fixed cost and seconds per
-    byte from its two payloads; then linear in n - 1 (fixed) and in (n - 1)/n (per byte) between the groups."""
-    fixed, per_byte = {}, {}
-    for g, ((b0, t0), (b1, t1)) in points.items():
-        per_byte[g] = max((t1 - t0) / (b1 - b0), 0.0)
-        fixed[g] = max(t0 - per_byte[g] * b0, 0.0)
+def _fit(kind: str, groups: tuple[int, ...], fixed_points: dict[int, tuple[int, float]],
+         small: tuple[int, float], large: tuple[int, float]) -> CollectiveFit:
+    """The fit of one kind: seconds per payload byte from a small and a large payload over all devices (`small`,
+    `large`: (bytes, seconds)); then, per group size, the fixed cost of the small payload less its bytes
+    (`fixed_points`: group -> (bytes, seconds)), linear in n - 1 between the two group sizes."""
+    per_byte = max((large[1] - small[1]) / (large[0] - small[0]), 0.0)
+    fixed = {g: max(t - per_byte * b, 0.0) for g, (b, t) in fixed_points.items()}
     if len(groups) == 1:
-        return CollectiveFit(kind, fixed[n], 0.0, per_byte[n], 0.0)
+        return CollectiveFit(kind, fixed[groups[0]], 0.0, per_byte, 0.0)
     lo, hi = groups
     per_peer = (fixed[hi] - fixed[lo]) / (hi - lo)
-    spread = (per_byte[hi] - per_byte[lo]) / ((hi - 1) / hi - (lo - 1) / lo)
-    return CollectiveFit(kind, fixed[lo] - per_peer * (lo - 1), per_peer, per_byte[lo] - spread * (lo - 1) / lo, spread)
+    return CollectiveFit(kind, fixed[lo] - per_peer * (lo - 1), per_peer, per_byte, 0.0)
 
 
 def _fit_of(m: dict[str, float], kind: str) -> CollectiveFit:

@@ -34,7 +34,7 @@ from typing import Iterable
 from shardc.cost.topology import Level, MeshMapping, Topology
 
 __all__ = ["Collective", "Phase", "collective_phases", "collective_time", "ring_time", "collectives_time", "level_time",
-           "level_fixed"]
+           "level_fixed", "collective_fixed"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -174,6 +174,21 @@ def collective_phases(c: Collective, topo: Topology, mapping: MeshMapping, mesh:
         up = [ph("all-gather", lv, n, s) for (lv, n), s in reversed(list(zip(groups[:-1], sizes)))]
         return tuple(down) + (top,) + tuple(up)
     raise ValueError(f"unknown collective kind {c.kind!r}")
+
+
+def collective_fixed(c: Collective, topo: Topology, mapping: MeshMapping, mesh: dict[str, int]) -> float:
+    """Seconds of a collective beyond its bytes: the fixed costs of its phases (what a collective that XLA merges
+    into another, e.g. one all-reduce of many gradients, does not pay again)."""
+    groups = _levels(c, topo, mapping, mesh)
+    if not groups:
+        return 0.0
+    if c.kind == "collective-permute":
+        return level_fixed(topo.level(groups[-1][0]), c.kind, math.prod(n for _, n in groups))
+    if c.kind == "all-reduce" and len(groups) > 1:
+        *inner, (top, n) = groups
+        return (level_fixed(topo.level(top), "all-reduce", n)
+                + sum(level_fixed(topo.level(lv), k, m) for lv, m in inner for k in ("reduce-scatter", "all-gather")))
+    return sum(level_fixed(topo.level(lv), c.kind, n) for lv, n in groups)
 
 
 def collective_time(c: Collective, topo: Topology, mapping: MeshMapping, mesh: dict[str, int]) -> float:

@@ -14,28 +14,26 @@ from shardc.cost.topology import COLLECTIVE_KINDS, CollectiveFit, Level, Topolog
 US = 1e-6
 
 
-def _points(fit: CollectiveFit, groups, sizes):
-    return {g: [(b, fit.seconds(g, b)) for b in sizes] for g in groups}
-
-
-def test_fit_recovers_fixed_cost_and_bytes_cost_from_two_sizes_and_two_groups():
-    true = CollectiveFit("all-to-all", 30 * US, 20 * US, 1e-9, 2e-9)
-    got = calibrate._fit("all-to-all", 8, (2, 8), _points(true, (2, 8), (1024, 262144)))
+def test_fit_recovers_fixed_cost_and_bytes_cost():
+    true = CollectiveFit("all-to-all", 30 * US, 20 * US, 1.5e-9)
+    small, large = 1024, 262144
+    got = calibrate._fit("all-to-all", (2, 8), {g: (small, true.seconds(g, small)) for g in (2, 8)},
+                         (small, true.seconds(8, small)), (large, true.seconds(8, large)))
     for field in calibrate._FIT_FIELDS:
-        assert getattr(got, field) == pytest.approx(getattr(true, field), rel=1e-6)
-    # a group in between is interpolated: fixed linear in n - 1, per byte linear in (n - 1) / n
-    assert got.seconds(4, 65536) == pytest.approx(30 * US + 3 * 20 * US + 65536 * (1e-9 + 2e-9 * 3 / 4))
-    # one group size (odd device counts, 2 devices): no spread to fit
-    one = calibrate._fit("all-reduce", 3, (3,), _points(true, (3,), (1024, 262144)))
-    assert one.per_peer == 0 and one.per_byte_spread == 0 and one.seconds(3, 4096) == pytest.approx(
-        true.seconds(3, 4096))
+        assert getattr(got, field) == pytest.approx(getattr(true, field), rel=1e-6, abs=1e-18)
+    # a group in between: the fixed cost is linear in n - 1
+    assert got.seconds(4, 65536) == pytest.approx(30 * US + 3 * 20 * US + 65536 * 1.5e-9)
+    # one group size (odd device counts, 2 devices): a fixed cost and a rate
+    one = calibrate._fit("all-reduce", (3,), {3: (small, true.seconds(3, small))}, (small, true.seconds(3, small)),
+                         (large, true.seconds(3, large)))
+    assert one.per_peer == 0 and one.seconds(3, 4096) == pytest.approx(true.seconds(3, 4096))
 
 
 def test_a_noisy_negative_slope_is_clamped_not_negative():
     # the large payload measured faster than the small one (a busy moment): no negative seconds per byte
-    got = calibrate._fit("all-gather", 8, (2, 8), {2: [(1024, 50 * US), (262144, 40 * US)],
-                                                  8: [(1024, 150 * US), (262144, 400 * US)]})
-    assert got.seconds(2, 1 << 20) >= got.fixed(2) > 0
+    got = calibrate._fit("all-gather", (2, 8), {2: (1024, 50 * US), 8: (1024, 150 * US)}, (1024, 150 * US),
+                         (262144, 140 * US))
+    assert got.per_byte == 0 and got.fixed(2) == pytest.approx(50 * US) and got.fixed(8) == pytest.approx(150 * US)
     assert all(got.seconds(n, b) > 0 for n in (2, 4, 8) for b in (0, 1024, 1 << 20))
 
 
