@@ -15,7 +15,7 @@ All devices run at once, as they do in a sharded step, so the rates are per devi
 * contention: how much faster one device runs the matmul alone than each device runs it with all busy
   (ops profiled alone, `shardc.cost.profile`, are scaled by it);
 * what each collective kind costs (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute):
-  chains of 8 collectives of 1 KiB per device over pairs of devices and over all devices, and of 256 KiB over
+  chains of 8 collectives of 1 KiB per device over pairs of devices and over all devices, and of 1 MiB over
   all devices, each collective after a tanh pass over 256 KiB per device that it depends on, minus the same
   chains without the collectives, fitted per kind to a fixed cost linear in the group size plus seconds per
   payload byte (`CollectiveFit`). XLA:CPU runs every device on a thread of the host and meets all the threads of a group at
@@ -184,7 +184,7 @@ def _fresh_memory_cost(rows: Any, n: int, mib: int = 48) -> float:
 # Collective fits: float32 elements per device of the small and the large payload, collectives per chain, and
 # the work between two collectives (float32 elements per device of a tanh pass: ~0.1-0.4 ms here, about what a
 # layer of the models planned on this host computes between two collectives).
-_FIT_SMALL, _FIT_LARGE, _FIT_CHAIN, _FIT_WORK = 256, 64 * 1024, 8, 64 * 1024
+_FIT_SMALL, _FIT_LARGE, _FIT_CHAIN, _FIT_WORK = 256, 256 * 1024, 8, 64 * 1024
 _FIT_FIELDS = ("base", "per_peer", "per_byte", "per_byte_spread")
 
 
