@@ -22,10 +22,19 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 # A measurement of the reference 2-core machine (shardc.cost.calibrate.measure_cpu_host, rounded); the
-# measurement itself is tested in tests/cost/test_cpu_host_topology.py, in a directory of its own.
-REFERENCE_CPU_HOST = {"flops": 2.0e10, "vector_flops": 6.0e9, "bandwidth": 1.5e9, "overhead": 5.0e-6,
-                      "link_bandwidth": 3.5e9, "latency": 2.3e-5, "devices": 8.0, "contention": 1.0,
-                      "permute_latency": 5.0e-4, "fresh_memory_cost": 1.6e-9}
+# measurement itself is tested in tests/cost/test_cpu_host_topology.py, in a directory of its own. Device rates
+# from a quiet run of cache version 5 (its memory bandwidth, measured then writing a fresh output, doubled: the
+# in-place rate of version 6 was 1.9-4.6x the fresh one at load 5-9); collective fits (version 6) the medians of
+# measurements at load 4-12 (fixed costs: 6 with work between the collectives; seconds per byte: 10); link
+# bandwidth, latency and permute latency derived from them as `measure_cpu_host` derives them.
+_FITS = {"all-reduce": (1.4e-4, 2.0e-5, 1.8e-9), "all-gather": (1.4e-4, 2.4e-5, 6.3e-10),
+         "reduce-scatter": (1.2e-4, 2.7e-5, 1.3e-9), "all-to-all": (1.0e-4, 3.5e-5, 1.6e-9),
+         "collective-permute": (3.4e-4, 0.0, 2.0e-9)}  # kind: (base, per_peer, per_byte)
+REFERENCE_CPU_HOST = {"flops": 2.0e10, "vector_flops": 6.0e9, "bandwidth": 3.0e9, "overhead": 5.0e-6,
+                      "link_bandwidth": 9.7e8, "latency": 2.0e-5, "devices": 8.0, "contention": 1.0,
+                      "permute_latency": 3.4e-4, "fresh_memory_cost": 1.6e-9,
+                      **{f"{kind}:{field}": value for kind, fit in _FITS.items()
+                         for field, value in zip(("base", "per_peer", "per_byte", "per_byte_spread"), (*fit, 0.0))}}
 
 from shardc.cost.calibrate import store  # noqa: E402
 

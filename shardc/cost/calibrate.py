@@ -1,5 +1,5 @@
 """The `cpu-host` topology: the XLA:CPU devices of this machine, measured by a short micro-benchmark
-(about a second) the first time and cached on disk (`shardc.cost.cache`), so that the same cache gives
+(a few seconds) the first time and cached on disk (`shardc.cost.cache`), so that the same cache gives
 the same topology, and so the same plans. `@shardc.auto` prices plans on it by default on CPU devices
 (`shardc.cost.local`); accelerators without a preset get the same measurement (`measured_local`).
 
@@ -8,16 +8,24 @@ All devices run at once, as they do in a sharded step, so the rates are per devi
 * matmul FLOP/s: a data-parallel float32 matmul over every device;
 * elementwise FLOP/s: a fused chain of multiply-adds on a cache-sized array (the time of a long chain
   minus a short one, so the call's fixed cost cancels);
-* memory bandwidth: a data-parallel elementwise op on large arrays (bytes read + written);
+* memory bandwidth: a data-parallel elementwise op on large arrays (bytes read + written), writing over its
+  donated input: a step's buffers are XLA's preallocated temporaries or donated state, and a fresh output
+  would add the page faults of a new allocation (priced apart, below), which made the measured rate 1.5-2x lower;
 * per-op overhead: a chain of tiny dependent matmuls (one XLA thunk each);
 * contention: how much faster one device runs the matmul alone than each device runs it with all busy
   (ops profiled alone, `shardc.cost.profile`, are scaled by it);
-* link bandwidth and latency: all-reduces of two sizes over all devices, fitted to the ring formula
-  t = 2(n-1) a + 2(n-1)/n B / bw;
-* the fixed cost of a collective-permute: a chain of small permutes (each device sends to the next) minus
-  the same chain without them. XLA:CPU meets every device of the program at each permute, so one costs
-  several ring steps, not one (issue 14: a plan whose reshards were
-  collective-permutes ran slower than the model said);
+* what each collective kind costs (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute):
+  chains of 8 collectives of 1 KiB per device over pairs of devices and over all devices, and of 1 MiB over
+  all devices, each collective after a tanh pass over 256 KiB per device that it depends on, minus the same
+  chains without the collectives, fitted per kind to a fixed cost linear in the group size plus seconds per
+  payload byte (`CollectiveFit`). XLA:CPU runs every device on a thread of the host and meets all the threads of a group at
+  each collective: a barrier, which costs the rendezvous and the wait for the slowest thread of the group,
+  whose work the threads sharing the cores have not finished alike (so the work between collectives counts:
+  at load 9, ~110-165 us over 8 devices with none, ~350-500 us with the 256 KiB pass; ~30-190 us over
+  pairs). A collective-permute meets every device of the program whatever its pairs. The ring model it
+  replaces (`link_bandwidth`, `latency`: 24 us per step) had priced an all-reduce at twice an all-gather's
+  fixed cost and a small all-to-all at 7 steps. Its link bandwidth and latency are still derived (from the
+  all-reduce fit over all devices) for what `Topology.__str__` shows and for kinds a level has no fit for;
 * the cost of fresh memory: XLA:CPU allocates a step's temporaries as one buffer per device with `malloc`,
   and glibc maps an allocation over its mmap threshold (at most 32 MiB) from the OS and unmaps it when it is
   freed, so a step whose temporaries reach the threshold faults every page in again, every step (about 1.5
@@ -30,18 +38,20 @@ process measures its own devices and every process uses process 0's numbers (the
 """
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import hashlib
 import os
 import platform
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from shardc.cost.cache import DiskCache
-from shardc.cost.topology import Device, Level, Topology
+from shardc.cost.topology import COLLECTIVE_KINDS, CollectiveFit, Device, Level, Topology
 
 __all__ = ["cpu_host", "measured_local", "measure_cpu_host", "contention", "store"]
 
-_VERSION = 5
+_VERSION = 6
 # glibc's largest mmap threshold on 64-bit hosts (DEFAULT_MMAP_THRESHOLD_MAX): allocations at least this
 # large are always mapped afresh; below it glibc raises its threshold as mapped chunks are freed and reuses
 # its heap, so a buffer allocated every step stops faulting after the first steps.
@@ -65,7 +75,8 @@ def _best_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 2) -> floa
 
 
 def measure_cpu_host() -> dict[str, float]:
-    """Measure this process's devices (about a second of work; the name is historical: any backend)."""
+    """Measure this process's devices (a few seconds of work, most of it compiling the collective chains; the
+    name is historical: any backend)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -100,10 +111,7 @@ def measure_cpu_host() -> dict[str, float]:
     dt = _best_time(lambda: long(v), repeats=7) - _best_time(lambda: short(v), repeats=7)
     vector = 2.0 * 64 * 64 * 1024 / max(dt, 1e-9)
 
-    big = jax.device_put(jnp.ones((n * 1024, 1024), jnp.float32), rows)
-    ew = jax.jit(lambda a: a * 1.5 + 0.5, out_shardings=rows)
-    t = _best_time(lambda: ew(big))
-    bandwidth = 2.0 * 1024 * 1024 * 4 / t
+    bandwidth = 2.0 * 1024 * 1024 * 4 / _in_place_time(rows, n, 1024 * 1024)
 
     k = 64
     small = jax.device_put(jnp.ones((n * 8, 8), jnp.float32), rows)
@@ -117,22 +125,40 @@ def measure_cpu_host() -> dict[str, float]:
     ch = jax.jit(chain, out_shardings=rows)
     overhead = _best_time(lambda: ch(small, sw)) / k
 
-    def allreduce_time(cols: int) -> float:
-        part = jax.device_put(jnp.ones((n, cols), jnp.float32), rows)
-        f = jax.jit(lambda a: jnp.sum(a, axis=0), out_shardings=rep)
-        return _best_time(lambda: f(part))
+    fits = _collective_fits(devs) if n > 1 else {}
+    measured = {"flops": flops, "bandwidth": bandwidth, "overhead": overhead, "devices": float(n),
+                "contention": max(alone / flops, 1.0), "vector_flops": min(vector, flops),
+                "fresh_memory_cost": _fresh_memory_cost(rows, n) if _glibc() else 0.0}
+    return {**measured, **_ring_summary(fits, n, bandwidth, overhead), **fits}
 
-    small_b, big_b = 4 * 256, 4 * (1 << 20)
-    t_small, t_big = allreduce_time(small_b // 4), allreduce_time(big_b // 4)
-    steps = 2 * max(n - 1, 1)
-    frac = 2 * (n - 1) / n if n > 1 else 1.0
-    link_bw = frac * (big_b - small_b) / max(t_big - t_small, 1e-9)
-    latency = max(t_small - frac * small_b / link_bw, 1e-7) / steps
-    permute = _permute_latency(mesh, rows, small_b // 4) - small_b / link_bw if n > 1 else latency
-    return {"flops": flops, "bandwidth": bandwidth, "overhead": overhead, "link_bandwidth": link_bw,
-            "latency": latency, "devices": float(n), "contention": max(alone / flops, 1.0),
-            "vector_flops": min(vector, flops), "permute_latency": max(permute, latency),
-            "fresh_memory_cost": _fresh_memory_cost(rows, n) if _glibc() else 0.0}
+
+def _ring_summary(fits: dict[str, float], n: int, bandwidth: float, overhead: float) -> dict[str, float]:
+    """The ring model's link bandwidth and latency that the all-reduce fit gives over all `n` devices
+    (2(n-1) steps, 2(n-1)/n of the payload sent), and a collective-permute's fixed cost: what a level prices
+    kinds it has no fit for with, and what `Topology.__str__` shows."""
+    if n <= 1 or not fits:
+        return {"link_bandwidth": bandwidth, "latency": overhead, "permute_latency": overhead}
+    ar = _fit_of(fits, "all-reduce")
+    per_byte = max(ar.per_byte + ar.per_byte_spread * (n - 1) / n, 1e-13)
+    return {"link_bandwidth": 2 * (n - 1) / n / per_byte, "latency": max(ar.fixed(n) / (2 * (n - 1)), 1e-7),
+            "permute_latency": _fit_of(fits, "collective-permute").fixed(n)}
+
+
+def _in_place_time(rows: Any, n: int, elems: int) -> float:
+    """Seconds of an elementwise op over `elems` float32 per device writing over its donated input: memory
+    traffic alone, without allocating (a step's buffers come from XLA's preallocated temporaries or donated
+    state; a fresh output would also fault its pages in, which `_fresh_memory_cost` prices apart)."""
+    import jax
+    import jax.numpy as jnp
+
+    in_place = jax.jit(lambda a: a * 1.0001 + 0.5, out_shardings=rows, donate_argnums=0)
+    box = [jax.device_put(jnp.ones((n * elems,), jnp.float32), rows)]
+
+    def step() -> Any:
+        box[0] = in_place(box[0])
+        return box[0]
+
+    return _best_time(step)
 
 
 def _glibc() -> bool:
@@ -149,40 +175,134 @@ def _fresh_memory_cost(rows: Any, n: int, mib: int = 48) -> float:
 
     elems = mib * 2**20 // 4
     fresh = jax.jit(lambda a: a * 1.0001 + 0.5, out_shardings=rows)
-    in_place = jax.jit(lambda a: a * 1.0001 + 0.5, out_shardings=rows, donate_argnums=0)
     x = jax.device_put(jnp.ones((n * elems,), jnp.float32), rows)
     t_fresh = _best_time(lambda: fresh(x))
-    box = [jax.device_put(jnp.ones((n * elems,), jnp.float32), rows)]
-
-    def step() -> Any:
-        box[0] = in_place(box[0])
-        return box[0]
-
-    t_in_place = _best_time(step)
-    del x, box
-    return max(t_fresh - t_in_place, 0.0) / (elems * 4)
+    del x
+    return max(t_fresh - _in_place_time(rows, n, elems), 0.0) / (elems * 4)
 
 
-def _permute_latency(mesh: Any, rows: Any, elems: int, k: int = 16) -> float:
-    """Seconds per collective-permute of `elems` float32 per device (each device to the next), from a chain of
-    `k` of them minus the same chain without them (the call's fixed cost and the chain's arithmetic cancel)."""
+# Collective fits: float32 elements per device of the small and the large payload, collectives per chain, and
+# the work between two collectives (float32 elements per device of a tanh pass: ~0.1-0.4 ms here, about what a
+# layer of the models planned on this host computes between two collectives).
+_FIT_SMALL, _FIT_LARGE, _FIT_CHAIN, _FIT_WORK = 256, 256 * 1024, 8, 64 * 1024
+_FIT_FIELDS = ("base", "per_peer", "per_byte", "per_byte_spread")
+
+
+def _fit_groups(n: int) -> tuple[int, ...]:
+    """The group sizes the collectives are measured over: pairs of neighbours and all `n` devices (the fixed
+    cost and the bytes' cost are interpolated between them), or all devices alone when pairs do not tile them."""
+    return (2, n) if n > 2 and n % 2 == 0 else (n,)
+
+
+def _collective_chain(mesh: Any, kind: str | None, axis: Any, group: int, elems: int) -> Callable:
+    """A jitted chain of `_FIT_CHAIN` collectives of `kind` over `axis` (groups of `group` devices), each on a
+    payload of `elems` float32 per device, after a tanh pass over `_FIT_WORK` elements that depends on the
+    collective before it (kind None: the chain without the collectives, whose time is subtracted)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
-    n = mesh.size
-    pairs = [(i, (i + 1) % n) for i in range(n)]
+    def collective(x: Any) -> Any:
+        if kind == "all-reduce":
+            return jax.lax.psum(x, axis)
+        if kind == "all-gather":
+            return jax.lax.all_gather(x[: elems // group], axis, tiled=True)
+        if kind == "reduce-scatter":
+            return jnp.tile(jax.lax.psum_scatter(x, axis, tiled=True), group)
+        if kind == "all-to-all":
+            return jax.lax.all_to_all(x.reshape(group, -1), axis, 0, 0, tiled=True).reshape(-1)
+        if kind == "collective-permute":
+            return jax.lax.ppermute(x, axis, [(j, (j + 1) % group) for j in range(group)])
+        return x
 
-    def chain(permute: bool) -> Callable:
-        def body(a):
-            for _ in range(k):
-                a = (jax.lax.ppermute(a, "d", pairs) if permute else a) * 1.0001 + 0.5
-            return a
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    def body(x: Any, w: Any) -> Any:
+        for _ in range(_FIT_CHAIN):
+            w = jnp.tanh(w * 1.0001 + x[0])  # the work between collectives, after the last one ...
+            x = collective(x + w[0]) * 1.0001 + 0.5  # ... and before the next
+        return x, w
 
-    x = jax.device_put(jnp.ones((n * elems,), jnp.float32), rows)
-    with_p, without = chain(True), chain(False)
-    return max(_best_time(lambda: with_p(x), repeats=7) - _best_time(lambda: without(x), repeats=7), 0.0) / k
+    spec = P(mesh.axis_names)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec)))
+
+
+def _collective_fits(devs: Sequence[Any], rounds: int = 7) -> dict[str, float]:
+    """Fit each collective kind's cost (`CollectiveFit`) on these devices: chains of collectives of a small
+    payload over the groups of `_fit_groups` and of a large one over all devices, each minus the chain without
+    them, the fastest of `rounds` round-robin runs (other processes only ever add time). Keys
+    `"<kind>:<field>"`. (The seconds per byte are measured over all devices only: over pairs they differed by
+    less than the noise of a busy machine, and each chain compiled costs ~0.2-0.5 s of the first plan.)"""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    n = len(devs)
+    groups = _fit_groups(n)
+    mesh = Mesh(np.array(devs).reshape(n // 2, 2) if groups[0] == 2 else np.array(devs), ("o", "i")[-(len(groups)):])
+    axis = {2: "i", n: mesh.axis_names}
+    sizes = tuple(-(-e // n) * n for e in (_FIT_SMALL, _FIT_LARGE))  # (divisible by every group)
+    spec = NamedSharding(mesh, P(mesh.axis_names))
+    small, large = sizes
+    todo = [(None, 0, small), (None, 0, large)] + [(k, g, small) for k in COLLECTIVE_KINDS for g in groups] + \
+        [(k, n, large) for k in COLLECTIVE_KINDS]
+    inputs = {e: jax.device_put(jnp.ones((n * e,), jnp.float32), spec) for e in sizes}
+    work = jax.device_put(jnp.ones((n * max(_FIT_WORK, 1),), jnp.float32), spec)
+
+    def compiled(key: tuple) -> Callable:
+        kind, g, e = key
+        return functools.partial(_collective_chain(mesh, kind, axis.get(g), g, e).lower(inputs[e], work).compile(),
+                                 inputs[e], work)
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:  # (XLA compiles without the GIL)
+        runs = dict(zip(todo, pool.map(compiled, todo)))
+    best = _round_robin(runs, rounds)
+    per = {(kind, g, e): max(t - best[(None, 0, e)], 0.0) / _FIT_CHAIN
+           for (kind, g, e), t in best.items() if kind is not None}
+    out: dict[str, float] = {}
+    for kind in COLLECTIVE_KINDS:
+        fit = _fit(kind, groups, {g: (4 * small, per[(kind, g, small)]) for g in groups},
+                   (4 * small, per[(kind, n, small)]), (4 * large, per[(kind, n, large)]))
+        out.update({f"{kind}:{f}": float(getattr(fit, f)) for f in _FIT_FIELDS})
+    return out
+
+
+def _fit(kind: str, groups: tuple[int, ...], fixed_points: dict[int, tuple[int, float]],
+         small: tuple[int, float], large: tuple[int, float]) -> CollectiveFit:
+    """The fit of one kind: seconds per payload byte from a small and a large payload over all devices (`small`,
+    `large`: (bytes, seconds)); then, per group size, the fixed cost of the small payload less its bytes
+    (`fixed_points`: group -> (bytes, seconds)), linear in n - 1 between the two group sizes."""
+    per_byte = max((large[1] - small[1]) / (large[0] - small[0]), 0.0)
+    fixed = {g: max(t - per_byte * b, 0.0) for g, (b, t) in fixed_points.items()}
+    if len(groups) == 1:
+        return CollectiveFit(kind, fixed[groups[0]], 0.0, per_byte, 0.0)
+    lo, hi = groups
+    per_peer = (fixed[hi] - fixed[lo]) / (hi - lo)
+    return CollectiveFit(kind, fixed[lo] - per_peer * (lo - 1), per_peer, per_byte, 0.0)
+
+
+def _fit_of(m: dict[str, float], kind: str) -> CollectiveFit:
+    return CollectiveFit(kind, *(float(m[f"{kind}:{f}"]) for f in _FIT_FIELDS))
+
+
+def _fits_of(m: dict[str, float]) -> tuple[CollectiveFit, ...]:
+    """The collective fits a measurement holds (none in one taken before they were measured)."""
+    return tuple(_fit_of(m, k) for k in COLLECTIVE_KINDS if all(f"{k}:{f}" in m for f in _FIT_FIELDS))
+
+
+def _round_robin(runs: dict[Any, Callable[[], Any]], rounds: int) -> dict[Any, float]:
+    """The fastest of `rounds` runs of each function, run round robin (after one warm-up round that compiles),
+    so that a busy moment on the machine hits all of them alike."""
+    import jax
+
+    for fn in runs.values():
+        jax.block_until_ready(fn())
+    best = {k: float("inf") for k in runs}
+    for _ in range(rounds):
+        for k, fn in runs.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            best[k] = min(best[k], time.perf_counter() - t0)
+    return best
 
 
 def _host_key() -> str:
@@ -251,7 +371,7 @@ def cpu_host(*, refresh: bool = False) -> Topology:
                  mem_bandwidth=m["bandwidth"], memory=_ram_per_device(local), matmul_efficiency=1.0,
                  vector_efficiency=1.0, op_overhead=m["overhead"], vector_flops=m.get("vector_flops", 0.0),
                  fresh_memory_cost=m.get("fresh_memory_cost", 0.0), fresh_memory_threshold=_GLIBC_MMAP_THRESHOLD_MAX)
-    level = Level("host", n, m["link_bandwidth"], m["latency"], m.get("permute_latency"))
+    level = Level("host", n, m["link_bandwidth"], m["latency"], m.get("permute_latency"), _fits_of(m))
     return Topology("cpu-host", dev, (level,), overlap=False,
                     reduce_scatter=False, source=f"measured on {platform.node()} ({os.cpu_count()} cores, {n} devices)",
                     combine_bytes=float("inf"), backend="cpu")

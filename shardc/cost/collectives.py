@@ -15,6 +15,10 @@ With `bw_l` the per-device bandwidth of level `l` and `a_l` its per-step latency
                                      program meets at each permute, which costs several ring steps, not
                                      one)
 
+A level with measured collective costs (`Level.collectives`, `cpu-host`: `shardc.cost.calibrate`) prices
+each kind it lists by its fit instead: a fixed cost by kind and group size plus seconds per payload byte
+(`CollectiveFit.seconds`); the bytes each phase sends are the ring formula's either way.
+
 Across levels (innermost l0 .. outermost lk), hierarchically: a reduce-scatter runs level by level outward
 on a shrinking buffer (B, B/n0, B/(n0 n1), ...); an all-gather is its mirror (outermost first, on the
 shard gathered so far); an all-reduce is reduce-scatter outward, all-reduce on the outermost level,
@@ -27,9 +31,10 @@ import dataclasses
 import math
 from typing import Iterable
 
-from shardc.cost.topology import MeshMapping, Topology
+from shardc.cost.topology import Level, MeshMapping, Topology
 
-__all__ = ["Collective", "Phase", "collective_phases", "collective_time", "ring_time", "collectives_time"]
+__all__ = ["Collective", "Phase", "collective_phases", "collective_time", "ring_time", "collectives_time", "level_time",
+           "level_fixed", "collective_fixed"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -72,6 +77,33 @@ def ring_time(kind: str, n: int, payload: float, bandwidth: float, latency: floa
     raise ValueError(f"unknown collective kind {kind!r}")
 
 
+def level_time(level: Level, kind: str, n: int, payload: float) -> tuple[float, float]:
+    """(seconds, bytes sent per device) of one collective of `kind` over `n` devices of `level`: the level's
+    measured fit for the kind when it has one (`Level.collectives`), else the ring formula on its bandwidth and
+    latency (a collective-permute's fixed cost: `Level.permute_fixed`)."""
+    if n <= 1 or payload <= 0:
+        return 0.0, 0.0
+    fit = level.fit(kind)
+    _, sent = ring_time(kind, n, payload, level.bandwidth, level.latency)
+    if fit is not None:
+        return fit.seconds(n, payload), sent
+    if kind == "collective-permute":
+        return payload / level.bandwidth + level.permute_fixed, payload
+    return ring_time(kind, n, payload, level.bandwidth, level.latency)
+
+
+def level_fixed(level: Level, kind: str, n: int) -> float:
+    """Seconds of one collective of `kind` over `n` devices of `level` beyond its bytes."""
+    if n <= 1:
+        return 0.0
+    fit = level.fit(kind)
+    if fit is not None:
+        return fit.fixed(n)
+    if kind == "collective-permute":
+        return level.permute_fixed
+    return (2 if kind == "all-reduce" else 1) * (n - 1) * level.latency
+
+
 def _levels(c: Collective, topo: Topology, mapping: MeshMapping, mesh: dict[str, int]) -> list[tuple[str, int]]:
     groups = list(mapping.group(c.axes, topo.level_names))
     if c.group is not None and groups:
@@ -97,13 +129,13 @@ def collective_phases(c: Collective, topo: Topology, mapping: MeshMapping, mesh:
     B = float(c.bytes)
 
     def ph(kind: str, level: str, n: int, payload: float) -> Phase:
-        lv = topo.level(level)
-        t, sent = ring_time(kind, n, payload, lv.bandwidth, lv.latency)
+        t, sent = level_time(topo.level(level), kind, n, payload)
         return Phase(level, kind, t, sent)
 
     if c.kind == "collective-permute":
-        lv = topo.level(groups[-1][0])
-        return (Phase(lv.name, "collective-permute", B / lv.bandwidth + lv.permute_fixed, B),)
+        level = groups[-1][0]
+        t, sent = level_time(topo.level(level), "collective-permute", math.prod(n for _, n in groups), B)
+        return (Phase(level, "collective-permute", t, sent),)
     if c.kind == "all-to-all":
         total = math.prod(n for _, n in groups)
         out, inner = [], 1
@@ -111,7 +143,11 @@ def collective_phases(c: Collective, topo: Topology, mapping: MeshMapping, mesh:
             share = inner * (n - 1) / total  # fraction of the buffer first reaching peers at this level
             level = topo.level(lv)
             sent = share * B
-            out.append(Phase(lv, "all-to-all", sent / level.bandwidth + (n - 1) * level.latency, sent))
+            fit = level.fit("all-to-all")
+            # (a level's all-to-all of payload P sends (n-1)/n P: this one's payload is sent n / (n-1))
+            t = (fit.seconds(n, sent * n / (n - 1)) if fit is not None
+                 else sent / level.bandwidth + (n - 1) * level.latency)
+            out.append(Phase(lv, "all-to-all", t, sent))
             inner *= n
         return tuple(out)
     if c.kind == "reduce-scatter":
@@ -138,6 +174,21 @@ def collective_phases(c: Collective, topo: Topology, mapping: MeshMapping, mesh:
         up = [ph("all-gather", lv, n, s) for (lv, n), s in reversed(list(zip(groups[:-1], sizes)))]
         return tuple(down) + (top,) + tuple(up)
     raise ValueError(f"unknown collective kind {c.kind!r}")
+
+
+def collective_fixed(c: Collective, topo: Topology, mapping: MeshMapping, mesh: dict[str, int]) -> float:
+    """Seconds of a collective beyond its bytes: the fixed costs of its phases (what a collective that XLA merges
+    into another, e.g. one all-reduce of many gradients, does not pay again)."""
+    groups = _levels(c, topo, mapping, mesh)
+    if not groups:
+        return 0.0
+    if c.kind == "collective-permute":
+        return level_fixed(topo.level(groups[-1][0]), c.kind, math.prod(n for _, n in groups))
+    if c.kind == "all-reduce" and len(groups) > 1:
+        *inner, (top, n) = groups
+        return (level_fixed(topo.level(top), "all-reduce", n)
+                + sum(level_fixed(topo.level(lv), k, m) for lv, m in inner for k in ("reduce-scatter", "all-gather")))
+    return sum(level_fixed(topo.level(lv), c.kind, n) for lv, n in groups)
 
 
 def collective_time(c: Collective, topo: Topology, mapping: MeshMapping, mesh: dict[str, int]) -> float:

@@ -16,7 +16,9 @@ from typing import Any, Mapping, Sequence
 
 from annotations.errors import ShardingError
 
-__all__ = ["Device", "Level", "Topology", "MeshMapping"]
+__all__ = ["Device", "Level", "Topology", "MeshMapping", "CollectiveFit", "COLLECTIVE_KINDS"]
+
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -61,6 +63,33 @@ class Device:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class CollectiveFit:
+    """The measured cost of one collective kind on a level (`shardc.cost.calibrate` fits it on XLA:CPU), for a
+    group of `n` devices and a payload of `B` bytes per device:
+
+        seconds = base + per_peer (n - 1) + B (per_byte + per_byte_spread (n - 1) / n)
+
+    The first two terms are the fixed cost (on XLA:CPU every device of the group meets at each collective, so it
+    grows with the group; a collective-permute meets every device of the program, so its `per_peer` is ~0), the
+    last the bytes (seconds per payload byte, which may grow with the share of the buffer that leaves a device)."""
+
+    kind: str
+    base: float
+    per_peer: float
+    per_byte: float
+    per_byte_spread: float = 0.0
+
+    def fixed(self, n: int) -> float:
+        """Seconds of one collective over `n` devices beyond its bytes."""
+        return max(self.base + self.per_peer * (n - 1), 0.0)
+
+    def seconds(self, n: int, payload: float) -> float:
+        """Seconds of one collective of `payload` bytes per device over `n` devices."""
+        per_byte = max(self.per_byte + self.per_byte_spread * (n - 1) / n, 0.0)
+        return self.fixed(n) + payload * per_byte
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Level:
     """One level of the link hierarchy: `size` groups of the level below are joined by links of this class.
 
@@ -69,6 +98,8 @@ class Level:
     permute_latency: the fixed seconds of a collective-permute on it, when that is not one step: XLA:CPU
     meets every device of the program at each collective-permute, however few pairs it moves (measured by
     `shardc.cost.calibrate`); None: `latency`.
+    collectives: measured costs per collective kind (`CollectiveFit`); a kind listed here is priced by its fit
+    instead of the ring formula with `bandwidth` and `latency` (and `permute_latency`).
     """
 
     name: str
@@ -76,6 +107,14 @@ class Level:
     bandwidth: float
     latency: float
     permute_latency: float | None = None
+    collectives: tuple[CollectiveFit, ...] = ()
+
+    def fit(self, kind: str) -> CollectiveFit | None:
+        """The measured cost of collective `kind` on this level, if it has one."""
+        for f in self.collectives:
+            if f.kind == kind:
+                return f
+        return None
 
     @property
     def permute_fixed(self) -> float:
@@ -183,8 +222,8 @@ class Topology:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Topology":
         """From a dict: {"name", "device": {"name", "peak_flops": {dtype: FLOP/s}, "mem_bandwidth",
-        "memory", ...}, "levels": [{"name", "size", "bandwidth", "latency", optional "permute_latency"}, ...]
-        (innermost first),
+        "memory", ...}, "levels": [{"name", "size", "bandwidth", "latency", optional "permute_latency", optional
+        "collectives": [{"kind", "base", "per_peer", "per_byte", "per_byte_spread"}, ...]}, ...] (innermost first),
         optional "overlap", "reduce_scatter", "source"}. Numbers may be strings with SI suffixes
         ("989T", "3.35e12", "80GiB", "450GB", "2us")."""
         try:
@@ -202,7 +241,8 @@ class Topology:
                 fresh_memory_threshold=_num(dev.get("fresh_memory_threshold", float("inf"))),
             )
             levels = tuple(Level(str(lv["name"]), int(lv["size"]), _num(lv["bandwidth"]), _num(lv.get("latency", 0.0)),
-                                 None if lv.get("permute_latency") is None else _num(lv["permute_latency"]))
+                                 None if lv.get("permute_latency") is None else _num(lv["permute_latency"]),
+                                 _fits(lv.get("collectives", ())))
                            for lv in d["levels"])
         except (KeyError, TypeError, ValueError) as e:
             raise ShardingError(f"bad topology description: {type(e).__name__}: {e}") from None
@@ -236,7 +276,7 @@ class Topology:
                        "vector_flops": self.device.vector_flops,
                        "fresh_memory_cost": self.device.fresh_memory_cost,
                        "fresh_memory_threshold": self.device.fresh_memory_threshold},
-            "levels": [dataclasses.asdict(lv) for lv in self.levels],
+            "levels": [_level_dict(lv) for lv in self.levels],
             "overlap": self.overlap, "reduce_scatter": self.reduce_scatter, "source": self.source,
             "combine_bytes": self.combine_bytes, "combine_count": self.combine_count, "backend": self.backend,
         }
@@ -245,6 +285,27 @@ class Topology:
         lv = " x ".join(f"{x.size} on {x.name} ({x.bandwidth / 1e9:.0f} GB/s, {x.latency * 1e6:.1f} us)"
                         for x in self.levels)
         return f"Topology {self.name}: {self.num_devices} x {self.device.name}; {lv}"
+
+
+def _level_dict(lv: Level) -> dict[str, Any]:
+    """A level as `from_dict` reads it (its collective fits only when it has some)."""
+    d = dataclasses.asdict(lv)
+    d["collectives"] = [dataclasses.asdict(f) for f in lv.collectives]
+    if not d["collectives"]:
+        del d["collectives"]
+    return d
+
+
+def _fits(rows: Any) -> tuple[CollectiveFit, ...]:
+    """Collective fits from a topology description's list of dicts (kinds checked, numbers may carry units)."""
+    out = []
+    for r in rows:
+        kind = str(r["kind"])
+        if kind not in COLLECTIVE_KINDS:
+            raise ValueError(f"unknown collective kind {kind!r} (one of {', '.join(COLLECTIVE_KINDS)})")
+        out.append(CollectiveFit(kind, _num(r.get("base", 0.0)), _num(r.get("per_peer", 0.0)),
+                                 _num(r.get("per_byte", 0.0)), _num(r.get("per_byte_spread", 0.0))))
+    return tuple(out)
 
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}

@@ -69,6 +69,7 @@ class SimResult:
     xla_flops: float  # as XLA's cost analysis counts them
     transcendentals: float
     memory: MemoryResult
+    merged_ps: int = 0  # fixed costs of merged all-reduces the schedule counts once per member (`merged_time`)
 
     def __post_init__(self) -> None:
         # Snapshot: a later delta simulation replaces slots in the simulator's lists.
@@ -106,8 +107,15 @@ class SimResult:
     # -- headline numbers ----------------------------------------------------------------------------
     @property
     def step_time(self) -> float:
-        """Seconds per step: the schedule's makespan plus the time to map a fresh temporary buffer."""
-        return self.makespan_ps / PS + self.fresh_memory_time
+        """Seconds per step: the schedule's makespan, less the fixed costs merged all-reduces do not pay again,
+        plus the time to map a fresh temporary buffer."""
+        return (self.makespan_ps - self.merged_ps) / PS + self.fresh_memory_time
+
+    @property
+    def merged_time(self) -> float:
+        """Seconds the schedule counts for merged all-reduces beyond one fixed cost per merged all-reduce (the
+        timeline keeps a task per member; `step_time` subtracts this on topologies without overlap)."""
+        return self.merged_ps / PS
 
     @property
     def fresh_memory_time(self) -> float:
@@ -231,6 +239,9 @@ class SimResult:
                          f"{_fmt_bytes(sum(big))} (temporaries, outputs not donated) mapped and faulted in every step "
                          f"({_fmt_time(self.fresh_memory_time)}; under "
                          f"{_fmt_bytes(self.topology.device.fresh_memory_threshold)} the allocator reuses them)")
+        if self.merged_ps:
+            lines.append(f"merged all-reduces: {_fmt_time(self.merged_time)} of members' fixed costs not paid again "
+                         f"(the timeline shows one task per member)")
         if self.payload:
             by_kind = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in sorted(self.payload.items()))
             lines.append(f"communication per device: {by_kind}")

@@ -18,7 +18,7 @@ import dataclasses
 import heapq
 from typing import Any, Mapping
 
-from shardc.cost.collectives import collective_phases
+from shardc.cost.collectives import collective_fixed, collective_phases
 from shardc.cost.estimator import AnalyticalEstimator, OpCostEstimator, OpKey
 from shardc.cost.flops import count_op
 from shardc.cost.op_collectives import op_collectives
@@ -67,6 +67,7 @@ class ArEntry:
     dst: int
     name: str
     region: str = ""  # the loop or branch body it runs in (XLA merges all-reduces of one computation only)
+    fixed_ps: int = 0  # the fixed cost of its phases (all trips): what it does not pay again merged into another
 
 
 @dataclasses.dataclass(slots=True)
@@ -383,6 +384,10 @@ class TaskBuilder:
             self._bc_users = users
         return self._bc_pos, self._bc_users
 
+    def fixed_ps(self, c: Any, trips: int) -> int:
+        """Picoseconds of collective `c`'s fixed costs over `trips` runs."""
+        return int(round(collective_fixed(c, self.topology, self.mapping, self.mesh) * trips * PS))
+
     def phases(self, c: Any) -> tuple:
         hit = self._phase_memo.get(c)
         if hit is None:
@@ -432,7 +437,7 @@ class TaskBuilder:
             slot.tasks.append(Task(f"{val.name} as {layout}", "join", -1, 0, deps, (out,), op))
             if len(colls) == 1 and colls[0].kind == "all-reduce" and len(slot.tasks) - first > 1:
                 slot.ars += (ArEntry(first, len(slot.tasks) - first, colls[0].axes, colls[0].bytes, src_id, out,
-                                     slot.tasks[first].name, self.graph.ops[op].region),)
+                                     slot.tasks[first].name, self.graph.ops[op].region, self.fixed_ps(colls[0], trips)),)
             deps = (out,)
             made.append(key)
         return made

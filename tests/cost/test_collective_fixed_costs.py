@@ -36,11 +36,16 @@ def test_permute_fixed_cost_is_the_levels_permute_latency():
     assert Topology.from_dict(cpu.to_dict()).levels[0].permute_latency == pytest.approx(400 * US)
 
 
-def test_cpu_host_carries_the_measured_permute_latency():
-    # tests/conftest.py pins a measurement with permute_latency 500 us: the topology is built from it
-    level = calibrate.cpu_host().levels[0]
-    assert level.permute_latency == pytest.approx(5e-4)
-    assert level.permute_fixed > 2 * (level.size - 1) * level.latency  # (the reference: more than an all-reduce's steps)
+def test_cpu_host_carries_the_measured_permute_cost():
+    # tests/conftest.py pins a measurement with a collective-permute fit of 340 us whatever the group: the
+    # topology is built from it, and a permute inside pairs costs what one over all 8 devices costs
+    topo = calibrate.cpu_host()
+    level = topo.levels[0]
+    assert level.fit("collective-permute").fixed(2) == pytest.approx(3.4e-4)
+    mesh = {"x": 4, "y": 2}
+    pair, all8 = (collective_time(Collective("collective-permute", axes, 1024), topo, topo.map_mesh(mesh), mesh)
+                  for axes in (("y",), ("x", "y")))
+    assert pair == pytest.approx(all8) and pair > 10 * level.latency  # (more than a ring step, as measured)
 
 
 def test_many_small_collectives_cost_more_than_one_big_one():

@@ -71,9 +71,12 @@ def test_the_plan_follows_the_measurement_and_the_same_cache_gives_the_same_plan
 
     monkeypatch.setattr(integrate, "_PLAN_CACHE", {})
     fingerprints = {}
-    for name, link in (("fast", 3.5e9), ("slow", 3.5e3)):
+    ref = conftest.REFERENCE_CPU_HOST
+    for name, slower in (("fast", 1.0), ("slow", 1e6)):
         monkeypatch.setenv("SHARDC_CACHE_DIR", str(tmp_path / name))
-        calibrate.store({**conftest.REFERENCE_CPU_HOST, "link_bandwidth": link})
+        # (the links: the ring model's bandwidth, and each collective kind's measured seconds per byte)
+        calibrate.store({**ref, "link_bandwidth": ref["link_bandwidth"] / slower,
+                         **{k: v * slower for k, v in ref.items() if k.endswith(":per_byte")}})
         plans = []
         for _ in range(2):
             integrate._PLAN_CACHE.clear()

@@ -44,8 +44,8 @@ def base():
 
 def same(a, b):
     return (a.makespan_ps, a.starts, a.ends, a.binds, a.payload, a.xla_payload, a.wire, a.flops, a.xla_flops,
-            a.memory) == (b.makespan_ps, b.starts, b.ends, b.binds, b.payload, b.xla_payload, b.wire, b.flops,
-                          b.xla_flops, b.memory)
+            a.memory, a.merged_ps) == (b.makespan_ps, b.starts, b.ends, b.binds, b.payload, b.xla_payload, b.wire,
+                                       b.flops, b.xla_flops, b.memory, b.merged_ps)
 
 
 def random_sharding(draw, plan, v):
@@ -65,7 +65,7 @@ def random_sharding(draw, plan, v):
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(st.data())
 def test_delta_is_exactly_full(base, data):
-    topo = data.draw(st.sampled_from(["h100-sxm-8", "h100-sxm-8x2", "tpu-v5e-8"]))
+    topo = data.draw(st.sampled_from(["h100-sxm-8", "h100-sxm-8x2", "tpu-v5e-8", "cpu-host"]))
     incremental = simulator_for(base, topo)
     reference = simulator_for(base, topo)
     plan = base
