@@ -70,10 +70,13 @@ class MemoryModel:
         self.args = self.outs = self.alias = 0
         self.fresh_outs: tuple[int, ...] = ()
         self._planned: Sequence[Any] = ()  # the plan's sharding per value
-        self.out_made: dict[int, int] = {}  # output value -> the position that makes it
+        self.out_keys: dict[int, int] = {}  # key id counted with the outputs -> its output value
+        self._alias = dict(info.out_alias)  # value -> the output a hint makes of it
         self.slices: dict[int, set[int]] = {}  # key id -> fused local slices of it (key ids)
         self.slice_src: dict[int, tuple[int, ...]] = {}  # fused local slice -> the keys it slices
         self._free_outs: list[tuple[int, int]] = []  # (bytes, value) of outputs not written into donated inputs
+        self.ends_at: dict[int, set[int]] = {}  # position -> key ids of buffers whose last position it is
+        self.shares: dict[int, tuple[tuple[int, frozenset[int]], ...]] = {}  # op -> its results' in-place pairs
         self.order = info.order  # op -> its position in the compiled program's schedule
         self._op_at = [0] * self.n  # position -> op
         for op, i in enumerate(self.order):
@@ -100,13 +103,15 @@ class MemoryModel:
             s, e, b = old
             self.diff[s] -= b
             self.diff[e + 1] += b
+            self.ends_at[e].discard(kid)
+        self.out_keys.pop(kid, None)
         owner = self.owner.get(kid)
         if owner is None:
             return
         c, sharding, origin = self.keys.key_list[kid]
-        if (c in self._inputs or c in self._outputs) and origin == 0 and sharding == self._planned[c]:
-            if c in self._outputs and c not in self._inputs:
-                self.out_made[c] = owner[1]
+        o = self._output_of(c, sharding, origin)
+        if o is not None:
+            self.out_keys[kid] = o
             return  # counted with the arguments / outputs (other layouts of them are temporaries)
         b = 0 if owner[2] else self._bytes(kid)
         if b == 0:
@@ -126,6 +131,18 @@ class MemoryModel:
         self.buffers[kid] = (start, end, b)
         self.diff[start] += b
         self.diff[end + 1] -= b
+        self.ends_at.setdefault(end, set()).add(kid)
+
+    def _output_of(self, c: int, sharding: Any, origin: int) -> int | None:
+        """The input or output whose buffer holds value `c` in layout `sharding` (None: a temporary): an input's or
+        output's planned layout, or the output a hint makes of `c` in that output's layout
+        (`ProgramInfo.out_alias`: what computes `c` writes the output)."""
+        if origin != 0:
+            return None
+        if (c in self._inputs or c in self._outputs) and sharding == self._planned[c]:
+            return c
+        o = self._alias.get(c)
+        return o if o is not None and sharding == self._planned[o] else None
 
     def _work(self, slot: Any, sign: int) -> None:
         for a, b, n in self._positions(slot)[2]:
@@ -197,6 +214,37 @@ class MemoryModel:
             out += [(0, ready, 4 * rank * n_in), (ready, ready, (item + 4 * rank) * n_out),
                     (min(ready + 1, at), at, 4 * rank * n_out), (0, at - 1, item * n_in)]
         return tuple(out)
+
+    def _shares_of(self, slot: Any) -> tuple[tuple[int, frozenset[int]], ...]:
+        """(result key, canonical values whose buffer it may take) of a slot's op (`ProgramInfo.inplace`): the
+        key its computation writes."""
+        cands = self.info.inplace[slot.op] if self.info.inplace else ()
+        if not cands or slot.at >= len(slot.tasks):
+            return ()
+        c = self.info.canon[self.graph.ops[slot.op].outputs[0]]
+        flags, keys = self.keys.is_value_key, self.keys.key_list
+        return tuple((k, frozenset(cands)) for k in slot.tasks[slot.at].outs if flags[k] and keys[k][0] == c)
+
+    def _shared(self, skip: set[int]) -> dict[int, int]:
+        """Position -> bytes of results written over an operand's buffer there: the operand's buffer ends where
+        the result's begins, with the same layout and size (`_shares_of`; each buffer taken once). `skip`: key ids
+        of buffers placed in output buffers."""
+        out: dict[int, int] = {}
+        taken: set[int] = set()
+        keys = self.keys.key_list
+        for pairs in self.shares.values():
+            for k, cands in pairs:
+                bk = self.buffers.get(k)
+                if bk is None or k in skip:
+                    continue
+                for j in self.ends_at.get(bk[0], ()):
+                    bj = self.buffers[j]
+                    if (j != k and j not in taken and j not in skip and bj[2] == bk[2] and keys[j][0] in cands
+                            and keys[j][1] == keys[k][1]):
+                        taken.add(j)
+                        out[bk[0]] = out.get(bk[0], 0) + bk[2]
+                        break
+        return out
 
     def _copied(self, op_id: int) -> frozenset[int]:
         """Canonical values dot `op_id` reads only through the dot decomposition's copies of them (its reads of
@@ -282,11 +330,16 @@ class MemoryModel:
         self.diff[:] = 0
         self.buffers.clear()
         self.owner.clear()
-        self.out_made.clear()
+        self.out_keys.clear()
         self.readers.clear()
         self.slices.clear()
         self.slice_src.clear()
+        self.ends_at.clear()
+        self.shares.clear()
         for s in slots:
+            pairs = self._shares_of(s)
+            if pairs:
+                self.shares[s.op] = pairs
             for k, (pos, free, srcs) in self._makes(s).items():
                 if k not in self.owner:
                     self.owner[k] = (s.op, pos, free)
@@ -331,6 +384,11 @@ class MemoryModel:
                 touched.add(k)
         for i in affected:
             new = slots[i]
+            pairs = self._shares_of(new)
+            if pairs:
+                self.shares[i] = pairs
+            else:
+                self.shares.pop(i, None)
             for k, (pos, free, srcs) in self._makes(new).items():
                 if k not in self.owner:
                     self.owner[k] = (i, pos, free)
@@ -399,22 +457,29 @@ class MemoryModel:
         and reuses it for values that die before the output is made and fit in it, so those values are not
         temporaries (`memory_analysis()`'s temp heap); a pipelined step's loop state and gradient accumulators
         live there. Modelled as XLA assigns: values largest first (then earliest), each into the smallest
-        output allocation free over its whole live range that it fits in."""
+        output allocation free over its whole live range that it fits in — up to the output's making when the
+        output is written over it in place (`_shares_of`: the value dies where an elementwise fusion writes the
+        output, with the output's shape; a dot writing into the output allocation that the fusion then updates)."""
         if not self._free_outs:
             return None, set()
-        slots = [(b, self.out_made.get(v, 2 * self.n)) for b, v in self._free_outs]
+        made: dict[int, int] = {}
+        for kid, o in self.out_keys.items():
+            p = self.owner[kid][1]
+            made[o] = min(made.get(o, p), p)
+        slots = [(b, made.get(v, 2 * self.n)) for b, v in self._free_outs]
+        inplace = self._into_outputs(slots)
         limit = max(t for _, t in slots)
         biggest = max(b for b, _ in slots)
-        cands = sorted(((b, s, e, k) for k, (s, e, b) in self.buffers.items() if e < limit and b <= biggest),
-                       key=lambda x: (-x[0], x[1], x[2]))
+        cands = sorted(((b, s, e, k) for k, (s, e, b) in self.buffers.items()
+                        if (e < limit or k in inplace) and b <= biggest), key=lambda x: (-x[0], x[1], x[2]))
         if not cands:
             return None, set()
         busy: list[list[tuple[int, int]]] = [[] for _ in slots]
         placed = np.zeros(2 * self.n + 1, dtype=np.int64)
         kids: set[int] = set()
         for b, s, e, k in cands:
-            for j, (size, made) in enumerate(slots):
-                if size < b or e >= made or any(s <= f and a <= e for a, f in busy[j]):
+            for j, (size, at) in enumerate(slots):
+                if size < b or (e >= at and inplace.get(k) != j) or any(s <= f and a <= e for a, f in busy[j]):
                     continue
                 busy[j].append((s, e))
                 placed[s] += b
@@ -423,11 +488,35 @@ class MemoryModel:
                 break
         return np.cumsum(placed[: 2 * self.n]), kids
 
+    def _into_outputs(self, slots: Sequence[tuple[int, int]]) -> dict[int, int]:
+        """Key id -> the free output (index in `slots`) that is written over its buffer in place: the key dies
+        where the output is made, by an op that may write its result over it (`_shares_of`), with the output's
+        layout and size."""
+        index = {v: i for i, (_, v) in enumerate(self._free_outs)}
+        keys = self.keys.key_list
+        out: dict[int, int] = {}
+        for pairs in self.shares.values():
+            for k, cands in pairs:
+                i = index.get(self.out_keys.get(k, -1))
+                if i is None:
+                    continue
+                pos = self.owner[k][1]
+                for j in self.ends_at.get(pos, ()):
+                    if (j not in out and self.buffers[j][2] == slots[i][0] and keys[j][0] in cands
+                            and keys[j][1] == keys[k][1]):
+                        out[j] = i
+                        break
+        return out
+
     def live(self) -> np.ndarray:
         """Bytes of temporaries per position."""
         live = np.cumsum(self.diff[: 2 * self.n])
-        reused, _ = self.in_outputs()
-        return live if reused is None else live - reused
+        reused, kids = self.in_outputs()
+        if reused is not None:
+            live = live - reused
+        for pos, b in self._shared(kids).items():
+            live[pos] -= b
+        return live
 
     def result(self) -> MemoryResult:
         if not self.n:

@@ -95,3 +95,37 @@ def test_delta_handles_no_change_and_other_graphs(base):
     changed = with_strategy(base, i, legal_strategies(base, i)[-1])
     assert same(sim.delta(changed), simulator_for(base, "h100-sxm-8").full(changed))
     assert same(sim.delta(base), first)  # and back
+
+
+@pytest.fixture(scope="module")
+def hinted():
+    """A step for XLA:CPU's memory rules: in-place elementwise fusions (the tanh gradient), a hinted output (the
+    hint's operand is the output's buffer) and an unhinted one."""
+    mesh = shardc.make_mesh({"data": 2, "model": 4})
+
+    def step(w1, w2, x):
+        x = split(x, 0, "data")
+        h = jnp.tanh(x @ w1)
+        g = jax.grad(lambda w: jnp.mean((jnp.tanh(x @ w[0]) @ w[1]) ** 2))((w1, w2))
+        return g, split(h * 2.0, 0, "data"), shardc.replicate(h @ w2)
+
+    args = (jnp.ones((32, 64)), jnp.ones((64, 32)), jnp.ones((16, 32)))
+    return shardc.auto(step, mesh=mesh, search=False).plan(*args)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_delta_is_exactly_full_with_cpu_memory_rules(hinted, data):
+    incremental, reference = simulator_for(hinted, "cpu-host"), simulator_for(hinted, "cpu-host")
+    plan = hinted
+    incremental.full(plan)
+    ops = [op.id for op in plan.graph.ops if op.primitive in ("dot_general", "mul", "tanh", "add_any")]
+    values = [v for op in plan.graph.ops if op.primitive in ("dot_general", "tanh", "mul") for v in op.outputs]
+    for _ in range(data.draw(st.integers(1, 6))):
+        if data.draw(st.booleans()):
+            i = data.draw(st.sampled_from(ops))
+            plan = with_strategy(plan, i, data.draw(st.sampled_from(legal_strategies(plan, i))))
+        else:
+            v = data.draw(st.sampled_from(values))
+            plan = with_sharding(plan, v, random_sharding(data.draw, plan, v))
+        assert same(incremental.delta(plan), reference.full(plan))
