@@ -237,7 +237,7 @@ class MemoryModel:
                 bk = self.buffers.get(k)
                 if bk is None or k in skip:
                     continue
-                for j in self.ends_at.get(bk[0], ()):
+                for j in sorted(self.ends_at.get(bk[0], ())):
                     bj = self.buffers[j]
                     if (j != k and j not in taken and j not in skip and bj[2] == bk[2] and keys[j][0] in cands
                             and keys[j][1] == keys[k][1]):
@@ -501,7 +501,7 @@ class MemoryModel:
                 if i is None:
                     continue
                 pos = self.owner[k][1]
-                for j in self.ends_at.get(pos, ()):
+                for j in sorted(self.ends_at.get(pos, ())):
                     if (j not in out and self.buffers[j][2] == slots[i][0] and keys[j][0] in cands
                             and keys[j][1] == keys[k][1]):
                         out[j] = i
