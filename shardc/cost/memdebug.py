@@ -239,7 +239,8 @@ class ModelLive:
         self.mem = self.sim.memory
         self.plan = plan
         self.live = self.mem.live()
-        self.in_outputs = self.mem.in_outputs()[1]  # buffers XLA would place in output buffers
+        self.copies = self.mem.param_copies(named=True)
+        self.in_outputs = self.mem.in_outputs(self.copies)[1]  # buffers XLA would place in output buffers
 
     def peak(self) -> int:
         return int(self.live.argmax())
@@ -266,6 +267,9 @@ class ModelLive:
             for a, e, n in mem._positions(sl)[2]:
                 if a <= pos <= e:
                     out.append(Buffer(n, sl.op, "workspace", a, e))
+        for a, e, n, v in self.copies:
+            if a <= pos <= e and -1 - v not in self.in_outputs:
+                out.append(Buffer(n, None, f"copy of donated input v{v}", a, e))
         return sorted(out, key=lambda b: -b.nbytes)
 
 

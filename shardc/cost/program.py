@@ -33,7 +33,7 @@ from shardc.cost.estimator import params_key
 from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL
 from shardc.ir.graph import Graph
 
-__all__ = ["ProgramInfo", "program_info", "Merged", "merged", "unread_operands", "broadcast_dims", "broadcast_transfer",
+__all__ = ["ProgramInfo", "program_info", "descendants", "Merged", "merged", "unread_operands", "broadcast_dims", "broadcast_transfer",
            "FUSIBLE", "FREE_PRIMITIVES", "PCG_COLLECTIVE"]
 
 # Ops XLA fuses into their consumers (loop fusion): elementwise math and cheap data movement.
@@ -300,6 +300,7 @@ def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], f
 
 
 _HINTS = frozenset({"shardc_hint", "sharding_constraint"})
+LOOK_THROUGH_HINTS = True
 
 
 def output_aliases(graph: Graph, live: Sequence[bool], canon: Sequence[int],
@@ -627,6 +628,24 @@ def _post_order(graph: Graph, canon: list[int]) -> list[int]:
     return pos
 
 
+def descendants(graph: Graph, canon: Sequence[int]) -> list[int]:
+    """Per canonical value, a bitmask of the canonical values computed from it (cached per graph and `canon`)."""
+    cache: dict = graph.analysis("descendants", dict)  # id(canon) -> (canon, desc); canon: a ProgramInfo's
+    cached = cache.get(id(canon))
+    if cached is not None and cached[0] is canon:
+        return cached[1]
+    desc = [0] * len(graph.values)
+    for op in reversed(graph.ops):
+        below = 0
+        for v in op.outputs:
+            below |= desc[canon[v]] | (1 << canon[v])
+        if below:
+            for v in op.inputs:
+                desc[canon[v]] |= below
+    cache[id(canon)] = (canon, desc)  # (the entry keeps canon alive: its id is not reused)
+    return desc
+
+
 def program_info(graph: Graph, backend: str = "") -> ProgramInfo:
     """What XLA keeps of `graph` when compiled for `backend` ("cpu", "gpu", "tpu" or "": no backend rule)."""
     cache: dict[str, ProgramInfo] = graph.analysis("program_info", dict)
@@ -821,7 +840,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
         prices a value by the ops reading it, its reshards aside; a PCG must price it the same)."""
         out = []
         for u in consumers[v]:
-            if graph.ops[u].primitive == PCG_COLLECTIVE:
+            if graph.ops[u].primitive == PCG_COLLECTIVE or graph.ops[u].primitive in _HINTS and LOOK_THROUGH_HINTS:
                 out += [w for r in graph.ops[u].outputs for w in readers(canon[r])]
             else:
                 out.append(u)

@@ -97,6 +97,33 @@ def test_delta_handles_no_change_and_other_graphs(base):
     assert same(sim.delta(base), first)  # and back
 
 
+class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        h = nn.relu(nn.Dense(128, kernel_init=nn.with_partitioning(init, (None, "model")))(x))
+        h = nn.relu(nn.Dense(128, kernel_init=nn.with_partitioning(init, ("model", None)))(h))
+        return nn.Dense(32, kernel_init=nn.with_partitioning(init, ("model", None)))(h)
+
+
+@pytest.fixture(scope="module")
+def donating():
+    """A donating Megatron train step for XLA:CPU's rules: copies of donated weights, all-reduces followed by a
+    local slice (no reduce-scatter on CPU), merged gradient all-reduces."""
+    model = Mlp()
+    x = jnp.ones((16, 32))
+    params = model.init(jax.random.key(0), x)["params"]
+    tx = optax.adam(1e-3)
+
+    def step(p, o, x):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean(model.apply({"params": p}, x) ** 2))(p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, loss
+
+    f = shardc.auto(step, mesh=shardc.make_mesh({"model": 8}), donate_argnums=(0, 1), search=False)
+    return f.plan(params, tx.init(params), x)
+
+
 @pytest.fixture(scope="module")
 def hinted():
     """A step for XLA:CPU's memory rules: in-place elementwise fusions (the tanh gradient), a hinted output (the
@@ -115,10 +142,11 @@ def hinted():
 
 @settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(st.data())
-def test_delta_is_exactly_full_with_cpu_memory_rules(hinted, data):
-    incremental, reference = simulator_for(hinted, "cpu-host"), simulator_for(hinted, "cpu-host")
-    plan = hinted
-    incremental.full(plan)
+def test_delta_is_exactly_full_with_cpu_memory_rules(hinted, donating, data):
+    plan = data.draw(st.sampled_from([hinted, donating]))
+    donated = tuple(getattr(plan, "donated", ()) or ())
+    incremental, reference = simulator_for(plan, "cpu-host"), simulator_for(plan, "cpu-host")
+    incremental.full(plan, donated)
     ops = [op.id for op in plan.graph.ops if op.primitive in ("dot_general", "mul", "tanh", "add_any")]
     values = [v for op in plan.graph.ops if op.primitive in ("dot_general", "tanh", "mul") for v in op.outputs]
     for _ in range(data.draw(st.integers(1, 6))):
@@ -128,4 +156,4 @@ def test_delta_is_exactly_full_with_cpu_memory_rules(hinted, data):
         else:
             v = data.draw(st.sampled_from(values))
             plan = with_sharding(plan, v, random_sharding(data.draw, plan, v))
-        assert same(incremental.delta(plan), reference.full(plan))
+        assert same(incremental.delta(plan, donated), reference.full(plan, donated))
