@@ -306,25 +306,34 @@ class MemoryModel:
         flags, keys = self.keys.is_value_key, self.keys.key_list
         return tuple((k, frozenset(cands)) for k in slot.tasks[slot.at].outs if flags[k] and keys[k][0] == c)
 
-    def _shared(self, skip: set[int]) -> dict[int, int]:
-        """Position -> bytes of results written over an operand's buffer there: the operand's buffer ends where
-        the result's begins, with the same layout and size (`_shares_of`; each buffer taken once). `skip`: key ids
-        of buffers placed in output buffers."""
+    def _share_pairs(self) -> dict[int, int]:
+        """Result key id -> the operand key id whose buffer it is written over (`_shares_of`): the operand's buffer
+        ends where the result's begins, with the same layout and size; each buffer taken once."""
         out: dict[int, int] = {}
         taken: set[int] = set()
         keys = self.keys.key_list
         for pairs in self.shares.values():
             for k, cands in pairs:
                 bk = self.buffers.get(k)
-                if bk is None or k in skip:
+                if bk is None:
                     continue
                 for j in sorted(self.ends_at.get(bk[0], ())):
                     bj = self.buffers[j]
-                    if (j != k and j not in taken and j not in skip and bj[2] == bk[2] and keys[j][0] in cands
+                    if (j != k and j not in taken and bj[2] == bk[2] and keys[j][0] in cands
                             and keys[j][1] == keys[k][1]):
                         taken.add(j)
-                        out[bk[0]] = out.get(bk[0], 0) + bk[2]
+                        out[k] = j
                         break
+        return out
+
+    def _shared(self, pairs: Mapping[int, int], skip: set[int]) -> dict[int, int]:
+        """Position -> bytes of results written over an operand's temporary buffer there (`_share_pairs`; `skip`:
+        key ids of buffers placed in other allocations, where the two are one buffer already)."""
+        out: dict[int, int] = {}
+        for k, j in pairs.items():
+            if k not in skip and j not in skip:
+                s, _, b = self.buffers[k]
+                out[s] = out.get(s, 0) + b
         return out
 
     def _copied(self, op_id: int) -> frozenset[int]:
@@ -539,7 +548,8 @@ class MemoryModel:
         self._free_outs = sorted((nbytes(v), canon[v]) for v in set(g.outputs) - aliased
                                  if canon[v] not in self._inputs and nbytes(v) >= _MIN_REUSE)
 
-    def in_outputs(self, copies: Sequence[tuple[int, int, int, int]] = ()) -> tuple[np.ndarray | None, set[int]]:
+    def in_outputs(self, copies: Sequence[tuple[int, int, int, int]] = (),
+                   pairs: Mapping[int, int] | None = None) -> tuple[np.ndarray | None, set[int]]:
         """Bytes of temporaries XLA places in the output buffers before the outputs are written, per position,
         and the key ids of those buffers (a copy of donated input `p` in `copies` as key id -1 - p).
 
@@ -552,7 +562,9 @@ class MemoryModel:
         the smallest allocation free over its whole live range that it fits in (a copy only into the allocation
         of an input copied before it) — up to the output's making when the output is written over it in place (`_shares_of`: the value
         dies where an elementwise fusion writes the output, with the output's shape; a dot writing into the
-        output allocation that the fusion then updates)."""
+        output allocation that the fusion then updates), and a value may begin where one it is written over in
+        place ends (`pairs`, `_share_pairs`)."""
+        pairs = self._share_pairs() if pairs is None else pairs
         made: dict[int, int] = {}
         for kid, o in self.out_keys.items():
             p = self.owner[kid][1]
@@ -574,15 +586,16 @@ class MemoryModel:
         if not cands:
             return None, set()
         cands.sort(key=lambda x: (-x[0], x[1], x[2], x[3], x[4]))
-        busy: list[list[tuple[int, int]]] = [[] for _ in allocs]
+        busy: list[list[tuple[int, int, int]]] = [[] for _ in allocs]
         placed = np.zeros(end + 1, dtype=np.int64)
         kids: set[int] = set()
         for b, _, s, e, k in cands:
+            over = pairs.get(k)
             for j, (size, at, _, own) in enumerate(allocs):
                 if (size < b or (e >= at and inplace.get(k) != j) or k < 0 and not 0 <= own < -1 - k
-                        or any(s <= f and a <= e for a, f in busy[j])):
+                        or any(s <= f and a <= e and not (s == f and i == over) for a, f, i in busy[j])):
                     continue
-                busy[j].append((s, e))
+                busy[j].append((s, e, k))
                 placed[s] += b
                 placed[e + 1] -= b
                 kids.add(k)
@@ -613,10 +626,11 @@ class MemoryModel:
         """Bytes of temporaries per position."""
         live = np.cumsum(self.diff[: 2 * self.n])
         copies = self.param_copies(named=True)
-        reused, kids = self.in_outputs(copies)
+        pairs = self._share_pairs()
+        reused, kids = self.in_outputs(copies, pairs)
         if reused is not None:
             live = live - reused
-        for pos, b in self._shared(kids).items():
+        for pos, b in self._shared(pairs, kids).items():
             live[pos] -= b
         for a, e, b, p in copies:
             if -1 - p not in kids:

@@ -367,3 +367,57 @@ def test_peak_memory_of_hinted_outputs():
     assert row.ok, f"predicted {row.predicted:,.0f} bytes, XLA {row.compiled:,.0f}"
     # no temporary of a replicated [4096, 1024] output: the all-gather writes it
     assert report.simulation.memory.temp_peak < 4096 * 1024 * 4
+
+
+def test_peak_memory_of_an_all_gather_over_a_minor_dim():
+    """XLA:CPU writes an all-gather over a dim that is not the most major one (the features of a Megatron
+    activation) with the gathered dim most major, then copies it into the row-major layout its readers read:
+    two buffers of the gathered size until the copy is made. The model was 25% under on this batch counting
+    one."""
+    model, _, axes = PLANS["mlp-megatron"]
+    step, args = train_step(model, jnp.ones((256, 256)), shardc.make_mesh(axes))
+    row = shardc.check(step, *args).row("peak memory bytes")
+    assert row.ok, f"predicted {row.predicted:,.0f} bytes, XLA {row.compiled:,.0f}"
+
+
+class _Megatron2(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = jnp.tanh(nn.Dense(1024, kernel_init=kernel((None, "model")))(x))
+        return nn.Dense(1024, kernel_init=kernel(("model", None)))(h)
+
+
+def test_peak_memory_of_copied_donated_weights():
+    """A donated weight is overwritten by its update only after every instruction reading it; XLA's copy
+    insertion keeps a copy of it from the start when a reader is not ordered before the update by data
+    dependence — the backward dot reading a Megatron weight in its stored layout (no merged gradient
+    all-reduce orders it here). The model was 10.6% under without these copies."""
+    step, args = train_step(_Megatron2(), jnp.ones((256, 256)), shardc.make_mesh({"model": 8}))
+    report = shardc.check(step, *args)
+    row = report.row("peak memory bytes")
+    assert row.ok, f"predicted {row.predicted:,.0f} bytes, XLA {row.compiled:,.0f}"
+    plan = step.plan(*args)
+    from shardc.cost.memdebug import ModelLive
+
+    copies = ModelLive(plan).copies
+    assert copies and all(start == 0 for start, *_ in copies)
+
+
+class _Fsdp2(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = split(x, 0, "data")
+        for _ in range(4):
+            x = nn.relu(nn.Dense(512, kernel_init=kernel((("data", "model"), None)))(x))
+        return nn.Dense(128, kernel_init=kernel((("data", "model"), None)))(x)
+
+
+@pytest.mark.parametrize("batch", [64, 256])
+def test_peak_memory_of_fsdp_over_two_axes(batch):
+    """Weights stored split over both mesh axes: XLA:CPU has no reduce-scatter, so each weight gradient is
+    all-reduced whole and the optimizer's fused update reads its slice of that buffer, which lives until
+    then; the weights the backward pass reads are copied (copy insertion) and the gathered activations
+    relaid out. The model was 13% (batch 64) and 21% (batch 256) under without these rules."""
+    step, args = train_step(_Fsdp2(), jnp.ones((batch, 256)), shardc.make_mesh({"data": 4, "model": 2}))
+    row = shardc.check(step, *args).row("peak memory bytes")
+    assert row.ok, f"predicted {row.predicted:,.0f} bytes, XLA {row.compiled:,.0f}"
