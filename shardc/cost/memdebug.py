@@ -69,7 +69,7 @@ class PeakBuffers:
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = ")
 _ALLOC = re.compile(r"^allocation (\d+): size (\d+)(.*)$")
-_VALUE = re.compile(r"^\s*value: <\d+ ([^ >]+)(?: @\d+)?> \(size=(\d+),offset=\d+\)")
+_VALUE = re.compile(r"^\s*value: <\d+ ([^ >]+)(?: @\d+)?> \(size=(\d+),offset=(\d+)\)")
 _RANGE = re.compile(r"^\s*([\w.\-]+\{[\d,]*\}):(\d+)-(\d+)\s*$")
 _OPNAME = re.compile(r'op_name="([^"]*)"')
 
@@ -176,6 +176,7 @@ def xla_live(lowered: Any, compiler_options: dict[str, Any] | None = None, keep:
         ranges = _read(d, "after_optimizations-live-range.txt")
         hlo = _read(d, "after_optimizations.txt")
     sizes: dict[str, int] = {}
+    offsets: dict[str, int] = {}
     temp = False
     for line in assignment.splitlines():
         m = _ALLOC.match(line)
@@ -184,8 +185,8 @@ def xla_live(lowered: Any, compiler_options: dict[str, Any] | None = None, keep:
             continue
         v = _VALUE.match(line)
         if v and temp:
-            name = v.group(1)
-            sizes[name if "{" in name else name + "{}"] = int(v.group(2))
+            name = v.group(1) if "{" in v.group(1) else v.group(1) + "{}"
+            sizes[name], offsets[name] = int(v.group(2)), int(v.group(3))
     live: dict[str, tuple[int, int]] = {}
     sequence: list[str] = []
     for line in ranges.splitlines():
@@ -196,7 +197,25 @@ def xla_live(lowered: Any, compiler_options: dict[str, Any] | None = None, keep:
         q = _SEQ.match(line)
         if q and int(q.group(1)) == len(sequence):
             sequence.append(q.group(2))
-    return XlaLive(sizes, live, sequence, _instructions(hlo), compiled.memory_analysis().temp_size_in_bytes)
+    return XlaLive(sizes, _unshared(live, sizes, offsets), sequence, _instructions(hlo),
+                   compiled.memory_analysis().temp_size_in_bytes)
+
+
+def _unshared(live: dict[str, tuple[int, int]], sizes: dict[str, int],
+              offsets: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """Live ranges with a buffer written in place over another (same offset and size in the temp allocation,
+    its range beginning where the other's ends: an elementwise fusion's result sharing a dying operand's
+    buffer) starting one position later, so that the two count once."""
+    out = dict(live)
+    by_slot: dict[tuple[int, int], list[str]] = {}
+    for name in live:
+        by_slot.setdefault((offsets[name], sizes[name]), []).append(name)
+    for names in by_slot.values():
+        names.sort(key=lambda n: live[n])
+        for a, b in zip(names, names[1:]):
+            if out[a][1] == out[b][0] < out[b][1]:
+                out[b] = (out[b][0] + 1, out[b][1])
+    return out
 
 
 def xla_peak(lowered: Any, compiler_options: dict[str, Any] | None = None) -> tuple[list[Buffer], int]:
@@ -220,7 +239,8 @@ class ModelLive:
         self.mem = self.sim.memory
         self.plan = plan
         self.live = self.mem.live()
-        self.in_outputs = self.mem.in_outputs()[1]  # buffers XLA would place in output buffers
+        self.copies = self.mem.param_copies(named=True)
+        self.in_outputs = self.mem.in_outputs(self.copies)[1]  # buffers XLA would place in output buffers
 
     def peak(self) -> int:
         return int(self.live.argmax())
@@ -247,6 +267,9 @@ class ModelLive:
             for a, e, n in mem._positions(sl)[2]:
                 if a <= pos <= e:
                     out.append(Buffer(n, sl.op, "workspace", a, e))
+        for a, e, n, v in self.copies:
+            if a <= pos <= e and -1 - v not in self.in_outputs:
+                out.append(Buffer(n, None, f"copy of donated input v{v}", a, e))
         return sorted(out, key=lambda b: -b.nbytes)
 
 

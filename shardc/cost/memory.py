@@ -25,11 +25,13 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from shardc.cost.program import ProgramInfo
+from shardc.cost.program import ProgramInfo, descendants, outer_region
 
 __all__ = ["MemoryModel", "MemoryResult"]
 
 COPIES_EARLY = True
+# Ops that are no instruction: their readers read what they read.
+_PASS_THROUGH = frozenset({"shardc_hint", "sharding_constraint", "tie", "name", "optimization_barrier"})
 _MIN_REUSE = 1024  # outputs smaller than this (a loss) are not worth looking for values to put in
 
 
@@ -45,6 +47,13 @@ class MemoryResult:
     @property
     def peak(self) -> int:
         return self.arguments + self.outputs - self.aliased + self.temp_peak
+
+
+def _union(masks: Iterable[int]) -> int:
+    out = 0
+    for m in masks:
+        out |= m
+    return out
 
 
 class MemoryModel:
@@ -70,10 +79,17 @@ class MemoryModel:
         self.args = self.outs = self.alias = 0
         self.fresh_outs: tuple[int, ...] = ()
         self._planned: Sequence[Any] = ()  # the plan's sharding per value
-        self.out_made: dict[int, int] = {}  # output value -> the position that makes it
+        self.out_keys: dict[int, int] = {}  # key id counted with the outputs -> its output value
+        self._alias = dict(info.out_alias)  # value -> the output a hint makes of it
         self.slices: dict[int, set[int]] = {}  # key id -> fused local slices of it (key ids)
         self.slice_src: dict[int, tuple[int, ...]] = {}  # fused local slice -> the keys it slices
         self._free_outs: list[tuple[int, int]] = []  # (bytes, value) of outputs not written into donated inputs
+        self.ends_at: dict[int, set[int]] = {}  # position -> key ids of buffers whose last position it is
+        self.fulls: dict[int, tuple[int, int, int]] = {}  # key id -> the all-reduced buffer it slices (`_set_full`)
+        self.shares: dict[int, tuple[tuple[int, frozenset[int]], ...]] = {}  # op -> its results' in-place pairs
+        self._slots: Sequence[Any] = ()  # the simulation's slots (the last full or delta run's)
+        self._donated_to: list[tuple[int, int]] = []  # (donated input, the output written into it), canonical
+        self._merged: list[tuple[int, int]] = []  # per merged all-reduce: (bitmask of members, of their descendants)
         self.order = info.order  # op -> its position in the compiled program's schedule
         self._op_at = [0] * self.n  # position -> op
         for op, i in enumerate(self.order):
@@ -100,13 +116,20 @@ class MemoryModel:
             s, e, b = old
             self.diff[s] -= b
             self.diff[e + 1] += b
+            self.ends_at[e].discard(kid)
+        old = self.fulls.pop(kid, None)
+        if old is not None:
+            s, e, b = old
+            self.diff[s] -= b
+            self.diff[e + 1] += b
+        self.out_keys.pop(kid, None)
         owner = self.owner.get(kid)
         if owner is None:
             return
         c, sharding, origin = self.keys.key_list[kid]
-        if (c in self._inputs or c in self._outputs) and origin == 0 and sharding == self._planned[c]:
-            if c in self._outputs and c not in self._inputs:
-                self.out_made[c] = owner[1]
+        o = self._output_of(c, sharding, origin)
+        if o is not None:
+            self.out_keys[kid] = o
             return  # counted with the arguments / outputs (other layouts of them are temporaries)
         b = 0 if owner[2] else self._bytes(kid)
         if b == 0:
@@ -123,9 +146,54 @@ class MemoryModel:
         lo, hi = 2 * order[lo] + 1 if lo >= 0 else -1, 2 * order[hi] + 1 if hi >= 0 else -1  # merged all-reduces
         start = max(owner[1], lo)
         end = max(end, hi, start)
+        full = self._positions(self._slots[owner[0]])[3].get(kid) if self._slots else None
+        if full is not None:  # a slice of an all-reduced buffer
+            end = self._set_full(kid, full, start, end, hi)
+            if end < 0:
+                return
         self.buffers[kid] = (start, end, b)
         self.diff[start] += b
         self.diff[end + 1] -= b
+        self.ends_at.setdefault(end, set()).add(kid)
+
+    def _set_full(self, kid: int, full: int, start: int, end: int, hi: int) -> int:
+        """Record the all-reduced buffer (`full` bytes) that key `kid` is a local slice of (`_reduced_of`): it lives
+        until the slice is made, or, when readers emitted in loop fusions fuse the slice, until the last of
+        them. Returns the last position of the slice's own buffer: the last read by a reader that does not fuse
+        it (-1: none, the slice is never materialised)."""
+        fused, other = start, -1
+        for r, pos in (self.readers.get(kid) or {}).items():
+            slot = self._slots[r]
+            if (self.info.loop[r] and slot.at < len(slot.tasks) and kid in slot.tasks[slot.at].deps
+                    and not any(kid in t.deps for t in slot.tasks[:slot.at])):
+                fused = max(fused, pos)
+            else:
+                other = max(other, pos)
+        self.fulls[kid] = (start, fused, full)
+        self.diff[start] += full
+        self.diff[fused + 1] -= full
+        return max(other, hi, start) if other >= 0 else -1
+
+    def _reduced_of(self, slot: Any) -> dict[int, int]:
+        """Key id -> bytes of the all-reduced buffer it slices, for each all-reduce of the slot followed by a
+        local slice (a backend without reduce-scatter, XLA:CPU: the partitioner all-reduces the whole value, then
+        each device takes its part)."""
+        out = {}
+        for e in slot.ars:
+            if self.keys.is_value_key[e.dst] and e.bytes > self._bytes(e.dst) > 0:
+                out[e.dst] = e.bytes
+        return out
+
+    def _output_of(self, c: int, sharding: Any, origin: int) -> int | None:
+        """The input or output whose buffer holds value `c` in layout `sharding` (None: a temporary): an input's or
+        output's planned layout, or the output a hint makes of `c` in that output's layout
+        (`ProgramInfo.out_alias`: what computes `c` writes the output)."""
+        if origin != 0:
+            return None
+        if (c in self._inputs or c in self._outputs) and sharding == self._planned[c]:
+            return c
+        o = self._alias.get(c)
+        return o if o is not None and sharding == self._planned[o] else None
 
     def _work(self, slot: Any, sign: int) -> None:
         for a, b, n in self._positions(slot)[2]:
@@ -140,11 +208,12 @@ class MemoryModel:
         """Key id -> (the position at which the slot makes it, whether it is a slice fused into the op)."""
         return self._positions(slot)[0]
 
-    def _positions(self, slot: Any) -> tuple[dict, dict[int, int], tuple[tuple[int, int, int], ...]]:
-        """(makes, reads, workspace) of a slot, computed once per slot (slots are not modified once sealed)."""
+    def _positions(self, slot: Any) -> tuple[dict, dict[int, int], tuple[tuple[int, int, int], ...], dict[int, int]]:
+        """(makes, reads, workspace, reduced) of a slot, computed once per slot (slots are not modified once
+        sealed)."""
         cached = getattr(slot, "memory", None)
         if cached is None:
-            cached = (self._makes_of(slot), self._reads_of(slot), self._workspace_of(slot))
+            cached = (self._makes_of(slot), self._reads_of(slot), self._workspace_of(slot), self._reduced_of(slot))
             try:
                 slot.memory = cached
             except AttributeError:  # a slot type without the cache field
@@ -163,7 +232,10 @@ class MemoryModel:
           indices concatenated, and a scatter (the op) into zeros of the operand's shape (a broadcast, made
           at the start; the scatter writes its result in place);
         * a dot whose operand is not in a memory order the dot decomposition reads makes a transposed copy of
-          it while it runs (`ProgramInfo.copies`)."""
+          it while it runs (`ProgramInfo.copies`);
+        * an all-gather over a dim that is not the result's most major one writes the gathered dim most major
+          and is copied into the row-major layout its readers read: its own buffer lives until that copy, made
+          next (`_gathers_of`)."""
         if self.info.backend != "cpu" or slot.at >= len(slot.tasks):
             return ()
         op = self.graph.ops[slot.op]
@@ -187,6 +259,7 @@ class MemoryModel:
             if s is not None:
                 start = min(self._copy_start(c), at) if COPIES_EARLY else at
                 out.append((start, at, int(self.graph.values[c].dtype.itemsize) * math.prod(self.keys.local_shape(c, s))))
+        out += self._gathers_of(slot)
         if op.primitive == "select_and_scatter_add" and len(keys) >= 2:
             (cs, ss, _), (co, so, _) = keys[:2]  # (source, operand)
             rank = len(self.graph.values[co].shape)
@@ -197,6 +270,71 @@ class MemoryModel:
             out += [(0, ready, 4 * rank * n_in), (ready, ready, (item + 4 * rank) * n_out),
                     (min(ready + 1, at), at, 4 * rank * n_out), (0, at - 1, item * n_in)]
         return tuple(out)
+
+    def _gathers_of(self, slot: Any) -> list[tuple[int, int, int]]:
+        """(position, position, bytes) of the all-gathers of a slot's reshards that XLA:CPU writes in a layout with
+        the gathered dim most major and then copies into the row-major one (when a dim before the gathered one has
+        more than one element): the gathered buffer before its copy."""
+        flags, keys = self.keys.is_value_key, self.keys.key_list
+        out = []
+        for i, t in enumerate(slot.tasks):
+            if t.kind != "join" or len(t.deps) != 1 or flags[t.deps[0]] or not t.outs or not flags[t.outs[0]]:
+                continue
+            j, dep, kinds = i - 1, t.deps[0], set()
+            while j >= 0 and dep in slot.tasks[j].outs:  # back through the step's collective phases
+                kinds.add(slot.tasks[j].collective)
+                dep = slot.tasks[j].deps[0] if slot.tasks[j].deps else -1
+                j -= 1
+            if "all-gather" not in kinds or dep < 0 or not flags[dep]:
+                continue
+            c, src, _ = keys[dep]
+            dst = keys[t.outs[0]][1]
+            shape = self.keys.local_shape(c, dst)
+            gathered = [d for d, (a, b) in enumerate(zip(src.dims, dst.dims)) if len(a) > len(b)]
+            if gathered and any(n > 1 for n in shape[:min(gathered)]):
+                pos = self._position(slot, i, t.outs[0])
+                out.append((pos, pos, self._bytes(t.outs[0])))
+        return out
+
+    def _shares_of(self, slot: Any) -> tuple[tuple[int, frozenset[int]], ...]:
+        """(result key, canonical values whose buffer it may take) of a slot's op (`ProgramInfo.inplace`): the
+        key its computation writes."""
+        cands = self.info.inplace[slot.op] if self.info.inplace else ()
+        if not cands or slot.at >= len(slot.tasks):
+            return ()
+        c = self.info.canon[self.graph.ops[slot.op].outputs[0]]
+        flags, keys = self.keys.is_value_key, self.keys.key_list
+        return tuple((k, frozenset(cands)) for k in slot.tasks[slot.at].outs if flags[k] and keys[k][0] == c)
+
+    def _share_pairs(self) -> dict[int, int]:
+        """Result key id -> the operand key id whose buffer it is written over (`_shares_of`): the operand's buffer
+        ends where the result's begins, with the same layout and size; each buffer taken once."""
+        out: dict[int, int] = {}
+        taken: set[int] = set()
+        keys = self.keys.key_list
+        for pairs in self.shares.values():
+            for k, cands in pairs:
+                bk = self.buffers.get(k)
+                if bk is None:
+                    continue
+                for j in sorted(self.ends_at.get(bk[0], ())):
+                    bj = self.buffers[j]
+                    if (j != k and j not in taken and bj[2] == bk[2] and keys[j][0] in cands
+                            and keys[j][1] == keys[k][1]):
+                        taken.add(j)
+                        out[k] = j
+                        break
+        return out
+
+    def _shared(self, pairs: Mapping[int, int], skip: set[int]) -> dict[int, int]:
+        """Position -> bytes of results written over an operand's temporary buffer there (`_share_pairs`; `skip`:
+        key ids of buffers placed in other allocations, where the two are one buffer already)."""
+        out: dict[int, int] = {}
+        for k, j in pairs.items():
+            if k not in skip and j not in skip:
+                s, _, b = self.buffers[k]
+                out[s] = out.get(s, 0) + b
+        return out
 
     def _copied(self, op_id: int) -> frozenset[int]:
         """Canonical values dot `op_id` reads only through the dot decomposition's copies of them (its reads of
@@ -275,18 +413,27 @@ class MemoryModel:
         return out
 
     def full(self, plan: Any, slots: Sequence[Any], donated: Sequence[int] = (),
-             bounds: Mapping[int, tuple[int, int]] | None = None) -> None:
-        """`bounds`: buffers merged collectives hold longer (key id -> (start no earlier, end no earlier))."""
+             bounds: Mapping[int, tuple[int, int]] | None = None, groups: Sequence[Any] = ()) -> None:
+        """`bounds`: buffers merged collectives hold longer (key id -> (start no earlier, end no earlier));
+        `groups`: the merged all-reduces (`shardc.sim.combine.Group`)."""
         self.bounds = dict(bounds or {})
+        self._slots = slots
+        self._set_merged(groups)
         self._planned = plan.shardings
         self.diff[:] = 0
         self.buffers.clear()
         self.owner.clear()
-        self.out_made.clear()
+        self.out_keys.clear()
         self.readers.clear()
         self.slices.clear()
         self.slice_src.clear()
+        self.ends_at.clear()
+        self.fulls.clear()
+        self.shares.clear()
         for s in slots:
+            pairs = self._shares_of(s)
+            if pairs:
+                self.shares[s.op] = pairs
             for k, (pos, free, srcs) in self._makes(s).items():
                 if k not in self.owner:
                     self.owner[k] = (s.op, pos, free)
@@ -305,10 +452,13 @@ class MemoryModel:
 
     def update(self, plan: Any, slots: Sequence[Any], affected: Sequence[int], old_slots: Mapping[int, Any],
                donated: Sequence[int] = (), values: Iterable[int] = (),
-               bounds: tuple[Mapping[int, tuple[int, int]], Mapping[int, tuple[int, int]]] | None = None) -> None:
+               bounds: tuple[Mapping[int, tuple[int, int]], Mapping[int, tuple[int, int]]] | None = None,
+               groups: Sequence[Any] = ()) -> None:
         """Recompute the buffers of rebuilt slots (and of keys whose `bounds` changed: (before, after))."""
         touched: set[int] = set()
         self._planned = plan.shardings
+        self._slots = slots
+        self._set_merged(groups)
         if bounds is not None:
             before, after = bounds
             touched.update(k for k in set(before) | set(after) if before.get(k) != after.get(k))
@@ -331,6 +481,11 @@ class MemoryModel:
                 touched.add(k)
         for i in affected:
             new = slots[i]
+            pairs = self._shares_of(new)
+            if pairs:
+                self.shares[i] = pairs
+            else:
+                self.shares.pop(i, None)
             for k, (pos, free, srcs) in self._makes(new).items():
                 if k not in self.owner:
                     self.owner[k] = (i, pos, free)
@@ -370,6 +525,7 @@ class MemoryModel:
         self.outs = sum(nbytes(v) for v in g.outputs) + (8 * len(g.outputs) if len(g.outputs) > 1 else 0)
         alias = 0
         aliased: set[int] = set()
+        self._donated_to = []
         free = [g.inputs[i] for i in donated if i < len(g.inputs)]
         inputs = set(g.inputs)
         fresh = []
@@ -381,6 +537,7 @@ class MemoryModel:
                     alias += nbytes(v)
                     aliased.add(v)
                     free.pop(j)
+                    self._donated_to.append((self.info.canon[u], self.info.canon[v]))
                     break
             else:
                 if v not in inputs:
@@ -391,43 +548,177 @@ class MemoryModel:
         self._free_outs = sorted((nbytes(v), canon[v]) for v in set(g.outputs) - aliased
                                  if canon[v] not in self._inputs and nbytes(v) >= _MIN_REUSE)
 
-    def in_outputs(self) -> tuple[np.ndarray | None, set[int]]:
+    def in_outputs(self, copies: Sequence[tuple[int, int, int, int]] = (),
+                   pairs: Mapping[int, int] | None = None) -> tuple[np.ndarray | None, set[int]]:
         """Bytes of temporaries XLA places in the output buffers before the outputs are written, per position,
-        and the key ids of those buffers.
+        and the key ids of those buffers (a copy of donated input `p` in `copies` as key id -1 - p).
 
         XLA's buffer assignment gives each output (not written into a donated input) an allocation of its own
         and reuses it for values that die before the output is made and fit in it, so those values are not
         temporaries (`memory_analysis()`'s temp heap); a pipelined step's loop state and gradient accumulators
-        live there. Modelled as XLA assigns: values largest first (then earliest), each into the smallest
-        output allocation free over its whole live range that it fits in."""
-        if not self._free_outs:
+        live there. So is the allocation of a donated input XLA copies at the start (`param_copies`: its value
+        is dead once copied) until the output written into it is made: the next input's copy lives there.
+        Modelled as XLA assigns: values largest first (then in XLA's post order of what makes them), each into
+        the smallest allocation free over its whole live range that it fits in (a copy only into the allocation
+        of an input copied before it) — up to the output's making when the output is written over it in place (`_shares_of`: the value
+        dies where an elementwise fusion writes the output, with the output's shape; a dot writing into the
+        output allocation that the fusion then updates), and a value may begin where one it is written over in
+        place ends (`pairs`, `_share_pairs`)."""
+        pairs = self._share_pairs() if pairs is None else pairs
+        made: dict[int, int] = {}
+        for kid, o in self.out_keys.items():
+            p = self.owner[kid][1]
+            made[o] = min(made.get(o, p), p)
+        end = 2 * self.n
+        into = dict(self._donated_to)
+        allocs = [(b, made.get(v, end), v, -1) for b, v in self._free_outs]  # (size, made, output, own input)
+        allocs += [(b, made.get(into[p], end), into[p], p) for _, _, b, p in copies]
+        if not allocs:
             return None, set()
-        slots = [(b, self.out_made.get(v, 2 * self.n)) for b, v in self._free_outs]
-        limit = max(t for _, t in slots)
-        biggest = max(b for b, _ in slots)
-        cands = sorted(((b, s, e, k) for k, (s, e, b) in self.buffers.items() if e < limit and b <= biggest),
-                       key=lambda x: (-x[0], x[1], x[2]))
+        allocs.sort(key=lambda x: x[0])
+        inplace = self._into_outputs(allocs)
+        limit = max(a[1] for a in allocs)
+        biggest = max(a[0] for a in allocs)
+        post = self.info.post
+        cands = [(b, post[self.owner[k][0]], s, e, k) for k, (s, e, b) in self.buffers.items()
+                 if (e < limit or k in inplace) and b <= biggest]
+        cands += [(b, self._copy_post(p), a, e, -1 - p) for a, e, b, p in copies if b <= biggest]
         if not cands:
             return None, set()
-        busy: list[list[tuple[int, int]]] = [[] for _ in slots]
-        placed = np.zeros(2 * self.n + 1, dtype=np.int64)
+        cands.sort(key=lambda x: (-x[0], x[1], x[2], x[3], x[4]))
+        busy: list[list[tuple[int, int, int]]] = [[] for _ in allocs]
+        placed = np.zeros(end + 1, dtype=np.int64)
         kids: set[int] = set()
-        for b, s, e, k in cands:
-            for j, (size, made) in enumerate(slots):
-                if size < b or e >= made or any(s <= f and a <= e for a, f in busy[j]):
+        for b, _, s, e, k in cands:
+            over = pairs.get(k)
+            for j, (size, at, _, own) in enumerate(allocs):
+                if (size < b or (e >= at and inplace.get(k) != j) or k < 0 and not 0 <= own < -1 - k
+                        or any(s <= f and a <= e and not (s == f and i == over) for a, f, i in busy[j])):
                     continue
-                busy[j].append((s, e))
+                busy[j].append((s, e, k))
                 placed[s] += b
                 placed[e + 1] -= b
                 kids.add(k)
                 break
-        return np.cumsum(placed[: 2 * self.n]), kids
+        return np.cumsum(placed[:end]), kids
+
+    def _into_outputs(self, allocs: Sequence[tuple[int, int, int, int]]) -> dict[int, int]:
+        """Key id -> the allocation (index in `allocs`: (size, made, output, own input)) whose output is written
+        over its buffer in place: the key dies where the output is made, by an op that may write its result
+        over it (`_shares_of`), with the output's layout and size."""
+        index = {o: i for i, (_, _, o, _) in enumerate(allocs)}
+        keys = self.keys.key_list
+        out: dict[int, int] = {}
+        for pairs in self.shares.values():
+            for k, cands in pairs:
+                i = index.get(self.out_keys.get(k, -1))
+                if i is None:
+                    continue
+                pos = self.owner[k][1]
+                for j in sorted(self.ends_at.get(pos, ())):
+                    if (j not in out and self.buffers[j][2] == allocs[i][0] and keys[j][0] in cands
+                            and keys[j][1] == keys[k][1]):
+                        out[j] = i
+                        break
+        return out
 
     def live(self) -> np.ndarray:
         """Bytes of temporaries per position."""
         live = np.cumsum(self.diff[: 2 * self.n])
-        reused, _ = self.in_outputs()
-        return live if reused is None else live - reused
+        copies = self.param_copies(named=True)
+        pairs = self._share_pairs()
+        reused, kids = self.in_outputs(copies, pairs)
+        if reused is not None:
+            live = live - reused
+        for pos, b in self._shared(pairs, kids).items():
+            live[pos] -= b
+        for a, e, b, p in copies:
+            if -1 - p not in kids:
+                live[a:e + 1] += b
+        return live
+
+    def _set_merged(self, groups: Sequence[Any]) -> None:
+        desc = descendants(self.graph, self.info.canon) if groups else ()
+        self._merged = []
+        for g in groups:
+            members = [self.keys.key_list[self._slots[s].ars[e].src][0] for s, e in g.members]
+            self._merged.append((sum(1 << c for c in set(members)), _union(desc[c] for c in members)))
+
+    def _orders_before(self, op: int, o: int) -> bool:
+        """Whether XLA's dependency order puts op `op` before the making of value `o`: `o` is computed from its
+        results, directly or through an all-reduce merged with one computed from them. An op in a loop or
+        branch is its region's instruction: what the region makes counts."""
+        below = self._below(op)
+        return bool(below >> o & 1) or any(below & m and d >> o & 1 for m, d in self._merged)
+
+    def _below(self, op: int) -> int:
+        """Bitmask of the canonical values computed from op `op`'s results (from its outermost region's)."""
+        region = outer_region(self.graph.ops[op])
+        cache = self.graph.analysis("region_below", dict)
+        key = (id(self.info.canon), region or op)
+        hit = cache.get(key)
+        if hit is None:
+            desc, canon = descendants(self.graph, self.info.canon), self.info.canon
+            ops = [o for o in self.graph.ops if outer_region(o) == region] if region else [self.graph.ops[op]]
+            hit = cache[key] = _union(desc[canon[v]] | 1 << canon[v] for o in ops for v in o.outputs)
+        return hit
+
+    def param_copies(self, named: bool = False) -> list[tuple[int, ...]]:
+        """(first, last position, bytes) of the copies XLA makes of donated inputs (XLA:CPU; `named`: and the
+        input's canonical value).
+
+        An output written into a donated input's buffer may overwrite it only after every instruction reading
+        the input; copy insertion (run on the dependency order, before scheduling) keeps a copy of the input
+        unless each of them is an ancestor of the output — a backward dot reading a weight in its stored
+        layout is not an ancestor of that weight's update unless an all-reduce merged with its gradient's
+        makes it one (data parallelism), so Megatron and FSDP plans copy such weights. Every reader then reads
+        the copy, made at the start by the breadth-first schedule and live until its last reader."""
+        if self.info.backend != "cpu" or not self._donated_to:
+            return []
+        out = []
+        for p, o in self._donated_to:
+            kid = self._planned_key(p)
+            rs = self.readers.get(kid) if kid is not None else None
+            maker = self.graph.values[o].producer
+            if not rs or p == o or maker is None:
+                continue
+            if all(r == maker or self._orders_before(r, o) for r in self._reading_ops(kid, rs)):
+                continue
+            out.append((0, max(rs.values()), self._bytes(kid)) + ((p,) if named else ()))
+        return out
+
+    def _copy_post(self, p: int) -> float:
+        """Where a copy of input `p` is in XLA's post order: just before the first op reading it."""
+        kid = self._planned_key(p)
+        return min((self.info.post[r] for r in self.readers.get(kid, ())), default=0) - 0.5
+
+    def _planned_key(self, c: int) -> int | None:
+        """The key id of value `c` in its planned layout (None: none made)."""
+        for k in self.keys.value_keys.get(c, ()):
+            if self.keys.key_list[k][2] == 0 and self._output_of(c, self.keys.key_list[k][1], 0) == c:
+                return k
+        return None
+
+    def _reading_ops(self, kid: int, readers: Mapping[int, int], depth: int = 0) -> set[int]:
+        """The ops whose instructions read key `kid`: a slot's op when it reads it itself, the readers of what a
+        slot's reshard of it makes when the reshard does, and the readers of a hint's result (no instruction)."""
+        flags = self.keys.is_value_key
+        out: set[int] = set()
+        for s in readers:
+            slot = self._slots[s]
+            for i, t in enumerate(slot.tasks):
+                if kid not in t.deps:
+                    continue
+                free = i >= slot.at and self.graph.ops[s].primitive in _PASS_THROUGH
+                if i >= slot.at and not free:
+                    out.add(s)
+                    continue
+                out.add(s)
+                for k in (k for u in slot.tasks[i:len(slot.tasks) if free else slot.at] for k in u.outs if flags[k]):
+                    rs = self.readers.get(k)
+                    if rs and depth < 8:
+                        out |= set(rs) | self._reading_ops(k, rs, depth + 1)
+        return out
 
     def result(self) -> MemoryResult:
         if not self.n:

@@ -33,7 +33,7 @@ from shardc.cost.estimator import params_key
 from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL
 from shardc.ir.graph import Graph
 
-__all__ = ["ProgramInfo", "program_info", "Merged", "merged", "unread_operands", "broadcast_dims", "broadcast_transfer",
+__all__ = ["ProgramInfo", "program_info", "descendants", "Merged", "merged", "unread_operands", "broadcast_dims", "broadcast_transfer",
            "FUSIBLE", "FREE_PRIMITIVES", "PCG_COLLECTIVE"]
 
 # Ops XLA fuses into their consumers (loop fusion): elementwise math and cheap data movement.
@@ -104,6 +104,8 @@ class ProgramInfo:
     bitcast: frozenset[int] = frozenset()  # transposes layout assignment makes bitcasts (XLA:GPU: `dot_bitcasts`)
     copy_owner: frozenset[tuple[int, int]] = frozenset()  # (op, operand) whose copy is counted (`last_copies`)
     cheap: frozenset[int] = frozenset()  # (XLA:CPU) canonical values of cheap elementwise work fusion recomputes
+    inplace: tuple[tuple[int, ...], ...] = ()  # per op (XLA:CPU): canonical values it may write its result over
+    out_alias: tuple[tuple[int, int], ...] = ()  # (value, output) pairs: a hint makes the output of the value
 
     def counts(self, op_id: int) -> bool:
         """Whether an op does work in the compiled program."""
@@ -230,6 +232,95 @@ def dot_bitcasts(graph: Graph, live: Sequence[bool], canon: Sequence[int],
         if _gemm_layout(tuple(op.params["permutation"]), len(lb), rows):
             out.add(op.id)
     return frozenset(out)
+
+
+def _true_rank(shape: Sequence[int]) -> int:
+    return sum(d != 1 for d in shape)
+
+
+def duplicable(graph: Graph, op: Any, canon: Sequence[int], constant: Sequence[bool]) -> bool:
+    """Whether XLA's fusion may duplicate elementwise `op` into some of its readers while others read it from
+    memory (InstructionFusion::ComputeGloballyUnfusible): when it is effectively at most unary — at most one
+    operand that is not a broadcast, an iota or a constant and whose true rank (dims of size > 1) reaches the
+    result's — or its operands hold no more elements than its result. Otherwise (`x + y` of two activations)
+    it is computed once, unless every reader fuses it."""
+    out = graph.values[op.outputs[0]].shape
+    rank = _true_rank(out)
+
+    def large(v: int) -> bool:
+        c = canon[v]
+        p = graph.values[c].producer
+        if constant[c] or p is not None and graph.ops[p].primitive in ("broadcast_in_dim", "iota"):
+            return False
+        return _true_rank(graph.values[c].shape) >= rank
+
+    if sum(large(v) for v in op.inputs) <= 1:
+        return True
+    return sum(math.prod(graph.values[c].shape) for c in {canon[v] for v in op.inputs}) <= math.prod(out)
+
+
+# Ops elementwise on every operand (XLA's IsElementwiseOnOperand): a fusion made of them can write its result
+# over an operand of the result's shape (`inplace_operands`).
+_ELEMENTWISE_OPS = frozenset(ELEMENTWISE) | frozenset(TRANSCENDENTAL) | {"integer_pow"}
+
+
+def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], fused: Sequence[bool],
+                     loop: Sequence[bool], limit: int = 64) -> tuple[tuple[int, ...], ...]:
+    """Per op, the materialised values whose buffer XLA may give the op's result: XLA's buffer assignment lets an
+    instruction's result take the buffer of an operand that dies there when they have one shape
+    (HloDataflowAnalysis::CanShareOperandBufferWithUser); for a loop fusion, when everything the fusion computes
+    from that operand is elementwise (`AreTransitiveUsesElementwiseOrTuple`). So: an elementwise op emitted in a
+    loop fusion, and the values of its result's shape and dtype it reads directly or through fused elementwise
+    producers of that shape only (a value also read through a fused broadcast, reshape or reduction is not one).
+    Whether the value dies there, and in one layout, is the plan's (`MemoryModel`)."""
+    out: list[tuple[int, ...]] = [()] * len(graph.ops)
+    for op in graph.ops:
+        if (not live[op.id] or not loop[op.id] or op.primitive not in _ELEMENTWISE_OPS or len(op.outputs) != 1
+                or fused[canon[op.outputs[0]]]):
+            continue
+        res = graph.values[op.outputs[0]]
+        ok: set[int] = set()
+        bad: set[int] = set()
+        stack, seen = [(op, True)], 0
+        while stack and seen < limit:
+            o, elementwise = stack.pop()
+            seen += 1
+            for u in o.inputs:
+                c = canon[u]
+                v = graph.values[c]
+                good = elementwise and v.shape == res.shape and v.dtype == res.dtype
+                (ok if good else bad).add(c)
+                p = v.producer
+                if fused[c] and p is not None:
+                    stack.append((graph.ops[p], good and graph.ops[p].primitive in _ELEMENTWISE_OPS))
+        if stack:
+            continue  # too large a fusion to tell
+        out[op.id] = tuple(sorted(c for c in ok - bad if not fused[c]))
+    return tuple(out)
+
+
+_HINTS = frozenset({"shardc_hint", "sharding_constraint"})
+LOOK_THROUGH_HINTS = True
+
+
+def output_aliases(graph: Graph, live: Sequence[bool], canon: Sequence[int],
+                   constant: Sequence[bool]) -> tuple[tuple[int, int], ...]:
+    """(canonical value, canonical output) pairs where a chain of hints (`split`, `with_sharding_constraint`) makes
+    a step output of the value: after partitioning a constraint is no instruction, so what computes the value
+    writes the output's buffer when the value is in the output's layout (else the collective the constraint
+    became does)."""
+    outputs = {canon[v] for v in graph.outputs}
+    made_by = {canon[op.outputs[0]]: op for op in graph.ops
+               if live[op.id] and op.primitive in _HINTS and len(op.outputs) == 1 and op.inputs}
+    out: dict[int, int] = {}
+    for o in sorted(outputs):
+        c, seen = o, 0
+        while c in made_by and seen < 64:
+            c, seen = canon[made_by[c].inputs[0]], seen + 1
+            if c in outputs or constant[c] or graph.values[c].producer is None:
+                break
+            out.setdefault(c, o)
+    return tuple(sorted(out.items()))
 
 
 def _moved_scatter(graph: Graph, canon: Sequence[int], fused: Sequence[bool], v: int) -> bool:
@@ -537,6 +628,24 @@ def _post_order(graph: Graph, canon: list[int]) -> list[int]:
     return pos
 
 
+def descendants(graph: Graph, canon: Sequence[int]) -> list[int]:
+    """Per canonical value, a bitmask of the canonical values computed from it (cached per graph and `canon`)."""
+    cache: dict = graph.analysis("descendants", dict)  # id(canon) -> (canon, desc); canon: a ProgramInfo's
+    cached = cache.get(id(canon))
+    if cached is not None and cached[0] is canon:
+        return cached[1]
+    desc = [0] * len(graph.values)
+    for op in reversed(graph.ops):
+        below = 0
+        for v in op.outputs:
+            below |= desc[canon[v]] | (1 << canon[v])
+        if below:
+            for v in op.inputs:
+                desc[canon[v]] |= below
+    cache[id(canon)] = (canon, desc)  # (the entry keeps canon alive: its id is not reused)
+    return desc
+
+
 def program_info(graph: Graph, backend: str = "") -> ProgramInfo:
     """What XLA keeps of `graph` when compiled for `backend` ("cpu", "gpu", "tpu" or "": no backend rule)."""
     cache: dict[str, ProgramInfo] = graph.analysis("program_info", dict)
@@ -734,7 +843,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
         prices a value by the ops reading it, its reshards aside; a PCG must price it the same)."""
         out = []
         for u in consumers[v]:
-            if graph.ops[u].primitive == PCG_COLLECTIVE:
+            if graph.ops[u].primitive == PCG_COLLECTIVE or graph.ops[u].primitive in _HINTS and LOOK_THROUGH_HINTS:
                 out += [w for r in graph.ops[u].outputs for w in readers(canon[r])]
             else:
                 out.append(u)
@@ -780,6 +889,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
         cheap = frozenset(c for c in set(canon) for p in (graph.values[c].producer,)
                           if p is not None and live[p] and graph.ops[p].primitive in _ARITHMETIC
                           and not expensive(graph.ops[p], graph, backend, constant) and not constant[c]
+                          and duplicable(graph, graph.ops[p], canon, constant)
                           and not any(_moved_scatter(graph, canon, fused, u) for u in graph.ops[p].inputs))
         copies = dot_copies(graph, live, canon, physical_orders(graph, canon), cheap)
         copied = {canon[op.inputs[i]] for op in graph.ops for i in copies[op.id]} & cheap
@@ -810,13 +920,14 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                                   or backend == "cpu" and op.primitive == "optimization_barrier")
                  for op in graph.ops)
     preset = _preset_state(graph, live, canon, constant, carried) if backend == "cpu" else frozenset()
+    inplace = inplace_operands(graph, live, canon, fused, loop) if backend == "cpu" else ()
     return ProgramInfo(tuple(live), tuple(constant), tuple(canon), tuple(duplicate), tuple(fused),
                        tuple(trips), tuple(order), pkeys, until, span=_spans(graph, live, order),
                        carried=carried, loop=loop, library=frozenset(library), backend=backend, preset=preset,
                        eager=backend == "cpu", reshard_trips=reshard_trips, unread=cse.unread,
                        post=tuple(_post_order(graph, canon)),
                        copies=copies, copy_owner=last_copies(graph, canon, copies, order), cheap=cheap,
-                       bitcast=bitcast)
+                       bitcast=bitcast, inplace=inplace, out_alias=output_aliases(graph, live, canon, constant))
 
 
 def _trips(graph: Graph) -> tuple[list[int], tuple[tuple[int, int], ...]]:

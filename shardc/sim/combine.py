@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable, Sequence
 
+from shardc.cost.program import descendants
 from shardc.sim.tasks import Slot
 
 __all__ = ["Group", "Combiner"]
@@ -34,22 +35,7 @@ class Group:
 class Combiner:
     def __init__(self, graph: Any, canon: Sequence[int], key_list: Sequence[Any]) -> None:
         self.key_list = key_list
-        cache: dict = graph.analysis("descendants", dict)  # id(canon) -> (canon, desc); canon: a ProgramInfo's
-        cached = cache.get(id(canon))
-        if cached is not None and cached[0] is canon:
-            self.desc = cached[1]
-            return
-        desc = [0] * len(graph.values)
-        for op in reversed(graph.ops):
-            below = 0
-            for v in op.outputs:
-                below |= desc[canon[v]] | (1 << canon[v])
-            if below:
-                for v in op.inputs:
-                    c = canon[v]
-                    desc[c] |= below
-        self.desc = desc  # canonical value -> bitmask of the values computed from it
-        cache[id(canon)] = (canon, desc)  # (the entry keeps canon alive: its id is not reused)
+        self.desc = descendants(graph, canon)  # canonical value -> bitmask of the values computed from it
 
     def groups(self, slots: Sequence[Slot], ar_slots: Iterable[int], max_bytes: float, max_count: int) -> list[Group]:
         """Groups of two or more all-reduces XLA merges (`ar_slots`: the slots holding candidates, in order)."""

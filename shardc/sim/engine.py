@@ -226,7 +226,8 @@ class Simulator:
         state.ar_slots = {s.op for s in slots if s.ars}
         self._schedule(state, 0)
         state.groups = self._groups(state)
-        self.memory.full(plan, slots, donated, Combiner.lifetimes(slots, state.groups, self.builder.info.order))
+        self.memory.full(plan, slots, donated, Combiner.lifetimes(slots, state.groups, self.builder.info.order),
+                         state.groups)
         self._last = state
         self._reads = None
         return self._result(state)
@@ -287,7 +288,7 @@ class Simulator:
         # Compare the lifetimes, not the groups: equal groups may hold rebuilt all-reduces of other keys.
         after = Combiner.lifetimes(old.slots, old.groups, self.builder.info.order)
         bounds = None if after == self.memory.bounds else (self.memory.bounds, after)
-        self.memory.update(plan, old.slots, changed, old_slots, donated, values, bounds)
+        self.memory.update(plan, old.slots, changed, old_slots, donated, values, bounds, old.groups)
         return self._result(old)
 
     def _chained(self, slot: Any, sign: int) -> None:

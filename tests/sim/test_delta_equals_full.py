@@ -95,3 +95,65 @@ def test_delta_handles_no_change_and_other_graphs(base):
     changed = with_strategy(base, i, legal_strategies(base, i)[-1])
     assert same(sim.delta(changed), simulator_for(base, "h100-sxm-8").full(changed))
     assert same(sim.delta(base), first)  # and back
+
+
+class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        h = nn.relu(nn.Dense(128, kernel_init=nn.with_partitioning(init, (None, "model")))(x))
+        h = nn.relu(nn.Dense(128, kernel_init=nn.with_partitioning(init, ("model", None)))(h))
+        return nn.Dense(32, kernel_init=nn.with_partitioning(init, ("model", None)))(h)
+
+
+@pytest.fixture(scope="module")
+def donating():
+    """A donating Megatron train step for XLA:CPU's rules: copies of donated weights, all-reduces followed by a
+    local slice (no reduce-scatter on CPU), merged gradient all-reduces."""
+    model = Mlp()
+    x = jnp.ones((16, 32))
+    params = model.init(jax.random.key(0), x)["params"]
+    tx = optax.adam(1e-3)
+
+    def step(p, o, x):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean(model.apply({"params": p}, x) ** 2))(p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, loss
+
+    f = shardc.auto(step, mesh=shardc.make_mesh({"model": 8}), donate_argnums=(0, 1), search=False)
+    return f.plan(params, tx.init(params), x)
+
+
+@pytest.fixture(scope="module")
+def hinted():
+    """A step for XLA:CPU's memory rules: in-place elementwise fusions (the tanh gradient), a hinted output (the
+    hint's operand is the output's buffer) and an unhinted one."""
+    mesh = shardc.make_mesh({"data": 2, "model": 4})
+
+    def step(w1, w2, x):
+        x = split(x, 0, "data")
+        h = jnp.tanh(x @ w1)
+        g = jax.grad(lambda w: jnp.mean((jnp.tanh(x @ w[0]) @ w[1]) ** 2))((w1, w2))
+        return g, split(h * 2.0, 0, "data"), shardc.replicate(h @ w2)
+
+    args = (jnp.ones((32, 64)), jnp.ones((64, 32)), jnp.ones((16, 32)))
+    return shardc.auto(step, mesh=mesh, search=False).plan(*args)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_delta_is_exactly_full_with_cpu_memory_rules(hinted, donating, data):
+    plan = data.draw(st.sampled_from([hinted, donating]))
+    donated = tuple(getattr(plan, "donated", ()) or ())
+    incremental, reference = simulator_for(plan, "cpu-host"), simulator_for(plan, "cpu-host")
+    incremental.full(plan, donated)
+    ops = [op.id for op in plan.graph.ops if op.primitive in ("dot_general", "mul", "tanh", "add_any")]
+    values = [v for op in plan.graph.ops if op.primitive in ("dot_general", "tanh", "mul") for v in op.outputs]
+    for _ in range(data.draw(st.integers(1, 6))):
+        if data.draw(st.booleans()):
+            i = data.draw(st.sampled_from(ops))
+            plan = with_strategy(plan, i, data.draw(st.sampled_from(legal_strategies(plan, i))))
+        else:
+            v = data.draw(st.sampled_from(values))
+            plan = with_sharding(plan, v, random_sharding(data.draw, plan, v))
+        assert same(incremental.delta(plan, donated), reference.full(plan, donated))
