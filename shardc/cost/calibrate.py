@@ -18,14 +18,14 @@ All devices run at once, as they do in a sharded step, so the rates are per devi
   chains of 8 collectives of 1 KiB per device over pairs of devices and over all devices, and of 1 MiB over
   all devices, each collective after a tanh pass over 256 KiB per device that it depends on, minus the same
   chains without the collectives, fitted per kind to a fixed cost linear in the group size plus seconds per
-  payload byte (`CollectiveFit`). XLA:CPU runs every device on a thread of the host and meets all the threads of a group at
-  each collective: a barrier, which costs the rendezvous and the wait for the slowest thread of the group,
-  whose work the threads sharing the cores have not finished alike (so the work between collectives counts:
-  at load 9, ~110-165 us over 8 devices with none, ~350-500 us with the 256 KiB pass; ~30-190 us over
-  pairs). A collective-permute meets every device of the program whatever its pairs. The ring model it
-  replaces (`link_bandwidth`, `latency`: 24 us per step) had priced an all-reduce at twice an all-gather's
-  fixed cost and a small all-to-all at 7 steps. Its link bandwidth and latency are still derived (from the
-  all-reduce fit over all devices) for what `Topology.__str__` shows and for kinds a level has no fit for;
+  payload byte (`CollectiveFit`). XLA:CPU runs every device on a thread of the host and meets all the threads of a
+  group at each collective: a barrier, which costs the rendezvous and the wait for the slowest thread of the
+  group, whose work the threads sharing the cores have not finished alike (so the work between collectives counts:
+  at load 9, ~110-165 us over 8 devices with none, ~350-500 us with the 256 KiB pass; ~30-190 us over pairs). A
+  collective-permute meets every device of the program whatever its pairs. The ring model it replaces
+  (`link_bandwidth`, `latency`: 24 us per step) had priced an all-reduce at twice an all-gather's fixed cost and a
+  small all-to-all at 7 steps. Its link bandwidth and latency are still derived (from the all-reduce fit over all
+  devices) for what `Topology.__str__` shows and for kinds a level has no fit for;
 * the cost of fresh memory: XLA:CPU allocates a step's temporaries as one buffer per device with `malloc`,
   and glibc maps an allocation over its mmap threshold (at most 32 MiB) from the OS and unmaps it when it is
   freed, so a step whose temporaries reach the threshold faults every page in again, every step (about 1.5
@@ -189,8 +189,8 @@ _FIT_FIELDS = ("base", "per_peer", "per_byte", "per_byte_spread")
 
 
 def _fit_groups(n: int) -> tuple[int, ...]:
-    """The group sizes the collectives are measured over: pairs of neighbours and all `n` devices (the fixed
-    cost and the bytes' cost are interpolated between them), or all devices alone when pairs do not tile them."""
+    """The group sizes the fixed costs are measured over: pairs of neighbours and all `n` devices (linear in
+    n - 1 between them), or all devices alone when pairs do not tile them."""
     return (2, n) if n > 2 and n % 2 == 0 else (n,)
 
 
@@ -238,8 +238,9 @@ def _collective_fits(devs: Sequence[Any], rounds: int = 7) -> dict[str, float]:
 
     n = len(devs)
     groups = _fit_groups(n)
-    mesh = Mesh(np.array(devs).reshape(n // 2, 2) if groups[0] == 2 else np.array(devs), ("o", "i")[-(len(groups)):])
-    axis = {2: "i", n: mesh.axis_names}
+    pairs = len(groups) == 2
+    mesh = Mesh(np.array(devs).reshape(n // 2, 2) if pairs else np.array(devs), ("o", "i") if pairs else ("i",))
+    axis = {2: "i", n: mesh.axis_names}  # (pairs: the minor axis, neighbouring devices; all: every axis)
     sizes = tuple(-(-e // n) * n for e in (_FIT_SMALL, _FIT_LARGE))  # (divisible by every group)
     spec = NamedSharding(mesh, P(mesh.axis_names))
     small, large = sizes
@@ -253,29 +254,29 @@ def _collective_fits(devs: Sequence[Any], rounds: int = 7) -> dict[str, float]:
         return functools.partial(_collective_chain(mesh, kind, axis.get(g), g, e).lower(inputs[e], work).compile(),
                                  inputs[e], work)
 
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:  # (XLA compiles without the GIL)
+    with concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:  # (XLA compiles off the GIL)
         runs = dict(zip(todo, pool.map(compiled, todo)))
     best = _round_robin(runs, rounds)
     per = {(kind, g, e): max(t - best[(None, 0, e)], 0.0) / _FIT_CHAIN
            for (kind, g, e), t in best.items() if kind is not None}
     out: dict[str, float] = {}
     for kind in COLLECTIVE_KINDS:
-        fit = _fit(kind, groups, {g: (4 * small, per[(kind, g, small)]) for g in groups},
-                   (4 * small, per[(kind, n, small)]), (4 * large, per[(kind, n, large)]))
+        fit = _fit(kind, {g: (4 * small, per[(kind, g, small)]) for g in groups}, (4 * large, per[(kind, n, large)]))
         out.update({f"{kind}:{f}": float(getattr(fit, f)) for f in _FIT_FIELDS})
     return out
 
 
-def _fit(kind: str, groups: tuple[int, ...], fixed_points: dict[int, tuple[int, float]],
-         small: tuple[int, float], large: tuple[int, float]) -> CollectiveFit:
-    """The fit of one kind: seconds per payload byte from a small and a large payload over all devices (`small`,
-    `large`: (bytes, seconds)); then, per group size, the fixed cost of the small payload less its bytes
-    (`fixed_points`: group -> (bytes, seconds)), linear in n - 1 between the two group sizes."""
-    per_byte = max((large[1] - small[1]) / (large[0] - small[0]), 0.0)
-    fixed = {g: max(t - per_byte * b, 0.0) for g, (b, t) in fixed_points.items()}
-    if len(groups) == 1:
-        return CollectiveFit(kind, fixed[groups[0]], 0.0, per_byte, 0.0)
-    lo, hi = groups
+def _fit(kind: str, small: dict[int, tuple[int, float]], large: tuple[int, float]) -> CollectiveFit:
+    """The fit of one kind from (payload bytes, seconds) of a small payload per group size (`small`, the
+    largest group last) and of a large one over the largest group: seconds per byte from the two payloads over
+    the largest group, then the fixed cost per group size (its small payload's time less its bytes), linear in
+    n - 1 between the two group sizes."""
+    *_, top = sorted(small)
+    per_byte = max((large[1] - small[top][1]) / (large[0] - small[top][0]), 0.0)
+    fixed = {g: max(t - per_byte * b, 0.0) for g, (b, t) in small.items()}
+    if len(fixed) == 1:
+        return CollectiveFit(kind, fixed[top], 0.0, per_byte, 0.0)
+    lo, hi = sorted(fixed)
     per_peer = (fixed[hi] - fixed[lo]) / (hi - lo)
     return CollectiveFit(kind, fixed[lo] - per_peer * (lo - 1), per_peer, per_byte, 0.0)
 
@@ -290,8 +291,8 @@ def _fits_of(m: dict[str, float]) -> tuple[CollectiveFit, ...]:
 
 
 def _round_robin(runs: dict[Any, Callable[[], Any]], rounds: int) -> dict[Any, float]:
-    """The fastest of `rounds` runs of each function, run round robin (after one warm-up round that compiles),
-    so that a busy moment on the machine hits all of them alike."""
+    """The fastest of `rounds` runs of each function, run round robin after one warm-up run each, so that a busy
+    moment on the machine hits all of them alike."""
     import jax
 
     for fn in runs.values():

@@ -437,7 +437,8 @@ class TaskBuilder:
             slot.tasks.append(Task(f"{val.name} as {layout}", "join", -1, 0, deps, (out,), op))
             if len(colls) == 1 and colls[0].kind == "all-reduce" and len(slot.tasks) - first > 1:
                 slot.ars += (ArEntry(first, len(slot.tasks) - first, colls[0].axes, colls[0].bytes, src_id, out,
-                                     slot.tasks[first].name, self.graph.ops[op].region, self.fixed_ps(colls[0], trips)),)
+                                     slot.tasks[first].name, self.graph.ops[op].region,
+                                     self.fixed_ps(colls[0], trips)),)
             deps = (out,)
             made.append(key)
         return made
