@@ -593,10 +593,10 @@ class MemoryModel:
         is dead once copied) until the output written into it is made: the next input's copy lives there.
         Modelled as XLA assigns: values largest first (then in XLA's post order of what makes them), each into
         the smallest allocation free over its whole live range that it fits in (a copy only into the allocation
-        of an input copied before it) — up to the output's making when the output is written over it in place (`_shares_of`: the value
-        dies where an elementwise fusion writes the output, with the output's shape; a dot writing into the
-        output allocation that the fusion then updates), and a value may begin where one it is written over in
-        place ends (`pairs`, `_share_pairs`)."""
+        of an input copied before it) — up to the output's making when the output is written over it in place
+        (`_shares_of`: the value dies where an elementwise fusion writes the output, with the output's shape; a dot
+        writing into the output allocation that the fusion then updates), and a value may begin where one it is
+        written over in place ends (`pairs`, `_share_pairs`)."""
         pairs = self._share_pairs() if pairs is None else pairs
         made: dict[int, int] = {}
         for kid, o in self.out_keys.items():

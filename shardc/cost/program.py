@@ -33,7 +33,8 @@ from shardc.cost.estimator import params_key
 from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL
 from shardc.ir.graph import Graph
 
-__all__ = ["ProgramInfo", "program_info", "descendants", "Merged", "merged", "unread_operands", "broadcast_dims", "broadcast_transfer",
+__all__ = ["ProgramInfo", "program_info", "descendants", "Merged", "merged", "unread_operands", "broadcast_dims",
+           "broadcast_transfer",
            "FUSIBLE", "FREE_PRIMITIVES", "PCG_COLLECTIVE"]
 
 # Ops XLA fuses into their consumers (loop fusion): elementwise math and cheap data movement.
@@ -268,6 +269,7 @@ def dot_bitcasts(graph: Graph, live: Sequence[bool], canon: Sequence[int],
 
 
 def _true_rank(shape: Sequence[int]) -> int:
+    """The number of dims with more than one element."""
     return sum(d != 1 for d in shape)
 
 
@@ -345,15 +347,14 @@ def _reshaped_dot(graph: Graph, c: int) -> bool:
         return False
     op = graph.ops[p]
     (lc, rc), (lb, rb) = op.params["dimension_numbers"]
-    groups = [lb]
-    for i, (contract, batch) in enumerate(((lc, lb), (rc, rb))):
-        shape = graph.values[op.inputs[i]].shape
-        groups.append([d for d in range(len(shape)) if d not in contract and d not in batch])
-    shape_of = [graph.values[op.inputs[0]].shape, graph.values[op.inputs[0]].shape, graph.values[op.inputs[1]].shape]
-    return any(sum(shape_of[g][d] != 1 for d in dims) > 1 for g, dims in enumerate(groups))
+    lhs, rhs = (graph.values[v].shape for v in op.inputs[:2])
+    groups = [(lhs, lb)] + [(shape, [d for d in range(len(shape)) if d not in contract and d not in batch])
+                            for shape, contract, batch in ((lhs, lc, lb), (rhs, rc, rb))]
+    return any(sum(shape[d] != 1 for d in dims) > 1 for shape, dims in groups)
 
 
 _HINTS = frozenset({"shardc_hint", "sharding_constraint"})
+# Switches for measuring a rule's effect (docs/simulator.md quotes the errors without them).
 LOOK_THROUGH_HINTS = True
 RECOMPUTE_IN_LOOPS = True
 
