@@ -25,7 +25,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from shardc.cost.program import ProgramInfo, descendants, outer_region
+from shardc.cost.program import ProgramInfo, conv_output_copied, descendants, outer_region
 
 __all__ = ["MemoryModel", "MemoryResult"]
 
@@ -134,8 +134,7 @@ class MemoryModel:
         b = 0 if owner[2] else self._bytes(kid)
         if b == 0:
             return
-        rs = self.readers.get(kid)
-        end = max(rs.values()) if rs else owner[1]
+        end = self._last_read(kid, owner[1])
         loop = self.info.loop
         for k in self.slices.get(kid, ()):  # a local slice of it fused into its readers (loop fusions) reads it
             for r, pos in (self.readers.get(k) or {}).items():
@@ -156,6 +155,16 @@ class MemoryModel:
         self.diff[end + 1] -= b
         self.ends_at.setdefault(end, set()).add(kid)
 
+    def _last_read(self, kid: int, made: int) -> int:
+        """The last position a slot reads key `kid` at (`made` when none), not counting the slots that recompute
+        it from its operands (`_recomputed_of`) unless a collective made it."""
+        rs = self.readers.get(kid)
+        if not rs:
+            return made
+        if not self.info.recompute or kid in self.keys.chain_keys or not self._slots:
+            return max(rs.values())
+        return max((p for r, p in rs.items() if kid not in self._positions(self._slots[r])[4]), default=made)
+
     def _set_full(self, kid: int, full: int, start: int, end: int, hi: int) -> int:
         """Record the all-reduced buffer (`full` bytes) that key `kid` is a local slice of (`_reduced_of`): it lives
         until the slice is made, or, when readers emitted in loop fusions fuse the slice, until the last of
@@ -173,6 +182,17 @@ class MemoryModel:
         self.diff[start] += full
         self.diff[fused + 1] -= full
         return max(other, hi, start) if other >= 0 else -1
+
+    def _recomputed_of(self, slot: Any) -> frozenset[int]:
+        """Key ids the slot's op reads as cheap work it recomputes from that work's operands (`ProgramInfo.recompute`:
+        XLA duplicates cheap producers into the loop fusions reading them): it reads them only where they are
+        made, unless a collective made them."""
+        rec = self.info.recompute
+        if not rec or slot.at >= len(slot.tasks):
+            return frozenset()
+        flags, keys = self.keys.is_value_key, self.keys.key_list
+        return frozenset(d for d in slot.tasks[slot.at].deps if flags[d] and (slot.op, keys[d][0]) in rec
+                         and not any(d in t.deps for t in slot.tasks[:slot.at]))
 
     def _reduced_of(self, slot: Any) -> dict[int, int]:
         """Key id -> bytes of the all-reduced buffer it slices, for each all-reduce of the slot followed by a
@@ -208,12 +228,14 @@ class MemoryModel:
         """Key id -> (the position at which the slot makes it, whether it is a slice fused into the op)."""
         return self._positions(slot)[0]
 
-    def _positions(self, slot: Any) -> tuple[dict, dict[int, int], tuple[tuple[int, int, int], ...], dict[int, int]]:
-        """(makes, reads, workspace, reduced) of a slot, computed once per slot (slots are not modified once
-        sealed)."""
+    def _positions(self, slot: Any) -> tuple[dict, dict[int, int], tuple[tuple[int, int, int], ...], dict[int, int],
+                                             frozenset[int]]:
+        """(makes, reads, workspace, reduced, recomputed) of a slot, computed once per slot (slots are not
+        modified once sealed)."""
         cached = getattr(slot, "memory", None)
         if cached is None:
-            cached = (self._makes_of(slot), self._reads_of(slot), self._workspace_of(slot), self._reduced_of(slot))
+            cached = (self._makes_of(slot), self._reads_of(slot), self._workspace_of(slot), self._reduced_of(slot),
+                      self._recomputed_of(slot))
             try:
                 slot.memory = cached
             except AttributeError:  # a slot type without the cache field
@@ -233,6 +255,10 @@ class MemoryModel:
           at the start; the scatter writes its result in place);
         * a dot whose operand is not in a memory order the dot decomposition reads makes a transposed copy of
           it while it runs (`ProgramInfo.copies`);
+        * a convolution whose operands are not in the order XLA:CPU's convolution reads ([batch, spatial...,
+          feature] and [spatial..., in, out]: a backward convolution's) reads transposed copies of them
+          (`ProgramInfo.copies`), and one whose result is not in that order writes it in that order first and
+          transposes it (`conv_output_copied`);
         * an all-gather over a dim that is not the result's most major one writes the gathered dim most major
           and is copied into the row-major layout its readers read: its own buffer lives until that copy, made
           next (`_gathers_of`)."""
@@ -260,6 +286,8 @@ class MemoryModel:
                 start = min(self._copy_start(c), at) if COPIES_EARLY else at
                 out.append((start, at, int(self.graph.values[c].dtype.itemsize) * math.prod(self.keys.local_shape(c, s))))
         out += self._gathers_of(slot)
+        if op.primitive == "conv_general_dilated" and task.outs and conv_output_copied(op, self.graph):
+            out.append((at, at, self._bytes(task.outs[0])))  # the result in canonical order, before its transpose
         if op.primitive == "select_and_scatter_add" and len(keys) >= 2:
             (cs, ss, _), (co, so, _) = keys[:2]  # (source, operand)
             rank = len(self.graph.values[co].shape)
@@ -274,7 +302,11 @@ class MemoryModel:
     def _gathers_of(self, slot: Any) -> list[tuple[int, int, int]]:
         """(position, position, bytes) of the all-gathers of a slot's reshards that XLA:CPU writes in a layout with
         the gathered dim most major and then copies into the row-major one (when a dim before the gathered one has
-        more than one element): the gathered buffer before its copy."""
+        more than one element): the gathered buffer before its copy. Not for a loop's carried state (a hint or tie
+        making it): the loop state keeps the gathered layout, the copy is made where it is read."""
+        op = self.graph.ops[slot.op]
+        if op.primitive in _PASS_THROUGH and any(self.info.canon[v] in self.info.carried for v in op.outputs):
+            return []
         flags, keys = self.keys.is_value_key, self.keys.key_list
         out = []
         for i, t in enumerate(slot.tasks):
@@ -393,8 +425,9 @@ class MemoryModel:
             for d in t.deps:
                 if flags[d]:
                     pos = self._position(slot, i, d, read=True)
-                    if i == slot.at and self.keys.key_list[d][0] in copied:  # the dot reads its copy
-                        pos = min(pos, self._copy_start(self.keys.key_list[d][0]))
+                    c = self.keys.key_list[d][0]
+                    if i == slot.at and c in copied:  # the dot reads its copy
+                        pos = min(pos, self._copy_start(c))
                     if fused_in:
                         u = until.get(self.keys.key_list[d][0], -1)
                         if u >= 0:
@@ -560,10 +593,10 @@ class MemoryModel:
         is dead once copied) until the output written into it is made: the next input's copy lives there.
         Modelled as XLA assigns: values largest first (then in XLA's post order of what makes them), each into
         the smallest allocation free over its whole live range that it fits in (a copy only into the allocation
-        of an input copied before it) — up to the output's making when the output is written over it in place (`_shares_of`: the value
-        dies where an elementwise fusion writes the output, with the output's shape; a dot writing into the
-        output allocation that the fusion then updates), and a value may begin where one it is written over in
-        place ends (`pairs`, `_share_pairs`)."""
+        of an input copied before it) — up to the output's making when the output is written over it in place
+        (`_shares_of`: the value dies where an elementwise fusion writes the output, with the output's shape; a dot
+        writing into the output allocation that the fusion then updates), and a value may begin where one it is
+        written over in place ends (`pairs`, `_share_pairs`)."""
         pairs = self._share_pairs() if pairs is None else pairs
         made: dict[int, int] = {}
         for kid, o in self.out_keys.items():

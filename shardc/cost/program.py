@@ -33,7 +33,8 @@ from shardc.cost.estimator import params_key
 from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL
 from shardc.ir.graph import Graph
 
-__all__ = ["ProgramInfo", "program_info", "descendants", "Merged", "merged", "unread_operands", "broadcast_dims", "broadcast_transfer",
+__all__ = ["ProgramInfo", "program_info", "descendants", "Merged", "merged", "unread_operands", "broadcast_dims",
+           "broadcast_transfer",
            "FUSIBLE", "FREE_PRIMITIVES", "PCG_COLLECTIVE"]
 
 # Ops XLA fuses into their consumers (loop fusion): elementwise math and cheap data movement.
@@ -106,6 +107,7 @@ class ProgramInfo:
     cheap: frozenset[int] = frozenset()  # (XLA:CPU) canonical values of cheap elementwise work fusion recomputes
     inplace: tuple[tuple[int, ...], ...] = ()  # per op (XLA:CPU): canonical values it may write its result over
     out_alias: tuple[tuple[int, int], ...] = ()  # (value, output) pairs: a hint makes the output of the value
+    recompute: frozenset[tuple[int, int]] = frozenset()  # (op, canonical cheap value it recomputes, not reads)
 
     def counts(self, op_id: int) -> bool:
         """Whether an op does work in the compiled program."""
@@ -166,25 +168,57 @@ def _dot_orders(op: Any, graph: Graph) -> list[tuple[tuple[int, ...], ...]]:
     return out
 
 
+def _conv_orders(op: Any, graph: Graph) -> list[tuple[tuple[int, ...], ...]]:
+    """Per operand of convolution `op`, the memory order (major to minor, size-1 dims left out) XLA:CPU's
+    convolution reads (ConvCanonicalization): the input as [batch, spatial..., feature], the kernel as [spatial...,
+    input feature, output feature]. A backward convolution names other dims so (the filter gradient reads the
+    activation's channels as its batch): its operands are transposed into copies first."""
+    lhs, rhs, _ = op.params["dimension_numbers"]
+    out = []
+    for i, order in enumerate(((lhs[0], *lhs[2:], lhs[1]), (*rhs[2:], rhs[1], rhs[0]))):
+        shape = graph.values[op.inputs[i]].shape
+        out.append((tuple(d for d in order if shape[d] != 1),))
+    return out
+
+
+def conv_output_copied(op: Any, graph: Graph) -> bool:
+    """Whether XLA:CPU writes convolution `op`'s result in the canonical order [batch, spatial..., feature] of its
+    output dims and transposes it into the result's own order after (a filter gradient [kh, kw, in, out] is
+    computed as [in, kh, kw, out])."""
+    out = op.params["dimension_numbers"][2]
+    shape = graph.values[op.outputs[0]].shape
+    order = tuple(d for d in (out[0], *out[2:], out[1]) if shape[d] != 1)
+    return order != tuple(d for d in range(len(shape)) if shape[d] != 1)
+
+
+def _read_orders(op: Any, graph: Graph) -> list[tuple[tuple[int, ...], ...]]:
+    """The memory orders a dot or a convolution reads its operands in without a copy (its first: the copy's)."""
+    return _conv_orders(op, graph) if op.primitive == "conv_general_dilated" else _dot_orders(op, graph)
+
+
+_COPYING = frozenset({"dot_general", "conv_general_dilated"})
+
+
 def dot_copies(graph: Graph, live: Sequence[bool], canon: Sequence[int], physical: Mapping[int, tuple[int, ...]],
                cheap: frozenset[int] = frozenset()) -> tuple[tuple[int, ...], ...]:
-    """XLA:CPU's dot decomposition transposes a dot's operand into an order it reads (`_dot_orders`): a copy
-    of the operand unless its buffer already has that memory order (`physical_orders`). It also reshapes an
+    """XLA:CPU's dot decomposition transposes a dot's operand into an order it reads (`_dot_orders`), and its
+    convolution canonicalization a convolution's (`_conv_orders`): a copy of the operand unless its buffer
+    already has that memory order (`physical_orders`). The dot decomposition also reshapes an
     operand with several batch, free or contracting dims into one of each; that reshape is a bitcast unless
     the operand is computed by a cheap elementwise op (`cheap`: canonical values), which fusion duplicates
     into the reshape: a buffer of its own for that dot. Per op: the indices of the operands it copies."""
     out: list[tuple[int, ...]] = [()] * len(graph.ops)
     for op in graph.ops:
-        if op.primitive != "dot_general" or not live[op.id]:
+        if op.primitive not in _COPYING or not live[op.id] or len(op.inputs) < 2:
             continue
         copied = []
-        (lc, rc), (lb, rb) = op.params["dimension_numbers"]
-        for i, wanted in enumerate(_dot_orders(op, graph)):
+        for i, wanted in enumerate(_read_orders(op, graph)):
             c = canon[op.inputs[i]]
             shape = graph.values[c].shape
             if tuple(d for d in physical.get(c, range(len(shape))) if shape[d] != 1) not in wanted:
                 copied.append(i)
-            elif c in cheap:
+            elif c in cheap and op.primitive == "dot_general":
+                (lc, rc), (lb, rb) = op.params["dimension_numbers"]
                 contract, batch = (lc, lb) if i == 0 else (rc, rb)
                 free = [d for d in range(len(shape)) if d not in contract and d not in batch]
                 if any(sum(shape[d] != 1 for d in dims) > 1 for dims in (contract, batch, free)):
@@ -235,6 +269,7 @@ def dot_bitcasts(graph: Graph, live: Sequence[bool], canon: Sequence[int],
 
 
 def _true_rank(shape: Sequence[int]) -> int:
+    """The number of dims with more than one element."""
     return sum(d != 1 for d in shape)
 
 
@@ -265,14 +300,16 @@ _ELEMENTWISE_OPS = frozenset(ELEMENTWISE) | frozenset(TRANSCENDENTAL) | {"intege
 
 
 def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], fused: Sequence[bool],
-                     loop: Sequence[bool], limit: int = 64) -> tuple[tuple[int, ...], ...]:
+                     loop: Sequence[bool], recompute: frozenset[tuple[int, int]] = frozenset(),
+                     limit: int = 64) -> tuple[tuple[int, ...], ...]:
     """Per op, the materialised values whose buffer XLA may give the op's result: XLA's buffer assignment lets an
     instruction's result take the buffer of an operand that dies there when they have one shape
     (HloDataflowAnalysis::CanShareOperandBufferWithUser); for a loop fusion, when everything the fusion computes
     from that operand is elementwise (`AreTransitiveUsesElementwiseOrTuple`). So: an elementwise op emitted in a
     loop fusion, and the values of its result's shape and dtype it reads directly or through fused elementwise
-    producers of that shape only (a value also read through a fused broadcast, reshape or reduction is not one).
-    Whether the value dies there, and in one layout, is the plan's (`MemoryModel`)."""
+    producers of that shape only (a value also read through a fused broadcast, reshape or reduction is not one);
+    cheap work the fusion recomputes (`recompute`) counts as fused. Whether the value dies there, and in one
+    layout, is the plan's (`MemoryModel`)."""
     out: list[tuple[int, ...]] = [()] * len(graph.ops)
     for op in graph.ops:
         if (not live[op.id] or not loop[op.id] or op.primitive not in _ELEMENTWISE_OPS or len(op.outputs) != 1
@@ -281,6 +318,7 @@ def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], f
         res = graph.values[op.outputs[0]]
         ok: set[int] = set()
         bad: set[int] = set()
+        inside: set[int] = set()  # values computed inside the fusion
         stack, seen = [(op, True)], 0
         while stack and seen < limit:
             o, elementwise = stack.pop()
@@ -291,16 +329,34 @@ def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], f
                 good = elementwise and v.shape == res.shape and v.dtype == res.dtype
                 (ok if good else bad).add(c)
                 p = v.producer
-                if fused[c] and p is not None:
+                if (fused[c] or (o.id, c) in recompute) and p is not None:
                     stack.append((graph.ops[p], good and graph.ops[p].primitive in _ELEMENTWISE_OPS))
+                    inside.add(c)
         if stack:
             continue  # too large a fusion to tell
-        out[op.id] = tuple(sorted(c for c in ok - bad if not fused[c]))
+        out[op.id] = tuple(sorted(c for c in ok - bad - inside if not fused[c] and not _reshaped_dot(graph, c)))
     return tuple(out)
 
 
+def _reshaped_dot(graph: Graph, c: int) -> bool:
+    """Whether value `c` is the result of a dot that XLA computes in another shape and bitcasts (the dot
+    decomposition's [batch, rows, columns] when a group has several dims of more than one element): an
+    instruction of `c`'s shape cannot take that buffer in place (the shapes differ)."""
+    p = graph.values[c].producer
+    if p is None or graph.ops[p].primitive != "dot_general":
+        return False
+    op = graph.ops[p]
+    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+    lhs, rhs = (graph.values[v].shape for v in op.inputs[:2])
+    groups = [(lhs, lb)] + [(shape, [d for d in range(len(shape)) if d not in contract and d not in batch])
+                            for shape, contract, batch in ((lhs, lc, lb), (rhs, rc, rb))]
+    return any(sum(shape[d] != 1 for d in dims) > 1 for shape, dims in groups)
+
+
 _HINTS = frozenset({"shardc_hint", "sharding_constraint"})
+# Switches for measuring a rule's effect (docs/simulator.md quotes the errors without them).
 LOOK_THROUGH_HINTS = True
+RECOMPUTE_IN_LOOPS = True
 
 
 def output_aliases(graph: Graph, live: Sequence[bool], canon: Sequence[int],
@@ -337,7 +393,7 @@ def last_copies(graph: Graph, canon: Sequence[int], copies: Sequence[tuple[int, 
     last: dict[tuple[int, tuple[int, ...]], tuple[int, int]] = {}
     for op in graph.ops:
         for i in copies[op.id] if copies else ():
-            key = (canon[op.inputs[i]], _dot_orders(op, graph)[i][0])
+            key = (canon[op.inputs[i]], _read_orders(op, graph)[i][0])
             if key not in last or order[op.id] > order[last[key][0]]:
                 last[key] = (op.id, i)
     return frozenset(last.values())
@@ -900,13 +956,15 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
             return out in copied or (out in cheap and fused[out] and depth < 8
                                      and any(into_copy(w, depth + 1) for w in consumers[out]))
 
+        loops = _loop_ops(graph, live, library, backend)
         for c in cheap:
             if fused[c] or c in outputs:
                 continue
-            fusing = [u for u in consumers[c] if into_copy(u)]
+            fusing = [u for u in consumers[c] if (loops[u] and RECOMPUTE_IN_LOOPS) or into_copy(u)]
             if fusing:
                 dup[c] = fusing
     until = _fused_reads(graph, live, canon, fused, consumers, order, dup)
+    recompute = frozenset((u, c) for c, us in dup.items() for u in us)
 
     trips, reshard_trips = _trips(graph)
     # Loop state: values a region's ties carry to the next iteration or out of it.
@@ -916,18 +974,26 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                         and outer_region(graph.ops[graph.values[c].producer]) == outer_region(op))
     # XLA:CPU removes optimization barriers before fusion: a local slice a barrier reads is fused into the
     # fusions that read the barrier's result (what it slices is read there: `until`)
-    loop = tuple(live[op.id] and ((op.primitive in FUSIBLE or op.primitive in REDUCTIONS) and op.id not in library
-                                  or backend == "cpu" and op.primitive == "optimization_barrier")
-                 for op in graph.ops)
+    loop = _loop_ops(graph, live, library, backend)
     preset = _preset_state(graph, live, canon, constant, carried) if backend == "cpu" else frozenset()
-    inplace = inplace_operands(graph, live, canon, fused, loop) if backend == "cpu" else ()
+    inplace = inplace_operands(graph, live, canon, fused, loop, recompute) if backend == "cpu" else ()
     return ProgramInfo(tuple(live), tuple(constant), tuple(canon), tuple(duplicate), tuple(fused),
                        tuple(trips), tuple(order), pkeys, until, span=_spans(graph, live, order),
                        carried=carried, loop=loop, library=frozenset(library), backend=backend, preset=preset,
                        eager=backend == "cpu", reshard_trips=reshard_trips, unread=cse.unread,
                        post=tuple(_post_order(graph, canon)),
                        copies=copies, copy_owner=last_copies(graph, canon, copies, order), cheap=cheap,
-                       bitcast=bitcast, inplace=inplace, out_alias=output_aliases(graph, live, canon, constant))
+                       bitcast=bitcast, inplace=inplace, out_alias=output_aliases(graph, live, canon, constant),
+                       recompute=recompute if backend == "cpu" else frozenset())
+
+
+def _loop_ops(graph: Graph, live: Sequence[bool], library: set[int], backend: str) -> tuple[bool, ...]:
+    """Per op: emitted in a loop fusion (elementwise-like ops and reductions outside library fusions; on XLA:CPU
+    optimization barriers too, removed before fusion: a local slice a barrier reads is fused into the fusions
+    reading the barrier's result)."""
+    return tuple(live[op.id] and ((op.primitive in FUSIBLE or op.primitive in REDUCTIONS) and op.id not in library
+                                  or backend == "cpu" and op.primitive == "optimization_barrier")
+                 for op in graph.ops)
 
 
 def _trips(graph: Graph) -> tuple[list[int], tuple[tuple[int, int], ...]]:
