@@ -186,6 +186,7 @@ def _fresh_memory_cost(rows: Any, n: int, mib: int = 48) -> float:
 # layer of the models planned on this host computes between two collectives).
 _FIT_SMALL, _FIT_LARGE, _FIT_CHAIN, _FIT_WORK = 256, 256 * 1024, 8, 64 * 1024
 _FIT_FIELDS = ("base", "per_peer", "per_byte", "per_byte_spread")
+_MIN_FIXED = 1e-6  # seconds: the least a collective's rendezvous of device threads is taken to cost
 
 
 def _fit_groups(n: int) -> tuple[int, ...]:
@@ -270,15 +271,17 @@ def _fit(kind: str, small: dict[int, tuple[int, float]], large: tuple[int, float
     """The fit of one kind from (payload bytes, seconds) of a small payload per group size (`small`, the
     largest group last) and of a large one over the largest group: seconds per byte from the two payloads over
     the largest group, then the fixed cost per group size (its small payload's time less its bytes), linear in
-    n - 1 between the two group sizes."""
+    n - 1 between the two group sizes. A busy machine only adds time, so a fit never has a larger group meet
+    faster than a smaller one (the smaller group's time is then taken as noise and the larger group's fixed
+    cost used for both) nor a fixed cost under `_MIN_FIXED`."""
     *_, top = sorted(small)
     per_byte = max((large[1] - small[top][1]) / (large[0] - small[top][0]), 0.0)
-    fixed = {g: max(t - per_byte * b, 0.0) for g, (b, t) in small.items()}
+    fixed = {g: max(t - per_byte * b, _MIN_FIXED) for g, (b, t) in small.items()}
     if len(fixed) == 1:
         return CollectiveFit(kind, fixed[top], 0.0, per_byte, 0.0)
     lo, hi = sorted(fixed)
-    per_peer = (fixed[hi] - fixed[lo]) / (hi - lo)
-    return CollectiveFit(kind, fixed[lo] - per_peer * (lo - 1), per_peer, per_byte, 0.0)
+    per_peer = max(fixed[hi] - fixed[lo], 0.0) / (hi - lo)
+    return CollectiveFit(kind, min(fixed[lo], fixed[hi]) - per_peer * (lo - 1), per_peer, per_byte, 0.0)
 
 
 def _fit_of(m: dict[str, float], kind: str) -> CollectiveFit:

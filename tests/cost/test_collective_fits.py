@@ -35,6 +35,15 @@ def test_a_noisy_negative_slope_is_clamped_not_negative():
     assert all(got.seconds(n, b) > 0 for n in (2, 4, 8) for b in (0, 1024, 1 << 20))
 
 
+def test_a_smaller_group_measured_slower_is_taken_as_noise():
+    # pairs measured slower than all eight devices (a busy moment, as a CI run saw: fixed(8) fitted to 0):
+    # the larger group's fixed cost for both, never a fixed cost that shrinks with the group or reaches zero
+    got = calibrate._fit("all-gather", {2: (1024, 140 * US), 8: (1024, 20 * US)}, (262144, 300 * US))
+    assert got.per_peer == 0 and got.fixed(2) == pytest.approx(got.fixed(8)) and got.fixed(8) > 0
+    zero = calibrate._fit("all-to-all", {2: (1024, 0.0), 8: (1024, 0.0)}, (262144, 0.0))
+    assert zero.fixed(8) >= calibrate._MIN_FIXED and zero.fixed(2) >= calibrate._MIN_FIXED
+
+
 def _level(fits=(), permute_latency=None):
     return Level("host", 8, 1e9, 20 * US, permute_latency, tuple(fits))
 
