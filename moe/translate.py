@@ -79,7 +79,8 @@ def _compile_step(fn, mesh, donate_argnums=(), example_args=None, mode="shardc",
     ``mode="jit"``: plain ``jax.jit`` under ``jax.set_mesh(mesh)``, where the layers' split/replicate hints
     lower to sharding constraints (for comparison, or to train past a shardc bug).
     ``search``: let shardc's strategy search choose what the layers' GShard hints leave open, priced on the
-    devices at hand (the default); False: GShard's own layout, the hints plus propagation.
+    devices at hand (the default; a ``.json`` path: the plan is saved there, or loaded if it exists); False:
+    GShard's own layout, the hints plus propagation.
     """
     if mode == "shardc":
         import shardc
@@ -233,6 +234,16 @@ class StopSignals:
     def exit_code(self) -> int:
         """The shell's convention for a process ended by the signal: 128 + its number."""
         return 128 + int(self.received) if self.received is not None else 0
+
+
+def searched_plan_file(out_dir: Path, resume: bool) -> str:
+    """Where the searched plan is kept (OUT/plan.json): a run searches and saves it there, a ``--resume``d run
+    loads it instead of searching again, so that it continues with the very plan the checkpoints were trained
+    under (bit for bit, even if the machine's measured profile changed since) and starts sooner."""
+    path = out_dir / "plan.json"
+    if not resume and path.exists():
+        path.unlink()  # a fresh run plans afresh (its model or mesh may differ from the earlier run's)
+    return str(path)
 
 
 def plan_report(plan) -> str:
@@ -512,7 +523,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     t0 = time.time()
     step_fn, compiler, plan = _compile_step(
         train_step, mesh, donate_argnums=(0,), example_args=(state, batch0, step_key(start_step)), mode=args.compiler,
-        search=args.search,
+        search=searched_plan_file(out_dir, args.resume) if args.search else False,
         in_shardings=(state_sh, batch_sh, replicated), out_shardings=(state_sh, replicated),
     )
     if plan is not None:
@@ -520,6 +531,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         print(plan_report(plan))
         if not args.search:
             print("(--no-search: the layers' hints plus propagation; without it the strategy search plans the step)")
+        elif getattr(plan, "search", None) is None:
+            print(f"(the plan the resumed run searched, loaded from {out_dir / 'plan.json'}: not searched again)")
         print(f"        full plan (every tensor's sharding and its cause): {out_dir / 'plan.txt'}")
     else:
         print("plan    jax.jit: the MoE layers' split/replicate hints + Flax partitioning metadata, XLA propagates")

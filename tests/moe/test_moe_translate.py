@@ -52,41 +52,43 @@ def compilation_cache(tmp_path):
 
 
 def test_example_runs_end_to_end_with_the_search_and_resume_is_bit_for_bit(tmp_path, compilation_cache, capsys):
-    # Uninterrupted run, with the final evaluation (BLEU vs the copy baseline, samples, plot).
-    full = translate.main(COMMON + ["--out", str(tmp_path / "full"), "--ckpt-every", "0",
-                                    "--eval-sentences", "16", "--samples", "1"])
+    # Stopped after step 3 (checkpoint every 3 steps), then resumed with the command it printed.
+    out = tmp_path / "run"
+    first = translate.main(COMMON + ["--out", str(out), "--ckpt-every", "3", "--stop-at", "3"])
+    assert first["step"] == 3
     printed = capsys.readouterr().out
-    summary = json.loads((tmp_path / "full" / "summary.json").read_text())
-    assert summary["steps"] == 6 and summary["test_pairs"] == 16 and summary["search"] is True
-    assert np.isfinite(summary["bleu"]) and np.isfinite(summary["copy_bleu"])
-    assert (tmp_path / "full" / "translations.tsv").exists()
-    losses = [h["loss"] for h in full["history"]]
-    assert len(losses) == 6 and all(np.isfinite(losses)) and full["exit_code"] == 0
-    assert losses[-1] < losses[0]
+    command = printed_resume_command(printed)
+    assert "--stop-at" not in command and command[-1] == "--resume"
     # By default the strategy search plans the step and the run prints its report: the chosen plan
-    # against every baseline, priced on the devices at hand.
+    # against every baseline, priced on the devices at hand; the plan is kept for --resume.
     report = printed[printed.index("strategy search"):]
     for baseline in ("hints", "data-parallel", "fsdp", "megatron", "expert-parallel"):
         assert re.search(rf"^  {baseline} +mesh\(data=2,expert=4\)", report, re.M), baseline
     assert "chosen:" in report and "priced on cpu-host" in printed
-    assert "strategy search" in (tmp_path / "full" / "plan.txt").read_text()
-
-    # Stopped after step 3 (checkpoint every 3 steps), then resumed with the command it printed.
-    out = str(tmp_path / "resumed")
-    first = translate.main(COMMON + ["--out", out, "--ckpt-every", "3", "--stop-at", "3"])
-    assert first["step"] == 3
-    command = printed_resume_command(capsys.readouterr().out)
-    assert "--stop-at" not in command and command[-1] == "--resume"
+    assert "strategy search" in (out / "plan.txt").read_text()
+    saved = json.loads((out / "plan.json").read_text())
+    assert saved["mesh"] == {"data": 2, "expert": 4}
     second = translate.main(command[3:] + ["--no-final-eval"])
     assert second["step"] == 6
+    printed = capsys.readouterr().out
+    assert "strategy search" not in printed and "loaded from" in printed  # the saved plan, not a new search
+
+    # Run again over those checkpoints without --resume: a fresh, uninterrupted run (its checkpoint at step 3
+    # used to clash with the earlier run's: orbax StepAlreadyExistsError), which searches again, with the final
+    # evaluation (BLEU vs the copy baseline, samples, plot).
+    full = translate.main(COMMON + ["--out", str(out), "--ckpt-every", "3", "--eval-sentences", "16",
+                                    "--samples", "1"])
+    assert "strategy search" in capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["test_pairs"] == 16 and summary["search"] is True
+    assert np.isfinite(summary["bleu"]) and np.isfinite(summary["copy_bleu"])
+    assert (out / "translations.tsv").exists()
+    losses = [h["loss"] for h in full["history"]]
+    assert len(losses) == 6 and all(np.isfinite(losses)) and full["exit_code"] == 0
+    assert losses[-1] < losses[0]
     # The resumed run's history holds steps 1-3 (from the checkpoint) and 4-6 (recomputed): all equal
     # to the uninterrupted run, bit for bit.
     assert [h["loss"] for h in second["history"]] == losses
-
-    # Run again over that run's checkpoints without --resume: a fresh run (its checkpoint at step 3 used to
-    # clash with the earlier run's: orbax StepAlreadyExistsError).
-    again = translate.main(COMMON + ["--out", out, "--ckpt-every", "3", "--no-final-eval"])
-    assert [h["loss"] for h in again["history"]] == losses
 
 
 def printed_resume_command(text: str) -> list[str]:

@@ -53,11 +53,11 @@ def test_choose_pipeline_finds_the_brute_force_optimum():
     pipes = [Pipeline(2, 2), Pipeline(2, 8), Pipeline(4, 4), Pipeline(4, 8, "1f1b"),
              Pipeline(2, 4, data=("data",), shards=2)]
     key = lambda pl: (not pl.cost.fits, pl.cost.step_time)  # noqa: E731
-    brute = [shardc.plan_for(step, *args, topology="h100-sxm-8", budget_s=1.0, pipeline=p) for p in pipes]
+    brute = [shardc.plan_for(step, *args, topology="h100-sxm-8", budget_s=0.5, pipeline=p) for p in pipes]
     fastest = min(brute, key=key)
     assert len({pl.cost.step_time for pl in brute}) == len(brute)  # a strict order: one optimum
-    unpiped = shardc.plan_for(step, *args, topology="h100-sxm-8", budget_s=1.0)
-    best, choices = choose_pipeline(step, args, topology="h100-sxm-8", budget_s=1.0, pipelines=pipes, finalists=2)
+    unpiped = shardc.plan_for(step, *args, topology="h100-sxm-8", budget_s=0.5)
+    best, choices = choose_pipeline(step, args, topology="h100-sxm-8", budget_s=0.5, pipelines=pipes, finalists=2)
     piped = min((c for c in choices if c.name in ("screened", "pipelined")), key=lambda c: (not c.feasible, c.time))
     assert piped.time == fastest.cost.step_time and piped.pipeline == fastest.pipeline
     overall = min([fastest, unpiped], key=key)
