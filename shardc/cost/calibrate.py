@@ -341,10 +341,41 @@ def _measurement(refresh: bool = False) -> dict[str, float]:
     if m is None:
         m = None if refresh else cache.get(key[1])
         if m is None:
-            m = measure_cpu_host()
+            load = _others_load()
+            m = dict(measure_cpu_host(), load_average=load)
             cache.put(key[1], m)
+            _warn_if_busy(load, cache.path)
         m = _MEMO[key] = _agreed(m)
     return m
+
+
+class BusyHostWarning(UserWarning):
+    """This host's devices were measured while other processes kept its cores busy."""
+
+
+def _others_load() -> float:
+    """The 1-minute load average as the measurement starts (this process is then mostly idle, so it is
+    mostly the other processes'); 0 where the OS does not say."""
+    try:
+        return float(os.getloadavg()[0])
+    except (OSError, AttributeError):  # pragma: no cover
+        return 0.0
+
+
+def _warn_if_busy(load: float, path: str) -> None:
+    """Warn when the measurement just cached was taken with more runnable processes than cores: every cost
+    then comes out higher and noisier than on a quiet machine, and plans priced on it may differ from a quiet
+    machine's (the same cache still gives the same plans)."""
+    cores = os.cpu_count() or 1
+    if load > cores:
+        import warnings
+
+        warnings.warn(f"shardc: measured this host's devices (the cpu-host profile that prices plans) while the "
+                      f"machine was busy (load average {load:.1f} on {cores} cores): op and collective costs come "
+                      f"out higher and noisier than on a quiet machine, and plans priced on them may differ from a "
+                      f"quiet machine's. The measurement is cached in {path}; delete it on a quiet machine (or call "
+                      f"shardc.cost.calibrate.cpu_host(refresh=True)) to measure again.", BusyHostWarning,
+                      stacklevel=2)
 
 
 def store(m: dict[str, float]) -> None:
@@ -376,8 +407,10 @@ def cpu_host(*, refresh: bool = False) -> Topology:
                  vector_efficiency=1.0, op_overhead=m["overhead"], vector_flops=m.get("vector_flops", 0.0),
                  fresh_memory_cost=m.get("fresh_memory_cost", 0.0), fresh_memory_threshold=_GLIBC_MMAP_THRESHOLD_MAX)
     level = Level("host", n, m["link_bandwidth"], m["latency"], m.get("permute_latency"), _fits_of(m))
+    busy = f", load average {m['load_average']:.1f}" if m.get("load_average", 0.0) > (os.cpu_count() or 1) else ""
     return Topology("cpu-host", dev, (level,), overlap=False,
-                    reduce_scatter=False, source=f"measured on {platform.node()} ({os.cpu_count()} cores, {n} devices)",
+                    reduce_scatter=False, source=f"measured on {platform.node()} ({os.cpu_count()} cores, {n} devices"
+                                                 f"{busy})",
                     combine_bytes=float("inf"), backend="cpu")
 
 

@@ -31,3 +31,29 @@ def test_cpu_host_measured_then_cached(tmp_path, monkeypatch):
     assert again.to_dict() == topo.to_dict()
     with pytest.raises(AssertionError, match="measured again"):
         calibrate.cpu_host(refresh=True)
+
+
+def test_a_measurement_on_a_busy_machine_warns_and_says_so(tmp_path, monkeypatch):
+    """Measured with more runnable processes than cores: a warning that says how to measure again, and the
+    topology's source (what explain() prints) gives the load; on a quiet machine neither."""
+    import contextlib
+    import warnings
+
+    @contextlib.contextmanager
+    def no_busy_warning():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", calibrate.BusyHostWarning)
+            yield
+
+    measured = {"flops": 2e10, "vector_flops": 6e9, "bandwidth": 1.5e9, "overhead": 5e-6, "link_bandwidth": 3.5e9,
+                "latency": 2.3e-5, "devices": 8.0, "contention": 1.0, "permute_latency": 5e-4}
+    monkeypatch.setattr(calibrate, "measure_cpu_host", lambda: dict(measured))
+    monkeypatch.setattr(calibrate.os, "cpu_count", lambda: 2)
+    for load, busy in ((0.5, False), (40.0, True)):
+        monkeypatch.setenv("SHARDC_CACHE_DIR", str(tmp_path / str(load)))
+        monkeypatch.setattr(calibrate.os, "getloadavg", lambda load=load: (load, load, load))
+        with pytest.warns(calibrate.BusyHostWarning, match="load average 40.0") if busy else no_busy_warning():
+            topo = calibrate.cpu_host(refresh=True)
+        assert ("load average 40.0" in topo.source) is busy
+        with no_busy_warning():  # the cache: the same topology, no second warning
+            assert calibrate.cpu_host().to_dict() == topo.to_dict()
