@@ -44,6 +44,7 @@ from shardc.propagate import Cause, Seed, propagate
 from shardc.seeds import input_seed, program_seeds
 from shardc.sharding import make_mesh, mesh_shape
 from shardc.donation import Donation
+from shardc.fast_call import FastCall
 from shardc.explicit import caller_mesh, explicit_axes, is_explicit_mode_error, retype, trace_explicit
 from shardc.static_args import StaticArgs
 from shardc.waste import IdleDevicesWarning, user_stacklevel, waste_warning
@@ -161,10 +162,16 @@ class AutoFunction:
         self._static_steps: dict[tuple, AutoFunction] = {}  # per value of the static arguments
         self._warned_static_meshes = False  # (`_warn_if_static_meshes_differ` says it once)
         self._warned_waste = False  # (`_warn_if_wasteful` says it once)
+        self._fast: FastCall | None = None  # the previous plain call, for the next one's fast path
 
     # -- public --------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        if self._fast is not None and (flat := self._fast.placed(tree, leaves)) is not None:
+            c = self._fast.compiled  # the previous call's tree, avals and layouts (shardc/fast_call.py)
+            out = c.jitted(*flat)
+            self._carried.record_outputs(out, c.plan.output_names)
+            return jax.tree_util.tree_unflatten(c.out_tree, out)
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             return self._inline(args, kwargs)
         if (static := self._static_step(args, kwargs)) is not None:
@@ -182,12 +189,17 @@ class AutoFunction:
         c = self._compiled(args, kwargs)
         require_devices(c.plan)
         _check_donated_once(leaves, c.plan, self.fun)
+        _check_not_deleted(leaves, c.plan, self.fun)
         self._warn_replacements(c, leaves)
+        targets = [s.named(c.plan.mesh) for s in c.plan.input_shardings()]
         flat = [self._place(x, s, c.plan.mesh) for x, s in zip(leaves, c.plan.input_shardings())]
         out = c.jitted(*flat)
-        if (caller := caller_mesh(leaves, c.plan.mesh)) is not None:  # results typed as jax.jit types them there
+        caller = caller_mesh(leaves, c.plan.mesh)
+        if caller is not None:  # results typed as jax.jit types them there
             out = retype(out, caller)
         self._carried.record(tree, leaves, c.plan.input_names, out, c.plan.output_names)
+        plain = caller is None and all(t.is_fully_addressable for t in targets)
+        self._fast = FastCall.of(tree, leaves, targets, c) if plain else None
         return jax.tree_util.tree_unflatten(c.out_tree, out)
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
@@ -733,6 +745,16 @@ def _check_donated_once(flat: Sequence[Any], plan: Plan, fun: Callable) -> None:
             names = plan.input_names
             raise ShardingError(f"{_describe(fun)}: the same array is passed as {names[j]} and {names[i]}, and "
                                 f"donate_argnums donates it; donate it once, or pass a copy (jnp.copy(x))")
+
+
+def _check_not_deleted(flat: Sequence[Any], plan: Plan, fun: Callable) -> None:
+    """An argument whose buffer an earlier call consumed (donated, or `.delete()`d): a ShardingError naming it
+    (XLA:CPU was handed the dead buffer and could crash the process)."""
+    for i, x in enumerate(flat):
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
+            raise ShardingError(f"{_describe(fun)}: argument {plan.input_names[i]} ({x.dtype}{list(x.shape)}) was "
+                                f"deleted: an earlier call donated its buffer (donate_argnums) or it was deleted. "
+                                f"Pass the value that call returned instead (state = step(state, batch))")
 
 
 def _tie_carried_state(graph: Graph, in_tree: Any, out_tree: Any, args: Any) -> None:

@@ -69,6 +69,10 @@ class CarriedShapes:
     def record(self, tree: Any, leaves: Sequence[Any], names: Sequence[str], outs: Sequence[Any],
                out_names: Sequence[str]) -> None:
         self._tree, self._avals, self._names = tree, [_aval(x) for x in leaves], names
+        self.record_outputs(outs, out_names)
+
+    def record_outputs(self, outs: Sequence[Any], out_names: Sequence[str]) -> None:
+        """A call with the recorded call's tree and avals (the fast path): only its outputs are new."""
         self._outs = {}
         for o, n in zip(outs, out_names):
             try:

@@ -10,7 +10,8 @@ import shardc
 from bench.fresh_models import MEDIUM, MODELS, check_report, compare, run_steps, nnx_mlp
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+# (the models MEDIUM sizes up are checked at those sizes, where the searched plan shards, below)
+@pytest.mark.parametrize("name", sorted(set(MODELS) - set(MEDIUM)))
 def test_auto_matches_jit_and_beats_baselines(name):
     step, args = MODELS[name]()
     f = shardc.auto(step, budget_s=1.5)
@@ -31,6 +32,7 @@ def test_sharded_plan_matches_jit(name):
     f = shardc.auto(step, budget_s=1.5)
     plan = f.plan(*args)
     assert check_report(plan.search) is None, plan.search.summary()
+    assert list(f.mesh.shape.items()) == list(plan.mesh_sizes.items())
     # adam/adamw models: elements with ~zero gradient move by ~+-lr(1e-3) whatever the summation order
     compare(run_steps(f, args, 2), run_steps(jax.jit(step), args, 2), atol=1e-4)
 
