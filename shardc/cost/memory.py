@@ -398,6 +398,14 @@ class MemoryModel:
         writes its stacked outputs and the values it carries into buffers that exist from its first."""
         op = slot.op
         first, last = self.info.span[op]
+        hoisted = self.info.hoisted.get(self.keys.key_list[kid][0])
+        if first != last and hoisted is not None and hoisted[0] < self.info.trips[op]:
+            # a loop-invariant value: XLA moves its reshards out of the loop (made before it: as soon as the
+            # value outside exists under an eager schedule), and their results live through it
+            if read:
+                return 2 * self.order[last] + 1
+            if i < slot.at:
+                return self._ready[hoisted[1]] if self.info.eager else 2 * self.order[first]
         if first != last:  # inside a loop or branch region
             if read:
                 p = self.graph.values[self.keys.key_list[kid][0]].producer

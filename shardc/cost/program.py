@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Mapping, Sequence
 
@@ -100,6 +101,9 @@ class ProgramInfo:
     post: tuple[int, ...] = ()  # per op: its position in XLA's post order of the program (the combiners' walk)
     eager: bool = False  # reshards run as soon as their operand exists (XLA:CPU's breadth-first schedule)
     reshard_trips: tuple[tuple[int, int], ...] = ()  # per op: runs of its operands' and its results' reshards
+    hoisted: Mapping[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # loop-invariant body
+    # values: (runs of their reshards, the value outside the loops they come from); XLA's loop-invariant code
+    # motion moves those reshards out of the loop (`_invariant_trips`)
     unread: frozenset[tuple[int, int]] = frozenset()  # (op, operand index) XLA does not read (`unread_operands`)
     copies: tuple[tuple[int, ...], ...] = ()  # per op (XLA:CPU): operands its dot decomposition copies (`dot_copies`)
     bitcast: frozenset[int] = frozenset()  # transposes layout assignment makes bitcasts (XLA:GPU: `dot_bitcasts`)
@@ -967,6 +971,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     recompute = frozenset((u, c) for c, us in dup.items() for u in us)
 
     trips, reshard_trips = _trips(graph)
+    hoisted = _invariant_trips(graph, canon)
     # Loop state: values a region's ties carry to the next iteration or out of it.
     carried = frozenset(c for op in graph.ops if op.primitive == "tie" and outer_region(op) and live[op.id]
                         for c in (canon[op.inputs[0]],)
@@ -980,7 +985,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     return ProgramInfo(tuple(live), tuple(constant), tuple(canon), tuple(duplicate), tuple(fused),
                        tuple(trips), tuple(order), pkeys, until, span=_spans(graph, live, order),
                        carried=carried, loop=loop, library=frozenset(library), backend=backend, preset=preset,
-                       eager=backend == "cpu", reshard_trips=reshard_trips, unread=cse.unread,
+                       eager=backend == "cpu", reshard_trips=reshard_trips, hoisted=hoisted, unread=cse.unread,
                        post=tuple(_post_order(graph, canon)),
                        copies=copies, copy_owner=last_copies(graph, canon, copies, order), cheap=cheap,
                        bitcast=bitcast, inplace=inplace, out_alias=output_aliases(graph, live, canon, constant),
@@ -996,24 +1001,53 @@ def _loop_ops(graph: Graph, live: Sequence[bool], library: set[int], backend: st
                  for op in graph.ops)
 
 
+def _loop_lengths(graph: Graph) -> dict[str, int]:
+    """Per loop region: its trip count (scans' lengths; whiles' when known)."""
+    lengths: dict[str, int] = dict(graph.region_trips)
+    for op in graph.ops:
+        if op.primitive in ("scan_slice", "scan_stack") and op.rule.sizes:
+            lengths.setdefault(op.region, int(op.rule.sizes[0]))
+    return lengths
+
+
+def _runs(lengths: Mapping[str, int], region: str) -> int:
+    """How many times per step region `region`'s ops run (its loops' lengths and its enclosing loops')."""
+    n = 1
+    parts = region.split("/")
+    for i in range(1, len(parts)):
+        n *= lengths.get("/".join(parts[: i + 1]), 1)
+    return n
+
+
+def _invariant_trips(graph: Graph, canon: Sequence[int]) -> dict[int, tuple[int, int]]:
+    """Per canonical loop-invariant value of a loop body (a value entering the loop that no iteration
+    replaces: a scan's or while's constant operand, not its carry): how often its reshards run, and the
+    canonical value outside every loop it is invariant in that it comes from. XLA's
+    loop-invariant code motion moves a collective whose operand is invariant out of the loop (the FSDP
+    all-gather of a weight an LSTM cell reads every step runs once, not once per step; out of every enclosing
+    loop in which the value is invariant too)."""
+    replaced = {v for op in graph.ops if op.primitive == "tie" and not op.params.get("at") for v in op.outputs}
+    lengths = _loop_lengths(graph)
+    out: dict[int, tuple[int, int]] = {}
+    for op in graph.ops:  # (an outer loop's ties come before its body's: nested invariants see theirs)
+        if op.primitive != "tie" or op.params.get("at") != "in":
+            continue
+        inner = op.outputs[0]
+        if inner in replaced:
+            continue
+        source = canon[op.inputs[0]]
+        out[canon[inner]] = out.get(source, (_runs(lengths, op.region.rsplit("/", 1)[0]), source))
+    return out
+
+
 def _trips(graph: Graph) -> tuple[list[int], tuple[tuple[int, int], ...]]:
     """Per op: how many times it runs per step (scan bodies `length` times, nested ones multiplied), and
     how many times its operands' and its results' reshards run. The lowering (`shardc.lower_regions`)
     reshards a value entering a loop before the loop (a `tie` at "in", a `scan_slice`'s stacked operand)
     and a loop's result after it (a `tie` at "out", a `scan_stack`'s stacked result): those run as often
     as the loop itself, not once per iteration."""
-    lengths: dict[str, int] = dict(graph.region_trips)
-    for op in graph.ops:
-        if op.primitive in ("scan_slice", "scan_stack") and op.rule.sizes:
-            lengths.setdefault(op.region, int(op.rule.sizes[0]))
-
-    def of(region: str) -> int:
-        n = 1
-        parts = region.split("/")
-        for i in range(1, len(parts)):
-            n *= lengths.get("/".join(parts[: i + 1]), 1)
-        return n
-
+    lengths = _loop_lengths(graph)
+    of = functools.partial(_runs, lengths)
     trips = [of(op.region) if op.region else 1 for op in graph.ops]
     reshard: list[tuple[int, int]] = []
     for op in graph.ops:

@@ -560,7 +560,8 @@ class TaskBuilder:
             steps = self.path(home[1], s, v, (), self.bc_start.get((op_id, i), frozenset()))
             n = self.resume(c, steps, keys)
             src = (c, steps[n - 1][0], HOME) if n else home
-            return [made(k) for k in self.chain(slot, src, steps[n:], v, op_id, trips_in)][-1]
+            runs = min(trips_in, info.hoisted.get(c, (trips_in,))[0])  # (a loop-invariant value's: out of the loop)
+            return [made(k) for k in self.chain(slot, src, steps[n:], v, op_id, runs)][-1]
 
         deps = []
         need_shardings = []
