@@ -8,7 +8,7 @@ what it found (the argument tree, each leaf's shape, dtype and weak type, the la
 compiled program); the next call whose arguments are the same tree and avals, each leaf already in the plan's
 layout (the previous step's outputs) or an uncommitted value to place there (a fresh batch), is placed and run
 without the rest, which could not have changed its outcome. Anything else (tracers, other layouts, other
-shapes, another ambient mesh) takes the full route, which records anew.
+shapes, another ambient mesh, Python scalars among the arguments) takes the full route, which records anew.
 """
 from __future__ import annotations
 
@@ -61,8 +61,8 @@ class FastCall:
                 if x.shape != shape or x.dtype != dtype or x.weak_type != weak or x.is_deleted():
                     return None
                 if x.sharding != target:
-                    if getattr(x, "_committed", True):  # laid out by the user: the full route decides (and reports) its placement
-                        return None
+                    if getattr(x, "_committed", True):  # laid out by the user: the full route decides
+                        return None  # (and reports) its placement
                     x = jax.device_put(x, target)
             elif type(x) is np.ndarray and not weak and x.shape == shape and x.dtype == dtype:
                 x = jax.device_put(x, target)
