@@ -75,7 +75,7 @@ def train(steps: int = STEPS, search: bool = False) -> dict[str, Any]:
     params = jax.tree.map(np.asarray, model.init(jax.random.key(0), np.ones((BATCH, D_IN), np.float32))["params"],
                           is_leaf=lambda x: hasattr(x, "shape"))
     opt_state = tx.init(params)
-    step = shardc.auto(train_step, mesh=mesh, search=True, budget_s=2.0) if search else \
+    step = shardc.auto(train_step, mesh=mesh, search=True, budget_s=1.0) if search else \
         shardc.auto(train_step, mesh=mesh, search=False)
     n, p = jax.process_count(), jax.process_index()
     per = BATCH // n

@@ -14,7 +14,7 @@ from bench.fresh_models import MEDIUM, MODELS, check_report, compare, run_steps,
 @pytest.mark.parametrize("name", sorted(set(MODELS) - set(MEDIUM)))
 def test_auto_matches_jit_and_beats_baselines(name):
     step, args = MODELS[name]()
-    f = shardc.auto(step, budget_s=1.5)
+    f = shardc.auto(step, budget_s=1.0)
     plan = f.plan(*args)
     assert plan.search is not None
     assert check_report(plan.search) is None, plan.search.summary()
@@ -29,7 +29,7 @@ def test_auto_matches_jit_and_beats_baselines(name):
 def test_sharded_plan_matches_jit(name):
     """Sizes at which the searched plan shards: same numbers as jax.jit for 2 steps."""
     step, args = MODELS[name](**MEDIUM[name])
-    f = shardc.auto(step, budget_s=1.5)
+    f = shardc.auto(step, budget_s=1.0)
     plan = f.plan(*args)
     assert check_report(plan.search) is None, plan.search.summary()
     assert list(f.mesh.shape.items()) == list(plan.mesh_sizes.items())

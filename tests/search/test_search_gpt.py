@@ -44,7 +44,7 @@ def test_searched_transformer_train_step_matches_unsharded():
 
     step = make_train_step(model, tx)  # next-token cross-entropy, optax update
 
-    searched = shardc.auto(step, search="mcmc", budget_s=6, seed=0)
+    searched = shardc.auto(step, search="mcmc", budget_s=2, seed=0)
     plan = searched.plan(params, opt, ids)
     assert plan.search is not None and len(plan.search.meshes) > 1
     assert plan.search.chosen.score.time <= min(c.score.time for c in plan.search.baselines if c.score.feasible)
