@@ -22,7 +22,7 @@ import warnings
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.tree_util import keystr
 
 import annotations as _annotations
@@ -192,7 +192,7 @@ class AutoFunction:
         _check_not_deleted(leaves, c.plan, self.fun)
         self._warn_replacements(c, leaves)
         targets = [s.named(c.plan.mesh) for s in c.plan.input_shardings()]
-        flat = [self._place(x, s, c.plan.mesh) for x, s in zip(leaves, c.plan.input_shardings())]
+        flat = [self._place(x, t) for x, t in zip(leaves, targets)]
         out = c.jitted(*flat)
         caller = caller_mesh(leaves, c.plan.mesh)
         if caller is not None:  # results typed as jax.jit types them there
@@ -359,8 +359,8 @@ class AutoFunction:
             return x
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target, weak_type=getattr(x, "weak_type", False))
 
-    def _place(self, x: Any, sharding: Any, mesh: Mesh) -> Any:
-        target = sharding.named(mesh)
+    def _place(self, x: Any, target: NamedSharding) -> Any:
+        """`x` in the layout the plan takes it in (`target`)."""
         if not target.is_fully_addressable and not isinstance(x, jax.core.Tracer) \
                 and not (isinstance(x, jax.Array) and not x.is_fully_addressable):
             return to_global(x, target)  # multi-process: a value every process holds in full

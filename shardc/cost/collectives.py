@@ -84,12 +84,12 @@ def level_time(level: Level, kind: str, n: int, payload: float) -> tuple[float, 
     if n <= 1 or payload <= 0:
         return 0.0, 0.0
     fit = level.fit(kind)
-    _, sent = ring_time(kind, n, payload, level.bandwidth, level.latency)
+    t, sent = ring_time(kind, n, payload, level.bandwidth, level.latency)
     if fit is not None:
         return fit.seconds(n, payload), sent
     if kind == "collective-permute":
         return payload / level.bandwidth + level.permute_fixed, payload
-    return ring_time(kind, n, payload, level.bandwidth, level.latency)
+    return t, sent
 
 
 def level_fixed(level: Level, kind: str, n: int) -> float:

@@ -898,6 +898,9 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                     fused[canon[v]] = True
     absorbed, library = (_library_fusions(graph, live, canon, constant, consumers) if backend == "cpu"
                          else (set(), set()))
+    # XLA:CPU removes optimization barriers before fusion: a local slice a barrier reads is fused into the
+    # fusions that read the barrier's result (what it slices is read there: `until`)
+    loop = _loop_ops(graph, live, library, backend)
     def readers(v: int) -> list[int]:
         """The ops reading v, looking through PCG collectives to the ops reading their results (a plan
         prices a value by the ops reading it, its reshards aside; a PCG must price it the same)."""
@@ -960,26 +963,23 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
             return out in copied or (out in cheap and fused[out] and depth < 8
                                      and any(into_copy(w, depth + 1) for w in consumers[out]))
 
-        loops = _loop_ops(graph, live, library, backend)
         for c in cheap:
             if fused[c] or c in outputs:
                 continue
-            fusing = [u for u in consumers[c] if (loops[u] and RECOMPUTE_IN_LOOPS) or into_copy(u)]
+            fusing = [u for u in consumers[c] if (loop[u] and RECOMPUTE_IN_LOOPS) or into_copy(u)]
             if fusing:
                 dup[c] = fusing
     until = _fused_reads(graph, live, canon, fused, consumers, order, dup)
     recompute = frozenset((u, c) for c, us in dup.items() for u in us)
 
-    trips, reshard_trips = _trips(graph)
-    hoisted = _invariant_trips(graph, canon)
+    lengths = _loop_lengths(graph)
+    trips, reshard_trips = _trips(graph, lengths)
+    hoisted = _invariant_trips(graph, canon, lengths)
     # Loop state: values a region's ties carry to the next iteration or out of it.
     carried = frozenset(c for op in graph.ops if op.primitive == "tie" and outer_region(op) and live[op.id]
                         for c in (canon[op.inputs[0]],)
                         if graph.values[c].producer is not None
                         and outer_region(graph.ops[graph.values[c].producer]) == outer_region(op))
-    # XLA:CPU removes optimization barriers before fusion: a local slice a barrier reads is fused into the
-    # fusions that read the barrier's result (what it slices is read there: `until`)
-    loop = _loop_ops(graph, live, library, backend)
     preset = _preset_state(graph, live, canon, constant, carried) if backend == "cpu" else frozenset()
     inplace = inplace_operands(graph, live, canon, fused, loop, recompute) if backend == "cpu" else ()
     return ProgramInfo(tuple(live), tuple(constant), tuple(canon), tuple(duplicate), tuple(fused),
@@ -1019,7 +1019,7 @@ def _runs(lengths: Mapping[str, int], region: str) -> int:
     return n
 
 
-def _invariant_trips(graph: Graph, canon: Sequence[int]) -> dict[int, tuple[int, int]]:
+def _invariant_trips(graph: Graph, canon: Sequence[int], lengths: Mapping[str, int]) -> dict[int, tuple[int, int]]:
     """Per canonical loop-invariant value of a loop body (a value entering the loop that no iteration
     replaces: a scan's or while's constant operand, not its carry): how often its reshards run, and the
     canonical value outside every loop it is invariant in that it comes from. XLA's
@@ -1027,7 +1027,6 @@ def _invariant_trips(graph: Graph, canon: Sequence[int]) -> dict[int, tuple[int,
     all-gather of a weight an LSTM cell reads every step runs once, not once per step; out of every enclosing
     loop in which the value is invariant too)."""
     replaced = {v for op in graph.ops if op.primitive == "tie" and not op.params.get("at") for v in op.outputs}
-    lengths = _loop_lengths(graph)
     out: dict[int, tuple[int, int]] = {}
     for op in graph.ops:  # (an outer loop's ties come before its body's: nested invariants see theirs)
         if op.primitive != "tie" or op.params.get("at") != "in":
@@ -1040,13 +1039,12 @@ def _invariant_trips(graph: Graph, canon: Sequence[int]) -> dict[int, tuple[int,
     return out
 
 
-def _trips(graph: Graph) -> tuple[list[int], tuple[tuple[int, int], ...]]:
+def _trips(graph: Graph, lengths: Mapping[str, int]) -> tuple[list[int], tuple[tuple[int, int], ...]]:
     """Per op: how many times it runs per step (scan bodies `length` times, nested ones multiplied), and
     how many times its operands' and its results' reshards run. The lowering (`shardc.lower_regions`)
     reshards a value entering a loop before the loop (a `tie` at "in", a `scan_slice`'s stacked operand)
     and a loop's result after it (a `tie` at "out", a `scan_stack`'s stacked result): those run as often
-    as the loop itself, not once per iteration."""
-    lengths = _loop_lengths(graph)
+    as the loop itself, not once per iteration (`lengths`: `_loop_lengths`)."""
     of = functools.partial(_runs, lengths)
     trips = [of(op.region) if op.region else 1 for op in graph.ops]
     reshard: list[tuple[int, int]] = []

@@ -15,10 +15,10 @@ import os
 from typing import Any, Mapping, Sequence
 
 from annotations.errors import ShardingError
+from shardc.cost.hlo import COLLECTIVE_KINDS
 
 __all__ = ["Device", "Level", "Topology", "MeshMapping", "CollectiveFit", "COLLECTIVE_KINDS"]
 
-COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

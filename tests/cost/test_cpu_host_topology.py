@@ -45,9 +45,9 @@ def test_a_measurement_on_a_busy_machine_warns_and_says_so(tmp_path, monkeypatch
             warnings.simplefilter("error", calibrate.BusyHostWarning)
             yield
 
-    measured = {"flops": 2e10, "vector_flops": 6e9, "bandwidth": 1.5e9, "overhead": 5e-6, "link_bandwidth": 3.5e9,
-                "latency": 2.3e-5, "devices": 8.0, "contention": 1.0, "permute_latency": 5e-4}
-    monkeypatch.setattr(calibrate, "measure_cpu_host", lambda: dict(measured))
+    import conftest
+
+    monkeypatch.setattr(calibrate, "measure_cpu_host", lambda: dict(conftest.REFERENCE_CPU_HOST))
     monkeypatch.setattr(calibrate.os, "cpu_count", lambda: 2)
     for load, busy in ((0.5, False), (40.0, True)):
         monkeypatch.setenv("SHARDC_CACHE_DIR", str(tmp_path / str(load)))
