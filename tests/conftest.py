@@ -1,15 +1,18 @@
-"""Test configuration: 8 virtual CPU devices, set before JAX initialises its backend; one pinned cpu-host
-measurement, so that plans priced on it (the default topology on CPU devices) do not depend on how busy
-the machine is while the tests run; and no test may compile a program in which XLA fell back to an
-"[SPMD] Involuntary full rematerialization" (a reshard done by replicating the whole tensor) unless it is
-marked `involuntary_remat` with the reason it provokes one."""
+"""Test configuration: 8 virtual CPU devices (and LLVM at -O0, which only makes compiling faster), set before
+JAX initialises its backend; one pinned cpu-host measurement, so that plans priced on it (the default topology
+on CPU devices) do not depend on how busy the machine is while the tests run; and no test may compile a program
+in which XLA fell back to an "[SPMD] Involuntary full rematerialization" (a reshard done by replicating the
+whole tensor) unless it is marked `involuntary_remat` with the reason it provokes one."""
 import atexit
 import os
 import shutil
 import tempfile
 
+# LLVM at -O0: the tests compile thousands of small programs, and XLA:CPU's LLVM pass is most of each compile.
+# The HLO XLA compiles (its sharding passes, collectives, fusions, buffer assignment and memory analysis, all of
+# which the tests check) is the same at every backend level; only the machine code is less optimised.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Each test process has its own cache directory (never the user's ~/.cache/shardc).

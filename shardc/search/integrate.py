@@ -113,7 +113,9 @@ def trace(af: Any, trace_fn: Callable, call: Any, metadata_axes: Sequence[str] =
             _check_axis_names([axis], "a hint or sharding constraint in the program")
             required.append(axis)
             _check_axis_count(required)
-            cands = mesh_candidates(n, required)
+            # the axes the failed mesh splits stay (the program may name them too: one retry per axis, not two)
+            kept = [a for a in af.mesh.axis_names if af.mesh.shape[a] > 1 and a not in required]
+            cands = mesh_candidates(n, required + kept[:3 - len(required)])
             full = [c for c in cands if all(c[a] > 1 for a in required)]
             af.mesh = make_mesh((full or cands)[0], jax.devices()[:n])
 
