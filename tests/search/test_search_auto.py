@@ -138,3 +138,24 @@ def test_saved_plan_refused_when_the_hints_changed_or_the_file_is_broken(tmp_pat
         f.write('{"version": 1, "gra')  # a save cut off half way
     with pytest.raises(shardc.ShardingError, match="not a plan file shardc saved.*delete it"):
         shardc.auto(hinted("data"), mesh=mesh, search=path).plan(*args)
+
+
+def test_a_program_naming_axes_is_traced_once_per_axis_the_tracing_mesh_lacks():
+    """mesh=None: the stand-in tracing mesh has `data` only; a program that splits over `data` and `expert`
+    fails once on `expert` and is traced again on a mesh with both (it used to drop `data` on that retry,
+    fail on it, and trace a third time), then once more on the mesh the search chose."""
+    calls = []
+
+    def step(w, x):
+        calls.append(1)
+        x = shardc.split(x, 0, "data")
+        w = shardc.split(w, 0, "expert")
+        l, g = jax.value_and_grad(lambda w: jax.numpy.mean(jax.numpy.tanh(x @ w) ** 2))(w)
+        return w - 0.1 * g, l
+
+    w, x = jax.numpy.ones((8, 16)) * 0.1, jax.random.normal(jax.random.key(0), (16, 8))
+    f = shardc.auto(step, budget_s=1)
+    plan = f.plan(w, x)
+    assert set(plan.mesh_sizes) >= {"data", "expert"}
+    retraced = list(plan.mesh_sizes.items()) != [("expert", 8), ("data", 1)]
+    assert len(calls) == 2 + retraced, len(calls)
