@@ -88,3 +88,19 @@ def test_a_deleted_argument_is_not_run(full_route_calls):
     assert old["w"].is_deleted()
     with pytest.raises(shardc.ShardingError, match=r"argument params\[.w.\] \(float32\[16, 8\]\) was deleted"):
         f(old, _batch(2))
+
+
+def test_a_learning_rate_passed_as_a_python_float_each_step_takes_the_fast_path(full_route_calls):
+    def step(params, x, lr):
+        grads = jax.grad(lambda p: jnp.mean(jnp.tanh(shardc.split(x, 0, "data") @ p["w"]) ** 2))(params)
+        return jax.tree.map(lambda p, g: p - lr * g, params, grads)
+
+    f = shardc.auto(step, mesh=shardc.make_mesh(MESH), search=False)
+    ref = jax.jit(step)
+    p, q = _params(), _params()
+    for i, lr in enumerate([0.1, 0.05, 0.025]):  # a schedule's value, a new Python float every call
+        p, q = f(p, _batch(i), lr), ref(q, _batch(i), lr)
+    np.testing.assert_allclose(np.asarray(p["w"]), np.asarray(q["w"]), rtol=1e-5, atol=1e-7)
+    assert len(full_route_calls) == 1
+    f(p, _batch(5), 1)  # an int where a float was: traced as an int32, so the full route decides
+    assert len(full_route_calls) == 2
