@@ -40,7 +40,7 @@ class FastCall:
 
     @staticmethod
     def of(tree: Any, leaves: Sequence[Any], targets: Sequence[Any], compiled: Any) -> "FastCall | None":
-        """The record of a call that took the plain route; None when a leaf is not an array."""
+        """The record of a call that took the plain route; None when a leaf is neither an array nor a Python scalar."""
         avals = []
         for x in leaves:
             if type(x) in _SCALARS:
