@@ -2,15 +2,15 @@
 and layouts goes straight to the compiled program.
 
 `AutoFunction.__call__` does much per call in Python (routing static and NNX arguments, the plan's signature,
-placement checks and notes, carried-state checks), 45-80 us per argument leaf, where `jax.jit` dispatches in
-C++: 8-13 ms a call with 168 leaves (a ResNet-18 train step's), 1.2 ms with this path (`bench/dispatch.py`).
-After a call took the plain route, `FastCall` keeps what it found (the argument tree, each leaf's shape, dtype and weak type, the layout the plan takes it in, the
-compiled program); the next call whose arguments are the same tree and avals, each leaf already in the plan's
-layout (the previous step's outputs) or an uncommitted value to place there (a fresh batch), is placed and run
-without the rest, which could not have changed its outcome. A Python scalar (a learning rate passed each
-step) matches a scalar of the same Python type, as the full route traces it (a weakly typed 0-d array).
-Anything else (tracers, other layouts, other shapes, another ambient mesh) takes the full route, which records
-anew.
+placement checks and notes, carried-state checks), 45-80 us per argument leaf, where `jax.jit` dispatches in C++:
+8-13 ms a call with 168 leaves (a ResNet-18 train step's), 1.2 ms with this path (`bench/dispatch.py`). After a
+call took the plain route, `FastCall` keeps what it found (the argument tree, each leaf's shape, dtype and weak
+type, the layout the plan takes it in, the compiled program); the next call whose arguments are the same tree and
+avals, each leaf already in the plan's layout (the previous step's outputs) or an uncommitted value to place there
+(a fresh batch), is placed and run without the rest, which could not have changed its outcome. A Python scalar (a
+learning rate passed each step) matches a scalar of the same Python type, as the full route traces it (a weakly
+typed 0-d array). Anything else (tracers, other layouts, other shapes, another ambient mesh) takes the full route,
+which records anew.
 """
 from __future__ import annotations
 
