@@ -50,6 +50,7 @@ from shardc.static_args import StaticArgs
 from shardc.waste import IdleDevicesWarning, user_stacklevel, waste_warning
 import shardc.search.integrate as _search
 from shardc.ties import check_ties
+from shardc.remat import without_own_remat
 from shardc.search.remat_choice import apply_choice, choose_remat
 from shardc.pipeline.jit import check_mesh, pipeline_meshes
 from shardc.pipeline.stacks import find_stacks, largest, pipelining
@@ -96,7 +97,7 @@ class AutoFunction:
                  budget_s: float | None = None, seed: int = 0, devices: int | None = None,
                  static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
                  time_cap_s: float | None = None, in_shardings: Any = None, out_shardings: Any = None,
-                 remat: bool = True, memory_limit: float | None = None, pipeline: Any = None,
+                 remat: bool | str = True, memory_limit: float | None = None, pipeline: Any = None,
                  pcg: bool = False, _source: SourceLine | None = None) -> None:
         if not callable(fun):
             raise TypeError(f"shardc.auto expects a function, got {type(fun).__name__}")
@@ -133,9 +134,10 @@ class AutoFunction:
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ShardingError(f"shardc.auto(seed={seed!r}) needs an int (the search's random seed)")
         _check_search_options(search, budget_s, time_cap_s)
-        if not isinstance(remat, bool):
+        if not (isinstance(remat, bool) or remat == "replace"):
             raise ShardingError(f"shardc.auto(remat={remat!r}): expected True (the search may rematerialize repeated "
-                                f"layers when memory decides) or False")
+                                f"layers when memory decides), \"replace\" (the same, and the program's own "
+                                f"jax.checkpoint / nn.remat may be replaced) or False")
         if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float))
                                          or not memory_limit > 0):
             raise ShardingError(f"shardc.auto(memory_limit={memory_limit!r}): expected a positive number of bytes per "
@@ -495,6 +497,11 @@ class AutoFunction:
         in_paths = leaf_names(self.fun, (args, kwargs))
         namer = getattr(self.fun, "shardc_output_names", None)  # an NNX step's own names (shardc/nnx_args.py)
         out_paths = namer(_paths_of(out_tree)) if namer else [f"out{keystr(p)}" for p in _paths_of(out_tree)]
+        own_remat_removed = False
+        if self.remat == "replace" and _search.enabled(self.search):  # the search decides remat in their place
+            with _internal_errors("removing the program's own remat from", self.fun):
+                unrematted = without_own_remat(closed)
+            own_remat_removed, closed = unrematted is not closed, unrematted
         remat_choice, self._remat_resume = self._remat_resume, None
         if remat_choice is not None:  # retraced under the mesh the search chose: the same rewrite
             with _internal_errors("rematerializing", self.fun):
@@ -508,6 +515,9 @@ class AutoFunction:
                 self._input_seeds(graph, args, kwargs, out_tree, mesh, overridden) + program_seeds(graph, mesh)
             _tie_carried_state(graph, in_tree, out_tree, args)
         notes = []
+        if own_remat_removed:
+            notes.append("remat='replace': the program's own jax.checkpoint / nn.remat was removed (outside loop "
+                         "bodies); the search decides what the layers recompute")
         if graph.conservative_primitives:
             notes.append("replicated (no sharding rule): " + ", ".join(sorted(graph.conservative_primitives)))
         if _search.enabled(self.search):

@@ -21,7 +21,8 @@ pass derived from them (a weight all-gathered by an FSDP plan) is not kept alive
 The rewritten program is what shardc plans, simulates (the recomputation is ops like any other; the
 dropped values free their memory after the forward pass) and runs. Call-like eqns are inlined first, so
 the rewrite sees every op. A program that already uses `jax.checkpoint` keeps its own remat (no layer
-is offered a policy), and layers inside loop bodies (`nn.scan`) are not rewritten.
+is offered a policy) unless the user lets shardc replace it (`without_own_remat`: `remat="replace"`), and
+layers inside loop bodies (`nn.scan`) are not rewritten.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ from jax.extend import core as jcore
 
 from shardc.ir.build import call_jaxpr
 
-__all__ = ["POLICIES", "Layer", "layer_groups", "rematerialize", "inline_calls", "uses_own_remat"]
+__all__ = ["POLICIES", "Layer", "layer_groups", "rematerialize", "inline_calls", "uses_own_remat",
+           "without_own_remat"]
 
 POLICIES = ("none", "dots", "dots_no_batch", "names", "nothing")
 _REPEATED = re.compile(r"^(.*?)_(\d+)$")
@@ -130,6 +132,49 @@ def uses_own_remat(closed: jcore.ClosedJaxpr) -> bool:
         return False
 
     return walk(closed.jaxpr)
+
+
+def without_own_remat(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
+    """The program as if written without its `jax.checkpoint` / `nn.remat` (outside loop bodies): the remat
+    calls inlined, and each recomputation merged into the forward op it repeats (`merge_repeated`), so the
+    backward pass reads the forward values, which the program keeps. The same math, no recomputation."""
+    if not uses_own_remat(closed):
+        return closed
+    return merge_repeated(inline_calls(closed))
+
+
+def merge_repeated(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
+    """The program with every eqn that repeats an earlier one (same primitive, parameters and operands, no
+    effects) removed and its outputs read from the earlier eqn's (common subexpressions, at the top level)."""
+    jaxpr = closed.jaxpr
+    renamed: dict[Any, Any] = {}
+    first: dict[tuple, list[Any]] = {}
+    eqns = []
+    for eqn in jaxpr.eqns:
+        invars = [renamed.get(v, v) if isinstance(v, jcore.Var) else v for v in eqn.invars]
+        key = _eqn_key(eqn, invars)
+        if key is not None and key in first:
+            renamed.update(zip(eqn.outvars, first[key]))
+            continue
+        if key is not None:
+            first[key] = list(eqn.outvars)
+        eqns.append(eqn.replace(invars=invars))
+    outvars = [renamed.get(v, v) if isinstance(v, jcore.Var) else v for v in jaxpr.outvars]
+    return jcore.ClosedJaxpr(jaxpr.replace(eqns=eqns, outvars=outvars), closed.consts)
+
+
+def _eqn_key(eqn: Any, invars: Sequence[Any]) -> tuple | None:
+    """What identifies the value `eqn` computes; None when it must not be merged (effects, or parameters that
+    cannot be compared)."""
+    if eqn.effects:
+        return None
+    operands = tuple(("var", id(v)) if isinstance(v, jcore.Var) else ("lit", repr(v.val), str(v.aval)) for v in invars)
+    try:
+        params = tuple(sorted(eqn.params.items()))
+        hash(params)
+    except TypeError:
+        return None
+    return eqn.primitive, params, operands
 
 
 def layer_groups(closed: jcore.ClosedJaxpr) -> dict[str, list[Layer]]:

@@ -10,7 +10,7 @@ import pytest
 from jax.extend import core as jcore
 
 import shardc
-from shardc.remat import inline_calls, layer_groups, rematerialize, uses_own_remat
+from shardc.remat import inline_calls, layer_groups, rematerialize, uses_own_remat, without_own_remat
 from shardc.search.driver import NoPlanFits
 
 
@@ -126,6 +126,35 @@ def test_the_users_own_remat_is_kept():
         warnings.simplefilter("ignore")
         with pytest.raises(NoPlanFits):
             shardc.auto(step, mesh=shardc.make_mesh({"data": 8}), memory_limit=2**20).plan(*args)
+
+
+def test_without_its_own_remat_a_program_is_the_one_written_without_it():
+    """The remat calls inlined and each recomputation merged into the forward op it repeats: the same eqns as
+    the program traced without `nn.remat`, and the same values."""
+    step, args = _problem(batch=64, layers=3, own_remat=True)
+    plain_step, plain_args = _problem(batch=64, layers=3)
+    own = jax.make_jaxpr(step)(*args)
+    plain = inline_calls(jax.make_jaxpr(plain_step)(*plain_args))
+    removed = without_own_remat(own)
+    assert uses_own_remat(own) and not uses_own_remat(removed)
+    assert len(inline_calls(own).jaxpr.eqns) > len(removed.jaxpr.eqns) == len(plain.jaxpr.eqns)
+    flat = jax.tree.leaves(args)
+    for a, b in zip(jcore.jaxpr_as_fun(removed)(*flat), jcore.jaxpr_as_fun(own)(*flat)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert without_own_remat(plain) is plain
+
+
+def test_remat_replace_lets_the_search_decide_in_place_of_the_users_remat():
+    step, args = _problem(batch=512, layers=4, own_remat=True)
+    mesh = shardc.make_mesh({"data": 8})
+    f = shardc.auto(step, mesh=mesh, remat="replace")
+    plan = f.plan(*args)
+    assert not uses_own_remat(plan.program) and "remat='replace'" in plan.explain()
+    for a, b in zip(jax.tree.leaves(f(*args)), jax.tree.leaves(jax.jit(step)(*args))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    # under a limit nothing meets, the search tried its own policies on the user's layers (remat=True: none)
+    with pytest.raises(NoPlanFits, match=r"with remat policy '\w+' on CheckpointLayer_\*"):
+        shardc.auto(step, mesh=mesh, memory_limit=2**20, remat="replace").plan(*args)
 
 
 def test_remat_option_is_checked():
