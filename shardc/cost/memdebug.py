@@ -253,8 +253,8 @@ class ModelLive:
         return self.mem._op_at[pos // 2]
 
     def at(self, pos: int) -> list[Buffer]:
-        """The temporary buffers and workspaces live at a position, largest first (not those placed in output
-        buffers: `MemoryModel.in_outputs`)."""
+        """The temporary buffers, workspaces and collectives' extra buffers live at a position, largest first (not
+        those placed in output buffers: `MemoryModel.in_outputs`)."""
         mem, g = self.mem, self.plan.graph
         out = []
         for kid, (s, e, b) in mem.buffers.items():
@@ -264,9 +264,14 @@ class ModelLive:
                 what = f"v{c} {v.dtype}{list(v.shape)} {sh}" + (" (op layout)" if origin == 1 else "")
                 out.append(Buffer(b, v.producer, what, s, e))
         for sl in self.sim._last.slots:
-            for a, e, n in mem._positions(sl)[2]:
+            for a, e, n in mem._positions(sl).workspace:
                 if a <= pos <= e:
                     out.append(Buffer(n, sl.op, "workspace", a, e))
+        for extra, what in ((mem.fulls, "all-reduced buffer of"), (mem.relayouts, "all-gathered layout of")):
+            for kid, (a, e, n) in extra.items():
+                if a <= pos <= e:
+                    c = mem.keys.key_list[kid][0]
+                    out.append(Buffer(n, g.values[c].producer, f"{what} v{c}", a, e))
         for a, e, n, v in self.copies:
             if a <= pos <= e and -1 - v not in self.in_outputs:
                 out.append(Buffer(n, None, f"copy of donated input v{v}", a, e))

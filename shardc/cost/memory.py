@@ -8,11 +8,13 @@ full-size), the result in its planned layout, each layout a reshard makes for co
 backward pass keeps (activations live until their last reader). It lives from the position that makes it
 to the last position that reads it, positions following `ProgramInfo.order` (XLA:CPU: breadth first, an
 operand's reshards right after its producer). Values XLA fuses into their readers, local slices fused into
-elementwise readers and compile-time constants take no memory. Loop bodies are counted once (their
-buffers are reused across iterations); a loop holds the values it reads from outside until its end, and
-its stacked outputs and carried values from its start (XLA:CPU: from the program's start when a constant
-initialises them, `ProgramInfo.preset`). Some ops need buffers beyond their operands and
-results where the backend expands them (`_workspace_of`).
+elementwise readers and compile-time constants take no memory; what a fused value is computed from is read
+where the value is materialised: by its readers' fusions, or by a collective reading it (`_read_end`). Loop
+bodies are counted once (their buffers are reused across iterations); a loop holds the values it reads from
+outside until its end, and its stacked outputs and carried values from its start (XLA:CPU: from the program's
+start when a constant initialises them, `ProgramInfo.preset`). Some ops need buffers beyond their operands and
+results where the backend expands them (`_workspace_of`), some collectives beyond their results (`fulls`,
+`relayouts`).
 
 `update` recomputes only the buffers of the slots a delta simulation rebuilt; the peak is a prefix sum
 over positions (numpy), so an update costs O(changed buffers) plus one vectorised pass.
@@ -25,7 +27,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from shardc.cost.program import ProgramInfo, conv_output_copied, descendants, outer_region
+from shardc.cost.program import ProgramInfo, conv_output_copied, derived, descendants, outer_region
 
 __all__ = ["MemoryModel", "MemoryResult"]
 
@@ -33,6 +35,21 @@ COPIES_EARLY = True
 # Ops that are no instruction: their readers read what they read.
 _PASS_THROUGH = frozenset({"shardc_hint", "sharding_constraint", "tie", "name", "optimization_barrier"})
 _MIN_REUSE = 1024  # outputs smaller than this (a loss) are not worth looking for values to put in
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SlotMemory:
+    """What one slot contributes to memory, computed once per slot (a sealed slot never changes)."""
+
+    makes: dict[int, tuple[int, bool, tuple[int, ...]]]  # key id -> (position made, fused local slice, keys it slices)
+    reads: dict[int, int]  # key id -> the last position the slot reads it at (fused values: `ProgramInfo.until`)
+    workspace: tuple[tuple[int, int, int], ...]  # (first, last position, bytes) beyond operands and results
+    reduced: dict[int, int]  # key id -> bytes of the all-reduced buffer it is a local slice of
+    recomputed: frozenset[int]  # key ids the op recomputes from their operands rather than reads
+    fused_reads: dict[int, int]  # key id the op's fused result is computed from -> its own last read of it, before
+    # `until` extends it to where that result is materialised (`MemoryModel._read_end` decides per plan)
+    relayouts: dict[int, tuple[int, int]]  # all-gathered key id -> (position, bytes) of its gathered layout before
+    # XLA:CPU's relayout copy (`MemoryModel._gathers_of`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +103,9 @@ class MemoryModel:
         self._free_outs: list[tuple[int, int]] = []  # (bytes, value) of outputs not written into donated inputs
         self.ends_at: dict[int, set[int]] = {}  # position -> key ids of buffers whose last position it is
         self.fulls: dict[int, tuple[int, int, int]] = {}  # key id -> the all-reduced buffer it slices (`_set_full`)
+        self.relayouts: dict[int, tuple[int, int, int]] = {}  # key id -> its gathered layout before the copy (`_set`)
+        self._ends: dict[int, int] = {}  # fused value -> where this plan materialises it last (`_value_end`; per run)
+        self._walks: dict[int, tuple[int, ...]] | None = None  # value -> fused ops whose `_fused_end` visits it
         self.shares: dict[int, tuple[tuple[int, frozenset[int]], ...]] = {}  # op -> its results' in-place pairs
         self._slots: Sequence[Any] = ()  # the simulation's slots (the last full or delta run's)
         self._donated_to: list[tuple[int, int]] = []  # (donated input, the output written into it), canonical
@@ -117,15 +137,17 @@ class MemoryModel:
             self.diff[s] -= b
             self.diff[e + 1] += b
             self.ends_at[e].discard(kid)
-        old = self.fulls.pop(kid, None)
-        if old is not None:
-            s, e, b = old
-            self.diff[s] -= b
-            self.diff[e + 1] += b
+        for extra in (self.fulls, self.relayouts):
+            old = extra.pop(kid, None)
+            if old is not None:
+                s, e, b = old
+                self.diff[s] -= b
+                self.diff[e + 1] += b
         self.out_keys.pop(kid, None)
         owner = self.owner.get(kid)
         if owner is None:
             return
+        self._set_relayout(kid, owner[0])
         c, sharding, origin = self.keys.key_list[kid]
         o = self._output_of(c, sharding, origin)
         if o is not None:
@@ -139,13 +161,13 @@ class MemoryModel:
         for k in self.slices.get(kid, ()):  # a local slice of it fused into its readers (loop fusions) reads it
             for r, pos in (self.readers.get(k) or {}).items():
                 if loop and loop[r]:
-                    end = max(end, pos)
+                    end = max(end, self._read_end(k, r, pos))
         lo, hi = self.bounds.get(kid, (-1, -1))
         order = self.order
         lo, hi = 2 * order[lo] + 1 if lo >= 0 else -1, 2 * order[hi] + 1 if hi >= 0 else -1  # merged all-reduces
         start = max(owner[1], lo)
         end = max(end, hi, start)
-        full = self._positions(self._slots[owner[0]])[3].get(kid) if self._slots else None
+        full = self._positions(self._slots[owner[0]]).reduced.get(kid) if self._slots else None
         if full is not None:  # a slice of an all-reduced buffer
             end = self._set_full(kid, full, start, end, hi)
             if end < 0:
@@ -161,9 +183,129 @@ class MemoryModel:
         rs = self.readers.get(kid)
         if not rs:
             return made
-        if not self.info.recompute or kid in self.keys.chain_keys or not self._slots:
+        if not self._slots:
             return max(rs.values())
-        return max((p for r, p in rs.items() if kid not in self._positions(self._slots[r])[4]), default=made)
+        skip = bool(self.info.recompute) and kid not in self.keys.chain_keys
+        return max((self._read_end(kid, r, p) for r, p in rs.items()
+                    if not (skip and kid in self._positions(self._slots[r]).recomputed)), default=made)
+
+    def _read_end(self, kid: int, r: int, pos: int) -> int:
+        """Where slot `r`'s reads of key `kid` end, `pos` as `_reads_of` found them: for an op whose fused result is
+        computed from `kid`, at the last place this plan materialises that result (`_fused_end`), not at
+        `ProgramInfo.until`'s, which does not know the plan's collectives."""
+        base = self._positions(self._slots[r]).fused_reads.get(kid) if self._slots else None
+        if base is None:
+            return pos
+        return max(base, self._fused_end(r, self.keys.key_list[kid][0]))
+
+    def _fused_end(self, op_id: int, c: int, own: bool = True) -> int:
+        """The last position where what op `op_id` computes from canonical value `c` is materialised: where the
+        op is when it materialises it itself, else where its fused results are (`_value_end`; `own`: the op's
+        cheap materialised results also recomputed by readers count as fused, as in `ProgramInfo.until`)."""
+        info = self.info
+        at = 2 * self.order[op_id]
+        last = -1
+        for w in derived(self.graph.ops[op_id], c, info.canon):
+            cw = info.canon[w]
+            e = self._value_end(cw) if cw in info.fusing and (info.fused[cw] or own) else -1
+            last = max(last, e if e >= 0 else at)
+        return last
+
+    def _value_end(self, c: int) -> int:
+        """The last position where something computed from value `c` is materialised, `c` being recomputed in the
+        fusions of its readers (`ProgramInfo.fusing`): in each reader, where it materialises what it computes from
+        `c` — unless it reads `c` only in layouts a collective made. A collective reads its operand from memory:
+        XLA computes `c` into the collective's operand, and the reader reads the collective's result; so `c` is
+        materialised where the collective's result is made (`_collective_read`). (-1: nowhere.)"""
+        hit = self._ends.get(c)
+        if hit is not None:
+            return hit
+        self._ends[c] = -1
+        last = -1
+        for w in self.info.fusing.get(c, ()):
+            cut = self._collective_read(w, c)
+            last = max(last, cut if cut >= 0 else self._fused_end(w, c, own=False))
+        self._ends[c] = last
+        return last
+
+    def _collective_read(self, op_id: int, c: int) -> int:
+        """Where the layouts of value `c` op `op_id` reads are made, when each is made by a collective or is a
+        local slice of one a collective made (-1: the op reads a layout its fusion computes `c` into)."""
+        slot = self._slots[op_id]
+        if slot.at >= len(slot.tasks):
+            return -1
+        flags, keys = self.keys.is_value_key, self.keys.key_list
+        made = [self._collective_made(d) for d in slot.tasks[slot.at].deps if flags[d] and keys[d][0] == c]
+        return max(made) if made and min(made) >= 0 else -1
+
+    def _collective_made(self, kid: int, depth: int = 0) -> int:
+        """The position where key `kid` is made when a collective makes it, or a local slice makes it of a layout of
+        the same value a collective made (-1: otherwise; a hint's result is another value, the buffer it aliases
+        is read where the hint's readers read)."""
+        owner = self.owner.get(kid)
+        if owner is None:
+            return -1
+        if kid in self.keys.chain_keys:
+            return owner[1]
+        flags, keys = self.keys.is_value_key, self.keys.key_list
+        for t in self._slots[owner[0]].tasks if depth < 4 else ():
+            if kid in t.outs:
+                if t.kind != "join" or not t.deps or not all(flags[d] and keys[d][0] == keys[kid][0] for d in t.deps):
+                    return -1
+                made = [self._collective_made(d, depth + 1) for d in t.deps]
+                return max(made) if min(made) >= 0 else -1
+        return -1
+
+    def _walked(self) -> dict[int, tuple[int, ...]]:
+        """Value -> the ops whose reads `_read_end` decides by walking through it (`_fused_end`): a change in the
+        layouts of the value, or in who reads them, moves where those reads end. Plan-independent."""
+        if self._walks is None:
+            info, out = self.info, {}
+            for op in self.graph.ops:
+                for c, _ in info.until[op.id] if info.until else ():
+                    for v in self._fused_tree(op.id, c):
+                        out.setdefault(v, set()).add(op.id)
+            self._walks = {v: tuple(sorted(ops)) for v, ops in out.items()}
+        return self._walks
+
+    def _fused_tree(self, op_id: int, c: int) -> set[int]:
+        """The values `_fused_end(op_id, c)` may visit."""
+        info, seen = self.info, set()
+        stack = [(op_id, c, True)]
+        while stack:
+            o, v, own = stack.pop()
+            for w in derived(self.graph.ops[o], v, info.canon):
+                cw = info.canon[w]
+                if cw in info.fusing and (info.fused[cw] or own) and cw not in seen:
+                    seen.add(cw)
+                    stack.extend((r, cw, False) for r in info.fusing[cw])
+        return seen
+
+    def _set_relayout(self, kid: int, owner: int) -> None:
+        """Record the all-gathered layout XLA:CPU copies key `kid` from (`_gathers_of`), unless every reader fuses
+        that copy: the copy is an elementwise instruction, which loop fusion fuses into readers emitted in loop
+        fusions (reading `kid` directly or through a local slice fused into them), so they read the gathered
+        buffer itself and no copy is made."""
+        rel = self._positions(self._slots[owner]).relayouts.get(kid) if self._slots else None
+        if rel is None or self._fused_everywhere(kid):
+            return
+        pos, n = rel
+        self.relayouts[kid] = (pos, pos, n)
+        self.diff[pos] += n
+        self.diff[pos + 1] -= n
+
+    def _fused_everywhere(self, kid: int) -> bool:
+        """Whether every slot reading key `kid` reads it in its op's loop fusion (the op itself, or a local slice
+        fused into it)."""
+        rs = self.readers.get(kid)
+        if not rs or not self.info.loop:
+            return False
+        for r in rs:
+            slot = self._slots[r]
+            for i, t in enumerate(slot.tasks):
+                if kid in t.deps and not (i == slot.at and self.info.loop[r] or self._fused_slice(slot, i)):
+                    return False
+        return True
 
     def _set_full(self, kid: int, full: int, start: int, end: int, hi: int) -> int:
         """Record the all-reduced buffer (`full` bytes) that key `kid` is a local slice of (`_reduced_of`): it lives
@@ -172,6 +314,7 @@ class MemoryModel:
         it (-1: none, the slice is never materialised)."""
         fused, other = start, -1
         for r, pos in (self.readers.get(kid) or {}).items():
+            pos = self._read_end(kid, r, pos)
             slot = self._slots[r]
             if (self.info.loop[r] and slot.at < len(slot.tasks) and kid in slot.tasks[slot.at].deps
                     and not any(kid in t.deps for t in slot.tasks[:slot.at])):
@@ -216,26 +359,26 @@ class MemoryModel:
         return o if o is not None and sharding == self._planned[o] else None
 
     def _work(self, slot: Any, sign: int) -> None:
-        for a, b, n in self._positions(slot)[2]:
+        for a, b, n in self._positions(slot).workspace:
             self.diff[a] += sign * n
             self.diff[b + 1] -= sign * n
 
     def _reads(self, slot: Any) -> dict[int, int]:
         """Key id -> the last position at which the slot reads it."""
-        return self._positions(slot)[1]
+        return self._positions(slot).reads
 
-    def _makes(self, slot: Any) -> dict[int, tuple[int, bool]]:
-        """Key id -> (the position at which the slot makes it, whether it is a slice fused into the op)."""
-        return self._positions(slot)[0]
+    def _makes(self, slot: Any) -> dict[int, tuple[int, bool, tuple[int, ...]]]:
+        """Key id -> (the position at which the slot makes it, whether it is a slice fused into the op, what it
+        slices)."""
+        return self._positions(slot).makes
 
-    def _positions(self, slot: Any) -> tuple[dict, dict[int, int], tuple[tuple[int, int, int], ...], dict[int, int],
-                                             frozenset[int]]:
-        """(makes, reads, workspace, reduced, recomputed) of a slot, computed once per slot (slots are not
-        modified once sealed)."""
+    def _positions(self, slot: Any) -> SlotMemory:
+        """What a slot contributes to memory, computed once per slot (slots are not modified once sealed)."""
         cached = getattr(slot, "memory", None)
         if cached is None:
-            cached = (self._makes_of(slot), self._reads_of(slot), self._workspace_of(slot), self._reduced_of(slot),
-                      self._recomputed_of(slot))
+            reads, fused_reads = self._reads_of(slot)
+            cached = SlotMemory(self._makes_of(slot), reads, self._workspace_of(slot), self._reduced_of(slot),
+                                self._recomputed_of(slot), fused_reads, self._gathers_of(slot))
             try:
                 slot.memory = cached
             except AttributeError:  # a slot type without the cache field
@@ -258,10 +401,9 @@ class MemoryModel:
         * a convolution whose operands are not in the order XLA:CPU's convolution reads ([batch, spatial...,
           feature] and [spatial..., in, out]: a backward convolution's) reads transposed copies of them
           (`ProgramInfo.copies`), and one whose result is not in that order writes it in that order first and
-          transposes it (`conv_output_copied`);
-        * an all-gather over a dim that is not the result's most major one writes the gathered dim most major
-          and is copied into the row-major layout its readers read: its own buffer lives until that copy, made
-          next (`_gathers_of`)."""
+          transposes it (`conv_output_copied`).
+
+        (An all-gather's layout before its relayout copy is the gathered key's: `_gathers_of`, `_set_relayout`.)"""
         if self.info.backend != "cpu" or slot.at >= len(slot.tasks):
             return ()
         op = self.graph.ops[slot.op]
@@ -285,7 +427,6 @@ class MemoryModel:
             if s is not None:
                 start = min(self._copy_start(c), at) if COPIES_EARLY else at
                 out.append((start, at, int(self.graph.values[c].dtype.itemsize) * math.prod(self.keys.local_shape(c, s))))
-        out += self._gathers_of(slot)
         if op.primitive == "conv_general_dilated" and task.outs and conv_output_copied(op, self.graph):
             out.append((at, at, self._bytes(task.outs[0])))  # the result in canonical order, before its transpose
         if op.primitive == "select_and_scatter_add" and len(keys) >= 2:
@@ -299,16 +440,18 @@ class MemoryModel:
                     (min(ready + 1, at), at, 4 * rank * n_out), (0, at - 1, item * n_in)]
         return tuple(out)
 
-    def _gathers_of(self, slot: Any) -> list[tuple[int, int, int]]:
-        """(position, position, bytes) of the all-gathers of a slot's reshards that XLA:CPU writes in a layout with
+    def _gathers_of(self, slot: Any) -> dict[int, tuple[int, int]]:
+        """Key id -> (position, bytes) of each all-gather of a slot's reshards that XLA:CPU writes in a layout with
         the gathered dim most major and then copies into the row-major one (when a dim before the gathered one has
-        more than one element): the gathered buffer before its copy. Not for a loop's carried state (a hint or tie
+        more than one element): the gathered buffer before its copy, made next (whether the copy is a buffer of
+        its own depends on the key's readers: `_set_relayout`). Not for a loop's carried state (a hint or tie
         making it): the loop state keeps the gathered layout, the copy is made where it is read."""
         op = self.graph.ops[slot.op]
-        if op.primitive in _PASS_THROUGH and any(self.info.canon[v] in self.info.carried for v in op.outputs):
-            return []
+        if self.info.backend != "cpu" or (op.primitive in _PASS_THROUGH
+                                          and any(self.info.canon[v] in self.info.carried for v in op.outputs)):
+            return {}
         flags, keys = self.keys.is_value_key, self.keys.key_list
-        out = []
+        out = {}
         for i, t in enumerate(slot.tasks):
             if t.kind != "join" or len(t.deps) != 1 or flags[t.deps[0]] or not t.outs or not flags[t.outs[0]]:
                 continue
@@ -324,8 +467,7 @@ class MemoryModel:
             shape = self.keys.local_shape(c, dst)
             gathered = [d for d, (a, b) in enumerate(zip(src.dims, dst.dims)) if len(a) > len(b)]
             if gathered and any(n > 1 for n in shape[:min(gathered)]):
-                pos = self._position(slot, i, t.outs[0])
-                out.append((pos, pos, self._bytes(t.outs[0])))
+                out[t.outs[0]] = (self._position(slot, i, t.outs[0]), self._bytes(t.outs[0]))
         return out
 
     def _shares_of(self, slot: Any) -> tuple[tuple[int, frozenset[int]], ...]:
@@ -420,14 +562,17 @@ class MemoryModel:
             return 0  # written in place into a buffer made at the start (`ProgramInfo.preset`)
         return 2 * self.order[op] + (i > slot.at)
 
-    def _reads_of(self, slot: Any) -> dict[int, int]:
-        """The last position a slot reads each key at. An op whose results are fused into their readers reads
-        its operands (and the operands of local slices fused into it) wherever a value computed from them is
-        materialised (`ProgramInfo.until`)."""
+    def _reads_of(self, slot: Any) -> tuple[dict[int, int], dict[int, int]]:
+        """The last position a slot reads each key at, and, for the keys its reads of which `until` extends, its
+        own last read of them. An op whose results are fused into their readers reads its operands (and the
+        operands of local slices fused into it) wherever a value computed from them is materialised
+        (`ProgramInfo.until`, independent of the plan: `_read_end` decides per plan)."""
         flags = self.keys.is_value_key
         until = dict(self.info.until[slot.op]) if self.info.until else {}
         copied = self._copied(slot.op)
         out: dict[int, int] = {}
+        plain: dict[int, int] = {}  # the reads without `until`
+        extended: set[int] = set()
         for i, t in enumerate(slot.tasks):
             fused_in = until and (i == slot.at or self._fused_slice(slot, i))
             for d in t.deps:
@@ -436,12 +581,12 @@ class MemoryModel:
                     c = self.keys.key_list[d][0]
                     if i == slot.at and c in copied:  # the dot reads its copy
                         pos = min(pos, self._copy_start(c))
-                    if fused_in:
-                        u = until.get(self.keys.key_list[d][0], -1)
-                        if u >= 0:
-                            pos = max(pos, 2 * self.order[u])
+                    plain[d] = max(plain.get(d, -1), pos)
+                    if fused_in and until.get(c, -1) >= 0:
+                        extended.add(d)
+                        pos = max(pos, 2 * self.order[until[c]])
                     out[d] = max(out.get(d, -1), pos)
-        return out
+        return out, {d: plain[d] for d in extended}
 
     def _makes_of(self, slot: Any) -> dict[int, tuple[int, bool, tuple[int, ...]]]:
         flags = self.keys.is_value_key
@@ -470,7 +615,9 @@ class MemoryModel:
         self.slice_src.clear()
         self.ends_at.clear()
         self.fulls.clear()
+        self.relayouts.clear()
         self.shares.clear()
+        self._ends.clear()
         for s in slots:
             pairs = self._shares_of(s)
             if pairs:
@@ -539,11 +686,22 @@ class MemoryModel:
             for k, pos in self._reads(new).items():
                 self.readers.setdefault(k, {})[i] = pos
                 touched.add(k)
+        touched |= self._walking(touched)
         for k in list(touched):  # a fused slice's readers read what it slices
             touched.update(self.slice_src.get(k, ()))
+        self._ends.clear()
         for k in touched:
             self._set(k)
         self.io(plan, donated, values)
+
+    def _walking(self, touched: Iterable[int]) -> set[int]:
+        """Key ids whose reads by fused ops end where `_fused_end` walks through a value one of `touched` is a layout
+        of (a change there moves them)."""
+        walked, keys, out = self._walked(), self.keys.key_list, set()
+        for c in {keys[k][0] for k in touched}:
+            for op in walked.get(c, ()):
+                out.update(self._positions(self._slots[op]).fused_reads)
+        return out
 
     def io(self, plan: Any, donated: Sequence[int], values: Iterable[int] | None) -> None:
         """Arguments, outputs and aliased bytes (recomputed for `values` only, all when None)."""
@@ -725,7 +883,8 @@ class MemoryModel:
                 continue
             if all(r == maker or self._orders_before(r, o) for r in self._reading_ops(kid, rs)):
                 continue
-            out.append((0, max(rs.values()), self._bytes(kid)) + ((p,) if named else ()))
+            end = max(self._read_end(kid, r, pos) for r, pos in rs.items())
+            out.append((0, end, self._bytes(kid)) + ((p,) if named else ()))
         return out
 
     def _copy_post(self, p: int) -> float:

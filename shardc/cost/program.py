@@ -35,7 +35,7 @@ from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL
 from shardc.ir.graph import Graph
 
 __all__ = ["ProgramInfo", "program_info", "descendants", "Merged", "merged", "unread_operands", "broadcast_dims",
-           "broadcast_transfer",
+           "broadcast_transfer", "derived", "fusing_readers",
            "FUSIBLE", "FREE_PRIMITIVES", "PCG_COLLECTIVE"]
 
 # Ops XLA fuses into their consumers (loop fusion): elementwise math and cheap data movement.
@@ -112,6 +112,8 @@ class ProgramInfo:
     inplace: tuple[tuple[int, ...], ...] = ()  # per op (XLA:CPU): canonical values it may write its result over
     out_alias: tuple[tuple[int, int], ...] = ()  # (value, output) pairs: a hint makes the output of the value
     recompute: frozenset[tuple[int, int]] = frozenset()  # (op, canonical cheap value it recomputes, not reads)
+    fusing: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # fused canonical value (or
+    # cheap materialised one) -> the ops whose fusions recompute it (`fusing_readers`; `until` walks them)
 
     def counts(self, op_id: int) -> bool:
         """Whether an op does work in the compiled program."""
@@ -559,7 +561,7 @@ def _breadth_first(graph: Graph, live: list[bool], canon: list[int], constant: l
     return order
 
 
-def _derived(op: Any, c: int, canon: list[int]) -> list[int]:
+def derived(op: Any, c: int, canon: Sequence[int]) -> list[int]:
     """The results of `op` computed from its canonical input `c` (an optimization barrier passes operand i
     through as result i; other ops compute every result from every operand)."""
     if op.primitive == "optimization_barrier":
@@ -567,12 +569,29 @@ def _derived(op: Any, c: int, canon: list[int]) -> list[int]:
     return list(op.outputs)
 
 
-def _fused_reads(graph: Graph, live: list[bool], canon: list[int], fused: list[bool], consumers: list[list[int]],
-                 order: list[int], dup: Mapping[int, list[int]] | None = None) -> tuple[tuple[tuple[int, int], ...], ...]:
+def fusing_readers(graph: Graph, live: Sequence[bool], canon: Sequence[int], fused: Sequence[bool],
+                   consumers: Sequence[Sequence[int]], dup: Mapping[int, Sequence[int]]) -> dict[int, tuple[int, ...]]:
+    """Per canonical value XLA recomputes inside the fusions reading it, those readers: all of a fused value's,
+    and the readers of a cheap materialised value that fuse it anyway (`dup`)."""
+    out: dict[int, tuple[int, ...]] = {}
+    for op in graph.ops:
+        if not live[op.id]:
+            continue
+        for v in op.outputs:
+            c = canon[v]
+            if c == v and (fused[c] or c in dup):
+                out[c] = tuple(consumers[c]) if fused[c] else tuple(dup[c])
+    return out
+
+
+def _fused_reads(graph: Graph, live: list[bool], canon: list[int], fused: list[bool],
+                 fusing: Mapping[int, Sequence[int]], order: list[int],
+                 dup: Mapping[int, list[int]] | None = None) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Per op whose results are fused into their readers: for each canonical input, the last op (by `order`)
-    that materialises a value computed from it — XLA recomputes a fused value inside each fusion reading it,
-    so the operands it is computed from are read there. `dup`: materialised values also recomputed inside
-    these readers of theirs (cheap ones)."""
+    that materialises a value computed from it — XLA recomputes a fused value inside each fusion reading it
+    (`fusing`), so the operands it is computed from are read there. `dup`: materialised values also recomputed
+    inside these readers of theirs (cheap ones). Independent of the plan: where a plan's collective reads a
+    fused value, it is materialised there instead (`MemoryModel._fused_end`)."""
     dup = dup or {}
     nv = len(graph.values)
     at = [-1] * nv  # per fused canonical value: the last op materialising something computed from it
@@ -585,7 +604,7 @@ def _fused_reads(graph: Graph, live: list[bool], canon: list[int], fused: list[b
         value, whose recomputations in its fusing readers count too; a reader's materialised result ends
         the chain)."""
         last = -1
-        for w in _derived(op, c, canon):
+        for w in derived(op, c, canon):
             cw = canon[w]
             last = later(last, at[cw] if (fused[cw] or own and cw in dup) and at[cw] >= 0 else op.id)
         return last
@@ -596,8 +615,8 @@ def _fused_reads(graph: Graph, live: list[bool], canon: list[int], fused: list[b
             continue
         for v in op.outputs:
             c = canon[v]
-            if c == v and (fused[c] or c in dup):
-                for u in consumers[c] if fused[c] else dup[c]:
+            if c == v and c in fusing:
+                for u in fusing[c]:
                     at[c] = later(at[c], end(graph.ops[u], c))
         if any(fused[canon[w]] or canon[w] in dup for w in op.outputs):
             pairs = {}
@@ -969,7 +988,8 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
             fusing = [u for u in consumers[c] if (loop[u] and RECOMPUTE_IN_LOOPS) or into_copy(u)]
             if fusing:
                 dup[c] = fusing
-    until = _fused_reads(graph, live, canon, fused, consumers, order, dup)
+    fusing = fusing_readers(graph, live, canon, fused, consumers, dup)
+    until = _fused_reads(graph, live, canon, fused, fusing, order, dup)
     recompute = frozenset((u, c) for c, us in dup.items() for u in us)
 
     lengths = _loop_lengths(graph)
@@ -989,7 +1009,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                        post=tuple(_post_order(graph, canon)),
                        copies=copies, copy_owner=last_copies(graph, canon, copies, order), cheap=cheap,
                        bitcast=bitcast, inplace=inplace, out_alias=output_aliases(graph, live, canon, constant),
-                       recompute=recompute if backend == "cpu" else frozenset())
+                       recompute=recompute if backend == "cpu" else frozenset(), fusing=fusing)
 
 
 def _loop_ops(graph: Graph, live: Sequence[bool], library: set[int], backend: str) -> tuple[bool, ...]:

@@ -157,3 +157,33 @@ def test_delta_is_exactly_full_with_cpu_memory_rules(hinted, donating, data):
             v = data.draw(st.sampled_from(values))
             plan = with_sharding(plan, v, random_sharding(data.draw, plan, v))
         assert same(incremental.delta(plan, donated), reference.full(plan, donated))
+
+
+def test_delta_follows_where_a_plan_materialises_a_fused_value():
+    """Where an op's reads of what its fused result is computed from end depends on how other slots read that
+    result: through a collective (it is materialised there) or not (it is recomputed where their fusions run). A
+    change to those readers alone, the producer's slot unchanged, moves them; the delta follows the full
+    simulation through every layout of the scaled state and every strategy of the ops scaling it and reading it."""
+    mesh = shardc.make_mesh({"model": 8})
+
+    def step(m, x, w):
+        p = split(split(m, 1, "model") * 0.9, 1, "model")
+        h = split(x, 0, "model")
+        for _ in range(3):
+            h = jnp.tanh(h @ w)
+        return split(p, 0, "model") + h
+
+    plan = shardc.auto(step, mesh=mesh, search=False).plan(jnp.ones((64, 32)), jnp.ones((64, 32)),
+                                                            jnp.ones((32, 32)))
+    incremental = simulator_for(plan, "cpu-host")
+    incremental.full(plan)
+    mul = next(op for op in plan.graph.ops if op.primitive == "mul")
+    scaled = [op.outputs[0] for op in plan.graph.ops if op.primitive == "shardc_hint" and op.inputs[0] in mul.outputs]
+    layouts = [Sharding(((), ())), Sharding((("model",), ())), Sharding(((), ("model",)))]
+    add = next(op for op in plan.graph.ops if op.primitive == "add")  # reads the product, resharded or not
+    steps = [(v, s) for v in [*mul.outputs, *scaled] for s in layouts]
+    steps += [(op.id, s) for op in (mul, add) for s in legal_strategies(plan, op.id)]
+    for target, choice in steps + steps[::-1]:
+        plan = with_sharding(plan, target, choice) if isinstance(choice, Sharding) else \
+            with_strategy(plan, target, choice)
+        assert same(incremental.delta(plan), simulator_for(plan, "cpu-host").full(plan)), (target, choice)

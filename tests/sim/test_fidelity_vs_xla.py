@@ -402,6 +402,49 @@ def test_peak_memory_of_an_all_gather_over_a_minor_dim():
     assert row.ok, f"predicted {row.predicted:,.0f} bytes, XLA {row.compiled:,.0f}"
 
 
+def test_peak_memory_of_all_gathers_read_by_loop_fusions():
+    """The relayout copy XLA:CPU makes of an all-gather over a minor dim is an elementwise instruction: when every
+    reader is emitted in a loop fusion (here the reshape of the gathered [b, s, 3, h, d] gradients, a local slice
+    and their sum, as the fused QKV projection's backward pass makes them), fusion takes the copy into it and it
+    reads the gathered buffer: three gathered buffers at the peak, not three and a copy (the model was 29% over
+    counting the copy; `qkv-lm fsdp` of bench/fidelity.py 12%)."""
+    b, s, h, d = 16, 64, 8, 32
+
+    def step(*xs):
+        parts = [split(split(x, 3, "model") * 2.0, 3, "model").reshape(b, s, 3 * h * d) for x in xs]
+        return split(parts[0] + parts[1] + parts[2], 2, "model")
+
+    f = shardc.auto(step, mesh=shardc.make_mesh({"model": 8}), search=False)
+    report = shardc.check(f, *(jnp.ones((b, s, 3, h, d)) for _ in range(3)))
+    row = report.row("peak memory bytes")
+    assert row.ok, f"predicted {row.predicted:,.0f} bytes, XLA {row.compiled:,.0f}"
+    assert report.row("all-gather bytes").compiled > 0
+
+
+def test_peak_memory_of_a_fused_value_read_through_a_collective():
+    """A collective reads its operand from memory, so XLA computes a fused elementwise value into the collective's
+    operand where the collective runs, and its readers read the collective's result: what the value is computed
+    from is read there, not where those readers run. Here a weight-sized state is resharded (an all-to-all), scaled
+    (`0.9 * m`, as Adam scales its moments) and the product resharded back, all at the start of the step, while it
+    is added at the end: the first all-to-all's result dies at the second (the model was 27% over keeping it until
+    the add; `moe-auto megatron` of bench/fidelity.py 17%)."""
+
+    def step(m, x, w, v):
+        a = split(split(m, 0, "model"), 1, "model")
+        p = split(split(a * 0.9, 1, "model"), 0, "model")
+        h = split(x, 0, "model")
+        for _ in range(4):
+            h = jnp.tanh(h @ w)
+        return (p + h @ v)[:, :128]
+
+    f = shardc.auto(step, mesh=shardc.make_mesh({"model": 8}), search=False)
+    args = (jnp.ones((2048, 1024)), jnp.ones((2048, 64)), jnp.ones((64, 64)), jnp.ones((64, 1024)))
+    report = shardc.check(f, *args)
+    row = report.row("peak memory bytes")
+    assert row.ok, f"predicted {row.predicted:,.0f} bytes, XLA {row.compiled:,.0f}"
+    assert report.row("all-to-all bytes").compiled > 0
+
+
 class _Megatron2(nn.Module):
     @nn.compact
     def __call__(self, x):
