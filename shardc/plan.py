@@ -22,7 +22,7 @@ from shardc.cost.program import broadcast_dims, merged, unread_operands
 from shardc.cost.reshard_path import reshard_steps, sent_bytes
 from shardc.cost.wire import wire_itemsize
 from shardc.ir.graph import Graph, Op
-from shardc.propagate import Cause, Propagation, project_dim
+from shardc.propagate import Cause, Propagation, _pass_through_op, project_dim
 from shardc.rules.core import FactorKind, FactorRule
 from shardc.sharding import Sharding, mesh_shape
 
@@ -333,7 +333,7 @@ def _strategy(op: Op, graph: Graph, shardings: Sequence[Sharding], nbytes, mesh:
         return _greedy_strategy(op, axes_of, [(op.outputs[0], rule.results[0])], mesh), None
     default = _greedy_strategy(op, axes_of, order, mesh)
     sharded = [i for i, (v, _) in enumerate(order) if i > 0 and shardings[v].dims and any(shardings[v].dims)]
-    if not sharded or op.primitive not in _COSTED_PRIMITIVES:
+    if not sharded or not (op.primitive in _COSTED_PRIMITIVES or _elementwise(op)):
         return default, None
 
     def key(strat: OpStrategy, specs: list[ReshardSpec]) -> tuple:
@@ -353,8 +353,17 @@ def _strategy(op: Op, graph: Graph, shardings: Sequence[Sharding], nbytes, mesh:
     return best, best_specs
 
 
+def _elementwise(op: Op) -> bool:
+    """An n-ary elementwise op (every factor pass-through, in every tensor; not a tie, whose layouts the
+    step's carried state decides): its layout is chosen by cost too. Keeping the largest tensor's layout is
+    right when one is largest, but among equals it keeps the result's, and where two operands agree with
+    each other against it (an `add_any` of two cotangents whose sum a consumer wants elsewhere), resharding
+    the one result costs half of resharding both operands."""
+    return len(op.inputs) > 1 and op.primitive != "tie" and _pass_through_op(op.rule)
+
+
 # Ops whose layout is chosen by cost (above): those whose tensors have different shapes, where which one
-# keeps its layout matters. Elementwise ops have one layout for all tensors; keeping the largest is right.
+# keeps its layout matters, and elementwise ops with several operands (`_elementwise`).
 _COSTED_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "gather", "scatter", "scatter-add",
                                 "scatter_add", "reduce_sum", "reduce_max", "reduce_min", "transpose",
                                 "reshape", "broadcast_in_dim", "concatenate", "dynamic_slice",
