@@ -23,7 +23,7 @@ from shardc.cost.reshard_path import reshard_steps, sent_bytes
 from shardc.cost.wire import wire_itemsize
 from shardc.ir.graph import Graph, Op
 from shardc.propagate import Cause, Propagation, _pass_through_op, project_dim
-from shardc.rules.core import FactorKind, FactorRule
+from shardc.rules.core import SELF_COMBINED, FactorKind, FactorRule
 from shardc.sharding import Sharding, mesh_shape
 
 __all__ = ["OpStrategy", "Reshard", "Plan", "PlanBuilder", "build_plan", "abstract_mesh", "is_abstract",
@@ -82,12 +82,18 @@ class OpStrategy:
         return Sharding(tuple(out))
 
     def partial_axes(self, rule: FactorRule) -> frozenset[str]:
+        """The axes the results hold partial values over: those of the sharded reduction factors (none for an
+        op that combines its shards itself, `SELF_COMBINED`)."""
+        if rule.reduce_op in SELF_COMBINED:
+            return frozenset()
         return frozenset(a for f, axes in enumerate(self.factor_axes) if rule.kinds[f] is FactorKind.REDUCTION for a in axes)
 
     def partial_groups(self, rule: FactorRule) -> tuple[Axes, ...]:
         """The axes of each sharded reduction factor, last factor first: XLA's partitioner reduces the
         partial sums of a reduction or contraction over several sharded dims with one all-reduce per dim,
         the last dim's first (a reduce_sum of f32[4,4] over [x, y] is an all-reduce over y, then one over x)."""
+        if rule.reduce_op in SELF_COMBINED:
+            return ()
         return tuple(tuple(axes) for f, axes in reversed(list(enumerate(self.factor_axes)))
                      if axes and rule.kinds[f] is FactorKind.REDUCTION)
 
