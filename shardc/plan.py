@@ -22,8 +22,8 @@ from shardc.cost.program import broadcast_dims, merged, unread_operands
 from shardc.cost.reshard_path import reshard_steps, sent_bytes
 from shardc.cost.wire import wire_itemsize
 from shardc.ir.graph import Graph, Op
-from shardc.propagate import Cause, Propagation, project_dim
-from shardc.rules.core import FactorKind, FactorRule
+from shardc.propagate import Cause, Propagation, _pass_through_op, project_dim
+from shardc.rules.core import SELF_COMBINED, FactorKind, FactorRule
 from shardc.sharding import Sharding, mesh_shape
 
 __all__ = ["OpStrategy", "Reshard", "Plan", "PlanBuilder", "build_plan", "abstract_mesh", "is_abstract",
@@ -82,12 +82,18 @@ class OpStrategy:
         return Sharding(tuple(out))
 
     def partial_axes(self, rule: FactorRule) -> frozenset[str]:
+        """The axes the results hold partial values over: those of the sharded reduction factors (none for an
+        op that combines its shards itself, `SELF_COMBINED`)."""
+        if rule.reduce_op in SELF_COMBINED:
+            return frozenset()
         return frozenset(a for f, axes in enumerate(self.factor_axes) if rule.kinds[f] is FactorKind.REDUCTION for a in axes)
 
     def partial_groups(self, rule: FactorRule) -> tuple[Axes, ...]:
         """The axes of each sharded reduction factor, last factor first: XLA's partitioner reduces the
         partial sums of a reduction or contraction over several sharded dims with one all-reduce per dim,
         the last dim's first (a reduce_sum of f32[4,4] over [x, y] is an all-reduce over y, then one over x)."""
+        if rule.reduce_op in SELF_COMBINED:
+            return ()
         return tuple(tuple(axes) for f, axes in reversed(list(enumerate(self.factor_axes)))
                      if axes and rule.kinds[f] is FactorKind.REDUCTION)
 
@@ -333,7 +339,7 @@ def _strategy(op: Op, graph: Graph, shardings: Sequence[Sharding], nbytes, mesh:
         return _greedy_strategy(op, axes_of, [(op.outputs[0], rule.results[0])], mesh), None
     default = _greedy_strategy(op, axes_of, order, mesh)
     sharded = [i for i, (v, _) in enumerate(order) if i > 0 and shardings[v].dims and any(shardings[v].dims)]
-    if not sharded or op.primitive not in _COSTED_PRIMITIVES:
+    if not sharded or not (op.primitive in _COSTED_PRIMITIVES or _elementwise(op)):
         return default, None
 
     def key(strat: OpStrategy, specs: list[ReshardSpec]) -> tuple:
@@ -353,8 +359,17 @@ def _strategy(op: Op, graph: Graph, shardings: Sequence[Sharding], nbytes, mesh:
     return best, best_specs
 
 
+def _elementwise(op: Op) -> bool:
+    """An n-ary elementwise op (every factor pass-through, in every tensor; not a tie, whose layouts the
+    step's carried state decides): its layout is chosen by cost too. Keeping the largest tensor's layout is
+    right when one is largest, but among equals it keeps the result's, and where two operands agree with
+    each other against it (an `add_any` of two cotangents whose sum a consumer wants elsewhere), resharding
+    the one result costs half of resharding both operands."""
+    return len(op.inputs) > 1 and op.primitive != "tie" and _pass_through_op(op.rule)
+
+
 # Ops whose layout is chosen by cost (above): those whose tensors have different shapes, where which one
-# keeps its layout matters. Elementwise ops have one layout for all tensors; keeping the largest is right.
+# keeps its layout matters, and elementwise ops with several operands (`_elementwise`).
 _COSTED_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "gather", "scatter", "scatter-add",
                                 "scatter_add", "reduce_sum", "reduce_max", "reduce_min", "transpose",
                                 "reshape", "broadcast_in_dim", "concatenate", "dynamic_slice",

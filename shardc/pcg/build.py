@@ -28,6 +28,7 @@ from shardc.pcg.ops import AllToAll, Combine, CollectivePermute, ParallelOp, Par
 from shardc.pcg.local_ops import LOCAL_CHECKS, is_local
 from shardc.pcg.reshard import xla_ops
 from shardc.plan import Plan, lowers_reduce_scatter
+from shardc.rules.core import SELF_COMBINED
 from shardc.rules.elementwise import BINARY_ELEMENTWISE, NARY_ELEMENTWISE, UNARY_ELEMENTWISE
 from shardc.sharding import Sharding
 
@@ -171,6 +172,9 @@ def _is_local(op: Any, strat: Any, partial: frozenset[str], sizes: Mapping[str, 
     elif op.primitive not in LOCAL_PRIMITIVES:
         return False
     if partial and op.rule.reduce_op not in _LOCAL_REDUCE_OPS:
+        return False
+    if op.rule.reduce_op in SELF_COMBINED and any(  # (an argmax of pieces is no piece of the argmax)
+            axes for f, axes in enumerate(strat.factor_axes) if op.rule.is_reduction(f)):
         return False
     return _layouts_agree(op.rule, strat, sizes)
 

@@ -23,6 +23,7 @@ __all__ = [
     "FactorKind",
     "FactorRule",
     "HIGHER_ORDER_PRIMITIVES",
+    "SELF_COMBINED",
     "NoShardingRuleWarning",
     "conservative_rule",
     "rule_or_conservative",
@@ -43,6 +44,12 @@ class FactorKind(enum.Enum):
     PERMUTATION = "permutation"
 
 
+# Reductions the op finishes by itself where its reduced dim is sharded: XLA's partitioner reduces each
+# shard, all-gathers the per-shard candidates (argmax: each shard's largest value and its global index) and
+# reduces those; the result holds no partial values (`OpStrategy.partial_axes`), and the all-gathers are
+# the op's own collectives (`shardc.cost.op_collectives`).
+SELF_COMBINED = frozenset({"argmax", "argmin"})
+
 DimFactors = tuple[int, ...]  # factor ids of one dim, major to minor
 TensorFactors = tuple[DimFactors, ...]  # one entry per dim
 
@@ -55,11 +62,12 @@ class FactorRule:
     sizes: size of each factor. kinds: kind of each factor.
     blocked: factors along which propagation must not move shardings (they may still be sharded by a
     hint on every tensor that has them).
-    reduce_op: for reduction factors, the combiner ("sum", "max", "min", "prod", "and", "or", "xor").
+    reduce_op: for reduction factors, the combiner ("sum", "max", "min", "prod", "and", "or", "xor"), or
+    one the op applies itself (`SELF_COMBINED`: argmax, argmin), which leaves no partial result.
 
     A factor that appears only in results is computed locally on every device (broadcast's new dims,
     iota); one that appears only in operands is a reduction, or needs replication when the op cannot be
-    finished by a reduction (argmax's reduced dim, a reshape dim that does not line up).
+    finished by a reduction (a reshape dim that does not line up).
     """
 
     operands: tuple[TensorFactors, ...]

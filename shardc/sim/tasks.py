@@ -21,7 +21,7 @@ from typing import Any, Mapping
 from shardc.cost.collectives import collective_fixed, collective_phases
 from shardc.cost.estimator import AnalyticalEstimator, OpCostEstimator, OpKey
 from shardc.cost.flops import count_op
-from shardc.cost.op_collectives import op_collectives
+from shardc.cost.op_collectives import AFTER_COMPUTE, op_collectives
 from shardc.cost.program import FREE_PRIMITIVES, ProgramInfo, broadcast_dims, broadcast_transfer, program_info
 from shardc.cost.reshard_path import kept_after, reshard_steps
 from shardc.cost.topology import MeshMapping, Topology
@@ -578,7 +578,8 @@ class TaskBuilder:
                 or op_id in info.bitcast and self._reads_dot_as_made(plan, op, need_shardings[0]))
         own = () if free else op_collectives(op, need_shardings, [g.values[v].shape for v in op.inputs],
                                              [self._itemsize[v] for v in op.inputs], self.mesh)
-        if own:  # the op is its own collectives (shardc.cost.op_collectives), from its operands to its results
+        after = bool(own) and op.primitive in AFTER_COMPUTE
+        if own and not after:  # the op is its own collectives (shardc.cost.op_collectives), operands to results
             deps = list(self.collective_tasks(slot, own, tuple(deps), self.canon(op.inputs[0]), op.inputs[0], op_id,
                                               trips))
             free = True
@@ -588,7 +589,11 @@ class TaskBuilder:
         else:
             dur_s, count = self._op_cost(op, need_shardings, [k[1] for k in out_keys])
             dur = int(round(dur_s * trips * PS))
-            slot.tasks.append(Task(op.primitive, "compute", 0, dur, tuple(deps), outs, op_id))
+            local = (self.kid(("local", self.canon(op.outputs[0]), len(slot.tasks), op_id)),) if after else outs
+            slot.tasks.append(Task(op.primitive, "compute", 0, dur, tuple(deps), local, op_id))
+            if after:  # the local results' collectives (an argmax's candidates), then the results
+                done = self.collective_tasks(slot, own, local, self.canon(op.outputs[0]), op.outputs[0], op_id, trips)
+                slot.tasks.append(Task(op.primitive, "join", -1, 0, tuple(done), outs, op_id))
             slot.compute_ps += dur
             slot.flops += int(round(count.flops)) * trips
             slot.transcendentals += int(round(count.transcendentals)) * trips

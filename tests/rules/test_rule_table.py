@@ -421,10 +421,18 @@ def test_reductions(prim, f, op_name):
 
 
 @pytest.mark.parametrize("prim, f", [("argmax", lambda x: jnp.argmax(x, 1)), ("argmin", lambda x: jnp.argmin(x, 1))])
-def test_argmax_reduced_dim_needs_replication(prim, f):
+def test_argmax_reduced_dim_is_a_reduction_the_op_combines_itself(prim, f):
+    """Sharded, each device reduces its piece and XLA all-gathers the candidates (shardc.cost.op_collectives):
+    a reduction factor, but no partial result (SELF_COMBINED)."""
+    from shardc.plan import OpStrategy
+    from shardc.rules.core import SELF_COMBINED
+
     op = only(f, jnp.ones((4, 8)), prim=prim)
-    assert op.rule.kinds[one(op.rule, 0, 1)] is NR
+    r = one(op.rule, 0, 1)
+    assert op.rule.kinds[r] is RED and op.rule.reduce_op == prim and prim in SELF_COMBINED
     assert of(op.rule, 1, 0) == of(op.rule, 0, 0)
+    strat = OpStrategy(tuple(("x",) if f == r else () for f in range(op.rule.num_factors)))
+    assert strat.partial_axes(op.rule) == frozenset() and strat.partial_groups(op.rule) == ()
 
 
 def test_generic_reduce():
