@@ -29,7 +29,7 @@ from shardc.search.space import (SEARCH_CAUSE, Assignment, Space, build_space, m
                                  plan_choices, project_plan, seeds_for, with_input_layouts)
 from shardc.sharding import make_mesh
 
-__all__ = ["SearchReport", "search_plan", "save_plan", "load_plan", "graph_key", "NoPlanFits"]
+__all__ = ["SearchReport", "search_plan", "save_plan", "load_plan", "has_saved_plan", "graph_key", "NoPlanFits"]
 
 
 class NoPlanFits(ShardingError):
@@ -353,35 +353,56 @@ def hints_key(seeds: Sequence[Seed]) -> str:
 
 def save_plan(plan: Plan, path: str, topology: str | None = None, hints: Sequence[Seed] | None = None) -> None:
     """Write the decisions behind a searched plan (mesh + search seeds, the topology it was searched for
-    and, when given, the fingerprint of the user's hints on its mesh) as JSON, atomically."""
+    and, when given, the fingerprint of the user's hints on its mesh) as JSON, atomically. A file keeps one
+    plan per traced program (a step called with several batch shapes is several programs): this plan is added
+    to those already in `path`, replacing one for the same program."""
     report = getattr(plan, "search", None)
     seeds = report.seeds if report is not None else ()
-    data = {"version": 1, "graph": graph_key(plan.graph), "mesh": plan.mesh_sizes, "topology": topology,
-            "hints": None if hints is None else hints_key(hints),
-            "seeds": [{"value": s.value, "dims": [None if d is None else list(d) for d in s.dims],
-                       "cause": s.cause.description, "priority": s.priority} for s in seeds]}
+    entry = {"graph": graph_key(plan.graph), "mesh": plan.mesh_sizes, "topology": topology,
+             "hints": None if hints is None else hints_key(hints),
+             "seeds": [{"value": s.value, "dims": [None if d is None else list(d) for d in s.dims],
+                        "cause": s.cause.description, "priority": s.priority} for s in seeds]}
+    try:
+        plans = _saved_plans(path) if os.path.exists(path) else {}
+    except ShardingError:
+        plans = {}  # not a plan file: replaced
+    plans[entry["graph"]] = entry
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
+        json.dump({"version": 2, "plans": plans}, f, indent=1)
     os.replace(tmp, path)  # a run stopped while saving leaves the old file or none, never half of one
+
+
+def _saved_plans(path: str) -> dict[str, dict]:
+    """The plans in a plan file, by program fingerprint (version 1 files hold one)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        plans = data["plans"] if data.get("version") == 2 else {data["graph"]: data}
+        for entry in plans.values():
+            entry["mesh"], entry["seeds"]  # noqa: B018 (a plan has both)
+        return plans
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ShardingError(f"{path} is not a plan file shardc saved ({type(e).__name__}: {e}); delete it to "
+                            f"search again") from None
+
+
+def has_saved_plan(path: str, graph: Any) -> bool:
+    """Whether the plan file at `path` has a plan for the program `graph` (a ShardingError if it is no plan file)."""
+    return os.path.exists(path) and graph_key(graph) in _saved_plans(path)
 
 
 def load_plan(path: str, problem: Problem, *, mesh: Mapping[str, int] | None = None,
               topology: str | None = None) -> Plan:
-    """Rebuild a saved plan for the same program — and, when given, the same mesh (axis order included)
-    and topology; otherwise a ShardingError saying what differs."""
+    """Rebuild the plan saved for this program — and, when given, the same mesh (axis order included) and
+    topology; otherwise a ShardingError saying what differs."""
     from shardc.propagate import Cause
 
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        data["mesh"], data["seeds"]  # noqa: B018 (a plan file has both)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ShardingError(f"{path} is not a plan file shardc saved ({type(e).__name__}: {e}); delete it to "
-                            f"search again") from None
-    if data.get("graph") != graph_key(problem.graph):
-        raise ShardingError(f"saved plan {path} was made for a different program (graph fingerprint "
-                            f"{data.get('graph')} != {graph_key(problem.graph)}); delete it to search again")
+    plans = _saved_plans(path)
+    data = plans.get(graph_key(problem.graph))
+    if data is None:
+        raise ShardingError(f"the plans saved in {path} were made for a different program (graph fingerprints "
+                            f"{', '.join(plans)}; this one {graph_key(problem.graph)}); delete it to search again")
     if mesh is not None and list(data["mesh"].items()) != list(mesh.items()):
         raise ShardingError(f"saved plan {path} was made for mesh {data['mesh']}, this call's mesh is {dict(mesh)}; "
                             f"pass that mesh, or delete the file to search again")

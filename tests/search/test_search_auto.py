@@ -159,3 +159,19 @@ def test_a_program_naming_axes_is_traced_once_per_axis_the_tracing_mesh_lacks():
     assert set(plan.mesh_sizes) >= {"data", "expert"}
     retraced = list(plan.mesh_sizes.items()) != [("expert", 8), ("data", 1)]
     assert len(calls) == 2 + retraced, len(calls)
+
+
+def test_a_plan_file_keeps_a_plan_per_batch_shape(tmp_path):
+    """A step called with several batch shapes (bucketed sequences) is several programs: with
+    search="plan.json" each is searched once and kept in the file, and a later run loads each one's plan
+    (a second shape used to fail: the file held the first shape's plan, "made for a different program")."""
+    path = str(tmp_path / "plan.json")
+    args = mlp_args(256, 128, 512)
+    small = (args[0][:128],) + tuple(args[1:])
+    f = shardc.auto(_step, search=path, budget_s=1)
+    plans = [f.plan(*args), f.plan(*small)]
+    again = shardc.auto(_step, search=path)
+    for a, p in zip((args, small), plans):
+        loaded = again.plan(*a)
+        assert loaded.search is None and loaded.fingerprint() == p.fingerprint()
+    np.testing.assert_allclose(float(again(*small)[2]), float(_step(*small)[2]), rtol=1e-5)
