@@ -22,7 +22,8 @@ TINY = [
     "--max-len", "24", "--buckets", "24", "--batch-tokens", "768", "--warmup", "2",
     "--quiet", "--no-plot", "--mesh", "data=2,expert=4",
 ]
-COMMON = TINY + ["--steps", "6"]
+# two sequence buckets: two batch shapes, so two programs planned (and kept in OUT/plan.json) in one run
+COMMON = TINY + ["--buckets", "8,24", "--steps", "6"]
 CACHE_OPTIONS = {"jax_compilation_cache_dir": None, "jax_persistent_cache_min_compile_time_secs": 0,
                  "jax_persistent_cache_min_entry_size_bytes": 0}
 
@@ -66,12 +67,13 @@ def test_example_runs_end_to_end_with_the_search_and_resume_is_bit_for_bit(tmp_p
         assert re.search(rf"^  {baseline} +mesh\(data=2,expert=4\)", report, re.M), baseline
     assert "chosen:" in report and "priced on cpu-host" in printed
     assert "strategy search" in (out / "plan.txt").read_text()
-    saved = json.loads((out / "plan.json").read_text())
-    assert saved["mesh"] == {"data": 2, "expert": 4}
+    saved = json.loads((out / "plan.json").read_text())["plans"]  # one plan per batch shape planned so far
+    assert saved and all(p["mesh"] == {"data": 2, "expert": 4} for p in saved.values())
     second = translate.main(command[3:] + ["--no-final-eval"])
     assert second["step"] == 6
     printed = capsys.readouterr().out
     assert "strategy search" not in printed and "loaded from" in printed  # the saved plan, not a new search
+    assert len(json.loads((out / "plan.json").read_text())["plans"]) == 2  # both buckets' programs by step 6
 
     # Run again over those checkpoints without --resume: a fresh, uninterrupted run (its checkpoint at step 3
     # used to clash with the earlier run's: orbax StepAlreadyExistsError), which searches again, with the final
