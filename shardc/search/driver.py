@@ -29,7 +29,7 @@ from shardc.search.space import (SEARCH_CAUSE, Assignment, Space, build_space, m
                                  plan_choices, project_plan, seeds_for, with_input_layouts)
 from shardc.sharding import make_mesh
 
-__all__ = ["SearchReport", "search_plan", "save_plan", "load_plan", "has_saved_plan", "graph_key", "NoPlanFits"]
+__all__ = ["SearchReport", "search_plan", "save_plan", "load_plan", "graph_key", "NoPlanFits"]
 
 
 class NoPlanFits(ShardingError):
@@ -354,8 +354,9 @@ def hints_key(seeds: Sequence[Seed]) -> str:
 def save_plan(plan: Plan, path: str, topology: str | None = None, hints: Sequence[Seed] | None = None) -> None:
     """Write the decisions behind a searched plan (mesh + search seeds, the topology it was searched for
     and, when given, the fingerprint of the user's hints on its mesh) as JSON, atomically. A file keeps one
-    plan per traced program (a step called with several batch shapes is several programs): this plan is added
-    to those already in `path`, replacing one for the same program."""
+    plan per traced program and hints (a step called with several batch shapes is several programs; arguments
+    placed in other layouts are other hints): this plan is added to those already in `path`, replacing one for
+    the same program and hints."""
     report = getattr(plan, "search", None)
     seeds = report.seeds if report is not None else ()
     entry = {"graph": graph_key(plan.graph), "mesh": plan.mesh_sizes, "topology": topology,
@@ -366,7 +367,7 @@ def save_plan(plan: Plan, path: str, topology: str | None = None, hints: Sequenc
         plans = _saved_plans(path) if os.path.exists(path) else {}
     except ShardingError:
         plans = {}  # not a plan file: replaced
-    plans[entry["graph"]] = entry
+    plans[f"{entry['graph']}/{entry['hints']}"] = entry  # one plan per program and hints
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump({"version": 2, "plans": plans}, f, indent=1)
@@ -374,11 +375,11 @@ def save_plan(plan: Plan, path: str, topology: str | None = None, hints: Sequenc
 
 
 def _saved_plans(path: str) -> dict[str, dict]:
-    """The plans in a plan file, by program fingerprint (version 1 files hold one)."""
+    """The plans in a plan file, by program and hints fingerprints (version 1 files hold one)."""
     try:
         with open(path) as f:
             data = json.load(f)
-        plans = data["plans"] if data.get("version") == 2 else {data["graph"]: data}
+        plans = data["plans"] if data.get("version") == 2 else {f"{data['graph']}/{data.get('hints')}": data}
         for entry in plans.values():
             entry["mesh"], entry["seeds"]  # noqa: B018 (a plan has both)
         return plans
@@ -387,39 +388,46 @@ def _saved_plans(path: str) -> dict[str, dict]:
                             f"search again") from None
 
 
-def has_saved_plan(path: str, graph: Any) -> bool:
-    """Whether the plan file at `path` has a plan for the program `graph` (a ShardingError if it is no plan file)."""
-    return os.path.exists(path) and graph_key(graph) in _saved_plans(path)
-
-
 def load_plan(path: str, problem: Problem, *, mesh: Mapping[str, int] | None = None,
-              topology: str | None = None) -> Plan:
-    """Rebuild the plan saved for this program — and, when given, the same mesh (axis order included) and
-    topology; otherwise a ShardingError saying what differs."""
+              topology: str | None = None, missing_ok: bool = False) -> Plan | None:
+    """Rebuild the plan saved for this program and its hints — and, when given, the same mesh (axis order
+    included) and topology; otherwise a ShardingError saying what differs (`missing_ok`: None when the file
+    has no plan for this program and hints, which the caller then searches and adds)."""
     from shardc.propagate import Cause
 
-    plans = _saved_plans(path)
-    data = plans.get(graph_key(problem.graph))
-    if data is None:
-        raise ShardingError(f"the plans saved in {path} were made for a different program (graph fingerprints "
-                            f"{', '.join(plans)}; this one {graph_key(problem.graph)}); delete it to search again")
-    if mesh is not None and list(data["mesh"].items()) != list(mesh.items()):
-        raise ShardingError(f"saved plan {path} was made for mesh {data['mesh']}, this call's mesh is {dict(mesh)}; "
-                            f"pass that mesh, or delete the file to search again")
-    if topology is not None and data.get("topology") not in (None, topology):
-        raise ShardingError(f"saved plan {path} was searched for topology {data['topology']!r}, this call plans "
-                            f"for {topology!r}; delete the file to search again")
-    mesh = _mesh_of(data["mesh"])
-    try:
-        user = list(problem.user_seeds(mesh)) if callable(problem.user_seeds) else list(problem.user_seeds or ())
-    except ShardingError as e:
-        if data.get("hints") is None:
-            raise
-        raise ShardingError(f"saved plan {path} was made for other hints: on its mesh {data['mesh']} this "
-                            f"program's hints fail ({e}); delete the file to search again") from None
-    if data.get("hints") not in (None, hints_key(user)):
-        raise ShardingError(f"saved plan {path} was made for other hints (a hint or the Flax partitioning metadata "
-                            f"changed since it was saved); delete it to search again")
+    plans = [e for e in _saved_plans(path).values() if e["graph"] == graph_key(problem.graph)]
+    if not plans:
+        if missing_ok:
+            return None
+        raise ShardingError(f"the plans saved in {path} were made for a different program (this one's graph "
+                            f"fingerprint: {graph_key(problem.graph)}); delete it to search again")
+    error: ShardingError | None = None
+    for data in plans:
+        if mesh is not None and list(data["mesh"].items()) != list(mesh.items()):
+            raise ShardingError(f"saved plan {path} was made for mesh {data['mesh']}, this call's mesh is "
+                                f"{dict(mesh)}; pass that mesh, or delete the file to search again")
+        if topology is not None and data.get("topology") not in (None, topology):
+            raise ShardingError(f"saved plan {path} was searched for topology {data['topology']!r}, this call plans "
+                                f"for {topology!r}; delete the file to search again")
+        on = _mesh_of(data["mesh"])
+        try:
+            user = list(problem.user_seeds(on)) if callable(problem.user_seeds) else list(problem.user_seeds or ())
+        except ShardingError as e:
+            if data.get("hints") is None:
+                raise
+            error = ShardingError(f"saved plan {path} was made for other hints: on its mesh {data['mesh']} this "
+                                  f"program's hints fail ({e}); delete the file to search again")
+            continue
+        if data.get("hints") not in (None, hints_key(user)):
+            error = ShardingError(f"saved plan {path} was made for other hints (a hint, the Flax partitioning "
+                                  f"metadata or an argument's placement differs); delete it to search again")
+            continue
+        mesh = on
+        break
+    else:
+        if missing_ok:
+            return None
+        raise error
     extra = [Seed(s["value"], tuple(None if d is None else tuple(d) for d in s["dims"]),
                   Cause(SEARCH_CAUSE.kind, s.get("cause", SEARCH_CAUSE.description)), int(s.get("priority", 1)))
              for s in data["seeds"]]

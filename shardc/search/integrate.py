@@ -19,7 +19,7 @@ import jax
 from annotations.errors import ShardingError
 from shardc.plan import Plan
 from shardc.search.budget import SearchTimeCapWarning
-from shardc.search.driver import graph_key, has_saved_plan, hints_key, load_plan, save_plan, search_plan
+from shardc.search.driver import graph_key, hints_key, load_plan, save_plan, search_plan
 from shardc.search.evaluate import Problem, plan_from_seeds
 from shardc.search.space import mesh_candidates
 from shardc.sharding import mesh_shape
@@ -183,8 +183,11 @@ def plan_by_search(af: Any, graph: Any, user_seeds: Callable, in_paths: Sequence
         return dataclasses.replace(plan, search=resume)
     path = af.search if isinstance(af.search, str) and af.search.endswith(".json") else None
     topology_name = as_topology(topology).name
-    if path is not None and has_saved_plan(path, graph):  # (a program not in the file is searched and added)
-        return load_plan(path, problem, mesh=mesh_shape(af.mesh) if mesh_given else None, topology=topology_name)
+    if path is not None and os.path.exists(path):  # (a program or hints not in the file: searched and added)
+        saved = load_plan(path, problem, mesh=mesh_shape(af.mesh) if mesh_given else None, topology=topology_name,
+                          missing_ok=True)
+        if saved is not None:
+            return saved
     fixed = mesh_shape(af.mesh) if mesh_given else None
     required = list(dict.fromkeys(list(required_axes) + _hinted_axes(graph)))
     if pipe is not None and fixed is None:  # a pipelined step: the meshes its stage and data axes imply

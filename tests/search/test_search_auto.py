@@ -1,4 +1,5 @@
 """@shardc.auto(search=...): a given mesh is the only one tried; a .json search path saves, then loads."""
+import json
 import os
 
 import jax
@@ -116,7 +117,7 @@ def test_saved_plan_is_not_loaded_for_another_mesh_or_topology(tmp_path):
         shardc.auto(_step, mesh=shardc.make_mesh({"data": 2, "model": 4}), search=path, topology="tpu-v5e-8").plan(*args)
 
 
-def test_saved_plan_refused_when_the_hints_changed_or_the_file_is_broken(tmp_path):
+def test_saved_plan_not_given_to_other_hints_and_refused_when_the_file_is_broken(tmp_path):
     import pytest
 
     from shardc import split
@@ -132,8 +133,11 @@ def test_saved_plan_refused_when_the_hints_changed_or_the_file_is_broken(tmp_pat
     shardc.auto(hinted("data"), mesh=mesh, search=path, budget_s=1).plan(*args)
     again = shardc.auto(hinted("data"), mesh=mesh, search=path).plan(*args)  # the same hints: loads
     assert again.mesh_sizes == {"data": 2, "model": 4}
-    with pytest.raises(shardc.ShardingError, match="other hints"):  # the same program, another hint axis
-        shardc.auto(hinted("model"), mesh=mesh, search=path).plan(*args)
+    assert again.search is None
+    # the same program with another hint axis is not given the saved plan: it is searched, and added
+    other = shardc.auto(hinted("model"), mesh=mesh, search=path, budget_s=1).plan(*args)
+    assert other.search is not None and len(json.load(open(path))["plans"]) == 2
+    assert shardc.auto(hinted("model"), mesh=mesh, search=path).plan(*args).search is None
     with open(path, "w") as f:
         f.write('{"version": 1, "gra')  # a save cut off half way
     with pytest.raises(shardc.ShardingError, match="not a plan file shardc saved.*delete it"):
