@@ -4,7 +4,7 @@ from __future__ import annotations
 from .builder import RuleBuilder, pointwise_rule
 from .core import FactorKind, FactorRule, register_rule, rule_for
 
-__all__ = ["REDUCE_OPS", "argmax_rule", "reduce_rule", "scan_along_axis_rule"]
+__all__ = ["REDUCE_OPS", "reduce_rule", "scan_along_axis_rule"]
 
 PT, RED, NR, PERM = (
     FactorKind.PASS_THROUGH,
@@ -74,23 +74,12 @@ for _prim, _op in REDUCE_OPS.items():
     register_rule(_prim, reduce_rule(_op))
 
 
-def argmax_rule(which: str):
-    """argmax / argmin: the reduced dim is a reduction factor the op finishes itself (`SELF_COMBINED`):
-    sharded, each device reduces its piece and XLA all-gathers the per-shard (value, global index)
-    candidates and reduces them (two small all-gathers, `shardc.cost.op_collectives`), where gathering the
-    operand would move all of it (an argmax of vocabulary-parallel logits for an accuracy metric)."""
-
-    def rule(ins, outs, params) -> FactorRule | None:
-        if len(ins) != 1 or len(outs) != 1:
-            return None
-        return _reduce(ins, outs, params["axes"], RED, which)
-
-    rule.__name__ = f"{which}_rule"
-    return rule
-
-
+# argmax / argmin: the reduced dim is a reduction factor the op finishes itself (`SELF_COMBINED`): sharded, each
+# device reduces its piece and XLA all-gathers the per-shard (value, global index) candidates and reduces them
+# (two small all-gathers, `shardc.cost.op_collectives`), where gathering the operand would move all of it (an
+# argmax of vocabulary-parallel logits for an accuracy metric).
 for _prim in ("argmax", "argmin"):
-    register_rule(_prim, argmax_rule(_prim))
+    register_rule(_prim, reduce_rule(_prim))
 
 
 @rule_for("reduce")

@@ -395,12 +395,13 @@ def load_plan(path: str, problem: Problem, *, mesh: Mapping[str, int] | None = N
     has no plan for this program and hints, which the caller then searches and adds)."""
     from shardc.propagate import Cause
 
-    plans = [e for e in _saved_plans(path).values() if e["graph"] == graph_key(problem.graph)]
+    program = graph_key(problem.graph)
+    plans = [e for e in _saved_plans(path).values() if e["graph"] == program]
     if not plans:
         if missing_ok:
             return None
         raise ShardingError(f"the plans saved in {path} were made for a different program (this one's graph "
-                            f"fingerprint: {graph_key(problem.graph)}); delete it to search again")
+                            f"fingerprint: {program}); delete it to search again")
     error: ShardingError | None = None
     for data in plans:
         if mesh is not None and list(data["mesh"].items()) != list(mesh.items()):
