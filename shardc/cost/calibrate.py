@@ -32,6 +32,10 @@ All devices run at once, as they do in a sharded step, so the rates are per devi
   us per 4 KiB page here: a third of a 62 MiB-temporary step). Measured as an elementwise op over a
   48 MiB-per-device array writing a fresh output minus the same op writing over its donated input.
 
+* which primitives are priced by timing them on these devices instead (`shardc.cost.host_ops`: XLA:CPU's
+  convolutions, whose speed no roofline gives): timed lazily, per op configuration, the first time a plan
+  needs one, and cached.
+
 XLA:CPU runs collectives on the compute threads (no overlap), has no reduce-scatter (it all-reduces and
 slices) and merges all-reduces without a byte limit; the topology says so. In a multi-process job each
 process measures its own devices and every process uses process 0's numbers (the plans must agree).
@@ -47,11 +51,12 @@ import time
 from typing import Any, Callable, Sequence
 
 from shardc.cost.cache import DiskCache
+from shardc.cost.host_ops import HOST_MEASURED
 from shardc.cost.topology import COLLECTIVE_KINDS, CollectiveFit, Device, Level, Topology
 
-__all__ = ["cpu_host", "measured_local", "measure_cpu_host", "contention", "store"]
+__all__ = ["cpu_host", "measured_local", "measure_cpu_host", "contention", "store", "host_key"]
 
-_VERSION = 6
+_VERSION = 7
 # glibc's largest mmap threshold on 64-bit hosts (DEFAULT_MMAP_THRESHOLD_MAX): allocations at least this
 # large are always mapped afresh; below it glibc raises its threshold as mapped chunks are freed and reuses
 # its heap, so a buffer allocated every step stops faulting after the first steps.
@@ -97,7 +102,8 @@ def measure_cpu_host() -> dict[str, float]:
     flops = 2.0 * m * m * m / t
     x1 = jax.device_put(jnp.ones((m, m), jnp.float32), devs[0])
     w1 = jax.device_put(jnp.ones((m, m), jnp.float32), devs[0])
-    alone = 2.0 * m * m * m / _best_time(lambda: jax.jit(lambda a, b: a @ b)(x1, w1))
+    mm1 = jax.jit(lambda a, b: a @ b)  # one jitted function: a fresh one per call timed its tracing (contention 1.0)
+    alone = 2.0 * m * m * m / _best_time(lambda: mm1(x1, w1))
 
     def fma_chain(steps: int) -> Callable:
         def f(a):
@@ -128,7 +134,8 @@ def measure_cpu_host() -> dict[str, float]:
     fits = _collective_fits(devs) if n > 1 else {}
     measured = {"flops": flops, "bandwidth": bandwidth, "overhead": overhead, "devices": float(n),
                 "contention": max(alone / flops, 1.0), "vector_flops": min(vector, flops),
-                "fresh_memory_cost": _fresh_memory_cost(rows, n) if _glibc() else 0.0}
+                "fresh_memory_cost": _fresh_memory_cost(rows, n) if _glibc() else 0.0,
+                "host_measured_ops": 1.0}  # price HOST_MEASURED primitives by timing them here (host_ops)
     return {**measured, **_ring_summary(fits, n, bandwidth, overhead), **fits}
 
 
@@ -309,7 +316,8 @@ def _round_robin(runs: dict[Any, Callable[[], Any]], rounds: int) -> dict[Any, f
     return best
 
 
-def _host_key() -> str:
+def host_key() -> str:
+    """This host, its devices and jax version (what a measurement made here is valid for)."""
     import jax
 
     d = jax.local_devices()[0]
@@ -336,7 +344,7 @@ def _agreed(m: dict[str, float]) -> dict[str, float]:
 def _measurement(refresh: bool = False) -> dict[str, float]:
     """This host's measurement: from this process's memo, else the disk cache, else measured and cached."""
     cache = DiskCache("cpu-host")
-    key = (cache.path, _host_key())
+    key = (cache.path, host_key())
     m = None if refresh else _MEMO.get(key)
     if m is None:
         m = None if refresh else cache.get(key[1])
@@ -382,7 +390,7 @@ def store(m: dict[str, float]) -> None:
     """Use measurement `m` (the keys `measure_cpu_host` returns) for this host from now on, instead of
     measuring: e.g. one taken on a reference machine, so that plans priced on it match that machine's."""
     cache = DiskCache("cpu-host")
-    key = _host_key()
+    key = host_key()
     cache.put(key, dict(m))
     _MEMO.pop((cache.path, key), None)
 
@@ -405,7 +413,8 @@ def cpu_host(*, refresh: bool = False) -> Topology:
                                     "float16": m["flops"] / 2, "int8": m["flops"]},
                  mem_bandwidth=m["bandwidth"], memory=_ram_per_device(local), matmul_efficiency=1.0,
                  vector_efficiency=1.0, op_overhead=m["overhead"], vector_flops=m.get("vector_flops", 0.0),
-                 fresh_memory_cost=m.get("fresh_memory_cost", 0.0), fresh_memory_threshold=_GLIBC_MMAP_THRESHOLD_MAX)
+                 fresh_memory_cost=m.get("fresh_memory_cost", 0.0), fresh_memory_threshold=_GLIBC_MMAP_THRESHOLD_MAX,
+                 measured_ops=HOST_MEASURED if m.get("host_measured_ops") else ())
     level = Level("host", n, m["link_bandwidth"], m["latency"], m.get("permute_latency"), _fits_of(m))
     busy = f", load average {m['load_average']:.1f}" if m.get("load_average", 0.0) > (os.cpu_count() or 1) else ""
     return Topology("cpu-host", dev, (level,), overlap=False,

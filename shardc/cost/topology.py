@@ -40,6 +40,9 @@ class Device:
     # page of it is faulted in again: `fresh_memory_cost` seconds per byte (0: not modelled).
     fresh_memory_cost: float = 0.0
     fresh_memory_threshold: float = float("inf")
+    # primitives timed on this host's devices rather than modelled (`shardc.cost.host_ops`; the cpu-host
+    # topology measured here sets it): only meaningful for the devices this process runs on
+    measured_ops: tuple[str, ...] = ()
 
     def fresh_memory_time(self, *buffer_bytes: float) -> float:
         """Seconds a step spends mapping the buffers it allocates (sizes in bytes) afresh: page faults."""
@@ -239,6 +242,7 @@ class Topology:
                 vector_flops=_num(dev.get("vector_flops", 0.0)),
                 fresh_memory_cost=_num(dev.get("fresh_memory_cost", 0.0)),
                 fresh_memory_threshold=_num(dev.get("fresh_memory_threshold", float("inf"))),
+                measured_ops=tuple(str(x) for x in dev.get("measured_ops", ())),
             )
             levels = tuple(Level(str(lv["name"]), int(lv["size"]), _num(lv["bandwidth"]), _num(lv.get("latency", 0.0)),
                                  None if lv.get("permute_latency") is None else _num(lv["permute_latency"]),
@@ -275,7 +279,8 @@ class Topology:
                        "vector_efficiency": self.device.vector_efficiency, "op_overhead": self.device.op_overhead,
                        "vector_flops": self.device.vector_flops,
                        "fresh_memory_cost": self.device.fresh_memory_cost,
-                       "fresh_memory_threshold": self.device.fresh_memory_threshold},
+                       "fresh_memory_threshold": self.device.fresh_memory_threshold,
+                       "measured_ops": list(self.device.measured_ops)},
             "levels": [_level_dict(lv) for lv in self.levels],
             "overlap": self.overlap, "reduce_scatter": self.reduce_scatter, "source": self.source,
             "combine_bytes": self.combine_bytes, "combine_count": self.combine_count, "backend": self.backend,

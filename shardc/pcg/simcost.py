@@ -254,10 +254,10 @@ class SimCost:
     def __init__(self, topology: Any = DEFAULT_TOPOLOGY, *, estimator: Any = None, donated: tuple[int, ...] = (),
                  memory_limit: float | None = None) -> None:
         from shardc.sim import as_topology
-        from shardc.cost.estimator import AnalyticalEstimator
+        from shardc.cost.host_ops import default_estimator
 
         self.topology = as_topology(topology)
-        self.estimator = estimator if estimator is not None else AnalyticalEstimator(self.topology.device)
+        self.estimator = estimator if estimator is not None else default_estimator(self.topology.device)
         self.donated = tuple(donated)
         # memory_limit: bytes per device; a PCG whose simulated peak is above it costs infinity (never kept)
         self.memory_limit = memory_limit

@@ -19,8 +19,9 @@ import heapq
 from typing import Any, Mapping
 
 from shardc.cost.collectives import collective_fixed, collective_phases
-from shardc.cost.estimator import AnalyticalEstimator, OpCostEstimator, OpKey
+from shardc.cost.estimator import OpCostEstimator, OpKey
 from shardc.cost.flops import count_op
+from shardc.cost.host_ops import default_estimator
 from shardc.cost.op_collectives import AFTER_COMPUTE, op_collectives
 from shardc.cost.program import FREE_PRIMITIVES, ProgramInfo, broadcast_dims, broadcast_transfer, program_info
 from shardc.cost.reshard_path import kept_after, reshard_steps
@@ -120,7 +121,7 @@ class TaskBuilder:
         self.mapping = mapping
         self.mesh = dict(mesh)
         self.estimator = estimator if estimator is not None else _shared(graph, "estimator", topology,
-                                                                         lambda: AnalyticalEstimator(topology.device))
+                                                                         lambda: default_estimator(topology.device))
         self.streams: list[str] = ["compute"]
         if topology.overlap:
             self.streams += [f"comm:{lv}" for lv in topology.level_names]

@@ -1,0 +1,180 @@
+"""Ops whose cost on XLA:CPU no roofline gives well, timed on this host the way a sharded step runs them.
+
+XLA:CPU's convolutions are the case in point: the kernel-gradient convolution of a 3x3 conv (the output
+gradient is its 32x32 "window") runs at a fraction of the matmul rate once its patches outgrow the cache, and
+the fraction falls off a cliff with the batch (on a Zen 3 host, 64 -> 64 channels at 32x32: 0.65x the roofline's
+time at batch 4, 4.6x at batch 32, a 56x jump for 8x the FLOPs), while the forward convolution runs faster than
+the roofline. A plan that replicates a CNN's work over devices (or splits its height) was priced 3x too cheap.
+
+`HostMeasuredEstimator` times each such op at its local shapes **on every local device at once** (a
+`shard_map` over all devices, each running the op on its own copy: the contention of a step in which every
+device computes), keeps the fastest of a few runs (other processes only add time) minus the time of the same
+call with no work, and caches it on disk per op configuration and host (`op-profiles-host`), so the same host
+prices the same plan alike from then on. Everything else is the roofline's (`AnalyticalEstimator`), and so
+are ops it prices under `min_time` (1 ms): timing one costs more planning than its error costs the plan.
+
+Matmuls too: their rate depends on the shapes (a data-parallel MLP's (32, 512) x (512, 2048) runs well under
+the 384-cubed rate `cpu-host` measures), and with them timed the plans of `bench/sim_vs_measured.py` land
+within [0.67, 1.5] of their measured step time but two (docs/benchmarks.md). Timing costs planning time once
+per host: the translation example's first search took 35 s instead of 9 s.
+
+The measured `cpu-host` topology uses it for the primitives in `HOST_MEASURED` (its measurement records them,
+`shardc.cost.calibrate`); a stored reference measurement without them (the tests') stays purely analytical.
+Multi-process jobs do not use it: every process must price plans alike.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+import time
+from typing import Any, Mapping
+
+import numpy as np
+
+from shardc.cost.cache import DiskCache
+from shardc.cost.estimator import AnalyticalEstimator, OpKey, params_dict
+from shardc.cost.topology import Device
+
+__all__ = ["HOST_MEASURED", "HostMeasuredEstimator", "contended_time", "default_estimator"]
+
+# Primitives the cpu-host topology measures rather than models.
+HOST_MEASURED = ("conv_general_dilated", "dot_general")
+_RUNS, _BUDGET_S = 5, 1.0  # at most this many timed runs, fewer once they have taken the budget
+_MIN_TIME_S = 1e-3
+_IDLE: dict[int, float] = {}  # devices -> seconds of a call with no work (per process)
+_ANNOUNCED = False
+
+
+def _mesh() -> Any:
+    import jax
+    from jax.sharding import Mesh
+
+    return Mesh(np.asarray(jax.local_devices()), ("devices",))
+
+
+def _fastest(fn: Any, args: list[Any]) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    times: list[float] = []
+    while len(times) < _RUNS and sum(times) < _BUDGET_S:
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _on_every_device(body: Any, shapes: tuple, dtypes: tuple) -> float:
+    """Seconds one call of `body` takes when every local device runs it at once on its own operands."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = _mesh()
+    n = mesh.devices.size
+    spec = NamedSharding(mesh, P("devices"))
+    args = [jax.device_put(jnp.ones((n, *s), dtype=np.dtype(d)), spec) for s, d in zip(shapes, dtypes)]
+
+    def per_device(*xs: Any) -> Any:
+        out = body(*(x[0] for x in xs))
+        return jax.tree.map(lambda o: o[None], out)
+
+    fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("devices"), out_specs=P("devices")))
+    return _fastest(fn, args)
+
+
+def contended_time(primitive: Any, params: Mapping[str, Any], in_shapes: tuple, in_dtypes: tuple) -> float:
+    """Seconds `primitive` takes on one device at these local shapes while every local device runs it."""
+    import jax
+
+    n = jax.local_device_count()
+    if n not in _IDLE:
+        _IDLE[n] = _on_every_device(lambda x: x, ((1,),), ("float32",))
+    bind = {k: (None if k in ("sharding", "out_sharding") else v) for k, v in params.items()}
+    total = _on_every_device(lambda *xs: primitive.bind(*xs, **bind), in_shapes, in_dtypes)
+    return max(total - _IDLE[n], 0.0)
+
+
+@dataclasses.dataclass
+class HostMeasuredEstimator:
+    """The roofline, except for `primitives`, which are timed on this host's devices under contention."""
+
+    device: Device
+    primitives: frozenset[str] = frozenset(HOST_MEASURED)
+    # ops the roofline prices under this many seconds keep its price: timing one costs more planning time than
+    # its error costs the step (and a few big ops are what set the step time)
+    min_time: float = _MIN_TIME_S
+    cache: DiskCache | None = None
+    fallback: Any = None
+    measured: int = 0  # op configurations timed by this process (disk-cache misses)
+    _memo: dict[OpKey, float] = dataclasses.field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.cache is None:
+            self.cache = DiskCache("op-profiles-host")
+        if self.fallback is None:
+            self.fallback = AnalyticalEstimator(self.device)
+
+    def count(self, key: OpKey, params: Any = None) -> Any:
+        return self.fallback.count(key, params)
+
+    def cache_key(self, key: OpKey) -> str:
+        import jax
+
+        from shardc.cost.calibrate import host_key
+
+        raw = json.dumps([key.primitive, repr(key.params), key.in_shapes, key.in_dtypes, host_key(),
+                          jax.local_device_count()], sort_keys=True, default=repr)
+        return hashlib.sha1(raw.encode()).hexdigest()
+
+    def op_time(self, key: OpKey, params: Any = None) -> float:
+        t = self._memo.get(key)
+        if t is not None:
+            return t
+        p = dict(params) if params is not None else params_dict(key)
+        t = self.fallback.op_time(key, p)
+        if key.primitive in self.primitives and t >= self.min_time:
+            measured = self._measured(key, p)
+            t = t if measured is None else measured
+        self._memo[key] = t
+        return t
+
+    def _measured(self, key: OpKey, params: Mapping[str, Any]) -> float | None:
+        from shardc.cost.profile import find_primitive
+
+        ck = self.cache_key(key)
+        hit = self.cache.get(ck)
+        if hit is None:
+            _announce(self.cache.path)
+            prim = find_primitive(key.primitive)
+            try:
+                hit = contended_time(prim, params, key.in_shapes, key.in_dtypes) if prim is not None else -1.0
+            except Exception:  # not runnable alone at these shapes: the roofline prices it
+                hit = -1.0
+            self.cache.put(ck, hit)
+            self.measured += 1
+        if hit < 0:
+            return None
+        # The measured call wrote its result to memory: a kernel boundary, as the roofline's overhead assumes.
+        return float(hit) + (self.device.op_overhead if key.kernel_boundary else 0.0)
+
+
+def _announce(path: str) -> None:
+    """Say once per process why planning pauses: ops are being timed (progress output of a long first plan)."""
+    global _ANNOUNCED
+    if not _ANNOUNCED:
+        _ANNOUNCED = True
+        print(f"shardc: timing matmuls and convolutions on this host's devices at the shapes the plans need "
+              f"(once per host; cached in {path})", file=sys.stderr, flush=True)
+
+
+def default_estimator(device: Device) -> Any:
+    """The estimator a simulation uses when given none: the roofline, with the device's `measured_ops` timed
+    on this host when it names some (the measured cpu-host) and this is a single-process job."""
+    import jax
+
+    if device.measured_ops and jax.process_count() == 1:
+        return HostMeasuredEstimator(device, frozenset(device.measured_ops))
+    return AnalyticalEstimator(device)
