@@ -157,6 +157,9 @@ class AutoFunction:
                              out_shardings=out_shardings, _source=self.shardings.source)
         self._mesh_steps: dict[tuple, AutoFunction] = {}  # mesh=None: per mesh the arguments were placed on
         self._placed_plans: dict[tuple, Compiled] = {}  # per signature and layouts of placed arguments
+        # the layout the first plan on a mesh gave each donated argument (state carried from call to call), so
+        # that programs of other shapes (a batch bucket) take and leave that state alike: (mesh, index, aval) -> dims
+        self._carried_layouts: dict[tuple, tuple] = {}
         self._warned_unhinted = False  # (the UnhintedParamsWarning is said once)
         self._nnx_steps: dict[NnxCall, AutoFunction] = {}  # per NNX argument structure (shardc/nnx_args.py)
         self._static = StaticArgs(fun, static_argnums, static_argnames)
@@ -594,7 +597,31 @@ class AutoFunction:
         timings = {"trace_s": t1 - t0, "graph_s": t2 - t1, "propagate_s": t3 - t2}
         if provisional:  # (the chosen mesh's seeds say which placed arguments a stronger hint overrides)
             self._input_seeds(graph, args, kwargs, out_tree, the_plan.mesh, overridden)
+        if jitted is not None:
+            self._remember_carried_layouts(the_plan, args, kwargs)
         return Compiled(the_plan, closed, in_tree, out_tree, jitted, timings, overridden)
+
+    def _carried_key(self, mesh: Any, index: int, x: Any) -> tuple:
+        a = jax.typeof(x)
+        return tuple(mesh.shape.items()), index, tuple(a.shape), str(a.dtype)
+
+    def _remember_carried_layouts(self, plan: Plan, args: tuple, kwargs: dict) -> None:
+        """Record the layout `plan` gives each donated argument, unless an earlier plan on its mesh did."""
+        roots = tuple(args) + tuple(kwargs[k] for k in sorted(kwargs))
+        leaves = jax.tree_util.tree_leaves(roots)
+        shardings = plan.input_shardings()
+        for i in self.donation.flat(args, kwargs, self.fun):
+            if i < len(leaves) and i < len(shardings):
+                self._carried_layouts.setdefault(self._carried_key(plan.mesh, i, leaves[i]), shardings[i].dims)
+
+    def _carried_layout(self, mesh: Any, index: int, x: Any, donated: frozenset[int]) -> tuple | None:
+        """The layout an earlier plan on `mesh` gave this donated argument (None: no such plan, or not donated)."""
+        if index not in donated or not self._carried_layouts:
+            return None
+        try:
+            return self._carried_layouts.get(self._carried_key(mesh, index, x))
+        except TypeError:  # not an array
+            return None
 
     def _input_seeds(self, graph: Graph, args: tuple, kwargs: dict, out_tree: Any, mesh: Any,
                      overridden: dict[int, str] | None = None) -> list[Seed]:
@@ -606,9 +633,11 @@ class AutoFunction:
         given = self.shardings.input_dims(args, kwargs, mesh, owner)
         hints = input_hints(roots, mesh.axis_names, self.rules, owner)
         leaves = jax.tree_util.tree_leaves(roots)
+        donated = frozenset(self.donation.flat(args, kwargs, self.fun)) if self._carried_layouts else frozenset()
         seeds = []
         for i, (pinned, h, x) in enumerate(zip(given, hints, leaves)):
             placed = placed_dims(x, mesh) if not is_abstract(mesh) else None
+            carried = self._carried_layout(mesh, i, x, donated) if not is_abstract(mesh) else None
             if pinned is not None or h is not None:
                 if placed is not None and overridden is not None:
                     overridden[i] = "in_shardings sets its layout" if pinned else "its Flax metadata sets its layout"
@@ -616,6 +645,9 @@ class AutoFunction:
                     else (h.dims, Cause("metadata", h.description, None))
             elif placed is not None:
                 dims, cause = placed, Cause("placed", f"placed on the mesh as {x.sharding.spec}", None)
+            elif carried is not None:  # state a program of another shape laid out: every program keeps it so
+                dims, cause = carried, Cause("carried", "donated state, laid out as this step's first plan on the "
+                                                        "mesh lays it out (programs of other shapes share it)", None)
             else:
                 continue
             try:

@@ -179,3 +179,30 @@ def test_a_plan_file_keeps_a_plan_per_batch_shape(tmp_path):
         loaded = again.plan(*a)
         assert loaded.search is None and loaded.fingerprint() == p.fingerprint()
     np.testing.assert_allclose(float(again(*small)[2]), float(_step(*small)[2]), rtol=1e-5)
+
+
+def test_state_carried_between_programs_of_two_batch_shapes_keeps_one_layout(monkeypatch):
+    """A step donating its weights, called with a large and a small batch in turn (bucketed data): the program
+    of the second shape takes the weights as the first plan laid them out, so the weights each returns fit the
+    other program and no third plan is made. (Each shape's search used to lay them out its own way; the first
+    shape, called again with the second's weights, then got a plan of its own: the translation example planned
+    four programs for three buckets.)"""
+    from shardc.auto import AutoFunction
+
+    builds = []
+    real_build = AutoFunction._build
+    monkeypatch.setattr(AutoFunction, "_build", lambda self, a, k: builds.append(a[0].shape) or real_build(self, a, k))
+    x, w1, w2 = mlp_args(2048, 128, 512)
+    small = jax.numpy.ones((8, 128)) * 0.01
+    mesh = shardc.make_mesh({"data": 2, "model": 4})
+    f = shardc.auto(_step, mesh=mesh, donate_argnums=(1, 2), budget_s=2)
+    ref = jax.jit(_step)
+    rw1, rw2 = jax.numpy.copy(w1), jax.numpy.copy(w2)  # (f donates w1, w2)
+    for batch in (x, small, x, small):
+        w1, w2, loss = f(batch, w1, w2)
+        rw1, rw2, rloss = ref(batch, rw1, rw2)
+        np.testing.assert_allclose(float(loss), float(rloss), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(w1), np.asarray(rw1), rtol=1e-5, atol=1e-7)
+    assert builds == [(2048, 128), (8, 128)], builds
+    weights = [f.plan(b, w1, w2).input_shardings()[1:] for b in (x, small)]
+    assert weights[0] == weights[1]
