@@ -16,7 +16,7 @@ are ops it prices under `min_time` (1 ms): timing one costs more planning than i
 Matmuls too: their rate depends on the shapes (a data-parallel MLP's (32, 512) x (512, 2048) runs well under
 the 384-cubed rate `cpu-host` measures), and with them timed the plans of `bench/sim_vs_measured.py` land
 within [0.67, 1.5] of their measured step time but two (docs/benchmarks.md). Timing costs planning time once
-per host: the translation example's first search took 35 s instead of 9 s.
+per host: the translation example's first search took 30 s instead of 10 s.
 
 The measured `cpu-host` topology uses it for the primitives in `HOST_MEASURED` (its measurement records them,
 `shardc.cost.calibrate`); a stored reference measurement without them (the tests') stays purely analytical.
