@@ -75,7 +75,7 @@ def _on_every_device(body: Any, shapes: tuple, dtypes: tuple) -> float:
     mesh = _mesh()
     n = mesh.devices.size
     spec = NamedSharding(mesh, P("devices"))
-    args = [jax.device_put(jnp.ones((n, *s), dtype=np.dtype(d)), spec) for s, d in zip(shapes, dtypes)]
+    args = [jax.device_put(jnp.ones((n, *s), dtype=jnp.dtype(d)), spec) for s, d in zip(shapes, dtypes)]
 
     def per_device(*xs: Any) -> Any:
         out = body(*(x[0] for x in xs))
