@@ -41,7 +41,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from shardc.cost.cache import DiskCache
-from shardc.cost.estimator import AnalyticalEstimator, OpKey, params_dict
+from shardc.cost.estimator import AnalyticalEstimator, OpKey
+from shardc.cost.profile import ProfilingEstimator, find_primitive
 from shardc.cost.topology import Device
 
 __all__ = ["HOST_MEASURED", "HostMeasuredEstimator", "contended_time", "default_estimator"]
@@ -109,27 +110,19 @@ def contended_time(primitive: Any, params: Mapping[str, Any], in_shapes: tuple, 
 
 
 @dataclasses.dataclass
-class HostMeasuredEstimator:
-    """The roofline, except for `primitives`, which are timed on this host's devices under contention."""
+class HostMeasuredEstimator(ProfilingEstimator):
+    """The roofline, except for `primitives`, which are timed on this host's devices under contention (the
+    caching and fallback of `ProfilingEstimator`; `repeats`, `warmup` and `scale` do not apply)."""
 
-    device: Device
     primitives: frozenset[str] = frozenset(HOST_MEASURED)
     # ops the roofline prices under this many seconds keep its price: timing one costs more planning time than
     # its error costs the step (and a few big ops are what set the step time)
     min_time: float = _MIN_TIME_S
-    cache: DiskCache | None = None
-    fallback: Any = None
-    measured: int = 0  # op configurations timed by this process (disk-cache misses)
-    _memo: dict[OpKey, float] = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.cache is None:
             self.cache = DiskCache("op-profiles-host")
-        if self.fallback is None:
-            self.fallback = AnalyticalEstimator(self.device)
-
-    def count(self, key: OpKey, params: Any = None) -> Any:
-        return self.fallback.count(key, params)
+        super().__post_init__()
 
     def cache_key(self, key: OpKey) -> str:
         import jax
@@ -140,36 +133,20 @@ class HostMeasuredEstimator:
                           jax.local_device_count()], sort_keys=True, default=repr)
         return hashlib.sha1(raw.encode()).hexdigest()
 
-    def op_time(self, key: OpKey, params: Any = None) -> float:
-        t = self._memo.get(key)
-        if t is not None:
-            return t
-        p = dict(params) if params is not None else params_dict(key)
-        t = self.fallback.op_time(key, p)
-        if key.primitive in self.primitives and t >= self.min_time:
-            measured = self._measured(key, p)
-            t = t if measured is None else measured
-        self._memo[key] = t
-        return t
+    def profilable(self, key: OpKey, params: Mapping[str, Any]) -> bool:
+        return key.primitive in self.primitives and self.fallback.op_time(key, params) >= self.min_time
 
-    def _measured(self, key: OpKey, params: Mapping[str, Any]) -> float | None:
-        from shardc.cost.profile import find_primitive
+    def measure(self, key: OpKey, params: Mapping[str, Any]) -> float:
+        """Seconds of the op on one device while every local device runs it (an error: the roofline prices it)."""
+        _announce(self.cache.path)
+        prim = find_primitive(key.primitive)
+        if prim is None:
+            raise LookupError(f"no jax primitive {key.primitive!r}")
+        return contended_time(prim, params, key.in_shapes, key.in_dtypes)
 
-        ck = self.cache_key(key)
-        hit = self.cache.get(ck)
-        if hit is None:
-            _announce(self.cache.path)
-            prim = find_primitive(key.primitive)
-            try:
-                hit = contended_time(prim, params, key.in_shapes, key.in_dtypes) if prim is not None else -1.0
-            except Exception:  # not runnable alone at these shapes: the roofline prices it
-                hit = -1.0
-            self.cache.put(ck, hit)
-            self.measured += 1
-        if hit < 0:
-            return None
+    def seconds(self, measured: float, key: OpKey) -> float:
         # The measured call wrote its result to memory: a kernel boundary, as the roofline's overhead assumes.
-        return float(hit) + (self.device.op_overhead if key.kernel_boundary else 0.0)
+        return measured + (self.device.op_overhead if key.kernel_boundary else 0.0)
 
 
 def _announce(path: str) -> None:
@@ -187,5 +164,5 @@ def default_estimator(device: Device) -> Any:
     import jax
 
     if device.measured_ops and jax.process_count() == 1:
-        return HostMeasuredEstimator(device, frozenset(device.measured_ops))
+        return HostMeasuredEstimator(device, primitives=frozenset(device.measured_ops))
     return AnalyticalEstimator(device)

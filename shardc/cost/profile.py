@@ -109,9 +109,13 @@ class ProfilingEstimator:
                     hit = -1.0
                 self.cache.put(ck, hit)
                 self.measured += 1
-            t = float(hit) * self.scale if hit >= 0 else self.fallback.op_time(key, p)
+            t = self.seconds(float(hit), key) if hit >= 0 else self.fallback.op_time(key, p)
         self._memo[key] = t
         return t
+
+    def seconds(self, measured: float, key: OpKey) -> float:
+        """The op's time from its (cached) measurement."""
+        return measured * self.scale
 
     def measure(self, key: OpKey, params: Mapping[str, Any]) -> float:
         """Median seconds of one run of the op at its local shapes on the first local device."""

@@ -39,14 +39,14 @@ def test_only_the_listed_primitives_above_min_time_are_timed_the_rest_is_the_roo
     dims = {"dimension_numbers": (((1,), (0,)), ((), ()))}
     dot = OpKey("dot_general", params_key(dims), ((64, 64), (64, 64)), ((64, 64),), ("float32",) * 2, ("float32",))
     tanh = OpKey("tanh", (), ((4096, 4096),), ((4096, 4096),), ("float32",), ("float32",))
-    convs_only = HostMeasuredEstimator(topo.device, frozenset({"conv_general_dilated"}), min_time=0.0,
+    convs_only = HostMeasuredEstimator(topo.device, primitives=frozenset({"conv_general_dilated"}), min_time=0.0,
                                        cache=DiskCache("ops", str(tmp_path)))
     assert convs_only.op_time(dot, dims) == roof.op_time(dot, dims)
     assert convs_only.op_time(tanh) == roof.op_time(tanh) and roof.op_time(tanh) > 1e-3  # big, but not listed
     assert convs_only.op_time(conv_key(4), CONV) == pytest.approx(0.25 + topo.device.op_overhead)
     assert convs_only.measured == 1
     # listed primitives are timed when the roofline prices them at `min_time` (1 ms) or more
-    est = HostMeasuredEstimator(topo.device, frozenset({"conv_general_dilated", "dot_general"}),
+    est = HostMeasuredEstimator(topo.device, primitives=frozenset({"conv_general_dilated", "dot_general"}),
                                 cache=DiskCache("ops2", str(tmp_path)))
     assert roof.op_time(dot, dims) < est.min_time and est.op_time(dot, dims) == roof.op_time(dot, dims)
     big = OpKey("dot_general", params_key(dims), ((1024, 1024), (1024, 1024)), ((1024, 1024),), ("float32",) * 2,
