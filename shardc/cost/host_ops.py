@@ -20,6 +20,12 @@ all-to-alls and 21 permutes that ran 1.09-1.21x slower than the authors' jax.jit
 chose with matmuls on the roofline, ran 1.00x): the collectives of such plans are priced too cheap on XLA:CPU,
 and sharper compute prices let that error decide.
 
+Strided reads are timed too (`STRIDED_READ`, `HostMeasuredEstimator.strided_read_time`): a loop fusion reading an
+operand through a transpose that moves its minor dim reads it element by element across its memory order, 15-50x
+a streaming read per byte at a few MiB, and more when the row stride is a large power of two (cache-set
+conflicts), so its price depends on the shape and is measured at it: an elementwise op reading the operand
+transposed minus the same op reading it in order, every device at once.
+
 Known limit: the kernel-gradient convolution's time is bimodal across processes on the Zen 3 host (the same op
 at the same shapes ~1.3 s in one process, ~3.2 s in another, stable within each), as is the step that runs it;
 the cache keeps whichever the first timing saw.
@@ -45,10 +51,15 @@ from shardc.cost.estimator import AnalyticalEstimator, OpKey
 from shardc.cost.profile import ProfilingEstimator, find_primitive
 from shardc.cost.topology import Device
 
-__all__ = ["HOST_MEASURED", "HostMeasuredEstimator", "contended_time", "default_estimator"]
+__all__ = ["HOST_MEASURED", "STRIDED_READ", "HostMeasuredEstimator", "contended_time", "contended_strided_read",
+           "default_estimator"]
 
-# Primitives the cpu-host topology measures rather than models (matmuls: see the module docstring).
-HOST_MEASURED = ("conv_general_dilated",)
+# Not a primitive: a loop fusion reading an operand across its memory order (a transpose moving the minor dim
+# fused into it: `shardc.cost.program.strided_readers`), timed as such a read beyond reading the operand in order.
+STRIDED_READ = "strided_read"
+# What the cpu-host topology measures rather than models (matmuls: see the module docstring).
+HOST_MEASURED = ("conv_general_dilated", STRIDED_READ)
+_MIN_STRIDED_BYTES = 64 * 1024  # a smaller operand stays in the core's cache: its strided read costs ~nothing
 _RUNS, _BUDGET_S = 5, 1.0  # at most this many timed runs, fewer once they have taken the budget
 _MIN_TIME_S = 1e-3
 _TIMING_VERSION = 2  # in the cache key: 2 = the median of runs (1 kept the fastest)
@@ -109,6 +120,21 @@ def contended_time(primitive: Any, params: Mapping[str, Any], in_shapes: tuple, 
     return max(total - _IDLE[n], 0.0)
 
 
+def contended_strided_read(shape: tuple, dtype: str, perm: tuple) -> float:
+    """Seconds a loop fusion spends reading an operand of `shape` through transpose `perm` beyond reading it in
+    order (an elementwise op of it and a second operand, one way and the other), every local device at once."""
+    import jax.numpy as jnp
+
+    out_shape = tuple(shape[p] for p in perm)
+
+    def update(read: Any) -> Any:
+        return lambda m, a: m * 0.9 + read(a) * 0.1
+
+    across = _on_every_device(update(lambda a: jnp.transpose(a, perm)), (out_shape, shape), (dtype, dtype))
+    along = _on_every_device(update(lambda a: a.reshape(out_shape)), (out_shape, shape), (dtype, dtype))
+    return max(across - along, 0.0)
+
+
 @dataclasses.dataclass
 class HostMeasuredEstimator(ProfilingEstimator):
     """The roofline, except for `primitives`, which are timed on this host's devices under contention (the
@@ -148,14 +174,36 @@ class HostMeasuredEstimator(ProfilingEstimator):
         # The measured call wrote its result to memory: a kernel boundary, as the roofline's overhead assumes.
         return measured + (self.device.op_overhead if key.kernel_boundary else 0.0)
 
+    def strided_read_time(self, shape: tuple, dtype: str, perm: tuple) -> float:
+        """Seconds a loop fusion spends reading a local operand of `shape` through transpose `perm` beyond a read
+        in order (timed once per configuration and host, cached; 0 when not measured or cache-sized)."""
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if STRIDED_READ not in self.primitives or nbytes < _MIN_STRIDED_BYTES:
+            return 0.0
+        key = OpKey(STRIDED_READ, (("permutation", tuple(perm)),), (tuple(shape),), (), (str(dtype),), ())
+        t = self._memo.get(key)
+        if t is None:
+            ck = self.cache_key(key)
+            hit = self.cache.get(ck)
+            if hit is None:
+                _announce(self.cache.path)
+                try:
+                    hit = contended_strided_read(tuple(shape), str(dtype), tuple(perm))
+                except Exception:  # not runnable here: unpriced, as on a host that does not time it
+                    hit = 0.0
+                self.cache.put(ck, hit)
+                self.measured += 1
+            t = self._memo[key] = max(float(hit), 0.0)
+        return t
+
 
 def _announce(path: str) -> None:
     """Say once per process why planning pauses: ops are being timed (progress output of a long first plan)."""
     global _ANNOUNCED
     if not _ANNOUNCED:
         _ANNOUNCED = True
-        print(f"shardc: timing convolutions on this host's devices at the shapes the plans need "
-              f"(once per host; cached in {path})", file=sys.stderr, flush=True)
+        print(f"shardc: timing convolutions and transposed reads on this host's devices at the shapes the plans "
+              f"need (once per host; cached in {path})", file=sys.stderr, flush=True)
 
 
 def default_estimator(device: Device) -> Any:

@@ -13,6 +13,10 @@
 * backend rules (`backend="cpu"`, XLA:CPU): floating-point reductions are library (YNNPACK) fusions that
   absorb only producers read by them alone (`library`); the ops run in breadth-first order (`order`,
   `eager`: what depends only on the arguments runs at the start). Elsewhere: program order.
+* strided reads (`backend="cpu"`): a transpose that moves the minor dimension and is fused into loop
+  fusions is read element by element across its operand's memory order in each of them (`strided`: how many);
+  one that reads a dot's result as the dot makes it is folded into the dot instead (the plan decides that:
+  `shardc.sim.tasks`).
 * regions: each op's outermost loop/branch region (`span`) and the values a loop carries (`carried`);
   on XLA:CPU, buffers made at the program's start and written in place later (`preset`: loop state
   initialised from constants, scatters into a constant operand).
@@ -114,6 +118,8 @@ class ProgramInfo:
     recompute: frozenset[tuple[int, int]] = frozenset()  # (op, canonical cheap value it recomputes, not reads)
     fusing: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # fused canonical value (or
     # cheap materialised one) -> the ops whose fusions recompute it (`fusing_readers`; `until` walks them)
+    strided: Mapping[int, int] = dataclasses.field(default_factory=dict)  # (XLA:CPU) transpose op moving the minor
+    # dim, fused -> the loop fusions that read it across its operand's memory order (`strided_readers`)
 
     def counts(self, op_id: int) -> bool:
         """Whether an op does work in the compiled program."""
@@ -992,6 +998,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     until = _fused_reads(graph, live, canon, fused, fusing, order, dup)
     recompute = frozenset((u, c) for c, us in dup.items() for u in us)
 
+    strided = strided_readers(graph, live, canon, fused, consumers, loop) if backend == "cpu" else {}
     lengths = _loop_lengths(graph)
     trips, reshard_trips = _trips(graph, lengths)
     hoisted = _invariant_trips(graph, canon, lengths)
@@ -1009,7 +1016,37 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                        post=tuple(_post_order(graph, canon)),
                        copies=copies, copy_owner=last_copies(graph, canon, copies, order), cheap=cheap,
                        bitcast=bitcast, inplace=inplace, out_alias=output_aliases(graph, live, canon, constant),
-                       recompute=recompute if backend == "cpu" else frozenset(), fusing=fusing)
+                       recompute=recompute if backend == "cpu" else frozenset(), fusing=fusing, strided=strided)
+
+
+def strided_readers(graph: Graph, live: Sequence[bool], canon: Sequence[int], fused: Sequence[bool],
+                    consumers: Sequence[Sequence[int]], loop: Sequence[bool]) -> dict[int, int]:
+    """Per live transpose that moves the minor dimension and is fused into its readers: how many loop fusions
+    read it (the loop ops its result reaches through fused values and that write a result of their own). Each
+    reads the transpose's operand element by element across its memory order: XLA:CPU does not tile a transpose
+    fused into a loop. (A transpose of its own, materialised, is a library transpose, which tiles: not here.)"""
+    out: dict[int, int] = {}
+    for op in graph.ops:
+        perm = op.params.get("permutation") if op.primitive == "transpose" else None
+        if not live[op.id] or not perm or perm[-1] == len(perm) - 1 or not fused[canon[op.outputs[0]]]:
+            continue
+        kernels: set[int] = set()
+        seen: set[int] = set()
+        todo = [canon[op.outputs[0]]]
+        while todo:
+            c = todo.pop()
+            if c in seen:
+                continue
+            seen.add(c)
+            for u in consumers[c]:
+                outs = [canon[w] for w in graph.ops[u].outputs]
+                if outs and all(fused[w] for w in outs):
+                    todo.extend(outs)
+                elif loop[u]:
+                    kernels.add(u)
+        if kernels:
+            out[op.id] = len(kernels)
+    return out
 
 
 def _loop_ops(graph: Graph, live: Sequence[bool], library: set[int], backend: str) -> tuple[bool, ...]:

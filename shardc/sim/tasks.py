@@ -589,6 +589,8 @@ class TaskBuilder:
             slot.tasks.append(Task(op.primitive, "join", -1, 0, tuple(deps), outs, op_id))
         else:
             dur_s, count = self._op_cost(op, need_shardings, [k[1] for k in out_keys])
+            if op_id in info.strided and not self._folded_into_dot(plan, op, need_shardings[0]):
+                dur_s += info.strided[op_id] * self._strided_read(op, need_shardings[0])
             dur = int(round(dur_s * trips * PS))
             local = (self.kid(("local", self.canon(op.outputs[0]), len(slot.tasks), op_id)),) if after else outs
             slot.tasks.append(Task(op.primitive, "compute", 0, dur, tuple(deps), local, op_id))
@@ -621,6 +623,21 @@ class TaskBuilder:
         p = self.graph.values[self.canon(v)].producer
         made = self._made_layouts(self.graph.ops[p], plan.strategies[p])[0]
         return need == plan.shardings[v] == made
+
+    def _folded_into_dot(self, plan: Plan, op: Any, need: Sharding) -> bool:
+        """Whether XLA folds transpose `op` into the dot making its operand (the dot then writes its result in the
+        transposed order): it reads the dot's result as the dot makes it, no collective between them."""
+        p = self.graph.values[self.canon(op.inputs[0])].producer
+        return p is not None and self.graph.ops[p].primitive == "dot_general" and self._reads_dot_as_made(plan, op, need)
+
+    def _strided_read(self, op: Any, need: Sharding) -> float:
+        """Seconds one loop fusion spends reading transpose `op`'s local operand across its memory order, beyond
+        a read in order (the estimator's `strided_read_time`; estimators without one do not price it)."""
+        timed = getattr(self.estimator, "strided_read_time", None)
+        if timed is None:
+            return 0.0
+        v = op.inputs[0]
+        return timed(self.local_shape(v, need), self._dtype[v], tuple(op.params["permutation"]))
 
     def _op_cost(self, op: Any, ins: list[Sharding], outs: list[Sharding]) -> tuple[float, Any]:
         """Seconds and FLOP count of one op at these layouts, memoised over ops with the same primitive,

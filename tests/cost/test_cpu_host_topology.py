@@ -6,6 +6,7 @@ import pytest
 import shardc
 import shardc.cost.calibrate as calibrate
 from shardc.cost.topology import COLLECTIVE_KINDS
+from shardc.cost.host_ops import HOST_MEASURED
 
 
 def test_cpu_host_measured_then_cached(tmp_path, monkeypatch):
@@ -24,7 +25,7 @@ def test_cpu_host_measured_then_cached(tmp_path, monkeypatch):
     assert level.fit("all-reduce").per_byte > 0
     assert level.fit("all-to-all").fixed(8) > 2 * level.latency
     assert (tmp_path / "cpu-host.json").exists()
-    assert topo.device.measured_ops == ("conv_general_dilated",)  # XLA:CPU's convolutions: timed, not modelled
+    assert topo.device.measured_ops == HOST_MEASURED  # XLA:CPU convolutions and transposed reads: timed
     if (os.cpu_count() or 1) <= 4:  # 8 devices on a few cores: one device alone runs several times faster
         assert calibrate.contention() > 2
 
