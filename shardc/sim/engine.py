@@ -66,6 +66,7 @@ class _Probe:
     live: list[int] = dataclasses.field(default_factory=list)
     seen: int = 0
     readers: dict = dataclasses.field(default_factory=dict)  # key -> its readers from `first` on, sorted
+    makers: dict = dataclasses.field(default_factory=dict)  # key the replay remade -> the task that made it before
 
 
 class _Reads:
@@ -430,6 +431,7 @@ class Simulator:
                 for k in outs:
                     if first and k not in replaced:
                         replaced[k] = ready[k] if who[k] >= 0 else None
+                        probe.makers[k] = who[k]
                     ready[k] = end
                     who[k] = here
                 if start < lo and (start or end or s >= 0):
@@ -495,7 +497,9 @@ class Simulator:
             probe.seen = len(replaced)
         n = len(last_read)
         live = probe.live = [k for k in probe.live if k < n and last_read[k] >= j]
-        suspects = [k for k in live if (before := replaced[k]) is None or ready[k] - before != shift]
+        makers = probe.makers  # (a key made by another task now: a later task bound to its old maker is stale)
+        suspects = [k for k in live if (before := replaced[k]) is None or ready[k] - before != shift
+                    or makers.get(k, who[k]) != who[k]]
         if shift:
             if probe.crossing is None:
                 probe.crossing = reads.crossing(probe.first, replaced)
@@ -515,7 +519,7 @@ class Simulator:
                         return False
                     continue
                 start += int(st.offset[si])
-                if st.bind[si][ti] == maker and maker >= 0:
+                if st.bind[si][ti] in (maker, makers.get(k, maker)) and st.bind[si][ti] >= 0:
                     return False
                 if not (r < start + shift or (shift >= 0 and r <= start + shift)):
                     return False

@@ -187,3 +187,19 @@ def test_delta_follows_where_a_plan_materialises_a_fused_value():
         plan = with_sharding(plan, target, choice) if isinstance(choice, Sharding) else \
             with_strategy(plan, target, choice)
         assert same(incremental.delta(plan), simulator_for(plan, "cpu-host").full(plan)), (target, choice)
+
+
+def test_delta_rebinds_a_later_task_whose_operand_another_task_now_makes(hinted):
+    """Found at 120 examples of the walk above: a change rebuilt a slot so that a key it makes at the same time is
+    made by another of its tasks (a join after the compute, no longer the compute itself); a later slot whose
+    start did not move had recorded the old task as the one it waited for. The delta kept that slot and its stale
+    `binds` (the critical path's links); it now replays a slot bound to a key's former maker."""
+    plan = hinted
+    incremental = simulator_for(plan, "cpu-host")
+    incremental.full(plan)
+    walk = [(22, ((), ("model",))), (2, ((), ())), (4, Sharding((("data",), ("model",))))]  # the example's steps
+    assert (plan.graph.ops[22].primitive, plan.graph.ops[2].primitive) == ("mul", "tanh")
+    for target, choice in walk:
+        plan = with_sharding(plan, target, choice) if isinstance(choice, Sharding) else \
+            with_strategy(plan, target, choice)
+        assert same(incremental.delta(plan), simulator_for(plan, "cpu-host").full(plan)), (target, choice)
