@@ -21,6 +21,7 @@ over positions (numpy), so an update costs O(changed buffers) plus one vectorise
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from typing import Any, Iterable, Mapping, Sequence
@@ -785,16 +786,31 @@ class MemoryModel:
         if not cands:
             return None, set()
         cands.sort(key=lambda x: (-x[0], x[1], x[2], x[3], x[4]))
-        busy: list[list[tuple[int, int, int]]] = [[] for _ in allocs]
+        # Per allocation, the live ranges placed in it, sorted by start. They never overlap (a range may only
+        # begin where the one it is written over in place ends), so their ends are sorted too, and the ranges
+        # meeting [s, e] are the run from the first ending at or after s to the last starting at or before e.
+        starts: list[list[int]] = [[] for _ in allocs]
+        ends: list[list[int]] = [[] for _ in allocs]
+        keys: list[list[int]] = [[] for _ in allocs]
+        sizes = [a[0] for a in allocs]
+        left, right = bisect.bisect_left, bisect.bisect_right
         placed = np.zeros(end + 1, dtype=np.int64)
         kids: set[int] = set()
         for b, _, s, e, k in cands:
             over = pairs.get(k)
-            for j, (size, at, _, own) in enumerate(allocs):
-                if (size < b or (e >= at and inplace.get(k) != j) or k < 0 and not 0 <= own < -1 - k
-                        or any(s <= f and a <= e and not (s == f and i == over) for a, f, i in busy[j])):
+            mine = inplace.get(k, -1)
+            for j in range(left(sizes, b), len(allocs)):  # (allocations smaller than the value skipped)
+                _, at, _, own = allocs[j]
+                if e >= at and mine != j or k < 0 and not 0 <= own < -1 - k:
                     continue
-                busy[j].append((s, e, k))
+                sj, ej, kj = starts[j], ends[j], keys[j]
+                lo, hi = left(ej, s), right(sj, e)
+                if lo < hi and (hi - lo > 1 or ej[lo] != s or kj[lo] != over):  # (only `over` may end at s)
+                    continue
+                at = right(sj, s)
+                sj.insert(at, s)
+                ej.insert(at, e)
+                kj.insert(at, k)
                 placed[s] += b
                 placed[e + 1] -= b
                 kids.add(k)
@@ -926,3 +942,4 @@ class MemoryModel:
         live = self.live()
         i = int(np.argmax(live))
         return MemoryResult(self.args, self.outs, self.alias, int(live[i]), self._op_at[i // 2], self.fresh_outs)
+
