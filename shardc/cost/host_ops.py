@@ -9,9 +9,10 @@ the roofline. A plan that replicates a CNN's work over devices (or splits its he
 `HostMeasuredEstimator` times each such op at its local shapes **on every local device at once** (a
 `shard_map` over all devices, each running the op on its own copy: the contention of a step in which every
 device computes), keeps the median of 3-5 runs (the fastest was sometimes a run 2x faster than the op ever
-runs inside a step) minus the time of the same call with no work, and caches it on disk per op configuration and host (`op-profiles-host`), so the same host
-prices the same plan alike from then on. Everything else is the roofline's (`AnalyticalEstimator`), and so
-are ops it prices under `min_time` (1 ms): timing one costs more planning than its error costs the plan.
+runs inside a step) minus the time of the same call with no work, and caches it on disk per op configuration and
+host (`op-profiles-host`), so the same host prices the same plan alike from then on. Everything else is the
+roofline's (`AnalyticalEstimator`), and so are ops it prices under `min_time` (1 ms): timing one costs more
+planning than its error costs the plan.
 
 Matmuls can be timed too (`primitives=`), but are not by default: with them timed the plans of
 `bench/sim_vs_measured.py` ranked better (tau 0.87), yet on the Flax Gemma example (`bench.upstream_gemma`,

@@ -628,7 +628,8 @@ class TaskBuilder:
         """Whether XLA folds transpose `op` into the dot making its operand (the dot then writes its result in the
         transposed order): it reads the dot's result as the dot makes it, no collective between them."""
         p = self.graph.values[self.canon(op.inputs[0])].producer
-        return p is not None and self.graph.ops[p].primitive == "dot_general" and self._reads_dot_as_made(plan, op, need)
+        return (p is not None and self.graph.ops[p].primitive == "dot_general"
+                and self._reads_dot_as_made(plan, op, need))
 
     def _strided_read(self, op: Any, need: Sharding) -> float:
         """Seconds one loop fusion spends reading transpose `op`'s local operand across its memory order, beyond

@@ -60,7 +60,8 @@ def test_strided_readers_count_the_loop_fusions_reading_a_fused_transpose():
 
 def _fusions_with_transposes(compiled_text: str) -> int:
     """Loop fusions whose computation transposes (XLA:CPU emits the fused transpose as a strided read)."""
-    comps = {m.group(1): m.group(2) for m in re.finditer(r"^%?([\w.]+) [^\n]*\{\n(.*?)\n\}", compiled_text, re.M | re.S)}
+    comps = {m.group(1): m.group(2)
+             for m in re.finditer(r"^%?([\w.]+) [^\n]*\{\n(.*?)\n\}", compiled_text, re.M | re.S)}
     calls = re.findall(r"fusion\([^\n]*kind=kLoop, calls=%?([\w.]+)", compiled_text)
     return sum(1 for c in calls if " transpose(" in comps.get(c, ""))
 
