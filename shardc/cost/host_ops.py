@@ -178,7 +178,10 @@ class HostMeasuredEstimator(ProfilingEstimator):
     def strided_read_time(self, shape: tuple, dtype: str, perm: tuple) -> float:
         """Seconds a loop fusion spends reading a local operand of `shape` through transpose `perm` beyond a read
         in order (timed once per configuration and host, cached; 0 when not measured or cache-sized)."""
-        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        try:
+            nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        except TypeError:  # not a numpy dtype (a PRNG key array): not timed
+            return 0.0
         if STRIDED_READ not in self.primitives or nbytes < _MIN_STRIDED_BYTES:
             return 0.0
         key = OpKey(STRIDED_READ, (("permutation", tuple(perm)),), (tuple(shape),), (), (str(dtype),), ())

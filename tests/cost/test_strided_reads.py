@@ -92,6 +92,7 @@ def test_a_strided_read_is_timed_once_per_shape_then_cached_and_small_or_unliste
     convs = HostMeasuredEstimator(dev, primitives=frozenset({"conv_general_dilated"}),
                                   cache=DiskCache("ops", str(tmp_path)))
     assert convs.strided_read_time((512, 1024), "float32", (1, 0)) == 0.0
+    assert est.strided_read_time((512, 1024), "key<fry>", (1, 0)) == 0.0 and len(calls) == 1  # no numpy dtype
 
 
 def test_contended_strided_read_costs_more_than_reading_in_order():
