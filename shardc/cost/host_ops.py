@@ -161,44 +161,43 @@ class HostMeasuredEstimator(ProfilingEstimator):
         return hashlib.sha1(raw.encode()).hexdigest()
 
     def profilable(self, key: OpKey, params: Mapping[str, Any]) -> bool:
+        if key.primitive == STRIDED_READ:  # (no roofline prices it: timed unless cache-sized)
+            return STRIDED_READ in self.primitives and _strided_bytes(key) >= _MIN_STRIDED_BYTES
         return key.primitive in self.primitives and self.fallback.op_time(key, params) >= self.min_time
 
     def measure(self, key: OpKey, params: Mapping[str, Any]) -> float:
         """Seconds of the op on one device while every local device runs it (an error: the roofline prices it)."""
         _announce(self.cache.path)
+        if key.primitive == STRIDED_READ:
+            try:
+                return contended_strided_read(key.in_shapes[0], key.in_dtypes[0], params["permutation"])
+            except Exception:  # not runnable here: unpriced, as on a host that does not time it
+                return 0.0
         prim = find_primitive(key.primitive)
         if prim is None:
             raise LookupError(f"no jax primitive {key.primitive!r}")
         return contended_time(prim, params, key.in_shapes, key.in_dtypes)
 
     def seconds(self, measured: float, key: OpKey) -> float:
+        if key.primitive == STRIDED_READ:  # (time inside the reading fusion: no kernel of its own)
+            return measured
         # The measured call wrote its result to memory: a kernel boundary, as the roofline's overhead assumes.
         return measured + (self.device.op_overhead if key.kernel_boundary else 0.0)
 
     def strided_read_time(self, shape: tuple, dtype: str, perm: tuple) -> float:
         """Seconds a loop fusion spends reading a local operand of `shape` through transpose `perm` beyond a read
-        in order (timed once per configuration and host, cached; 0 when not measured or cache-sized)."""
-        try:
-            nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        except TypeError:  # not a numpy dtype (a PRNG key array): not timed
-            return 0.0
-        if STRIDED_READ not in self.primitives or nbytes < _MIN_STRIDED_BYTES:
-            return 0.0
+        in order (timed once per configuration and host and cached, as ops are; 0 when not measured or
+        cache-sized)."""
         key = OpKey(STRIDED_READ, (("permutation", tuple(perm)),), (tuple(shape),), (), (str(dtype),), ())
-        t = self._memo.get(key)
-        if t is None:
-            ck = self.cache_key(key)
-            hit = self.cache.get(ck)
-            if hit is None:
-                _announce(self.cache.path)
-                try:
-                    hit = contended_strided_read(tuple(shape), str(dtype), tuple(perm))
-                except Exception:  # not runnable here: unpriced, as on a host that does not time it
-                    hit = 0.0
-                self.cache.put(ck, hit)
-                self.measured += 1
-            t = self._memo[key] = max(float(hit), 0.0)
-        return t
+        return self.op_time(key) if self.profilable(key, {}) else 0.0
+
+
+def _strided_bytes(key: OpKey) -> int:
+    """Bytes of a strided read's operand (0 for one without a numpy dtype: a PRNG key array)."""
+    try:
+        return int(np.prod(key.in_shapes[0])) * np.dtype(key.in_dtypes[0]).itemsize
+    except TypeError:
+        return 0
 
 
 def _announce(path: str) -> None:

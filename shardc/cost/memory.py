@@ -807,10 +807,10 @@ class MemoryModel:
                 lo, hi = left(ej, s), right(sj, e)
                 if lo < hi and (hi - lo > 1 or ej[lo] != s or kj[lo] != over):  # (only `over` may end at s)
                     continue
-                at = right(sj, s)
-                sj.insert(at, s)
-                ej.insert(at, e)
-                kj.insert(at, k)
+                pos = right(sj, s)
+                sj.insert(pos, s)
+                ej.insert(pos, e)
+                kj.insert(pos, k)
                 placed[s] += b
                 placed[e + 1] -= b
                 kids.add(k)
@@ -942,4 +942,3 @@ class MemoryModel:
         live = self.live()
         i = int(np.argmax(live))
         return MemoryResult(self.args, self.outs, self.alias, int(live[i]), self._op_at[i // 2], self.fresh_outs)
-
