@@ -194,6 +194,7 @@ def _fresh_memory_cost(rows: Any, n: int, mib: int = 48) -> float:
 _FIT_SMALL, _FIT_LARGE, _FIT_CHAIN, _FIT_WORK = 256, 256 * 1024, 8, 64 * 1024
 _FIT_FIELDS = ("base", "per_peer", "per_byte", "per_byte_spread")
 _MIN_FIXED = 1e-6  # seconds: the least a collective's rendezvous of device threads is taken to cost
+_FIT_RETRIES, _FIT_NOISE = 3, 0.02  # runs again of a chain measured within 2% of its baseline (a busy machine)
 
 
 def _fit_groups(n: int) -> tuple[int, ...]:
@@ -236,7 +237,7 @@ def _collective_chain(mesh: Any, kind: str | None, axis: Any, group: int, elems:
 def _collective_fits(devs: Sequence[Any], rounds: int = 7) -> dict[str, float]:
     """Fit each collective kind's cost (`CollectiveFit`) on these devices: chains of collectives of a small
     payload over the groups of `_fit_groups` and of a large one over all devices, each minus the chain without
-    them, the fastest of `rounds` round-robin runs (other processes only ever add time). Keys
+    them, the fastest of `rounds` round-robin runs (`_chain_times`: other processes only ever add time). Keys
     `"<kind>:<field>"`. (The seconds per byte are measured over all devices only: over pairs they differed by
     less than the noise of a busy machine, and each chain compiled costs ~0.2-0.5 s of the first plan.)"""
     import jax
@@ -264,7 +265,7 @@ def _collective_fits(devs: Sequence[Any], rounds: int = 7) -> dict[str, float]:
 
     with concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:  # (XLA compiles off the GIL)
         runs = dict(zip(todo, pool.map(compiled, todo)))
-    best = _round_robin(runs, rounds)
+    best = _chain_times(runs, rounds)
     per = {(kind, g, e): max(t - best[(None, 0, e)], 0.0) / _FIT_CHAIN
            for (kind, g, e), t in best.items() if kind is not None}
     out: dict[str, float] = {}
@@ -272,6 +273,21 @@ def _collective_fits(devs: Sequence[Any], rounds: int = 7) -> dict[str, float]:
         fit = _fit(kind, {g: (4 * small, per[(kind, g, small)]) for g in groups}, (4 * large, per[(kind, n, large)]))
         out.update({f"{kind}:{f}": float(getattr(fit, f)) for f in _FIT_FIELDS})
     return out
+
+
+def _chain_times(runs: dict[tuple, Callable[[], Any]], rounds: int) -> dict[tuple, float]:
+    """The fastest time of each chain (keyed (kind, group, elems); kind None: the baseline without collectives)
+    over `rounds` round-robin runs; a chain that came out within `_FIT_NOISE` of its baseline lost to other
+    processes (its collectives cost 10-50% of the baseline on a quiet machine) and is run again with its
+    baseline, up to `_FIT_RETRIES` times."""
+    best = _round_robin(runs, rounds)
+    for _ in range(_FIT_RETRIES):
+        lost = [k for k in runs if k[0] is not None and best[k] <= (1 + _FIT_NOISE) * best[(None, 0, k[2])]]
+        if not lost:
+            break
+        again = _round_robin({k: runs[k] for k in [(None, 0, e) for e in {k[2] for k in lost}] + lost}, 2 * rounds)
+        best.update({k: min(best[k], t) for k, t in again.items()})
+    return best
 
 
 def _fit(kind: str, small: dict[int, tuple[int, float]], large: tuple[int, float]) -> CollectiveFit:

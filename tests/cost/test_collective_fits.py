@@ -126,3 +126,25 @@ def test_cpu_host_takes_its_fits_from_the_cached_measurement(tmp_path, monkeypat
     # a measurement from before the fits (cache version 5, or one pinned by hand) prices by the ring model
     calibrate.store(_measurement())
     assert calibrate.cpu_host().levels[0].collectives == ()
+
+
+def test_a_chain_measured_no_slower_than_its_baseline_is_measured_again(monkeypatch):
+    # a busy moment made the permute chain about as fast as the chain without collectives (a CI run fitted its fixed
+    # cost to the floor): it is run again, with its baseline, and the faster of the two runs kept
+    base, perm, ar = (None, 0, 256), ("collective-permute", 8, 256), ("all-reduce", 8, 256)
+    rounds_seen = []
+    measured = [{base: 5e-3, perm: 5.05e-3, ar: 6e-3}, {base: 4e-3, perm: 6.5e-3}]
+
+    def fake_round_robin(runs, rounds):
+        rounds_seen.append((sorted(runs, key=repr), rounds))
+        return measured.pop(0)
+
+    monkeypatch.setattr(calibrate, "_round_robin", fake_round_robin)
+    best = calibrate._chain_times({base: None, perm: None, ar: None}, 7)
+    assert best == {base: 4e-3, perm: 5.05e-3, ar: 6e-3}
+    assert rounds_seen[1] == (sorted([base, perm], key=repr), 14)  # only the lost chain and its baseline
+    # a chain that keeps losing is run at most _FIT_RETRIES more times, then fitted at the floor
+    calls = []
+    monkeypatch.setattr(calibrate, "_round_robin", lambda runs, rounds: calls.append(1) or {k: 1e-3 for k in runs})
+    assert calibrate._chain_times({base: None, perm: None}, 7) == {base: 1e-3, perm: 1e-3}
+    assert len(calls) == 1 + calibrate._FIT_RETRIES
