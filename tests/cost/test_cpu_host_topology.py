@@ -16,7 +16,9 @@ def test_cpu_host_measured_then_cached(tmp_path, monkeypatch):
     assert not topo.overlap and not topo.reduce_scatter  # XLA:CPU: collectives on the compute threads
     assert topo.device.flops_per_s("float32") > 1e7 and topo.device.mem_bandwidth > 1e6
     assert topo.levels[0].bandwidth > 0 and topo.levels[0].latency > 0 and topo.device.op_overhead > 0
-    assert topo.levels[0].permute_latency >= topo.levels[0].latency  # a permute's fixed cost, measured
+    # a permute's fixed cost, measured: above the floor a chain lost to a busy machine would be fitted to (on a
+    # quiet machine it is ~10x the ring's per-step latency; a CI run under load once measured it at the floor)
+    assert topo.levels[0].permute_latency > 10 * calibrate._MIN_FIXED
     # every collective kind fitted: a fixed cost per group size (a rendezvous of the group's device threads,
     # more than one ring step over all 8) and, for the all-reduce at least, a cost per byte
     level = topo.levels[0]
