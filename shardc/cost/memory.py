@@ -17,17 +17,19 @@ results where the backend expands them (`_workspace_of`), some collectives beyon
 `relayouts`).
 
 `update` recomputes only the buffers of the slots a delta simulation rebuilt; the peak is a prefix sum
-over positions (numpy), so an update costs O(changed buffers) plus one vectorised pass.
+over positions (numpy), so an update costs O(changed buffers) plus one vectorised pass, and the placement of
+temporaries into output allocations (`in_outputs`) replays the previous one (`shardc/cost/first_fit.py`).
 """
 from __future__ import annotations
 
 import bisect
 import dataclasses
 import math
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from shardc.cost.first_fit import FirstFit
 from shardc.cost.program import ProgramInfo, conv_output_copied, derived, descendants, outer_region
 
 __all__ = ["MemoryModel", "MemoryResult"]
@@ -81,6 +83,7 @@ class MemoryModel:
     def __init__(self, graph: Any, info: ProgramInfo, mesh: Mapping[str, int], keys: Any) -> None:
         self.graph = graph
         self.info = info
+        self._first_fit = FirstFit()  # (in_outputs' placement, replayed from the previous call's)
         self.mesh = dict(mesh)
         self.keys = keys
         self.n = len(graph.ops)
@@ -763,7 +766,8 @@ class MemoryModel:
         of an input copied before it) — up to the output's making when the output is written over it in place
         (`_shares_of`: the value dies where an elementwise fusion writes the output, with the output's shape; a dot
         writing into the output allocation that the fusion then updates), and a value may begin where one it is
-        written over in place ends (`pairs`, `_share_pairs`)."""
+        written over in place ends (`pairs`, `_share_pairs`). The placement replays the previous call's
+        (`FirstFit`)."""
         pairs = self._share_pairs() if pairs is None else pairs
         made: dict[int, int] = {}
         for kid, o in self.out_keys.items():
@@ -785,36 +789,13 @@ class MemoryModel:
         cands += [(b, self._copy_post(p), a, e, -1 - p) for a, e, b, p in copies if b <= biggest]
         if not cands:
             return None, set()
-        cands.sort(key=lambda x: (-x[0], x[1], x[2], x[3], x[4]))
-        # Per allocation, the live ranges placed in it, sorted by start. They never overlap (a range may only
-        # begin where the one it is written over in place ends), so their ends are sorted too, and the ranges
-        # meeting [s, e] are the run from the first ending at or after s to the last starting at or before e.
-        starts: list[list[int]] = [[] for _ in allocs]
-        ends: list[list[int]] = [[] for _ in allocs]
-        keys: list[list[int]] = [[] for _ in allocs]
-        sizes = [a[0] for a in allocs]
-        left, right = bisect.bisect_left, bisect.bisect_right
+        ranges = sorted([(-b, p, s, e, k, inplace.get(k, -1), pairs.get(k)) for b, p, s, e, k in cands])
+        where = self._first_fit.place(allocs, ranges, end + 1, _admitting(allocs))
+        got = np.array([(r[2], r[3] + 1, -r[0]) for r in ranges if r[4] in where], np.int64).reshape(-1, 3)
         placed = np.zeros(end + 1, dtype=np.int64)
-        kids: set[int] = set()
-        for b, _, s, e, k in cands:
-            over = pairs.get(k)
-            mine = inplace.get(k, -1)
-            for j in range(left(sizes, b), len(allocs)):  # (allocations smaller than the value skipped)
-                _, at, _, own = allocs[j]
-                if e >= at and mine != j or k < 0 and not 0 <= own < -1 - k:
-                    continue
-                sj, ej, kj = starts[j], ends[j], keys[j]
-                lo, hi = left(ej, s), right(sj, e)
-                if lo < hi and (hi - lo > 1 or ej[lo] != s or kj[lo] != over):  # (only `over` may end at s)
-                    continue
-                pos = right(sj, s)
-                sj.insert(pos, s)
-                ej.insert(pos, e)
-                kj.insert(pos, k)
-                placed[s] += b
-                placed[e + 1] -= b
-                kids.add(k)
-                break
+        np.add.at(placed, got[:, 0], got[:, 2])  # (a range adds its bytes from its first position ...
+        np.add.at(placed, got[:, 1], -got[:, 2])  # ... to its last)
+        kids = set(where)
         return np.cumsum(placed[:end]), kids
 
     def _into_outputs(self, allocs: Sequence[tuple[int, int, int, int]]) -> dict[int, int]:
@@ -942,3 +923,28 @@ class MemoryModel:
         live = self.live()
         i = int(np.argmax(live))
         return MemoryResult(self.args, self.outs, self.alias, int(live[i]), self._op_at[i // 2], self.fresh_outs)
+
+
+def _admitting(allocs: Sequence[tuple[int, int, int, int]]) -> Callable[[tuple], int]:
+    """`admits` for `FirstFit.place` over `allocs` (size, made, output, own input; sorted by size): the
+    allocations a range may use whatever they hold (a bitmask; tried smallest first) — as large as it, made after its last
+    position unless its output is written over it in place, and for a copy of donated input p (key id
+    -1 - p) only that of an input copied before it."""
+    sizes = [a[0] for a in allocs]
+    by_made = sorted(range(len(allocs)), key=lambda j: allocs[j][1])
+    made_at = [allocs[j][1] for j in by_made]
+    after = [0] * (len(allocs) + 1)  # after[i]: the allocations made after made_at[i - 1]
+    for i in range(len(allocs) - 1, -1, -1):
+        after[i] = after[i + 1] | 1 << by_made[i]
+    left, right = bisect.bisect_left, bisect.bisect_right
+
+    def admits(r: tuple) -> int:
+        neg_b, _, _, e, k, mine, _ = r
+        ok = after[right(made_at, e)] | (1 << mine if mine >= 0 else 0)
+        fits = left(sizes, -neg_b)
+        ok = ok >> fits << fits
+        if k < 0:
+            ok &= sum(1 << j for j, a in enumerate(allocs) if 0 <= a[3] < -1 - k)
+        return ok
+
+    return admits

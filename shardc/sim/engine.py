@@ -67,6 +67,7 @@ class _Probe:
     seen: int = 0
     readers: dict = dataclasses.field(default_factory=dict)  # key -> its readers from `first` on, sorted
     makers: dict = dataclasses.field(default_factory=dict)  # key the replay remade -> the task that made it before
+    bound_at: int = -1  # the slot of the last check's failing read whose start the moved key decided
 
 
 class _Reads:
@@ -409,7 +410,8 @@ class Simulator:
                         start, bind = r, who[d]
                 if s >= 0 and dur:  # (a task of no duration, such as a bitcast, holds no stream: as a join)
                     idle = gaps[s]
-                    for gi, (a, b, before) in enumerate(idle):
+                    # (intervals in time order: none fits unless the last ends after start + dur)
+                    for gi, (a, b, before) in enumerate(idle if idle and idle[-1][1] >= start + dur else ()):
                         at = start if start > a else a
                         if at + dur <= b:  # fits in an idle interval of its stream
                             if a > start:
@@ -471,7 +473,7 @@ class Simulator:
             if new_g != (tuple((a + total, b + total, t) for a, b, t in old_g) if total else old_g):
                 return False
         if not self._reads_hold(st, j, shift, replaced, probe):
-            probe.next_try = j + _RETRY_READS
+            probe.next_try = max(j + _RETRY_READS, probe.bound_at + 1)
             return False
         if shift:
             st.offset[j:] += shift
@@ -520,6 +522,7 @@ class Simulator:
                     continue
                 start += int(st.offset[si])
                 if st.bind[si][ti] in (maker, makers.get(k, maker)) and st.bind[si][ti] >= 0:
+                    probe.bound_at = si  # (its start is decided by the key: only a replay past it can keep the tail)
                     return False
                 if not (r < start + shift or (shift >= 0 and r <= start + shift)):
                     return False

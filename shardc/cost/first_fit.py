@@ -1,0 +1,191 @@
+"""First-fit placement of live ranges into allocations, recomputed incrementally between similar calls.
+
+`MemoryModel.in_outputs` models how XLA reuses output allocations for temporaries: ranges in a fixed order
+(largest first), each into the first allocation (smallest first) that admits it and is free over its range.
+A delta simulation changes a handful of ranges out of hundreds, so `FirstFit.place` replays the previous
+placement: a range whose span meets nothing placed differently so far (`disturbed`) lands where it landed
+before — every allocation holds the same ranges over its span as in the previous run, so it makes the same
+choice — and only the others are placed again, against the previous run's ranges that came before them in
+the order (minus those placed differently now) plus this run's new placements. The result equals placing all
+ranges afresh (`FirstFit(incremental=False)`), which tests compare."""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Callable, Iterator, Sequence
+
+from shardc.cost.busy_index import BusyIndex
+
+__all__ = ["FirstFit", "Range"]
+
+# A range to place: (minus its bytes, its maker's post order, first position, last position, key id, the
+# allocation it may use whatever its time (-1: none), the key it may begin where it ends in place (None: none)).
+# Ranges are placed in tuple order (largest first); key ids are unique, so the first five fields decide it.
+Range = tuple[int, int, int, int, int, int, "int | None"]
+
+
+@dataclasses.dataclass
+class _Run:
+    """One placement: its allocations, ranges in order, where each landed (index into ranges -> allocation)
+    and per allocation its ranges sorted by first position (non-overlapping except where one begins where the
+    range it is written over ends)."""
+
+    allocs: list[tuple]
+    ranges: list[Range]
+    index: dict[int, int]  # key id -> index into ranges
+    where: dict[int, int]
+    starts: list[list[int]]
+    ends: list[list[int]]
+    members: list[list[int]]  # range indices, in the order of `starts`
+
+
+class FirstFit:
+    """First-fit placement (see the module docstring), replaying the previous call's when its allocations are
+    the same (`incremental`)."""
+
+    def __init__(self, incremental: bool = True) -> None:
+        self._incremental = incremental
+        self._last: _Run | None = None
+
+    def place(self, allocs: list[tuple], ranges: Sequence[Range], positions: int,
+              admits: Callable[[Range], int]) -> dict[int, int]:
+        """Key id -> allocation index of each placed range. `ranges` sorted by their sort keys, over positions
+        0 .. `positions` - 1; `admits(r)`: the allocations that may hold range r whatever they hold (its size,
+        its time), as a bitmask (bit j: allocation j; tried lowest first)."""
+        last = self._last
+        ranges = list(ranges)
+        if not self._incremental or last is None or last.allocs != allocs:
+            where = self._afresh(allocs, ranges, admits)
+        else:
+            where = self._replay(last, ranges, positions, admits)
+        self._last = _state(allocs, ranges, where)
+        return {ranges[i][4]: j for i, j in where.items()}
+
+    @staticmethod
+    def _afresh(allocs: list[tuple], ranges: list[Range], admits: Callable) -> dict[int, int]:
+        """Range index -> allocation, placing each range in turn."""
+        starts: list[list[int]] = [[] for _ in allocs]
+        ends: list[list[int]] = [[] for _ in allocs]
+        keys: list[list[int]] = [[] for _ in allocs]
+        left, right = bisect.bisect_left, bisect.bisect_right
+        where: dict[int, int] = {}
+        for i, r in enumerate(ranges):
+            _, _, s, e, k, _, over = r
+            for j in _bits(admits(r)):
+                sj, ej, kj = starts[j], ends[j], keys[j]
+                lo, hi = left(ej, s), right(sj, e)
+                if lo < hi and (hi - lo > 1 or ej[lo] != s or kj[lo] != over):  # (only `over` may end at s)
+                    continue
+                pos = right(sj, s)
+                sj.insert(pos, s)
+                ej.insert(pos, e)
+                kj.insert(pos, k)
+                where[i] = j
+                break
+        return where
+
+    @staticmethod
+    def _replay(last: _Run, ranges: list[Range], positions: int, admits: Callable) -> dict[int, int]:
+        """Range index -> allocation, from the last run's placement (see the module docstring)."""
+        new_keys = {r[4]: r for r in ranges}
+        gone: set[int] = set()  # old ranges (indices) not where they were: dropped, or placed elsewhere now
+        disturbed = BusyIndex(positions)  # per allocation, the spans it holds differently from the last run
+        hull = [positions, -1]  # (first, last) position of all disturbed spans
+
+        def disturb(s: int, e: int, j: int) -> None:
+            disturbed.add(s, e, 1 << j)
+            hull[0], hull[1] = min(hull[0], s), max(hull[1], e)
+
+        for i, r in enumerate(last.ranges):
+            if new_keys.get(r[4]) != r:
+                gone.add(i)
+                if i in last.where:
+                    disturb(r[2], r[3], last.where[i])
+        added: list[list[tuple[int, int, int]]] = [[] for _ in last.allocs]  # per allocation: (s, e, key)
+        where: dict[int, int] = {}
+        for i, r in enumerate(ranges):
+            _, _, s, e, k, _, over = r
+            old = last.index.get(k)
+            if old is not None and last.ranges[old] != r:
+                old = None
+            was = last.where.get(old, -1) if old is not None else -1
+            if old is None:  # a range the last run did not have: tried everywhere
+                now = _first_free(last, _bits(admits(r)), s, e, over, _ahead(last.ranges, r), gone, added)
+            else:
+                # An allocation it tried last time (all it may use when it was not placed; those up to where it
+                # went when it was) answers as then unless it holds something else over its span now.
+                changed = disturbed.busy(s, e) if s <= hull[1] and hull[0] <= e else 0
+                if changed and was >= 0:
+                    changed &= (2 << was) - 1
+                if changed:
+                    ok = admits(r)
+                    changed &= ok
+                if not changed:
+                    if was >= 0:
+                        where[i] = was
+                    continue
+                now = _first_free(last, _bits(changed), s, e, over, old, gone, added)
+                if now < 0 and was >= 0:
+                    now = was if not changed >> was & 1 else _first_free(
+                        last, _bits(ok >> (was + 1) << (was + 1)), s, e, over, old, gone, added)
+            if now >= 0:
+                where[i] = now
+            if now == was and old is not None:
+                continue
+            if was >= 0:
+                gone.add(old)
+                disturb(s, e, was)
+            if now >= 0:
+                added[now].append((s, e, k))
+                disturb(s, e, now)
+        return where
+
+
+def _first_free(last: _Run, allocs: Iterator[int], s: int, e: int, over: int | None, before: int,
+                gone: set[int], added: list[list[tuple[int, int, int]]]) -> int:
+    """The first of `allocs` free over [s, e] now (see `_admits_now`), or -1."""
+    for j in allocs:
+        if _admits_now(last, j, s, e, over, before, gone, added[j]):
+            return j
+    return -1
+
+
+def _admits_now(last: _Run, j: int, s: int, e: int, over: int | None, before: int, gone: set[int],
+                added: list[tuple[int, int, int]]) -> bool:
+    """Whether allocation j is free over [s, e] for a range written over `over` in place: the last run's ranges
+    in it ahead of this one (index < `before`, not `gone`) and this run's `added` ones, where only `over` may
+    meet it, and only ending at s."""
+    for a_s, a_e, a_k in added:
+        if a_s <= e and s <= a_e and (a_e != s or a_k != over):
+            return False
+    starts, ends, members = last.starts[j], last.ends[j], last.members[j]
+    for x in range(bisect.bisect_left(ends, s), bisect.bisect_right(starts, e)):
+        m = members[x]
+        if m < before and m not in gone and (ends[x] != s or last.ranges[m][4] != over):
+            return False
+    return True
+
+
+def _ahead(ranges: list[Range], r: Range) -> int:
+    """How many of `ranges` (sorted) come before `r` in the placing order (which its first five fields decide)."""
+    return bisect.bisect_left(ranges, r[:5], key=lambda x: x[:5])
+
+
+def _bits(mask: int) -> Iterator[int]:
+    """The set bits of `mask`, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def _state(allocs: list[tuple], ranges: list[Range], where: dict[int, int]) -> _Run:
+    """The run a placement `where` (range index -> allocation) makes, for the next call to replay."""
+    starts: list[list[int]] = [[] for _ in allocs]
+    ends: list[list[int]] = [[] for _ in allocs]
+    members: list[list[int]] = [[] for _ in allocs]
+    for j, s, e, i in sorted((j, ranges[i][2], ranges[i][3], i) for i, j in where.items()):
+        starts[j].append(s)
+        ends[j].append(e)
+        members[j].append(i)
+    return _Run(allocs, ranges, {r[4]: i for i, r in enumerate(ranges)}, where, starts, ends, members)
