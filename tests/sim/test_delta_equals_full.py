@@ -203,3 +203,24 @@ def test_delta_rebinds_a_later_task_whose_operand_another_task_now_makes(hinted)
         plan = with_sharding(plan, target, choice) if isinstance(choice, Sharding) else \
             with_strategy(plan, target, choice)
         assert same(incremental.delta(plan), simulator_for(plan, "cpu-host").full(plan)), (target, choice)
+
+
+def test_a_simulation_hides_old_objects_from_the_collector_only_while_it_runs(base):
+    import gc
+
+    sim = simulator_for(base, shardc.Topology.preset("h100-sxm-8"))
+    seen = []
+    hook = lambda phase, info: seen.append(gc.get_freeze_count()) if phase == "start" else None  # noqa: E731
+    gc.collect()
+    gc.callbacks.append(hook)
+    try:
+        before = gc.get_freeze_count()
+        sim.full(base)
+        assert gc.get_freeze_count() == before == 0
+        assert seen and min(seen) > 0  # (collections during the simulation ran with the old objects frozen)
+        gc.freeze()  # a process that froze objects itself keeps them frozen (not unfrozen after the call)
+        sim.full(base)
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.callbacks.remove(hook)
+        gc.unfreeze()
