@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import gc
 import itertools
+import operator
 from typing import Any, Callable, TypeVar
 
 import numpy as np
@@ -346,8 +347,9 @@ class Simulator:
         if len(a.strategies) != len(b.strategies) or a.mesh_sizes != b.mesh_sizes:
             return None
         sa, sb = a.shardings, b.shardings
-        values = {v for v, (x, y) in enumerate(zip(sa, sb)) if x is not y and x != y}
-        ops = {i for i, (x, y) in enumerate(zip(a.strategies, b.strategies)) if x is not y and x != y}
+        values = {v for v in itertools.compress(range(len(sa)), map(operator.is_not, sa, sb)) if sa[v] != sb[v]}
+        ta, tb = a.strategies, b.strategies
+        ops = {i for i in itertools.compress(range(len(ta)), map(operator.is_not, ta, tb)) if ta[i] != tb[i]}
         needs_a = self._needs
         if a.reshards is not b.reshards:
             if needs_a is None:
