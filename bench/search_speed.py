@@ -30,7 +30,8 @@ from bench.gpt import make_train_step, setup  # noqa: E402
 from bench.propagate import count_eqns, write_section  # noqa: E402
 from shardc.search.baselines import BASELINES, baseline_seeds  # noqa: E402
 from shardc.search.driver import _mesh_of  # noqa: E402
-from shardc.search.evaluate import Evaluator, paused_gc  # noqa: E402
+from shardc.gc_pause import paused_gc  # noqa: E402
+from shardc.search.evaluate import Evaluator  # noqa: E402
 from shardc.search.space import build_space, seeds_for  # noqa: E402
 
 TARGETS = (("h100-sxm-8", 8, 10.0), ("h100-sxm-8x8", 64, 30.0))  # topology, devices, target (s); default budget_s

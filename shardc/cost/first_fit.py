@@ -18,6 +18,8 @@ from shardc.cost.busy_index import BusyIndex
 
 __all__ = ["FirstFit", "Range"]
 
+_REPLAY_LIMIT = 0.03  # the share of changed ranges above which a placement is made afresh
+
 # A range to place: (minus its bytes, its maker's post order, first position, last position, key id, the
 # allocation it may use whatever its time (-1: none), the key it may begin where it ends in place (None: none)).
 # Ranges are placed in tuple order (largest first); key ids are unique, so the first five fields decide it.
@@ -47,53 +49,66 @@ class FirstFit:
         self._incremental = incremental
         self._last: _Run | None = None
 
-    def place(self, allocs: list[tuple], ranges: Sequence[Range], positions: int,
-              admits: Callable[[Range], int]) -> dict[int, int]:
-        """Key id -> allocation index of each placed range. `ranges` sorted by their sort keys, over positions
-        0 .. `positions` - 1; `admits(r)`: the allocations that may hold range r whatever they hold (its size,
-        its time), as a bitmask (bit j: allocation j; tried lowest first)."""
+    def place(self, allocs: list[tuple], ranges: Sequence[Range], admits: Callable[[Range], int]) -> dict[int, int]:
+        """Key id -> allocation index of each placed range. `ranges` sorted; `admits(r)`: the allocations
+        that may hold range r whatever they hold (its size, its time), as a bitmask (bit j: allocation j; tried
+        lowest first)."""
         last = self._last
         ranges = list(ranges)
-        if not self._incremental or last is None or last.allocs != allocs:
+        if not self._incremental or last is None or last.allocs != allocs or _much_changed(last, ranges):
             where = self._afresh(allocs, ranges, admits)
         else:
-            where = self._replay(last, ranges, positions, admits)
+            where = self._replay(last, ranges, admits)
         self._last = _state(allocs, ranges, where)
         return {ranges[i][4]: j for i, j in where.items()}
 
     @staticmethod
     def _afresh(allocs: list[tuple], ranges: list[Range], admits: Callable) -> dict[int, int]:
-        """Range index -> allocation, placing each range in turn."""
+        """Range index -> allocation, placing each range in turn: into the first allocation it may use that is
+        free over its span (`BusyIndex` over the ranges' distinct positions), or that holds only the range it
+        is written over in place there, ending where it begins (checked on that allocation's sorted ranges)."""
         starts: list[list[int]] = [[] for _ in allocs]
         ends: list[list[int]] = [[] for _ in allocs]
         keys: list[list[int]] = [[] for _ in allocs]
         left, right = bisect.bisect_left, bisect.bisect_right
+        rank = _ranks(ranges)
+        busy = BusyIndex(len(rank))
         where: dict[int, int] = {}
+        placed: dict[int, int] = {}  # key id -> allocation
         for i, r in enumerate(ranges):
             _, _, s, e, k, _, over = r
-            for j in _bits(admits(r)):
-                sj, ej, kj = starts[j], ends[j], keys[j]
+            ok = admits(r)
+            first, last = rank[s], rank[e]
+            free = ok & ~busy.busy(first, last)
+            at = placed.get(over, -1) if over is not None else -1
+            if at >= 0 and ok >> at & 1 and not free >> at & 1 and not free & ((1 << at) - 1):
+                sj, ej, kj = starts[at], ends[at], keys[at]
                 lo, hi = left(ej, s), right(sj, e)
-                if lo < hi and (hi - lo > 1 or ej[lo] != s or kj[lo] != over):  # (only `over` may end at s)
-                    continue
-                pos = right(sj, s)
-                sj.insert(pos, s)
-                ej.insert(pos, e)
-                kj.insert(pos, k)
-                where[i] = j
-                break
+                if hi - lo == 1 and ej[lo] == s and kj[lo] == over:  # (only `over` meets it, ending at s)
+                    free |= 1 << at
+            if not free:
+                continue
+            j = (free & -free).bit_length() - 1
+            pos = right(starts[j], s)
+            starts[j].insert(pos, s)
+            ends[j].insert(pos, e)
+            keys[j].insert(pos, k)
+            busy.add(first, last, 1 << j)
+            where[i] = j
+            placed[k] = j
         return where
 
     @staticmethod
-    def _replay(last: _Run, ranges: list[Range], positions: int, admits: Callable) -> dict[int, int]:
+    def _replay(last: _Run, ranges: list[Range], admits: Callable) -> dict[int, int]:
         """Range index -> allocation, from the last run's placement (see the module docstring)."""
         new_keys = {r[4]: r for r in ranges}
         gone: set[int] = set()  # old ranges (indices) not where they were: dropped, or placed elsewhere now
-        disturbed = BusyIndex(positions)  # per allocation, the spans it holds differently from the last run
-        hull = [positions, -1]  # (first, last) position of all disturbed spans
+        rank = _ranks(ranges, last.ranges)
+        disturbed = BusyIndex(len(rank))  # per allocation, the spans it holds differently from the last run
+        hull = [len(rank) and max(rank) + 1, -1]  # (first, last) position of all disturbed spans
 
         def disturb(s: int, e: int, j: int) -> None:
-            disturbed.add(s, e, 1 << j)
+            disturbed.add(rank[s], rank[e], 1 << j)
             hull[0], hull[1] = min(hull[0], s), max(hull[1], e)
 
         for i, r in enumerate(last.ranges):
@@ -114,7 +129,7 @@ class FirstFit:
             else:
                 # An allocation it tried last time (all it may use when it was not placed; those up to where it
                 # went when it was) answers as then unless it holds something else over its span now.
-                changed = disturbed.busy(s, e) if s <= hull[1] and hull[0] <= e else 0
+                changed = disturbed.busy(rank[s], rank[e]) if s <= hull[1] and hull[0] <= e else 0
                 if changed and was >= 0:
                     changed &= (2 << was) - 1
                 if changed:
@@ -177,6 +192,27 @@ def _bits(mask: int) -> Iterator[int]:
         low = mask & -mask
         yield low.bit_length() - 1
         mask ^= low
+
+
+def _ranks(*lists: list[Range]) -> dict[int, int]:
+    """Position -> its rank among the first and last positions of the ranges in `lists` (a `BusyIndex` over
+    those alone answers as one over every position, in fewer levels)."""
+    return {p: i for i, p in enumerate(sorted({p for rs in lists for r in rs for p in (r[2], r[3])}))}
+
+
+def _much_changed(last: _Run, ranges: list[Range]) -> bool:
+    """Whether more than `_REPLAY_LIMIT` of the ranges differ from the last run's (as when a search moves a
+    whole group of repeated layers): replaying then costs more than placing afresh."""
+    index, old = last.index, last.ranges
+    limit = max(8, int(_REPLAY_LIMIT * len(ranges)))
+    differ = abs(len(ranges) - len(old))
+    for r in ranges:
+        i = index.get(r[4])
+        if i is None or old[i] != r:
+            differ += 1
+            if differ > limit:
+                return True
+    return False
 
 
 def _state(allocs: list[tuple], ranges: list[Range], where: dict[int, int]) -> _Run:

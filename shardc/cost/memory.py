@@ -790,7 +790,7 @@ class MemoryModel:
         if not cands:
             return None, set()
         ranges = sorted([(-b, p, s, e, k, inplace.get(k, -1), pairs.get(k)) for b, p, s, e, k in cands])
-        where = self._first_fit.place(allocs, ranges, end + 1, _admitting(allocs))
+        where = self._first_fit.place(allocs, ranges, _admitting(allocs))
         got = np.array([(r[2], r[3] + 1, -r[0]) for r in ranges if r[4] in where], np.int64).reshape(-1, 3)
         placed = np.zeros(end + 1, dtype=np.int64)
         np.add.at(placed, got[:, 0], got[:, 2])  # (a range adds its bytes from its first position ...

@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 import jax
 
 from annotations.errors import ShardingError
+from shardc.gc_pause import paused_gc
 from shardc.plan import Plan, abstract_mesh
 from shardc.propagate import Seed
 from shardc.report import format_bytes
@@ -22,7 +23,7 @@ from shardc.search.baselines import (BASELINES, COMPUTE_OF, baseline_seeds, cons
 from shardc.search.budget import MESH_SETUP_UNITS, Budget, full_plan_units
 from shardc.search.compare import GroupNote, compare_groups
 from shardc.search.dp import sp_dp
-from shardc.search.evaluate import INVALID, Evaluator, Problem, Score, paused_gc, plan_from_seeds
+from shardc.search.evaluate import INVALID, Evaluator, Problem, Score, plan_from_seeds
 from shardc.search.mcmc import mcmc
 from shardc.search.polish import polish
 from shardc.search.space import (SEARCH_CAUSE, Assignment, Space, build_space, mixing_domains,

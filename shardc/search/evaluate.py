@@ -1,12 +1,10 @@
 """The oracle of the search: assignment -> seeds -> propagation -> Plan -> simulated step time and memory."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import math
 from collections import deque
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 from jax.sharding import Mesh
 
@@ -19,21 +17,7 @@ from shardc.sharding import mesh_shape
 from shardc.sim import Simulator, as_topology
 from shardc.ties import check_ties
 
-__all__ = ["Problem", "Score", "Evaluator", "plan_from_seeds", "paused_gc"]
-
-
-@contextlib.contextmanager
-def paused_gc() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector: evaluations allocate many short-lived objects over a large
-    live heap (graph, memos), and each full collection would rescan that heap (0.3-0.5 s on the 12-layer
-    GPT, every few evaluations). Reference counting still frees everything that is not cyclic."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
+__all__ = ["Problem", "Score", "Evaluator", "plan_from_seeds"]
 
 
 @dataclasses.dataclass

@@ -24,17 +24,16 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import functools
-import gc
 import itertools
 import operator
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 import numpy as np
 
 from shardc.cost.estimator import OpCostEstimator
 from shardc.cost.memory import MemoryModel
 from shardc.cost.topology import MeshMapping, Topology
+from shardc.gc_pause import gc_paused
 from shardc.plan import Plan
 from shardc.sim.combine import Combiner
 from shardc.sim.result import SimResult
@@ -53,29 +52,6 @@ _RETRY_READS = 32
 def _static(start: int, end: int, stream: int) -> bool:
     """A join at time 0 (of values ready at 0): it stays at 0 whatever the rest of the schedule does."""
     return start == 0 and end == 0 and stream < 0
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _gc_frozen(fn: _F) -> _F:
-    """Run `fn` with every object that exists when it starts out of the garbage collector's sight
-    (`gc.freeze`, undone after): a simulation allocates many small objects, and each collection they trigger
-    would otherwise traverse the whole program graph and everything else alive (measured: ~1/3 of a full
-    simulation of the 12-layer GPT). Objects made during the call are collected as usual. Skipped when the
-    process already froze objects itself (unfreezing would release them)."""
-
-    @functools.wraps(fn)
-    def frozen(*args: Any, **kwargs: Any) -> Any:
-        if gc.get_freeze_count():
-            return fn(*args, **kwargs)
-        gc.freeze()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            gc.unfreeze()
-
-    return frozen  # type: ignore[return-value]
 
 
 @dataclasses.dataclass
@@ -237,7 +213,7 @@ class Simulator:
         return self.builder.graph
 
     # -- public --------------------------------------------------------------------------------------
-    @_gc_frozen
+    @gc_paused  # (see shardc/gc_pause.py)
     def full(self, plan: Plan, donated: tuple[int, ...] = ()) -> SimResult:
         """Simulate a plan from scratch."""
         b = self.builder
@@ -263,7 +239,7 @@ class Simulator:
         self._reads = None
         return self._result(state)
 
-    @_gc_frozen
+    @gc_paused  # (see shardc/gc_pause.py)
     def delta(self, plan: Plan, donated: tuple[int, ...] = ()) -> SimResult:
         """Simulate a plan that differs from the previous one in a few ops or values: the same result as
         `full(plan)`, computed from the previous run."""

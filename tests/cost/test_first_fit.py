@@ -59,7 +59,10 @@ def _walk_step(rng: random.Random, ranges: dict[int, tuple], next_key: list[int]
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_replaying_the_last_placement_equals_placing_afresh(seed):
+def test_replaying_the_last_placement_equals_placing_afresh(seed, monkeypatch):
+    replays = []
+    real = FirstFit._replay
+    monkeypatch.setattr(FirstFit, "_replay", staticmethod(lambda *a: replays.append(1) or real(*a)))
     rng = random.Random(seed)
     allocs = _allocs(rng)
     admits = _admitting(allocs)
@@ -71,12 +74,13 @@ def test_replaying_the_last_placement_equals_placing_afresh(seed):
         if step:
             _walk_step(rng, ranges, next_key)
         order = sorted(ranges.values())
-        got = replayed.place(allocs, order, POSITIONS, admits)
-        want = afresh.place(allocs, order, POSITIONS, admits)
+        got = replayed.place(allocs, order, admits)
+        want = afresh.place(allocs, order, admits)
         assert got == want, f"seed {seed}, step {step}"
         assert len(want) > len(order) // 4  # (the walk keeps the allocations in use)
         placed_some_over |= any(r[6] is not None and r[4] in want and want.get(r[6]) == want[r[4]] for r in order)
     assert placed_some_over or seed % 3  # (most seeds place a range right after the one it is written over)
+    assert len(replays) >= 30  # (small changes are replayed; many at once are placed afresh)
 
 
 def test_afresh_places_first_fit_in_order():
@@ -85,7 +89,7 @@ def test_afresh_places_first_fit_in_order():
     admits = _admitting(allocs)
     ranges = [(-16, 0, 0, 10, 0, -1, None), (-16, 1, 5, 20, 1, -1, None), (-16, 2, 11, 30, 2, -1, None),
               (-16, 3, 30, 40, 3, -1, 2), (-16, 4, 45, 60, 4, -1, None), (-8, 5, 0, 40, 5, -1, None)]
-    where = FirstFit().place(allocs, ranges, 100, admits)
+    where = FirstFit().place(allocs, ranges, admits)
     # 0 in the first; 1 overlaps it: second; 2 after 0 ends: first; 3 begins where 2 (its `over`) ends: first;
     # 4 ends after the allocations are made: nowhere; 5 (smaller: placed last) meets 0-3 in the first two: third
     assert where == {0: 0, 1: 1, 2: 0, 3: 0, 5: 2}

@@ -205,22 +205,19 @@ def test_delta_rebinds_a_later_task_whose_operand_another_task_now_makes(hinted)
         assert same(incremental.delta(plan), simulator_for(plan, "cpu-host").full(plan)), (target, choice)
 
 
-def test_a_simulation_hides_old_objects_from_the_collector_only_while_it_runs(base):
+def test_a_simulation_pauses_the_garbage_collector_only_while_it_runs(base, monkeypatch):
     import gc
 
     sim = simulator_for(base, shardc.Topology.preset("h100-sxm-8"))
     seen = []
-    hook = lambda phase, info: seen.append(gc.get_freeze_count()) if phase == "start" else None  # noqa: E731
-    gc.collect()
-    gc.callbacks.append(hook)
+    real = sim._schedule
+    monkeypatch.setattr(sim, "_schedule", lambda *a: seen.append(gc.isenabled()) or real(*a))
+    assert gc.isenabled()
+    sim.full(base)
+    assert seen == [False] and gc.isenabled()
+    gc.disable()  # a caller that paused it itself (the search) keeps it paused
     try:
-        before = gc.get_freeze_count()
         sim.full(base)
-        assert gc.get_freeze_count() == before == 0
-        assert seen and min(seen) > 0  # (collections during the simulation ran with the old objects frozen)
-        gc.freeze()  # a process that froze objects itself keeps them frozen (not unfrozen after the call)
-        sim.full(base)
-        assert gc.get_freeze_count() > 0
+        assert not gc.isenabled()
     finally:
-        gc.callbacks.remove(hook)
-        gc.unfreeze()
+        gc.enable()
