@@ -19,6 +19,7 @@ from shardc.cost.busy_index import BusyIndex
 __all__ = ["FirstFit", "Range"]
 
 _REPLAY_LIMIT = 0.03  # the share of changed ranges above which a placement is made afresh
+_FAR = 1 << 62  # after every position
 
 # A range to place: (minus its bytes, its maker's post order, first position, last position, key id, the
 # allocation it may use whatever its time (-1: none), the key it may begin where it ends in place (None: none)).
@@ -105,7 +106,7 @@ class FirstFit:
         gone: set[int] = set()  # old ranges (indices) not where they were: dropped, or placed elsewhere now
         rank = _ranks(ranges, last.ranges)
         disturbed = BusyIndex(len(rank))  # per allocation, the spans it holds differently from the last run
-        hull = [len(rank) and max(rank) + 1, -1]  # (first, last) position of all disturbed spans
+        hull = [_FAR, -1]  # (first, last) position of all disturbed spans
 
         def disturb(s: int, e: int, j: int) -> None:
             disturbed.add(rank[s], rank[e], 1 << j)
