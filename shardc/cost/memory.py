@@ -784,12 +784,14 @@ class MemoryModel:
         limit = max(a[1] for a in allocs)
         biggest = max(a[0] for a in allocs)
         post = self.info.post
-        cands = [(b, post[self.owner[k][0]], s, e, k) for k, (s, e, b) in self.buffers.items()
-                 if (e < limit or k in inplace) and b <= biggest]
-        cands += [(b, self._copy_post(p), a, e, -1 - p) for a, e, b, p in copies if b <= biggest]
-        if not cands:
+        owner = self.owner
+        ranges = [(-b, post[owner[k][0]], s, e, k, inplace.get(k, -1), pairs.get(k))
+                  for k, (s, e, b) in self.buffers.items() if (e < limit or k in inplace) and b <= biggest]
+        ranges += [(-b, self._copy_post(p), a, e, -1 - p, -1, pairs.get(-1 - p)) for a, e, b, p in copies
+                   if b <= biggest]
+        if not ranges:
             return None, set()
-        ranges = sorted([(-b, p, s, e, k, inplace.get(k, -1), pairs.get(k)) for b, p, s, e, k in cands])
+        ranges.sort()  # (largest first, then in XLA's post order of what makes them: `FirstFit`'s order)
         where = self._first_fit.place(allocs, ranges, _admitting(allocs))
         got = np.array([(r[2], r[3] + 1, -r[0]) for r in ranges if r[4] in where], np.int64).reshape(-1, 3)
         placed = np.zeros(end + 1, dtype=np.int64)
