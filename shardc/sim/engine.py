@@ -42,6 +42,7 @@ from shardc.sim.tasks import TASKS_PER_SLOT, Slot, TaskBuilder, plan_needs
 __all__ = ["Simulator"]
 
 _GAPS = 16  # idle intervals kept per stream for backfilling (see Simulator._schedule)
+_gap_end = operator.itemgetter(1)  # (an idle interval's end)
 _NEVER = 1 << 62  # "no task" in a slot's earliest start
 # Slots a delta replays after a failed check before it checks again (a check of the streams costs about
 # five slot replays, one of reads far more; overshooting the first slot that would do costs only replays).
@@ -416,8 +417,11 @@ class Simulator:
                         start, bind = r, who[d]
                 if s >= 0 and dur:  # (a task of no duration, such as a bitcast, holds no stream: as a join)
                     idle = gaps[s]
-                    # (intervals in time order: none fits unless the last ends after start + dur)
-                    for gi, (a, b, before) in enumerate(idle if idle and idle[-1][1] >= start + dur else ()):
+                    # (intervals in time order, so their ends too: none ending before start + dur fits)
+                    near = bisect.bisect_left(idle, start + dur, key=_gap_end) if idle and idle[-1][1] >= start + dur \
+                        else len(idle)
+                    for gi in range(near, len(idle)):
+                        a, b, before = idle[gi]
                         at = start if start > a else a
                         if at + dur <= b:  # fits in an idle interval of its stream
                             if a > start:
