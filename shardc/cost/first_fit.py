@@ -57,20 +57,19 @@ class FirstFit:
         last = self._last
         ranges = list(ranges)
         if not self._incremental or last is None or last.allocs != allocs or _much_changed(last, ranges):
-            where = self._afresh(allocs, ranges, admits)
+            self._last = self._afresh(allocs, ranges, admits)
         else:
-            where = self._replay(last, ranges, admits)
-        self._last = _state(allocs, ranges, where)
-        return {ranges[i][4]: j for i, j in where.items()}
+            self._last = _state(allocs, ranges, self._replay(last, ranges, admits))
+        return {ranges[i][4]: j for i, j in self._last.where.items()}
 
     @staticmethod
-    def _afresh(allocs: list[tuple], ranges: list[Range], admits: Callable) -> dict[int, int]:
-        """Range index -> allocation, placing each range in turn: into the first allocation it may use that is
-        free over its span (`BusyIndex` over the ranges' distinct positions), or that holds only the range it
-        is written over in place there, ending where it begins (checked on that allocation's sorted ranges)."""
+    def _afresh(allocs: list[tuple], ranges: list[Range], admits: Callable) -> _Run:
+        """The run placing each range in turn: into the first allocation it may use that is free over its span
+        (`BusyIndex` over the ranges' distinct positions), or that holds only the range it is written over in
+        place there, ending where it begins (checked on that allocation's sorted ranges)."""
         starts: list[list[int]] = [[] for _ in allocs]
         ends: list[list[int]] = [[] for _ in allocs]
-        keys: list[list[int]] = [[] for _ in allocs]
+        members: list[list[int]] = [[] for _ in allocs]
         left, right = bisect.bisect_left, bisect.bisect_right
         rank = _ranks(ranges)
         busy = BusyIndex(len(rank))
@@ -83,9 +82,9 @@ class FirstFit:
             free = ok & ~busy.busy(first, last)
             at = placed.get(over, -1) if over is not None else -1
             if at >= 0 and ok >> at & 1 and not free >> at & 1 and not free & ((1 << at) - 1):
-                sj, ej, kj = starts[at], ends[at], keys[at]
+                sj, ej = starts[at], ends[at]
                 lo, hi = left(ej, s), right(sj, e)
-                if hi - lo == 1 and ej[lo] == s and kj[lo] == over:  # (only `over` meets it, ending at s)
+                if hi - lo == 1 and ej[lo] == s and ranges[members[at][lo]][4] == over:  # (only `over` meets it)
                     free |= 1 << at
             if not free:
                 continue
@@ -93,11 +92,11 @@ class FirstFit:
             pos = right(starts[j], s)
             starts[j].insert(pos, s)
             ends[j].insert(pos, e)
-            keys[j].insert(pos, k)
+            members[j].insert(pos, i)
             busy.add(first, last, 1 << j)
             where[i] = j
             placed[k] = j
-        return where
+        return _Run(allocs, ranges, {r[4]: i for i, r in enumerate(ranges)}, where, starts, ends, members)
 
     @staticmethod
     def _replay(last: _Run, ranges: list[Range], admits: Callable) -> dict[int, int]:

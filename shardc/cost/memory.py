@@ -929,9 +929,9 @@ class MemoryModel:
 
 def _admitting(allocs: Sequence[tuple[int, int, int, int]]) -> Callable[[tuple], int]:
     """`admits` for `FirstFit.place` over `allocs` (size, made, output, own input; sorted by size): the
-    allocations a range may use whatever they hold (a bitmask; tried smallest first) — as large as it, made after its last
-    position unless its output is written over it in place, and for a copy of donated input p (key id
-    -1 - p) only that of an input copied before it."""
+    allocations a range may use whatever they hold (a bitmask; tried smallest first) — as large as it, made
+    after its last position unless its output is written over it in place, and for a copy of donated input p
+    (key id -1 - p) only that of an input copied before it."""
     sizes = [a[0] for a in allocs]
     by_made = sorted(range(len(allocs)), key=lambda j: allocs[j][1])
     made_at = [allocs[j][1] for j in by_made]

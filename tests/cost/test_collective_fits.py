@@ -128,9 +128,9 @@ def test_cpu_host_takes_its_fits_from_the_cached_measurement(tmp_path, monkeypat
     assert calibrate.cpu_host().levels[0].collectives == ()
 
 
-def test_a_chain_measured_no_slower_than_its_baseline_is_measured_again(monkeypatch):
-    # a busy moment made the permute chain about as fast as the chain without collectives (a CI run fitted its fixed
-    # cost to the floor): it is run again, with its baseline, and the faster of the two runs kept
+def test_a_chain_measured_within_noise_of_its_baseline_is_measured_again(monkeypatch):
+    # a busy moment made the permute chain about as fast as the chain without collectives (a CI run fitted its
+    # fixed cost to the floor): it is run again, with its baseline, and the faster of the two runs kept
     base, perm, ar = (None, 0, 256), ("collective-permute", 8, 256), ("all-reduce", 8, 256)
     rounds_seen = []
     measured = [{base: 5e-3, perm: 5.05e-3, ar: 6e-3}, {base: 4e-3, perm: 6.5e-3}]
