@@ -12,9 +12,9 @@ rebuilt slot, starting from the stream state recorded there; everything before i
 last rebuilt slot the replay stops as soon as the rest of the old schedule, shifted by one amount D, is
 what replaying it would give: every stream's state (free time, idle intervals) is the old one plus D, its
 last task the same, and every value made earlier that a later task reads either moved by D too or was
-not what that task waited for and still is not (checked read by read; values ready at time 0 by one
-bound). The old tail is then kept with a pending offset of D per slot (`_State.offset`), applied where
-times are read. The integer arithmetic is the same as a full run's, so the result is identical, not
+not what that task waited for and still is not, and, if it is now ready earlier, the task still fits no
+idle interval it passed before (checked read by read; values ready at time 0 by one bound). The old tail
+is then kept with a pending offset of D per slot (`_State.offset`), applied where times are read. The integer arithmetic is the same as a full run's, so the result is identical, not
 approximately equal (tests/sim/test_delta_equals_full.py compares every task's start and end).
 
 Memory (`shardc.cost.memory`) is updated for the buffers the rebuilt slots make or read, and for the
@@ -48,6 +48,49 @@ _NEVER = 1 << 62  # "no task" in a slot's earliest start
 # five slot replays, one of reads far more; overshooting the first slot that would do costs only replays).
 _RETRY_STREAMS = 8
 _RETRY_READS = 32
+
+
+def _moves_earlier(st: "_State", si: int, ti: int, start: int, shift: int, from_j: int) -> bool:
+    """Whether task ti of slot si, in the old tail shifted by `shift` (so starting at `start`), would run
+    earlier: its inputs are ready earlier than the shifted old ones, and it now fits an idle interval
+    it came to before the one it ran in (first fit, in time order; see `_schedule`). Its inputs' ready
+    times are those the kept tail would give (keys the tail makes move with it); its stream's idle
+    intervals those recorded before the slot, updated by the slot's earlier tasks on the stream as
+    `_schedule` did. Tasks of no stream or duration only wait for their inputs: the caller checks them."""
+    deps, s, dur, _outs = st.slots[si].sched[ti]
+    if s < 0 or not dur:
+        return False
+    ready, who = st.ready, st.who
+    inputs_at = 0
+    for d in deps:
+        r = ready[d]
+        if r and who[d] >= from_j:
+            r += shift
+        if r > inputs_at:
+            inputs_at = r
+    moved = int(st.offset[si]) + shift
+    idle = [(a + moved, b + moved) for a, b, _ in st.gaps_in[si][s]]
+    free = st.stream_in[si][s] + moved
+    sched, starts, ends = st.slots[si].sched, st.starts[si], st.ends[si]
+    for tj in range(ti):  # the idle intervals as task ti found them
+        if sched[tj][1] == s and sched[tj][2]:
+            at, end = starts[tj] + moved, ends[tj] + moved
+            if at >= free:  # after the stream's last task
+                if at > free:
+                    idle = (idle + [(free, at)])[-_GAPS:]
+                free = end
+            else:  # in an idle interval
+                gi = next((g for g, (a, b) in enumerate(idle) if a <= at and end <= b), None)
+                if gi is None:  # (not as recorded: replay to be sure)
+                    return True
+                a, b = idle[gi]
+                idle[gi:gi + 1] = [g for g in ((a, at), (end, b)) if g[1] > g[0]]
+    for a, b in idle:
+        if b > start:
+            break
+        if max(inputs_at, a) + dur <= b:
+            return True
+    return False
 
 
 def _static(start: int, end: int, stream: int) -> bool:
@@ -520,6 +563,8 @@ class Simulator:
         from_j = j * TASKS_PER_SLOT
         for k in suspects:
             r, maker = ready[k], who[k]
+            before = replaced.get(k, r)  # (None: a key the old schedule did not make)
+            earlier = before is None or r < before + shift  # moved earlier than the tail
             later = probe.readers.get(k)
             if later is None:
                 later = probe.readers[k] = sorted(t for t in reads.readers.get(k, ()) if t >= from_j)
@@ -535,6 +580,8 @@ class Simulator:
                     probe.bound_at = si  # (its start is decided by the key: only a replay past it can keep the tail)
                     return False
                 if not (r < start + shift or (shift >= 0 and r <= start + shift)):
+                    return False
+                if earlier and _moves_earlier(st, si, ti, start + shift, shift, from_j):
                     return False
         return True
 

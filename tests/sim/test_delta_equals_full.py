@@ -221,3 +221,41 @@ def test_a_simulation_pauses_the_garbage_collector_only_while_it_runs(base, monk
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def _tail_state(tasks, window, free, ready_at):
+    """A two-slot schedule: slot 0 made key 0 (now ready at `ready_at`); slot 1 (the kept tail) has
+    `tasks` as (stream, duration, start, deps) on stream 0 with `window` idle before it and the stream
+    free from `free`."""
+    from shardc.sim.engine import _State
+    from shardc.sim.tasks import Slot
+    import numpy as np
+    slots = [Slot(op=0, tasks=[]), Slot(op=1, tasks=[])]
+    slots[1].sched = tuple((deps, s, dur, ()) for s, dur, _, deps in tasks)
+    n = 2
+    return _State(plan=None, slots=slots, keys={}, ready=[ready_at], who=[0],
+                  starts=[[], [t[2] for t in tasks]], ends=[[], [t[2] + t[1] for t in tasks]],
+                  bind=[[], [-1] * len(tasks)], stream_in=[(0,), (free,)], stream_last=[(-1,), (-1,)],
+                  gaps_in=[((),), (tuple((a, b, -1) for a, b in window),)], offset=np.zeros(n, np.int64),
+                  slot_max=np.zeros(n, np.int64), slot_min=np.zeros(n, np.int64))
+
+
+def test_a_kept_task_whose_input_is_ready_earlier_is_checked_against_the_idle_intervals_it_passed():
+    """Keeping an old tail needs every task to run where it ran: a task that waited after the stream's
+    last task (start 150) for an input ready at 100 did not fit the idle interval [50, 90] (30 long);
+    with the input ready at 40 it does, so the tail may not be kept. The interval as the slot's earlier
+    tasks left it counts: one that ran at [50, 85] leaves [85, 90], too short."""
+    from shardc.sim.engine import TASKS_PER_SLOT, _moves_earlier
+    from_j = TASKS_PER_SLOT  # (key 0 was made before the tail: it does not move with it)
+    alone = [(0, 30, 150, (0,))]
+    assert _moves_earlier(_tail_state(alone, [(50, 90)], 150, 40), 1, 0, 150, 0, from_j)
+    assert not _moves_earlier(_tail_state(alone, [(50, 90)], 150, 100), 1, 0, 150, 0, from_j)
+    # shifted by 10: the interval moves to [60, 100] with the tail, the input does not
+    assert _moves_earlier(_tail_state(alone, [(50, 90)], 150, 40), 1, 0, 160, 10, from_j)
+    assert not _moves_earlier(_tail_state(alone, [(50, 90)], 150, 75), 1, 0, 160, 10, from_j)
+    after_one = [(0, 35, 50, ()), (0, 30, 150, (0,))]
+    assert not _moves_earlier(_tail_state(after_one, [(50, 90)], 150, 40), 1, 1, 150, 0, from_j)
+    # an interval the slot's first task opened after the stream's last task: [150, 200] before it ran at 200
+    opened = [(0, 10, 200, ()), (0, 30, 210, (0,))]
+    assert _moves_earlier(_tail_state(opened, [], 150, 40), 1, 1, 210, 0, from_j)
+    assert not _moves_earlier(_tail_state(opened, [], 150, 190), 1, 1, 210, 0, from_j)
