@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding
 
 from annotations.primitive import hint_p
 from shardc.ir.build import REGION_PRIMITIVES, call_jaxpr
-from shardc.cost.program import program_info
+from shardc.cost.program import folds_to_constant, program_info
 from shardc.cost.reshard_path import reshard_steps
 from shardc.plan import Plan, lowers_reduce_scatter, require_devices
 from shardc.rules.core import FactorKind
@@ -67,6 +67,16 @@ def tagged_op(op_name: str) -> int | None:
     """The plan op a compiled instruction's metadata op_name names (the innermost tag), or None."""
     found = _TAG.findall(op_name)
     return int(found[-1]) if found else None
+
+
+def _constant_like(x: Any) -> Any:
+    """Zeros shaped as `x`, a compile-time constant: the operand of an op XLA folds to a constant whatever it
+    reads (an argmax over dims of size 1), passed so. Bound on the traced operand, XLA partitions the op as
+    the operand is laid out before it folds it, and a result split over two mesh axes was all-gathered and
+    sliced back (the plan has no collective there: the op reads nothing, `unread_operands`)."""
+    if not hasattr(x, "shape"):
+        return x
+    return jax.numpy.zeros(x.shape, x.dtype)
 
 
 def _constrain(x: Any, sharding: NamedSharding) -> Any:
@@ -189,6 +199,8 @@ class Lowering:
             invals = [self.reshard(x, v, self.plan.shardings[v], need[i]) if i in need else x
                       for i, (x, v) in enumerate(zip(invals, op.inputs))]
         invals = self.constants_as_needed(op, invals)
+        if folds_to_constant(self.graph, op):  # (its result is a constant whatever it reads: see below)
+            invals = [_constant_like(x) for x in invals]
         if eqn.primitive is hint_p or op.primitive == "sharding_constraint":
             # a hint or jax's own constraint (maybe on the mesh the step was traced under, e.g. Flax's on
             # partitioned parameters): the plan's decided sharding of the value, on the plan's mesh. A

@@ -92,8 +92,12 @@ Fixed in the oracle:
   right: shardc never plans an uneven sharding and constrains every value. The reference now treats
   with_sharding_constraint as the identity it is (unsharded, as the oracle's docstring says).
 
-Not modelled, pinned as strict xfails (the day the plan says what XLA does, they pass and say so):
-* an argmax over a size-1 dim (a constant) split over two mesh axes: XLA all-gathers it and slices it back;
+* seed 91002: an argmax over a size-1 dim (a constant whatever it reads) whose result is split over two
+  mesh axes: XLA partitioned the argmax as its operand was laid out before folding it, all-gathered the
+  index over those axes and sliced it back (the plan has no collective there). The lowering now passes
+  such an op constant operands, so XLA folds it first (`argmax_of_one_split_two_ways`).
+
+Not modelled, pinned as a strict xfail (the day the plan says what XLA does, it passes and says so):
 * a gather or scatter whose operand is split on an indexed dim and whose indices are split over another
   axis: XLA regroups the indices by the operand's device groups, permuting them where its grouping (on the
   indices' major replicated axis) differs (seed 93004, permute 8 planned vs 20 compiled).
@@ -385,13 +389,6 @@ CARRY_SPLIT_AFTER_THE_LOOP = Program(mesh=(("x", 1), ("y", 8)), steps=(  # seed 
 ), outputs=(0, 2), step_mode=True)  # the gradient's loop carries [x], its final carry is added at [y+x]
 
 
-@pytest.mark.xfail(strict=True, reason="not modelled: XLA all-gathers the int32 constant an argmax over a "
-                   "size-1 dim folds to, when it is split over two mesh axes (y+z), and slices it back to the "
-                   "same layout; a real argmax (dim of size 2) or a split over one axis is planned exactly")
-def test_a_folded_argmax_split_over_two_axes_is_gathered_by_xla():
-    fuzzlib.check_program(ARGMAX_OF_ONE_SPLIT_TWO_WAYS)
-
-
 GATHER_SPLIT_OPERAND_AND_INDICES = Program(mesh=_mesh3(), steps=(  # seed 93004, shrunk by hand
     Step(kind="input", args=(), attrs=(("meta", ("z", None)),), shape=(4, 2)),  # split on the indexed dim
     Step(kind="gather", args=(0,), attrs=(("dim", 0), ("indices", ((3,), (3,)))), shape=(2, 1, 2)),
@@ -420,7 +417,7 @@ def test_a_gather_of_a_split_dim_with_split_indices_is_regrouped_by_xla():
                                   READ_ONLY_BY_A_FOLDED_OP, HINTED_CONSTANT, CONSTANT_LEAVING_A_BRANCH,
                                   FORI_WITHOUT_SCANNED_VALUES, DEAD_CARRY, SELECT_OF_ONE_VALUE,
                                   BROADCAST_THROUGH_A_MIDDLE_LAYOUT, CONSTANT_OVER_A_WHOLE_OPERAND,
-                                  CARRY_SPLIT_AFTER_THE_LOOP],
+                                  CARRY_SPLIT_AFTER_THE_LOOP, ARGMAX_OF_ONE_SPLIT_TWO_WAYS],
                          ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
                               "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
                               "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
@@ -430,7 +427,8 @@ def test_a_gather_of_a_split_dim_with_split_indices_is_regrouped_by_xla():
                               "result_of_a_constant", "read_only_by_a_folded_op", "hinted_constant",
                               "constant_leaving_a_branch", "fori_without_scanned_values", "dead_carry",
                               "select_of_one_value", "broadcast_through_a_middle_layout",
-                              "constant_over_a_whole_operand", "carry_split_after_the_loop"])
+                              "constant_over_a_whole_operand", "carry_split_after_the_loop",
+                              "argmax_of_one_split_two_ways"])
 def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
 
