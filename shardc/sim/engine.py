@@ -14,8 +14,9 @@ what replaying it would give: every stream's state (free time, idle intervals) i
 last task the same, and every value made earlier that a later task reads either moved by D too or was
 not what that task waited for and still is not, and, if it is now ready earlier, the task still fits no
 idle interval it passed before (checked read by read; values ready at time 0 by one bound). The old tail
-is then kept with a pending offset of D per slot (`_State.offset`), applied where times are read. The integer arithmetic is the same as a full run's, so the result is identical, not
-approximately equal (tests/sim/test_delta_equals_full.py compares every task's start and end).
+is then kept with a pending offset of D per slot (`_State.offset`), applied where times are read. The
+integer arithmetic is the same as a full run's, so the result is identical, not approximately equal
+(tests/sim/test_delta_equals_full.py compares every task's start and end).
 
 Memory (`shardc.cost.memory`) is updated for the buffers the rebuilt slots make or read, and for the
 all-reduces XLA merges (`shardc.sim.combine`), regrouped on every run (a pass over the all-reduces only).
