@@ -160,7 +160,8 @@ class Lowering:
         """The next plan op, which must be one of `primitives` (the walk and the graph builder agree)."""
         op = self.graph.ops[self.next_op]
         if op.primitive not in primitives:
-            raise AssertionError(f"lowering expected {'/'.join(primitives)} where the plan has op {op.id} ({op.primitive})")
+            raise AssertionError(f"lowering expected {'/'.join(primitives)} where the plan has op {op.id} "
+                                 f"({op.primitive})")
         self.next_op += 1
         return op
 
