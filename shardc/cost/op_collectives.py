@@ -54,8 +54,8 @@ def _arg_reduce(op: Any, ins: Sequence[Sharding], shapes: Sequence[tuple[int, ..
     partitioner reduces each device's piece, then all-gathers each shard's candidate value and its global
     index over those axes (two all-gathers of the local result times the group) and reduces them again."""
     (axis,) = op.params["axes"]
-    axes = tuple(ins[0].dims[axis]) if axis < len(ins[0].dims) else ()
-    if not axes:
+    axes = tuple(a for a in ins[0].dims[axis] if mesh[a] > 1) if axis < len(ins[0].dims) else ()
+    if not axes:  # (an axis of size 1 splits nothing: XLA's sharding does not name it)
         return ()
     group = math.prod(mesh[a] for a in axes)
     local = ins[0].local_shape(shapes[0], mesh)

@@ -58,7 +58,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 from shardc.cost.collectives import Collective
 from shardc.sharding import Sharding
 
-__all__ = ["reshard_collectives", "is_involuntary_remat", "kept_broadcast", "permute_pairs"]
+__all__ = ["reshard_collectives", "is_involuntary_remat", "kept_broadcast", "permute_pairs", "cached_intermediate"]
 
 Dims = tuple[tuple[str, ...], ...]
 Mesh = tuple[tuple[str, int], ...]
@@ -488,6 +488,15 @@ class _Partitioner:
         self.out: list[_Emitted] = []
         self.pairs: list[tuple[tuple[int, int], ...]] = []  # each collective-permute's (source, target) devices
         self.remat = False
+        self.depth = 0  # nested ReshardNoCache calls
+        # The first layout the value itself is taken to through PartitionedHlo::Reshard (cached per
+        # instruction and layout) on the way, where XLA's reshard of it does so (`cached_intermediate`).
+        self.cached: _Tiling | None = None
+
+    def cache_point(self, inter: _Tiling) -> None:
+        """XLA reshards the value (not a reshaped or grouped view of it) to `inter` with its cached Reshard."""
+        if self.depth == 1 and self.cached is None:
+            self.cached = inter
 
     # -- emitting ------------------------------------------------------------------------------------
     def emit(self, kind: str, v: _Value, in_group: Sequence[Sequence[int]], elements: int) -> None:
@@ -500,16 +509,25 @@ class _Partitioner:
         """Run one of XLA's optional strategies; drop what it emitted if it gives up."""
         mark = len(self.out)
         pmark = len(self.pairs)
+        cached = self.cached
         r = fn(v, t)
         if r is None:
             del self.out[mark:]
             del self.pairs[pmark:]
+            self.cached = cached
         return r
 
     # -- ReshardNoCache ------------------------------------------------------------------------------
     def reshard(self, v: _Value, target: _Tiling, allow_full: bool = True) -> _Value:
         """PartitionedHlo::ReshardNoCache. With `allow_full=False` it returns `v` unchanged where XLA would
         replicate."""
+        self.depth += 1
+        try:
+            return self._reshard(v, target, allow_full)
+        finally:
+            self.depth -= 1
+
+    def _reshard(self, v: _Value, target: _Tiling, allow_full: bool) -> _Value:
         s = v.tiling
         if s == target:
             return v
@@ -626,6 +644,7 @@ class _Partitioner:
         if from_partial:
             pairs = _all_to_all_dims(s, tmp)
             return self.reshard(self.all_to_all(v, tmp, pairs), target) if pairs else None
+        self.cache_point(tmp)
         w = self.reshard(v, tmp)
         pairs = _all_to_all_dims(w.tiling, target)
         return self.all_to_all(w, target, pairs) if pairs else None
@@ -649,6 +668,7 @@ class _Partitioner:
             return merged if merged.tiling == target else None
         inter = _replicate_one_dim(s, target)
         if inter is not None:
+            self.cache_point(inter)
             r = self.reshard(self.reshard(v, inter), target, allow_full=False)
             return r if r.tiling == target else None
         if s.rep and not target.rep:
@@ -660,6 +680,7 @@ class _Partitioner:
             perm = list(range(len(s.dims)))
             perm[i], perm[-1] = perm[-1], perm[i]
             inter = _like(s, *_transpose(s.dims, s.devices, perm))
+            self.cache_point(inter)
             r = self.reshard(self.reshard(v, inter), target, allow_full=False)
             return r if r.tiling == target else None
         return None
@@ -756,6 +777,31 @@ def _dims_reshard(src: Dims, dst: Dims, shape: tuple[int, ...], mesh: Mesh, bcas
     n = math.prod(size for _, size in mesh)
     r = p.reshard(_Value(_from_dims(src, mesh), shape, (tuple(range(n)),), bcast), _from_dims(dst, mesh))
     return tuple(p.out), p.remat, r.bcast
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _cached_tiling(src: Dims, dst: Dims, shape: tuple[int, ...], mesh: Mesh) -> _Tiling | None:
+    p = _Partitioner(mesh)
+    n = math.prod(size for _, size in mesh)
+    p.reshard(_Value(_from_dims(src, mesh), shape, (tuple(range(n)),)), _from_dims(dst, mesh))
+    return None if p.remat else p.cached
+
+
+def cached_intermediate(src: Sharding, dst: Sharding, shape: Sequence[int], mesh: Mapping[str, int],
+                        candidates: Iterable[Sharding]) -> Sharding | None:
+    """The layout XLA takes the value to first, through its cached `PartitionedHlo::Reshard`, when it reshards
+    it from `src` to `dst` (dims only) in two parts (TryComplexReshardHandling replicating one dim first or
+    transposing the replication, ReshardPartialReplicateWithAllToAll from a tiled source): the first of
+    `candidates` with that HloSharding, or None (no such part, or none of them is it). The cache is per
+    instruction, so another reshard of the same value to that layout is not made again; the step that
+    follows is XLA's own reshard from there."""
+    if src.partial or dst.partial:
+        return None
+    key, mesh_key = _key(src, mesh)
+    tiling = _cached_tiling(key, _key(dst, mesh)[0], tuple(int(n) for n in shape), mesh_key)
+    if tiling is None:
+        return None
+    return next((c for c in candidates if _from_dims(_key(c, mesh)[0], mesh_key) == tiling), None)
 
 
 def _key(s: Sharding, mesh: Mapping[str, int]) -> tuple[Dims, Mesh]:

@@ -8,7 +8,10 @@ step. One it would rematerialize goes through the intermediate layout that sends
 no step rematerialized (e.g. [-, data+model] -> [data, -] as [-, data+model] -> [data, model] ->
 [data, -]: an all-to-all then an all-gather of a quarter, where XLA's fallback gathers the whole
 value); the lowering constrains the value to each layout in turn, so the compiled program has exactly
-these collectives and no rematerialization warning.
+these collectives and no rematerialization warning. A reshard XLA makes in two parts, the first through
+its cached `PartitionedHlo::Reshard` of the value (`shardc.cost.reshard.cached_intermediate`: e.g. [-, y, x]
+-> [-, -, y] all-gathers x to [-, y, -], then all-to-alls), is two steps too: another reshard of the same
+value to that first layout is the same one (XLA's cache; the simulator's and the lowering's keys).
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import math
 from typing import Mapping, Sequence
 
 from shardc.cost.collectives import Collective
-from shardc.cost.reshard import is_involuntary_remat, kept_broadcast, reshard_collectives
+from shardc.cost.reshard import cached_intermediate, is_involuntary_remat, kept_broadcast, reshard_collectives
 from shardc.sharding import Sharding
 
 __all__ = ["reshard_steps", "kept_after", "sent_bytes", "ReshardStep"]
@@ -97,6 +100,11 @@ def _path(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int,
 
     direct = colls(src, dst)
     if not is_involuntary_remat(src, dst, shape, mesh):
+        inter = cached_intermediate(src, dst, shape, mesh, _layouts(len(shape), shape, mesh))
+        if inter is not None and inter not in (src, dst):
+            first, rest = colls(src, inter), colls(inter, dst)
+            if first and first + rest == direct:  # (two steps: another reshard of the value to `inter` reuses it)
+                return ((inter, first), (dst, rest))
         return ((dst, direct),)
     steps: list[ReshardStep] = []
     start = src

@@ -132,3 +132,32 @@ def test_broadcast_reshard_matches_xla(mesh, shape, src, dst, along):
     got = _compiled(mesh, fn, (arg,), ((None,) * len(kept),), dst)
     cs = reshard_collectives(_sh(src), _sh(dst), shape, 4, MESH, reduce_scatter=False, bcast=frozenset(along))
     assert got == sorted((c.kind, c.bytes) for c in cs)
+
+
+def test_a_reshard_through_xlas_cached_layout_is_two_steps_and_a_second_use_of_it_is_free():
+    """XLA reshards [-, y, x] -> [-, -, y] (x=2, y=4) by replicating x first through its cached Reshard
+    ([-, y, -]: an all-gather) and then an all-to-all; with another consumer needing [-, y, -] the value is
+    all-gathered once. The path is two steps, and the compiled program of both reshards has one all-gather."""
+    from shardc.cost.reshard_path import reshard_steps
+    mesh_sizes = {"x": 2, "y": 4}
+    src, mid, dst = Sharding(((), ("y",), ("x",))), Sharding(((), ("y",), ())), Sharding(((), (), ("y",)))
+    steps = reshard_steps(src, dst, (1, 4, 12), 4, mesh_sizes)
+    assert [layout for layout, _ in steps] == [mid, dst]
+    assert [c.kind for _, cs in steps for c in cs] == ["all-gather", "all-to-all"]
+    assert reshard_steps(src, mid, (1, 4, 12), 4, mesh_sizes)[0][1] == steps[0][1]
+    mesh = shardc.make_mesh(mesh_sizes)
+    named = lambda s: NamedSharding(mesh, P(*[d[0] if d else None for d in s.dims]))  # noqa: E731
+    f = jax.jit(lambda v: (jax.lax.with_sharding_constraint(v, named(mid)),
+                           jax.lax.with_sharding_constraint(v, named(dst))),
+                in_shardings=named(src))
+    found = collectives(f.lower(jnp.ones((1, 4, 12))).compile().as_text(), list(mesh_sizes.items()))
+    assert sorted(c.kind for c in found) == ["all-gather", "all-to-all"]
+
+
+def test_an_argmax_over_an_axis_of_size_one_gathers_nothing():
+    from types import SimpleNamespace
+    from shardc.cost.op_collectives import op_collectives
+    argmax = SimpleNamespace(primitive="argmax", params={"axes": (1,), "index_dtype": "int32"})
+    split = Sharding(((), ("x",)))
+    assert op_collectives(argmax, [split], [(3, 8)], [4], {"x": 1, "y": 8}) == ()
+    assert [c.kind for c in op_collectives(argmax, [split], [(3, 8)], [4], {"x": 2, "y": 4})] == ["all-gather"] * 2
