@@ -785,9 +785,9 @@ _ELEMENTWISE_HLO = frozenset(ELEMENTWISE) | frozenset(TRANSCENDENTAL) | {"intege
 
 def broadcast_transfer(graph: Graph, op: Any, operands: Sequence[frozenset[int]]) -> list[frozenset[int]]:
     """The dims along which each result of `op` is a broadcast, given its operands' (XLA's SpmdBuilder
-    tracks them through broadcasts, elementwise ops, transposes, reshapes, slices and pads: a reshard that
-    only moves data along them is a local copy). Ties and scan slices/stacks: none (loop and branch
-    parameters and results are not tracked)."""
+    tracks them through broadcasts, elementwise ops, transposes, reshapes, slices (`split`'s too) and pads: a
+    reshard that only moves data along them is a local copy). Ties and scan slices/stacks: none (loop and
+    branch parameters and results are not tracked)."""
     prim = op.primitive
     shape = graph.values[op.outputs[0]].shape if op.outputs else ()
     none = [frozenset()] * len(op.outputs)
@@ -815,6 +815,8 @@ def broadcast_transfer(graph: Graph, op: Any, operands: Sequence[frozenset[int]]
         return [_reshape_broadcast(graph.values[op.inputs[0]].shape, shape, b)]
     if prim in ("slice", "dynamic_slice"):
         return [b]
+    if prim == "split":  # (slices, to XLA)
+        return [b] * len(op.outputs)
     if prim == "pad":
         config = op.params["padding_config"]
         return [frozenset(d for d in b if tuple(config[d]) == (0, 0, 0))]
