@@ -766,7 +766,8 @@ def folds_to_constant(graph: Graph, op: Any) -> bool:
 def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:
     """Operands of `op` XLA's algebraic simplifier drops: a dynamic_update_slice whose update covers its
     whole operand is the update; a select whose cases are one value is that value (`where(p, x, x)`: the
-    predicate is not read); an op folded to a constant whatever its operands reads none of them."""
+    predicate is not read); an op folded to a constant whatever its operands reads none of them; a slice of
+    nothing but a pad's padding reads nothing (`_reads_only_padding`)."""
     if folds_to_constant(graph, op):
         return tuple(range(len(op.inputs)))
     if op.primitive == "dynamic_update_slice" and len(op.inputs) > 1 \
@@ -774,7 +775,41 @@ def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:
         return (0,)
     if op.primitive == "select_n" and len(op.inputs) > 2 and len(set(op.inputs[1:])) == 1:
         return (0, *range(2, len(op.inputs)))
+    if _reads_only_padding(graph, op):
+        return tuple(range(len(op.inputs)))
     return ()
+
+
+def _window(graph: Graph, op: Any) -> list[tuple[int, int]] | None:
+    """Per dim, the [start, limit) of its operand a slice reads (a pad with no positive padding is a slice
+    too: the transpose of a pad); None for other ops."""
+    if op.primitive == "slice":
+        return list(zip(op.params["start_indices"], op.params["limit_indices"]))
+    if op.primitive == "pad":
+        config = [tuple(c) for c in op.params["padding_config"]]
+        if all(lo <= 0 and hi <= 0 and interior == 0 for lo, hi, interior in config):
+            shape = graph.values[op.inputs[0]].shape
+            return [(-lo, n + hi) for (lo, hi, _), n in zip(config, shape)]
+    return None
+
+
+def _reads_only_padding(graph: Graph, op: Any) -> bool:
+    """Whether `op` slices nothing but the padding of the pad making its operand (on some dim, its window
+    lies in the padding before or after the padded value): XLA's simplifier makes it a broadcast of the
+    padding value, and the padded value is not read (the transpose of a slice of a pad is such a pad of a
+    pad)."""
+    window = _window(graph, op)
+    if window is None or not op.inputs:
+        return False
+    p = graph.values[op.inputs[0]].producer
+    if p is None or graph.ops[p].primitive != "pad":
+        return False
+    pad = graph.ops[p]
+    inner = graph.values[pad.inputs[0]].shape
+    for (start, limit), (lo, hi, interior), n in zip(window, pad.params["padding_config"], inner):
+        if interior == 0 and lo >= 0 and hi >= 0 and (limit <= lo or start >= lo + n):
+            return True
+    return False
 
 
 # Ops XLA's SPMD partitioner sees as elementwise (a result is a broadcast along the dims all operands are).

@@ -108,6 +108,9 @@ Fixed in the oracle:
   to be a broadcast along the dims it was not split on, so a reshard moving only along them was priced as
   a collective-permute; XLA's partitioner tracks broadcasts through slices and copies instead
   (`split_of_a_broadcast`).
+* seed 99003: a slice of nothing but a pad's padding is zeros to XLA's simplifier (and the transpose of such
+  a slice, a pad of a pad, likewise): what the pad padded was dead in XLA and all-gathered in the plan
+  (`slice_of_the_padding`).
 
 Not modelled, pinned as a strict xfail (the day the plan says what XLA does, it passes and says so):
 * a gather or scatter whose operand is split on an indexed dim and whose indices are split over another
@@ -398,6 +401,16 @@ SPLIT_OF_A_BROADCAST = Program(mesh=_mesh3(), steps=(  # seed 98018, shrunk
     Step(kind="reduce", args=(4,), attrs=(("fn", "mean"), ("dims", (0, 1))), shape=()),
 ), outputs=(5,), step_mode=True)  # the mean's cotangent, a broadcast, split and moved [z+y] -> [x+y]: a copy
 
+SLICE_OF_THE_PADDING = Program(mesh=(("x", 4), ("y", 2)), steps=(  # seed 99003, shrunk by hand
+    Step(kind="input", args=(), attrs=(), shape=(4, 4, 2)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 0), ("axes", ("x",))), shape=(4, 4, 2)),
+    Step(kind="input", args=(), attrs=(), shape=(2, 3, 2)),
+    Step(kind="update_slice", args=(1, 2), attrs=(("start", (0, 1, 0)),), shape=(4, 4, 2)),  # made whole
+    Step(kind="pad", args=(3,), attrs=(("config", ((0, 0, 0), (2, 2, 0), (0, 0, 0))),), shape=(4, 8, 2)),
+    Step(kind="slice", args=(4,), attrs=(("start", (0, 0, 0)), ("limit", (4, 2, 2)), ("strides", (1, 1, 1))),
+         shape=(4, 2, 2)),  # the low padding only: zeros, the update is dead
+), outputs=(5,))
+
 BROADCAST_THROUGH_A_MIDDLE_LAYOUT = Program(mesh=_mesh3(), steps=(  # seed 95004, shrunk by hand
     Step(kind="input", args=(), attrs=(), shape=(6, 16, 4)),
     Step(kind="hint", args=(0,), attrs=(("how", "shard"), ("spec", (None, ("y", "x"), None))), shape=(6, 16, 4)),
@@ -450,7 +463,7 @@ def test_a_gather_of_a_split_dim_with_split_indices_is_regrouped_by_xla():
                                   FORI_WITHOUT_SCANNED_VALUES, DEAD_CARRY, SELECT_OF_ONE_VALUE,
                                   BROADCAST_THROUGH_A_MIDDLE_LAYOUT, CONSTANT_OVER_A_WHOLE_OPERAND,
                                   CARRY_SPLIT_AFTER_THE_LOOP, ARGMAX_OF_ONE_SPLIT_TWO_WAYS, ARGMAX_OVER_A_SIZE_ONE_AXIS,
-                                  RESHARD_THROUGH_A_CACHED_LAYOUT, SPLIT_OF_A_BROADCAST],
+                                  RESHARD_THROUGH_A_CACHED_LAYOUT, SPLIT_OF_A_BROADCAST, SLICE_OF_THE_PADDING],
                          ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
                               "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
                               "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
@@ -462,7 +475,7 @@ def test_a_gather_of_a_split_dim_with_split_indices_is_regrouped_by_xla():
                               "select_of_one_value", "broadcast_through_a_middle_layout",
                               "constant_over_a_whole_operand", "carry_split_after_the_loop",
                               "argmax_of_one_split_two_ways", "argmax_over_a_size_one_axis",
-                              "reshard_through_a_cached_layout", "split_of_a_broadcast"])
+                              "reshard_through_a_cached_layout", "split_of_a_broadcast", "slice_of_the_padding"])
 def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
 
