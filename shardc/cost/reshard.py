@@ -770,21 +770,14 @@ def _replicate_one_dim(s: _Tiling, t: _Tiling) -> _Tiling | None:
 
 @functools.lru_cache(maxsize=1 << 16)
 def _dims_reshard(src: Dims, dst: Dims, shape: tuple[int, ...], mesh: Mesh, bcast: frozenset[int] = frozenset()
-                  ) -> tuple[tuple[_Emitted, ...], bool, frozenset[int]]:
+                  ) -> tuple[tuple[_Emitted, ...], bool, frozenset[int], _Tiling | None]:
     """The collectives (elements, not bytes) of XLA's reshard of dim shardings, whether it logs an
-    involuntary full rematerialization, and the dims along which the result is still a broadcast."""
+    involuntary full rematerialization, the dims along which the result is still a broadcast, and the layout
+    it first takes the value to through the cached Reshard (`_Partitioner.cached`)."""
     p = _Partitioner(mesh)
     n = math.prod(size for _, size in mesh)
     r = p.reshard(_Value(_from_dims(src, mesh), shape, (tuple(range(n)),), bcast), _from_dims(dst, mesh))
-    return tuple(p.out), p.remat, r.bcast
-
-
-@functools.lru_cache(maxsize=1 << 12)
-def _cached_tiling(src: Dims, dst: Dims, shape: tuple[int, ...], mesh: Mesh) -> _Tiling | None:
-    p = _Partitioner(mesh)
-    n = math.prod(size for _, size in mesh)
-    p.reshard(_Value(_from_dims(src, mesh), shape, (tuple(range(n)),)), _from_dims(dst, mesh))
-    return None if p.remat else p.cached
+    return tuple(p.out), p.remat, r.bcast, p.cached
 
 
 def cached_intermediate(src: Sharding, dst: Sharding, shape: Sequence[int], mesh: Mapping[str, int],
@@ -798,8 +791,8 @@ def cached_intermediate(src: Sharding, dst: Sharding, shape: Sequence[int], mesh
     if src.partial or dst.partial:
         return None
     key, mesh_key = _key(src, mesh)
-    tiling = _cached_tiling(key, _key(dst, mesh)[0], tuple(int(n) for n in shape), mesh_key)
-    if tiling is None:
+    _, remat, _, tiling = _dims_reshard(key, _key(dst, mesh)[0], tuple(int(n) for n in shape), mesh_key)
+    if remat or tiling is None:
         return None
     return next((c for c in candidates if _from_dims(_key(c, mesh)[0], mesh_key) == tiling), None)
 
@@ -847,7 +840,7 @@ def reshard_collectives(src: Sharding, dst: Sharding, shape: Sequence[int], item
             cur = _with_axes(cur, target, partial)
         else:
             out.append(Collective("all-reduce", _ordered(partial, mesh), payload))
-    emitted, _, _ = _dims_reshard(cur, target, tuple(shape), mesh_key, frozenset() if partial else bcast)
+    emitted, *_ = _dims_reshard(cur, target, tuple(shape), mesh_key, frozenset() if partial else bcast)
     out.extend(Collective(kind, axes, n * itemsize, group) for kind, axes, group, n in emitted)
     return tuple(out)
 

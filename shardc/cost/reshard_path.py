@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 from shardc.cost.collectives import Collective
 from shardc.cost.reshard import cached_intermediate, is_involuntary_remat, kept_broadcast, reshard_collectives
@@ -125,14 +125,13 @@ def _path(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int,
     return tuple(steps) + best[2]
 
 
-def _layouts(rank: int, shape: Sequence[int], mesh: Mapping[str, int]) -> list[Sharding]:
+def _layouts(rank: int, shape: Sequence[int], mesh: Mapping[str, int]) -> Iterator[Sharding]:
     """Every dims-only sharding of a rank-`rank` value of `shape` on `mesh` that splits its dims evenly, in
-    a fixed order."""
+    a fixed order (lazily: `cached_intermediate` looks no further than the layout it wants, and only when
+    there is one)."""
     axes = list(mesh)
-    out = []
     for where in itertools.product(range(rank + 1), repeat=len(axes)):  # 0: unused, d + 1: dim d
         per_dim = [[a for a, w in zip(axes, where) if w == d + 1] for d in range(rank)]
         for orders in itertools.product(*(itertools.permutations(p) for p in per_dim)):
             if all(n % math.prod(mesh[a] for a in o) == 0 for n, o in zip(shape, orders)):
-                out.append(Sharding(tuple(tuple(o) for o in orders)))
-    return out
+                yield Sharding(tuple(tuple(o) for o in orders))
