@@ -55,6 +55,7 @@ import flax.linen as nn  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from moe.bpe import BPETokenizer  # noqa: E402
+from shardc.search.integrate import SMALL_MESH_BUDGET_S  # noqa: E402
 from moe.data import BatchStream, load_corpus  # noqa: E402
 from moe.transformer import Transformer, TransformerConfig, greedy_decode, loss_fn, num_moe_layers  # noqa: E402
 
@@ -71,7 +72,7 @@ MODEL_PRESETS = {
 
 
 def _compile_step(fn, mesh, donate_argnums=(), example_args=None, mode="shardc", in_shardings=None,
-                  out_shardings=None, search=True):
+                  out_shardings=None, search=True, budget_s=None):
     """The one place where the train step is compiled. Returns ``(step, compiler name, plan or None)``.
 
     ``mode="shardc"`` (the default): ``@shardc.auto(mesh=..., donate_argnums=...)``; its ``Plan`` is returned
@@ -80,12 +81,14 @@ def _compile_step(fn, mesh, donate_argnums=(), example_args=None, mode="shardc",
     lower to sharding constraints (for comparison, or to train past a shardc bug).
     ``search``: let shardc's strategy search choose what the layers' GShard hints leave open, priced on the
     devices at hand (the default; a ``.json`` path: the plan is saved there, or loaded if it exists); False:
-    GShard's own layout, the hints plus propagation.
+    GShard's own layout, the hints plus propagation. ``budget_s``: the search's budget (None: shardc's default
+    for the mesh size).
     """
     if mode == "shardc":
         import shardc
 
-        step = shardc.auto(mesh=mesh, donate_argnums=donate_argnums, search=search)(fn)
+        budget = {} if budget_s is None else {"budget_s": budget_s}
+        step = shardc.auto(mesh=mesh, donate_argnums=donate_argnums, search=search, **budget)(fn)
         try:
             plan = step.plan(*example_args) if example_args is not None else None
         except shardc.ShardingError:
@@ -166,6 +169,10 @@ def build_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--search", action=argparse.BooleanOptionalAction, default=True,
                    help="with --compiler shardc: shardc's strategy search chooses what the hints leave open, "
                         "priced on the devices at hand; --no-search: the hints plus propagation (GShard's layout)")
+    p.add_argument("--search-budget", type=float, default=None,
+                   help="the search's budget in seconds of planning on a reference machine (a fixed number of "
+                        "simulated plans, so the same plan on a busy machine; None: shardc's default, "
+                        f"{SMALL_MESH_BUDGET_S:g} s on up to 8 devices)")
     p.add_argument("--devices", type=int, default=8, help="virtual CPU devices (sets XLA_FLAGS before JAX starts)")
     p.add_argument("--seed", type=int, default=0, help="seed of the initialisation, batches and dropout")
     p.add_argument("--out", default="runs/moe-translate", help="output dir (loss curve, samples, summary, plan)")
@@ -543,7 +550,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     t0 = time.time()
     step_fn, compiler, plan = _compile_step(
         train_step, mesh, donate_argnums=(0,), example_args=(state, batch0, step_key(start_step)), mode=args.compiler,
-        search=searched_plan_file(out_dir, args.resume) if args.search else False,
+        search=searched_plan_file(out_dir, args.resume) if args.search else False, budget_s=args.search_budget,
         in_shardings=(state_sh, batch_sh, replicated), out_shardings=(state_sh, replicated),
     )
     if plan is not None:
