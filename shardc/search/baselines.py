@@ -94,28 +94,38 @@ def role_mixes(graph: Graph, seed_sets: Mapping[str, Sequence[Seed]]) -> list[tu
       is Megatron + ZeRO-1.
 
     These mix whole roles at once, which one-decision moves (MCMC) and per-group mixing (the DP) reach only
-    one group at a time. Returns (label, seeds), identical seed sets once, the expert mixes first."""
+    one group at a time. Returns (label, seeds), the expert mixes first, then in the order of `seed_sets` (the
+    driver ranks the baselines fastest first); a mix with the same seeds as another or as a baseline itself
+    is left out."""
     params = set(parameter_inputs(graph))
     rest = set(state_inputs(graph)) - params
     experts = set(expert_weights(graph))
+    inputs = set(graph.inputs)
+    # layouts of the computation itself (expert parallelism's GShard einsums) go with the experts' and the
+    # parameters' role: they are where those compute
+    compute = {s.value for seeds in seed_sets.values() for s in seeds if s.value not in inputs}
     roles: list[tuple[set[int], str, str]] = []  # (values the first baseline seeds, its role, the other's)
     if experts:
-        roles.append((experts, "experts", "rest"))
+        roles.append((experts | compute, "experts", "rest"))
     if params and rest:
-        roles.append((set(graph.inputs) - rest, "parameters", "state"))
+        roles.append(((inputs - rest) | compute, "parameters", "state"))
     tied = graph.carried()
+
+    def key_of(seeds: list[Seed]) -> tuple:
+        return tuple(sorted((s.value, s.dims, s.priority) for s in seeds))
+
     out: list[tuple[str, list[Seed]]] = []
-    seen: set[tuple] = set()
+    seen: set[tuple] = {key_of(sa) for sa in seed_sets.values()}
     for first, role_a, role_b in roles:
         for a, sa in seed_sets.items():
             for b, sb in seed_sets.items():
                 if a == b:
                     continue
                 seeds = [s for s in sa if s.value in first] + [s for s in sb if s.value not in first]
+                key = key_of(seeds)
                 # the next step's state seeded like this one, so propagation lays out the update for it (the
                 # plan would keep the carried layout anyway, resharding the result at the end)
                 seeds += [Seed(tied[s.value], s.dims, s.cause, s.priority) for s in seeds if s.value in tied]
-                key = tuple(sorted((s.value, s.dims, s.priority) for s in seeds))
                 if key in seen or not seeds:
                     continue
                 seen.add(key)
@@ -401,7 +411,8 @@ def _expert_weights(graph: Graph) -> list[int]:
 
 def expert_parallel(graph: Graph, mesh: Mapping[str, int]) -> list[Seed] | None:
     """MoE: the expert dim (dim 0 of the expert weights, `expert_weights`) on the last mesh axis, data
-    parallel on the others; None when the program has no expert weights."""
+    parallel on the others, and GShard's layout of the computation between them (`_gshard_seeds`); None when
+    the program has no expert weights."""
     data, model = _split_axes(mesh)
     axis = model or (data[-1] if data else None)
     if axis is None:
@@ -409,11 +420,100 @@ def expert_parallel(graph: Graph, mesh: Mapping[str, int]) -> list[Seed] | None:
     experts = [v for v in expert_weights(graph) if graph.values[v].shape[0] % mesh[axis] == 0]
     if not experts:
         return None
-    seeds = _batch(graph, mesh, data if model else list(mesh), "expert-parallel")
+    batch_axes = data if model else list(mesh)
+    seeds = _batch(graph, mesh, batch_axes, "expert-parallel")
     for v in experts:
         val = graph.values[v]
         seeds.append(_seed(graph, v, ((axis,),) + tuple(() for _ in val.shape[1:]), "expert-parallel"))
-    return seeds
+    return seeds + _gshard_seeds(graph, mesh, set(experts), axis, batch_axes, "expert-parallel")
+
+
+_REORDERING = _PASS_THROUGH | {"transpose"}  # ops between an einsum and the dot_general jnp.einsum makes of it
+
+
+def _expert_dots(graph: Graph, experts: set[int]) -> list[tuple[Any, int, int]]:
+    """The dot_generals in which an expert weight meets the tokens (`EGCM,EMH->EGCH` and, in the backward
+    pass, the tokens' gradient `EGCH,EMH->EGCM`): (op, the other operand's index, position of the expert dim
+    among the op's batch dims). The weights' own gradient (`EGCM,EGCH->EMH`) reads no weight."""
+    def weight_of(v: int, depth: int = 0) -> bool:
+        if v in experts:
+            return True
+        p = graph.values[v].producer
+        return (p is not None and depth < 3 and graph.ops[p].primitive in _PASS_THROUGH
+                and weight_of(graph.ops[p].inputs[0], depth + 1))
+
+    out = []
+    for op in graph.ops:
+        if op.primitive != "dot_general":
+            continue
+        (_, _), batch = op.params["dimension_numbers"]
+        for i in (0, 1):
+            if weight_of(op.inputs[i]) and 0 in batch[i]:
+                out.append((op, 1 - i, list(batch[i]).index(0)))
+                break
+    return out
+
+
+def _gshard_seeds(graph: Graph, mesh: Mapping[str, int], experts: set[int], axis: str, batch_axes: Sequence[str],
+                  name: str) -> list[Seed]:
+    """GShard's layout around the experts (what its `split` hints say in a hinted MoE layer): each expert
+    dot_general (`_expert_dots`) computes with its tokens and result split over the experts' `axis` on the
+    expert dim, and the einsums on the other side of them (dispatch `GSEC,GSM->EGCM` before, combine
+    `GSEC,GECM->GSM` after, and their gradients), found through transposes and casts, compute with the token
+    groups (their batch dim) over the batch axes. The all-to-alls are then the reshards between the two.
+    Without these, propagation gives the gating tensors [G, S, E, C] whichever layout reaches them first; the
+    experts' (a few ops away) usually does, which all-gathers them and re-splits the dispatch mask."""
+    users = _users(graph)
+    seeds: dict[tuple[int, int], Axes] = {}
+    walked: set[int] = set()
+
+    def token_einsums(v: int, forward: bool, depth: int = 0) -> list[Any]:
+        """The dot_generals reached from `v` through reordering ops (after it when `forward`)."""
+        walked.add(v)
+        if depth > 4:
+            return []
+        if forward:
+            found = []
+            for op, _ in users.get(v, ()):
+                if op.primitive == "dot_general":
+                    found.append(op)
+                elif op.primitive in _REORDERING:
+                    found += token_einsums(op.outputs[0], True, depth + 1)
+            return found
+        p = graph.values[v].producer
+        if p is None:
+            return []
+        op = graph.ops[p]
+        if op.primitive == "dot_general":
+            return [op]
+        return token_einsums(op.inputs[0], False, depth + 1) if op.primitive in _REORDERING else []
+
+    expert_dots = _expert_dots(graph, experts)
+    expert_ops = {op.id for op, _, _ in expert_dots}
+    for op, other, k in expert_dots:
+        (_, _), batch = op.params["dimension_numbers"]
+        seeds[(op.inputs[other], batch[other][k])] = (axis,)
+        seeds[(op.outputs[0], k)] = (axis,)  # (dot_general puts the batch dims first, in order)
+    for op, other, _ in expert_dots:
+        for t in token_einsums(op.inputs[other], False) + token_einsums(op.outputs[0], True):
+            if t.id in expert_ops:
+                continue
+            (_, _), batch = t.params["dimension_numbers"]
+            for i in (0, 1):
+                v = t.inputs[i]
+                if not batch[i]:
+                    continue
+                d = batch[i][0]
+                axes = _fit_batch(batch_axes, graph.values[v].shape[d], mesh)
+                if axes:
+                    seeds.setdefault((v, d), axes)
+    by_value: dict[int, list[Axes | None]] = {}
+    for (v, d), axes in seeds.items():
+        dims = by_value.setdefault(v, [None] * graph.values[v].rank)
+        if not {a for ax in dims if ax for a in ax} & set(axes):  # (one axis on one dim of a value)
+            dims[d] = axes
+    return [Seed(v, tuple(dims), _cause(name), COMPUTE_PRIORITY) for v, dims in by_value.items()
+            if v not in experts]
 
 
 def hints_only(graph: Graph, mesh: Mapping[str, int]) -> list[Seed]:

@@ -186,6 +186,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
         starts: list[Assignment] = [space.neutral()]
         mixes: list[Assignment] = []
         seed_sets: dict[str, list[Seed]] = {}
+        seed_scores: dict[str, Score] = {}
         top = INVALID
         scored: dict[tuple, tuple[Plan, Score]] = {}  # baselines that seed alike plan alike: scored once
         plans: dict[str, Plan] = {}  # each baseline's plan on this mesh
@@ -225,19 +226,23 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
             budget.charge(full_plan_units(n_devices))
             consider(name, sizes, plan, score, tuple(extra))
             seed_sets[name] = list(extra)
+            seed_scores[name] = score
             plans[name] = plan
             starts.append(project(space, plan))
             mixes.append(plan_choices(space, plan))
             base_choices[name] = mixes[-1]
             top = min(top, score, key=lambda x: x.key)
-        states.append((top.key, len(states), sizes, user, ev, starts, mixes, seed_sets, plans, base_choices))
+        states.append((top.key, len(states), sizes, user, ev, starts, mixes, seed_sets, seed_scores, plans,
+                       base_choices))
     # Phase 2: search the most promising meshes (by their best baseline), sharing what is left of the budget.
     states.sort(key=lambda st: (st[0], st[1]))
     states = states[:max_meshes]
-    for i, (_, _, sizes, user, ev, starts, mixes, seed_sets, plans, base_choices) in enumerate(states):
+    for i, (_, _, sizes, user, ev, starts, mixes, seed_sets, seed_scores, plans, base_choices) in enumerate(states):
         share = budget.left / (len(states) - i)  # plans for this mesh
         used0 = ev.evaluations
-        roles = role_mixes(problem.graph, seed_sets)
+        # the mixes of the fastest baselines first (the budget may allow only a few)
+        ranked = dict(sorted(seed_sets.items(), key=lambda kv: seed_scores[kv[0]].key))
+        roles = role_mixes(problem.graph, ranked)
         if math.isfinite(share):  # role mixes get at most a quarter of the share
             roles = roles[:int(share / 4 / full_plan_units(n_devices))]
         # one baseline's storage of the state with another's compute (the FSDP of the second: storage_mixes)

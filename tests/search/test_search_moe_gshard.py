@@ -3,6 +3,8 @@ experts over the same axis, all-to-alls around the experts, no all-gather of the
 as the hinted layer's plan, and what runs is that plan."""
 import re
 
+import pytest
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -114,3 +116,33 @@ def test_role_mixes_pair_expert_parallel_experts_with_another_baselines_rest():
         if s.value not in experts:
             assert mix[(s.value, s.priority)] == s.dims
     assert list(mixes)[0].endswith("experts + fsdp rest") or list(mixes)[0].endswith("experts + expert-parallel rest")
+
+
+def test_expert_parallel_baseline_of_an_unhinted_layer_is_gshards_layout():
+    """The expert-parallel baseline seeds GShard's layout around the experts, not only the experts' weights:
+    the gating tensors [G, S, E, C] keep the token groups split (computed where the tokens are), the expert
+    matmuls run split over the experts, and the all-to-alls sit between; without those seeds the experts'
+    axis reached the gating tensors first (they were all-gathered and re-split). Its plan then moves what the
+    hinted layer's moves, kind by kind, at about the same simulated time."""
+    from search_models import problem_of
+    from shardc.search.baselines import baseline_plan
+
+    mesh = shardc.make_mesh({"expert": 8})
+    plans = {}
+    for hinted in (True, False):
+        step, args = _layer_step(hinted)
+        plans[hinted] = baseline_plan("expert-parallel", problem_of(step, args, topology=TOPOLOGY), mesh)
+    moved = {h: {k: sum(r.bytes for r in p.reshards if r.kind == k) for k in KINDS} for h, p in plans.items()}
+    assert moved[False] == moved[True] and moved[True]["all-to-all"] > 0 and moved[True]["all-gather"] == 0, moved
+    times = [simulate(plans[h], TOPOLOGY).step_time for h in (True, False)]
+    # (within 3%: one backward transpose runs on the other side of its all-to-all, where the hints' cotangent
+    # constraints do not put it; 2% of this small layer's step)
+    assert times[1] == pytest.approx(times[0], rel=0.03), times
+    plan = plans[False]
+    g = plan.graph
+    gating = [v for v in range(len(g.values)) if g.values[v].shape == (8, 512, 8, 128)]  # [G, S, E, C]
+    assert gating and all(plan.shardings[v].dims[0] == ("expert",) for v in gating)
+    expert_dots = [op for op in g.ops if op.primitive == "dot_general"
+                   and any(g.values[v].shape[0] == 8 and g.values[v].rank == 4 for v in op.inputs)
+                   and any(v in plan.graph.inputs for v in op.inputs)]
+    assert expert_dots and all(plan.shardings[op.outputs[0]].dims[0] == ("expert",) for op in expert_dots)
