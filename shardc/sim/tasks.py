@@ -646,10 +646,10 @@ class TaskBuilder:
         cls = self._cost_class.get(op.id)
         if cls is None:
             info = self.info
-            fused, canon, vals = info.fused, info.canon, self.graph.values
+            fused, read, canon, vals = info.fused, info.read_fused or info.fused, info.canon, self.graph.values
             ck = (op.primitive, info.pkeys[op.id], tuple(vals[v].shape for v in op.inputs + op.outputs),
                   tuple(self._dtype[v] for v in op.inputs + op.outputs),
-                  tuple(fused[canon[v]] for v in op.inputs + op.outputs), len(op.inputs))
+                  tuple(read[canon[v]] for v in op.inputs), tuple(fused[canon[v]] for v in op.outputs))
             cls = self._cost_class[op.id] = self._cost_classes.setdefault(ck, len(self._cost_classes))
         mk = (cls, tuple([s.dims for s in ins]), tuple([s.dims for s in outs]))
         hit = self._cost_memo.get(mk)
@@ -664,13 +664,13 @@ class TaskBuilder:
 
     def _op_key(self, op: Any, ins: list[Sharding], outs: list[Sharding]) -> OpKey:
         info = self.info
-        fused = info.fused
+        fused, read = info.fused, info.read_fused or info.fused
         canon = info.canon
         return OpKey(op.primitive, info.pkeys[op.id],
                      tuple(self.local_shape(v, s) for v, s in zip(op.inputs, ins)),
                      tuple(self.local_shape(v, s) for v, s in zip(op.outputs, outs)),
                      tuple(self._dtype[v] for v in op.inputs), tuple(self._dtype[v] for v in op.outputs),
-                     tuple(fused[canon[v]] for v in op.inputs), tuple(fused[canon[v]] for v in op.outputs))
+                     tuple(read[canon[v]] for v in op.inputs), tuple(fused[canon[v]] for v in op.outputs))
 
 
 def plan_needs(plan: Plan) -> dict[tuple[int, int], Sharding]:
