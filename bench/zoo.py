@@ -407,19 +407,24 @@ Against the targets (issue 6):
   - `gpt12-xl` is compute-bound: FSDP computes for most of its step on `h100-sxm-8`; 1.09x on
     `h100-sxm-8x8`. On `tpu-v5e-8` nothing fits 16 GB (the smallest peak is 53.0 GiB).
 - `moe-auto` is the MoE Transformer with its GShard hints off, so the experts' and tokens' layouts are the search's
-  to find (issue 18 part 3). The `moe` and `moe-auto` rows on `h100-sxm-8` and `tpu-v5e-8` were measured again
-  after three search changes (docs/search.md): the carried state's layout is seeded after the compute's (priority
-  2), so FSDP gathers a weight where it is used instead of re-splitting the activations along it (`moe-auto` FSDP
-  on `h100-sxm-8`: 67.51 ms at the old code, 40.58 ms now); role mixes take expert parallelism's experts with
-  another baseline's rest (GShard's experts with FSDP's dense state); and every start but the best is polished by
-  single-group moves. `moe-auto`'s search against the hinted `moe` search: 34.37 ms against 34.70 ms (0.99x) on `h100-sxm-8`, and
-  97.09 ms against 95.32 ms (1.02x) on `tpu-v5e-8` (before: 38.21 ms against 34.62 ms, 1.10x, on `h100-sxm-8` at
-  the old code today). Their planning times are wall-clock under a load average of about 14 on the 2 cores
-  (other sessions' jobs); the budget is a number of plans, so a quiet machine gets the same plans faster. The
-  `h100-sxm-8x8` rows of both models are the earlier session's: the machine was too
-  loaded to re-measure them in this session, so the target there is not shown met. The other models' rows were
-  not re-measured at this code either (their plans may change slightly: they have batch hints, which the new
-  seeding order does not touch, but the polish takes up to a quarter of each mesh's share from MCMC).
+  to find (issue 18 part 3). The `moe` and `moe-auto` rows on all three topologies were measured again on
+  2026-11-28 (`python -m bench.zoo --models moe,moe-auto --topologies <t> --budget <60 or 90> --no-xla`, the two
+  8-device runs side by side, the 64-device one alone; the `xla` rows are an earlier session's) after two search
+  changes and one simulator fix:
+  - the expert-parallel baseline seeds GShard's layout around the experts (docs/search.md): before, propagation
+    gave the gating tensors [G, S, E, C] the experts' axis, which reached them first, so the unhinted plan
+    all-gathered them and re-split the dispatch mask (67.20 ms on `h100-sxm-8x8`, 1.22x the hinted model's
+    expert parallelism; now 55.64 ms against 55.60);
+  - the role mixes are tried fastest baselines first (the plan budget of this 6+6-layer model on 64 devices,
+    401 plans, allows a few, and `expert-parallel experts + fsdp rest` came 26th in the old fixed order);
+  - a value a hint makes is read from its operand's buffer (docs/simulator.md): hinted plans had been priced
+    as if their readers read it from registers (the hinted model's search on `tpu-v5e-8`: 92.64 ms before the
+    fix, 97.09 ms after; the unhinted rows do not change).
+  `moe-auto`'s search against the hinted `moe` search: **34.37 ms against 34.29 ms (1.002x) on `h100-sxm-8`,
+  97.08 ms against 97.09 ms (1.000x) on `tpu-v5e-8`, 49.08 ms against 48.98 ms (1.002x) on `h100-sxm-8x8`**
+  (the previous runs: 0.99x, 1.02x and 1.37x, the last keeping expert parallelism). The other models' rows
+  were not re-measured at this code: those with hints would price slightly slower with the read fix (the MoE
+  rows moved 0.1-5%), and the seeding order and polish may change their plans slightly.
 """
 
 if __name__ == "__main__":

@@ -465,11 +465,9 @@ def _gshard_seeds(graph: Graph, mesh: Mapping[str, int], experts: set[int], axis
     experts' (a few ops away) usually does, which all-gathers them and re-splits the dispatch mask."""
     users = _users(graph)
     seeds: dict[tuple[int, int], Axes] = {}
-    walked: set[int] = set()
 
     def token_einsums(v: int, forward: bool, depth: int = 0) -> list[Any]:
         """The dot_generals reached from `v` through reordering ops (after it when `forward`)."""
-        walked.add(v)
         if depth > 4:
             return []
         if forward:
