@@ -99,3 +99,22 @@ def test_fsdp_gathers_the_weights_and_keeps_the_batch_layout_without_hints():
         assert plan.shardings[op.inputs[0]].dims[0] == ("data",), plan.shardings[op.inputs[0]]
         assert plan.strategies[op.id].factor_axes[0] == ("data",)
     assert any(r.kind == "all-gather" and r.value in state for r in plan.reshards)
+
+
+def test_role_mixes_follow_the_given_order_and_skip_a_baselines_own_seeds():
+    """The driver passes the baselines fastest first, so that a small plan budget scores the mixes of the best
+    ones; a mix whose seeds are a baseline's own (data parallel's parameters with a copy of data parallel's
+    state) is that baseline, already scored."""
+    g = problem_of(_step, _args()).graph
+    sizes = {"data": 8}
+    sets = {n: baseline_seeds(n, g, sizes) for n in ("data-parallel", "fsdp")}
+    forward = [label for label, _ in role_mixes(g, sets)]
+    backward = [label for label, _ in role_mixes(g, dict(reversed(list(sets.items()))))]
+    assert forward == ["data-parallel parameters + fsdp state", "fsdp parameters + data-parallel state"]
+    assert backward == list(reversed(forward))
+    twin = dict(sets, copy=list(sets["data-parallel"]))
+    labels = [label for label, _ in role_mixes(g, twin)]
+    assert "data-parallel parameters + copy state" not in labels and "copy parameters + data-parallel state" \
+        not in labels
+    assert len(labels) == len(set(tuple(sorted((s.value, s.dims, s.priority) for s in seeds))
+                                  for _, seeds in role_mixes(g, twin)))
