@@ -89,3 +89,26 @@ def test_a_simulation_on_the_measured_host_prices_each_convolution_as_timed(monk
     timed = shardc.simulate(plan, topo)
     modelled = shardc.simulate(plan, ref)
     assert timed.step_time >= 0.5 > modelled.step_time  # the one convolution at the timed 0.5 s
+
+
+def test_narrow_matmuls_are_timed_and_wide_ones_keep_the_roofline(tmp_path, monkeypatch):
+    """`narrow_matmul`: a dot_general with a contracted or result dim of at most 64 per device (a Megatron split
+    of 32-wide attention heads) runs far below the roofline on XLA:CPU, so it is timed; a wide one is not (timing
+    every matmul made the search trust small timed differences, docs/simulator.md)."""
+    topo = shardc.Topology.preset("cpu-host")
+    monkeypatch.setattr(host_ops, "contended_time", lambda *a: 0.25)
+    roof = AnalyticalEstimator(topo.device)
+    dims = {"dimension_numbers": (((1,), (0,)), ((), ()))}
+
+    def dot(m, k, n):
+        return OpKey("dot_general", params_key(dims), ((m, k), (k, n)), ((m, n),), ("float32",) * 2, ("float32",))
+
+    est = HostMeasuredEstimator(topo.device, primitives=frozenset({host_ops.NARROW_MATMUL}),
+                                cache=DiskCache("ops", str(tmp_path)))
+    wide, narrow_k, narrow_n = dot(2048, 1024, 1024), dot(8192, 32, 8192), dot(8192, 1024, 32)
+    assert all(roof.op_time(k, dims) >= est.min_time for k in (wide, narrow_k, narrow_n))
+    assert est.op_time(wide, dims) == roof.op_time(wide, dims) and est.measured == 0
+    assert est.op_time(narrow_k, dims) == pytest.approx(0.25 + topo.device.op_overhead)
+    assert est.op_time(narrow_n, dims) == pytest.approx(0.25 + topo.device.op_overhead) and est.measured == 2
+    tiny = dot(64, 32, 64)  # narrow, but under `min_time`: the roofline's
+    assert est.op_time(tiny, dims) == roof.op_time(tiny, dims) and est.measured == 2
