@@ -60,8 +60,8 @@ from shardc.cost.estimator import AnalyticalEstimator, OpKey
 from shardc.cost.profile import ProfilingEstimator, find_primitive
 from shardc.cost.topology import Device
 
-__all__ = ["HOST_MEASURED", "STRIDED_READ", "HostMeasuredEstimator", "contended_time", "contended_strided_read",
-           "default_estimator"]
+__all__ = ["HOST_MEASURED", "STRIDED_READ", "NARROW_MATMUL", "HostMeasuredEstimator", "contended_time",
+           "contended_strided_read", "default_estimator"]
 
 # Not a primitive: a loop fusion reading an operand across its memory order (a transpose moving the minor dim
 # fused into it: `shardc.cost.program.strided_readers`), timed as such a read beyond reading the operand in order.
