@@ -391,22 +391,29 @@ def expert_weights(graph: Graph) -> list[int]:
     return graph.analysis("baseline_expert_weights", lambda: _expert_weights(graph))
 
 
-def _expert_weights(graph: Graph) -> list[int]:
+def _batched_dim0_dots(graph: Graph, v: int) -> list[tuple[Any, int]]:
+    """The dot_generals `v` feeds, directly or through a dtype cast or a hint, with its dim 0 a batch dim of
+    theirs: (op, operand index)."""
     users = _users(graph)
+    out: list[tuple[Any, int]] = []
 
-    def batched_dim0(v: int, depth: int = 0) -> bool:
-        for op, i in users.get(v, ()):
+    def walk(w: int, depth: int) -> None:
+        for op, i in users.get(w, ()):
             if op.primitive == "dot_general" and i < 2:
-                (_, _), (lhs_batch, rhs_batch) = op.params["dimension_numbers"]
-                if 0 in (lhs_batch if i == 0 else rhs_batch):
-                    return True
-            elif op.primitive in _PASS_THROUGH and depth < 3 and batched_dim0(op.outputs[0], depth + 1):
-                return True
-        return False
+                (_, _), batch = op.params["dimension_numbers"]
+                if 0 in batch[i]:
+                    out.append((op, i))
+            elif op.primitive in _PASS_THROUGH and depth < 3:
+                walk(op.outputs[0], depth + 1)
 
+    walk(v, 0)
+    return out
+
+
+def _expert_weights(graph: Graph) -> list[int]:
     state = state_inputs(graph)
     return _with_moments(graph, [v for v in state if graph.values[v].rank >= 3 and graph.values[v].shape[0] > 1
-                                 and batched_dim0(v)])
+                                 and _batched_dim0_dots(graph, v)])
 
 
 def expert_parallel(graph: Graph, mesh: Mapping[str, int]) -> list[Seed] | None:
@@ -434,24 +441,13 @@ _REORDERING = _PASS_THROUGH | {"transpose"}  # ops between an einsum and the dot
 def _expert_dots(graph: Graph, experts: set[int]) -> list[tuple[Any, int, int]]:
     """The dot_generals in which an expert weight meets the tokens (`EGCM,EMH->EGCH` and, in the backward
     pass, the tokens' gradient `EGCH,EMH->EGCM`): (op, the other operand's index, position of the expert dim
-    among the op's batch dims). The weights' own gradient (`EGCM,EGCH->EMH`) reads no weight."""
-    def weight_of(v: int, depth: int = 0) -> bool:
-        if v in experts:
-            return True
-        p = graph.values[v].producer
-        return (p is not None and depth < 3 and graph.ops[p].primitive in _PASS_THROUGH
-                and weight_of(graph.ops[p].inputs[0], depth + 1))
-
-    out = []
-    for op in graph.ops:
-        if op.primitive != "dot_general":
-            continue
-        (_, _), batch = op.params["dimension_numbers"]
-        for i in (0, 1):
-            if weight_of(op.inputs[i]) and 0 in batch[i]:
-                out.append((op, 1 - i, list(batch[i]).index(0)))
-                break
-    return out
+    among the op's batch dims), in program order. The weights' own gradient (`EGCM,EGCH->EMH`) reads no weight."""
+    found: dict[int, tuple[Any, int, int]] = {}
+    for v in experts:
+        for op, i in _batched_dim0_dots(graph, v):
+            (_, _), batch = op.params["dimension_numbers"]
+            found.setdefault(op.id, (op, 1 - i, list(batch[i]).index(0)))
+    return [found[k] for k in sorted(found)]
 
 
 def _gshard_seeds(graph: Graph, mesh: Mapping[str, int], experts: set[int], axis: str, batch_axes: Sequence[str],

@@ -646,7 +646,7 @@ class TaskBuilder:
         cls = self._cost_class.get(op.id)
         if cls is None:
             info = self.info
-            fused, read, canon, vals = info.fused, info.read_fused or info.fused, info.canon, self.graph.values
+            fused, read, canon, vals = info.fused, info.read_fused, info.canon, self.graph.values
             ck = (op.primitive, info.pkeys[op.id], tuple(vals[v].shape for v in op.inputs + op.outputs),
                   tuple(self._dtype[v] for v in op.inputs + op.outputs),
                   tuple(read[canon[v]] for v in op.inputs), tuple(fused[canon[v]] for v in op.outputs))
@@ -664,7 +664,7 @@ class TaskBuilder:
 
     def _op_key(self, op: Any, ins: list[Sharding], outs: list[Sharding]) -> OpKey:
         info = self.info
-        fused, read = info.fused, info.read_fused or info.fused
+        fused, read = info.fused, info.read_fused
         canon = info.canon
         return OpKey(op.primitive, info.pkeys[op.id],
                      tuple(self.local_shape(v, s) for v, s in zip(op.inputs, ins)),
