@@ -17,11 +17,12 @@ simulated/measured ratios (issue 15's target: tau >= 0.85 over >= 24 plans of >=
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -279,6 +280,8 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated, from: " + ", ".join(MODELS))
     ap.add_argument("--estimator", choices=["roofline", "profile"], default="roofline")
     ap.add_argument("--write", action="store_true", help="record the table in docs/benchmarks.md")
+    ap.add_argument("--save", metavar="FILE", help="also write every plan's simulated and measured times as JSON "
+                    "(to re-rank the same measurements under another pricing)")
     args = ap.parse_args()
     models = args.models.split(",")
     unknown = [m for m in models if m not in MODELS]
@@ -292,6 +295,9 @@ def main() -> None:
 
         estimator = ProfilingEstimator(shardc.Topology.preset("cpu-host").device, scale=contention())
     rows = measure(models, args.repeat, estimator)
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
     summary, table = report(rows)
     print(table)
     print(summary)

@@ -110,5 +110,11 @@ def test_narrow_matmuls_are_timed_and_wide_ones_keep_the_roofline(tmp_path, monk
     assert est.op_time(wide, dims) == roof.op_time(wide, dims) and est.measured == 0
     assert est.op_time(narrow_k, dims) == pytest.approx(0.25 + topo.device.op_overhead)
     assert est.op_time(narrow_n, dims) == pytest.approx(0.25 + topo.device.op_overhead) and est.measured == 2
-    tiny = dot(64, 32, 64)  # narrow, but under `min_time`: the roofline's
+    tiny = dot(64, 32, 64)  # narrow, but under a tenth of `min_time`: the roofline's
+    assert roof.op_time(tiny, dims) < est.min_time / 10
     assert est.op_time(tiny, dims) == roof.op_time(tiny, dims) and est.measured == 2
+    # narrow and under `min_time`, but not under a tenth of it: timed (its error is a factor, not a few percent)
+    small = next(dot(8192 // d, 32, 8192 // d) for d in (2, 4, 8, 16)
+                 if roof.op_time(dot(8192 // d, 32, 8192 // d), dims) < est.min_time)
+    assert roof.op_time(small, dims) >= est.min_time / 10
+    assert est.op_time(small, dims) == pytest.approx(0.25 + topo.device.op_overhead) and est.measured == 3
