@@ -100,22 +100,30 @@ class FirstFit:
 
     @staticmethod
     def _replay(last: _Run, ranges: list[Range], admits: Callable) -> dict[int, int]:
-        """Range index -> allocation, from the last run's placement (see the module docstring)."""
+        """Range index -> allocation, from the last run's placement (see the module docstring).
+
+        An allocation that only gained ranges over a span admits no range there that it refused last time, and
+        one that only lost ranges still admits what it held: so per allocation the spans it lost ranges over
+        (`freed`, bit j) and those it gained ranges over (`filled`, bit `n + j`) are kept apart, and a range is
+        placed again only if an allocation before its old one lost something over its span, or its old one
+        gained something there."""
         new_keys = {r[4]: r for r in ranges}
         gone: set[int] = set()  # old ranges (indices) not where they were: dropped, or placed elsewhere now
         rank = _ranks(ranges, last.ranges)
-        disturbed = BusyIndex(len(rank))  # per allocation, the spans it holds differently from the last run
+        n = len(last.allocs)
+        disturbed = BusyIndex(len(rank))  # per allocation, the spans it lost (bit j) or gained (bit n + j) ranges over
         hull = [_FAR, -1]  # (first, last) position of all disturbed spans
+        low = (1 << n) - 1
 
-        def disturb(s: int, e: int, j: int) -> None:
-            disturbed.add(rank[s], rank[e], 1 << j)
+        def disturb(s: int, e: int, bit: int) -> None:
+            disturbed.add(rank[s], rank[e], bit)
             hull[0], hull[1] = min(hull[0], s), max(hull[1], e)
 
         for i, r in enumerate(last.ranges):
             if new_keys.get(r[4]) != r:
                 gone.add(i)
                 if i in last.where:
-                    disturb(r[2], r[3], last.where[i])
+                    disturb(r[2], r[3], 1 << last.where[i])
         added: list[list[tuple[int, int, int]]] = [[] for _ in last.allocs]  # per allocation: (s, e, key)
         where: dict[int, int] = {}
         for i, r in enumerate(ranges):
@@ -127,32 +135,36 @@ class FirstFit:
             if old is None:  # a range the last run did not have: tried everywhere
                 now = _first_free(last, _bits(admits(r)), s, e, over, _ahead(last.ranges, r), gone, added)
             else:
-                # An allocation it tried last time (all it may use when it was not placed; those up to where it
-                # went when it was) answers as then unless it holds something else over its span now.
-                changed = disturbed.busy(rank[s], rank[e]) if s <= hull[1] and hull[0] <= e else 0
-                if changed and was >= 0:
-                    changed &= (2 << was) - 1
-                if changed:
+                # An allocation it tried last time (all it may use when it was not placed; those before where it
+                # went when it was) may admit it now if it lost a range over its span; where it went, if it gained one.
+                hit = disturbed.busy(rank[s], rank[e]) if s <= hull[1] and hull[0] <= e else 0
+                freed = hit & low
+                if was >= 0:
+                    freed &= (1 << was) - 1
+                    refilled = hit >> (n + was) & 1
+                else:
+                    refilled = 0
+                if freed:
                     ok = admits(r)
-                    changed &= ok
-                if not changed:
+                    freed &= ok
+                if not freed and not refilled:
                     if was >= 0:
                         where[i] = was
                     continue
-                now = _first_free(last, _bits(changed), s, e, over, old, gone, added)
+                now = _first_free(last, _bits(freed), s, e, over, old, gone, added) if freed else -1
                 if now < 0 and was >= 0:
-                    now = was if not changed >> was & 1 else _first_free(
-                        last, _bits(ok >> (was + 1) << (was + 1)), s, e, over, old, gone, added)
+                    now = was if not refilled else _first_free(
+                        last, _bits(admits(r) >> was << was), s, e, over, old, gone, added)
             if now >= 0:
                 where[i] = now
             if now == was and old is not None:
                 continue
             if was >= 0:
                 gone.add(old)
-                disturb(s, e, was)
+                disturb(s, e, 1 << was)
             if now >= 0:
                 added[now].append((s, e, k))
-                disturb(s, e, now)
+                disturb(s, e, 1 << (n + now))
         return where
 
 

@@ -113,6 +113,8 @@ class MemoryModel:
         self.shares: dict[int, tuple[tuple[int, frozenset[int]], ...]] = {}  # op -> its results' in-place pairs
         self._slots: Sequence[Any] = ()  # the simulation's slots (the last full or delta run's)
         self._donated_to: list[tuple[int, int]] = []  # (donated input, the output written into it), canonical
+        self._io_donated: tuple[int, ...] | None = None  # the donated inputs `io` last computed for
+        self._io_ids: frozenset[int] | None = None  # (`_io_values`)
         self._merged: list[tuple[int, int]] = []  # per merged all-reduce: (bitmask of members, of their descendants)
         self.order = info.order  # op -> its position in the compiled program's schedule
         self._op_at = [0] * self.n  # position -> op
@@ -713,8 +715,12 @@ class MemoryModel:
         if values is None:
             self._local.clear()
         else:
+            values = set(values)
+            if tuple(donated) == self._io_donated and values.isdisjoint(self._io_values()):
+                return  # (no argument's or output's layout changed: the same bytes and aliases)
             for v in values:
                 self._local.pop(v, None)
+        self._io_donated = tuple(donated)
         local = self._local
 
         def nbytes(v: int) -> int:
@@ -750,6 +756,13 @@ class MemoryModel:
         canon = self.info.canon
         self._free_outs = sorted((nbytes(v), canon[v]) for v in set(g.outputs) - aliased
                                  if canon[v] not in self._inputs and nbytes(v) >= _MIN_REUSE)
+
+    def _io_values(self) -> frozenset[int]:
+        """The arguments and outputs, as value ids and as their canonical values."""
+        if self._io_ids is None:
+            ids = list(self.graph.inputs) + list(self.graph.outputs)
+            self._io_ids = frozenset(ids) | {self.info.canon[v] for v in ids}
+        return self._io_ids
 
     def in_outputs(self, copies: Sequence[tuple[int, int, int, int]] = (),
                    pairs: Mapping[int, int] | None = None) -> tuple[np.ndarray | None, set[int]]:

@@ -69,6 +69,8 @@ def _moves_earlier(st: "_State", si: int, ti: int, start: int, shift: int, from_
             r += shift
         if r > inputs_at:
             inputs_at = r
+    if inputs_at + dur > start:  # (an interval it came to before ends by `start`: it could not finish in one)
+        return False
     moved = int(st.offset[si]) + shift
     idle = [(a + moved, b + moved) for a, b, _ in st.gaps_in[si][s]]
     free = st.stream_in[si][s] + moved
@@ -441,15 +443,21 @@ class Simulator:
         all_starts, all_ends, all_binds = st.starts, st.ends, st.bind
         replaced: dict[int, int] = {}  # key -> its ready time before this replay (keys the replay made)
         probe = _Probe(first)
+        maxes: list[int] = []  # slot_max and slot_min of the replayed slots, written to the arrays at once
+        mins: list[int] = []
+
+        def write_arrays() -> None:  # (what reads them before then reads only slots not replayed yet)
+            upto = first + len(maxes)
+            slot_max[first:upto], slot_min[first:upto], offset[first:upto] = maxes, mins, 0
+
         for si in range(first, len(slots)):
             if si > last_changed >= 0 and si >= probe.next_try and self._converged(st, si, free, last, gaps,
-                                                                                 replaced, probe):
+                                                                                 replaced, probe, write_arrays):
                 self._reads.remade(replaced, who, ready)
                 return
             stream_in[si] = tuple(free)
             stream_last[si] = tuple(last)
             gaps_in[si] = tuple(gaps)  # (tuples: shared until a stream's intervals change)
-            offset[si] = 0
             starts, ends, binds = [], [], []
             here = si * TASKS_PER_SLOT
             lo = _NEVER  # earliest start of a task that is not static (see _static)
@@ -497,16 +505,18 @@ class Simulator:
                 binds.append(bind)
                 here += 1
             all_starts[si], all_ends[si], all_binds[si] = starts, ends, binds
-            slot_max[si] = max(ends) if ends else -_NEVER
-            slot_min[si] = lo
+            maxes.append(max(ends) if ends else -_NEVER)
+            mins.append(lo)
+        write_arrays()
         st.makespan = max(int((slot_max + offset).max()), 0) if len(slots) else 0
         if first and self._reads is not None:
             self._reads.remade(replaced, who, ready)
 
     def _converged(self, st: _State, j: int, free: list[int], last: list[int], gaps: list[tuple],
-                   replaced: dict[int, int], probe: "_Probe") -> bool:
+                   replaced: dict[int, int], probe: "_Probe", write_arrays: Any) -> bool:
         """Whether slots j.. of the old schedule, shifted by one amount, are what replaying them gives; if
-        so the shift is applied (offsets, the ready times of the keys they make, the makespan)."""
+        so the shift is applied (offsets, the ready times of the keys they make, the makespan), after
+        `write_arrays()` has recorded the replayed slots' bounds."""
         probe.next_try = j + _RETRY_STREAMS
         if tuple(last) != st.stream_last[j]:
             return False
@@ -524,11 +534,19 @@ class Simulator:
         shift = shift or 0
         total = off + shift
         for new_g, old_g in zip(gaps, st.gaps_in[j]):
-            if new_g != (tuple((a + total, b + total, t) for a, b, t in old_g) if total else old_g):
+            if len(new_g) != len(old_g):
                 return False
+            if not total:
+                if new_g != old_g:
+                    return False
+                continue
+            for (a, b, t), (c, d, u) in zip(new_g, old_g):  # (oldest first: where a replay's intervals differ)
+                if a != c + total or b != d + total or t != u:
+                    return False
         if not self._reads_hold(st, j, shift, replaced, probe):
             probe.next_try = max(j + _RETRY_READS, probe.bound_at + 1)
             return False
+        write_arrays()
         if shift:
             st.offset[j:] += shift
             ready = st.ready
