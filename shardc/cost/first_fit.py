@@ -5,7 +5,9 @@
 A delta simulation changes a handful of ranges out of hundreds, so `FirstFit.place` replays the previous
 placement: a range whose span meets nothing placed differently so far (`disturbed`) lands where it landed
 before — every allocation holds the same ranges over its span as in the previous run, so it makes the same
-choice — and only the others are placed again, against the previous run's ranges that came before them in
+choice — and so does one whose old allocation gained nothing over its span and whose earlier allocations lost
+nothing there (an allocation that refused it and only gained ranges refuses it again); only the others are
+placed again, against the previous run's ranges that came before them in
 the order (minus those placed differently now) plus this run's new placements. The result equals placing all
 ranges afresh (`FirstFit(incremental=False)`), which tests compare."""
 from __future__ import annotations
