@@ -266,16 +266,17 @@ def megatron(graph: Graph, mesh: Mapping[str, int], stacked: Sequence[int] | Non
     stacked = set(scanned_state(graph) if stacked is None else stacked)
     embed = embed_size(graph, stacked)
     experts, matrices, tables = set(expert_weights(graph)), _matrices(graph), _tables(graph)
+    added = _added_tables(graph)
     for v in state_inputs(graph):
         val = graph.values[v]
         lead = 1 if v in stacked else 0  # a stacked layer dim is not a matrix dim
         shape = val.shape[lead:]
         dims: list[Axes] = [() for _ in val.shape]
-        if len(shape) == 2 and v not in matrices:
+        if len(shape) == 2 and v not in matrices and (v in tables or v in added):
             # not a projection: an embedding table is vocab-parallel (split on the dim its lookup indexes); a
-            # table added to the activations (position embeddings) stays replicated, as in Megatron-LM: split
-            # on the model width it would split the residual stream, and the attention output projection
-            # then computes column-parallel with its input gathered instead of row-parallel
+            # table broadcast over the batch and added to the activations (position embeddings) stays
+            # replicated, as in Megatron-LM: split on the model width it would split the residual stream, and
+            # the attention output projection would compute column-parallel with its input gathered
             d = tables.get(v)
             if d is not None and d >= lead and shape[d - lead] % mesh[model] == 0:
                 dims[d] = (model,)
@@ -378,6 +379,30 @@ def _tables(graph: Graph) -> dict[int, int]:
                 out.setdefault(w, d)
         return out
     return graph.analysis("baseline_tables", compute)
+
+
+_BROADCAST = frozenset({"broadcast_in_dim", "reshape"})
+
+
+def _added_tables(graph: Graph) -> set[int]:
+    """Carried inputs broadcast to more dims (over the batch) and added to the activations, as position
+    embeddings are (directly or through a dtype cast or a hint), and their optimizer moments. (A parameter's
+    own update is an add of its shape: not one of these.)"""
+    def compute() -> set[int]:
+        users = _users(graph)
+
+        def added(v: int, rank: int, grown: bool, depth: int = 0) -> bool:
+            for op, _ in users.get(v, ()):
+                if op.primitive in ("add", "add_any") and grown:
+                    return True
+                if (op.primitive in _PASS_THROUGH | _BROADCAST) and depth < 3:
+                    out = op.outputs[0]
+                    if added(out, rank, grown or graph.values[out].rank > rank, depth + 1):
+                        return True
+            return False
+        return set(_with_moments(graph, [v for v in state_inputs(graph) if graph.values[v].rank >= 1
+                                         and added(v, graph.values[v].rank, False)]))
+    return graph.analysis("baseline_added_tables", compute)
 
 
 def embed_size(graph: Graph, stacked: Sequence[int] = ()) -> int | None:
