@@ -255,7 +255,9 @@ def megatron(graph: Graph, mesh: Mapping[str, int], stacked: Sequence[int] | Non
     """Tensor parallel on the last mesh axis (column-parallel for expanding/input projections, row-parallel
     for output/down projections, chosen by name then by shape; an N-d kernel such as attention's
     (embed, heads, head_dim) or (heads, head_dim, embed) split on its first dim that is not the model
-    width, `embed_size`: its heads; other N-d state, such as conv kernels and expert stacks, on its last dim)
+    width, `embed_size`: its heads; other N-d state, such as conv kernels and expert stacks, on its last dim;
+    a 2-D table no dot reads on the dim a gather indexes (vocab-parallel embedding), or replicated when it
+    is broadcast and added to the activations (position embeddings))
     with data parallel on the others (`axes`: (data axes, model axis)
     chosen otherwise). The `stacked` inputs' dim 0 is a layer dim (a stack of per-layer matrices), not a
     matrix dim (default: a scan's stacked state, `scanned_state`)."""
