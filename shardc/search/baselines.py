@@ -255,7 +255,9 @@ def megatron(graph: Graph, mesh: Mapping[str, int], stacked: Sequence[int] | Non
     """Tensor parallel on the last mesh axis (column-parallel for expanding/input projections, row-parallel
     for output/down projections, chosen by name then by shape; an N-d kernel such as attention's
     (embed, heads, head_dim) or (heads, head_dim, embed) split on its first dim that is not the model
-    width, `embed_size`: its heads; other N-d state, such as conv kernels and expert stacks, on its last dim)
+    width, `embed_size`: its heads; other N-d state, such as conv kernels and expert stacks, on its last dim;
+    a 2-D table no dot reads on the dim a gather indexes (vocab-parallel embedding), or replicated when it
+    is broadcast and added to the activations (position embeddings))
     with data parallel on the others (`axes`: (data axes, model axis)
     chosen otherwise). The `stacked` inputs' dim 0 is a layer dim (a stack of per-layer matrices), not a
     matrix dim (default: a scan's stacked state, `scanned_state`)."""
@@ -265,13 +267,22 @@ def megatron(graph: Graph, mesh: Mapping[str, int], stacked: Sequence[int] | Non
         return seeds
     stacked = set(scanned_state(graph) if stacked is None else stacked)
     embed = embed_size(graph, stacked)
-    experts, matrices = set(expert_weights(graph)), _matrices(graph)
+    experts, matrices, tables = set(expert_weights(graph)), _matrices(graph), _tables(graph)
+    added = _added_tables(graph)
     for v in state_inputs(graph):
         val = graph.values[v]
         lead = 1 if v in stacked else 0  # a stacked layer dim is not a matrix dim
         shape = val.shape[lead:]
         dims: list[Axes] = [() for _ in val.shape]
-        if len(shape) == 2:
+        if len(shape) == 2 and v not in matrices and (v in tables or v in added):
+            # not a projection: an embedding table is vocab-parallel (split on the dim its lookup indexes); a
+            # table broadcast over the batch and added to the activations (position embeddings) stays
+            # replicated, as in Megatron-LM: split on the model width it would split the residual stream, and
+            # the attention output projection would compute column-parallel with its input gathered
+            d = tables.get(v)
+            if d is not None and d >= lead and shape[d - lead] % mesh[model] == 0:
+                dims[d] = (model,)
+        elif len(shape) == 2:
             d_in, d_out = shape
             row = bool(_ROW.search(_ARG.sub("", val.name or "", count=1))) or d_in > d_out
             d = 0 if row else 1
@@ -344,6 +355,56 @@ def _matrices(graph: Graph) -> set[int]:
                    for op, _ in users.get(v, ()))
     return graph.analysis("baseline_matrices", lambda: set(_with_moments(
         graph, [v for v in state_inputs(graph) if graph.values[v].rank >= 2 and feeds_dot(v)])))
+
+
+def _tables(graph: Graph) -> dict[int, int]:
+    """Carried inputs a gather looks rows up in (an embedding table: read directly or through a dtype cast
+    or a hint), with the dim it indexes, and their optimizer moments with the same dim."""
+    def compute() -> dict[int, int]:
+        users = _users(graph)
+
+        def indexed(v: int, depth: int = 0) -> int | None:
+            for op, i in users.get(v, ()):
+                if op.primitive == "gather" and i == 0:
+                    index_map = tuple(op.params["dimension_numbers"].start_index_map)
+                    if len(index_map) == 1:
+                        return index_map[0]
+                elif op.primitive in _PASS_THROUGH and depth < 3:
+                    d = indexed(op.outputs[0], depth + 1)
+                    if d is not None:
+                        return d
+            return None
+        found = {v: d for v in state_inputs(graph) if (d := indexed(v)) is not None}
+        out: dict[int, int] = {}
+        for v, d in found.items():
+            for w in _with_moments(graph, [v]):
+                out.setdefault(w, d)
+        return out
+    return graph.analysis("baseline_tables", compute)
+
+
+_BROADCAST = frozenset({"broadcast_in_dim", "reshape"})
+
+
+def _added_tables(graph: Graph) -> set[int]:
+    """Carried inputs broadcast to more dims (over the batch) and added to the activations, as position
+    embeddings are (directly or through a dtype cast or a hint), and their optimizer moments. (A parameter's
+    own update is an add of its shape: not one of these.)"""
+    def compute() -> set[int]:
+        users = _users(graph)
+
+        def added(v: int, rank: int, grown: bool, depth: int = 0) -> bool:
+            for op, _ in users.get(v, ()):
+                if op.primitive in ("add", "add_any") and grown:
+                    return True
+                if (op.primitive in _PASS_THROUGH | _BROADCAST) and depth < 3:
+                    out = op.outputs[0]
+                    if added(out, rank, grown or graph.values[out].rank > rank, depth + 1):
+                        return True
+            return False
+        return set(_with_moments(graph, [v for v in state_inputs(graph) if graph.values[v].rank >= 1
+                                         and added(v, graph.values[v].rank, False)]))
+    return graph.analysis("baseline_added_tables", compute)
 
 
 def embed_size(graph: Graph, stacked: Sequence[int] = ()) -> int | None:
