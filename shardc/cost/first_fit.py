@@ -146,17 +146,16 @@ class FirstFit:
                     refilled = hit >> (n + was) & 1
                 else:
                     refilled = 0
-                if freed:
-                    ok = admits(r)
-                    freed &= ok
                 if not freed and not refilled:
                     if was >= 0:
                         where[i] = was
                     continue
+                ok = admits(r)
+                freed &= ok
                 now = _first_free(last, _bits(freed), s, e, over, old, gone, added) if freed else -1
                 if now < 0 and was >= 0:
                     now = was if not refilled else _first_free(
-                        last, _bits(admits(r) >> was << was), s, e, over, old, gone, added)
+                        last, _bits(ok >> was << was), s, e, over, old, gone, added)
             if now >= 0:
                 where[i] = now
             if now == was and old is not None:

@@ -361,18 +361,12 @@ def _tables(graph: Graph) -> dict[int, int]:
     """Carried inputs a gather looks rows up in (an embedding table: read directly or through a dtype cast
     or a hint), with the dim it indexes, and their optimizer moments with the same dim."""
     def compute() -> dict[int, int]:
-        users = _users(graph)
-
-        def indexed(v: int, depth: int = 0) -> int | None:
-            for op, i in users.get(v, ()):
+        def indexed(v: int) -> int | None:
+            for op, i in _reads_through_casts(graph, v):
                 if op.primitive == "gather" and i == 0:
                     index_map = tuple(op.params["dimension_numbers"].start_index_map)
                     if len(index_map) == 1:
                         return index_map[0]
-                elif op.primitive in _PASS_THROUGH and depth < 3:
-                    d = indexed(op.outputs[0], depth + 1)
-                    if d is not None:
-                        return d
             return None
         found = {v: d for v in state_inputs(graph) if (d := indexed(v)) is not None}
         out: dict[int, int] = {}
@@ -452,23 +446,29 @@ def expert_weights(graph: Graph) -> list[int]:
     return graph.analysis("baseline_expert_weights", lambda: _expert_weights(graph))
 
 
-def _batched_dim0_dots(graph: Graph, v: int) -> list[tuple[Any, int]]:
-    """The dot_generals `v` feeds, directly or through a dtype cast or a hint, with its dim 0 a batch dim of
-    theirs: (op, operand index)."""
+def _reads_through_casts(graph: Graph, v: int) -> list[tuple[Any, int]]:
+    """The ops that read `v`, directly or through up to three dtype casts or hints (`_PASS_THROUGH`, not
+    listed themselves), with the operand index they read it at, in depth-first program order of users."""
     users = _users(graph)
     out: list[tuple[Any, int]] = []
 
     def walk(w: int, depth: int) -> None:
         for op, i in users.get(w, ()):
-            if op.primitive == "dot_general" and i < 2:
-                (_, _), batch = op.params["dimension_numbers"]
-                if 0 in batch[i]:
-                    out.append((op, i))
-            elif op.primitive in _PASS_THROUGH and depth < 3:
-                walk(op.outputs[0], depth + 1)
+            if op.primitive in _PASS_THROUGH:
+                if depth < 3:
+                    walk(op.outputs[0], depth + 1)
+            else:
+                out.append((op, i))
 
     walk(v, 0)
     return out
+
+
+def _batched_dim0_dots(graph: Graph, v: int) -> list[tuple[Any, int]]:
+    """The dot_generals `v` feeds, directly or through a dtype cast or a hint, with its dim 0 a batch dim of
+    theirs: (op, operand index)."""
+    return [(op, i) for op, i in _reads_through_casts(graph, v)
+            if op.primitive == "dot_general" and i < 2 and 0 in op.params["dimension_numbers"][1][i]]
 
 
 def _expert_weights(graph: Graph) -> list[int]:
