@@ -68,6 +68,29 @@ _CHEAP_REAL = {"": frozenset({"sin", "cos"}), "cpu": frozenset({"sin", "cos", "t
 _CHEAP_F32_GPU = frozenset({"div", "sqrt", "rsqrt", "exp"})
 
 
+# Ops that, when they only add, drop or move unit dims of their local operand (or reduce over unit dims),
+# keep its bytes in order: XLA makes them bitcasts (`ShapeUtil::ReshapeIsBitcast`/`TransposeIsBitcast`, the
+# algebraic simplifier's degenerate-dim rewrites), whatever the layouts.
+_UNIT_DIM_OPS = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose"}) | REDUCTIONS - {
+    "argmax", "argmin"}
+
+
+def moves_no_data(primitive: str, params: Any, in_shapes: Sequence[Sequence[int]],
+                  out_shapes: Sequence[Sequence[int]], in_dtypes: Sequence[str], out_dtypes: Sequence[str]) -> bool:
+    """Whether an op on these local shapes is a bitcast: it only adds, drops or moves dims of size 1 (a
+    reduce over dims of size 1 included), keeping the other dims in their order and the dtype."""
+    if primitive not in _UNIT_DIM_OPS or len(in_shapes) != 1 or len(out_shapes) != 1 or in_dtypes != out_dtypes:
+        return False
+    src, dst = in_shapes[0], out_shapes[0]
+    if math.prod(src) != math.prod(dst):
+        return False
+    if primitive == "transpose":
+        perm = params["permutation"]
+        moved = [p for p in perm if src[p] != 1]
+        return moved == sorted(moved)
+    return [d for d in src if d != 1] == [d for d in dst if d != 1]
+
+
 def expensive(op: Any, graph: Graph, backend: str = "", constant: Sequence[bool] = ()) -> bool:
     """Whether XLA's fusion on `backend` would not duplicate `op` into several consumers (its IsExpensive).
     `constant`: per value, known at compile time (an integer division by a constant is cheap)."""

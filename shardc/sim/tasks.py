@@ -23,7 +23,7 @@ from shardc.cost.estimator import OpCostEstimator, OpKey
 from shardc.cost.flops import count_op
 from shardc.cost.host_ops import default_estimator
 from shardc.cost.op_collectives import AFTER_COMPUTE, op_collectives
-from shardc.cost.program import FREE_PRIMITIVES, ProgramInfo, broadcast_dims, broadcast_transfer, program_info
+from shardc.cost.program import FREE_PRIMITIVES, ProgramInfo, broadcast_dims, broadcast_transfer, moves_no_data, program_info
 from shardc.cost.reshard_path import kept_after, reshard_steps
 from shardc.cost.topology import MeshMapping, Topology
 from shardc.cost.wire import wire_itemsize
@@ -659,7 +659,9 @@ class TaskBuilder:
             if count is None:
                 count = self._count_memo[key] = count_op(op.primitive, key.in_shapes, key.out_shapes, op.params,
                                                          self.topology.backend)
-            hit = self._cost_memo[mk] = (self.estimator.op_time(key, op.params), count)
+            bitcast = moves_no_data(op.primitive, op.params, key.in_shapes, key.out_shapes, key.in_dtypes,
+                                    key.out_dtypes)
+            hit = self._cost_memo[mk] = (0.0 if bitcast else self.estimator.op_time(key, op.params), count)
         return hit
 
     def _op_key(self, op: Any, ins: list[Sharding], outs: list[Sharding]) -> OpKey:
