@@ -1,11 +1,11 @@
 """Pipeline parallelism on the zoo's memory-tight LM: simulated step time of the pipelines
 `shardc.pipeline.choose_pipeline` chooses from, against the non-pipelined search and its baselines.
 
-    python -m bench.pipeline [--scale tiny|full] [--topology h100-sxm-8x8] [--budget 15] [--stages 4]
+    python -m bench.pipeline [--scale tiny|full|xl|gpt48] [--topology h100-sxm-8x8] [--budget 15] [--stages 4]
                              [--screen-budget 0.5] [--finalists 2]
 
 The model is `bench.gpt.ScanGPT` (the zoo's GPT with its blocks as one `nn.scan`, the form shardc cuts into
-stages) at the `gpt12-wide` size, with the zoo's weak scaling (8 sequences per 8 devices). The unpipelined
+stages) at the `gpt12-wide` size (`--scale full`; `xl`: gpt12-xl, `gpt48`: the 48-layer LM), with the zoo's weak scaling (8 sequences per 8 devices). The unpipelined
 step is searched with `--budget`; every candidate pipeline (stages, microbatches, schedule, data shards:
 `shardc.pipeline.choose.candidates`, `--stages` keeps some stage counts) is screened (a search of
 `--screen-budget`: its baselines inside the stages, megatron-3d among them, and a few moves) and the
@@ -26,7 +26,10 @@ from bench.zoo_models import _abstract, _unbox
 from shardc.pipeline.choose import Choice, candidates, choose_pipeline
 from shardc.sim import as_topology
 
+# the zoo's memory-tight LMs (bench/zoo_models.py), batches per 8 devices: "full" is gpt12-wide
 SIZES = {"full": dict(layers=12, batch=8, seq=512, vocab=32768, d=6144, heads=48),
+         "xl": dict(layers=12, batch=16, seq=2048, vocab=32768, d=4096, heads=32),
+         "gpt48": dict(layers=48, batch=32, seq=2048, vocab=32768, d=2048, heads=16),
          "tiny": dict(layers=4, batch=8, seq=32, vocab=256, d=64, heads=4)}
 
 
@@ -69,7 +72,7 @@ def main() -> None:
     def row(c: Choice) -> None:
         p = c.pipeline
         what = (f"{p.schedule} S={p.stages} M={p.microbatches}" + (f" R={p.repeats}" if p.repeats > 1 else "")
-                + f" data={p.shards}") if p is not None else "–"
+                + f" data={p.shards}" + (" W after loop" if p.defer_wgrad else "")) if p is not None else "–"
         fits = "" if c.feasible else " (OOM)"
         print(f"| {c.name} | {what} | {c.mesh} | {c.time * 1e3:.2f} ms{fits} | {c.peak / 2**30:.1f} GiB | "
               f"{time.time() - t[0]:.0f} s |", flush=True)

@@ -49,22 +49,26 @@ class Choice:
 
 def candidates(devices: int, layers: int, batch: int, max_stages: int = 8) -> Iterator[Pipeline]:
     """Pipelines of a `layers`-deep stack and a batch of `batch` on `devices` devices: stages dividing both,
-    1, 2, 4 or 8 data shards, microbatches 1, 2, 4 or 8 times the stages (each a whole number of rows per
-    shard), gpipe and 1f1b, and circular with 2 repeats where the layers allow."""
+    1 to 64 data shards (powers of two), microbatches 1, 2, 4 or 8 times the stages (each a whole number of
+    rows per shard), gpipe and 1f1b, and circular with 2, 3 or 4 repeats where the layers allow; gpipe and
+    circular also with the weight gradients deferred past the loop (`defer_wgrad`)."""
     for stages in range(2, max_stages + 1):
         if layers % stages or devices % stages:
             continue
-        for shards in (1, 2, 4, 8):
+        for shards in (1, 2, 4, 8, 16, 32, 64):
             if devices % (stages * shards):
                 continue
             data = ("data",) if shards > 1 else ()
             for micro in (stages, 2 * stages, 4 * stages, 8 * stages):
                 if micro > batch or batch % micro or (batch // micro) % shards:
                     continue
-                for schedule in ("gpipe", "1f1b"):
-                    yield Pipeline(stages, micro, schedule, data=data, shards=shards)
-                if micro == stages and layers % (2 * stages) == 0:
-                    yield Pipeline(stages, micro, "circular", repeats=2, data=data, shards=shards)
+                for schedule, defer in (("gpipe", False), ("gpipe", True), ("1f1b", False)):
+                    yield Pipeline(stages, micro, schedule, data=data, shards=shards, defer_wgrad=defer)
+                for repeats in (2, 3, 4):
+                    if micro == stages and layers % (repeats * stages) == 0:
+                        for defer in (False, True):
+                            yield Pipeline(stages, micro, "circular", repeats=repeats, data=data, shards=shards,
+                                           defer_wgrad=defer)
 
 
 def _choice(name: str, plan: Any, pipeline: Pipeline | None) -> Choice:

@@ -55,10 +55,10 @@ def pipeline_meshes(p: Pipeline, devices: int, model_axis: str = "model") -> lis
 
 
 def for_mesh(stages: int, microbatches: int, mesh: Mapping[str, int], schedule: str = "gpipe", repeats: int = 1,
-             axis: str = "stage", data: tuple[str, ...] = ()) -> Pipeline:
+             axis: str = "stage", data: tuple[str, ...] = (), defer_wgrad: bool = False) -> Pipeline:
     """A `Pipeline` whose data shards are what `data` holds on `mesh`, checked against it."""
     p = Pipeline(stages, microbatches, schedule, repeats, axis, tuple(data),
-                 math.prod(mesh[a] for a in data if a in mesh) if data else 1)
+                 math.prod(mesh[a] for a in data if a in mesh) if data else 1, defer_wgrad=defer_wgrad)
     check_mesh(p, mesh)
     return p
 

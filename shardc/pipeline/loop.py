@@ -19,7 +19,10 @@
   never read: their gradients are exact zeros;
 * under `jax.grad` the loop is differentiated as it is: the backward loop shifts the other way, and each
   stage's parameter gradients accumulate over the microbatches in its carry (never across stages);
-* "1f1b": each stage's layers run under `jax.checkpoint` (nothing saved but the stage's input).
+* "1f1b": each stage's layers run under `jax.checkpoint` (nothing saved but the stage's input);
+* `defer_wgrad`: the layer body runs through `shardc.pipeline.wgrad.eval_deferring`, its weight matmuls'
+  gradients leave the backward loop as stacked (dY, X) and are computed after it, one GEMM per matmul
+  over every microbatch (no per-iteration accumulation, no weight-gradient work in the bubble).
 
 Per-layer RNG keys (dropout) get the microbatch index folded in, so microbatches draw independent masks
 (not the unpipelined step's masks: see docs/pipeline.md). The body's per-layer outputs (`ys`) must be empty.
@@ -35,6 +38,7 @@ from annotations import split
 from annotations.errors import ShardingError
 from shardc.pipeline.shift import stage_shift
 from shardc.pipeline.value import Pipeline
+from shardc.pipeline.wgrad import eval_deferring, layer_sites, make_probes
 
 __all__ = ["pipelined_scan", "is_key", "LOOP_SCOPE"]
 
@@ -142,12 +146,27 @@ def pipelined_scan(body: Callable, init: Any, xs: Any, p: Pipeline, scan: Callab
                 for x, key in zip(w, keys)]
         return [[c[i] for c in cols] for i in range(k)]
 
-    def stage(h: list[jax.Array], w: list[jax.Array], m: jax.Array) -> list[jax.Array]:
+    deferral = None
+    if p.defer_wgrad:  # the layer body traced once at a stage's shapes, its weight matmuls found
+        share = b // p.microbatches // g
+        deferral = layer_sites(body, [jax.ShapeDtypeStruct((share,) + c.shape[1:], c.dtype) for c in carry_leaves],
+                               carry_tree, [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs_leaves], xs_tree,
+                               where)
+
+    def stage(h: list[jax.Array], w: list[jax.Array], m: jax.Array, probes: list) -> list[jax.Array]:
         """One stage's layers, unrolled, on one microbatch (or its share on one data shard); `m` is folded into
-        the per-layer keys (microbatch index, times shards, plus the shard)."""
+        the per-layer keys (microbatch index, times shards, plus the shard). With deferred weight gradients,
+        `probes[j]` are layer j's probes, one (y, x) pair per site."""
         w = [_fold(x, m) if key else x for x, key in zip(w, keys)]
         out = jax.tree.unflatten(carry_tree, h)
-        for x in layer_inputs(w):
+        for j, x in enumerate(layer_inputs(w)):
+            if deferral is not None:
+                closed, sites, ys_def = deferral
+                ys_tree.append(ys_def)
+                res = eval_deferring(closed, jax.tree.leaves(out) + x, sites,
+                                     {site.path: pr for site, pr in zip(sites.sites, probes[j])})
+                out = jax.tree.unflatten(carry_tree, res[:len(carry_leaves)])
+                continue
             out, ys = body(out, jax.tree.unflatten(xs_tree, x))
             if jax.tree.leaves(ys):
                 raise ShardingError(f"{where}: the layer body returns per-layer outputs ({jax.tree.structure(ys)}); "
@@ -160,14 +179,14 @@ def pipelined_scan(body: Callable, init: Any, xs: Any, p: Pipeline, scan: Callab
     # the weights are vmapped at dim 1 ([k, stages, (shards,) ...], one repeat taken): the layer scan's own dim
     run = stage
     if g > 1:
-        run = jax.vmap(run, in_axes=(0, 1, 0), spmd_axis_name=p.data)
-    run = jax.vmap(run, in_axes=(0, 1, 0), spmd_axis_name=p.axis)
+        run = jax.vmap(run, in_axes=(0, 1, 0, 0), spmd_axis_name=p.data)
+    run = jax.vmap(run, in_axes=(0, 1, 0, 0), spmd_axis_name=p.axis)
 
-    def run_stages(ins: list[jax.Array], w: list[jax.Array], micro: jax.Array) -> list[jax.Array]:
+    def run_stages(ins: list[jax.Array], w: list[jax.Array], micro: jax.Array, probes: list) -> list[jax.Array]:
         if g == 1:
-            return run(ins, w, micro)
+            return run(ins, w, micro, probes)
         ins = [_stage_dim(split(x.reshape((s, g, x.shape[1] // g) + x.shape[2:]), 1, p.data), p) for x in ins]
-        outs = run(ins, w, micro[:, None] * g + jnp.arange(g)[None, :])
+        outs = run(ins, w, micro[:, None] * g + jnp.arange(g)[None, :], probes)
         return [o.reshape((s, o.shape[1] * o.shape[2]) + o.shape[3:]) for o in outs]
 
     io = [_stage_dim(_to_microbatches(c, p), p) for c in carry_leaves]
@@ -178,8 +197,15 @@ def pipelined_scan(body: Callable, init: Any, xs: Any, p: Pipeline, scan: Callab
     def take_repeat(x: jax.Array, i: jax.Array) -> jax.Array:
         return jax.lax.dynamic_index_in_dim(x, i, axis=0, keepdims=False)
 
-    def iteration(state: tuple[list, list], t: jax.Array) -> tuple[tuple[list, list], None]:
+    if deferral is None:
+        probes: list = []
+        loop_weights = weights
+    else:
+        probes, loop_weights = make_probes(deferral[1], weights, p)
+
+    def iteration(state: tuple[list, list], step: tuple) -> tuple[tuple[list, list], None]:
         io, shift = state
+        t, probes_t = step
         slot = t % io[0].shape[1]
         cols = [jax.lax.dynamic_index_in_dim(b, slot, axis=1, keepdims=False) for b in io]
 
@@ -188,10 +214,10 @@ def pipelined_scan(body: Callable, init: Any, xs: Any, p: Pipeline, scan: Callab
 
         ins = [_stage_dim(jnp.where(row_is(0, c) & (t < p.microbatches), c, sh), p) for c, sh in zip(cols, shift)]
         done = jnp.maximum(t - rows, 0)  # per stage: pieces of work taken so far
-        w = weights if r == 1 else [
+        w = loop_weights if r == 1 else [
             split(jax.vmap(take_repeat, in_axes=(sd, 0), out_axes=1)(x, jnp.minimum(done // p.microbatches, r - 1)),
-                  1, p.axis) for x in weights]
-        outs = [_stage_dim(o, p) for o in run_stages(ins, w, done % p.microbatches)]
+                  1, p.axis) for x in loop_weights]
+        outs = [_stage_dim(o, p) for o in run_stages(ins, w, done % p.microbatches, probes_t)]
         shift = [stage_shift(o, 1) for o in outs]
         final = t >= first_final
         cols = [jnp.where(row_is(s - 1, o) & final, o, stage_shift(c, -1)) for o, c in zip(outs, cols)]
@@ -199,6 +225,6 @@ def pipelined_scan(body: Callable, init: Any, xs: Any, p: Pipeline, scan: Callab
         return (io, shift), None
 
     with jax.named_scope(LOOP_SCOPE):  # (how the simulator finds the loop's ops, forward and backward)
-        (io, _), _ = scan(iteration, (io, shift), jnp.arange(p.iterations, dtype=jnp.int32))
+        (io, _), _ = scan(iteration, (io, shift), (jnp.arange(p.iterations, dtype=jnp.int32), probes))
     out = [_from_microbatches(bf, p) for bf in io]
     return jax.tree.unflatten(carry_tree, out), jax.tree.unflatten(ys_tree[0], [])

@@ -33,7 +33,9 @@ class Pipeline:
     all) that split each microbatch inside a stage: each of those devices accumulates its own parameter
     gradients over the microbatches, reduced over `data` once after the loop (without them, the partial
     gradients of every iteration would be all-reduced in the loop). `layers` is the stack's length and
-    `stack` names it, once the value is bound to a program (`bind`)."""
+    `stack` names it, once the value is bound to a program (`bind`). `defer_wgrad` moves the weight
+    matmuls' gradients out of the loop: one GEMM per weight over every microbatch after it, no per-iteration
+    accumulation and no weight-gradient work in the bubble (`shardc.pipeline.wgrad`)."""
 
     stages: int
     microbatches: int
@@ -44,6 +46,7 @@ class Pipeline:
     shards: int = 1
     layers: int | None = None
     stack: str = ""
+    defer_wgrad: bool = False
 
     def __post_init__(self) -> None:
         for name in ("stages", "microbatches", "repeats"):
@@ -62,6 +65,12 @@ class Pipeline:
         if self.microbatches % self.stages:
             raise ShardingError(f"Pipeline(stages={self.stages}, microbatches={self.microbatches}): microbatches must be "
                                 f"a multiple of stages (each stage's share of the input and output buffer)")
+        if not isinstance(self.defer_wgrad, bool):
+            raise ShardingError(f"Pipeline(defer_wgrad={self.defer_wgrad!r}): expected True or False")
+        if self.defer_wgrad and self.schedule == "1f1b":
+            raise ShardingError("Pipeline(schedule='1f1b', defer_wgrad=True): deferring the weight gradients keeps every "
+                                "microbatch's matmul inputs until after the loop, which is what 1f1b's recomputation "
+                                "avoids keeping; use 'gpipe' or 'circular' with defer_wgrad")
         if not isinstance(self.axis, str) or not self.axis:
             raise ShardingError(f"Pipeline(axis={self.axis!r}): expected a mesh axis name")
         if isinstance(self.data, str):
@@ -136,5 +145,6 @@ class Pipeline:
     def describe(self) -> str:
         rep = f" x {self.repeats} repeats" if self.repeats > 1 else ""
         data = f", each split over {'+'.join(self.data)} ({self.shards})" if self.data else ""
-        return (f"{self.schedule}, {self.stages} stages{rep} over mesh axis {self.axis!r}, {self.microbatches} "
+        wg = ", weight gradients after the loop" if self.defer_wgrad else ""
+        return (f"{self.schedule}{wg}, {self.stages} stages{rep} over mesh axis {self.axis!r}, {self.microbatches} "
                 f"microbatches{data}, {self.iterations} iterations, bubble {100 * self.bubble:.1f}%")

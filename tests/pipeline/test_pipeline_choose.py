@@ -18,7 +18,9 @@ def test_candidates():
     assert Pipeline(4, 8, data=("data",), shards=8) not in got  # a microbatch of 1 row does not split 8 ways
     assert Pipeline(2, 2, data=("data",), shards=4) in got
     assert Pipeline(2, 2, "circular", repeats=2) in got
-    assert not any(p.schedule == "circular" and p.stages == 4 for p in got)  # 12 % 8
+    assert {p.repeats for p in got if p.schedule == "circular" and p.stages == 4} == {3}  # 12 % 8, 12 % 16
+    assert Pipeline(2, 4, data=("data",), shards=2, defer_wgrad=True) in got
+    assert not any(p.defer_wgrad and p.schedule == "1f1b" for p in got)
 
 
 def test_choose_pipeline_keeps_the_fastest_that_fits():
