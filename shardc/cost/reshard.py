@@ -58,7 +58,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 from shardc.cost.collectives import Collective
 from shardc.sharding import Sharding
 
-__all__ = ["reshard_collectives", "is_involuntary_remat", "kept_broadcast", "permute_pairs", "cached_intermediate"]
+__all__ = ["reshard_collectives", "is_involuntary_remat", "crashes_xla", "kept_broadcast", "permute_pairs",
+           "cached_intermediate"]
 
 Dims = tuple[tuple[str, ...], ...]
 Mesh = tuple[tuple[str, int], ...]
@@ -488,6 +489,7 @@ class _Partitioner:
         self.out: list[_Emitted] = []
         self.pairs: list[tuple[tuple[int, int], ...]] = []  # each collective-permute's (source, target) devices
         self.remat = False
+        self.crash = False  # XLA's partitioner would divide by zero (`all_to_all`) and kill the process
         self.depth = 0  # nested ReshardNoCache calls
         # The first layout the value itself is taken to through PartitionedHlo::Reshard (cached per
         # instruction and layout) on the way, where XLA's reshard of it does so (`cached_intermediate`).
@@ -590,7 +592,11 @@ class _Partitioner:
                     rest.append((sd, td))
             # (the pairs are a sequence: a later one may only be valid after an earlier one, as in
             # [stage, data, -, -, model] -> [data, -, -, model, stage], where data's 2 tiles cannot take stage's 4
-            # before stage moved; such a set is not done at once. Unverified against XLA: it needs 64 devices.)
+            # before stage moved. XLA does such a set at once, and its GetAllToAllSharding divides by the zero
+            # that 2 // 4 makes: SIGFPE, the process dies (jax 0.10.2, 16 CPU devices; `crashes_xla`). The
+            # replay goes on one pair at a time, and reshard paths never ask XLA for it.)
+            if len(chosen) >= 2 and not all(s.dims[sd] % s.dims[td] == 0 for sd, td in chosen):
+                self.crash = True
             if len(chosen) >= 2 and all(s.dims[sd] % s.dims[td] == 0 for sd, td in chosen):
                 sources, targets = [p[0] for p in chosen], [p[1] for p in chosen]
                 temp = _all_to_all_tiling(s, sources, targets)
@@ -770,14 +776,15 @@ def _replicate_one_dim(s: _Tiling, t: _Tiling) -> _Tiling | None:
 
 @functools.lru_cache(maxsize=1 << 16)
 def _dims_reshard(src: Dims, dst: Dims, shape: tuple[int, ...], mesh: Mesh, bcast: frozenset[int] = frozenset()
-                  ) -> tuple[tuple[_Emitted, ...], bool, frozenset[int], _Tiling | None]:
+                  ) -> tuple[tuple[_Emitted, ...], bool, frozenset[int], _Tiling | None, bool]:
     """The collectives (elements, not bytes) of XLA's reshard of dim shardings, whether it logs an
-    involuntary full rematerialization, the dims along which the result is still a broadcast, and the layout
-    it first takes the value to through the cached Reshard (`_Partitioner.cached`)."""
+    involuntary full rematerialization, the dims along which the result is still a broadcast, the layout
+    it first takes the value to through the cached Reshard (`_Partitioner.cached`), and whether XLA's
+    partitioner would crash on it (`_Partitioner.crash`)."""
     p = _Partitioner(mesh)
     n = math.prod(size for _, size in mesh)
     r = p.reshard(_Value(_from_dims(src, mesh), shape, (tuple(range(n)),), bcast), _from_dims(dst, mesh))
-    return tuple(p.out), p.remat, r.bcast, p.cached
+    return tuple(p.out), p.remat, r.bcast, p.cached, p.crash
 
 
 def cached_intermediate(src: Sharding, dst: Sharding, shape: Sequence[int], mesh: Mapping[str, int],
@@ -791,7 +798,7 @@ def cached_intermediate(src: Sharding, dst: Sharding, shape: Sequence[int], mesh
     if src.partial or dst.partial:
         return None
     key, mesh_key = _key(src, mesh)
-    _, remat, _, tiling = _dims_reshard(key, _key(dst, mesh)[0], tuple(int(n) for n in shape), mesh_key)
+    _, remat, _, tiling, _ = _dims_reshard(key, _key(dst, mesh)[0], tuple(int(n) for n in shape), mesh_key)
     if remat or tiling is None:
         return None
     return next((c for c in candidates if _from_dims(_key(c, mesh)[0], mesh_key) == tiling), None)
@@ -860,6 +867,15 @@ def is_involuntary_remat(src: Sharding, dst: Sharding, shape: Sequence[int], mes
     all-gathers the whole value before slicing it; `shardc.check` fails such programs)."""
     cur, mesh_key = _key(src, mesh)
     return _dims_reshard(cur, _key(dst, mesh)[0], tuple(shape), mesh_key)[1]
+
+
+def crashes_xla(src: Sharding, dst: Sharding, shape: Sequence[int], mesh: Mapping[str, int]) -> bool:
+    """Whether XLA's SPMD partitioner would crash the process (SIGFPE) resharding `src` to `dst` directly: an
+    all-to-all of several dim pairs at once where a source dim has fewer tiles than its target's (e.g.
+    [a, b, -, c] -> [b, -, c, a] on a={4}, b=c={2}; tests/cost/test_reshard_crash.py). Reshard paths go
+    through an intermediate layout instead (`shardc.cost.reshard_path`)."""
+    cur, mesh_key = _key(src, mesh)
+    return _dims_reshard(cur, _key(dst, mesh)[0], tuple(shape), mesh_key)[4]
 
 
 @functools.lru_cache(maxsize=1 << 12)

@@ -12,6 +12,8 @@ these collectives and no rematerialization warning. A reshard XLA makes in two p
 its cached `PartitionedHlo::Reshard` of the value (`shardc.cost.reshard.cached_intermediate`: e.g. [-, y, x]
 -> [-, -, y] all-gathers x to [-, y, -], then all-to-alls), is two steps too: another reshard of the same
 value to that first layout is the same one (XLA's cache; the simulator's and the lowering's keys).
+A reshard XLA's partitioner would crash on (`shardc.cost.reshard.crashes_xla`: SIGFPE, the process dies)
+goes through an intermediate layout the same way.
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ import math
 from typing import Iterator, Mapping, Sequence
 
 from shardc.cost.collectives import Collective
-from shardc.cost.reshard import cached_intermediate, is_involuntary_remat, kept_broadcast, reshard_collectives
+from shardc.cost.reshard import (cached_intermediate, crashes_xla, is_involuntary_remat, kept_broadcast,
+                                 reshard_collectives)
 from shardc.sharding import Sharding
 
 __all__ = ["reshard_steps", "kept_after", "sent_bytes", "ReshardStep"]
@@ -98,8 +101,12 @@ def _path(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int,
     def colls(a: Sharding, b: Sharding) -> tuple[Collective, ...]:
         return reshard_collectives(a, b, shape, itemsize, mesh, reduce_scatter=reduce_scatter)
 
+    def avoided(a: Sharding, b: Sharding) -> bool:
+        """A reshard XLA does by full rematerialization, or one its partitioner crashes on (`crashes_xla`)."""
+        return is_involuntary_remat(a, b, shape, mesh) or crashes_xla(a, b, shape, mesh)
+
     direct = colls(src, dst)
-    if not is_involuntary_remat(src, dst, shape, mesh):
+    if not avoided(src, dst):
         inter = cached_intermediate(src, dst, shape, mesh, _layouts(len(shape), shape, mesh))
         if inter is not None and inter not in (src, dst):
             first, rest = colls(src, inter), colls(inter, dst)
@@ -113,14 +120,16 @@ def _path(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int,
         steps.append((start, colls(src, start)))
     best: tuple[int, int, tuple[ReshardStep, ...]] | None = None
     for mid in _layouts(len(shape), shape, mesh):
-        if mid in (start, dst) or is_involuntary_remat(start, mid, shape, mesh) \
-                or is_involuntary_remat(mid, dst, shape, mesh):
+        if mid in (start, dst) or avoided(start, mid) or avoided(mid, dst):
             continue
         a, b = colls(start, mid), colls(mid, dst)
         cost = (sum(sent_bytes(c, mesh) for c in a + b), len(a) + len(b))
         if best is None or cost < best[:2]:
             best = (*cost, ((mid, a), (dst, b)))
     if best is None:  # (XLA's own fallback, as it would do it: gather everything, then slice)
+        if crashes_xla(start, dst, shape, mesh):  # (never seen: every crash found has a two-step path)
+            return tuple(steps) + ((Sharding(((),) * len(shape)), colls(start, Sharding(((),) * len(shape)))),
+                                   (dst, ()))
         return ((dst, direct),)
     return tuple(steps) + best[2]
 
