@@ -56,6 +56,10 @@ def main() -> None:
     ap.add_argument("--finalists", type=int, default=2)
     ap.add_argument("--stages", default="", help="comma-separated stage counts to keep (default: all)")
     ap.add_argument("--unpipelined", action="store_true", help="(kept for old command lines: always searched)")
+    ap.add_argument("--remat", action="store_true",
+                    help="let the search rematerialize (off by default: the zoo's memory-tight rows without it)")
+    ap.add_argument("--prune-siblings", action="store_true",
+                    help="do not screen the usually slower siblings of a candidate that fits (faster planning)")
     a = ap.parse_args()
     n = as_topology(a.topology).num_devices
     step, args = build(a.scale, max(1, n // 8))  # weak scaling, as bench/zoo.py
@@ -81,8 +85,10 @@ def main() -> None:
     t0 = time.time()
     best, choices = choose_pipeline(step, args, topology=a.topology, budget_s=a.budget, pipelines=pipes,
                                     screen_budget_s=a.screen_budget, finalists=a.finalists, on_choice=row,
-                                    donate_argnums=(0, 1), remat=False)
-    base = min((c for c in choices if c.name.startswith("baseline ") and c.feasible), key=lambda c: c.time)
+                                    prune_siblings=a.prune_siblings,
+                                    donate_argnums=(0, 1), remat=a.remat)
+    base = min((c for c in choices if c.name.startswith("baseline ") and c.feasible), key=lambda c: c.time,
+               default=None)
     m3d = min((c for c in choices if c.name == "megatron-3d" and c.feasible), key=lambda c: c.time, default=None)
     print(f"\nchosen: {best.pipeline.describe() if best.pipeline is not None else 'no pipeline'}, mesh "
           f"{dict(best.mesh_sizes)}: {best.cost.step_time * 1e3:.2f} ms ({time.time() - t0:.0f} s in all)")
@@ -90,9 +96,10 @@ def main() -> None:
     if pc is not None:
         print(f"  bubble {pc.bubble_s * 1e3:.1f} ms of loop compute {pc.loop_compute_s * 1e3:.1f} ms; stage boundary "
               f"{pc.boundary_bytes / 2**20:.0f} MiB in {pc.boundary_s * 1e3:.2f} ms")
-    print(f"  {base.time / best.cost.step_time:.2f}x the best unpipelined baseline ({base.name}, "
-          f"{base.time * 1e3:.2f} ms)" + (f"; {m3d.time / best.cost.step_time:.2f}x the best megatron-3d "
-                                         f"({m3d.time * 1e3:.2f} ms)" if m3d is not None else ""))
+    versus = (f"{base.time / best.cost.step_time:.2f}x the best unpipelined baseline ({base.name}, "
+              f"{base.time * 1e3:.2f} ms)") if base is not None else "no unpipelined plan fits"
+    print(f"  {versus}" + (f"; {m3d.time / best.cost.step_time:.2f}x the best megatron-3d ({m3d.time * 1e3:.2f} ms)"
+                          if m3d is not None else ""))
     print(best.cost.summary(top=6))
 
 

@@ -859,10 +859,15 @@ def _tie_carried_state(graph: Graph, in_tree: Any, out_tree: Any, args: Any) -> 
 def _check_pipeline(pipeline: Any, mesh: Mesh | None, devices: int | None) -> Any:
     """`pipeline=` of shardc.auto: None, or a Pipeline on a given mesh that has its stage and data axes (or,
     planning for `devices` without a mesh, on the meshes `pipeline_meshes` makes for it)."""
-    if pipeline is None:
+    if pipeline is None or pipeline is False:
         return None
+    if pipeline is True:
+        raise ShardingError("shardc.auto(pipeline=True): shardc.auto runs a given shardc.pipeline.Pipeline on its "
+                            "mesh; to choose one (stages, microbatches, schedule) call shardc.plan_for(step, *args, "
+                            "topology=..., pipeline=True), or shardc.pipeline.choose.choose_pipeline")
     if not isinstance(pipeline, Pipeline):
-        raise ShardingError(f"shardc.auto(pipeline={pipeline!r}): expected a shardc.pipeline.Pipeline or None")
+        raise ShardingError(f"shardc.auto(pipeline={pipeline!r}): expected a shardc.pipeline.Pipeline, "
+                            f"False or None")
     if mesh is None and devices is None:
         raise ShardingError("shardc.auto(pipeline=...) needs mesh= with the pipeline's stage axis, or devices= "
                             "(shardc.plan_for) to plan on the meshes the pipeline implies")
@@ -919,6 +924,10 @@ _AUTO_OPTIONS = frozenset(p for p in inspect.signature(AutoFunction.__init__).pa
                            if p not in ("self", "fun") and not p.startswith("_"))
 
 
+# choose_pipeline's own options, which plan_for(pipeline=True) passes on
+_CHOOSE_OPTIONS = ("screen_budget_s", "finalists", "prune_siblings", "on_choice", "progress")
+
+
 def _check_options(entry: str, options: Mapping[str, Any]) -> None:
     unknown = sorted(set(options) - _AUTO_OPTIONS)
     if unknown:
@@ -944,10 +953,24 @@ def plan_for(f: Any, *args: Any, topology: Any, devices: int | None = None, sear
     8-device machine. Such a plan lives on a mesh shape without devices (`jax.sharding.AbstractMesh`):
     `plan.explain()`, `plan.search`, `shardc.simulate(plan, topology)` and `save_plan` work; running or
     lowering it raises a ShardingError. Other options are those of `shardc.auto` (budget_s, seed, rules,
-    donate_argnums); the step's own keyword arguments go in `kwargs`."""
+    donate_argnums); the step's own keyword arguments go in `kwargs`. `pipeline=True` chooses a pipeline too
+    (`shardc.pipeline.choose.choose_pipeline` on all of the topology's devices: the unpipelined search, every
+    candidate pipeline screened, the fastest searched in full; its options `screen_budget_s`, `finalists`,
+    `prune_siblings`, `on_choice` and `progress` are passed on) and returns the fastest plan that fits."""
     from shardc.sim import as_topology
 
+    choosing = {k: options.pop(k) for k in _CHOOSE_OPTIONS if k in options} if options.get("pipeline") is True else {}
     _check_options("plan_for", options)
     n = devices if devices is not None else as_topology(topology).num_devices
     fun = f.fun if isinstance(f, AutoFunction) else f
+    if options.get("pipeline") is True:
+        if kwargs or devices is not None or search is not True:
+            raise ShardingError("shardc.plan_for(pipeline=True): chooses among pipelines on all of the topology's "
+                                "devices with the search on; kwargs=, devices= and search= are not supported with it "
+                                "(pass a shardc.pipeline.Pipeline to plan a given one)")
+        from shardc.pipeline.choose import choose_pipeline
+
+        rest = {k: v for k, v in options.items() if k not in ("pipeline", "budget_s")}
+        best, _ = choose_pipeline(fun, args, topology=topology, budget_s=options.get("budget_s"), **choosing, **rest)
+        return best
     return AutoFunction(fun, topology=topology, search=search, devices=n, **options).plan(*args, **(kwargs or {}))

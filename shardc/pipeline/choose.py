@@ -17,11 +17,13 @@ import dataclasses
 from typing import Any, Callable, Iterator
 
 import jax
+from tqdm.auto import tqdm
 
 from annotations import provisional_mesh
 from annotations.errors import ShardingError
 from shardc.pipeline.jit import stack_of
 from shardc.search.baselines import BASELINES
+from shardc.search.driver import NoPlanFits
 from shardc.pipeline.value import Pipeline
 from shardc.sharding import make_mesh
 
@@ -62,11 +64,11 @@ def candidates(devices: int, layers: int, batch: int, max_stages: int = 8) -> It
             for micro in (stages, 2 * stages, 4 * stages, 8 * stages):
                 if micro > batch or batch % micro or (batch // micro) % shards:
                     continue
-                for schedule, defer in (("gpipe", False), ("gpipe", True), ("1f1b", False)):
+                for schedule, defer in (("gpipe", True), ("gpipe", False), ("1f1b", False)):  # (`_sibling` order)
                     yield Pipeline(stages, micro, schedule, data=data, shards=shards, defer_wgrad=defer)
                 for repeats in (2, 3, 4):
                     if micro == stages and layers % (repeats * stages) == 0:
-                        for defer in (False, True):
+                        for defer in (True, False):
                             yield Pipeline(stages, micro, "circular", repeats=repeats, data=data, shards=shards,
                                            defer_wgrad=defer)
 
@@ -86,16 +88,18 @@ def _baseline_choices(plan: Any, names: tuple[str, ...]) -> list[Choice]:
             for n, b in best.items()]
 
 
-def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: float, pipeline: bool = True,
+def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: float | None, pipeline: bool = True,
                     pipelines: list[Pipeline] | None = None, plan_for: Callable | None = None,
                     screen_budget_s: float = 0.5, finalists: int = 2,
-                    on_choice: Callable[[Choice], None] | None = None, **options: Any) -> tuple[Any, list[Choice]]:
-    """The fastest plan that fits, over the unpipelined search and (with `pipeline=True`) every pipeline of
+                    on_choice: Callable[[Choice], None] | None = None, prune_siblings: bool = False,
+                    progress: bool | None = None, **options: Any) -> tuple[Any, list[Choice]]:
+    """The fastest plan that fits, over the unpipelined search and (with `pipeline=True`) the pipelines of
     `pipelines` (default: `candidates` for the step's largest layer stack): each screened with a search of
-    `screen_budget_s`, the `finalists` fastest searched with `budget_s`. Returns the plan and every choice
-    scored (also passed to `on_choice` as it is made): the unpipelined search's baselines ("baseline fsdp",
-    ...) and the candidates' "megatron-3d" rows included. `options` go to
-    `shardc.plan_for`."""
+    `screen_budget_s` (with `prune_siblings`, not a candidate whose usually faster sibling already fit:
+    `_sibling`), the `finalists` fastest searched with `budget_s`. Returns the plan and every choice scored
+    (also passed to `on_choice` as it is made): the unpipelined search's baselines ("baseline fsdp", ...) and
+    the candidates' "megatron-3d" rows included. A progress bar counts the candidates on a terminal
+    (`progress`: True/False forces it). `options` go to `shardc.plan_for`."""
     if plan_for is None:
         from shardc.auto import plan_for
     if not isinstance(finalists, int) or isinstance(finalists, bool) or finalists < 0:
@@ -110,11 +114,20 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
             on_choice(c)
 
     n = as_topology(topology).num_devices
-    base = plan_for(step, *args, topology=topology, budget_s=budget_s, **options)
-    best = base
-    note(_choice("unpipelined", base, None))
-    for c in _baseline_choices(base, tuple(BASELINES)):  # each on its best mesh
-        note(dataclasses.replace(c, name=f"baseline {c.name}"))
+    best: Any = None
+    unfit: NoPlanFits | None = None
+    try:
+        base = plan_for(step, *args, topology=topology, budget_s=budget_s, **options)
+    except NoPlanFits as e:  # (a pipeline may fit: fewer activations per device)
+        if not pipeline:
+            raise
+        unfit = e
+        note(Choice("unpipelined", None, {}, float("inf"), e.smallest_peak, False))
+    else:
+        best = base
+        note(_choice("unpipelined", base, None))
+        for c in _baseline_choices(base, tuple(BASELINES)):  # each on its best mesh
+            note(dataclasses.replace(c, name=f"baseline {c.name}"))
     if not pipeline:
         return best, choices
     if pipelines is None:
@@ -122,7 +135,12 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
             stack = stack_of(step, args, make_mesh({"data": len(jax.devices()), "model": 1, "expert": 1}))
         pipelines = list(candidates(n, stack.layers, stack.batch))
     screened: list[tuple[tuple, int, Pipeline, Any]] = []
-    for i, p in enumerate(pipelines):
+    fitted: set[tuple] = set()  # sibling groups with a screened candidate that fits (`_sibling`)
+    bar = tqdm(pipelines, desc="shardc pipelines", unit="pipeline", leave=False,
+               disable=None if progress is None else not progress)
+    for i, p in enumerate(bar):
+        if prune_siblings and _sibling(p) in fitted:
+            continue
         try:
             plan = plan_for(step, *args, topology=topology, budget_s=screen_budget_s, pipeline=p, **options)
         except ShardingError as e:  # a pipeline this step cannot take (said in the table, not fatal)
@@ -132,16 +150,32 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
         for c in _baseline_choices(plan, ("megatron-3d",)):
             note(c)
         screened.append((_key(plan), i, p, plan))
+        if plan.cost.fits:
+            fitted.add(_sibling(p))
     screened.sort(key=lambda x: (x[0], x[1]))
     for key, _, p, plan in screened:
-        if key < _key(best):
+        if best is None or key < _key(best):
             best = plan
     for _, _, p, _ in screened[:finalists]:
         plan = plan_for(step, *args, topology=topology, budget_s=budget_s, pipeline=p, **options)
         note(_choice("pipelined", plan, plan.pipeline))
-        if _key(plan) < _key(best):
+        if best is None or _key(plan) < _key(best):
             best = plan
+    if best is None or not best.cost.fits and unfit is not None:
+        raise unfit if unfit is not None else ShardingError("choose_pipeline: no candidate pipeline could be planned "
+                                                            "(every one raised; see the choices passed to on_choice)")
     return best, choices
+
+
+def _sibling(p: Pipeline) -> tuple:
+    """Pipelines that differ only in what they trade memory for time: deferred weight gradients, then the
+    loop's own accumulation, then 1F1B's recomputation, each usually using less memory and more time than
+    the one before (`candidates` lists them in that order; `choose_pipeline(prune_siblings=True)` screens
+    no later one once one fits). Usually, not always: on gpt12-wide (h100-sxm-8x8) every deferred pipeline
+    was faster than its sibling, but on gpt12-xl near the memory limit the order broke both ways
+    (docs/pipeline.md), so pruning is an opt-in for planning time, not the default."""
+    family = "circular" if p.schedule == "circular" else "gpipe"
+    return (p.stages, p.microbatches, p.repeats, p.data, p.shards, family)
 
 
 def _key(plan: Any) -> tuple:

@@ -38,10 +38,12 @@ from jax.extend import core as jcore
 from annotations import split
 from annotations.errors import ShardingError
 
-__all__ = ["DotSite", "Sites", "find_sites", "layer_sites", "eval_deferring", "deferred_dot", "stack_grads", "make_probes"]
+__all__ = ["DotSite", "Sites", "find_sites", "layer_sites", "eval_deferring", "deferred_dot", "stack_grads",
+           "make_probes"]
 
 # unary ops that are linear in their operand and only move, cast or hint it: a weight reaches its dot through these
-_LINEAR_UNARY = ("convert_element_type", "reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p", "shardc_hint")
+_LINEAR_UNARY = ("convert_element_type", "reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p",
+                 "shardc_hint")
 _CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr"}
 
 
@@ -208,10 +210,10 @@ def _site_of_stack(site: DotSite) -> tuple:
     return (site.weight_is_lhs, dims, site.params.get("precision"), site.params.get("preferred_element_type"))
 
 
-def stack_grads(layer_sites: Sequence[tuple[int, DotSite]], w_aval: Any, pieces: Callable[[jax.Array], list],
+def stack_grads(leaf_sites: Sequence[tuple[int, DotSite]], w_aval: Any, pieces: Callable[[jax.Array], list],
                 stacked: Sequence[tuple[jax.Array, jax.Array]]) -> jax.Array:
     """The gradient of one stage's stacked weight leaf (`w_aval`, [layers per stage, ...]) from its sites:
-    `layer_sites` = (layer within the stage, site), `pieces(w)` cuts the leaf into its layers' weights as
+    `leaf_sites` = (layer within the stage, site), `pieces(w)` cuts the leaf into its layers' weights as
     the loop does, `stacked` = per site, (dY, X) with a leading dim of the microbatches this stage ran.
     The transpose (in w) of sum over sites of dot(X, chain(piece)) applied to the dYs: one GEMM per site
     contracting every microbatch's rows."""
@@ -219,12 +221,12 @@ def stack_grads(layer_sites: Sequence[tuple[int, DotSite]], w_aval: Any, pieces:
     def forward(w: jax.Array) -> list:
         ws = pieces(w)
         out = []
-        for (layer, site), (_, x) in zip(layer_sites, stacked):
+        for (layer, site), (_, x) in zip(leaf_sites, stacked):
             out.append(_dot(x, _replay(site.chain, ws[layer]), _site_of_stack(site)))
         return out
 
     cts = []
-    for (_, site), (dy, _) in zip(layer_sites, stacked):
+    for (_, site), (dy, _) in zip(leaf_sites, stacked):
         if site.weight_is_lhs:  # output dims: the weight's free dims, then the stack dim, then x's free dims
             free_w = len(site.y_aval.shape) - (len(site.x_aval.shape) - len(site.params["dimension_numbers"][0][1]))
             dy = jnp.moveaxis(dy, 0, free_w)
@@ -272,23 +274,24 @@ def make_probes(sites: Sites, weights: Sequence[jax.Array], p: Any) -> tuple[lis
         return split(x, 2, p.data) if g > 1 else x
 
     def zeros() -> list:
-        return [hinted(jnp.zeros(lead + tuple(a.shape), a.dtype)) for _, site in pairs for a in (site.y_aval, site.x_aval)]
+        return [hinted(jnp.zeros(lead + tuple(a.shape), a.dtype))
+                for _, site in pairs for a in (site.y_aval, site.x_aval)]
 
     def pieces(w: jax.Array) -> list:
         return [w[0]] if k == 1 else [jax.lax.squeeze(q, (0,)) for q in jax.lax.split(w, (1,) * k, axis=0)]
 
     def leaf_grad(leaf: int, dtype: Any, stk: list) -> jax.Array:
         mine = [n for n, (_, site) in enumerate(pairs) if site.leaf == leaf]
-        layer_sites_ = [pairs[n] for n in mine]
+        leaf_sites = [pairs[n] for n in mine]
         shape = (k,) + tuple(avals[leaf][sd + (2 if g > 1 else 1):])
         w_aval = jax.ShapeDtypeStruct(shape, dtype)
 
         def on_stage(st: list, s_idx: jax.Array) -> jax.Array:
             st = [tuple(jax.lax.dynamic_slice_in_dim(a, s_idx, m * r, axis=0) for a in pair) for pair in st]
             if r == 1:
-                return stack_grads(layer_sites_, w_aval, pieces, st)
+                return stack_grads(leaf_sites, w_aval, pieces, st)
             by_rep = [[tuple(a.reshape((r, m) + a.shape[1:])[q] for a in pair) for pair in st] for q in range(r)]
-            return jnp.stack([stack_grads(layer_sites_, w_aval, pieces, one) for one in by_rep])
+            return jnp.stack([stack_grads(leaf_sites, w_aval, pieces, one) for one in by_rep])
 
         f = on_stage
         if g > 1:

@@ -1,5 +1,7 @@
 """Choosing a pipeline: the enumeration of pipelines a stack admits, and the choice of the fastest plan
 that fits among the unpipelined search, pipelined searches and their megatron-3d baselines."""
+import pytest
+
 import shardc
 from shardc.pipeline import Pipeline
 from shardc.pipeline.choose import candidates, choose_pipeline
@@ -64,3 +66,54 @@ def test_choose_pipeline_finds_the_brute_force_optimum():
     assert piped.time == fastest.cost.step_time and piped.pipeline == fastest.pipeline
     overall = min([fastest, unpiped], key=key)
     assert best.cost.step_time == overall.cost.step_time and best.pipeline == overall.pipeline
+
+
+def test_siblings_trading_memory_for_time_are_screened_only_until_one_fits(monkeypatch):
+    """Deferred weight gradients, the loop's accumulation, 1F1B: the same pipeline with (usually) less memory
+    and more time each. With prune_siblings, once one fits its siblings are not screened; plan_for(pipeline=True)
+    is choose_pipeline's choice."""
+    step, args = make_step(None), make_args()
+    group = [Pipeline(2, 4, defer_wgrad=True), Pipeline(2, 4), Pipeline(2, 4, "1f1b")]
+    other = Pipeline(4, 4)
+    _, pruned = choose_pipeline(step, args, topology="h100-sxm-8", budget_s=0.5, pipelines=group + [other],
+                                finalists=0, prune_siblings=True)
+    screened = [(c.pipeline.stages, c.pipeline.schedule, c.pipeline.defer_wgrad)
+                for c in pruned if c.name == "screened"]
+    assert screened == [(2, "gpipe", True), (4, "gpipe", False)]
+    _, every = choose_pipeline(step, args, topology="h100-sxm-8", budget_s=0.5, pipelines=group, finalists=0)
+    times = [c.time for c in every if c.name == "screened"]
+    assert len(times) == 3 and times[0] <= times[1] <= times[2]  # here each sibling is slower than the one before
+
+    import shardc.pipeline.choose as choose
+    monkeypatch.setattr(choose, "candidates", lambda *a, **k: iter([group[0], other]))
+    best = shardc.plan_for(step, *args, topology="h100-sxm-8", pipeline=True, budget_s=0.5, prune_siblings=True)
+    fastest = min((c for c in pruned if c.name in ("unpipelined", "screened")), key=lambda c: (not c.feasible, c.time))
+    assert best.cost.step_time <= fastest.time
+    with pytest.raises(shardc.ShardingError, match="plan_for"):
+        shardc.auto(step, pipeline=True)
+
+
+def test_a_pipeline_is_chosen_when_no_unpipelined_plan_fits():
+    """(gpt48 on h100-sxm-8x8 without rematerialization: the unpipelined search finds no plan that fits, a
+    1F1B pipeline does.) The failed search is a row, not the end of the choice; with nothing that fits at all,
+    the unpipelined search's NoPlanFits is raised."""
+    import types
+
+    from shardc.search.driver import NoPlanFits
+
+    def fake_plan_for(step, *args, topology, budget_s, pipeline=None, **options):
+        if pipeline is None or pipeline.schedule == "gpipe":
+            raise NoPlanFits(200 * 2**30, 80 * 2**30)
+        cost = types.SimpleNamespace(step_time=1.0, peak_memory=60 * 2**30, fits=True)
+        return types.SimpleNamespace(cost=cost, mesh_sizes={"stage": 2}, pipeline=pipeline, search=None)
+
+    step, args = make_step(None), make_args()
+    pipes = [Pipeline(2, 4), Pipeline(2, 4, "1f1b")]
+    best, rows = choose_pipeline(step, args, topology="h100-sxm-8", budget_s=0.5, pipelines=pipes,
+                                 plan_for=fake_plan_for, finalists=1)
+    assert best.pipeline.schedule == "1f1b"
+    assert rows[0].name == "unpipelined" and not rows[0].feasible and rows[0].peak == 200 * 2**30
+    with pytest.raises(NoPlanFits):
+        choose_pipeline(step, args, topology="h100-sxm-8", budget_s=0.5, pipelines=pipes[:1], plan_for=fake_plan_for)
+    with pytest.raises(NoPlanFits):  # and without pipelines, as before
+        choose_pipeline(step, args, topology="h100-sxm-8", budget_s=0.5, pipeline=False, plan_for=fake_plan_for)
