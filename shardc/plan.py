@@ -140,6 +140,7 @@ class Plan:
     remat: Any = None  # set by the search when it rematerializes repeated layers: its RematChoice
     pipeline: Any = None  # a shardc.pipeline.Pipeline (bound to its layer stack) when the step is pipelined
     pcg: Any = None  # with shardc.auto(pcg=True): the PCG rewriting's PCGChoice (shardc.pcg.choice)
+    pipeline_choice: Any = None  # set by choose_pipeline: the PipelineChoice (every plan it scored)
 
     @property
     def mesh_sizes(self) -> dict[str, int]:

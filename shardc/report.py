@@ -308,6 +308,9 @@ def explain(plan: "Plan", *, max_rows: int = 60, width: int = 120) -> str:
     if pipeline is not None:
         text = f"pipeline: {pipeline.describe()}\n{pipeline.stage_map()}"
         lines += [""] + [w for line in text.splitlines() for w in _wrap(line, width)]
+    choice = getattr(plan, "pipeline_choice", None)
+    if choice is not None:
+        lines += [""] + [w for line in choice.summary().splitlines() for w in _wrap(line, width)]
     if cost is not None:
         lines += ["", "simulated cost:"] + [w for line in cost.summary().splitlines() for w in _wrap(line, width)]
     lines += _details(plan, names, max_rows, width)

@@ -27,7 +27,7 @@ from shardc.search.driver import NoPlanFits
 from shardc.pipeline.value import Pipeline
 from shardc.sharding import make_mesh
 
-__all__ = ["Choice", "candidates", "choose_pipeline"]
+__all__ = ["Choice", "PipelineChoice", "candidates", "choose_pipeline"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +47,38 @@ class Choice:
         what = self.pipeline.describe() if self.pipeline is not None else "no pipeline"
         fits = "" if self.feasible else " (does not fit)"
         return f"{self.name:<12} {self.time * 1e3:9.2f} ms{fits}  peak {self.peak / 2**30:6.1f} GiB  {self.mesh}  {what}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineChoice:
+    """What `choose_pipeline` scored, in order (`Choice` rows), and what it chose; `Plan.pipeline_choice`."""
+
+    choices: tuple[Choice, ...]
+    chosen: Pipeline | None
+
+    def summary(self, top: int = 4) -> str:
+        """The chosen plan against the unpipelined search and the fastest other pipelines that fit."""
+        rows = self.choices
+        planned = [c for c in rows if c.name in ("screened", "pipelined")]
+        unpiped = next((c for c in rows if c.name == "unpipelined"), None)
+        screened = sum(c.name == "screened" for c in rows)
+        failed = sum(c.name.startswith("error") for c in rows)
+        head = (f"pipelines considered: {screened + failed} candidates ({screened} screened, "
+                f"{sum(c.name == 'pipelined' for c in rows)} searched in full, {failed} could not be planned)")
+        lines = [head]
+        if unpiped is not None:
+            mark = "chosen" if self.chosen is None else "      "
+            lines.append(f"  {mark} " + (f"{unpiped.time * 1e3:9.2f} ms  no pipeline (the unpipelined search)"
+                                         if unpiped.feasible else
+                                         f"no pipeline: no plan fits ({unpiped.peak / 2**30:.1f} GiB at best)"))
+        best: dict[Pipeline, Choice] = {}
+        for c in planned:
+            if c.feasible and (c.pipeline not in best or c.time < best[c.pipeline].time):
+                best[c.pipeline] = c
+        for c in sorted(best.values(), key=lambda c: c.time)[:top]:
+            mark = "chosen" if c.pipeline == self.chosen else "      "
+            lines.append(f"  {mark} {c.time * 1e3:9.2f} ms  {c.pipeline.describe()}")
+        return "\n".join(lines)
 
 
 def candidates(devices: int, layers: int, batch: int, max_stages: int = 8) -> Iterator[Pipeline]:
@@ -164,6 +196,8 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
     if best is None or not best.cost.fits and unfit is not None:
         raise unfit if unfit is not None else ShardingError("choose_pipeline: no candidate pipeline could be planned "
                                                             "(every one raised; see the choices passed to on_choice)")
+    if dataclasses.is_dataclass(best):  # (what explain() shows of the choice)
+        best = dataclasses.replace(best, pipeline_choice=PipelineChoice(tuple(choices), best.pipeline))
     return best, choices
 
 

@@ -89,6 +89,11 @@ def test_siblings_trading_memory_for_time_are_screened_only_until_one_fits(monke
     best = shardc.plan_for(step, *args, topology="h100-sxm-8", pipeline=True, budget_s=0.5, prune_siblings=True)
     fastest = min((c for c in pruned if c.name in ("unpipelined", "screened")), key=lambda c: (not c.feasible, c.time))
     assert best.cost.step_time <= fastest.time
+    summary = best.pipeline_choice.summary()  # what explain() shows: the choice against what it beat
+    assert summary.startswith("pipelines considered: 2 candidates (2 screened, 2 searched in full, 0 could not")
+    assert summary.splitlines()[0] in best.explain()
+    chosen = [line for line in summary.splitlines() if line.startswith("  chosen")]
+    assert len(chosen) == 1 and ("no pipeline" in chosen[0]) == (best.pipeline is None)
     with pytest.raises(shardc.ShardingError, match="plan_for"):
         shardc.auto(step, pipeline=True)
 
