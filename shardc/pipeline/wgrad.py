@@ -10,19 +10,20 @@ the backward loop, and after it one GEMM per weight contracts over all microbatc
 
 How, with JAX's own differentiation of the loop:
 
-* the layer body is traced to a jaxpr once (`find_sites`); a **site** is a `dot_general` whose one operand
-  comes from a stacked per-layer input (a "weight leaf") through linear unary ops (casts, reshapes,
-  transposes) and whose other does not, without batch dims. A leaf is *deferred* when every use of it is
-  such a site;
+* the layer body is traced to a jaxpr once (`layer_sites`, `find_sites`); a **site** is a `dot_general`
+  whose one operand comes from a stacked per-layer input (a "weight leaf") through linear unary ops (casts,
+  reshapes, transposes, shardc hints; into `jax.jit` calls) and whose other does not, without batch dims. A
+  leaf is *deferred* when every use of it is such a site;
 * inside the loop the deferred leaves are `stop_gradient`ed (no accumulator), and each site runs as
   `deferred_dot(x, w, probe_y, probe_x)`: the dot, whose custom VJP returns `dx` and, as the cotangents of
   the two probes (zeros handed to the loop per iteration, never read), `dy` and the residual `x`;
-* the probes come from `probes_for(weights)`, a custom-VJP function of the deferred weights whose backward
-  receives the stacked cotangents of every probe, `[iterations, stages, (shards,) ...]`, and returns the
-  weights' gradients: per site, the transpose (in the weight) of `dot(X, chain(w))` applied to `dY`.
+* the probes come from `make_probes`: a custom-VJP function of the deferred (stage-layout) weights whose
+  backward receives the stacked cotangents of every probe, `[iterations, stages, (shards,) ...]`, and
+  returns the weights' gradients (`stack_grads`): per site, the transpose (in the weight) of
+  `dot(X, chain(w))` applied to `dY`.
 
-The iterations in which a stage holds no microbatch have `dY = 0` exactly, so including them is exact;
-`weight_grads` slices each stage's own `microbatches` iterations out first so the GEMMs do no bubble work.
+The iterations in which a stage holds no microbatch have `dY = 0` exactly, so including them would be exact;
+each stage's own `microbatches * repeats` iterations are sliced out first so the GEMMs do no bubble work.
 """
 from __future__ import annotations
 
