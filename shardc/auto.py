@@ -959,11 +959,12 @@ def plan_for(f: Any, *args: Any, topology: Any, devices: int | None = None, sear
     `prune_siblings`, `on_choice` and `progress` are passed on) and returns the fastest plan that fits."""
     from shardc.sim import as_topology
 
-    choosing = {k: options.pop(k) for k in _CHOOSE_OPTIONS if k in options} if options.get("pipeline") is True else {}
+    choose = options.get("pipeline") is True
+    choosing = {k: options.pop(k) for k in _CHOOSE_OPTIONS if k in options} if choose else {}
     _check_options("plan_for", options)
     n = devices if devices is not None else as_topology(topology).num_devices
     fun = f.fun if isinstance(f, AutoFunction) else f
-    if options.get("pipeline") is True:
+    if choose:
         if kwargs or devices is not None or search is not True:
             raise ShardingError("shardc.plan_for(pipeline=True): chooses among pipelines on all of the topology's "
                                 "devices with the search on; kwargs=, devices= and search= are not supported with it "

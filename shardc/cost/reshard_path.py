@@ -127,9 +127,6 @@ def _path(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int,
         if best is None or cost < best[:2]:
             best = (*cost, ((mid, a), (dst, b)))
     if best is None:  # (XLA's own fallback, as it would do it: gather everything, then slice)
-        if crashes_xla(start, dst, shape, mesh):  # (never seen: every crash found has a two-step path)
-            return tuple(steps) + ((Sharding(((),) * len(shape)), colls(start, Sharding(((),) * len(shape)))),
-                                   (dst, ()))
         return ((dst, direct),)
     return tuple(steps) + best[2]
 
