@@ -147,8 +147,11 @@ class AutoFunction:
                                 f"rules and runs when that is faster) or False")
         self.pcg = pcg  # rewrite the chosen plan's PCG with proved rules (shardc/pcg/choice.py)
         # pipeline: a shardc.pipeline.Pipeline; the step's layer stack runs as that pipeline (docs/pipeline.md)
-        self.pipeline = _check_pipeline(pipeline, mesh, devices)
+        self.pipeline = _check_pipeline(pipeline, mesh, devices, search)
         self._stack: Any = None  # the layer stack the pipeline cuts (found on the first trace)
+        # pipeline=True: the first call chooses the pipeline, or none (shardc/pipeline/auto_choice.py)
+        self._choosing_pipeline = pipeline is True
+        self._pipeline_choice: Any = None  # what that choice scored (Plan.pipeline_choice)
         self._options = dict(mesh=mesh, rules=rules, donate_argnums=donate_argnums, donate_argnames=donate_argnames,
                              topology=topology, search=search,
                              budget_s=budget_s, seed=seed, devices=devices, static_argnums=static_argnums,
@@ -480,6 +483,8 @@ class AutoFunction:
         return closed, in_tree, out_tree_box[-1]
 
     def _build(self, args: tuple, kwargs: dict) -> Compiled:
+        if self._choosing_pipeline:
+            self._choose_pipeline(args, kwargs)
         roots = tuple(args) + tuple(kwargs[k] for k in sorted(kwargs))
         # may set a tracing mesh with the axes named by the metadata and by in_shardings/out_shardings
         meta_axes = _search.mesh_for_metadata(self, roots, self.shardings.named_axes())
@@ -576,6 +581,8 @@ class AutoFunction:
             from shardc.sim import simulate
 
             the_plan = dataclasses.replace(the_plan, cost=simulate(the_plan, topology))
+        if self._pipeline_choice is not None:  # (what explain() shows of the choice)
+            the_plan = dataclasses.replace(the_plan, pipeline_choice=self._pipeline_choice)
         choice = None
         if self.pcg and self.pipeline is None:  # the plan's PCG rewritten with proved rules (shardc/pcg/choice.py)
             from shardc.pcg.choice import choose_pcg
@@ -600,6 +607,23 @@ class AutoFunction:
         if jitted is not None:
             self._remember_carried_layouts(the_plan, args, kwargs)
         return Compiled(the_plan, closed, in_tree, out_tree, jitted, timings, overridden)
+
+    def _choose_pipeline(self, args: tuple, kwargs: dict) -> None:
+        """pipeline=True: choose the pipeline (or none) on the devices at hand, then build the chosen plan from
+        the choice's decisions (shardc/pipeline/auto_choice.py)."""
+        from shardc.pipeline.auto_choice import choose_for_step, mesh_for
+
+        from shardc.sim import as_topology
+
+        n = self.devices or len(jax.devices())
+        topology, why = _search.pricing_topology(self, n)
+        chosen = choose_for_step(self.fun, args, kwargs, self._options, topology, n, self.budget_s)
+        self._choosing_pipeline = False
+        self.pipeline, self._stack, self._pipeline_choice = chosen.pipeline, None, chosen.choice
+        self.mesh = mesh_for(chosen)
+        # (the choice planned with topology= given; this step prices on it for its own reason)
+        report = dataclasses.replace(chosen.search, topology=f"{as_topology(topology).name} ({why})")
+        self._search_resume, self._remat_resume = report, chosen.remat
 
     def _carried_key(self, mesh: Any, index: int, x: Any) -> tuple:
         a = jax.typeof(x)
@@ -856,15 +880,17 @@ def _tie_carried_state(graph: Graph, in_tree: Any, out_tree: Any, args: Any) -> 
                                     region="io"))
 
 
-def _check_pipeline(pipeline: Any, mesh: Mesh | None, devices: int | None) -> Any:
+def _check_pipeline(pipeline: Any, mesh: Mesh | None, devices: int | None, search: Any) -> Any:
     """`pipeline=` of shardc.auto: None, or a Pipeline on a given mesh that has its stage and data axes (or,
-    planning for `devices` without a mesh, on the meshes `pipeline_meshes` makes for it)."""
+    planning for `devices` without a mesh, on the meshes `pipeline_meshes` makes for it). True: chosen on the
+    first call (None until then)."""
     if pipeline is None or pipeline is False:
         return None
     if pipeline is True:
-        raise ShardingError("shardc.auto(pipeline=True): shardc.auto runs a given shardc.pipeline.Pipeline on its "
-                            "mesh; to choose one (stages, microbatches, schedule) call shardc.plan_for(step, *args, "
-                            "topology=..., pipeline=True), or shardc.pipeline.choose.choose_pipeline")
+        from shardc.pipeline.auto_choice import check_choosing
+
+        check_choosing(mesh, search)
+        return None
     if not isinstance(pipeline, Pipeline):
         raise ShardingError(f"shardc.auto(pipeline={pipeline!r}): expected a shardc.pipeline.Pipeline, "
                             f"False or None")
@@ -912,7 +938,9 @@ def auto(fun: Callable | None = None, **options: Any) -> Any:
     plans, so the same seed gives the same plan however busy the machine (`time_cap_s` adds a wall-clock
     cap, at that price). `pcg=True` rewrites the chosen plan's Parallel Computation Graph with Z3-proved rules
     under the same simulator and memory limit and runs it when that is faster (docs/pcg.md; off by default:
-    it costs a full simulation per candidate rewrite). See docs/search.md."""
+    it costs a full simulation per candidate rewrite). `pipeline=True` (no `mesh=`) chooses a pipeline — stages,
+    microbatches, schedule — or none on the first call and runs the chosen plan; `pipeline=Pipeline(...)` runs
+    a given one (docs/pipeline.md). See docs/search.md."""
     _check_options("auto", options)
     options.setdefault("_source", caller_source_line())  # (where in_shardings / out_shardings were written)
     if fun is None:

@@ -14,6 +14,8 @@ It is an outer enumeration around the search, not one joint search space.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 from typing import Any, Callable, Iterator
 
 import jax
@@ -26,6 +28,7 @@ from shardc.search.baselines import BASELINES
 from shardc.search.driver import NoPlanFits
 from shardc.pipeline.value import Pipeline
 from shardc.sharding import make_mesh
+from shardc.waste import IdleDevicesWarning
 
 __all__ = ["Choice", "PipelineChoice", "candidates", "choose_pipeline"]
 
@@ -120,6 +123,20 @@ def _baseline_choices(plan: Any, names: tuple[str, ...]) -> list[Choice]:
             for n, b in best.items()]
 
 
+def _quiet_candidates(fn: Callable) -> Callable:
+    """`fn` with the IdleDevicesWarning of the plans it weighs silenced: a candidate's idle mesh axis is no news
+    (the step that runs the chosen plan warns of its own)."""
+
+    @functools.wraps(fn)
+    def quiet(*args: Any, **kwargs: Any) -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", IdleDevicesWarning)
+            return fn(*args, **kwargs)
+
+    return quiet
+
+
+@_quiet_candidates
 def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: float | None, pipeline: bool = True,
                     pipelines: list[Pipeline] | None = None, plan_for: Callable | None = None,
                     screen_budget_s: float = 0.5, finalists: int = 2,
