@@ -583,8 +583,8 @@ class AutoFunction:
             the_plan = dataclasses.replace(the_plan, cost=simulate(the_plan, topology))
         if self._pipeline_choice is not None:  # (what explain() shows of the choice)
             the_plan = dataclasses.replace(the_plan, pipeline_choice=self._pipeline_choice)
-        choice = None
-        if self.pcg and self.pipeline is None:  # the plan's PCG rewritten with proved rules (shardc/pcg/choice.py)
+        choice = the_plan.pcg  # (the search's, when its mesh won with the rewrites: shardc/search/driver.py)
+        if self.pcg and self.pipeline is None and choice is None:  # the PCG rewritten with proved rules
             from shardc.pcg.choice import choose_pcg
 
             with _internal_errors("rewriting the PCG of", self.fun):

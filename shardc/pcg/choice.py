@@ -41,6 +41,7 @@ class PCGChoice:
     pcg_time: float  # the unrewritten PCG's simulated step
     time: float  # the rewritten PCG's simulated step
     peak: float  # the rewritten PCG's simulated peak memory per device (bytes)
+    comm: float  # the rewritten PCG's simulated communication per device (bytes)
     memory_limit: float
     steps: tuple[Step, ...]
     evaluations: int
@@ -87,11 +88,12 @@ def choose_pcg(plan: Any, closed_jaxpr: Any, topology: Any, *, donated: Sequence
     res: Optimized = optimize(pcg, rules, cost_fn=cost, max_evaluations=max_evaluations)
     pcg_time = cost(pcg)
     best = res.pcg
-    peak = float(simulate_pcg(best, topo, estimator=cost.estimator, donated=donated).result.peak_memory)
+    result = simulate_pcg(best, topo, estimator=cost.estimator, donated=donated).result
+    peak = float(result.peak_memory)
     chosen = bool(res.steps) and res.cost < plan_time * (1 - 1e-9) and res.cost < pcg_time * (1 - 1e-9) \
         and peak <= limit
-    return PCGChoice(best, plan_time, pcg_time, res.cost, peak, limit, res.steps, cost.simulations,
-                     time.perf_counter() - t0, chosen)
+    return PCGChoice(best, plan_time, pcg_time, res.cost, peak, float(sum(result.comm_bytes.values())), limit,
+                     res.steps, cost.simulations, time.perf_counter() - t0, chosen)
 
 
 def jit_pcg(plan: Any, pcg: PCG, donate: Sequence[int] = ()) -> Any:

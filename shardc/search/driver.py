@@ -98,6 +98,10 @@ class SearchReport:
         elif best_base is not None and self.chosen.name == "search":
             lines.append(f"  chosen: the searched plan, {best_base.score.time / self.chosen.score.time:.2f}x the speed of "
                          f"the best baseline ({best_base.name})")
+        elif best_base is not None and self.chosen.name == "search+pcg":
+            lines.append(f"  chosen: the searched plan with its PCG rewritten by proved rules, "
+                         f"{best_base.score.time / self.chosen.score.time:.2f}x the speed of the best baseline "
+                         f"({best_base.name})")
         elif self.chosen.name != "search":
             what = ("the hints baseline: the program has no hints, so this is plain propagation (every tensor "
                     "replicated)" if self.chosen.name == "hints" and not self.user_hinted
@@ -311,7 +315,13 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
         extra = tuple(seeds_for(ev.space, a, user))
         try:
             plan = ev.plan(a)
-            consider("search", sizes, plan, ev.score_plan(plan)[0], extra, a)
+            score = ev.score_plan(plan)[0]
+            if problem.pcg and score.feasible:  # this mesh's best, its PCG rewritten with proved rules
+                plan = _with_pcg(problem, plan)
+            consider("search", sizes, plan, score, extra, a)
+            if plan.pcg is not None and plan.pcg.chosen:
+                ch = plan.pcg
+                consider("search+pcg", sizes, plan, Score(ch.time, ch.peak, ch.comm, True), extra, a)
         except ShardingError:
             pass
     evaluations = sum(ev.evaluations for ev in evaluators)
@@ -329,6 +339,16 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
     report = SearchReport(chosen, cands, tried, evaluations, time.perf_counter() - t0, method_name, extra,
                           budget.plans, budget.capped, len(tried) + not_started, hinted, groups=groups)
     return dataclasses.replace(plan, search=report), report
+
+
+def _with_pcg(problem: Problem, plan: Plan) -> Plan:
+    """`plan` with the choice of its PCG rewritten by proved rules (`shardc.pcg.choice.choose_pcg`, under the
+    problem's simulator and memory limit; `plan.pcg.chosen` when the rewritten PCG is faster)."""
+    from shardc.pcg import choice
+
+    return dataclasses.replace(plan, pcg=choice.choose_pcg(plan, problem.program, problem.topology,
+                                                           donated=problem.donated,
+                                                           memory_limit=problem.memory_limit))
 
 
 @functools.wraps(_search_plan)

@@ -34,6 +34,7 @@ class Problem:
     program: Any = None
     memory_limit: float | None = None  # bytes per device; default: the topology's device memory
     pipeline: Any = None  # the bound shardc.pipeline.Pipeline of a pipelined program (baselines run per stage)
+    pcg: bool = False  # each searched mesh's best plan also competes with its PCG rewritten (shardc.pcg.choice)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -175,7 +175,8 @@ def plan_by_search(af: Any, graph: Any, user_seeds: Callable, in_paths: Sequence
     pipe, stack = getattr(af, "pipeline", None), getattr(af, "_stack", None)
     problem = Problem(graph, user_seeds, topology, list(in_paths), list(out_paths), list(notes), tuple(donate), closed,
                       memory_limit=getattr(af, "memory_limit", None),
-                      pipeline=pipe.bind(stack.layers, stack.name) if pipe is not None and stack is not None else None)
+                      pipeline=pipe.bind(stack.layers, stack.name) if pipe is not None and stack is not None else None,
+                      pcg=bool(getattr(af, "pcg", False)) and pipe is None)
     resume, af._search_resume = getattr(af, "_search_resume", None), None
     if resume is not None:  # retraced under the mesh the search chose: rebuild its plan
         user = list(user_seeds(af.mesh))

@@ -104,3 +104,41 @@ def test_searched_train_step_with_pcg_equals_jit(mesh):
         np.testing.assert_allclose(la, lr, rtol=1e-5)
     for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(ref)):
         np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6)
+
+
+def test_each_searched_mesh_competes_with_its_rewritten_pcg(args, monkeypatch):
+    """With the mesh left to the search, every searched mesh's best plan competes with its rewritten PCG
+    ("search+pcg" rows of the report): the fastest of all wins and runs. A rewriting made to pay 10x on the
+    mesh that loses without it moves the choice there."""
+    import shardc.pcg.choice as choice_mod
+    import shardc.search.integrate as integrate
+
+    # meshes where the plans communicate (on data=8 the step needs no collective: nothing to rewrite)
+    monkeypatch.setattr(integrate, "mesh_candidates", lambda *a, **k: [{"data": 4, "model": 2}, {"data": 2, "model": 4}])
+    af = shardc.auto(two_branch, pcg=True, topology=TOPO, budget_s=1.0)
+    plan = af.plan(*args)
+    report = plan.search
+    rewritten = [c for c in report.baselines if c.name == "search+pcg"]
+    assert rewritten and {tuple(c.mesh.items()) for c in rewritten} <= {tuple(m.items()) for m in report.meshes}
+    assert all(report.chosen.score.key <= c.score.key for c in report.baselines)
+    if report.chosen.name == "search+pcg":
+        assert plan.pcg.chosen and plan.pcg.time == report.chosen.score.time
+    plain = shardc.auto(two_branch, topology=TOPO, budget_s=1.0).plan(*args)
+    loser = next(c.mesh for c in rewritten if c.mesh != dict(plain.mesh_sizes))
+
+    real = choice_mod.choose_pcg
+
+    def boosted(plan, *a, **k):
+        ch = real(plan, *a, **k)
+        if dict(plan.mesh_sizes) == loser and ch.chosen:
+            ch = dataclasses.replace(ch, time=ch.time / 10)
+        return ch
+
+    monkeypatch.setattr(choice_mod, "choose_pcg", boosted)
+    af = shardc.auto(two_branch, pcg=True, topology=TOPO, budget_s=1.0)
+    plan = af.plan(*args)
+    assert plan.search.chosen.name == "search+pcg" and dict(plan.mesh_sizes) == loser and plan.pcg.chosen
+    c = af.compiled_info(*args)
+    assert hlo_collectives(c.jitted.lower(*args).compile().as_text()) == plan.pcg.pcg.collectives()
+    np.testing.assert_allclose(af(*args), jax.jit(two_branch)(*args), rtol=1e-5, atol=1e-5)
+    assert "search+pcg" in plan.explain()
