@@ -15,7 +15,10 @@ Rows, per (model, topology):
   propagated by shardc), which the simulator costs like every other row. The note gives the share of
   values matched and what the compiled program itself communicates and peaks at (as `shardc.check` reads
   them). Needs as many local devices as the topology (`--xla-rows` for 64);
-* `search`: `@shardc.auto(search=True, budget_s=...)` (DP + MCMC), planning time = the whole call.
+* `search`: `@shardc.auto(search=True, budget_s=...)` (DP + MCMC), planning time = the whole call;
+* `search+pcg` (with `--pcg`): the same call with `pcg=True`, a search of its own in which every searched mesh's
+  best plan also competes with its PCG rewritten by the Z3-proved rules (docs/pcg.md); `(1.01x)` after its
+  time is the `search` row's time over its own.
 
 fraction of ideal = total FLOPs / (devices x peak FLOP/s of the dtype) / step time.
 """
@@ -133,7 +136,23 @@ def xla_compile(step, args, sizes: dict):
         return compile_with_dump(jitted, *args)
 
 
-def run_model(zm, topology: str, budget: float, *, xla: bool = True) -> list[Row]:
+def pcg_row(zm, step, args, topology: str, budget: float, n: int) -> Row:
+    """The `search+pcg` row: `@shardc.auto(search=True, pcg=True)`, its own search (docs/pcg.md)."""
+    t0 = time.perf_counter()
+    af = shardc.auto(step, search=True, pcg=True, topology=topology, budget_s=budget, donate_argnums=(0, 1), devices=n)
+    try:
+        plan = af.plan(*args)
+    except shardc.ShardingError as e:
+        return Row(zm.name, topology, "search+pcg", note=f"not yet plannable: {str(e).splitlines()[0][:120]}")
+    ch = plan.search.chosen
+    ch_pcg = plan.pcg
+    note = ("the rewritten PCG runs: " + ", ".join(sorted({s.rule for s in ch_pcg.steps}))
+            if ch_pcg is not None and ch_pcg.chosen else "no rewrite paid")
+    return Row(zm.name, topology, "search+pcg", _mesh_str(ch.mesh), ch.score.time, ch.score.peak, ch.score.comm,
+               time.perf_counter() - t0, ch.score.feasible, note=note)
+
+
+def run_model(zm, topology: str, budget: float, *, xla: bool = True, pcg: bool = False) -> list[Row]:
     from shardc.search.baselines import baseline_plan
     from shardc.sim import as_topology, simulate
 
@@ -187,6 +206,9 @@ def run_model(zm, topology: str, budget: float, *, xla: bool = True) -> list[Row
         note = (note + "; " if note else "") + "stopped by the time cap"
     rows.append(Row(zm.name, topology, "search", _mesh_str(ch.mesh), ch.score.time, ch.score.peak, ch.score.comm,
                     search_s, ch.score.feasible, ideal(ch.score.time), note, remat))
+    if pcg:
+        rows.append(dataclasses.replace(pcg_row(zm, step, args, topology, budget, n), remat=remat))
+        rows[-1].ideal = ideal(rows[-1].time)
     if xla and "hints" in per_name:
         sizes = per_name["hints"].mesh
         if n > len(jax.devices()):
@@ -264,15 +286,18 @@ def table(rows: list[Row]) -> str:
     out = [head, "|" + "---|" * 11]
     best_base: dict[tuple, float] = {}
     for r in rows:
-        if r.name not in ("search", "xla") and r.fits and math.isfinite(r.time):
+        if r.name not in ("search", "search+pcg", "xla") and r.fits and math.isfinite(r.time):
             k = (r.model, r.topology)
             best_base[k] = min(best_base.get(k, math.inf), r.time)
+    searched = {(r.model, r.topology): r.time for r in rows if r.name == "search" and math.isfinite(r.time)}
     for r in rows:
         t = f"{r.time * 1e3:.2f} ms" if math.isfinite(r.time) else "–"
         if r.name == "search" and math.isfinite(r.time) and (r.model, r.topology) in best_base:
             t += f" ({best_base[(r.model, r.topology)] / r.time:.2f}x)"
         elif r.name == "search" and math.isfinite(r.time) and r.fits:
             t += " (the only plan that fits)"
+        elif r.name == "search+pcg" and math.isfinite(r.time) and (r.model, r.topology) in searched:
+            t += f" ({searched[(r.model, r.topology)] / r.time:.2f}x)"
         if not r.fits:
             t += " (OOM)"
         pk = format_bytes(r.peak) if math.isfinite(r.peak) else "–"
@@ -293,6 +318,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=60.0)
     ap.add_argument("--scale", default="full")
     ap.add_argument("--no-xla", action="store_true")
+    ap.add_argument("--pcg", action="store_true", help="add the search+pcg row (a second search, pcg=True)")
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--out", default="", help="also append rows as they come to this file")
     ap.add_argument("--xla-rows", default="", help="only the xla rows for the hints rows of this row file (run "
@@ -319,7 +345,7 @@ def main() -> None:
     for topology in a.topologies.split(","):
         for zm in models:
             t = time.perf_counter()
-            new = run_model(zm, topology, a.budget, xla=not a.no_xla)
+            new = run_model(zm, topology, a.budget, xla=not a.no_xla, pcg=a.pcg)
             rows += new
             print(table(new).split("\n", 2)[2], f"  [{time.perf_counter() - t:.0f} s]", flush=True)
             if a.out:
