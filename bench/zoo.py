@@ -366,9 +366,26 @@ def _write(a: Any, body: str) -> None:
            "(budget 60 s on `h100-sxm-8` and `tpu-v5e-8`, 90 s on `h100-sxm-8x8`); the 64-device `xla` rows by "
            "`XLA_FLAGS=--xla_force_host_platform_device_count=64 python -m bench.zoo --xla-rows "
            "rows_h100-sxm-8x8.md --out rows_xla64.md`; then `python -m bench.zoo --assemble rows_*.md --write`")
+    if a.pcg:  # (a section of its own: the zoo's rows again with the search+pcg row, for the topologies run)
+        how = (f"`python -m bench.zoo --pcg --no-xla --budget {a.budget:g} --write`" if a.assemble is None else
+               "`python -m bench.zoo --pcg --no-xla --topologies <t> --budget <s> --out rows_<t>.md` per topology, "
+               "then `python -m bench.zoo --pcg --assemble rows_*.md --write`")
+        write_section("zoo_pcg", f"The substitution engine in the search (issue 18, docs/pcg.md): the zoo's rows "
+                      f"with a `search+pcg` row, {how} ({os.cpu_count()} cores shared with other jobs, jax "
+                      f"{jax.__version__}); the models are those of the `zoo` section.\n\n" + body + "\n\n"
+                      + ZOO_PCG_NOTES)
+        return
     write_section("zoo", f"{how} ({os.cpu_count()} cores shared with other "
                   f"jobs, jax {jax.__version__}). Models (`bench/zoo_models.py`, float32, abstract arguments; the "
                   f"batch is for 8 devices and 8x larger on 64):\n\n{notes}\n\n" + body + "\n\n" + ZOO_NOTES)
+
+
+ZOO_PCG_NOTES = """- `search+pcg` is `@shardc.auto(search=True, pcg=True)`: a search of its own, the same plans as `search`'s
+  (the rewriting changes no move of the search), plus, for each mesh it searched, that mesh's best plan's PCG
+  rewritten by the proved rules (at most 60 simulations each, a rewrite kept only when the simulated step gets
+  faster) as one more candidate. So it is never slower than `search` (by construction), and `(1.05x)` after its
+  time is the `search` row's time over its own. The note names the rules of the rewrites in the plan that runs.
+  Its planning time is the whole call, rewriting included."""
 
 
 ZOO_NOTES = """Reading the table:
