@@ -125,6 +125,7 @@ class AutoFunction:
         self._carried = CarriedShapes()
         self._mesh_given = mesh is not None
         self._search_resume: Any = None  # the SearchReport while retracing under the mesh the search chose
+        self._pcg_resume: Any = None  # and the PCGChoice the search made for that plan (pcg=True)
         # devices: plan for this many devices (the search's mesh shapes; more than this host has gives a
         # plan that can be simulated and explained but not run, see shardc.plan_for).
         if devices is not None and (not isinstance(devices, int) or devices < 1 or not _search.enabled(search)):
@@ -551,6 +552,7 @@ class AutoFunction:
             if list(the_plan.mesh_sizes.items()) != list(mesh.shape.items()) and not is_abstract(the_plan.mesh):
                 # retrace under the chosen mesh, keeping the decisions
                 self.mesh, self._search_resume, self._remat_resume = the_plan.mesh, the_plan.search, remat_choice
+                self._pcg_resume = the_plan.pcg
                 return self._build(args, kwargs)
             the_plan = dataclasses.replace(the_plan, remat=remat_choice)
         else:
@@ -583,7 +585,11 @@ class AutoFunction:
             the_plan = dataclasses.replace(the_plan, cost=simulate(the_plan, topology))
         if self._pipeline_choice is not None:  # (what explain() shows of the choice)
             the_plan = dataclasses.replace(the_plan, pipeline_choice=self._pipeline_choice)
-        choice = the_plan.pcg  # (the search's, when its mesh won with the rewrites: shardc/search/driver.py)
+        # the search's choice for this plan (shardc/search/driver.py), made before a retrace under its mesh
+        choice = the_plan.pcg if the_plan.pcg is not None else self._pcg_resume
+        self._pcg_resume = None
+        if choice is not None:
+            the_plan = dataclasses.replace(the_plan, pcg=choice)
         if self.pcg and self.pipeline is None and choice is None:  # the PCG rewritten with proved rules
             from shardc.pcg.choice import choose_pcg
 

@@ -127,8 +127,10 @@ def test_each_searched_mesh_competes_with_its_rewritten_pcg(args, monkeypatch):
     loser = next(c.mesh for c in rewritten if c.mesh != dict(plain.mesh_sizes))
 
     real = choice_mod.choose_pcg
+    calls = []
 
     def boosted(plan, *a, **k):
+        calls.append(dict(plan.mesh_sizes))
         ch = real(plan, *a, **k)
         if dict(plan.mesh_sizes) == loser and ch.chosen:
             ch = dataclasses.replace(ch, time=ch.time / 10)
@@ -138,6 +140,7 @@ def test_each_searched_mesh_competes_with_its_rewritten_pcg(args, monkeypatch):
     af = shardc.auto(two_branch, pcg=True, topology=TOPO, budget_s=1.0)
     plan = af.plan(*args)
     assert plan.search.chosen.name == "search+pcg" and dict(plan.mesh_sizes) == loser and plan.pcg.chosen
+    assert sorted(map(str, calls)) == sorted(map(str, report.meshes))  # once per mesh: not again to run it
     c = af.compiled_info(*args)
     assert hlo_collectives(c.jitted.lower(*args).compile().as_text()) == plan.pcg.pcg.collectives()
     np.testing.assert_allclose(af(*args), jax.jit(two_branch)(*args), rtol=1e-5, atol=1e-5)
