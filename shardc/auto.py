@@ -618,7 +618,6 @@ class AutoFunction:
         """pipeline=True: choose the pipeline (or none) on the devices at hand, then build the chosen plan from
         the choice's decisions (shardc/pipeline/auto_choice.py)."""
         from shardc.pipeline.auto_choice import choose_for_step, mesh_for
-
         from shardc.sim import as_topology
 
         n = self.devices or len(jax.devices())

@@ -11,6 +11,7 @@ argument shapes keep the chosen pipeline (or its absence) and search their intra
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping
 
 import jax
@@ -82,7 +83,4 @@ def mesh_for(chosen: Chosen) -> Any:
     """A mesh of this host's first devices with the chosen sizes."""
     from shardc.sharding import make_mesh
 
-    n = 1
-    for s in chosen.mesh_sizes.values():
-        n *= s
-    return make_mesh(dict(chosen.mesh_sizes), jax.devices()[:n])
+    return make_mesh(dict(chosen.mesh_sizes), jax.devices()[:math.prod(chosen.mesh_sizes.values())])

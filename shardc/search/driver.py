@@ -102,7 +102,7 @@ class SearchReport:
             lines.append(f"  chosen: the searched plan with its PCG rewritten by proved rules, "
                          f"{best_base.score.time / self.chosen.score.time:.2f}x the speed of the best baseline "
                          f"({best_base.name})")
-        elif self.chosen.name != "search":
+        elif self.chosen.name not in ("search", "search+pcg"):
             what = ("the hints baseline: the program has no hints, so this is plain propagation (every tensor "
                     "replicated)" if self.chosen.name == "hints" and not self.user_hinted
                     else f"the {self.chosen.name} baseline")
