@@ -64,11 +64,36 @@ def _merge(components: Sequence[str]) -> str | None:
     return None
 
 
+def _backward_regions(graph: Any) -> frozenset[str]:
+    """Loop and branch bodies that run in the backward pass: their scan/while/cond is under `transpose` (the
+    body's own ops carry only the body's name stack; the `tie`s joining a body to the outside carry its
+    loop's)."""
+
+    def compute() -> frozenset[str]:
+        return frozenset(op.region for op in graph.ops
+                         if op.primitive == "tie" and op.region not in ("", "io") and module_path(op)[1])
+
+    return graph.analysis("backward_regions", compute)
+
+
+def is_backward(graph: Any, op: Any) -> bool:
+    """Whether `op` computes a gradient: under `transpose` itself, or in a body (or a body of a body) of a
+    loop or branch that is."""
+    if module_path(op)[1]:
+        return True
+    regions, region = _backward_regions(graph), op.region
+    while region:
+        if region in regions:
+            return True
+        region = region.rpartition("/")[0]
+    return False
+
+
 def group_label(graph: Any, members: Sequence[int]) -> str:
     """`Block_0-2/Dense_1 (backward)`; without module paths, the first member's source line."""
     paths = [module_path(graph.ops[m]) for m in members]
     comps = [p for p, _ in paths]
-    direction = " (backward)" if all(b for _, b in paths) else ""
+    direction = " (backward)" if all(is_backward(graph, graph.ops[m]) for m in members) else ""
     if comps and all(comps) and len({len(c) for c in comps}) == 1:
         merged = [_merge(col) for col in zip(*comps)]
         if all(m is not None for m in merged):

@@ -172,7 +172,9 @@ def _decisions(plan: "Plan", width: int, step_flops: float) -> list[str]:
         first = grp.members[0]
         op = g.ops[first]
         share = f", {100 * grp.flops / step_flops:.0f}% of the step's FLOPs" if step_flops else ""
-        text = f"  {group_label(g, grp.members)} ({len(grp.members)} {op.primitive}{share}): {_strategy_text(plan, first)}"
+        shapes = " x ".join("[" + ",".join(map(str, g.values[v].shape)) + "]" for v in op.inputs[:2])
+        text = (f"  {group_label(g, grp.members)} ({len(grp.members)} {op.primitive} of {shapes}{share}): "
+                f"{_strategy_text(plan, first)}")
         dup = duplication(plan, first)
         if dup > 1:
             text += f"; compute duplicated {dup} times"

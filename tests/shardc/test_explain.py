@@ -70,7 +70,8 @@ def test_the_overview_comes_before_the_details(searched):
 def test_decision_groups_name_repeated_layers_and_what_they_beat(searched):
     text = searched.explain()
     decisions = text[text.index("decisions ("):text.index("strategy search")]
-    assert re.search(r"Block_0-2/Dense_[01] \(3 dot_general, \d+% of the step's FLOPs\): \[", decisions)
+    assert re.search(r"Block_0-2/Dense_[01] \(3 dot_general of \[[\d,]+\] x \[[\d,]+\], \d+% of the step's "
+                     r"FLOPs\): \[", " ".join(decisions.split()))
     notes = searched.search.groups
     assert notes, "the search compares the heaviest groups with the baselines' choices"
     baselines = {c.name for c in searched.search.baselines}
@@ -165,3 +166,22 @@ def nnx_step(net, optimizer, x):
         net, opt, jnp.ones((8, 16)))
     lines = {str(op.source) for op in plan.graph.ops if op.source is not None}
     assert lines and all(line.startswith("<stdin>:") for line in lines), lines
+
+
+def test_gradients_computed_in_a_loop_body_are_labelled_backward():
+    """A scan's body ops carry only the body's name stack; the backward scan's are gradients all the same."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss(ws, h):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, ws)
+        return jnp.sum(h)
+
+    step = jax.grad(loss)
+    ws, h = jnp.ones((3, 16, 16)), jnp.ones((8, 16))
+    plan = shardc.auto(step, mesh=shardc.make_mesh({"data": 8}), search=False).plan(ws, h)
+    text = plan.explain()
+    decisions = " ".join(text[text.index("decisions ("):].split())
+    forward = re.findall(r"test_explain\.py:\d+ \(\S+\) \(1 dot_general", decisions)
+    backward = re.findall(r"test_explain\.py:\d+ \(\S+\) \(backward\) \(1 dot_general", decisions)
+    assert len(forward) == 1 and len(backward) == 2  # h @ w; its gradients for h and for w
