@@ -2,13 +2,13 @@
 `shardc.pipeline.choose_pipeline` chooses from, against the non-pipelined search and its baselines.
 
     python -m bench.pipeline [--scale tiny|full|xl|gpt48] [--topology h100-sxm-8x8] [--budget 15] [--stages 4]
-                             [--screen-budget 0.5] [--finalists 2]
+                             [--screen-budget S] [--finalists 2]
 
 The model is `bench.gpt.ScanGPT` (the zoo's GPT with its blocks as one `nn.scan`, the form shardc cuts into
 stages) at the `gpt12-wide` size (`--scale full`; `xl`: gpt12-xl, `gpt48`: the 48-layer LM), with the zoo's weak scaling (8 sequences per 8 devices). The unpipelined
 step is searched with `--budget`; every candidate pipeline (stages, microbatches, schedule, data shards:
-`shardc.pipeline.choose.candidates`, `--stages` keeps some stage counts) is screened (a search of
-`--screen-budget`: its baselines inside the stages, megatron-3d among them, and a few moves) and the
+`shardc.pipeline.choose.candidates`, `--stages` keeps some stage counts) is screened (by
+its baselines inside the stages, megatron-3d among them; `--screen-budget S`: and a search from them) and the
 `--finalists` best screened get the full search. Not a test: it prints a table.
 """
 from __future__ import annotations
@@ -52,7 +52,8 @@ def main() -> None:
     ap.add_argument("--scale", default="full", choices=sorted(SIZES))
     ap.add_argument("--topology", default="h100-sxm-8x8")
     ap.add_argument("--budget", type=float, default=15.0, help="search budget of the unpipelined step and finalists")
-    ap.add_argument("--screen-budget", type=float, default=0.5, help="search budget of each candidate's screen")
+    ap.add_argument("--screen-budget", type=float, default=None,
+                    help="search budget of each candidate's screen (default: its baselines only, no search)")
     ap.add_argument("--finalists", type=int, default=2)
     ap.add_argument("--stages", default="", help="comma-separated stage counts to keep (default: all)")
     ap.add_argument("--unpipelined", action="store_true", help="(kept for old command lines: always searched)")
@@ -67,7 +68,8 @@ def main() -> None:
     keep = {int(s) for s in a.stages.split(",") if s}
     pipes = [p for p in candidates(n, size["layers"], size["batch"] * max(1, n // 8)) if not keep or p.stages in keep]
     print(f"{len(pipes)} candidate pipelines on {a.topology}; unpipelined and {a.finalists} finalists searched with "
-          f"budget {a.budget} s, candidates screened with {a.screen_budget} s")
+          f"budget {a.budget} s, candidates screened "
+          + (f"with {a.screen_budget} s" if a.screen_budget is not None else "by their baselines"))
     print("| plan | pipeline | mesh | step | peak | wall |")
     print("|---|---|---|---|---|---|")
     t = [time.time()]

@@ -3,9 +3,10 @@ finds for it, against the unpipelined search.
 
 `choose_pipeline` enumerates the pipelines a step's layer stack admits on a device count (`candidates`),
 and plans the step without a pipeline (the ordinary search). Every candidate is then *screened*: traced and
-planned with a small search budget (`screen_budget_s`: the baselines on the meshes it implies — each run
-inside the stages, `shardc.search.baselines` — and a few search moves), which costs a trace and a dozen
-simulations instead of a search. The `finalists` best screened candidates get the full search
+planned with its baselines only (`search="baselines"`: the baselines on the meshes it implies, each run
+inside the stages, `shardc.search.baselines`; with `screen_budget_s`, a small search from them instead),
+which costs a trace and a dozen simulations instead of a search. The `finalists` best screened candidates
+get the full search
 (`budget_s`), and the fastest plan that fits memory wins. The screen also scores `megatron-3d` (Megatron
 inside each stage, the stages over the slowest level: Megatron-LM's 3-D parallelism) on every candidate.
 
@@ -139,12 +140,12 @@ def _quiet_candidates(fn: Callable) -> Callable:
 @_quiet_candidates
 def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: float | None, pipeline: bool = True,
                     pipelines: list[Pipeline] | None = None, plan_for: Callable | None = None,
-                    screen_budget_s: float = 0.5, finalists: int = 2,
+                    screen_budget_s: float | None = None, finalists: int = 2,
                     on_choice: Callable[[Choice], None] | None = None, prune_siblings: bool = False,
                     progress: bool | None = None, **options: Any) -> tuple[Any, list[Choice]]:
     """The fastest plan that fits, over the unpipelined search and (with `pipeline=True`) the pipelines of
-    `pipelines` (default: `candidates` for the step's largest layer stack): each screened with a search of
-    `screen_budget_s` (with `prune_siblings`, not a candidate whose usually faster sibling already fit:
+    `pipelines` (default: `candidates` for the step's largest layer stack): each screened by its baselines
+    (or, with `screen_budget_s`, a search of that budget; with `prune_siblings`, not a candidate whose usually faster sibling already fit:
     `_sibling`), the `finalists` fastest searched with `budget_s`. Returns the plan and every choice scored
     (also passed to `on_choice` as it is made): the unpipelined search's baselines ("baseline fsdp", ...) and
     the candidates' "megatron-3d" rows included. A progress bar counts the candidates on a terminal
@@ -191,7 +192,7 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
         if prune_siblings and _sibling(p) in fitted:
             continue
         try:
-            plan = plan_for(step, *args, topology=topology, budget_s=screen_budget_s, pipeline=p, **options)
+            plan = plan_for(step, *args, topology=topology, pipeline=p, **_screening(screen_budget_s, options))
         except ShardingError as e:  # a pipeline this step cannot take (said in the table, not fatal)
             note(Choice(f"error: {str(e).splitlines()[0][:80]}", p, {}, float("inf"), 0.0, False))
             continue
@@ -216,6 +217,14 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
     if dataclasses.is_dataclass(best):  # (what explain() shows of the choice)
         best = dataclasses.replace(best, pipeline_choice=PipelineChoice(tuple(choices), best.pipeline))
     return best, choices
+
+
+def _screening(budget_s: float | None, options: dict) -> dict:
+    """plan_for's options for a candidate's screen: its baselines only (`search="baselines"`) without a
+    budget, else a search of `budget_s`."""
+    if budget_s is None:
+        return {**options, "search": "baselines"}
+    return {**options, "budget_s": budget_s}
 
 
 def _sibling(p: Pipeline) -> tuple:

@@ -129,7 +129,8 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
                 budget_s: float | None = 30.0, seed: int = 0, max_steps: int = 2000, progress: bool | None = None, max_meshes: int = 2,
                 baselines: Sequence[str] = tuple(BASELINES), time_cap: bool | float | None = None) -> tuple[Plan, SearchReport]:
     """Search every mesh in `meshes` and return the best plan (fits memory, lowest simulated step time)
-    with its report. `method`: True (DP then MCMC), "dp", "mcmc". The baselines are scored on the meshes
+    with its report. `method`: True (DP then MCMC), "dp", "mcmc", "baselines" (no search: the fastest
+    baseline, e.g. to screen many programs cheaply). The baselines are scored on the meshes
     in order (on every mesh when the budget allows, at least `max_meshes`); the search then runs on the
     `max_meshes` meshes whose best baseline is fastest.
 
@@ -140,7 +141,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
     from tqdm.auto import tqdm
 
     t0 = time.perf_counter()
-    method_name = {True: "dp+mcmc", "dp": "dp", "mcmc": "mcmc"}.get(method, str(method))
+    method_name = {True: "dp+mcmc", "dp": "dp", "mcmc": "mcmc", "baselines": "baselines only"}.get(method, str(method))
     bar = tqdm(desc="shardc search", unit="plan", disable=(None if progress is None else not progress), leave=False)
     best: tuple[Score, Plan, Candidate, tuple[Seed, ...], Assignment | None] | None = None
     cands: list[Candidate] = []
@@ -240,7 +241,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
                        base_choices))
     # Phase 2: search the most promising meshes (by their best baseline), sharing what is left of the budget.
     states.sort(key=lambda st: (st[0], st[1]))
-    states = states[:max_meshes]
+    states = states[:max_meshes] if method != "baselines" else []  # ("baselines": the best of phase 1)
     for i, (_, _, sizes, user, ev, starts, mixes, seed_sets, seed_scores, plans, base_choices) in enumerate(states):
         share = budget.left / (len(states) - i)  # plans for this mesh
         used0 = ev.evaluations
@@ -334,7 +335,8 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
     if not score.feasible:
         raise NoPlanFits(smallest_peak, limit)
     ev, base_choices = by_mesh[tuple(chosen.mesh.items())]
-    groups = compare_groups(ev, point if point is not None else project(ev.space, plan), plan, score.time, base_choices)
+    groups = () if method == "baselines" else \
+        compare_groups(ev, point if point is not None else project(ev.space, plan), plan, score.time, base_choices)
     evaluations = sum(ev.evaluations for ev in evaluators)
     report = SearchReport(chosen, cands, tried, evaluations, time.perf_counter() - t0, method_name, extra,
                           budget.plans, budget.capped, len(tried) + not_started, hinted, groups=groups)

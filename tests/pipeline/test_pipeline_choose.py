@@ -104,7 +104,7 @@ def test_a_pipeline_is_chosen_when_no_unpipelined_plan_fits():
 
     from shardc.search.driver import NoPlanFits
 
-    def fake_plan_for(step, *args, topology, budget_s, pipeline=None, **options):
+    def fake_plan_for(step, *args, topology, budget_s=None, pipeline=None, **options):
         if pipeline is None or pipeline.schedule == "gpipe":
             raise NoPlanFits(200 * 2**30, 80 * 2**30)
         cost = types.SimpleNamespace(step_time=1.0, peak_memory=60 * 2**30, fits=True)

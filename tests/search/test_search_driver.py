@@ -30,6 +30,17 @@ def test_never_worse_than_the_best_baseline():
     assert "strategy search" in plan.explain() and "data-parallel" in plan.explain()
 
 
+def test_baselines_only():
+    """method="baselines" (choose_pipeline's screen): the fastest baseline over the meshes, no search moves."""
+    pb = problem_of(_step, mlp_args())
+    plan, rep = _search(pb, method="baselines")
+    best = min(rep.baselines, key=lambda c: c.score.key)
+    assert rep.chosen == best and rep.method == "baselines only"
+    assert rep.evaluations <= len({(c.name, tuple(c.mesh.items())) for c in rep.baselines}) and not rep.groups
+    _, full = _search(pb)
+    assert full.evaluations > rep.evaluations and full.chosen.score.time <= rep.chosen.score.time
+
+
 def test_same_seed_same_plan():
     pb = problem_of(_step, mlp_args())
     a, _ = _search(pb, seed=7, method="mcmc")
