@@ -450,17 +450,19 @@ class Simulator:
             upto = first + len(maxes)
             slot_max[first:upto], slot_min[first:upto], offset[first:upto] = maxes, mins, 0
 
+        makers = probe.makers
+        free_in, last_in, gaps_now = tuple(free), tuple(last), tuple(gaps)  # (recorded per slot; shared until they change)
         for si in range(first, len(slots)):
             if si > last_changed >= 0 and si >= probe.next_try and self._converged(st, si, free, last, gaps,
                                                                                  replaced, probe, write_arrays):
                 self._reads.remade(replaced, who, ready)
                 return
-            stream_in[si] = tuple(free)
-            stream_last[si] = tuple(last)
-            gaps_in[si] = tuple(gaps)  # (tuples: shared until a stream's intervals change)
+            stream_in[si], stream_last[si], gaps_in[si] = free_in, last_in, gaps_now
             starts, ends, binds = [], [], []
             here = si * TASKS_PER_SLOT
             lo = _NEVER  # earliest start of a task that is not static (see _static)
+            hi = -_NEVER
+            moved = idled = False  # whether a stream's free time, or its idle intervals, changed in this slot
             for deps, s, dur, outs in slots[si].sched:
                 start, bind = 0, -1
                 for d in deps:
@@ -481,32 +483,41 @@ class Simulator:
                             start, end = at, at + dur
                             gaps[s] = idle[:gi] + tuple(g for g in ((a, at, before), (end, b, here)) if g[1] > g[0]) \
                                 + idle[gi + 1:]
+                            idled = True
                             break
                     else:  # after the stream's last task
                         if free[s] > start:
                             start, bind = free[s], last[s]
                         elif start > free[s]:
                             gaps[s] = (gaps[s] + ((free[s], start, last[s]),))[-_GAPS:]
+                            idled = True
                         end = start + dur
                         free[s] = end
                         last[s] = here
+                        moved = True
                 else:
                     end = start
                 for k in outs:
                     if first and k not in replaced:
                         replaced[k] = ready[k] if who[k] >= 0 else None
-                        probe.makers[k] = who[k]
+                        makers[k] = who[k]
                     ready[k] = end
                     who[k] = here
                 if start < lo and (start or end or s >= 0):
                     lo = start
+                if end > hi:
+                    hi = end
                 starts.append(start)
                 ends.append(end)
                 binds.append(bind)
                 here += 1
             all_starts[si], all_ends[si], all_binds[si] = starts, ends, binds
-            maxes.append(max(ends) if ends else -_NEVER)
+            maxes.append(hi)
             mins.append(lo)
+            if moved:
+                free_in, last_in = tuple(free), tuple(last)
+            if idled:
+                gaps_now = tuple(gaps)
         write_arrays()
         st.makespan = max(int((slot_max + offset).max()), 0) if len(slots) else 0
         if first and self._reads is not None:
