@@ -96,9 +96,10 @@ def _moves_earlier(st: "_State", si: int, ti: int, start: int, shift: int, from_
     return False
 
 
-def _static(start: int, end: int, stream: int) -> bool:
-    """A join at time 0 (of values ready at 0): it stays at 0 whatever the rest of the schedule does."""
-    return start == 0 and end == 0 and stream < 0
+def _static(start: int, end: int, stream: int, dur: int) -> bool:
+    """A join at time 0 (of values ready at 0; a task of no duration holds no stream, so it is one too): it
+    stays at 0 whatever the rest of the schedule does."""
+    return start == 0 and end == 0 and (stream < 0 or not dur)
 
 
 @dataclasses.dataclass
@@ -503,7 +504,7 @@ class Simulator:
                         makers[k] = who[k]
                     ready[k] = end
                     who[k] = here
-                if start < lo and (start or end or s >= 0):
+                if start < lo and (start or end or (s >= 0 and dur)):
                     lo = start
                 if end > hi:
                     hi = end
@@ -601,7 +602,7 @@ class Simulator:
             for t in itertools.islice(later, bisect.bisect_left(later, from_j), None):
                 si, ti = divmod(t, TASKS_PER_SLOT)
                 start, end = st.starts[si][ti], st.ends[si][ti]
-                if _static(start, end, st.slots[si].sched[ti][1]):
+                if _static(start, end, *st.slots[si].sched[ti][1:3]):
                     if r:
                         return False
                     continue
