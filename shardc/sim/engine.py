@@ -112,8 +112,8 @@ class _Probe:
 
     first: int
     next_try: int = 0
-    crossing: list[int] | None = None
-    live: list[int] = dataclasses.field(default_factory=list)
+    crossing: np.ndarray | None = None
+    live: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.int64))
     seen: int = 0
     readers: dict = dataclasses.field(default_factory=dict)  # key -> its readers from `first` on, sorted
     makers: dict = dataclasses.field(default_factory=dict)  # key the replay remade -> the task that made it before
@@ -173,12 +173,12 @@ class _Reads:
         self.maker[ks] = [who[k] for k in keys]
         self.live[ks] = [ready[k] > 0 for k in keys]
 
-    def crossing(self, first: int, replaced: dict[int, int]) -> list[int]:
+    def crossing(self, first: int, replaced: dict[int, int]) -> np.ndarray:
         """Keys made before slot `first` by a task (not the inputs; not ready at 0) that a slot from
         `first` on reads."""
         n = len(self.maker)
         hit = (self.last_read[:n] >= first) & (self.maker >= 0) & (self.maker < first * TASKS_PER_SLOT) & self.live
-        return [k for k in np.flatnonzero(hit).tolist() if k not in replaced]
+        return np.array([k for k in np.flatnonzero(hit).tolist() if k not in replaced], np.int64)
 
     def keys_made_from(self, j: int, replaced: dict[int, int]) -> list[int]:
         """Keys made by tasks of slots j.. that move with them (not those of static tasks, ready at 0; not
@@ -579,18 +579,20 @@ class Simulator:
                 return False
         last_read = reads.last_read
         if probe.seen < len(replaced):
-            probe.live.extend(itertools.islice(replaced, probe.seen, None))
+            made = np.fromiter(itertools.islice(replaced, probe.seen, None), np.int64, len(replaced) - probe.seen)
+            probe.live = np.concatenate([probe.live, made])
             probe.seen = len(replaced)
         n = len(last_read)
-        live = probe.live = [k for k in probe.live if k < n and last_read[k] >= j]
+        live = probe.live[probe.live < n]
+        live = probe.live = live[last_read[live] >= j]
         makers = probe.makers  # (a key made by another task now: a later task bound to its old maker is stale)
-        suspects = [k for k in live if (before := replaced[k]) is None or ready[k] - before != shift
+        suspects = [k for k in live.tolist() if (before := replaced[k]) is None or ready[k] - before != shift
                     or makers.get(k, who[k]) != who[k]]
         if shift:
             if probe.crossing is None:
                 probe.crossing = reads.crossing(probe.first, replaced)
-            probe.crossing = [k for k in probe.crossing if last_read[k] >= j]
-            suspects.extend(k for k in probe.crossing if k not in replaced)
+            probe.crossing = probe.crossing[last_read[probe.crossing] >= j]
+            suspects.extend(k for k in probe.crossing.tolist() if k not in replaced)
         from_j = j * TASKS_PER_SLOT
         for k in suspects:
             r, maker = ready[k], who[k]
