@@ -55,12 +55,13 @@ class FirstFit:
     def place(self, allocs: list[tuple], ranges: Sequence[Range], admits: Callable[[Range], int]) -> dict[int, int]:
         """Key id -> allocation index of each placed range. `ranges` sorted; `admits(r)`: the allocations
         that may hold range r whatever they hold (its size, its time), as a bitmask (bit j: allocation j; tried
-        lowest first)."""
+        lowest first), a function of `allocs` and r alone (the same ranges into the same allocations are placed
+        as last time)."""
         last = self._last
         ranges = list(ranges)
         if not self._incremental or last is None or last.allocs != allocs or _much_changed(last, ranges):
             self._last = self._afresh(allocs, ranges, admits)
-        else:
+        elif last.ranges != ranges:  # (else the same ranges land where they did)
             self._last = _state(allocs, ranges, self._replay(last, ranges, admits))
         return {ranges[i][4]: j for i, j in self._last.where.items()}
 

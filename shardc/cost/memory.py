@@ -84,6 +84,10 @@ class MemoryModel:
         self.graph = graph
         self.info = info
         self._first_fit = FirstFit()  # (in_outputs' placement, replayed from the previous call's)
+        self._placing: tuple | None = None  # (limit, biggest, in place, pairs) `_buffer_ranges` last sorted for
+        self._range_of: dict[int, tuple] = {}  # key id -> its range there
+        self._sorted_ranges: list[tuple] = []
+        self._dirty: set[int] = set()  # key ids `_set` recomputed since
         self.mesh = dict(mesh)
         self.keys = keys
         self.n = len(graph.ops)
@@ -137,6 +141,7 @@ class MemoryModel:
         return item * math.prod(-(-d // math.prod(self.mesh[a] for a in axes)) for d, axes in zip(v.shape, s.dims))
 
     def _set(self, kid: int) -> None:
+        self._dirty.add(kid)
         old = self.buffers.pop(kid, None)
         if old is not None:
             s, e, b = old
@@ -612,6 +617,7 @@ class MemoryModel:
         self._slots = slots
         self._set_merged(groups)
         self._planned = plan.shardings
+        self._placing = None
         self.diff[:] = 0
         self.buffers.clear()
         self.owner.clear()
@@ -794,24 +800,56 @@ class MemoryModel:
             return None, set()
         allocs.sort(key=lambda x: x[0])
         inplace = self._into_outputs(allocs)
-        limit = max(a[1] for a in allocs)
         biggest = max(a[0] for a in allocs)
-        post = self.info.post
-        owner = self.owner
-        ranges = [(-b, post[owner[k][0]], s, e, k, inplace.get(k, -1), pairs.get(k))
-                  for k, (s, e, b) in self.buffers.items() if (e < limit or k in inplace) and b <= biggest]
-        ranges += [(-b, self._copy_post(p), a, e, -1 - p, -1, pairs.get(-1 - p)) for a, e, b, p in copies
-                   if b <= biggest]
+        ranges = self._buffer_ranges(max(a[1] for a in allocs), biggest, inplace, pairs)
+        extra = [(-b, self._copy_post(p), a, e, -1 - p, -1, pairs.get(-1 - p)) for a, e, b, p in copies
+                 if b <= biggest]
+        if extra:
+            ranges = sorted(ranges + extra)  # (largest first, then in XLA's post order of what makes them)
         if not ranges:
             return None, set()
-        ranges.sort()  # (largest first, then in XLA's post order of what makes them: `FirstFit`'s order)
         where = self._first_fit.place(allocs, ranges, _admitting(allocs))
-        got = np.array([(r[2], r[3] + 1, -r[0]) for r in ranges if r[4] in where], np.int64).reshape(-1, 3)
         placed = np.zeros(end + 1, dtype=np.int64)
-        np.add.at(placed, got[:, 0], got[:, 2])  # (a range adds its bytes from its first position ...
-        np.add.at(placed, got[:, 1], -got[:, 2])  # ... to its last)
-        kids = set(where)
-        return np.cumsum(placed[:end]), kids
+        got = [r for r in ranges if r[4] in where]
+        sizes = np.array([-r[0] for r in got], np.int64)
+        np.add.at(placed, np.array([r[2] for r in got], np.int64), sizes)  # (a range adds its bytes from its
+        np.add.at(placed, np.array([r[3] + 1 for r in got], np.int64), -sizes)  # first position to its last)
+        return np.cumsum(placed[:end]), set(where)
+
+    def _buffer_ranges(self, limit: int, biggest: int, inplace: dict[int, int], pairs: Mapping[int, int]
+                       ) -> list[tuple]:
+        """The buffers' ranges `in_outputs` places, sorted (`FirstFit`'s order: largest first, then in XLA's post
+        order of what makes them): those that end before `limit` (the last output's making) or die where an
+        output is written over them (`inplace`), no larger than `biggest`. Kept from the last call and updated
+        for the buffers `_set` recomputed since, while its arguments are the same."""
+        placing = (limit, biggest, inplace, pairs)
+        if placing != self._placing:
+            self._placing = (limit, biggest, dict(inplace), dict(pairs))
+            self._range_of = {k: r for k in self.buffers if (r := self._range(k, placing)) is not None}
+            self._sorted_ranges = sorted(self._range_of.values())
+        else:
+            rs = self._sorted_ranges
+            for k in self._dirty:
+                old = self._range_of.pop(k, None)
+                if old is not None:
+                    del rs[bisect.bisect_left(rs, old)]
+                new = self._range(k, placing)
+                if new is not None:
+                    bisect.insort(rs, new)
+                    self._range_of[k] = new
+        self._dirty.clear()
+        return self._sorted_ranges
+
+    def _range(self, k: int, placing: tuple) -> tuple | None:
+        """Buffer k's range for `FirstFit` (see `_buffer_ranges`), or None when it is not placed."""
+        limit, biggest, inplace, pairs = placing
+        buf = self.buffers.get(k)
+        if buf is None:
+            return None
+        s, e, b = buf
+        if not ((e < limit or k in inplace) and b <= biggest):
+            return None
+        return -b, self.info.post[self.owner[k][0]], s, e, k, inplace.get(k, -1), pairs.get(k)
 
     def _into_outputs(self, allocs: Sequence[tuple[int, int, int, int]]) -> dict[int, int]:
         """Key id -> the allocation (index in `allocs`: (size, made, output, own input)) whose output is written

@@ -96,9 +96,10 @@ def _moves_earlier(st: "_State", si: int, ti: int, start: int, shift: int, from_
     return False
 
 
-def _static(start: int, end: int, stream: int) -> bool:
-    """A join at time 0 (of values ready at 0): it stays at 0 whatever the rest of the schedule does."""
-    return start == 0 and end == 0 and stream < 0
+def _static(start: int, end: int, stream: int, dur: int) -> bool:
+    """A join at time 0 (of values ready at 0; a task of no duration holds no stream, so it is one too): it
+    stays at 0 whatever the rest of the schedule does."""
+    return start == 0 and end == 0 and (stream < 0 or not dur)
 
 
 @dataclasses.dataclass
@@ -111,8 +112,8 @@ class _Probe:
 
     first: int
     next_try: int = 0
-    crossing: list[int] | None = None
-    live: list[int] = dataclasses.field(default_factory=list)
+    crossing: np.ndarray | None = None
+    live: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.int64))
     seen: int = 0
     readers: dict = dataclasses.field(default_factory=dict)  # key -> its readers from `first` on, sorted
     makers: dict = dataclasses.field(default_factory=dict)  # key the replay remade -> the task that made it before
@@ -172,12 +173,12 @@ class _Reads:
         self.maker[ks] = [who[k] for k in keys]
         self.live[ks] = [ready[k] > 0 for k in keys]
 
-    def crossing(self, first: int, replaced: dict[int, int]) -> list[int]:
+    def crossing(self, first: int, replaced: dict[int, int]) -> np.ndarray:
         """Keys made before slot `first` by a task (not the inputs; not ready at 0) that a slot from
         `first` on reads."""
         n = len(self.maker)
         hit = (self.last_read[:n] >= first) & (self.maker >= 0) & (self.maker < first * TASKS_PER_SLOT) & self.live
-        return [k for k in np.flatnonzero(hit).tolist() if k not in replaced]
+        return np.array([k for k in np.flatnonzero(hit).tolist() if k not in replaced], np.int64)
 
     def keys_made_from(self, j: int, replaced: dict[int, int]) -> list[int]:
         """Keys made by tasks of slots j.. that move with them (not those of static tasks, ready at 0; not
@@ -450,17 +451,19 @@ class Simulator:
             upto = first + len(maxes)
             slot_max[first:upto], slot_min[first:upto], offset[first:upto] = maxes, mins, 0
 
+        makers = probe.makers
+        free_in, last_in, gaps_now = tuple(free), tuple(last), tuple(gaps)  # (recorded per slot; shared until they change)
         for si in range(first, len(slots)):
             if si > last_changed >= 0 and si >= probe.next_try and self._converged(st, si, free, last, gaps,
                                                                                  replaced, probe, write_arrays):
                 self._reads.remade(replaced, who, ready)
                 return
-            stream_in[si] = tuple(free)
-            stream_last[si] = tuple(last)
-            gaps_in[si] = tuple(gaps)  # (tuples: shared until a stream's intervals change)
+            stream_in[si], stream_last[si], gaps_in[si] = free_in, last_in, gaps_now
             starts, ends, binds = [], [], []
             here = si * TASKS_PER_SLOT
             lo = _NEVER  # earliest start of a task that is not static (see _static)
+            hi = -_NEVER
+            moved = idled = False  # whether a stream's free time, or its idle intervals, changed in this slot
             for deps, s, dur, outs in slots[si].sched:
                 start, bind = 0, -1
                 for d in deps:
@@ -481,32 +484,41 @@ class Simulator:
                             start, end = at, at + dur
                             gaps[s] = idle[:gi] + tuple(g for g in ((a, at, before), (end, b, here)) if g[1] > g[0]) \
                                 + idle[gi + 1:]
+                            idled = True
                             break
                     else:  # after the stream's last task
                         if free[s] > start:
                             start, bind = free[s], last[s]
                         elif start > free[s]:
                             gaps[s] = (gaps[s] + ((free[s], start, last[s]),))[-_GAPS:]
+                            idled = True
                         end = start + dur
                         free[s] = end
                         last[s] = here
+                        moved = True
                 else:
                     end = start
                 for k in outs:
                     if first and k not in replaced:
                         replaced[k] = ready[k] if who[k] >= 0 else None
-                        probe.makers[k] = who[k]
+                        makers[k] = who[k]
                     ready[k] = end
                     who[k] = here
-                if start < lo and (start or end or s >= 0):
+                if start < lo and (start or end or (s >= 0 and dur)):
                     lo = start
+                if end > hi:
+                    hi = end
                 starts.append(start)
                 ends.append(end)
                 binds.append(bind)
                 here += 1
             all_starts[si], all_ends[si], all_binds[si] = starts, ends, binds
-            maxes.append(max(ends) if ends else -_NEVER)
+            maxes.append(hi)
             mins.append(lo)
+            if moved:
+                free_in, last_in = tuple(free), tuple(last)
+            if idled:
+                gaps_now = tuple(gaps)
         write_arrays()
         st.makespan = max(int((slot_max + offset).max()), 0) if len(slots) else 0
         if first and self._reads is not None:
@@ -567,18 +579,20 @@ class Simulator:
                 return False
         last_read = reads.last_read
         if probe.seen < len(replaced):
-            probe.live.extend(itertools.islice(replaced, probe.seen, None))
+            made = np.fromiter(itertools.islice(replaced, probe.seen, None), np.int64, len(replaced) - probe.seen)
+            probe.live = np.concatenate([probe.live, made])
             probe.seen = len(replaced)
         n = len(last_read)
-        live = probe.live = [k for k in probe.live if k < n and last_read[k] >= j]
+        live = probe.live[probe.live < n]
+        live = probe.live = live[last_read[live] >= j]
         makers = probe.makers  # (a key made by another task now: a later task bound to its old maker is stale)
-        suspects = [k for k in live if (before := replaced[k]) is None or ready[k] - before != shift
+        suspects = [k for k in live.tolist() if (before := replaced[k]) is None or ready[k] - before != shift
                     or makers.get(k, who[k]) != who[k]]
         if shift:
             if probe.crossing is None:
                 probe.crossing = reads.crossing(probe.first, replaced)
-            probe.crossing = [k for k in probe.crossing if last_read[k] >= j]
-            suspects.extend(k for k in probe.crossing if k not in replaced)
+            probe.crossing = probe.crossing[last_read[probe.crossing] >= j]
+            suspects.extend(k for k in probe.crossing.tolist() if k not in replaced)
         from_j = j * TASKS_PER_SLOT
         for k in suspects:
             r, maker = ready[k], who[k]
@@ -590,7 +604,7 @@ class Simulator:
             for t in itertools.islice(later, bisect.bisect_left(later, from_j), None):
                 si, ti = divmod(t, TASKS_PER_SLOT)
                 start, end = st.starts[si][ti], st.ends[si][ti]
-                if _static(start, end, st.slots[si].sched[ti][1]):
+                if _static(start, end, *st.slots[si].sched[ti][1:3]):
                     if r:
                         return False
                     continue

@@ -88,7 +88,7 @@ class SimResult:
                     starts.append(st)
                     ends.append(en)
                     continue
-                keep = [a == 0 and b == 0 and task[1] < 0 for a, b, task in zip(st, en, slot.sched)]
+                keep = [a == 0 and b == 0 and (task[1] < 0 or not task[2]) for a, b, task in zip(st, en, slot.sched)]
                 starts.append([a if k else a + off for a, k in zip(st, keep)])
                 ends.append([b if k else b + off for b, k in zip(en, keep)])
             self._times = (starts, ends)
