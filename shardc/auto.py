@@ -730,8 +730,8 @@ def _check_search_options(search: Any, budget_s: Any, time_cap_s: Any = None) ->
             raise ShardingError(f"shardc.auto(search={search!r}): the directory {folder} does not exist, so the "
                                 f"searched plan could not be saved there")
     elif search not in (True, False, None, "dp", "mcmc", "baselines"):
-        raise ShardingError(f"shardc.auto(search={search!r}): expected True, False, 'dp', 'mcmc', 'baselines' or a path "
-                            f"ending in '.json' (where the plan is saved and loaded)")
+        raise ShardingError(f"shardc.auto(search={search!r}): expected True, False, 'dp', 'mcmc', 'baselines' or a "
+                            f"path ending in '.json' (where the plan is saved and loaded)")
     for name, value in (("budget_s", budget_s), ("time_cap_s", time_cap_s)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
             raise ShardingError(f"shardc.auto({name}={value!r}): expected a positive number of seconds (or None "

@@ -145,8 +145,8 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
                     progress: bool | None = None, **options: Any) -> tuple[Any, list[Choice]]:
     """The fastest plan that fits, over the unpipelined search and (with `pipeline=True`) the pipelines of
     `pipelines` (default: `candidates` for the step's largest layer stack): each screened by its baselines
-    (or, with `screen_budget_s`, a search of that budget; with `prune_siblings`, not a candidate whose usually faster sibling already fit:
-    `_sibling`), the `finalists` fastest searched with `budget_s`. Returns the plan and every choice scored
+    (or, with `screen_budget_s`, a search of that budget; with `prune_siblings`, not a candidate whose usually
+    faster sibling already fit: `_sibling`), the `finalists` fastest searched with `budget_s`. Returns the plan and every choice scored
     (also passed to `on_choice` as it is made): the unpipelined search's baselines ("baseline fsdp", ...) and
     the candidates' "megatron-3d" rows included. A progress bar counts the candidates on a terminal
     (`progress`: True/False forces it). `options` go to `shardc.plan_for`."""
