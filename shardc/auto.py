@@ -722,8 +722,8 @@ def _flax_note(e: BaseException) -> str:
 
 
 def _check_search_options(search: Any, budget_s: Any, time_cap_s: Any = None) -> None:
-    """`search` is True/False/None, "dp", "mcmc", "baselines" or a path ending in .json (in a directory that exists);
-    `budget_s` and `time_cap_s` positive numbers of seconds or None."""
+    """`search` is True/False/None, "dp", "mcmc", "baselines" or a path ending in .json (in a directory that
+    exists); `budget_s` and `time_cap_s` positive numbers of seconds or None."""
     if isinstance(search, str) and search.endswith(".json"):
         folder = os.path.dirname(os.path.abspath(search))
         if not os.path.isdir(folder):
