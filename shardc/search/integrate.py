@@ -2,8 +2,8 @@
 
 search: True (DP then MCMC), "dp", "mcmc", "baselines" (the fastest baseline), or a path ending in ".json"
 (load the plan saved there when it matches the program, else search with DP+MCMC and save it). mesh=None
-lets the search choose the mesh shape over all the devices; a given mesh is the only one tried. topology: what the simulator models
-(default: the devices this process runs on, `shardc.cost.local`).
+lets the search choose the mesh shape over all the devices; a given mesh is the only one tried. topology:
+what the simulator models (default: the devices this process runs on, `shardc.cost.local`).
 """
 from __future__ import annotations
 
