@@ -26,6 +26,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from annotations.api import _hint
 from annotations.errors import ShardingError, SourceLine
 from annotations.spec import UNCONSTRAINED
+from shardc.ir.jaxpr_env import JaxprEnv, open_jaxpr
 
 __all__ = ["caller_mesh", "explicit_axes", "is_explicit_mode_error", "retype", "trace_explicit", "to_auto"]
 
@@ -136,26 +137,14 @@ def _closed_sub(value: Any) -> Any:
 
 
 def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-    env: dict[Any, Any] = {}
-
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, jcore.Literal) else env[v]
-
-    for v, x in zip(jaxpr.constvars, consts):
-        env[v] = x
-    for v, x in zip(jaxpr.invars, args):
-        env[v] = x
+    env = JaxprEnv(jaxpr, consts, args)
     for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
+        ins = env.reads(eqn.invars)
         name = eqn.primitive.name
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
             if name in _INLINED:
-                sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-                if isinstance(sub, jcore.ClosedJaxpr):
-                    outs = _eval(sub.jaxpr, sub.consts, ins)
-                else:
-                    outs = _eval(sub, (), ins)
+                outs = _eval(*open_jaxpr(eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))), ins)
             elif name == "reshard":
                 outs = [_as_hint(ins[0], eqn.params["dst_sharding"], eqn)]
             else:
@@ -165,7 +154,5 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
                 outs = list(out) if eqn.primitive.multiple_results else [out]
                 if name == "dot_general" and eqn.params.get("out_sharding") is not None:
                     outs = [_as_hint(outs[0], eqn.params["out_sharding"], eqn)]
-        for v, x in zip(eqn.outvars, outs):
-            if not isinstance(v, jcore.DropVar):
-                env[v] = x
-    return [read(v) for v in jaxpr.outvars]
+        env.write(eqn.outvars, outs)
+    return env.reads(jaxpr.outvars)

@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding
 
 from annotations.primitive import hint_p
 from shardc.ir.build import REGION_PRIMITIVES, call_jaxpr
+from shardc.ir.jaxpr_env import JaxprEnv, open_jaxpr
 from shardc.cost.program import folds_to_constant, program_info
 from shardc.cost.reshard_path import reshard_steps
 from shardc.plan import Plan, lowers_reduce_scatter, require_devices
@@ -261,22 +262,13 @@ class Lowering:
         `next_op` on; returns its outputs."""
         from shardc.lower_regions import lower_region
 
-        env: dict[Any, Any] = {}
-
-        def read(v: Any) -> Any:
-            return v.val if isinstance(v, jcore.Literal) else env[v]
-
-        for var, c in zip(jaxpr.constvars, consts):
-            env[var] = c
-        for var, a in zip(jaxpr.invars, args):
-            env[var] = a
+        env = JaxprEnv(jaxpr, consts, args)
         for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
+            invals = env.reads(eqn.invars)
             name = eqn.primitive.name
             sub = call_jaxpr(eqn)
             if sub is not None:
-                inner = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
-                outs = self.walk(inner, sub.consts if isinstance(sub, jcore.ClosedJaxpr) else (), invals, region)
+                outs = self.walk(*open_jaxpr(sub), invals, region)
             elif name in REGION_PRIMITIVES:
                 outs = lower_region(self, eqn, invals, region)
             else:
@@ -286,9 +278,8 @@ class Lowering:
                     with self.scope(op.id):
                         outs = self.apply_op(op, eqn, invals)
                     self._traces[-1][0].update(zip(op.outputs, outs))
-            for var, val in zip(eqn.outvars, outs):
-                env[var] = val
-        return [read(v) for v in jaxpr.outvars]
+            env.write(eqn.outvars, outs)
+        return env.reads(jaxpr.outvars)
 
 
 def plan_function(plan: Plan, closed_jaxpr: Any, tag_ops: bool = False) -> Callable[..., list[Any]]:

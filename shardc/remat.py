@@ -35,6 +35,7 @@ from jax._src import source_info_util
 from jax.extend import core as jcore
 
 from shardc.ir.build import call_jaxpr
+from shardc.ir.jaxpr_env import JaxprEnv, open_jaxpr
 
 __all__ = ["POLICIES", "Layer", "layer_groups", "rematerialize", "inline_calls", "uses_own_remat",
            "without_own_remat"]
@@ -78,27 +79,16 @@ def _bind(eqn: Any, invals: Sequence[Any], prefix: Any = None) -> list[Any]:
 
 
 def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], prefix: Any) -> list[Any]:
-    env: dict[Any, Any] = {}
-
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, jcore.Literal) else env[v]
-
-    for var, c in zip(jaxpr.constvars, consts):
-        env[var] = c
-    for var, a in zip(jaxpr.invars, args):
-        env[var] = a
+    env = JaxprEnv(jaxpr, consts, args)
     for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
+        invals = env.reads(eqn.invars)
         sub = call_jaxpr(eqn)
         if sub is not None:
-            inner = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
-            outs = _eval(inner, sub.consts if isinstance(sub, jcore.ClosedJaxpr) else (), invals,
-                         prefix + eqn.source_info.name_stack)
+            outs = _eval(*open_jaxpr(sub), invals, prefix + eqn.source_info.name_stack)
         else:
             outs = _bind(eqn, invals, prefix)
-        for var, val in zip(eqn.outvars, outs):
-            env[var] = val
-    return [read(v) for v in jaxpr.outvars]
+        env.write(eqn.outvars, outs)
+    return env.reads(jaxpr.outvars)
 
 
 # ------------------------------------------------------------------------------------------ layers

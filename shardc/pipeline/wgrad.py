@@ -38,6 +38,7 @@ from jax.extend import core as jcore
 
 from annotations import split
 from annotations.errors import ShardingError
+from shardc.ir.jaxpr_env import JaxprEnv
 
 __all__ = ["DotSite", "Sites", "find_sites", "layer_sites", "eval_deferring", "deferred_dot", "stack_grads",
            "make_probes"]
@@ -160,18 +161,10 @@ def eval_deferring(closed: Any, args: Sequence[Any], sites: Sites, probes: dict[
     (probe_y, probe_x)); every other eqn is bound as it is, with its source line and name scope."""
 
     def run(jaxpr: Any, consts: Sequence[Any], vals: Sequence[Any], prefix: tuple[int, ...]) -> list:
-        env: dict = {}
-
-        def read(v: Any) -> Any:
-            return v.val if isinstance(v, jcore.Literal) else env[v]
-
-        for v, x in zip(jaxpr.constvars, consts):
-            env[v] = x
-        for v, x in zip(jaxpr.invars, vals):
-            env[v] = x
+        env = JaxprEnv(jaxpr, consts, vals)
         for i, eqn in enumerate(jaxpr.eqns):
             path = prefix + (i,)
-            invals = [read(v) for v in eqn.invars]
+            invals = env.reads(eqn.invars)
             names = source_info_util.current_name_stack() + eqn.source_info.name_stack
             with source_info_util.user_context(eqn.source_info.traceback, name_stack=names), eqn.ctx.manager:
                 site = sites.at(path)
@@ -184,10 +177,8 @@ def eval_deferring(closed: Any, args: Sequence[Any], sites: Sites, probes: dict[
                 else:
                     ans = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
                     outs = list(ans) if eqn.primitive.multiple_results else [ans]
-            for v, x in zip(eqn.outvars, outs):
-                if not isinstance(v, jcore.DropVar):
-                    env[v] = x
-        return [read(v) for v in jaxpr.outvars]
+            env.write(eqn.outvars, outs)
+        return env.reads(jaxpr.outvars)
 
     return run(closed.jaxpr, closed.consts, args, ())
 
