@@ -257,8 +257,10 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
     state.update(current=current, cost=cost, steps=steps, candidates=candidates)
     seen = {current.key()}
     for _ in range(max_steps):
-        better: list[tuple[float, int, PCG, Rule, Match]] = []  # rewrites that pay, cheapest first
-        near: list[tuple[float, PCG, Step]] = []  # rewrites within alpha of the current cost
+        # rewrites that pay, cheapest first (only the cheapest PCG is kept: the others are applied again below)
+        better: list[tuple[float, int, Rule, Match]] = []
+        best: PCG | None = None
+        near: list[tuple[float, PCG, Step]] = []  # rewrites within alpha of the current cost, the beam cheapest
         for rule, m, new in _candidates(current, rules, refuted):
             candidates += 1
             k = new.key()
@@ -267,17 +269,24 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
             seen.add(k)
             c = cost_fn(new)
             if c < cost * (1 - 1e-12):
-                better.append((c, len(better), new, rule, m))
+                if best is None or c < better[0][0]:  # (better[0]: the cheapest so far, the first on a tie)
+                    best = new
+                    better.insert(0, (c, len(better), rule, m))
+                else:
+                    better.append((c, len(better), rule, m))
             elif c <= cost * search.alpha:
                 near.append((c, new, Step(rule.name, str(m), cost, c, describe_match(current, m))))
+                if len(near) > 2 * search.beam:  # (what `_lookahead` reads: a stable sort keeps ties in order)
+                    near = sorted(near, key=lambda e: e[0])[:search.beam]
         if better:
             better.sort(key=lambda e: e[:2])
-            c, _, new, rule, m = better[0]
+            c, _, rule, m = better[0]
+            new = best
             steps.append(Step(rule.name, str(m), cost, c, describe_match(current, m)))
             cost, current = c, new
             state.update(current=current, cost=cost, candidates=candidates)
             # the other rewrites that paid, where they still apply, each kept if the cost still goes down
-            for _, _, _, rule, m in better[1:]:
+            for _, _, rule, m in better[1:]:
                 again = _same_match(current, rule, m)
                 if again is None:
                     continue
