@@ -136,20 +136,22 @@ def xla_compile(step, args, sizes: dict):
         return compile_with_dump(jitted, *args)
 
 
-def pcg_row(zm, step, args, topology: str, budget: float, n: int) -> Row:
-    """The `search+pcg` row: `@shardc.auto(search=True, pcg=True)`, its own search (docs/pcg.md)."""
+def pcg_row(zm, step, args, topology: str, budget: float, n: int, ideal, remat: str) -> Row:
+    """The `search+pcg` row: `@shardc.auto(search=True, pcg=True)`, its own search (docs/pcg.md); `ideal(t)`:
+    the fraction of ideal of a step time, `remat`: the program's remat policy (as the other rows)."""
     t0 = time.perf_counter()
     af = shardc.auto(step, search=True, pcg=True, topology=topology, budget_s=budget, donate_argnums=(0, 1), devices=n)
     try:
         plan = af.plan(*args)
     except shardc.ShardingError as e:
-        return Row(zm.name, topology, "search+pcg", note=f"not yet plannable: {str(e).splitlines()[0][:120]}")
+        return Row(zm.name, topology, "search+pcg", note=f"not yet plannable: {str(e).splitlines()[0][:120]}",
+                   remat=remat)
     ch = plan.search.chosen
     ch_pcg = plan.pcg
     note = ("the rewritten PCG runs: " + ", ".join(sorted({s.rule for s in ch_pcg.steps}))
             if ch_pcg is not None and ch_pcg.chosen else "no rewrite paid")
     return Row(zm.name, topology, "search+pcg", _mesh_str(ch.mesh), ch.score.time, ch.score.peak, ch.score.comm,
-               time.perf_counter() - t0, ch.score.feasible, note=note)
+               time.perf_counter() - t0, ch.score.feasible, ideal(ch.score.time), note, remat)
 
 
 def run_model(zm, topology: str, budget: float, *, xla: bool = True, pcg: bool = False) -> list[Row]:
@@ -207,8 +209,7 @@ def run_model(zm, topology: str, budget: float, *, xla: bool = True, pcg: bool =
     rows.append(Row(zm.name, topology, "search", _mesh_str(ch.mesh), ch.score.time, ch.score.peak, ch.score.comm,
                     search_s, ch.score.feasible, ideal(ch.score.time), note, remat))
     if pcg:
-        rows.append(dataclasses.replace(pcg_row(zm, step, args, topology, budget, n), remat=remat))
-        rows[-1].ideal = ideal(rows[-1].time)
+        rows.append(pcg_row(zm, step, args, topology, budget, n, ideal, remat))
     if xla and "hints" in per_name:
         sizes = per_name["hints"].mesh
         if n > len(jax.devices()):

@@ -585,11 +585,10 @@ class AutoFunction:
             the_plan = dataclasses.replace(the_plan, cost=simulate(the_plan, topology))
         if self._pipeline_choice is not None:  # (what explain() shows of the choice)
             the_plan = dataclasses.replace(the_plan, pipeline_choice=self._pipeline_choice)
-        # the search's choice for this plan (shardc/search/driver.py), made before a retrace under its mesh
-        choice = the_plan.pcg if the_plan.pcg is not None else self._pcg_resume
+        if the_plan.pcg is None and self._pcg_resume is not None:  # the search's, made before the retrace
+            the_plan = dataclasses.replace(the_plan, pcg=self._pcg_resume)
         self._pcg_resume = None
-        if choice is not None:
-            the_plan = dataclasses.replace(the_plan, pcg=choice)
+        choice = the_plan.pcg  # (the search's PCG choice for this plan: shardc/search/driver.py)
         if self.pcg and self.pipeline is None and choice is None:  # the PCG rewritten with proved rules
             from shardc.pcg.choice import choose_pcg
 
@@ -617,7 +616,8 @@ class AutoFunction:
     def _choose_pipeline(self, args: tuple, kwargs: dict) -> None:
         """pipeline=True: choose the pipeline (or none) on the devices at hand, then build the chosen plan from
         the choice's decisions (shardc/pipeline/auto_choice.py)."""
-        from shardc.pipeline.auto_choice import choose_for_step, mesh_for
+        from shardc.pipeline.auto_choice import choose_for_step
+        from shardc.search.driver import _mesh_of
         from shardc.sim import as_topology
 
         n = self.devices or len(jax.devices())
@@ -625,7 +625,7 @@ class AutoFunction:
         chosen = choose_for_step(self.fun, args, kwargs, self._options, topology, n, self.budget_s)
         self._choosing_pipeline = False
         self.pipeline, self._stack, self._pipeline_choice = chosen.pipeline, None, chosen.choice
-        self.mesh = mesh_for(chosen)
+        self.mesh = _mesh_of(chosen.mesh_sizes)
         # (the choice planned with topology= given; this step prices on it for its own reason)
         report = dataclasses.replace(chosen.search, topology=f"{as_topology(topology).name} ({why})")
         self._search_resume, self._remat_resume = report, chosen.remat

@@ -595,9 +595,10 @@ class _Partitioner:
             # before stage moved. XLA does such a set at once, and its GetAllToAllSharding divides by the zero
             # that 2 // 4 makes: SIGFPE, the process dies (jax 0.10.2, 16 CPU devices; `crashes_xla`). The
             # replay goes on one pair at a time, and reshard paths never ask XLA for it.)
-            if len(chosen) >= 2 and not all(s.dims[sd] % s.dims[td] == 0 for sd, td in chosen):
+            divides = all(s.dims[sd] % s.dims[td] == 0 for sd, td in chosen)
+            if len(chosen) >= 2 and not divides:
                 self.crash = True
-            if len(chosen) >= 2 and all(s.dims[sd] % s.dims[td] == 0 for sd, td in chosen):
+            if len(chosen) >= 2 and divides:
                 sources, targets = [p[0] for p in chosen], [p[1] for p in chosen]
                 temp = _all_to_all_tiling(s, sources, targets)
                 sizes = [s.dims[sd] // s.dims[td] for sd, td in chosen]
@@ -858,15 +859,13 @@ def kept_broadcast(src: Sharding, dst: Sharding, shape: Sequence[int], mesh: Map
     `src` to `dst` (local slices and copies keep them; a collective's result is a new value)."""
     if not bcast or src.partial - dst.partial:
         return frozenset()
-    cur, mesh_key = _key(src, mesh)
-    return _dims_reshard(cur, _key(dst, mesh)[0], tuple(shape), mesh_key, bcast)[2]
+    return _replayed(src, dst, shape, mesh, bcast)[2]
 
 
 def is_involuntary_remat(src: Sharding, dst: Sharding, shape: Sequence[int], mesh: Mapping[str, int]) -> bool:
     """Whether XLA reshards `src` to `dst` by "involuntary full rematerialization" (it logs the warning and
     all-gathers the whole value before slicing it; `shardc.check` fails such programs)."""
-    cur, mesh_key = _key(src, mesh)
-    return _dims_reshard(cur, _key(dst, mesh)[0], tuple(shape), mesh_key)[1]
+    return _replayed(src, dst, shape, mesh)[1]
 
 
 def crashes_xla(src: Sharding, dst: Sharding, shape: Sequence[int], mesh: Mapping[str, int]) -> bool:
@@ -874,8 +873,14 @@ def crashes_xla(src: Sharding, dst: Sharding, shape: Sequence[int], mesh: Mappin
     all-to-all of several dim pairs at once where a source dim has fewer tiles than its target's (e.g.
     [a, b, -, c] -> [b, -, c, a] on a={4}, b=c={2}; tests/cost/test_reshard_crash.py). Reshard paths go
     through an intermediate layout instead (`shardc.cost.reshard_path`)."""
+    return _replayed(src, dst, shape, mesh)[4]
+
+
+def _replayed(src: Sharding, dst: Sharding, shape: Sequence[int], mesh: Mapping[str, int],
+              bcast: frozenset[int] = frozenset()) -> tuple:
+    """`_dims_reshard` of the sharding change (its dims; cached)."""
     cur, mesh_key = _key(src, mesh)
-    return _dims_reshard(cur, _key(dst, mesh)[0], tuple(shape), mesh_key)[4]
+    return _dims_reshard(cur, _key(dst, mesh)[0], tuple(shape), mesh_key, bcast)
 
 
 @functools.lru_cache(maxsize=1 << 12)

@@ -257,9 +257,8 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
     state.update(current=current, cost=cost, steps=steps, candidates=candidates)
     seen = {current.key()}
     for _ in range(max_steps):
-        # rewrites that pay, cheapest first (only the cheapest PCG is kept: the others are applied again below)
-        better: list[tuple[float, int, Rule, Match]] = []
-        best: PCG | None = None
+        better: list[tuple[float, int, Rule, Match]] = []  # rewrites that pay (the others are applied again below)
+        best: tuple[float, PCG] | None = None  # the cheapest of them, the first on a tie: its PCG alone is kept
         near: list[tuple[float, PCG, Step]] = []  # rewrites within alpha of the current cost, the beam cheapest
         for rule, m, new in _candidates(current, rules, refuted):
             candidates += 1
@@ -269,11 +268,9 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
             seen.add(k)
             c = cost_fn(new)
             if c < cost * (1 - 1e-12):
-                if best is None or c < better[0][0]:  # (better[0]: the cheapest so far, the first on a tie)
-                    best = new
-                    better.insert(0, (c, len(better), rule, m))
-                else:
-                    better.append((c, len(better), rule, m))
+                better.append((c, len(better), rule, m))
+                if best is None or c < best[0]:
+                    best = (c, new)
             elif c <= cost * search.alpha:
                 near.append((c, new, Step(rule.name, str(m), cost, c, describe_match(current, m))))
                 if len(near) > 2 * search.beam:  # (what `_lookahead` reads: a stable sort keeps ties in order)
@@ -281,7 +278,7 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
         if better:
             better.sort(key=lambda e: e[:2])
             c, _, rule, m = better[0]
-            new = best
+            new = best[1]
             steps.append(Step(rule.name, str(m), cost, c, describe_match(current, m)))
             cost, current = c, new
             state.update(current=current, cost=cost, candidates=candidates)

@@ -11,15 +11,12 @@ argument shapes keep the chosen pipeline (or its absence) and search their intra
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Mapping
-
-import jax
 
 from annotations.errors import ShardingError
 from shardc.pipeline.value import Pipeline
 
-__all__ = ["Chosen", "check_choosing", "choose_for_step", "mesh_for"]
+__all__ = ["Chosen", "check_choosing", "choose_for_step"]
 
 # shardc.auto options the choice plans with (the rest are fixed by the choice or meaningless for it)
 _PASSED = ("rules", "donate_argnums", "donate_argnames", "seed", "time_cap_s", "remat", "memory_limit",
@@ -78,9 +75,3 @@ def choose_for_step(fun: Any, args: tuple, kwargs: Mapping[str, Any], options: M
         pipe = dataclasses.replace(pipe, layers=None, stack="")
     return Chosen(pipe, dict(best.mesh_sizes), best.search, best.remat, best.pipeline_choice)
 
-
-def mesh_for(chosen: Chosen) -> Any:
-    """A mesh of this host's first devices with the chosen sizes."""
-    from shardc.sharding import make_mesh
-
-    return make_mesh(dict(chosen.mesh_sizes), jax.devices()[:math.prod(chosen.mesh_sizes.values())])

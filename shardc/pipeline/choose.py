@@ -6,9 +6,9 @@ and plans the step without a pipeline (the ordinary search). Every candidate is 
 planned with its baselines only (`search="baselines"`: the baselines on the meshes it implies, each run
 inside the stages, `shardc.search.baselines`; with `screen_budget_s`, a small search from them instead),
 which costs a trace and a dozen simulations instead of a search. The `finalists` best screened candidates
-get the full search
-(`budget_s`), and the fastest plan that fits memory wins. The screen also scores `megatron-3d` (Megatron
-inside each stage, the stages over the slowest level: Megatron-LM's 3-D parallelism) on every candidate.
+get the full search (`budget_s`), and the fastest plan that fits memory wins. The screen also scores
+`megatron-3d` (Megatron inside each stage, the stages over the slowest level: Megatron-LM's 3-D parallelism)
+on every candidate.
 
 It is an outer enumeration around the search, not one joint search space.
 """
@@ -146,10 +146,10 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
     """The fastest plan that fits, over the unpipelined search and (with `pipeline=True`) the pipelines of
     `pipelines` (default: `candidates` for the step's largest layer stack): each screened by its baselines
     (or, with `screen_budget_s`, a search of that budget; with `prune_siblings`, not a candidate whose usually
-    faster sibling already fit: `_sibling`), the `finalists` fastest searched with `budget_s`. Returns the plan and every choice scored
-    (also passed to `on_choice` as it is made): the unpipelined search's baselines ("baseline fsdp", ...) and
-    the candidates' "megatron-3d" rows included. A progress bar counts the candidates on a terminal
-    (`progress`: True/False forces it). `options` go to `shardc.plan_for`."""
+    faster sibling already fit: `_sibling`), the `finalists` fastest searched with `budget_s`. Returns the plan
+    and every choice scored (also passed to `on_choice` as it is made): the unpipelined search's baselines
+    ("baseline fsdp", ...) and the candidates' "megatron-3d" rows included. A progress bar counts the
+    candidates on a terminal (`progress`: True/False forces it). `options` go to `shardc.plan_for`."""
     if plan_for is None:
         from shardc.auto import plan_for
     if not isinstance(finalists, int) or isinstance(finalists, bool) or finalists < 0:

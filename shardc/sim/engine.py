@@ -38,7 +38,7 @@ from shardc.gc_pause import gc_paused
 from shardc.plan import Plan
 from shardc.sim.combine import Combiner
 from shardc.sim.result import SimResult
-from shardc.sim.tasks import TASKS_PER_SLOT, Slot, TaskBuilder, plan_needs
+from shardc.sim.tasks import TASKS_PER_SLOT, Slot, TaskBuilder, is_static, plan_needs
 
 __all__ = ["Simulator"]
 
@@ -94,12 +94,6 @@ def _moves_earlier(st: "_State", si: int, ti: int, start: int, shift: int, from_
         if max(inputs_at, a) + dur <= b:
             return True
     return False
-
-
-def _static(start: int, end: int, stream: int, dur: int) -> bool:
-    """A join at time 0 (of values ready at 0; a task of no duration holds no stream, so it is one too): it
-    stays at 0 whatever the rest of the schedule does."""
-    return start == 0 and end == 0 and (stream < 0 or not dur)
 
 
 @dataclasses.dataclass
@@ -452,7 +446,8 @@ class Simulator:
             slot_max[first:upto], slot_min[first:upto], offset[first:upto] = maxes, mins, 0
 
         makers = probe.makers
-        free_in, last_in, gaps_now = tuple(free), tuple(last), tuple(gaps)  # (recorded per slot; shared until they change)
+        # (recorded per slot; the tuples are shared until a slot's tasks change them)
+        free_in, last_in, gaps_now = tuple(free), tuple(last), tuple(gaps)
         for si in range(first, len(slots)):
             if si > last_changed >= 0 and si >= probe.next_try and self._converged(st, si, free, last, gaps,
                                                                                  replaced, probe, write_arrays):
@@ -461,7 +456,7 @@ class Simulator:
             stream_in[si], stream_last[si], gaps_in[si] = free_in, last_in, gaps_now
             starts, ends, binds = [], [], []
             here = si * TASKS_PER_SLOT
-            lo = _NEVER  # earliest start of a task that is not static (see _static)
+            lo = _NEVER  # earliest start of a task that is not static (`is_static`, inlined below)
             hi = -_NEVER
             moved = idled = False  # whether a stream's free time, or its idle intervals, changed in this slot
             for deps, s, dur, outs in slots[si].sched:
@@ -604,7 +599,7 @@ class Simulator:
             for t in itertools.islice(later, bisect.bisect_left(later, from_j), None):
                 si, ti = divmod(t, TASKS_PER_SLOT)
                 start, end = st.starts[si][ti], st.ends[si][ti]
-                if _static(start, end, *st.slots[si].sched[ti][1:3]):
+                if is_static(start, end, *st.slots[si].sched[ti][1:3]):
                     if r:
                         return False
                     continue

@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 from shardc.cost.memory import MemoryResult
 from shardc.cost.topology import MeshMapping, Topology
-from shardc.sim.tasks import PS, TASKS_PER_SLOT, Slot
+from shardc.sim.tasks import PS, TASKS_PER_SLOT, Slot, is_static
 
 __all__ = ["SimResult", "OpTime"]
 
@@ -88,7 +88,7 @@ class SimResult:
                     starts.append(st)
                     ends.append(en)
                     continue
-                keep = [a == 0 and b == 0 and (task[1] < 0 or not task[2]) for a, b, task in zip(st, en, slot.sched)]
+                keep = [is_static(a, b, *task[1:3]) for a, b, task in zip(st, en, slot.sched)]
                 starts.append([a if k else a + off for a, k in zip(st, keep)])
                 ends.append([b if k else b + off for b, k in zip(en, keep)])
             self._times = (starts, ends)

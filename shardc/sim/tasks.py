@@ -30,10 +30,16 @@ from shardc.cost.wire import wire_itemsize
 from shardc.plan import Plan
 from shardc.sharding import Sharding
 
-__all__ = ["Task", "Slot", "TaskBuilder", "PS", "TASKS_PER_SLOT", "plan_needs"]
+__all__ = ["Task", "Slot", "TaskBuilder", "PS", "TASKS_PER_SLOT", "is_static", "plan_needs"]
 
 PS = 10**12  # picoseconds per second
 TASKS_PER_SLOT = 1 << 12  # a task is named by slot * TASKS_PER_SLOT + index
+
+
+def is_static(start: int, end: int, stream: int, dur: int) -> bool:
+    """A join at time 0 (of values ready at 0; a task of no duration holds no stream, so it is one too): it
+    stays at 0 whatever the rest of the schedule does (a delta's shifted tail leaves it there)."""
+    return start == 0 and end == 0 and (stream < 0 or not dur)
 # A value key: (canonical value id, sharding, origin). origin 0: the value in its planned layout or a
 # layout resharded from it (what consumers read; identical reshards of it are one, as XLA's CSE makes
 # them); origin 1: the layout an op's strategy makes before it is resharded to the planned one (a
