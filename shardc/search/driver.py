@@ -67,6 +67,7 @@ class SearchReport:
     user_hinted: bool = True  # whether the program had hints (in-program or metadata) on its first mesh
     topology: str = ""  # what the plans were priced on, and why (set by @shardc.auto)
     groups: tuple[GroupNote, ...] = ()  # the chosen plan's heaviest decision groups and what they beat
+    layout_cost: str = "time"  # what the chosen plan's ops weighed reshards by (`plan_from_seeds`)
 
     def summary(self) -> str:
         per_name: dict[str, Candidate] = {}
@@ -105,7 +106,8 @@ class SearchReport:
         elif self.chosen.name not in ("search", "search+pcg"):
             what = ("the hints baseline: the program has no hints, so this is plain propagation (every tensor "
                     "replicated)" if self.chosen.name == "hints" and not self.user_hinted
-                    else f"the {self.chosen.name} baseline")
+                    else "the hints as search=False plans them (each op's layout chosen by the bytes it sends)"
+                    if self.chosen.name == HINTS_BY_BYTES else f"the {self.chosen.name} baseline")
             lines.append(f"  chosen: {what} (the search found nothing faster"
                          + (" on the meshes it searched)" if of else ")"))
         return "\n".join(lines)
@@ -143,7 +145,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
     t0 = time.perf_counter()
     method_name = {True: "dp+mcmc", "dp": "dp", "mcmc": "mcmc", "baselines": "baselines only"}.get(method, str(method))
     bar = tqdm(desc="shardc search", unit="plan", disable=(None if progress is None else not progress), leave=False)
-    best: tuple[Score, Plan, Candidate, tuple[Seed, ...], Assignment | None] | None = None
+    best: tuple[Score, Plan, Candidate, tuple[Seed, ...], Assignment | None, str] | None = None
     cands: list[Candidate] = []
     smallest_peak = math.inf
     evaluations = 0
@@ -153,14 +155,14 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
     hint_error: str | None = None  # why the first mesh that rejected the hints did
 
     def consider(name: str, sizes: dict[str, int], plan: Plan, score: Score, extra: tuple[Seed, ...],
-                 point: Assignment | None = None) -> None:
+                 point: Assignment | None = None, layout_cost: str = "time") -> None:
         nonlocal best, smallest_peak
         smallest_peak = min(smallest_peak, score.peak)
         c = Candidate(name, sizes, score)
         if name != "search":
             cands.append(c)
         if best is None or score.key < best[0].key:
-            best = (score, plan, c, extra, point)
+            best = (score, plan, c, extra, point, layout_cost)
 
     # Phase 1: every baseline on every mesh.
     states = []
@@ -237,6 +239,13 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
             mixes.append(plan_choices(space, plan))
             base_choices[name] = mixes[-1]
             top = min(top, score, key=lambda x: x.key)
+        if "hints" in plans and problem.topology is not None:
+            by_bytes = _hints_by_bytes(problem, ev, plans["hints"], user)
+            if by_bytes is not None:
+                bar.update(1)
+                budget.charge(full_plan_units(n_devices))
+                consider(HINTS_BY_BYTES, sizes, *by_bytes, (), None, "bytes")
+                top = min(top, by_bytes[1], key=lambda x: x.key)
         states.append((top.key, len(states), sizes, user, ev, starts, mixes, seed_sets, seed_scores, plans,
                        base_choices))
     # Phase 2: search the most promising meshes (by their best baseline), sharing what is left of the budget.
@@ -331,7 +340,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
     if best is None:
         raise ShardingError(f"strategy search: no mesh of {[dict(m) for m in meshes]} accepts the program's hints"
                             + (f" ({hint_error})" if hint_error is not None else ""))
-    score, plan, chosen, extra, point = best
+    score, plan, chosen, extra, point, layout_cost = best
     if not score.feasible:
         raise NoPlanFits(smallest_peak, limit)
     ev, base_choices = by_mesh[tuple(chosen.mesh.items())]
@@ -339,8 +348,26 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
         compare_groups(ev, point if point is not None else project(ev.space, plan), plan, score.time, base_choices)
     evaluations = sum(ev.evaluations for ev in evaluators)
     report = SearchReport(chosen, cands, tried, evaluations, time.perf_counter() - t0, method_name, extra,
-                          budget.plans, budget.capped, len(tried) + not_started, hinted, groups=groups)
+                          budget.plans, budget.capped, len(tried) + not_started, hinted, groups=groups,
+                          layout_cost=layout_cost)
     return dataclasses.replace(plan, search=report), report
+
+
+HINTS_BY_BYTES = "hints (bytes)"  # the candidate that is exactly the search=False plan
+
+
+def _hints_by_bytes(problem: Problem, ev: Evaluator, hints: Plan, user: Sequence[Seed]) -> tuple[Plan, Score] | None:
+    """The user's hints planned as `search=False` plans them — each op's layout weighed by the bytes its
+    reshards send, not by their seconds on the topology — when that gives other op layouts than the "hints"
+    baseline: scored, so the search never returns a plan simulated slower than not searching (the per-op
+    choice is greedy; the step's simulation may prefer the other). None when it plans the same."""
+    try:
+        plan = plan_from_seeds(problem, ev.mesh, list(user), layout_cost="bytes")
+    except ShardingError:
+        return None
+    if plan.strategies == hints.strategies and plan.shardings == hints.shardings:
+        return None
+    return plan, ev.score_plan(plan)[0]
 
 
 def _with_pcg(problem: Problem, plan: Plan) -> Plan:
@@ -389,6 +416,7 @@ def save_plan(plan: Plan, path: str, topology: str | None = None, hints: Sequenc
     seeds = report.seeds if report is not None else ()
     entry = {"graph": graph_key(plan.graph), "mesh": plan.mesh_sizes, "topology": topology,
              "hints": None if hints is None else hints_key(hints),
+             "layout_cost": getattr(report, "layout_cost", "time"),
              "seeds": [{"value": s.value, "dims": [None if d is None else list(d) for d in s.dims],
                         "cause": s.cause.description, "priority": s.priority} for s in seeds]}
     try:
@@ -460,4 +488,4 @@ def load_plan(path: str, problem: Problem, *, mesh: Mapping[str, int] | None = N
     extra = [Seed(s["value"], tuple(None if d is None else tuple(d) for d in s["dims"]),
                   Cause(SEARCH_CAUSE.kind, s.get("cause", SEARCH_CAUSE.description)), int(s.get("priority", 1)))
              for s in data["seeds"]]
-    return plan_from_seeds(problem, mesh, user + extra)
+    return plan_from_seeds(problem, mesh, user + extra, layout_cost=data.get("layout_cost", "time"))

@@ -17,7 +17,7 @@ from shardc.sharding import mesh_shape
 from shardc.sim import Simulator, as_topology
 from shardc.ties import check_ties
 
-__all__ = ["Problem", "Score", "Evaluator", "plan_from_seeds"]
+__all__ = ["LAYOUT_COSTS", "Problem", "Score", "Evaluator", "plan_from_seeds"]
 
 
 @dataclasses.dataclass
@@ -145,16 +145,23 @@ class UserPropagation:
             step(tail.popleft())
 
 
+LAYOUT_COSTS = ("time", "bytes")
+
+
 def plan_from_seeds(problem: Problem, mesh: Mesh, seeds: Sequence[Seed], *,
-                    base: UserPropagation | None = None) -> Plan:
+                    base: UserPropagation | None = None, layout_cost: str = "time") -> Plan:
     """Propagate `seeds` (the user's and the search's; with `base`, only the search's, continuing from the
-    user's propagation) and build the plan (with program and donation recorded)."""
+    user's propagation) and build the plan (with program and donation recorded). `layout_cost`: what each op's
+    layout choice weighs its reshards by — "time", seconds on the problem's topology, or "bytes" sent, as
+    `search=False` does without a topology (`SearchReport.layout_cost` says which the chosen plan used)."""
+    if layout_cost not in LAYOUT_COSTS:
+        raise ShardingError(f"layout_cost={layout_cost!r}: expected one of {LAYOUT_COSTS}")
 
     prop = base.run(list(seeds)) if base is not None else propagate(problem.graph, mesh_shape(mesh), list(seeds))
     check_ties(problem.graph, prop)
     plan = build_plan(problem.graph, mesh, prop, input_names=problem.input_names,
                       output_names=problem.output_names, warnings=list(problem.warnings),
-                      price=None if problem.topology is None else
+                      price=None if problem.topology is None or layout_cost == "bytes" else
                       topology_pricer(as_topology(problem.topology), mesh_shape(mesh)))
     return dataclasses.replace(plan, program=problem.program, donated=tuple(problem.donated))
 

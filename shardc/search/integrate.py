@@ -180,7 +180,7 @@ def plan_by_search(af: Any, graph: Any, user_seeds: Callable, in_paths: Sequence
     resume, af._search_resume = getattr(af, "_search_resume", None), None
     if resume is not None:  # retraced under the mesh the search chose: rebuild its plan
         user = list(user_seeds(af.mesh))
-        plan = plan_from_seeds(problem, af.mesh, user + list(resume.seeds))
+        plan = plan_from_seeds(problem, af.mesh, user + list(resume.seeds), layout_cost=resume.layout_cost)
         return dataclasses.replace(plan, search=resume)
     path = af.search if isinstance(af.search, str) and af.search.endswith(".json") else None
     topology_name = as_topology(topology).name
@@ -204,7 +204,8 @@ def plan_by_search(af: Any, graph: Any, user_seeds: Callable, in_paths: Sequence
            getattr(af, "memory_limit", None))
     cached = _PLAN_CACHE.get(key)
     if cached is not None and user is not None:  # the same traced program and hints planned before here
-        return dataclasses.replace(plan_from_seeds(problem, af.mesh, user + list(cached.seeds)), search=cached)
+        return dataclasses.replace(plan_from_seeds(problem, af.mesh, user + list(cached.seeds),
+                                                   layout_cost=cached.layout_cost), search=cached)
     budget = af.budget_s if af.budget_s is not None else default_budget(n)
     cap = getattr(af, "time_cap_s", None)
     from shardc.distributed import is_multiprocess

@@ -133,3 +133,62 @@ def test_a_batch_smaller_than_the_devices_splits_over_the_most_devices_then_the_
     assert _fit_batch(["data", "model"], 64, {"data": 8, "model": 8}) == ("data", "model")  # all when it fits
     assert _fit_batch(["data", "model"], 6, {"data": 2, "model": 4}) == ("data",)
     assert _fit_batch(["data"], 7, {"data": 8}) == ()
+
+
+def _glu_step(params, x):
+    """A Gemma-style gated MLP with the Flax example's fsdp x tensor layouts as hints."""
+    from annotations import shard
+    from jax.sharding import PartitionSpec as P
+
+    def loss(params):
+        h = shard(x, P("fsdp", None, "tensor"))
+        wg, wu, wd = shard(params[0], P("fsdp", "tensor")), shard(params[1], P("fsdp", "tensor")), \
+            shard(params[2], P("tensor", "fsdp"))
+        a = shard(jax.nn.gelu(h @ wg) * (h @ wu), P("fsdp", None, "tensor"))
+        return ((h + shard(a @ wd, P("fsdp", None, "tensor"))) ** 2).mean()
+
+    l, g = jax.value_and_grad(loss)(params)
+    return l, jax.tree.map(lambda p, d: p - 0.1 * d, params, g)
+
+
+def test_never_slower_than_search_false(tmp_path):
+    """search=False weighs each op's layout by the bytes its reshards send, the search's baselines by their
+    seconds on the topology; neither greedy choice is always the step's fastest. On this step (tpu-v5e-8,
+    fsdp=4 x tensor=2) the bytes-weighed plan simulates faster than every plan the search builds itself: the
+    search returns it, and every way of rebuilding the searched plan (retrace, cache, plan file) rebuilds it."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import shardc
+    from shardc.search.driver import HINTS_BY_BYTES
+
+    mesh = shardc.make_mesh({"fsdp": 4, "tensor": 2})
+    k = jax.random.PRNGKey(0)
+    params = tuple(jax.random.normal(jax.random.fold_in(k, j), s) * 0.05 for j, s in
+                   enumerate([(256, 512), (256, 512), (512, 256)]))
+    x = jax.random.normal(k, (32, 128, 256))
+    searched = shardc.auto(_glu_step, mesh=mesh, topology="tpu-v5e-8", budget_s=None)
+    plan = searched.plan(params, x)
+    rep = plan.search
+    by_bytes = [c for c in rep.baselines if c.name == HINTS_BY_BYTES]
+    hints = [c for c in rep.baselines if c.name == "hints"]
+    assert by_bytes and hints and by_bytes[0].score.time < hints[0].score.time
+    assert rep.chosen.name == HINTS_BY_BYTES and rep.layout_cost == "bytes"
+    assert plan.cost.step_time == pytest.approx(by_bytes[0].score.time, rel=1e-9)
+    plain = shardc.auto(_glu_step, mesh=mesh, search=False).plan(params, x)  # (no topology: bytes)
+    assert plan.strategies == plain.strategies and plan.shardings == plain.shardings
+    assert "search=False plans them" in plan.explain()
+    again = shardc.auto(_glu_step, mesh=mesh, topology="tpu-v5e-8", budget_s=None).plan(params, x)  # (cached)
+    assert again.strategies == plan.strategies
+    path = str(tmp_path / "plan.json")
+    saved = shardc.auto(_glu_step, mesh=mesh, topology="tpu-v5e-8", budget_s=None, search=path)
+    first = saved.plan(params, x)
+    assert first.strategies == plan.strategies
+    loaded = shardc.auto(_glu_step, mesh=mesh, topology="tpu-v5e-8", budget_s=None, search=path).plan(params, x)
+    assert loaded.strategies == plan.strategies
+    l, new = searched(params, x)
+    l0, new0 = jax.jit(_glu_step)(params, x)
+    np.testing.assert_allclose(np.asarray(l), np.asarray(l0), rtol=1e-5)
+    for a, b in zip(new, new0):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    assert jnp.isfinite(l)
