@@ -18,7 +18,8 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from annotations.errors import ShardingError, SourceLine
 from shardc.cost.collectives import Collective, collectives_time
-from shardc.cost.program import broadcast_dims, merged, unread_operands
+from shardc.cost.host_ops import default_estimator, gather_relayouts, relayout_seconds
+from shardc.cost.program import broadcast_dims, gathered_order, merged, unread_operands
 from shardc.cost.reshard_path import reshard_steps, sent_bytes
 from shardc.cost.wire import wire_itemsize
 from shardc.ir.graph import Graph, Op
@@ -188,6 +189,9 @@ class ReshardCost:
     kind: str
     payload: int
     sent: int
+    # XLA:CPU's copies around its all-gathers of non-major dims, each (local buffer shape, permutation, item
+    # size) (`shardc.cost.host_ops.gather_relayouts`): priced on CPU topologies only (`topology_pricer`)
+    relayouts: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...] = ()
 
 
 def lowers_reduce_scatter(mesh: Any) -> bool:
@@ -209,23 +213,39 @@ def lowers_backend(mesh: Any) -> str:
 ReshardPricer = Callable[[ReshardCost], float]
 
 
+_DTYPE_OF_ITEMSIZE = {1: "int8", 2: "bfloat16", 4: "float32", 8: "float64"}  # (a relayout's time is its bytes')
+
+
 def topology_pricer(topology: Any, mesh: Any, mapping: Any = None) -> ReshardPricer:
     """Seconds of a reshard's collectives, one after another, on `topology` with the mesh laid out by `mapping`
     (default: `topology.map_mesh` of the mesh's axes in order) — the simulator's collective formulas, so a
-    collective's fixed cost counts as well as its bytes (many small collectives cost more than one big one)."""
+    collective's fixed cost counts as well as its bytes (many small collectives cost more than one big one);
+    on XLA:CPU also the copies around all-gathers of non-major dims (`ReshardCost.relayouts`)."""
     sizes = dict(mesh_shape(mesh)) if not isinstance(mesh, Mapping) else dict(mesh)
     mapping = topology.map_mesh(sizes) if mapping is None else mapping
+
+    estimator = default_estimator(topology.device) if topology.backend == "cpu" else None
 
     @functools.lru_cache(maxsize=1 << 14)
     def seconds(colls: tuple[Collective, ...]) -> float:
         return collectives_time(colls, topology, mapping, sizes)
 
+    @functools.lru_cache(maxsize=1 << 14)
+    def copies(relayouts: tuple) -> float:
+        return sum(relayout_seconds(estimator, shape, _DTYPE_OF_ITEMSIZE.get(n, "float32"), perm)
+                   for shape, perm, n in relayouts)
+
     def price(cost: ReshardCost) -> float:
-        return seconds(cost.collectives) if cost.collectives else 0.0
+        if not cost.collectives:
+            return 0.0
+        if estimator is None or not cost.relayouts:
+            return seconds(cost.collectives)
+        return seconds(cost.collectives) + copies(cost.relayouts)
 
     # (what plan memos are shared by: the same link levels, each axis on the same ones, whatever the axis order;
-    # the formulas read nothing else of the topology)
-    price.key = (topology.levels, tuple(sorted(mapping.axes)))  # type: ignore[attr-defined]
+    # the formulas read nothing else of the topology but, on XLA:CPU, the device the copies are priced on)
+    price.key = (topology.levels, tuple(sorted(mapping.axes)),  # type: ignore[attr-defined]
+                 None if estimator is None else repr(topology.device))
     return price
 
 
@@ -234,13 +254,24 @@ def _reshard_cost(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize
                   mesh_items: tuple[tuple[str, int], ...], reduce_scatter: bool,
                   groups: tuple[Axes, ...], bcast: frozenset[int]) -> ReshardCost:
     mesh = dict(mesh_items)
-    colls = tuple(c for _, step in reshard_steps(src, dst, shape, itemsize, mesh, reduce_scatter, groups, bcast)
-                  for c in step)
+    steps = reshard_steps(src, dst, shape, itemsize, mesh, reduce_scatter, groups, bcast)
+    colls = tuple(c for _, step in steps for c in step)
     if colls:
         kind = "+".join(dict.fromkeys(c.kind for c in colls))
     else:
         kind = "none" if src.without_partial() == dst.without_partial() else "slice"
-    return ReshardCost(colls, kind, sum(c.bytes for c in colls), sum(sent_bytes(c, mesh) for c in colls))
+    relayouts: list = []
+    before = src
+    for layout, step in steps:
+        if any(c.kind == "all-gather" for c in step):
+            after = layout.local_shape(shape, mesh)
+            order = gathered_order(before.dims, layout.dims, after)
+            if order is not None:
+                relayouts += [(*copy, itemsize) for copy in gather_relayouts(order, before.local_shape(shape, mesh),
+                                                                              after)]
+        before = layout
+    return ReshardCost(colls, kind, sum(c.bytes for c in colls), sum(sent_bytes(c, mesh) for c in colls),
+                       tuple(relayouts))
 
 
 def reshard_cost(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int, mesh: Mapping[str, int],

@@ -18,8 +18,13 @@ Matmuls can be timed too (`primitives=`), but are not by default: with them time
 `bench/sim_vs_measured.py` ranked better (tau 0.87), yet on the Flax Gemma example (`bench.upstream_gemma`,
 fsdp 4 x tensor 2) the search then preferred, by 1.3% of simulated time, a plan with 100 all-gathers, 17
 all-to-alls and 21 permutes that ran 1.09-1.21x slower than the authors' jax.jit (the hints' plan, which it
-chose with matmuls on the roofline, ran 1.00x): the collectives of such plans are priced too cheap on XLA:CPU,
-and sharper compute prices let that error decide.
+chose with matmuls on the roofline, ran 1.00x): such plans' all-gathers of non-major dims cost XLA:CPU two
+transpose copies each, which were not priced then (they are now: `RELAYOUT_COPY` below), and sharper compute
+prices let that error decide.
+
+Relayout copies are timed too (`RELAYOUT_COPY`, `HostMeasuredEstimator.relayout_time`): XLA:CPU copies an
+all-gather's operand into an order with the gathered dim most major and the result back (docs/simulator.md);
+each copy is a transpose kernel, timed at its local shape and order, every device at once.
 
 Narrow matmuls are (`NARROW_MATMUL`): a dot_general with a contracted or result dim of at most 64 elements per
 device, such as a Megatron split of 32-wide attention heads, runs far below the roofline on XLA:CPU (packing
@@ -61,8 +66,9 @@ from shardc.cost.estimator import AnalyticalEstimator, OpKey
 from shardc.cost.profile import ProfilingEstimator, find_primitive
 from shardc.cost.topology import Device
 
-__all__ = ["HOST_MEASURED", "STRIDED_READ", "NARROW_MATMUL", "HostMeasuredEstimator", "contended_time",
-           "contended_strided_read", "default_estimator"]
+__all__ = ["HOST_MEASURED", "STRIDED_READ", "NARROW_MATMUL", "RELAYOUT_COPY", "HostMeasuredEstimator",
+           "contended_time", "contended_strided_read", "contended_relayout", "default_estimator", "gather_relayouts",
+           "relayout_seconds"]
 
 # Not a primitive: a loop fusion reading an operand across its memory order (a transpose moving the minor dim
 # fused into it: `shardc.cost.program.strided_readers`), timed as such a read beyond reading the operand in order.
@@ -70,7 +76,10 @@ STRIDED_READ = "strided_read"
 # What the cpu-host topology measures rather than models (matmuls: see the module docstring).
 # Not a primitive either: dot_generals with a dim of at most `_NARROW` elements per device (`_narrow`).
 NARROW_MATMUL = "narrow_matmul"
-HOST_MEASURED = ("conv_general_dilated", STRIDED_READ, NARROW_MATMUL)
+# Not a primitive: XLA:CPU's copy of a buffer into another memory order (a transpose kernel), as it makes around an
+# all-gather of a non-major dim (`shardc.cost.program.gathered_order`).
+RELAYOUT_COPY = "relayout_copy"
+HOST_MEASURED = ("conv_general_dilated", STRIDED_READ, NARROW_MATMUL, RELAYOUT_COPY)
 _NARROW = 64
 _MIN_STRIDED_BYTES = 64 * 1024  # a smaller operand stays in the core's cache: its strided read costs ~nothing
 _RUNS, _BUDGET_S = 5, 1.0  # at most this many timed runs, fewer once they have taken the budget
@@ -152,6 +161,18 @@ def contended_strided_read(shape: tuple, dtype: str, perm: tuple) -> float:
     return max(across - along, 0.0)
 
 
+def contended_relayout(shape: tuple, dtype: str, perm: tuple) -> float:
+    """Seconds a copy of an operand of `shape` into memory order `perm` (a transpose kernel of its own) takes,
+    every local device at once, beyond a call with no work."""
+    import jax
+    import jax.numpy as jnp
+
+    n = jax.local_device_count()
+    if n not in _IDLE:
+        _IDLE[n] = _on_every_device(lambda x: x, ((1,),), ("float32",))
+    return max(_on_every_device(lambda a: jnp.transpose(a, perm), (tuple(shape),), (dtype,)) - _IDLE[n], 0.0)
+
+
 @dataclasses.dataclass
 class HostMeasuredEstimator(ProfilingEstimator):
     """The roofline, except for `primitives`, which are timed on this host's devices under contention (the
@@ -177,8 +198,8 @@ class HostMeasuredEstimator(ProfilingEstimator):
         return hashlib.sha1(raw.encode()).hexdigest()
 
     def profilable(self, key: OpKey, params: Mapping[str, Any]) -> bool:
-        if key.primitive == STRIDED_READ:  # (no roofline prices it: timed unless cache-sized)
-            return STRIDED_READ in self.primitives and _strided_bytes(key) >= _MIN_STRIDED_BYTES
+        if key.primitive in (STRIDED_READ, RELAYOUT_COPY):  # (no roofline prices them: timed unless cache-sized)
+            return key.primitive in self.primitives and _strided_bytes(key) >= _MIN_STRIDED_BYTES
         if key.primitive == "dot_general" and NARROW_MATMUL in self.primitives and _narrow(key, params):
             return self.fallback.op_time(key, params) >= self.min_time * _NARROW_MIN_TIME_FRACTION
         return key.primitive in self.primitives and self.fallback.op_time(key, params) >= self.min_time
@@ -186,9 +207,10 @@ class HostMeasuredEstimator(ProfilingEstimator):
     def measure(self, key: OpKey, params: Mapping[str, Any]) -> float:
         """Seconds of the op on one device while every local device runs it (an error: the roofline prices it)."""
         _announce(self.cache.path)
-        if key.primitive == STRIDED_READ:
+        if key.primitive in (STRIDED_READ, RELAYOUT_COPY):
+            timer = contended_strided_read if key.primitive == STRIDED_READ else contended_relayout
             try:
-                return contended_strided_read(key.in_shapes[0], key.in_dtypes[0], params["permutation"])
+                return timer(key.in_shapes[0], key.in_dtypes[0], params["permutation"])
             except Exception:  # not runnable here: unpriced, as on a host that does not time it
                 return 0.0
         prim = find_primitive(key.primitive)
@@ -208,6 +230,34 @@ class HostMeasuredEstimator(ProfilingEstimator):
         cache-sized)."""
         key = OpKey(STRIDED_READ, (("permutation", tuple(perm)),), (tuple(shape),), (), (str(dtype),), ())
         return self.op_time(key) if self.profilable(key, {}) else 0.0
+
+
+    def relayout_time(self, shape: tuple, dtype: str, perm: tuple) -> float | None:
+        """Seconds of XLA:CPU's copy of a local buffer of `shape` into memory order `perm` (`RELAYOUT_COPY`), timed
+        once per configuration and host and cached; None when not measured here (the caller prices a copy)."""
+        out = tuple(shape[p] for p in perm)
+        key = OpKey(RELAYOUT_COPY, (("permutation", tuple(perm)),), (tuple(shape),), (out,), (str(dtype),),
+                    (str(dtype),))
+        return self.op_time(key) if self.profilable(key, {}) else None
+
+
+def relayout_seconds(estimator: Any, shape: tuple, dtype: str, perm: tuple) -> float:
+    """Seconds of a copy of a local buffer of `shape` into memory order `perm`: timed on the host when the
+    estimator times relayouts (`HostMeasuredEstimator.relayout_time`), else a copy on its roofline."""
+    timed = getattr(estimator, "relayout_time", None)
+    seconds = timed(tuple(shape), dtype, tuple(perm)) if timed is not None else None
+    if seconds is None:
+        out = tuple(shape[p] for p in perm)
+        seconds = estimator.op_time(OpKey("copy", (), (tuple(shape),), (out,), (dtype,), (dtype,)))
+    return seconds
+
+
+def gather_relayouts(order: tuple[int, ...], operand: tuple[int, ...], result: tuple[int, ...]) -> tuple[tuple, tuple]:
+    """The two copies (buffer shape in its memory order, permutation) of an all-gather XLA:CPU writes in memory
+    order `order` (`shardc.cost.program.gathered_order`): the row-major operand into `order`, then the gathered
+    buffer back into row-major order."""
+    stored = tuple(result[d] for d in order)
+    return (tuple(operand), tuple(order)), (stored, tuple(order.index(d) for d in range(len(order))))
 
 
 def _narrow(key: OpKey, params: Mapping[str, Any]) -> bool:

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from shardc.cost.first_fit import FirstFit
-from shardc.cost.program import ProgramInfo, conv_output_copied, derived, descendants, outer_region
+from shardc.cost.program import ProgramInfo, conv_output_copied, derived, descendants, gathered_order, outer_region
 
 __all__ = ["MemoryModel", "MemoryResult"]
 
@@ -475,9 +475,7 @@ class MemoryModel:
                 continue
             c, src, _ = keys[dep]
             dst = keys[t.outs[0]][1]
-            shape = self.keys.local_shape(c, dst)
-            gathered = [d for d, (a, b) in enumerate(zip(src.dims, dst.dims)) if len(a) > len(b)]
-            if gathered and any(n > 1 for n in shape[:min(gathered)]):
+            if gathered_order(src.dims, dst.dims, self.keys.local_shape(c, dst)) is not None:
                 out[t.outs[0]] = (self._position(slot, i, t.outs[0]), self._bytes(t.outs[0]))
         return out
 

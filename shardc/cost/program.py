@@ -156,6 +156,18 @@ _SAME_LAYOUT = frozenset(ELEMENTWISE) | frozenset(TRANSCENDENTAL) | frozenset({
     "sharding_constraint", "optimization_barrier"})
 
 
+def gathered_order(src_dims: Sequence[tuple], dst_dims: Sequence[tuple], local: Sequence[int]) -> tuple[int, ...] | None:
+    """The memory order (major to minor) in which XLA:CPU's all-gather writes a reshard from dims `src_dims` to
+    `dst_dims` (per dim, its mesh axes; `local`: the result's local shape): the gathered dims (those that lose
+    axes) most major, the others after them in order — or None when that is row-major already (no dim before the
+    first gathered one has more than one element). Otherwise the operand is first written in that order (the
+    producer's fusion writes it transposed) and the gathered buffer then copied into the row-major one."""
+    gathered = [d for d, (a, b) in enumerate(zip(src_dims, dst_dims)) if len(a) > len(b)]
+    if not gathered or not any(n > 1 for n in local[:min(gathered)]):
+        return None
+    return tuple(gathered) + tuple(d for d in range(len(local)) if d not in gathered)
+
+
 def physical_orders(graph: Graph, canon: Sequence[int]) -> dict[int, tuple[int, ...]]:
     """Per canonical value whose buffer is not laid out row-major on XLA:CPU, its dims from major to minor:
     layout assignment makes a transpose a bitcast (its result keeps its operand's memory order, permuted), and

@@ -21,9 +21,10 @@ from typing import Any, Mapping
 from shardc.cost.collectives import collective_fixed, collective_phases
 from shardc.cost.estimator import OpCostEstimator, OpKey
 from shardc.cost.flops import count_op
-from shardc.cost.host_ops import default_estimator
+from shardc.cost.host_ops import default_estimator, gather_relayouts, relayout_seconds
 from shardc.cost.op_collectives import AFTER_COMPUTE, op_collectives
-from shardc.cost.program import FREE_PRIMITIVES, ProgramInfo, broadcast_dims, broadcast_transfer, moves_no_data, program_info
+from shardc.cost.program import (FREE_PRIMITIVES, ProgramInfo, broadcast_dims, broadcast_transfer, gathered_order,
+                                 moves_no_data, program_info)
 from shardc.cost.reshard_path import kept_after, reshard_steps
 from shardc.cost.topology import MeshMapping, Topology
 from shardc.cost.wire import wire_itemsize
@@ -433,11 +434,20 @@ class TaskBuilder:
         val = self.graph.values[v]
         made: list[Key] = []
         deps = (self.kid(src_key),)
+        src = src_key[1]
         for n, (layout, colls) in enumerate(steps):
             key = (c, layout, HOME if n == len(steps) - 1 else origin)
             src_id = deps[0]
             first = len(slot.tasks)
+            order = self._gathered_order(v, src, layout, colls)
+            copies = () if order is None else \
+                gather_relayouts(order, self.local_shape(v, src), self.local_shape(v, layout))
+            if copies:  # (XLA:CPU) the operand copied into the gathered order
+                deps = self._relayout_task(slot, v, *copies[0], deps, op, trips, "operand")
             deps = self.collective_tasks(slot, colls, deps, c, v, op, trips)
+            if copies:  # ... and the gathered buffer back into row-major order
+                deps = self._relayout_task(slot, v, *copies[1], deps, op, trips, "result")
+            src = layout
             out = self.kid(key)
             if colls:
                 slot.chained += (out,)
@@ -449,6 +459,24 @@ class TaskBuilder:
             deps = (out,)
             made.append(key)
         return made
+
+    def _gathered_order(self, v: int, src: Sharding, dst: Sharding, colls: tuple) -> tuple[int, ...] | None:
+        """On XLA:CPU, the memory order its all-gather of reshard step `src -> dst` of value `v` writes when that
+        is not row-major (`shardc.cost.program.gathered_order`); None otherwise."""
+        if self.topology.backend != "cpu" or not any(cl.kind == "all-gather" for cl in colls):
+            return None
+        return gathered_order(src.dims, dst.dims, self.local_shape(v, dst))
+
+    def _relayout_task(self, slot: Slot, v: int, shape: tuple[int, ...], perm: tuple[int, ...],
+                       deps: tuple[int, ...], op: int, trips: int, what: str) -> tuple[int, ...]:
+        """A compute task copying value `v`'s local buffer of `shape` into memory order `perm` (an all-gather's
+        relayout on XLA:CPU: `host_ops.relayout_seconds`); returns the key it makes."""
+        dur = int(round(relayout_seconds(self.estimator, shape, self._dtype[v], perm) * trips * PS))
+        k = self.kid(("phase", self.canon(v), len(slot.tasks), op))
+        slot.tasks.append(Task(f"all-gather relayout ({what}) {self.graph.values[v].name}", "compute", 0, dur, deps,
+                               (k,), op))
+        slot.compute_ps += dur
+        return (k,)
 
     def resume(self, c: int, steps: tuple, keys: Mapping[int, int]) -> int:
         """How many steps of a path from value `c`'s home layout are done: the furthest of its layouts some
