@@ -21,11 +21,13 @@ any one instruction of it touches (operands plus result; a scatter's result is i
 the bytes its all-gathers make and its all-reduces move (`_ts_cost`, `_ip_cost`). The all-reduce of the partial
 results is the plan's reshard either way (same bytes); this module adds the permutes, as the op's own
 collectives (`shardc.cost.op_collectives`). Layouts outside this case (an operand also split on a dim the
-op passes through, explicit batch dims, indices split on the index vector) are left to the plan as it is.
+op passes through or on an explicit batch dim, indices split on the index vector or an explicit batch dim)
+are left to the plan as it is.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from typing import Any, Mapping, Sequence
@@ -50,8 +52,13 @@ class Grouping:
 
 def _devices(mesh: Mapping[str, int]) -> list[dict[str, int]]:
     """Every device as its mesh coordinates, in mesh order."""
-    names = list(mesh)
-    return [dict(zip(names, c)) for c in itertools.product(*(range(mesh[a]) for a in names))]
+    return _devices_of(tuple(mesh.items()))
+
+
+@functools.lru_cache(maxsize=64)
+def _devices_of(items: tuple[tuple[str, int], ...]) -> list[dict[str, int]]:
+    names = [a for a, _ in items]
+    return [dict(zip(names, c)) for c in itertools.product(*(range(n) for _, n in items))]
 
 
 def _index(coord: Coord, axes: Sequence[str], mesh: Mapping[str, int]) -> int:
@@ -92,10 +99,11 @@ def on_dims(sh: Sharding, dims: Sequence[int], mesh: Mapping[str, int]) -> Group
 
 
 def _moved_axes(sh: Sharding, groups: int, ref: Grouping, mesh: Mapping[str, int]) -> tuple[str, ...]:
-    """The mesh axes a tile of layout `sh` crosses when XLA groups it on its replicated devices into `groups`
-    groups (GroupShardingOnReplicatedDim: the major part of its replicated axes) and aligns them with `ref`
-    (AlignGroupsWith); none when nothing moves. The same groups keep every tile in place; other groups put the
-    tile of in-group position p on the device at position p of the reference's group."""
+    """The mesh axes XLA's collective-permute crosses when it groups layout `sh` on its replicated devices into
+    `groups` groups (GroupShardingOnReplicatedDim: the major part of its replicated axes) and aligns them with
+    `ref` (AlignGroupsWith); none when no tile moves. The same groups keep every tile in place; other groups
+    put the tile of in-group position p on the device at position p of the reference's group. The permute
+    pairs the old and the new holders of each tile in device order (XLA sorts a tile's replicas)."""
     rep = _replicated(sh, mesh)
     inner = _count(rep, mesh) // groups  # replicated devices per tile inside one group
     if inner * groups != _count(rep, mesh) or not sh.axes():
@@ -104,11 +112,11 @@ def _moved_axes(sh: Sharding, groups: int, ref: Grouping, mesh: Mapping[str, int
     if all(_index(c, rep, mesh) // inner == g for c, g in zip(devs, ref.group)):
         return ()
     old = [_tile(sh, c, mesh) for c in devs]
+    new = [p // inner for p in ref.position]
     crossed: set[str] = set()
-    for c, p, t in zip(devs, ref.position, old):
-        if p // inner != t:  # its new tile comes from the nearest device holding it
-            src = min((s for s, u in zip(devs, old) if u == p // inner), key=lambda s: sum(s[a] != c[a] for a in mesh))
-            crossed.update(a for a in mesh if src[a] != c[a])
+    for t in set(old):
+        holders = zip((d for d, u in enumerate(old) if u == t), (d for d, u in enumerate(new) if u == t))
+        crossed.update(a for src, dst in holders for a in mesh if devs[src][a] != devs[dst][a])
     return tuple(a for a in mesh if a in crossed)
 
 
@@ -116,6 +124,13 @@ def ts_moves(operand: Sharding, indexed: Sequence[int], others: Sequence[Shardin
              ) -> tuple[tuple[str, ...], ...]:
     """Trivially sliced operand: per tensor of `others` (indices, a gather's result, a scatter's updates),
     the mesh axes XLA permutes it across to align it with the operand's groups on its `indexed` dims."""
+    return _ts_moves(operand, tuple(indexed), tuple(others), tuple(mesh.items()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _ts_moves(operand: Sharding, indexed: tuple[int, ...], others: tuple[Sharding, ...],
+              items: tuple[tuple[str, int], ...]) -> tuple[tuple[str, ...], ...]:
+    mesh = dict(items)
     ref = on_dims(operand, indexed, mesh)
     groups = math.prod(_count(operand.dims[d], mesh) for d in indexed)
     return tuple(_moved_axes(t, groups, ref, mesh) for t in others)
@@ -125,6 +140,13 @@ def ip_moves(operand: Sharding, indices: Sharding, batch: Sequence[int], mesh: M
              ) -> tuple[str, ...]:
     """Index passthrough: the mesh axes XLA permutes the operand across to align it with the groups of the
     indices' pieces on their `batch` dims."""
+    return _ip_moves(operand, indices, tuple(batch), tuple(mesh.items()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _ip_moves(operand: Sharding, indices: Sharding, batch: tuple[int, ...], items: tuple[tuple[str, int], ...]
+              ) -> tuple[str, ...]:
+    mesh = dict(items)
     ref = on_dims(indices, batch, mesh)
     return _moved_axes(operand, math.prod(_count(indices.dims[d], mesh) for d in batch), ref, mesh)
 
@@ -145,19 +167,25 @@ class _Case:
     scatter: bool
 
 
+# XLA's dry-run communication cost of an all-reduce, per byte (what its logged costs of these methods show on 8
+# devices, all-reduces of groups of 2). Only a tie in the largest buffer reads it.
+ALL_REDUCE_COST = 3
+
+
 def _ts_cost(k: _Case) -> tuple[int, int]:
     """(largest buffer, communication) of XLA's dry run of the TS method: each group gathers (scatters) from its
-    operand piece with the whole indices and result (updates), all-gathered inside the group."""
+    operand piece with the whole indices and result (updates), all-gathered inside the group (a gather's
+    partial results all-reduced)."""
     if k.scatter:
         return k.o // k.a + k.i + k.r, k.i + k.r
-    return k.o // k.a + k.i + k.r, k.i + 3 * k.r // k.b
+    return k.o // k.a + k.i + k.r, k.i + ALL_REDUCE_COST * k.r // k.b
 
 
 def _ip_cost(k: _Case) -> tuple[int, int]:
     """(largest buffer, communication) of XLA's dry run of the IP method: each group all-gathers the operand and
     gathers (scatters) with its piece of the indices; a scatter's result is all-reduced over the indices' axes."""
     mem = max(k.o + k.i // k.b + k.r // k.b, k.o + k.o // k.a)
-    return mem, k.o + (3 * k.o // k.a if k.scatter else 0)
+    return mem, k.o + (ALL_REDUCE_COST * k.o // k.a if k.scatter else 0)
 
 
 def _case(shapes: Sequence[tuple[int, ...]], itemsizes: Sequence[int], ins: Sequence[Sharding], r_shape: Sequence[int],
@@ -190,6 +218,12 @@ def _copied(sh: Sharding, bcast: frozenset[int]) -> bool:
     return all(d in bcast for d, axes in enumerate(sh.dims) if axes)
 
 
+def _batch_split(indices: Sharding, batching_dims: Sequence[int]) -> bool:
+    """Whether the indices are split on an explicit batch dim (XLA's explicit-batch method, not modelled; the
+    operand split on one is outside the case too: `_case`)."""
+    return any(indices.dims[int(d)] for d in batching_dims or ())
+
+
 def _indexed_dims(start_index_map: Sequence[int], slice_sizes: Sequence[int]) -> tuple[int, ...]:
     """The operand dims the op indexes with slices of one row, in start_index_map order."""
     return tuple(int(d) for d in start_index_map if slice_sizes[int(d)] == 1)
@@ -213,7 +247,7 @@ def gather_collectives(op: Any, ins: Sequence[Sharding], shapes: Sequence[tuple[
                        ) -> OwnCollectives:
     """A gather's regrouping permutes: TS permutes the indices before and the result after; IP the operand."""
     dn = op.params["dimension_numbers"]
-    if getattr(dn, "operand_batching_dims", ()):
+    if _batch_split(ins[1], getattr(dn, "start_indices_batching_dims", ())):
         return NONE
     indexed = _indexed_dims(dn.start_index_map, op.params["slice_sizes"])
     out = _result_layout(op, ins)
@@ -245,7 +279,7 @@ def scatter_collectives(op: Any, ins: Sequence[Sharding], shapes: Sequence[tuple
     """A scatter's regrouping permutes: TS permutes the indices and updates before; IP the operand before and
     the result after (back to the operand's layout)."""
     dn = op.params["dimension_numbers"]
-    if len(ins) != 3 or getattr(dn, "operand_batching_dims", ()):
+    if len(ins) != 3 or _batch_split(ins[1], getattr(dn, "scatter_indices_batching_dims", ())):
         return NONE
     sizes = _scatter_slice_sizes(dn, shapes[0], shapes[2])
     indexed = _indexed_dims(dn.scatter_dims_to_operand_dims, sizes)

@@ -118,7 +118,8 @@ Fixed in the oracle:
   its dry run finds it smaller, groups by the indices' pieces and permutes the operand (and a scatter's
   result back). The plan listed none of these permutes; they are now the op's own collectives
   (`shardc.cost.gather_groups`; the family in `GATHER_REGROUPED`: other axis orders, groups that differ
-  without moving a tile, index passthrough, 2x4 meshes, a scatter-add written directly).
+  without moving a tile, index passthrough, 2x4 meshes, a scatter-add written directly, and seed 99015's
+  sort gradient, a scatter with an explicit batch dim).
 
 Upstream (XLA), pinned with a pure-JAX reproduction that fails today (strict xfail, so the day XLA is
 fixed this file says so):
@@ -488,6 +489,15 @@ GATHER_REGROUPED = {
     # ... or the operand and the result (index passthrough: many updates)
     "scatter_add_index_passthrough": _scatter_add(_mesh3(), (4, 2), ("z", None), tuple(i % 4 for i in range(16)),
                                                   (16, 2), "y"),
+    # seed 99015, shrunk by hand: sort's gradient scatters with an explicit batch dim (not split), operand [z],
+    # indices and updates [y]; XLA groups by the indices, all-reduces over x and permutes the result back
+    "sort_gradient": Program(mesh=_mesh3(), steps=(
+        Step(kind="input", args=(), attrs=(), shape=(2, 2)),
+        Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 0), ("axes", ("z",))), shape=(2, 2)),
+        Step(kind="sort", args=(1,), attrs=(("dim", 0),), shape=(2, 2)),
+        Step(kind="sort", args=(2,), attrs=(("dim", 1),), shape=(2, 2)),
+        Step(kind="hint", args=(3,), attrs=(("how", "split"), ("dim", 0), ("axes", "y")), shape=(2, 2)),
+    ), outputs=(4,)),
 }
 
 
