@@ -36,7 +36,7 @@ from shardc.cost.collectives import Collective
 from shardc.cost.op_collectives import NONE, OwnCollectives, register_op_collectives
 from shardc.sharding import Sharding
 
-__all__ = ["Grouping", "ts_moves", "ip_moves", "gather_collectives", "scatter_collectives"]
+__all__ = ["Grouping", "on_dims", "ts_moves", "ip_moves", "gather_collectives", "scatter_collectives"]
 
 Coord = Mapping[str, int]
 
@@ -154,15 +154,14 @@ def _ip_moves(operand: Sharding, indices: Sharding, batch: tuple[int, ...], item
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Case:
     """One gather/scatter in the regrouping case: total bytes of operand `o`, indices `i`, result or updates
-    `r`; `a` the operand's pieces on its indexed dims, `b` the indices' pieces; `indexed` those operand dims,
-    `batch` the indices' dims other than the index vector; `scatter` whether it is a scatter."""
+    `r`; `a` the operand's pieces on its indexed dims, `b` the indices' pieces on `batch`, their dims other
+    than the index vector; `scatter` whether it is a scatter."""
 
     o: int
     i: int
     r: int
     a: int
     b: int
-    indexed: tuple[int, ...]
     batch: tuple[int, ...]
     scatter: bool
 
@@ -201,7 +200,7 @@ def _case(shapes: Sequence[tuple[int, ...]], itemsizes: Sequence[int], ins: Sequ
     if a <= 1 or b <= 1:
         return None  # (one group, or indices every group holds whole: nothing to regroup)
     total = [math.prod(s) * n for s, n in zip(shapes, itemsizes)]
-    return _Case(total[0], total[1], math.prod(r_shape) * r_item, a, b, tuple(indexed), batch, scatter)
+    return _Case(total[0], total[1], math.prod(r_shape) * r_item, a, b, batch, scatter)
 
 
 def _permute(sh: Sharding, shape: Sequence[int], itemsize: int, axes: tuple[str, ...], mesh: Mapping[str, int]
@@ -259,8 +258,8 @@ def gather_collectives(op: Any, ins: Sequence[Sharding], shapes: Sequence[tuple[
         moved = () if _copied(ins[0], bcast[0]) else ip_moves(ins[0], ins[1], k.batch, mesh)
         return OwnCollectives(before=_permute(ins[0], shapes[0], itemsizes[0], moved, mesh))
     idx_axes, out_axes = ts_moves(ins[0], indexed, (ins[1], out), mesh)
-    return OwnCollectives(before=_permute(ins[1], shapes[1], itemsizes[1], () if _copied(ins[1], bcast[1]) else idx_axes,
-                                          mesh),
+    idx_axes = () if _copied(ins[1], bcast[1]) else idx_axes
+    return OwnCollectives(before=_permute(ins[1], shapes[1], itemsizes[1], idx_axes, mesh),
                           after=_permute(out, r_shape, itemsizes[0], out_axes, mesh))
 
 

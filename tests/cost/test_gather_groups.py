@@ -43,10 +43,10 @@ def test_index_passthrough_moves_the_operand_when_its_groups_differ():
 
 @pytest.mark.parametrize("case, ts, ip", [
     # (operand, indices, result or updates bytes; pieces a, b): XLA's logged (largest buffer, communication)
-    (_Case(32, 8, 16, 2, 2, (0,), (0, 1), False), (40, 32), (48, 32)),  # gather of 2 rows of a [4, 2] table
-    (_Case(32, 64, 128, 2, 2, (0,), (0, 1), False), (208, 256), (128, 32)),  # 16 rows: index passthrough
-    (_Case(32, 8, 16, 2, 2, (0,), (0, 1), True), (40, 24), (48, 80)),  # its gradient, a scatter-add
-    (_Case(32, 64, 128, 2, 2, (0,), (0, 1), True), (208, 192), (128, 80)),
+    (_Case(32, 8, 16, 2, 2, (0, 1), False), (40, 32), (48, 32)),  # gather of 2 rows of a [4, 2] table
+    (_Case(32, 64, 128, 2, 2, (0, 1), False), (208, 256), (128, 32)),  # 16 rows: index passthrough
+    (_Case(32, 8, 16, 2, 2, (0, 1), True), (40, 24), (48, 80)),  # its gradient, a scatter-add
+    (_Case(32, 64, 128, 2, 2, (0, 1), True), (208, 192), (128, 80)),
 ])
 def test_dry_run_costs_are_what_xla_logs(case, ts, ip):
     assert _ts_cost(case) == ts and _ip_cost(case) == ip
