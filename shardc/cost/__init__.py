@@ -9,7 +9,10 @@
     program.py      what XLA keeps of a program (CSE, DCE, constant folding, fusion, loop trips)
     memory.py       per-device peak memory by liveness
     hlo.py          collectives of a compiled program, read from its HLO text
+    op_collectives.py  collectives an op makes by itself (rule table); gather_groups.py: a gather's or
+                    scatter's regrouping by its operand's device groups (XLA's collective-permutes)
 """
+from shardc.cost import gather_groups as _gather_groups  # noqa: F401  (registers gather/scatter collectives)
 from shardc.cost.collectives import Collective, Phase, collective_phases, collective_time
 from shardc.cost.estimator import AnalyticalEstimator, FakeEstimator, OpCostEstimator, OpKey
 from shardc.cost.reshard import reshard_collectives

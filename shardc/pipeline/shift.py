@@ -23,7 +23,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from shardc.cost.collectives import Collective
-from shardc.cost.op_collectives import register_op_collectives
+from shardc.cost.op_collectives import NONE, OwnCollectives, register_op_collectives
 from shardc.rules.core import FactorKind, FactorRule, register_rule
 
 __all__ = ["stage_shift", "stage_shift_p", "SHIFT_PRIMITIVE"]
@@ -69,14 +69,15 @@ register_rule(SHIFT_PRIMITIVE, _rule)
 
 
 @register_op_collectives(SHIFT_PRIMITIVE)
-def _collectives(op, ins, shapes, itemsizes, mesh) -> tuple[Collective, ...]:
+def _collectives(op, ins, shapes, itemsizes, mesh, bcast) -> OwnCollectives:
     """With the shifted dim split over mesh axes, each device sends the rows that leave its shard to the next
     one: one collective-permute over those axes (XLA's partitioner makes exactly this of a roll)."""
     axis, offset = op.params["axis"], abs(op.params["offset"])
     axes = tuple(ins[0].dims[axis]) if axis < len(ins[0].dims) else ()
     if not axes or offset == 0:
-        return ()
+        return NONE
     local = ins[0].local_shape(shapes[0], mesh)
     rows = local[axis]
     moved = min(offset, rows)
-    return (Collective("collective-permute", axes, itemsizes[0] * math.prod(local) * moved // rows),)
+    moving = Collective("collective-permute", axes, itemsizes[0] * math.prod(local) * moved // rows)
+    return OwnCollectives(before=(moving,), instead=True)

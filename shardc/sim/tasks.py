@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from shardc.cost.collectives import collective_fixed, collective_phases
 from shardc.cost.estimator import OpCostEstimator, OpKey
 from shardc.cost.flops import count_op
 from shardc.cost.host_ops import default_estimator, gather_relayouts, relayout_seconds
-from shardc.cost.op_collectives import AFTER_COMPUTE, op_collectives
+from shardc.cost.op_collectives import NONE as NO_COLLECTIVES, OP_COLLECTIVES, OwnCollectives, op_collectives
 from shardc.cost.program import (FREE_PRIMITIVES, ProgramInfo, broadcast_dims, broadcast_transfer, gathered_order,
                                  moves_no_data, program_info)
 from shardc.cost.reshard_path import kept_after, reshard_steps
@@ -611,13 +611,12 @@ class TaskBuilder:
         outs = tuple(kid(k) for k in out_keys)
         free = (op.primitive in FREE_PRIMITIVES or all(info.constant[self.canon(v)] for v in op.outputs)
                 or op_id in info.bitcast and self._reads_dot_as_made(plan, op, need_shardings[0]))
-        own = () if free else op_collectives(op, need_shardings, [g.values[v].shape for v in op.inputs],
-                                             [self._itemsize[v] for v in op.inputs], self.mesh)
-        after = bool(own) and op.primitive in AFTER_COMPUTE
-        if own and not after:  # the op is its own collectives (shardc.cost.op_collectives), operands to results
-            deps = list(self.collective_tasks(slot, own, tuple(deps), self.canon(op.inputs[0]), op.inputs[0], op_id,
-                                              trips))
-            free = True
+        own = NO_COLLECTIVES if free else self._own_collectives(plan, op, need_shardings)
+        if own.before:  # the op's own collectives on its operands (shardc.cost.op_collectives)
+            deps = list(self.collective_tasks(slot, own.before, tuple(deps), self.canon(op.inputs[0]), op.inputs[0],
+                                              op_id, trips))
+            free = free or own.instead
+        after = own.after
         slot.at = len(slot.tasks)
         if free:
             slot.tasks.append(Task(op.primitive, "join", -1, 0, tuple(deps), outs, op_id))
@@ -629,7 +628,7 @@ class TaskBuilder:
             local = (self.kid(("local", self.canon(op.outputs[0]), len(slot.tasks), op_id)),) if after else outs
             slot.tasks.append(Task(op.primitive, "compute", 0, dur, tuple(deps), local, op_id))
             if after:  # the local results' collectives (an argmax's candidates), then the results
-                done = self.collective_tasks(slot, own, local, self.canon(op.outputs[0]), op.outputs[0], op_id, trips)
+                done = self.collective_tasks(slot, after, local, self.canon(op.outputs[0]), op.outputs[0], op_id, trips)
                 slot.tasks.append(Task(op.primitive, "join", -1, 0, tuple(done), outs, op_id))
             slot.compute_ps += dur
             slot.flops += int(round(count.flops)) * trips
@@ -648,6 +647,20 @@ class TaskBuilder:
                     made(key)
         slot.made = tuple(made_keys)
         return slot.seal()
+
+    def _own_collectives(self, plan: Plan, op: Any, needs: Sequence[Sharding]) -> OwnCollectives:
+        """The collectives `op` makes by itself (`shardc.cost.op_collectives`) with its operands as it reads
+        them: as `needs` says, a constant in the layout its strategy needs (the lowering slices it so,
+        `constants_as_needed`)."""
+        if op.primitive not in OP_COLLECTIVES:
+            return NO_COLLECTIVES
+        canon, constant = self.info.canon, self.info.constant
+        strat = plan.strategies[op.id]
+        ins = [strat.tensor_sharding(op.rule, dims, self.mesh) if constant[canon[v]] and len(dims) == len(need.dims)
+               else need for v, dims, need in zip(op.inputs, op.rule.operands, needs)]
+        g = self.graph
+        return op_collectives(op, ins, [g.values[v].shape for v in op.inputs], [self._itemsize[v] for v in op.inputs],
+                              self.mesh, [self.bc_start.get((op.id, i), frozenset()) for i in range(len(op.inputs))])
 
     def _reads_dot_as_made(self, plan: Plan, op: Any, need: Sharding) -> bool:
         """Whether transpose `op` reads its dot's result in the layout the dot makes it (no reshard between

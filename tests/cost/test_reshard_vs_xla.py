@@ -159,5 +159,5 @@ def test_an_argmax_over_an_axis_of_size_one_gathers_nothing():
     from shardc.cost.op_collectives import op_collectives
     argmax = SimpleNamespace(primitive="argmax", params={"axes": (1,), "index_dtype": "int32"})
     split = Sharding(((), ("x",)))
-    assert op_collectives(argmax, [split], [(3, 8)], [4], {"x": 1, "y": 8}) == ()
-    assert [c.kind for c in op_collectives(argmax, [split], [(3, 8)], [4], {"x": 2, "y": 4})] == ["all-gather"] * 2
+    assert op_collectives(argmax, [split], [(3, 8)], [4], {"x": 1, "y": 8}).all == ()
+    assert [c.kind for c in op_collectives(argmax, [split], [(3, 8)], [4], {"x": 2, "y": 4}).after] == ["all-gather"] * 2

@@ -111,11 +111,15 @@ Fixed in the oracle:
 * seed 99003: a slice of nothing but a pad's padding is zeros to XLA's simplifier (and the transpose of such
   a slice, a pad of a pad, likewise): what the pad padded was dead in XLA and all-gathered in the plan
   (`slice_of_the_padding`).
-
-Not modelled, pinned as a strict xfail (the day the plan says what XLA does, it passes and says so):
-* a gather or scatter whose operand is split on an indexed dim and whose indices are split over another
-  axis: XLA regroups the indices by the operand's device groups, permuting them where its grouping (on the
-  indices' major replicated axis) differs (seed 93004, permute 8 planned vs 20 compiled).
+* seed 93004: a gather (and its gradient, a scatter-add) whose operand is split on the dim it indexes one row
+  at a time and whose indices are split over another axis: XLA's partitioner groups the devices by the
+  operand's pieces and regroups the indices, the gather's result and the scatter's updates to match (their
+  replicated axes' major part makes their groups), collective-permuting those whose tiles move; or, when
+  its dry run finds it smaller, groups by the indices' pieces and permutes the operand (and a scatter's
+  result back). The plan listed none of these permutes; they are now the op's own collectives
+  (`shardc.cost.gather_groups`; the family in `GATHER_REGROUPED`: other axis orders, groups that differ
+  without moving a tile, index passthrough, 2x4 meshes, a scatter-add written directly, and seed 99015's
+  sort gradient, a scatter with an explicit batch dim).
 
 Upstream (XLA), pinned with a pure-JAX reproduction that fails today (strict xfail, so the day XLA is
 fixed this file says so):
@@ -441,16 +445,84 @@ GATHER_SPLIT_OPERAND_AND_INDICES = Program(mesh=_mesh3(), steps=(  # seed 93004,
 ), outputs=(0, 2))  # the gather's indices split over y; its gradient a scatter-add, updates over y, into [z]
 
 
-@pytest.mark.xfail(strict=True, reason="not modelled: XLA partitions a gather or scatter whose operand is split "
-                   "on a dim it indexes with slices of 1 (over z) and whose indices are split over another axis (y) "
-                   "by the operand's device groups: it groups the indices' (and updates') replicated devices on "
-                   "their major mesh axis (GroupShardingOnReplicatedDim, x here) and aligns them with the operand's "
-                   "groups (AlignGroupsWith); when that axis is not the operand's it collective-permutes the "
-                   "indices and updates (and the gather's result back) to be split over it instead. On 2x2x2 only "
-                   "the pairs of y and z; XLA's cost model (by sizes) may pick index passthrough instead, which "
-                   "misaligns too (a permute of the result)")
-def test_a_gather_of_a_split_dim_with_split_indices_is_regrouped_by_xla():
-    fuzzlib.check_program(GATHER_SPLIT_OPERAND_AND_INDICES)
+def _gather(mesh: tuple, operand: tuple, meta: tuple, dim: int, indices: tuple, axes, result: tuple,
+            hint_dim: int = 0) -> Program:
+    """The family of GATHER_SPLIT_OPERAND_AND_INDICES: a gather of an operand split (Flax metadata) on the
+    dim it indexes, its result split over `axes` (so are its indices), and its gradient (a scatter-add)."""
+    return Program(mesh=mesh, steps=(
+        Step(kind="input", args=(), attrs=(("meta", meta),), shape=operand),
+        Step(kind="gather", args=(0,), attrs=(("dim", dim), ("indices", indices)), shape=result),
+        Step(kind="hint", args=(1,), attrs=(("how", "split"), ("dim", hint_dim), ("axes", axes)), shape=result),
+    ), outputs=(0, 2))
+
+
+def _scatter_add(mesh: tuple, operand: tuple, meta: tuple, indices: tuple, updates: tuple, axes) -> Program:
+    """A scatter-add into dim 0 of an operand split there, its updates split over `axes`."""
+    return Program(mesh=mesh, steps=(
+        Step(kind="input", args=(), attrs=(("meta", meta),), shape=operand),
+        Step(kind="input", args=(), attrs=(), shape=updates),
+        Step(kind="hint", args=(1,), attrs=(("how", "split"), ("dim", 0), ("axes", axes)), shape=updates),
+        Step(kind="scatter_add", args=(0, 2), attrs=(("dim", 0), ("indices", indices)), shape=operand),
+    ), outputs=(3,))
+
+
+_ROWS16 = tuple((i % 4,) for i in range(16))
+GATHER_REGROUPED = {
+    "the_seed": GATHER_SPLIT_OPERAND_AND_INDICES,
+    # operand [y], indices [z]: their groups (x) are not the operand's (y), tiles move
+    "other_axes": _gather(_mesh3(), (4, 2), ("y", None), 0, ((3,), (3,)), "z", (2, 1, 2)),
+    # operand [z], indices [x]: other groups (y), but the operand's in-group order keeps every tile in place
+    "groups_differ_tiles_stay": _gather(_mesh3(), (4, 2), ("z", None), 0, ((1,), (3,)), "x", (2, 1, 2)),
+    # operand [z+x] (4 groups numbered z-major), indices [y] grouped x-major: same devices, nothing moves
+    "group_order_differs": _gather(_mesh3(), (8, 2), (("z", "x"), None), 0, ((1,), (7,)), "y", (2, 1, 2)),
+    # the indexed dim is the operand's second
+    "second_dim": _gather(_mesh3(), (3, 4), (None, "z"), 1, ((3,), (1,)), "y", (3, 2, 1), hint_dim=1),
+    # a large operand: XLA's dry run picks the trivially sliced method by far (indices and result move)
+    "large_operand": _gather(_mesh3(), (64, 32), ("z", None), 0, ((3,), (9,)), "y", (2, 1, 32)),
+    # many indices: XLA picks index passthrough (the operand moves; the scatter-add's result moves back)
+    "index_passthrough": _gather(_mesh3(), (4, 2), ("z", None), 0, _ROWS16, "y", (16, 1, 2)),
+    # 2x4: the indices' replicated axis is the operand's, one group each, nothing to regroup
+    "mesh_2x4": _gather((("x", 2), ("y", 4)), (4, 2), ("x", None), 0, ((1,), (3,), (0,), (2,)), "y", (4, 1, 2)),
+    "mesh_2x1x4": _gather((("x", 2), ("y", 1), ("z", 4)), (4, 2), ("z", None), 0, ((1,), (3,)), "x", (2, 1, 2)),
+    # a scatter-add written directly: indices and updates move (trivially sliced operand) ...
+    "scatter_add": _scatter_add(_mesh3(), (4, 2), ("z", None), (3, 1), (2, 2), "y"),
+    # ... or the operand and the result (index passthrough: many updates)
+    "scatter_add_index_passthrough": _scatter_add(_mesh3(), (4, 2), ("z", None), tuple(i % 4 for i in range(16)),
+                                                  (16, 2), "y"),
+    # seed 99015, shrunk by hand: sort's gradient scatters with an explicit batch dim (not split), operand [z],
+    # indices and updates [y]; XLA groups by the indices, all-reduces over x and permutes the result back
+    "sort_gradient": Program(mesh=_mesh3(), steps=(
+        Step(kind="input", args=(), attrs=(), shape=(2, 2)),
+        Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 0), ("axes", ("z",))), shape=(2, 2)),
+        Step(kind="sort", args=(1,), attrs=(("dim", 0),), shape=(2, 2)),
+        Step(kind="sort", args=(2,), attrs=(("dim", 1),), shape=(2, 2)),
+        Step(kind="hint", args=(3,), attrs=(("how", "split"), ("dim", 0), ("axes", "y")), shape=(2, 2)),
+    ), outputs=(4,)),
+}
+
+
+@pytest.mark.parametrize("prog", list(GATHER_REGROUPED.values()), ids=list(GATHER_REGROUPED))
+def test_a_gather_of_a_split_dim_with_split_indices_is_regrouped_by_xla(prog):
+    """XLA partitions a gather or scatter whose operand is split on a dim it indexes with slices of one row and
+    whose indices are split over other axes by the operand's device groups, collective-permuting what its
+    grouping moves (`shardc.cost.gather_groups`): the plan's permutes are the compiled program's."""
+    fuzzlib.check_program(prog)
+
+
+def _permute_bytes(prog: Program) -> int:
+    from shardc.sim import simulate
+
+    fun, args = fuzzlib.program_function(prog), fuzzlib.make_args(prog)
+    plan = shardc.plan(fun, *args, mesh=shardc.make_mesh(dict(prog.mesh)), search=False)
+    return simulate(plan).payload.get("collective-permute", 0)
+
+
+def test_the_regrouping_permutes_are_planned():
+    """The seed's plan permutes the gather's indices (4 B) and result (8 B), the scatter-add's indices and
+    updates (4 + 8 B); a layout whose groups keep every tile in place permutes nothing."""
+    assert _permute_bytes(GATHER_SPLIT_OPERAND_AND_INDICES) == 24
+    assert _permute_bytes(GATHER_REGROUPED["groups_differ_tiles_stay"]) == 0
+    assert _permute_bytes(GATHER_REGROUPED["index_passthrough"]) == 32  # operand [z] 16 B, scatter result 16 B
 
 
 @pytest.mark.parametrize("prog", [COND_INDEX, DEAD_LOOP, UPDATE_SLICE_SPLIT_DIM, UPDATE_ONE_ROW_OF_SPLIT_DIM,
