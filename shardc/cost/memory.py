@@ -809,12 +809,7 @@ class MemoryModel:
         if not ranges:
             return None, set()
         where = self._first_fit.place(allocs, ranges, _admitting(allocs))
-        placed = np.zeros(end + 1, dtype=np.int64)
-        got = [r for r in ranges if r[4] in where]
-        sizes = np.array([-r[0] for r in got], np.int64)
-        np.add.at(placed, np.array([r[2] for r in got], np.int64), sizes)  # (a range adds its bytes from its
-        np.add.at(placed, np.array([r[3] + 1 for r in got], np.int64), -sizes)  # first position to its last)
-        return np.cumsum(placed[:end]), set(where)
+        return self._first_fit.usage(end), set(where)
 
     def _buffer_ranges(self, limit: int, biggest: int, inplace: dict[int, int], pairs: Mapping[int, int]
                        ) -> list[tuple]:
