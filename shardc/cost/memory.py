@@ -120,6 +120,7 @@ class MemoryModel:
         self._io_donated: tuple[int, ...] | None = None  # the donated inputs `io` last computed for
         self._io_ids: frozenset[int] | None = None  # (`_io_values`)
         self._merged: list[tuple[int, int]] = []  # per merged all-reduce: (bitmask of members, of their descendants)
+        self._merged_of: Sequence[Any] | None = None  # the groups `_merged` is of
         self.order = info.order  # op -> its position in the compiled program's schedule
         self._op_at = [0] * self.n  # position -> op
         for op, i in enumerate(self.order):
@@ -807,12 +808,7 @@ class MemoryModel:
         if not ranges:
             return None, set()
         where = self._first_fit.place(allocs, ranges, _admitting(allocs))
-        placed = np.zeros(end + 1, dtype=np.int64)
-        got = [r for r in ranges if r[4] in where]
-        sizes = np.array([-r[0] for r in got], np.int64)
-        np.add.at(placed, np.array([r[2] for r in got], np.int64), sizes)  # (a range adds its bytes from its
-        np.add.at(placed, np.array([r[3] + 1 for r in got], np.int64), -sizes)  # first position to its last)
-        return np.cumsum(placed[:end]), set(where)
+        return self._first_fit.usage(end), set(where)
 
     def _buffer_ranges(self, limit: int, biggest: int, inplace: dict[int, int], pairs: Mapping[int, int]
                        ) -> list[tuple]:
@@ -885,6 +881,11 @@ class MemoryModel:
         return live
 
     def _set_merged(self, groups: Sequence[Any]) -> None:
+        """Per merged all-reduce of `groups`, the bitmasks of its members and of their descendants (kept while
+        the simulator passes the same groups object: it does when no rebuilt slot's all-reduces changed)."""
+        if groups is self._merged_of:
+            return
+        self._merged_of = groups
         desc = descendants(self.graph, self.info.canon) if groups else ()
         self._merged = []
         for g in groups:

@@ -11,30 +11,36 @@ program order, so reshard ownership is what a full build gives); the schedule is
 rebuilt slot, starting from the stream state recorded there; everything before it is reused. Past the
 last rebuilt slot the replay stops as soon as the rest of the old schedule, shifted by one amount D, is
 what replaying it would give: every stream's state (free time, idle intervals) is the old one plus D, its
-last task the same, and every value made earlier that a later task reads either moved by D too or was
-not what that task waited for and still is not, and, if it is now ready earlier, the task still fits no
-idle interval it passed before (checked read by read; values ready at time 0 by one bound). The old tail
-is then kept with a pending offset of D per slot (`_State.offset`), applied where times are read. The
-integer arithmetic is the same as a full run's, so the result is identical, not approximately equal
-(tests/sim/test_delta_equals_full.py compares every task's start and end).
+last task the same, and every value made earlier that a later task on a stream reads either moved by D too
+or was not what that task waited for and still is not, and, if it is now ready earlier, the task still fits
+no idle interval it passed before (checked read by read; values ready at time 0 by one bound). A join holds
+no stream: its time is only the latest of its inputs', so a join of the tail reading such a value is
+computed again from its inputs, and when it does not move by D (Adam's fused `integer_pow` of a gradient
+the backward pass made before the change) its time is recorded apart (`Simulator._pin`) and the values it
+makes are checked in turn. The old tail is then kept with a pending offset of D per slot
+(`_State.offset`), applied where times are read. The integer arithmetic is the same as a full run's, so the
+result is identical, not approximately equal (tests/sim/test_delta_equals_full.py compares every task's
+start and end).
 
 Memory (`shardc.cost.memory`) is updated for the buffers the rebuilt slots make or read, and for the
-all-reduces XLA merges (`shardc.sim.combine`), regrouped on every run (a pass over the all-reduces only).
+all-reduces XLA merges (`shardc.sim.combine`), regrouped when a rebuilt slot's all-reduces changed.
 """
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import heapq
 import itertools
 import operator
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from shardc.cost.estimator import OpCostEstimator
 from shardc.cost.memory import MemoryModel
 from shardc.cost.topology import MeshMapping, Topology
-from shardc.gc_pause import gc_paused
+from shardc.gc_pause import gc_paused_long_lived
 from shardc.plan import Plan
 from shardc.sim.combine import Combiner
 from shardc.sim.result import SimResult
@@ -49,13 +55,16 @@ _NEVER = 1 << 62  # "no task" in a slot's earliest start
 # five slot replays, one of reads far more; overshooting the first slot that would do costs only replays).
 _RETRY_STREAMS = 8
 _RETRY_READS = 32
+_NONE_MOVED: Mapping[int, int] = MappingProxyType({})  # (no join of a kept tail moved off its shift)
 
 
-def _moves_earlier(st: "_State", si: int, ti: int, start: int, shift: int, from_j: int) -> bool:
+def _moves_earlier(st: "_State", si: int, ti: int, start: int, shift: int, from_j: int,
+                   moved: Mapping[int, int] = _NONE_MOVED) -> bool:
     """Whether task ti of slot si, in the old tail shifted by `shift` (so starting at `start`), would run
     earlier: its inputs are ready earlier than the shifted old ones, and it now fits an idle interval
     it came to before the one it ran in (first fit, in time order; see `_schedule`). Its inputs' ready
-    times are those the kept tail would give (keys the tail makes move with it); its stream's idle
+    times are those the kept tail would give (keys the tail makes move with it, but those of `moved`, made by
+    joins of the tail that do not, are ready when it says); its stream's idle
     intervals those recorded before the slot, updated by the slot's earlier tasks on the stream as
     `_schedule` did. Tasks of no stream or duration only wait for their inputs: the caller checks them."""
     deps, s, dur, _outs = st.slots[si].sched[ti]
@@ -64,36 +73,65 @@ def _moves_earlier(st: "_State", si: int, ti: int, start: int, shift: int, from_
     ready, who = st.ready, st.who
     inputs_at = 0
     for d in deps:
-        r = ready[d]
-        if r and who[d] >= from_j:
-            r += shift
+        r = moved.get(d)
+        if r is None:
+            r = ready[d]
+            if r and who[d] >= from_j:
+                r += shift
         if r > inputs_at:
             inputs_at = r
     if inputs_at + dur > start:  # (an interval it came to before ends by `start`: it could not finish in one)
         return False
-    moved = int(st.offset[si]) + shift
-    idle = [(a + moved, b + moved) for a, b, _ in st.gaps_in[si][s]]
-    free = st.stream_in[si][s] + moved
+    by = int(st.offset[si]) + shift  # (compared in the slot's recorded times: the same integers, less `by`)
+    start -= by
+    inputs_at -= by
+    sched = st.slots[si].sched
+    idle = st.gaps_in[si][s]
+    if any(sched[tj][1] == s and sched[tj][2] for tj in range(ti)):
+        idle = _idle_found(st, si, ti, s)
+        if idle is None:  # (not as recorded: replay to be sure)
+            return True
+    for g in idle:
+        a, b = g[0], g[1]
+        if b > start:
+            break
+        if max(inputs_at, a) + dur <= b:
+            return True
+    return False
+
+
+def _idle_found(st: "_State", si: int, ti: int, s: int) -> list[tuple[int, int]] | None:
+    """Stream s's idle intervals as task ti of slot si found them (recorded times): those recorded before the
+    slot, updated by the slot's earlier tasks on the stream as `_schedule` did; None when one of those did not
+    run where the recorded intervals allow."""
+    idle = [(a, b) for a, b, _ in st.gaps_in[si][s]]
+    free = st.stream_in[si][s]
     sched, starts, ends = st.slots[si].sched, st.starts[si], st.ends[si]
-    for tj in range(ti):  # the idle intervals as task ti found them
+    for tj in range(ti):
         if sched[tj][1] == s and sched[tj][2]:
-            at, end = starts[tj] + moved, ends[tj] + moved
+            at, end = starts[tj], ends[tj]
             if at >= free:  # after the stream's last task
                 if at > free:
                     idle = (idle + [(free, at)])[-_GAPS:]
                 free = end
             else:  # in an idle interval
                 gi = next((g for g, (a, b) in enumerate(idle) if a <= at and end <= b), None)
-                if gi is None:  # (not as recorded: replay to be sure)
-                    return True
+                if gi is None:
+                    return None
                 a, b = idle[gi]
                 idle[gi:gi + 1] = [g for g in ((a, at), (end, b)) if g[1] > g[0]]
-    for a, b in idle:
-        if b > start:
-            break
-        if max(inputs_at, a) + dur <= b:
-            return True
-    return False
+    return idle
+
+
+def _differing(a: Sequence[Any], b: Sequence[Any], chunk: int = 256) -> list[int]:
+    """The indices at which sequences a and b (of one length) hold unequal items: chunks compared whole first
+    (in C, identical items at once), items only in the chunks that differ."""
+    out: list[int] = []
+    for lo in range(0, len(a), chunk):
+        x, y = a[lo:lo + chunk], b[lo:lo + chunk]
+        if x != y:
+            out.extend(itertools.compress(range(lo, lo + len(x)), map(operator.ne, x, y)))
+    return out
 
 
 @dataclasses.dataclass
@@ -109,19 +147,44 @@ class _Probe:
     crossing: np.ndarray | None = None
     live: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.int64))
     seen: int = 0
-    readers: dict = dataclasses.field(default_factory=dict)  # key -> its readers from `first` on, sorted
     makers: dict = dataclasses.field(default_factory=dict)  # key the replay remade -> the task that made it before
     bound_at: int = -1  # the slot of the last check's failing read whose start the moved key decided
 
 
+class _Remade:
+    """The keys a replay from slot `first` made in slots `first` .. `done` - 1: per key its ready time before the
+    replay (`before`; None: the old schedule did not make it) and the task that made it then (`makers`).
+    Gathered from the replayed slots' outputs when a check asks (`upto`), against copies of the ready times
+    and makers taken when the replay began, rather than key by key in the replay's inner loop (a key's value
+    before the replay does not depend on when the replay wrote it)."""
+
+    def __init__(self, slots: list[Slot], first: int, ready: list[int], who: list[int]) -> None:
+        self.slots = slots
+        self.done = first
+        self.ready0 = ready[:]
+        self.who0 = who[:]
+        self.before: dict[int, int | None] = {}
+        self.makers: dict[int, int] = {}
+
+    def upto(self, j: int) -> dict[int, int | None]:
+        """`before` for the keys slots `first` .. j - 1 made."""
+        if j > self.done:
+            outs = [k for si in range(self.done, j) for task in self.slots[si].sched for k in task[3]]
+            ready0, who0 = self.ready0, self.who0
+            self.before.update({k: (ready0[k] if who0[k] >= 0 else None) for k in outs})
+            self.makers.update({k: who0[k] for k in outs})
+            self.done = j
+        return self.before
+
+
 class _Reads:
-    """Which tasks read each key; per key (arrays, for vectorised selection) the last slot reading it (a
+    """Which tasks read each key (sorted); per key (arrays, for vectorised selection) the last slot reading it (a
     bound: reads of rebuilt slots are added, not removed), the task that made it and whether it is ready
     after time 0; the last slot using each stream (a bound too) — what a delta checks before keeping an old
     tail. Built by the first delta after a full simulation, then kept up to date."""
 
     def __init__(self, slots: list[Slot], nstreams: int, who: list[int], ready: list[int]) -> None:
-        self.readers: dict[int, set[int]] = {}
+        self.readers: dict[int, list[int]] = {}
         self.last_read = np.full(len(who), -1, np.int64)
         self.maker = np.array(who, np.int64)
         self.live = np.array(ready, np.int64) > 0
@@ -139,9 +202,19 @@ class _Reads:
     def _add(self, si: int, slot: Slot) -> None:
         here = si * TASKS_PER_SLOT
         last = self.last_read
+        readers = self.readers
         for ti, (deps, s, _dur, _outs) in enumerate(slot.sched):
+            t = here + ti
             for d in deps:
-                self.readers.setdefault(d, set()).add(here + ti)
+                tasks = readers.get(d)
+                if tasks is None:
+                    readers[d] = [t]
+                elif not tasks or tasks[-1] < t:  # (slots are added in program order when built)
+                    tasks.append(t)
+                else:
+                    at = bisect.bisect_left(tasks, t)
+                    if at == len(tasks) or tasks[at] != t:
+                        tasks.insert(at, t)
                 if d >= len(last):
                     self._grow(d + 1)
                     last = self.last_read
@@ -154,7 +227,10 @@ class _Reads:
         here = si * TASKS_PER_SLOT
         for ti, (deps, _s, _dur, _outs) in enumerate(old.sched):
             for d in deps:
-                self.readers.get(d, set()).discard(here + ti)
+                tasks = self.readers.get(d, [])
+                at = bisect.bisect_left(tasks, here + ti)
+                if at < len(tasks) and tasks[at] == here + ti:
+                    del tasks[at]
         self._add(si, new)
 
     def remade(self, keys: Any, who: list[int], ready: list[int]) -> None:
@@ -255,7 +331,7 @@ class Simulator:
         return self.builder.graph
 
     # -- public --------------------------------------------------------------------------------------
-    @gc_paused  # (see shardc/gc_pause.py)
+    @gc_paused_long_lived  # (see shardc/gc_pause.py)
     def full(self, plan: Plan, donated: tuple[int, ...] = ()) -> SimResult:
         """Simulate a plan from scratch."""
         b = self.builder
@@ -281,7 +357,7 @@ class Simulator:
         self._reads = None
         return self._result(state)
 
-    @gc_paused  # (see shardc/gc_pause.py)
+    @gc_paused_long_lived  # (see shardc/gc_pause.py)
     def delta(self, plan: Plan, donated: tuple[int, ...] = ()) -> SimResult:
         """Simulate a plan that differs from the previous one in a few ops or values: the same result as
         `full(plan)`, computed from the previous run."""
@@ -334,10 +410,13 @@ class Simulator:
             if self._reads is None:
                 self._reads = _Reads(old.slots, len(self.builder.streams), old.who, old.ready)
             self._schedule(old, changed[0], changed[-1])
-        old.groups = self._groups(old)
-        # Compare the lifetimes, not the groups: equal groups may hold rebuilt all-reduces of other keys.
-        after = Combiner.lifetimes(old.slots, old.groups, self.builder.info.order)
-        bounds = None if after == self.memory.bounds else (self.memory.bounds, after)
+        bounds = None
+        if any(old_slots[s].ars != old.slots[s].ars for s in changed):  # (else the same groups, the same lifetimes)
+            old.groups = self._groups(old)
+            # Compare the lifetimes, not the groups: equal groups may hold rebuilt all-reduces of other keys.
+            after = Combiner.lifetimes(old.slots, old.groups, self.builder.info.order)
+            if after != self.memory.bounds:
+                bounds = (self.memory.bounds, after)
         self.memory.update(plan, old.slots, changed, old_slots, donated, values, bounds, old.groups)
         return self._result(old)
 
@@ -364,10 +443,8 @@ class Simulator:
         operand layouts differ; None when the plans do not share a mesh and graph shape."""
         if len(a.strategies) != len(b.strategies) or a.mesh_sizes != b.mesh_sizes:
             return None
-        sa, sb = a.shardings, b.shardings
-        values = {v for v in itertools.compress(range(len(sa)), map(operator.is_not, sa, sb)) if sa[v] != sb[v]}
-        ta, tb = a.strategies, b.strategies
-        ops = {i for i in itertools.compress(range(len(ta)), map(operator.is_not, ta, tb)) if ta[i] != tb[i]}
+        values = set(_differing(a.shardings, b.shardings))
+        ops = set(_differing(a.strategies, b.strategies))
         needs_a = self._needs
         if a.reshards is not b.reshards:
             if needs_a is None:
@@ -436,7 +513,7 @@ class Simulator:
         slots, stream_in, stream_last = st.slots, st.stream_in, st.stream_last
         gaps_in = st.gaps_in
         all_starts, all_ends, all_binds = st.starts, st.ends, st.bind
-        replaced: dict[int, int] = {}  # key -> its ready time before this replay (keys the replay made)
+        remade = _Remade(slots, first, ready, who) if last_changed >= 0 else None  # (what a delta's replay made)
         probe = _Probe(first)
         maxes: list[int] = []  # slot_max and slot_min of the replayed slots, written to the arrays at once
         mins: list[int] = []
@@ -445,13 +522,14 @@ class Simulator:
             upto = first + len(maxes)
             slot_max[first:upto], slot_min[first:upto], offset[first:upto] = maxes, mins, 0
 
-        makers = probe.makers
+        if remade is not None:
+            probe.makers = remade.makers
         # (recorded per slot; the tuples are shared until a slot's tasks change them)
         free_in, last_in, gaps_now = tuple(free), tuple(last), tuple(gaps)
         for si in range(first, len(slots)):
             if si > last_changed >= 0 and si >= probe.next_try and self._converged(st, si, free, last, gaps,
-                                                                                 replaced, probe, write_arrays):
-                self._reads.remade(replaced, who, ready)
+                                                                                 remade, probe, write_arrays):
+                self._reads.remade(remade.upto(si), who, ready)
                 return
             stream_in[si], stream_last[si], gaps_in[si] = free_in, last_in, gaps_now
             starts, ends, binds = [], [], []
@@ -494,9 +572,6 @@ class Simulator:
                 else:
                     end = start
                 for k in outs:
-                    if first and k not in replaced:
-                        replaced[k] = ready[k] if who[k] >= 0 else None
-                        makers[k] = who[k]
                     ready[k] = end
                     who[k] = here
                 if start < lo and (start or end or (s >= 0 and dur)):
@@ -516,11 +591,11 @@ class Simulator:
                 gaps_now = tuple(gaps)
         write_arrays()
         st.makespan = max(int((slot_max + offset).max()), 0) if len(slots) else 0
-        if first and self._reads is not None:
-            self._reads.remade(replaced, who, ready)
+        if remade is not None and self._reads is not None:
+            self._reads.remade(remade.upto(len(slots)), who, ready)
 
     def _converged(self, st: _State, j: int, free: list[int], last: list[int], gaps: list[tuple],
-                   replaced: dict[int, int], probe: "_Probe", write_arrays: Any) -> bool:
+                   remade: _Remade, probe: "_Probe", write_arrays: Any) -> bool:
         """Whether slots j.. of the old schedule, shifted by one amount, are what replaying them gives; if
         so the shift is applied (offsets, the ready times of the keys they make, the makespan), after
         `write_arrays()` has recorded the replayed slots' bounds."""
@@ -550,7 +625,9 @@ class Simulator:
             for (a, b, t), (c, d, u) in zip(new_g, old_g):  # (oldest first: where a replay's intervals differ)
                 if a != c + total or b != d + total or t != u:
                     return False
-        if not self._reads_hold(st, j, shift, replaced, probe):
+        replaced = remade.upto(j)
+        held = self._reads_hold(st, j, shift, replaced, probe)
+        if held is None:
             probe.next_try = max(j + _RETRY_READS, probe.bound_at + 1)
             return False
         write_arrays()
@@ -559,19 +636,28 @@ class Simulator:
             ready = st.ready
             for k in reads.keys_made_from(j, replaced):
                 ready[k] += shift
+        if held[0]:
+            self._pin(st, *held)
         st.makespan = int((st.slot_max + st.offset).max())
         return True
 
-    def _reads_hold(self, st: _State, j: int, shift: int, replaced: dict[int, int], probe: "_Probe") -> bool:
-        """Every read by a task of slots j.. of a key made before j is consistent with shifting those tasks
-        by `shift`: the key moved by `shift` too, or it did not decide the task's start before and does not
-        now (its ready time below the shifted start). Static tasks (joins at time 0 of values ready at 0)
-        stay at 0 and need their inputs to."""
+    def _reads_hold(self, st: _State, j: int, shift: int, replaced: dict[int, int], probe: "_Probe"
+                    ) -> tuple[dict[int, tuple[int, int]], dict[int, int]] | None:
+        """Whether every read by a task of slots j.. of a key whose ready time does not move by `shift` with them
+        (made before j, or by a join of the tail that does not move with it) is consistent with keeping the old
+        tail, shifted by `shift`; None if not, else the joins of the tail that do not move with it and the keys
+        they make (`pinned`: join task -> (its time, the task it waited for last); `moved`: key -> ready time).
+
+        A task on a stream keeps its shifted start if the key did not decide it before and does not now (its
+        ready time below the shifted start) and, if the key is ready earlier than the shifted tail expects, the
+        task still fits no idle interval it passed (`_moves_earlier`). A join (no stream or no duration) is only
+        the latest of its inputs: its time is computed again from them, in program order (a heap), and if it
+        differs from the shifted old one, the keys it makes are checked the same way."""
         ready, who, reads = st.ready, st.who, self._reads
         if shift:  # values ready at 0 (inputs, static keys) must not decide a shifted start
             tail_first = int((st.slot_min[j:] + st.offset[j:]).min())
             if not (tail_first > 0 and tail_first + shift > 0):
-                return False
+                return None
         last_read = reads.last_read
         if probe.seen < len(replaced):
             made = np.fromiter(itertools.islice(replaced, probe.seen, None), np.int64, len(replaced) - probe.seen)
@@ -589,29 +675,110 @@ class Simulator:
             probe.crossing = probe.crossing[last_read[probe.crossing] >= j]
             suspects.extend(k for k in probe.crossing.tolist() if k not in replaced)
         from_j = j * TASKS_PER_SLOT
-        for k in suspects:
-            r, maker = ready[k], who[k]
-            before = replaced.get(k, r)  # (None: a key the old schedule did not make)
-            earlier = before is None or r < before + shift  # moved earlier than the tail
-            later = probe.readers.get(k)
-            if later is None:
-                later = probe.readers[k] = sorted(t for t in reads.readers.get(k, ()) if t >= from_j)
-            for t in itertools.islice(later, bisect.bisect_left(later, from_j), None):
+        joins: list[int] = []  # (a heap: program order) joins reading a key off the shift, to compute again
+        queued: set[int] = set()
+        earlier: set[int] = set()  # tasks on a stream reading a key ready earlier than the tail expects
+
+        def readers_hold(k: int, r: int, sooner: bool, off_shift: bool) -> bool:
+            """Check the tasks on a stream reading key k (ready at r; `sooner`: earlier than the shifted tail
+            expects; `off_shift`: not where the shifted tail has it); queue the joins reading it."""
+            maker = who[k]
+            old_maker = makers.get(k, maker)
+            for t in self._readers_from(k, from_j):
                 si, ti = divmod(t, TASKS_PER_SLOT)
-                start, end = st.starts[si][ti], st.ends[si][ti]
-                if is_static(start, end, *st.slots[si].sched[ti][1:3]):
-                    if r:
-                        return False
+                _deps, s, dur, _outs = st.slots[si].sched[ti]
+                if s < 0 or not dur:
+                    if t not in queued:
+                        queued.add(t)
+                        heapq.heappush(joins, t)
                     continue
-                start += int(st.offset[si])
-                if st.bind[si][ti] in (maker, makers.get(k, maker)) and st.bind[si][ti] >= 0:
+                bind = st.bind[si][ti]
+                if bind >= 0 and (bind == maker or bind == old_maker):
                     probe.bound_at = si  # (its start is decided by the key: only a replay past it can keep the tail)
                     return False
-                if not (r < start + shift or (shift >= 0 and r <= start + shift)):
+                start = st.starts[si][ti] + int(st.offset[si]) + shift
+                # (a key that moved off the shift and is ready right at the shifted start would decide it now)
+                if not (r < start or (shift >= 0 and not off_shift and r <= start)):
                     return False
-                if earlier and _moves_earlier(st, si, ti, start + shift, shift, from_j):
-                    return False
-        return True
+                if sooner:
+                    earlier.add(t)
+            return True
+
+        for k in suspects:
+            r = ready[k]
+            before = replaced.get(k, r)  # (None: a key the old schedule did not make)
+            if not readers_hold(k, r, before is None or r < before + shift, before is None or r != before + shift):
+                return None
+        pinned: dict[int, tuple[int, int]] = {}
+        moved: dict[int, int] = {}
+        while joins:  # (in program order: a join's inputs are final when it is computed)
+            t = heapq.heappop(joins)
+            si, ti = divmod(t, TASKS_PER_SLOT)
+            time, bind = self._join_time(st, st.slots[si].sched[ti][0], shift, from_j, moved)
+            expected = self._tail_time(st, si, ti, shift)
+            if time == expected and bind == st.bind[si][ti]:
+                continue
+            if time and time == int(st.offset[si]) + shift:
+                return None  # (recorded relative to its slot's new offset it would be 0: read as static)
+            pinned[t] = (time, bind)
+            if time != expected:
+                for o in st.slots[si].sched[ti][3]:
+                    moved[o] = time
+                    if not readers_hold(o, time, time < expected, True):
+                        return None
+        for t in sorted(earlier):  # (with every join's time known)
+            si, ti = divmod(t, TASKS_PER_SLOT)
+            if _moves_earlier(st, si, ti, st.starts[si][ti] + int(st.offset[si]) + shift, shift, from_j, moved):
+                return None
+        return pinned, moved
+
+    def _readers_from(self, k: int, from_j: int) -> list[int]:
+        """The tasks reading key k from task `from_j` on, in program order."""
+        tasks = self._reads.readers.get(k, ())
+        return tasks[bisect.bisect_left(tasks, from_j):]
+
+    @staticmethod
+    def _tail_time(st: _State, si: int, ti: int, shift: int) -> int:
+        """The time task ti of slot si has in the old tail shifted by `shift` (a static one stays at 0)."""
+        start, end = st.starts[si][ti], st.ends[si][ti]
+        _deps, s, dur, _outs = st.slots[si].sched[ti]
+        return 0 if is_static(start, end, s, dur) else start + int(st.offset[si]) + shift
+
+    def _join_time(self, st: _State, deps: tuple[int, ...], shift: int, from_j: int, moved: dict[int, int]
+                   ) -> tuple[int, int]:
+        """A join's time and the task it waited for last, computed from its inputs `deps` as `_schedule` does:
+        keys the tail makes at their shifted ready times (static ones at 0), those of `moved` at theirs."""
+        ready, who, live = st.ready, st.who, self._reads.live
+        time, bind = 0, -1
+        for d in deps:
+            r = moved.get(d)
+            if r is None:
+                r = ready[d]
+                if who[d] >= from_j and live[d]:
+                    r += shift
+            if r > time:
+                time, bind = r, who[d]
+        return time, bind
+
+    def _pin(self, st: _State, pinned: dict[int, tuple[int, int]], moved: dict[int, int]) -> None:
+        """Record the joins of a kept tail that do not move with it (`_reads_hold`): their times relative to their
+        slots' offsets (0 when at time 0: static), binds, the slots' bounds, and the ready times of the keys
+        they make. A slot's lists are copied first (earlier results share them)."""
+        slots = sorted({t // TASKS_PER_SLOT for t in pinned})
+        for si in slots:
+            st.starts[si], st.ends[si], st.bind[si] = list(st.starts[si]), list(st.ends[si]), list(st.bind[si])
+        for t, (time, bind) in pinned.items():
+            si, ti = divmod(t, TASKS_PER_SLOT)
+            st.starts[si][ti] = st.ends[si][ti] = time - int(st.offset[si]) if time else 0
+            st.bind[si][ti] = bind
+        for si in slots:
+            starts, ends = st.starts[si], st.ends[si]
+            st.slot_max[si] = max(ends, default=-_NEVER)
+            st.slot_min[si] = min((a for (_d, s, dur, _o), a, b in zip(st.slots[si].sched, starts, ends)
+                                   if not is_static(a, b, s, dur)), default=_NEVER)
+        for k, time in moved.items():
+            st.ready[k] = time
+        self._reads.remade(list(moved), st.who, st.ready)
 
     def _merged_ps(self, st: _State) -> int:
         """Picoseconds the schedule over-counts for merged all-reduces: XLA runs each group as one all-reduce,

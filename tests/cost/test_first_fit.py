@@ -77,6 +77,7 @@ def test_replaying_the_last_placement_equals_placing_afresh(seed, monkeypatch):
         got = replayed.place(allocs, order, admits)
         want = afresh.place(allocs, order, admits)
         assert got == want, f"seed {seed}, step {step}"
+        assert (replayed.usage(POSITIONS) == afresh.usage(POSITIONS)).all()  # (bytes placed per position)
         assert len(want) > len(order) // 4  # (the walk keeps the allocations in use)
         placed_some_over |= any(r[6] is not None and r[4] in want and want.get(r[6]) == want[r[4]] for r in order)
     assert placed_some_over or seed % 3  # (most seeds place a range right after the one it is written over)

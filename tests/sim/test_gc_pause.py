@@ -1,0 +1,38 @@
+"""`gc_paused_long_lived` (what a simulation runs under): the collector is off during the call, on after it,
+nothing is left frozen, objects the process froze itself stay frozen, and a caller's pause is kept."""
+import gc
+
+from shardc.gc_pause import gc_paused_long_lived
+
+
+@gc_paused_long_lived
+def _build(n: int) -> list[list[int]]:
+    assert not gc.isenabled()
+    return [[i] for i in range(n)]
+
+
+def test_survivors_go_to_the_oldest_generation_and_the_collector_runs_again():
+    assert gc.isenabled()
+    kept = _build(1000)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert gc.get_count()[0] < 100  # (no young-generation pass owed for what the call left alive)
+    assert not any(o is kept for o in gc.get_objects(generation=0))
+
+
+def test_objects_the_process_froze_stay_frozen():
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        _build(100)
+        assert gc.get_freeze_count() == frozen and gc.isenabled()
+    finally:
+        gc.unfreeze()
+
+
+def test_a_paused_caller_stays_paused():
+    gc.disable()
+    try:
+        _build(10)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
