@@ -93,3 +93,14 @@ def test_a_relayout_is_timed_once_per_shape_and_small_ones_are_not(tmp_path, mon
 
 def test_contended_relayout_of_a_transpose_costs_more_than_nothing():
     assert contended_relayout((512, 8, 128), "float32", (1, 2, 0)) > 0
+
+
+def test_host_timing_works_under_the_users_mesh_context():
+    """A step planned inside `jax.set_mesh(<the user's mesh>)` (the Flax NNX examples) times its ops on the
+    host's own mesh: before, shard_map refused the mismatch and the op was cached as free."""
+    import jax
+
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"))
+    with jax.set_mesh(mesh):
+        assert contended_relayout((512, 8, 128), "float32", (1, 2, 0)) > 0
+        assert host_ops.contended_strided_read((512, 1024), "float32", (1, 0)) > 0
