@@ -224,7 +224,7 @@ def topology_pricer(topology: Any, mesh: Any, mapping: Any = None) -> ReshardPri
     sizes = dict(mesh_shape(mesh)) if not isinstance(mesh, Mapping) else dict(mesh)
     mapping = topology.map_mesh(sizes) if mapping is None else mapping
 
-    estimator = default_estimator(topology.device) if topology.backend == "cpu" and not __import__("os").environ.get("NOPRICE") else None
+    estimator = default_estimator(topology.device) if topology.backend == "cpu" else None
 
     @functools.lru_cache(maxsize=1 << 14)
     def seconds(colls: tuple[Collective, ...]) -> float:
