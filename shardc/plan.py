@@ -18,8 +18,8 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from annotations.errors import ShardingError, SourceLine
 from shardc.cost.collectives import Collective, collectives_time
-from shardc.cost.host_ops import default_estimator, gather_relayouts, relayout_seconds
-from shardc.cost.program import broadcast_dims, gathered_order, merged, unread_operands
+from shardc.cost.host_ops import default_estimator, relayout_seconds
+from shardc.cost.program import broadcast_dims, gather_relayouts, merged, unread_operands
 from shardc.cost.reshard_path import reshard_steps, sent_bytes
 from shardc.cost.wire import wire_itemsize
 from shardc.ir.graph import Graph, Op
@@ -190,7 +190,7 @@ class ReshardCost:
     payload: int
     sent: int
     # XLA:CPU's copies around its all-gathers of non-major dims, each (local buffer shape, permutation, item
-    # size) (`shardc.cost.host_ops.gather_relayouts`): priced on CPU topologies only (`topology_pricer`)
+    # size) (`shardc.cost.program.gather_relayouts`): priced on CPU topologies only (`topology_pricer`)
     relayouts: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...] = ()
 
 
@@ -264,11 +264,8 @@ def _reshard_cost(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize
     before = src
     for layout, step in steps:
         if any(c.kind == "all-gather" for c in step):
-            after = layout.local_shape(shape, mesh)
-            order = gathered_order(before.dims, layout.dims, after)
-            if order is not None:
-                relayouts += [(*copy, itemsize) for copy in gather_relayouts(order, before.local_shape(shape, mesh),
-                                                                              after)]
+            relayouts += [(*copy, itemsize) for copy in gather_relayouts(
+                before.dims, layout.dims, before.local_shape(shape, mesh), layout.local_shape(shape, mesh))]
         before = layout
     return ReshardCost(colls, kind, sum(c.bytes for c in colls), sum(sent_bytes(c, mesh) for c in colls),
                        tuple(relayouts))

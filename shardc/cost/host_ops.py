@@ -67,8 +67,7 @@ from shardc.cost.profile import ProfilingEstimator, find_primitive
 from shardc.cost.topology import Device
 
 __all__ = ["HOST_MEASURED", "STRIDED_READ", "NARROW_MATMUL", "RELAYOUT_COPY", "HostMeasuredEstimator",
-           "contended_time", "contended_strided_read", "contended_relayout", "default_estimator", "gather_relayouts",
-           "relayout_seconds"]
+           "contended_time", "contended_strided_read", "contended_relayout", "default_estimator", "relayout_seconds"]
 
 # Not a primitive: a loop fusion reading an operand across its memory order (a transpose moving the minor dim
 # fused into it: `shardc.cost.program.strided_readers`), timed as such a read beyond reading the operand in order.
@@ -135,16 +134,21 @@ def _on_every_device(body: Any, shapes: tuple, dtypes: tuple) -> float:
         return _typical(fn, args)
 
 
-def contended_time(primitive: Any, params: Mapping[str, Any], in_shapes: tuple, in_dtypes: tuple) -> float:
-    """Seconds `primitive` takes on one device at these local shapes while every local device runs it."""
+def _idle_call() -> float:
+    """Seconds of a call with no work on every local device (measured once per process and device count)."""
     import jax
 
     n = jax.local_device_count()
     if n not in _IDLE:
         _IDLE[n] = _on_every_device(lambda x: x, ((1,),), ("float32",))
+    return _IDLE[n]
+
+
+def contended_time(primitive: Any, params: Mapping[str, Any], in_shapes: tuple, in_dtypes: tuple) -> float:
+    """Seconds `primitive` takes on one device at these local shapes while every local device runs it."""
     bind = {k: (None if k in ("sharding", "out_sharding") else v) for k, v in params.items()}
     total = _on_every_device(lambda *xs: primitive.bind(*xs, **bind), in_shapes, in_dtypes)
-    return max(total - _IDLE[n], 0.0)
+    return max(total - _idle_call(), 0.0)
 
 
 def contended_strided_read(shape: tuple, dtype: str, perm: tuple) -> float:
@@ -165,13 +169,9 @@ def contended_strided_read(shape: tuple, dtype: str, perm: tuple) -> float:
 def contended_relayout(shape: tuple, dtype: str, perm: tuple) -> float:
     """Seconds a copy of an operand of `shape` into memory order `perm` (a transpose kernel of its own) takes,
     every local device at once, beyond a call with no work."""
-    import jax
     import jax.numpy as jnp
 
-    n = jax.local_device_count()
-    if n not in _IDLE:
-        _IDLE[n] = _on_every_device(lambda x: x, ((1,),), ("float32",))
-    return max(_on_every_device(lambda a: jnp.transpose(a, perm), (tuple(shape),), (dtype,)) - _IDLE[n], 0.0)
+    return max(_on_every_device(lambda a: jnp.transpose(a, perm), (tuple(shape),), (dtype,)) - _idle_call(), 0.0)
 
 
 @dataclasses.dataclass
@@ -251,14 +251,6 @@ def relayout_seconds(estimator: Any, shape: tuple, dtype: str, perm: tuple) -> f
         out = tuple(shape[p] for p in perm)
         seconds = estimator.op_time(OpKey("copy", (), (tuple(shape),), (out,), (dtype,), (dtype,)))
     return seconds
-
-
-def gather_relayouts(order: tuple[int, ...], operand: tuple[int, ...], result: tuple[int, ...]) -> tuple[tuple, tuple]:
-    """The two copies (buffer shape in its memory order, permutation) of an all-gather XLA:CPU writes in memory
-    order `order` (`shardc.cost.program.gathered_order`): the row-major operand into `order`, then the gathered
-    buffer back into row-major order."""
-    stored = tuple(result[d] for d in order)
-    return (tuple(operand), tuple(order)), (stored, tuple(order.index(d) for d in range(len(order))))
 
 
 def _narrow(key: OpKey, params: Mapping[str, Any]) -> bool:

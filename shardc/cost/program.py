@@ -156,7 +156,8 @@ _SAME_LAYOUT = frozenset(ELEMENTWISE) | frozenset(TRANSCENDENTAL) | frozenset({
     "sharding_constraint", "optimization_barrier"})
 
 
-def gathered_order(src_dims: Sequence[tuple], dst_dims: Sequence[tuple], local: Sequence[int]) -> tuple[int, ...] | None:
+def gathered_order(src_dims: Sequence[tuple], dst_dims: Sequence[tuple],
+                   local: Sequence[int]) -> tuple[int, ...] | None:
     """The memory order (major to minor) in which XLA:CPU's all-gather writes a reshard from dims `src_dims` to
     `dst_dims` (per dim, its mesh axes; `local`: the result's local shape): the gathered dims (those that lose
     axes) most major, the others after them in order — or None when that is row-major already (no dim before the
@@ -166,6 +167,18 @@ def gathered_order(src_dims: Sequence[tuple], dst_dims: Sequence[tuple], local: 
     if not gathered or not any(n > 1 for n in local[:min(gathered)]):
         return None
     return tuple(gathered) + tuple(d for d in range(len(local)) if d not in gathered)
+
+
+def gather_relayouts(src_dims: Sequence[tuple], dst_dims: Sequence[tuple], operand: Sequence[int],
+                     result: Sequence[int]) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+    """The copies XLA:CPU makes around an all-gather from dims `src_dims` to `dst_dims` (`operand`, `result`: the
+    local shapes), each (buffer shape in its memory order, permutation): none when it writes row-major
+    (`gathered_order`), else the row-major operand into the gathered order, then the gathered buffer back."""
+    order = gathered_order(src_dims, dst_dims, result)
+    if order is None:
+        return ()
+    stored = tuple(result[d] for d in order)
+    return (tuple(operand), order), (stored, tuple(order.index(d) for d in range(len(order))))
 
 
 def physical_orders(graph: Graph, canon: Sequence[int]) -> dict[int, tuple[int, ...]]:

@@ -21,9 +21,9 @@ from typing import Any, Mapping, Sequence
 from shardc.cost.collectives import collective_fixed, collective_phases
 from shardc.cost.estimator import OpCostEstimator, OpKey
 from shardc.cost.flops import count_op
-from shardc.cost.host_ops import default_estimator, gather_relayouts, relayout_seconds
+from shardc.cost.host_ops import default_estimator, relayout_seconds
 from shardc.cost.op_collectives import NONE as NO_COLLECTIVES, OP_COLLECTIVES, OwnCollectives, op_collectives
-from shardc.cost.program import (FREE_PRIMITIVES, ProgramInfo, broadcast_dims, broadcast_transfer, gathered_order,
+from shardc.cost.program import (FREE_PRIMITIVES, ProgramInfo, broadcast_dims, broadcast_transfer, gather_relayouts,
                                  moves_no_data, program_info)
 from shardc.cost.reshard_path import kept_after, reshard_steps
 from shardc.cost.topology import MeshMapping, Topology
@@ -439,9 +439,7 @@ class TaskBuilder:
             key = (c, layout, HOME if n == len(steps) - 1 else origin)
             src_id = deps[0]
             first = len(slot.tasks)
-            order = self._gathered_order(v, src, layout, colls)
-            copies = () if order is None else \
-                gather_relayouts(order, self.local_shape(v, src), self.local_shape(v, layout))
+            copies = self._relayouts(v, src, layout, colls)
             if copies:  # (XLA:CPU) the operand copied into the gathered order
                 deps = self._relayout_task(slot, v, *copies[0], deps, op, trips, "operand")
             deps = self.collective_tasks(slot, colls, deps, c, v, op, trips)
@@ -460,12 +458,12 @@ class TaskBuilder:
             made.append(key)
         return made
 
-    def _gathered_order(self, v: int, src: Sharding, dst: Sharding, colls: tuple) -> tuple[int, ...] | None:
-        """On XLA:CPU, the memory order its all-gather of reshard step `src -> dst` of value `v` writes when that
-        is not row-major (`shardc.cost.program.gathered_order`); None otherwise."""
+    def _relayouts(self, v: int, src: Sharding, dst: Sharding, colls: tuple) -> tuple:
+        """On XLA:CPU, the copies around reshard step `src -> dst` of value `v` when its collectives all-gather a
+        non-major dim (`shardc.cost.program.gather_relayouts`); none otherwise."""
         if self.topology.backend != "cpu" or not any(cl.kind == "all-gather" for cl in colls):
-            return None
-        return gathered_order(src.dims, dst.dims, self.local_shape(v, dst))
+            return ()
+        return gather_relayouts(src.dims, dst.dims, self.local_shape(v, src), self.local_shape(v, dst))
 
     def _relayout_task(self, slot: Slot, v: int, shape: tuple[int, ...], perm: tuple[int, ...],
                        deps: tuple[int, ...], op: int, trips: int, what: str) -> tuple[int, ...]:
