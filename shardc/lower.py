@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding
 from annotations.primitive import hint_p
 from shardc.ir.build import REGION_PRIMITIVES, call_jaxpr
 from shardc.ir.jaxpr_env import JaxprEnv, open_jaxpr
-from shardc.cost.program import folds_to_constant, program_info
+from shardc.cost.program import folds_to_constant, program_info, reads_only_padding
 from shardc.cost.reshard_path import reshard_steps
 from shardc.plan import Plan, lowers_reduce_scatter, require_devices
 from shardc.rules.core import FactorKind
@@ -99,14 +99,16 @@ class Lowering:
         self.next_op = 0
         self.info = program_info(self.graph)
         # Per trace being built (the program, each re-traced loop or branch body): the traced value of each
-        # graph value bound so far, and each reshard made so far ((id of the traced source, layout) ->
-        # (source, result)): XLA reshards one instruction to one layout once; a later consumer reuses it.
-        self._traces: list[tuple[dict[int, Any], dict[tuple[int, Sharding], tuple[Any, Any]]]] = [({}, {})]
+        # graph value bound so far, each reshard made so far ((id of the traced source, layout) ->
+        # (source, result)): XLA reshards one instruction to one layout once; a later consumer reuses it),
+        # and the padding value of each pad's result (`padding_only`).
+        self._traces: list[tuple[dict[int, Any], dict[tuple[int, Sharding], tuple[Any, Any]], dict[int, Any]]] = \
+            [({}, {}, {})]
 
     @contextlib.contextmanager
     def new_trace(self) -> Iterator[None]:
         """A body traced apart from the program (its values are not the enclosing trace's)."""
-        self._traces.append(({}, {}))
+        self._traces.append(({}, {}, {}))
         try:
             yield
         finally:
@@ -203,6 +205,9 @@ class Lowering:
         invals = self.constants_as_needed(op, invals)
         if folds_to_constant(self.graph, op):  # (its result is a constant whatever it reads: see below)
             invals = [_constant_like(x) for x in invals]
+        if op.primitive == "pad" and len(invals) > 1:
+            self._traces[-1][2][op.outputs[0]] = invals[1]
+        invals = self.padding_only(op, invals)
         if eqn.primitive is hint_p or op.primitive == "sharding_constraint":
             # a hint or jax's own constraint (maybe on the mesh the step was traced under, e.g. Flax's on
             # partitioned parameters): the plan's decided sharding of the value, on the plan's mesh. A
@@ -224,6 +229,20 @@ class Lowering:
             if made[i] != self.plan.shardings[vid]:
                 outs[i] = self.reshard(outs[i], vid, made[i], self.plan.shardings[vid])
         return outs
+
+    def padding_only(self, op: Any, invals: list[Any]) -> list[Any]:
+        """`invals`, with the operand of an op that reads nothing but the padding of the pad making it
+        (`reads_only_padding`: the plan reads nothing there) replaced by a broadcast of that padding value.
+        Left the pad's result, XLA's partitioner (which runs before the simplifier that folds such a slice
+        on CPU) moves it to the layout the op's result is constrained to (a whole constant: an all-gather
+        the plan does not list); a broadcast it makes in any layout."""
+        if not invals or not reads_only_padding(self.graph, op):
+            return invals
+        value = self._traces[-1][2].get(op.inputs[0])
+        x = invals[0]
+        if value is None or not hasattr(x, "shape"):  # (a pad of another trace: left as it is)
+            return invals
+        return [jax.lax.broadcast_in_dim(jax.numpy.asarray(value, x.dtype), x.shape, ()), *invals[1:]]
 
     def constants_as_needed(self, op: Any, invals: list[Any]) -> list[Any]:
         """`invals` with each compile-time constant operand of a non-constant op constrained to the layout

@@ -38,8 +38,8 @@ from shardc.cost.estimator import params_key
 from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL
 from shardc.ir.graph import Graph
 
-__all__ = ["ProgramInfo", "program_info", "descendants", "Merged", "merged", "unread_operands", "broadcast_dims",
-           "broadcast_transfer", "derived", "fusing_readers",
+__all__ = ["ProgramInfo", "program_info", "descendants", "Merged", "merged", "unread_operands", "reads_only_padding",
+           "broadcast_dims", "broadcast_transfer", "derived", "fusing_readers",
            "FUSIBLE", "FREE_PRIMITIVES", "PCG_COLLECTIVE"]
 
 # Ops XLA fuses into their consumers (loop fusion): elementwise math and cheap data movement.
@@ -816,7 +816,7 @@ def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:
     """Operands of `op` XLA's algebraic simplifier drops: a dynamic_update_slice whose update covers its
     whole operand is the update; a select whose cases are one value is that value (`where(p, x, x)`: the
     predicate is not read); an op folded to a constant whatever its operands reads none of them; a slice of
-    nothing but a pad's padding reads nothing (`_reads_only_padding`)."""
+    nothing but a pad's padding reads nothing (`reads_only_padding`)."""
     if folds_to_constant(graph, op):
         return tuple(range(len(op.inputs)))
     if op.primitive == "dynamic_update_slice" and len(op.inputs) > 1 \
@@ -824,7 +824,7 @@ def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:
         return (0,)
     if op.primitive == "select_n" and len(op.inputs) > 2 and len(set(op.inputs[1:])) == 1:
         return (0, *range(2, len(op.inputs)))
-    if _reads_only_padding(graph, op):
+    if reads_only_padding(graph, op):
         return tuple(range(len(op.inputs)))
     return ()
 
@@ -842,7 +842,7 @@ def _window(graph: Graph, op: Any) -> list[tuple[int, int]] | None:
     return None
 
 
-def _reads_only_padding(graph: Graph, op: Any) -> bool:
+def reads_only_padding(graph: Graph, op: Any) -> bool:
     """Whether `op` slices nothing but the padding of the pad making its operand (on some dim, its window
     lies in the padding before or after the padded value): XLA's simplifier makes it a broadcast of the
     padding value, and the padded value is not read (the transpose of a slice of a pad is such a pad of a

@@ -170,7 +170,7 @@ def apply_step(step: Step, vals: Sequence[Any], mesh: tuple[tuple[str, int], ...
         idx = a[1] if len(a) > 1 else np.asarray(step.attr("indices"), np.int32)
         return jnp.take(a[0], idx, axis=step.attr("dim"))
     if k == "pad":
-        return lax.pad(a[0], jnp.asarray(0.0, a[0].dtype), step.attr("config"))
+        return lax.pad(a[0], jnp.asarray(step.attr("value", 0.0), a[0].dtype), step.attr("config"))
     if k == "rev":
         return lax.rev(a[0], step.attr("dims"))
     if k == "cumsum":

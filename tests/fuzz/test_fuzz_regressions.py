@@ -110,7 +110,11 @@ Fixed in the oracle:
   (`split_of_a_broadcast`).
 * seed 99003: a slice of nothing but a pad's padding is zeros to XLA's simplifier (and the transpose of such
   a slice, a pad of a pad, likewise): what the pad padded was dead in XLA and all-gathered in the plan
-  (`slice_of_the_padding`).
+  (`slice_of_the_padding`). A later soak of the same seed: with the value the pad pads hinted split (so the
+  pad's cotangent is split), the lowering constrained the slice's constant result whole and XLA's
+  partitioner, which runs before that simplification on CPU, all-gathered the padded cotangent to slice it
+  (256 B planned, 512 B compiled). The lowering now makes such an op's operand a broadcast of the padding
+  value (`Lowering.padding_only`), which XLA lays out without moving data (`SLICE_OF_THE_PADDING_HINTED`).
 * seed 93004: a gather (and its gradient, a scatter-add) whose operand is split on the dim it indexes one row
   at a time and whose indices are split over another axis: XLA's partitioner groups the devices by the
   operand's pieces and regroups the indices, the gather's result and the scatter's updates to match (their
@@ -120,13 +124,6 @@ Fixed in the oracle:
   (`shardc.cost.gather_groups`; the family in `GATHER_REGROUPED`: other axis orders, groups that differ
   without moving a tile, index passthrough, 2x4 meshes, a scatter-add written directly, and seed 99015's
   sort gradient, a scatter with an explicit batch dim).
-
-Not modelled, pinned as a strict xfail (the day the plan says what XLA does, it passes and says so):
-* seed 99003 (a fresh soak, 2 of 100 programs): the gradient of a slice of nothing but a pad's padding is a
-  pad (of the slice's cotangent) whose transpose, a slice of it, is again nothing but padding, so the plan
-  reads nothing there (`slice_of_the_padding`); but when the slice's operand `v1` is also hinted split on
-  another dim, XLA all-gathers the pad's cotangent before slicing it (the simplifier cannot see through the
-  gather): all-gather 256 B planned, 512 B compiled (`SLICE_OF_THE_PADDING_HINTED`).
 
 Upstream (XLA), pinned with a pure-JAX reproduction that fails today (strict xfail, so the day XLA is
 fixed this file says so):
@@ -435,11 +432,17 @@ SLICE_OF_THE_PADDING_HINTED = Program(mesh=(("x", 4), ("y", 2)), steps=(  # seed
 ), outputs=(2, 6))
 
 
-@pytest.mark.xfail(strict=True, reason="not modelled: the plan reads nothing of a slice of a pad's padding and of "
-                   "its transpose (slice_of_the_padding), but with the sliced value also hinted split on another dim "
-                   "XLA all-gathers the pad's cotangent before slicing it (256 B planned, 512 B compiled)")
-def test_a_slice_of_the_padding_of_a_hinted_value_is_gathered_by_xla():
+def test_a_slice_of_the_padding_of_a_hinted_value_is_not_gathered():
     fuzzlib.check_program(SLICE_OF_THE_PADDING_HINTED)
+
+
+def test_a_slice_of_the_padding_is_the_padding_value():
+    # (the pad's value is not zero: the lowering's broadcast carries it; both slices read only padding)
+    steps = list(SLICE_OF_THE_PADDING_HINTED.steps)
+    steps[5] = Step(kind="pad", args=(4,), attrs=(("config", ((0, 0, 0), (2, 2, 0), (0, 0, 0))), ("value", 2.5)),
+                    shape=(4, 8, 2))
+    out = fuzzlib.check_program(Program(mesh=SLICE_OF_THE_PADDING_HINTED.mesh, steps=tuple(steps), outputs=(2, 6)))
+    assert out.upstream_bug is None
 
 
 BROADCAST_THROUGH_A_MIDDLE_LAYOUT = Program(mesh=_mesh3(), steps=(  # seed 95004, shrunk by hand
