@@ -216,22 +216,23 @@ ReshardPricer = Callable[[ReshardCost], float]
 _DTYPE_OF_ITEMSIZE = {1: "int8", 2: "bfloat16", 4: "float32", 8: "float64"}  # (a relayout's time is its bytes')
 
 
-def topology_pricer(topology: Any, mesh: Any, mapping: Any = None) -> ReshardPricer:
+def topology_pricer(topology: Any, mesh: Any, mapping: Any = None, copies: bool = True) -> ReshardPricer:
     """Seconds of a reshard's collectives, one after another, on `topology` with the mesh laid out by `mapping`
     (default: `topology.map_mesh` of the mesh's axes in order) — the simulator's collective formulas, so a
     collective's fixed cost counts as well as its bytes (many small collectives cost more than one big one);
-    on XLA:CPU also the copies around all-gathers of non-major dims (`ReshardCost.relayouts`)."""
+    on XLA:CPU also the copies around all-gathers of non-major dims (`ReshardCost.relayouts`) unless
+    `copies=False`."""
     sizes = dict(mesh_shape(mesh)) if not isinstance(mesh, Mapping) else dict(mesh)
     mapping = topology.map_mesh(sizes) if mapping is None else mapping
 
-    estimator = default_estimator(topology.device) if topology.backend == "cpu" else None
+    estimator = default_estimator(topology.device) if topology.backend == "cpu" and copies else None
 
     @functools.lru_cache(maxsize=1 << 14)
     def seconds(colls: tuple[Collective, ...]) -> float:
         return collectives_time(colls, topology, mapping, sizes)
 
     @functools.lru_cache(maxsize=1 << 14)
-    def copies(relayouts: tuple) -> float:
+    def copy_seconds(relayouts: tuple) -> float:
         return sum(relayout_seconds(estimator, shape, _DTYPE_OF_ITEMSIZE.get(n, "float32"), perm)
                    for shape, perm, n in relayouts)
 
@@ -240,7 +241,7 @@ def topology_pricer(topology: Any, mesh: Any, mapping: Any = None) -> ReshardPri
             return 0.0
         if estimator is None or not cost.relayouts:
             return seconds(cost.collectives)
-        return seconds(cost.collectives) + copies(cost.relayouts)
+        return seconds(cost.collectives) + copy_seconds(cost.relayouts)
 
     # (what plan memos are shared by: the same link levels, each axis on the same ones, whatever the axis order;
     # the formulas read nothing else of the topology but, on XLA:CPU, the device the copies are priced on)
@@ -345,12 +346,15 @@ def _degree(strat: OpStrategy, mesh: Mapping[str, int]) -> int:
 
 
 def _strategy(op: Op, graph: Graph, shardings: Sequence[Sharding], nbytes, mesh: Mapping[str, int],
-              reduce_scatter: bool = True, price: ReshardPricer | None = None, backend: str = ""
-              ) -> tuple[OpStrategy, list[ReshardSpec] | None]:
+              reduce_scatter: bool = True, price: ReshardPricer | None = None, backend: str = "",
+              shares: Sequence[int] = ()) -> tuple[OpStrategy, list[ReshardSpec] | None]:
     """The op's factor axes, and its reshards when choosing it computed them (else None): of the layouts that keep one of its tensors as it is (the others giving way,
     largest first), the one whose reshards cost least (`price`: seconds on the plan's topology; without
     one, bytes sent) among those dividing the work over the most devices; ties go to fewer bytes, then to
     keeping the largest tensor (results first among equals), as propagation's conflict resolution does.
+    An operand's reshard counts for its share only (`shares[i]`, `operand_shares`): ops of one class that
+    read the same value choose alike, and XLA makes the reshard once for all of them (attention's q, k and
+    v projections of one input: a gather of the input each would pay three times).
 
     Keeping the largest tensor is usually cheapest, but not always: GShard's dispatch einsum
     GSEC,GSM->EGCM has a result (split on E) larger than either operand (split on G), yet computing it
@@ -371,9 +375,13 @@ def _strategy(op: Op, graph: Graph, shardings: Sequence[Sharding], nbytes, mesh:
     if not sharded or not (op.primitive in _COSTED_PRIMITIVES or _elementwise(op)):
         return default, None
 
+    def share(spec: ReshardSpec) -> int:
+        return shares[spec[1]] if spec[0] and spec[1] < len(shares) else 1
+
     def key(strat: OpStrategy, specs: list[ReshardSpec]) -> tuple:
-        sent = sum(spec[4].sent for spec in specs)
-        return (-_degree(strat, mesh), sent if price is None else sum(price(spec[4]) for spec in specs), sent)
+        sent = sum(spec[4].sent / share(spec) for spec in specs)
+        return (-_degree(strat, mesh), sent if price is None else sum(price(spec[4]) / share(spec) for spec in specs),
+                sent)
 
     best_specs = op_reshard_specs(op, graph, default, shardings, mesh, reduce_scatter, backend)
     best, best_key = default, key(default, best_specs)
@@ -467,6 +475,23 @@ def _compute_plan_classes(graph: Graph) -> list[int]:
     return out
 
 
+def operand_shares(graph: Graph) -> list[tuple[int, ...]]:
+    """Per op, per operand: how many ops of its plan class read that value as the same operand (itself
+    included), computed once per graph. Such ops choose their layouts alike, so a reshard of the value one
+    of them needs, the others need too and reuse."""
+    return graph.analysis("operand_shares", lambda: _compute_operand_shares(graph))
+
+
+def _compute_operand_shares(graph: Graph) -> list[tuple[int, ...]]:
+    classes = _plan_classes(graph)
+    readers: dict[tuple[int, int, int], int] = {}  # (value, operand index, class) -> readers
+    for op in graph.ops:
+        for i, v in enumerate(op.inputs):
+            k = (v, i, classes[op.id])
+            readers[k] = readers.get(k, 0) + 1
+    return [tuple(readers[(v, i, classes[op.id])] for i, v in enumerate(op.inputs)) for op in graph.ops]
+
+
 def _describe_origin(origins: Sequence[Cause | None]) -> str:
     causes = [str(c) for c in dict.fromkeys(c for c in origins if c is not None)]
     return f" (from {'; '.join(causes)})" if causes else ""
@@ -521,6 +546,7 @@ class PlanBuilder:
         self._memo: dict[tuple, _Entry] = memo if memo is not None else {}
         self._sources: dict[int, SourceLine | None] = {}
         self._class = _plan_classes(graph)
+        self._shares = operand_shares(graph)
         self._users: list[list[int]] | None = None
         self.shardings: list[Sharding] = []
         self.origins: list[tuple[Cause | None, ...]] = []
@@ -590,7 +616,7 @@ class PlanBuilder:
 
     def _op(self, op: Op) -> tuple[OpStrategy, tuple[Reshard, ...]]:
         tensors = op.inputs + op.outputs
-        key = (self._class[op.id], tuple([self.axes[v] for v in tensors]))
+        key = (self._class[op.id], tuple([self.axes[v] for v in tensors]), self._shares[op.id])
         entry = self._memo.get(key)
         if entry is None:
             entry = self._memo[key] = self._entry(op)
@@ -602,7 +628,7 @@ class PlanBuilder:
     def _entry(self, op: Op) -> _Entry:
         """An op's strategy and its reshards (`ReshardSpec`s)."""
         strat, specs = _strategy(op, self.graph, self.shardings, self.nbytes, self.sizes, self.reduce_scatter,
-                                 self.price, self.backend)
+                                 self.price, self.backend, self._shares[op.id])
         if op.primitive == "tie" and op.region == "io":
             return strat, ()
         if specs is None:

@@ -29,6 +29,7 @@ from shardc.search.polish import polish
 from shardc.search.space import (SEARCH_CAUSE, Assignment, Space, build_space, mixing_domains,
                                  plan_choices, project_plan, seeds_for, with_input_layouts)
 from shardc.sharding import make_mesh
+from shardc.sim import as_topology
 
 __all__ = ["SearchReport", "search_plan", "save_plan", "load_plan", "graph_key", "NoPlanFits"]
 
@@ -107,7 +108,10 @@ class SearchReport:
             what = ("the hints baseline: the program has no hints, so this is plain propagation (every tensor "
                     "replicated)" if self.chosen.name == "hints" and not self.user_hinted
                     else "the hints as search=False plans them (each op's layout chosen by the bytes it sends)"
-                    if self.chosen.name == HINTS_BY_BYTES else f"the {self.chosen.name} baseline")
+                    if self.chosen.name == HINTS_BY_BYTES
+                    else "the hints with each op's layout chosen by its collectives' time, without XLA:CPU's "
+                    "relayout copies" if self.chosen.name == "hints (collectives)"
+                    else f"the {self.chosen.name} baseline")
             lines.append(f"  chosen: {what} (the search found nothing faster"
                          + (" on the meshes it searched)" if of else ")"))
         return "\n".join(lines)
@@ -240,12 +244,13 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
             base_choices[name] = mixes[-1]
             top = min(top, score, key=lambda x: x.key)
         if "hints" in plans and problem.topology is not None:
-            by_bytes = _hints_by_bytes(problem, ev, plans["hints"], user)
-            if by_bytes is not None:
-                bar.update(1)
-                budget.charge(full_plan_units(n_devices))
-                consider(HINTS_BY_BYTES, sizes, *by_bytes, (), None, "bytes")
-                top = min(top, by_bytes[1], key=lambda x: x.key)
+            for layout_cost in _other_layout_costs(problem):
+                other = _hints_by(layout_cost, problem, ev, plans["hints"], user)
+                if other is not None:
+                    bar.update(1)
+                    budget.charge(full_plan_units(n_devices))
+                    consider(f"hints ({layout_cost})", sizes, *other, (), None, layout_cost)
+                    top = min(top, other[1], key=lambda x: x.key)
         states.append((top.key, len(states), sizes, user, ev, starts, mixes, seed_sets, seed_scores, plans,
                        base_choices))
     # Phase 2: search the most promising meshes (by their best baseline), sharing what is left of the budget.
@@ -356,13 +361,23 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
 HINTS_BY_BYTES = "hints (bytes)"  # the candidate that is exactly the search=False plan
 
 
-def _hints_by_bytes(problem: Problem, ev: Evaluator, hints: Plan, user: Sequence[Seed]) -> tuple[Plan, Score] | None:
-    """The user's hints planned as `search=False` plans them — each op's layout weighed by the bytes its
-    reshards send, not by their seconds on the topology — when that gives other op layouts than the "hints"
-    baseline: scored, so the search never returns a plan simulated slower than not searching (the per-op
-    choice is greedy; the step's simulation may prefer the other). None when it plans the same."""
+def _other_layout_costs(problem: Problem) -> tuple[str, ...]:
+    """The op-layout pricings the user's hints are also planned with (`_hints_by`): bytes, as `search=False`
+    does; on XLA:CPU also the collectives' seconds without the relayout copies (elsewhere that is "time")."""
+    return ("bytes", "collectives") if as_topology(problem.topology).backend == "cpu" else ("bytes",)
+
+
+def _hints_by(layout_cost: str, problem: Problem, ev: Evaluator, hints: Plan,
+              user: Sequence[Seed]) -> tuple[Plan, Score] | None:
+    """The user's hints planned with each op's layout weighed by `layout_cost` (`plan_from_seeds`) instead of
+    the seconds of its reshards on the topology, when that gives other op layouts than the "hints" baseline:
+    scored, so the search never returns a plan simulated slower than these. The per-op choice is greedy and
+    the step's simulation sometimes prefers another pricing's: "bytes" is what `search=False` plans (never
+    slower than not searching); "collectives" leaves out XLA:CPU's copies around all-gathers of non-major
+    dims, which an op pays alone in the pricer where the step shares them (docs/search.md). None when it
+    plans the same."""
     try:
-        plan = plan_from_seeds(problem, ev.mesh, list(user), layout_cost="bytes")
+        plan = plan_from_seeds(problem, ev.mesh, list(user), layout_cost=layout_cost)
     except ShardingError:
         return None
     if plan.strategies == hints.strategies and plan.shardings == hints.shardings:

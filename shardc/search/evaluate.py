@@ -145,15 +145,18 @@ class UserPropagation:
             step(tail.popleft())
 
 
-LAYOUT_COSTS = ("time", "bytes")
+# What an op's layout choice weighs its reshards by (`plan_from_seeds`): seconds on the topology, bytes sent, or
+# seconds of the collectives alone (without XLA:CPU's relayout copies, `topology_pricer(copies=False)`).
+LAYOUT_COSTS = ("time", "bytes", "collectives")
 
 
 def plan_from_seeds(problem: Problem, mesh: Mesh, seeds: Sequence[Seed], *,
                     base: UserPropagation | None = None, layout_cost: str = "time") -> Plan:
     """Propagate `seeds` (the user's and the search's; with `base`, only the search's, continuing from the
     user's propagation) and build the plan (with program and donation recorded). `layout_cost`: what each op's
-    layout choice weighs its reshards by — "time", seconds on the problem's topology, or "bytes" sent, as
-    `search=False` does without a topology (`SearchReport.layout_cost` says which the chosen plan used)."""
+    layout choice weighs its reshards by — "time", seconds on the problem's topology; "bytes" sent, as
+    `search=False` does without a topology; or "collectives", the seconds without XLA:CPU's relayout copies
+    (`SearchReport.layout_cost` says which the chosen plan used)."""
     if layout_cost not in LAYOUT_COSTS:
         raise ShardingError(f"layout_cost={layout_cost!r}: expected one of {LAYOUT_COSTS}")
 
@@ -162,7 +165,8 @@ def plan_from_seeds(problem: Problem, mesh: Mesh, seeds: Sequence[Seed], *,
     plan = build_plan(problem.graph, mesh, prop, input_names=problem.input_names,
                       output_names=problem.output_names, warnings=list(problem.warnings),
                       price=None if problem.topology is None or layout_cost == "bytes" else
-                      topology_pricer(as_topology(problem.topology), mesh_shape(mesh)))
+                      topology_pricer(as_topology(problem.topology), mesh_shape(mesh),
+                                      copies=layout_cost != "collectives"))
     return dataclasses.replace(plan, program=problem.program, donated=tuple(problem.donated))
 
 

@@ -1,6 +1,8 @@
 """Where an op computes when the propagated layouts of its tensors disagree (`shardc.plan._strategy`): the
 layout whose reshards cost least, checked against the collectives XLA compiles and the values `jax.jit`
 computes."""
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,3 +84,41 @@ def test_argmax_over_a_split_dim_gathers_candidates_not_the_operand():
 def _only(plan, primitive: str) -> int:
     (op,) = [op.id for op in plan.graph.ops if op.primitive == primitive]
     return op
+
+
+def test_projections_of_one_input_share_its_gather(monkeypatch):
+    """Three projections of one input split on the contracted dim (attention's q, k, v): each alone is
+    cheaper contracting where the input is (its weight moved, its result all-reduced), but the three together
+    gather the input once (XLA reuses the reshard) and keep their weights and results as they are. An operand's
+    reshard counts for its share among the ops of one class reading it (`operand_shares`)."""
+    plan_module = importlib.import_module("shardc.plan")  # (the module: `shardc.plan` is also a function)
+    mesh = shardc.make_mesh({"data": 2, "model": 4})
+
+    def step(x, wq, wk, wv):
+        x = shardc.split(x, 1, "model")
+        return sum(jnp.sum(jnp.tanh(x @ shardc.split(w, 1, "model"))) for w in (wq, wk, wv))
+
+    k = jax.random.split(jax.random.key(0), 4)
+    args = (jax.random.normal(k[0], (1024, 128)), *(jax.random.normal(kk, (128, 64)) for kk in k[1:]))
+
+    def planned():
+        f = shardc.auto(step, mesh=mesh, search=False)
+        plan = f.plan(*args)
+        dots = [op for op in plan.graph.ops if op.primitive == "dot_general"]
+        return f, plan, dots
+
+    f, plan, dots = planned()
+    x = dots[0].inputs[0]
+    assert [plan_module.operand_shares(plan.graph)[d.id][0] for d in dots] == [3, 3, 3]
+    gathers = [r for r in plan.reshards if r.value == x]
+    assert len(gathers) == 3 and {(r.kind, r.dst.dims) for r in gathers} == {("all-gather", ((), ()))}, gathers
+    report = shardc.check(plan)  # one all-gather of x in the compiled program, as the plan counts it
+    assert all(r.ok for r in report.rows if r.quantity.startswith(("all-", "collective-", "reduce-"))), report
+    np.testing.assert_allclose(f(*args), jax.jit(step)(*args), rtol=1e-4)
+    shared = shardc.simulate(plan, "h100-sxm-8")
+
+    monkeypatch.setattr(plan_module, "operand_shares", lambda g: [(1,) * len(op.inputs) for op in g.ops])
+    _, alone, _ = planned()  # each projection priced alone: three all-reduces of its result
+    assert not [r for r in alone.reshards if r.value == x and r.kind == "all-gather"]
+    assert sum(r.kind == "all-reduce" for r in alone.reshards) == 3
+    assert shared.step_time < shardc.simulate(alone, "h100-sxm-8").step_time
