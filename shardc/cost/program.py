@@ -831,9 +831,18 @@ def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:
 
 def _window(graph: Graph, op: Any) -> list[tuple[int, int]] | None:
     """Per dim, the [start, limit) of its operand a slice reads (a pad with no positive padding is a slice
-    too: the transpose of a pad); None for other ops."""
+    too: the transpose of a pad; so is a dynamic slice whose start indices are literals, clamped into the
+    operand as XLA clamps them); None for other ops."""
     if op.primitive == "slice":
         return list(zip(op.params["start_indices"], op.params["limit_indices"]))
+    if op.primitive == "dynamic_slice" and op.inputs:
+        starts = [graph.values[v].literal for v in op.inputs[1:]]
+        shape, sizes = graph.values[op.inputs[0]].shape, op.params.get("slice_sizes", ())
+        if len(starts) != len(shape) or len(sizes) != len(shape) \
+                or not all(isinstance(s, int) and not isinstance(s, bool) for s in starts):
+            return None
+        lows = [min(max(s, 0), n - k) for s, n, k in zip(starts, shape, sizes)]
+        return [(lo, lo + k) for lo, k in zip(lows, sizes)]
     if op.primitive == "pad":
         config = [tuple(c) for c in op.params["padding_config"]]
         if all(lo <= 0 and hi <= 0 and interior == 0 for lo, hi, interior in config):
@@ -844,9 +853,9 @@ def _window(graph: Graph, op: Any) -> list[tuple[int, int]] | None:
 
 def reads_only_padding(graph: Graph, op: Any) -> bool:
     """Whether `op` slices nothing but the padding of the pad making its operand (on some dim, its window
-    lies in the padding before or after the padded value): XLA's simplifier makes it a broadcast of the
-    padding value, and the padded value is not read (the transpose of a slice of a pad is such a pad of a
-    pad)."""
+    lies before the padded value's first element or after its last, interior padding included): XLA's
+    simplifier makes it a broadcast of the padding value, and the padded value is not read (the transpose of
+    a slice of a pad is such a pad of a pad; a dynamic slice at literal starts is a slice)."""
     window = _window(graph, op)
     if window is None or not op.inputs:
         return False
@@ -855,8 +864,10 @@ def reads_only_padding(graph: Graph, op: Any) -> bool:
         return False
     pad = graph.ops[p]
     inner = graph.values[pad.inputs[0]].shape
-    for (start, limit), (lo, hi, interior), n in zip(window, pad.params["padding_config"], inner):
-        if interior == 0 and lo >= 0 and hi >= 0 and (limit <= lo or start >= lo + n):
+    for (start, limit), (lo, _, interior), n in zip(window, pad.params["padding_config"], inner):
+        # (the padded value's elements sit at lo + i * (interior + 1): before the first or after the last;
+        # XLA does not fold a window between two of them, in interior padding)
+        if n == 0 or limit <= lo or start > lo + (n - 1) * (interior + 1):
             return True
     return False
 

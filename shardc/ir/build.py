@@ -32,6 +32,16 @@ CALL_PRIMITIVES = {
 REGION_PRIMITIVES = ("scan", "while", "cond")
 
 
+def _scalar(val: Any) -> int | float | None:
+    """A literal's value when it is a scalar number (else None)."""
+    if isinstance(val, bool) or getattr(val, "shape", ()) != ():
+        return None
+    try:
+        return val.item() if hasattr(val, "item") else (val if isinstance(val, (int, float)) else None)
+    except (TypeError, ValueError):
+        return None
+
+
 def call_jaxpr(eqn: Any) -> Any:
     """The (closed) jaxpr a call-like eqn (`CALL_PRIMITIVES`) calls, or None."""
     key = CALL_PRIMITIVES.get(eqn.primitive.name)
@@ -63,14 +73,15 @@ class _Builder:
         self.rule_cache: dict[Any, tuple[FactorRule, bool]] = {}
 
     # -- values -----------------------------------------------------------------------------------
-    def new_value(self, aval: Any, name: str = "", *, is_const: bool = False) -> int:
+    def new_value(self, aval: Any, name: str = "", *, is_const: bool = False,
+                  literal: int | float | None = None) -> int:
         shape = getattr(aval, "shape", ())
         dtype = getattr(aval, "dtype", None)
-        return self.g.add_value(tuple(shape), dtype, name, is_const=is_const)
+        return self.g.add_value(tuple(shape), dtype, name, is_const=is_const, literal=literal)
 
     def read(self, env: dict, atom: Any) -> int:
         if isinstance(atom, jcore.Literal):
-            return self.new_value(atom.aval, f"literal {atom.val!r}"[:40], is_const=True)
+            return self.new_value(atom.aval, f"literal {atom.val!r}"[:40], is_const=True, literal=_scalar(atom.val))
         return env[atom]
 
     def add(self, primitive: str, ins: Sequence[int], outs: Sequence[int], params: Any, rule: FactorRule,

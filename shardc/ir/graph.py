@@ -22,6 +22,7 @@ class Value:
     name: str
     producer: int | None = None
     is_const: bool = False
+    literal: int | float | None = None  # a scalar literal's value (a dynamic slice's constant start index)
 
     @property
     def nbytes(self) -> int:
@@ -140,10 +141,11 @@ class Graph:
             cache[name] = compute()
         return cache[name]
 
-    def add_value(self, shape: tuple[int, ...], dtype: Any, name: str = "", *, is_const: bool = False) -> int:
+    def add_value(self, shape: tuple[int, ...], dtype: Any, name: str = "", *, is_const: bool = False,
+                  literal: int | float | None = None) -> int:
         vid = len(self.values)
         self.values.append(Value(vid, tuple(int(s) for s in shape), _dtype(dtype), name or f"%{vid}",
-                                 is_const=is_const))
+                                 is_const=is_const, literal=literal))
         self.users.append([])
         return vid
 

@@ -115,6 +115,9 @@ Fixed in the oracle:
   partitioner, which runs before that simplification on CPU, all-gathered the padded cotangent to slice it
   (256 B planned, 512 B compiled). The lowering now makes such an op's operand a broadcast of the padding
   value (`Lowering.padding_only`), which XLA lays out without moving data (`SLICE_OF_THE_PADDING_HINTED`).
+* seed 100004: a dynamic slice at a literal start reading only the padding after an interior-padded value's
+  last element is folded by XLA too (its read, and the slice's all-gather feeding the pad, are dead); the
+  padding rule knew only slices and pads without interior padding (`dynamic_slice_after_the_padded`).
 * seed 93004: a gather (and its gradient, a scatter-add) whose operand is split on the dim it indexes one row
   at a time and whose indices are split over another axis: XLA's partitioner groups the devices by the
   operand's pieces and regroups the indices, the gather's result and the scatter's updates to match (their
@@ -419,6 +422,14 @@ SLICE_OF_THE_PADDING = Program(mesh=(("x", 4), ("y", 2)), steps=(  # seed 99003,
          shape=(4, 2, 2)),  # the low padding only: zeros, the update is dead
 ), outputs=(5,))
 
+DYNAMIC_SLICE_AFTER_THE_PADDED = Program(mesh=_mesh3(), steps=(  # seed 100004, shrunk by hand
+    Step(kind="input", args=(), attrs=(("meta", (("z", "x"),)),), shape=(12,)),
+    Step(kind="slice", args=(0,), attrs=(("start", (9,)), ("limit", (10,)), ("strides", (1,))), shape=(1,)),
+    Step(kind="hint", args=(1,), attrs=(("how", "replicate"),), shape=(1,)),
+    Step(kind="pad", args=(2,), attrs=(("config", ((0, 2, 1),)),), shape=(3,)),  # interior padding
+    Step(kind="dynamic_slice", args=(3,), attrs=(("start", (1,)),), shape=(1,)),  # after the padded element
+), outputs=(4,), step_mode=True)  # XLA folds the read: the slice's all-gather of the input is dead
+
 SLICE_OF_THE_PADDING_HINTED = Program(mesh=(("x", 4), ("y", 2)), steps=(  # seed 99003 (a later soak), shrunk
     Step(kind="input", args=(), attrs=(), shape=(4, 4, 4)),
     Step(kind="slice", args=(0,), attrs=(("start", (0, 0, 1)), ("limit", (4, 4, 3)), ("strides", (1, 1, 1))),
@@ -565,7 +576,8 @@ def test_the_regrouping_permutes_are_planned():
                                   FORI_WITHOUT_SCANNED_VALUES, DEAD_CARRY, SELECT_OF_ONE_VALUE,
                                   BROADCAST_THROUGH_A_MIDDLE_LAYOUT, CONSTANT_OVER_A_WHOLE_OPERAND,
                                   CARRY_SPLIT_AFTER_THE_LOOP, ARGMAX_OF_ONE_SPLIT_TWO_WAYS, ARGMAX_OVER_A_SIZE_ONE_AXIS,
-                                  RESHARD_THROUGH_A_CACHED_LAYOUT, SPLIT_OF_A_BROADCAST, SLICE_OF_THE_PADDING],
+                                  RESHARD_THROUGH_A_CACHED_LAYOUT, SPLIT_OF_A_BROADCAST, SLICE_OF_THE_PADDING,
+                                  DYNAMIC_SLICE_AFTER_THE_PADDED],
                          ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
                               "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
                               "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
@@ -577,7 +589,8 @@ def test_the_regrouping_permutes_are_planned():
                               "select_of_one_value", "broadcast_through_a_middle_layout",
                               "constant_over_a_whole_operand", "carry_split_after_the_loop",
                               "argmax_of_one_split_two_ways", "argmax_over_a_size_one_axis",
-                              "reshard_through_a_cached_layout", "split_of_a_broadcast", "slice_of_the_padding"])
+                              "reshard_through_a_cached_layout", "split_of_a_broadcast", "slice_of_the_padding",
+                              "dynamic_slice_after_the_padded"])
 def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
 
