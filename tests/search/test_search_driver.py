@@ -238,3 +238,22 @@ def test_hints_planned_without_relayout_copies_compete(monkeypatch):
     (_, loss), (_, want) = f(state, ids), jax.jit(step, in_shardings=ins)(state, ids)
     np.testing.assert_allclose(np.asarray(loss), np.asarray(want), rtol=1e-5)
     assert jnp.isfinite(loss)
+
+
+def test_a_searched_plan_must_gain_the_margin_over_the_hints_and_baselines():
+    """A searched plan within SEARCH_MARGIN of the fastest hints/baseline plan does not replace it (the
+    simulator's error decides there); beyond it, it does; among searched plans and for memory the order is
+    the usual one. The report says what the search found when it did not win."""
+    from shardc.search.driver import SEARCH_MARGIN, Candidate, SearchReport, _beats
+    from shardc.search.evaluate import Score
+
+    hints = Score(1.0, 10.0, 0.0, True)
+    close, far = Score(1.0 - SEARCH_MARGIN / 2, 10.0, 0.0, True), Score(1.0 - 2 * SEARCH_MARGIN, 10.0, 0.0, True)
+    assert not _beats("search", close, "hints (bytes)", hints)
+    assert _beats("search", far, "hints (bytes)", hints)
+    assert _beats("search", close, "search", hints)  # (one searched plan against another: the faster)
+    assert _beats("fsdp", close, "hints", hints)  # (baselines among themselves: the faster)
+    assert _beats("search", close, "hints", Score(0.5, 99.0, 0.0, False))  # (a plan that fits beats one that does not)
+    report = SearchReport(Candidate("hints (bytes)", {"data": 8}, hints), [Candidate("hints (bytes)", {"data": 8}, hints)],
+                          [{"data": 8}], 10, 1.0, "dp+mcmc", searched=Candidate("search", {"data": 8}, close))
+    assert f"{SEARCH_MARGIN / 2:.2%} faster" in report.summary()
