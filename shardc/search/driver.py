@@ -401,8 +401,8 @@ def _hints_by(layout_cost: str, problem: Problem, ev: Evaluator, hints: Plan,
     slower than not searching); "collectives" leaves out XLA:CPU's copies around all-gathers of non-major
     dims, which an op pays alone in the pricer where the step shares them (docs/search.md). None when it
     plans the same."""
-    try:
-        plan = plan_from_seeds(problem, ev.mesh, list(user), layout_cost=layout_cost)
+    try:  # (the user's seeds alone: their propagation is the one the evaluator continues from)
+        plan = plan_from_seeds(problem, ev.mesh, [], base=ev.user_propagation(), layout_cost=layout_cost)
     except ShardingError:
         return None
     if plan.strategies == hints.strategies and plan.shardings == hints.shardings:
