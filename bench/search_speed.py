@@ -69,8 +69,11 @@ def plan_pipelined(step, args, topology: str) -> dict:
 
 def pipeline_rows(layers: int) -> list[str]:
     """One row per PIPELINE_TARGETS entry: planning time with the pipeline dimension, by phase."""
-    model, tx, params, opt_state, ids = setup(layers=layers, scan=True)
-    step, args = make_train_step(model, tx), (params, opt_state, ids)
+    from bench.zoo_models import _unbox
+
+    model, tx, params, _, ids = setup(layers=layers, scan=True)
+    params = _unbox(params)  # (no partitioning metadata: its "layers" axis would be a 4th mesh axis beside the stage)
+    step, args = make_train_step(model, tx), (params, tx.init(params), ids)
     rows = []
     for topology, devices, target in PIPELINE_TARGETS:
         r = plan_pipelined(step, args, topology)
