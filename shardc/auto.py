@@ -98,7 +98,8 @@ class AutoFunction:
                  static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
                  time_cap_s: float | None = None, in_shardings: Any = None, out_shardings: Any = None,
                  remat: bool | str = True, memory_limit: float | None = None, pipeline: Any = None,
-                 pcg: bool = False, _source: SourceLine | None = None, _shared: Any = None) -> None:
+                 pcg: bool = False, _source: SourceLine | None = None, _shared: Any = None,
+                 _priced_only: bool = False) -> None:
         if not callable(fun):
             raise TypeError(f"shardc.auto expects a function, got {type(fun).__name__}")
         functools.update_wrapper(self, fun)
@@ -158,6 +159,9 @@ class AutoFunction:
         self._shared = _shared
         if _shared is not None:
             _shared.prepare(self)
+        # a plan to price, not to run (choose_pipeline's screens): the searched plan is not rebuilt from a
+        # trace under the mesh the search chose, and it is not lowered
+        self._priced_only = _priced_only
         self._options = dict(mesh=mesh, rules=rules, donate_argnums=donate_argnums, donate_argnames=donate_argnames,
                              topology=topology, search=search,
                              budget_s=budget_s, seed=seed, devices=devices, static_argnums=static_argnums,
@@ -556,7 +560,8 @@ class AutoFunction:
                         closed, lambda program: plan_of(program, graph if program is closed else None))
                     graph = the_plan.graph
             # (the axis order counts: {data: 4, expert: 2} and {expert: 2, data: 4} lay devices out differently)
-            if list(the_plan.mesh_sizes.items()) != list(mesh.shape.items()) and not is_abstract(the_plan.mesh):
+            if list(the_plan.mesh_sizes.items()) != list(mesh.shape.items()) and not is_abstract(the_plan.mesh) \
+                    and not self._priced_only:
                 # retrace under the chosen mesh, keeping the decisions
                 self.mesh, self._search_resume, self._remat_resume = the_plan.mesh, the_plan.search, remat_choice
                 self._pcg_resume = the_plan.pcg
@@ -605,7 +610,7 @@ class AutoFunction:
             the_plan = dataclasses.replace(the_plan, pcg=choice)
         self._warn_if_wasteful(the_plan)
         with _internal_errors("lowering", self.fun):
-            if is_abstract(the_plan.mesh):
+            if is_abstract(the_plan.mesh) or self._priced_only:
                 jitted = None
             elif choice is not None and choice.chosen:  # the rewritten PCG runs: its shard_map lowering
                 from shardc.pcg.choice import jit_pcg

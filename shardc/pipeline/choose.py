@@ -208,7 +208,8 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
     def screen(i: int, p: Pipeline) -> None:
         bar.update(1)
         try:
-            plan = _plan(plan_for, shared, step, args, topology, n, pipeline=p, **_screening(screen_budget_s, options))
+            plan = _plan(plan_for, shared, step, args, topology, n, pipeline=p, priced_only=True,
+                         **_screening(screen_budget_s, options))
         except ShardingError as e:  # a pipeline this step cannot take (said in the table, not fatal)
             note(Choice(f"error: {str(e).splitlines()[0][:80]}", p, {}, float("inf"), 0.0, False))
             return
@@ -243,14 +244,19 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
     for i, p in sorted((i, p) for p, (i, _) in bounded.items()):
         note(Choice("bounded", p, {}, float("inf"), 0.0, False))  # (its bounding sibling is in the table)
     screened.sort(key=lambda x: (x[0], x[1]))
+    best_screen = None  # the screened candidate whose plan is the best so far (priced, not made to run)
     for key, _, p, plan in screened:
         if best is None or key < _key(best):
-            best = plan
+            best, best_screen = plan, p
     for _, _, p, _ in screened[:finalists]:
         plan = _plan(plan_for, shared, step, args, topology, n, budget_s=budget_s, pipeline=p, **options)
         note(_choice("pipelined", plan, plan.pipeline))
         if best is None or _key(plan) < _key(best):
-            best = plan
+            best, best_screen = plan, None
+    if best_screen is not None and shared is not None and n <= len(jax.devices()):
+        # a screened plan won, on this host's devices: the same screen again, made to run (traced under its mesh)
+        best = _plan(plan_for, shared, step, args, topology, n, pipeline=best_screen,
+                     **_screening(screen_budget_s, options))
     if best is None or not best.cost.fits and unfit is not None:
         raise unfit if unfit is not None else ShardingError("choose_pipeline: no candidate pipeline could be planned "
                                                             "(every one raised; see the choices passed to on_choice)")
@@ -260,15 +266,18 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
 
 
 def _plan(plan_for: Callable, shared: SharedTraces | None, step: Callable, args: tuple, topology: Any, devices: int,
-          **options: Any) -> Any:
+          priced_only: bool = False, **options: Any) -> Any:
     """`plan_for(step, *args, topology=topology, **options)` for one candidate pipeline; with `shared`, as
-    `shardc.plan_for` plans it (on all `devices` of the topology) but with what the candidates share."""
+    `shardc.plan_for` plans it (on all `devices` of the topology) but with what the candidates share and,
+    `priced_only`, a plan to price, not to run (a screen): on this host's devices, the search's plan is not
+    rebuilt from a trace of the step under the mesh it chose (the same step time and memory)."""
     if shared is None:
         return plan_for(step, *args, topology=topology, **options)
     from shardc.auto import AutoFunction
 
     fun = step.fun if isinstance(step, AutoFunction) else step
-    return AutoFunction(fun, topology=topology, devices=devices, _shared=shared, **options).plan(*args)
+    return AutoFunction(fun, topology=topology, devices=devices, _shared=shared, _priced_only=priced_only,
+                        **options).plan(*args)
 
 
 def _screening(budget_s: float | None, options: dict) -> dict:

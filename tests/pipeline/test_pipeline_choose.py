@@ -182,3 +182,40 @@ def test_candidates_share_the_stack_the_tracing_mesh_and_the_programs(monkeypatc
         if c.name == "pipelined":
             p = next(q for q in pipes if c.pipeline == q.bind(8, c.pipeline.stack))
             assert c.time == alone[p].cost.step_time and c.mesh == dict(alone[p].mesh_sizes)
+
+
+def test_screens_are_priced_without_a_retrace_and_a_screened_winner_is_planned_to_run(monkeypatch):
+    """On this host's devices a screen's plan is not rebuilt from a trace under the mesh its search chose (it
+    is priced, not run): the screens score what shardc.plan_for(search="baselines") scores, and a screened
+    plan that wins is planned again as plan_for plans it (the same plan, traced under its mesh)."""
+    import importlib
+
+    from shardc.search.driver import NoPlanFits
+
+    auto = importlib.import_module("shardc.auto")  # (the module: shardc.auto is the decorator)
+    real = auto.plan_for
+
+    def unpipelined_unfit(step, *args, pipeline=None, **options):  # (so that a screened plan wins)
+        if pipeline is None:
+            raise NoPlanFits(2**40, 2**30)
+        return real(step, *args, pipeline=pipeline, **options)
+
+    monkeypatch.setattr(auto, "plan_for", unpipelined_unfit)
+    import shardc.pipeline.choose as choose
+
+    made, plan = [], choose._plan
+    monkeypatch.setattr(choose, "_plan", lambda *a, priced_only=False, **k: made.append(priced_only) or plan(
+        *a, priced_only=priced_only, **k))
+    step, args = make_step(None), make_args()
+    pipes = [Pipeline(2, 4, data=("data",), shards=4), Pipeline(4, 4, "1f1b")]
+    best, rows = choose_pipeline(step, args, topology="h100-sxm-8", budget_s=0.5, pipelines=pipes, finalists=0)
+    assert made == [True, True, False]  # two screens, priced; the winner made to run
+    alone = [real(step, *args, topology="h100-sxm-8", pipeline=p, search="baselines") for p in pipes]
+    screened = {c.pipeline: c for c in rows if c.name == "screened"}
+    for pl in alone:
+        c = screened[pl.pipeline]
+        assert (c.time, c.peak, c.mesh) == (pl.cost.step_time, pl.cost.peak_memory, dict(pl.mesh_sizes))
+    fastest = min(alone, key=lambda pl: (not pl.cost.fits, pl.cost.step_time))
+    assert best.pipeline == fastest.pipeline and best.cost.step_time == fastest.cost.step_time
+    assert dict(best.mesh_sizes) == dict(fastest.mesh_sizes) and best.strategies == fastest.strategies
+    assert len(best.graph.ops) == len(fastest.graph.ops) and best.pipeline_choice is not None
