@@ -99,7 +99,7 @@ class AutoFunction:
                  time_cap_s: float | None = None, in_shardings: Any = None, out_shardings: Any = None,
                  remat: bool | str = True, memory_limit: float | None = None, pipeline: Any = None,
                  pcg: bool = False, _source: SourceLine | None = None, _shared: Any = None,
-                 _priced_only: bool = False) -> None:
+                 _priced_only: bool = False, _resume: Any = None) -> None:
         if not callable(fun):
             raise TypeError(f"shardc.auto expects a function, got {type(fun).__name__}")
         functools.update_wrapper(self, fun)
@@ -162,6 +162,9 @@ class AutoFunction:
         # a plan to price, not to run (choose_pipeline's screens): the searched plan is not rebuilt from a
         # trace under the mesh the search chose, and it is not lowered
         self._priced_only = _priced_only
+        if _resume is not None:  # a priced plan of this step made to run: retraced under its mesh, not searched
+            self.mesh, self._search_resume, self._remat_resume = _resume.mesh, _resume.search, _resume.remat
+            self._pcg_resume = _resume.pcg
         self._options = dict(mesh=mesh, rules=rules, donate_argnums=donate_argnums, donate_argnames=donate_argnames,
                              topology=topology, search=search,
                              budget_s=budget_s, seed=seed, devices=devices, static_argnums=static_argnums,

@@ -254,8 +254,8 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
         if best is None or _key(plan) < _key(best):
             best, best_screen = plan, None
     if best_screen is not None and shared is not None and n <= len(jax.devices()):
-        # a screened plan won, on this host's devices: the same screen again, made to run (traced under its mesh)
-        best = _plan(plan_for, shared, step, args, topology, n, pipeline=best_screen,
+        # a screened plan won, on this host's devices: made to run (traced under its mesh, its search's decisions)
+        best = _plan(plan_for, shared, step, args, topology, n, pipeline=best_screen, resume=best,
                      **_screening(screen_budget_s, options))
     if best is None or not best.cost.fits and unfit is not None:
         raise unfit if unfit is not None else ShardingError("choose_pipeline: no candidate pipeline could be planned "
@@ -266,18 +266,19 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
 
 
 def _plan(plan_for: Callable, shared: SharedTraces | None, step: Callable, args: tuple, topology: Any, devices: int,
-          priced_only: bool = False, **options: Any) -> Any:
+          priced_only: bool = False, resume: Any = None, **options: Any) -> Any:
     """`plan_for(step, *args, topology=topology, **options)` for one candidate pipeline; with `shared`, as
     `shardc.plan_for` plans it (on all `devices` of the topology) but with what the candidates share and,
     `priced_only`, a plan to price, not to run (a screen): on this host's devices, the search's plan is not
-    rebuilt from a trace of the step under the mesh it chose (the same step time and memory)."""
+    rebuilt from a trace of the step under the mesh it chose (the same step time and memory). `resume`: such a
+    plan, rebuilt so (no search), as the plan without `priced_only` would have been."""
     if shared is None:
         return plan_for(step, *args, topology=topology, **options)
     from shardc.auto import AutoFunction
 
     fun = step.fun if isinstance(step, AutoFunction) else step
     return AutoFunction(fun, topology=topology, devices=devices, _shared=shared, _priced_only=priced_only,
-                        **options).plan(*args)
+                        _resume=resume, **options).plan(*args)
 
 
 def _screening(budget_s: float | None, options: dict) -> dict:

@@ -209,7 +209,7 @@ def test_screens_are_priced_without_a_retrace_and_a_screened_winner_is_planned_t
     step, args = make_step(None), make_args()
     pipes = [Pipeline(2, 4, data=("data",), shards=4), Pipeline(4, 4, "1f1b")]
     best, rows = choose_pipeline(step, args, topology="h100-sxm-8", budget_s=0.5, pipelines=pipes, finalists=0)
-    assert made == [True, True, False]  # two screens, priced; the winner made to run
+    assert made == [True, True, False]  # two screens, priced; the winner made to run (without a search)
     alone = [real(step, *args, topology="h100-sxm-8", pipeline=p, search="baselines") for p in pipes]
     screened = {c.pipeline: c for c in rows if c.name == "screened"}
     for pl in alone:
