@@ -14,6 +14,7 @@ its baselines inside the stages, megatron-3d among them; `--screen-budget S`: an
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import jax
@@ -61,6 +62,8 @@ def main() -> None:
                     help="let the search rematerialize (off by default: the zoo's memory-tight rows without it)")
     ap.add_argument("--prune-siblings", action="store_true",
                     help="do not screen the usually slower siblings of a candidate that fits (faster planning)")
+    ap.add_argument("--screen-all", action="store_true",
+                    help="screen every candidate, those bounded by a faster sibling too (bound_siblings=False)")
     a = ap.parse_args()
     n = as_topology(a.topology).num_devices
     step, args = build(a.scale, max(1, n // 8))  # weak scaling, as bench/zoo.py
@@ -73,27 +76,36 @@ def main() -> None:
     print("| plan | pipeline | mesh | step | peak | wall |")
     print("|---|---|---|---|---|---|")
     t = [time.time()]
-    plans: dict[int, object] = {}
+    phases: dict[str, list[float]] = {}  # wall seconds per phase of the choice (rows arrive as they are made)
+    phase_of = {"unpipelined": "unpipelined search", "screened": "screens", "pipelined": "finalists' searches"}
 
     def row(c: Choice) -> None:
         p = c.pipeline
         what = (f"{p.schedule} S={p.stages} M={p.microbatches}" + (f" R={p.repeats}" if p.repeats > 1 else "")
                 + f" data={p.shards}" + (" W after loop" if p.defer_wgrad else "")) if p is not None else "–"
         fits = "" if c.feasible else " (OOM)"
-        print(f"| {c.name} | {what} | {c.mesh} | {c.time * 1e3:.2f} ms{fits} | {c.peak / 2**30:.1f} GiB | "
+        when = "not screened" if c.name == "bounded" else f"{c.time * 1e3:.2f} ms{fits}"
+        print(f"| {c.name} | {what} | {c.mesh} | {when} | {c.peak / 2**30:.1f} GiB | "
               f"{time.time() - t[0]:.0f} s |", flush=True)
+        if c.name in phase_of or c.name.startswith("error"):
+            phases.setdefault(phase_of.get(c.name, "screens"), []).append(time.time() - t[0])
         t[0] = time.time()
 
     t0 = time.time()
     best, choices = choose_pipeline(step, args, topology=a.topology, budget_s=a.budget, pipelines=pipes,
                                     screen_budget_s=a.screen_budget, finalists=a.finalists, on_choice=row,
-                                    prune_siblings=a.prune_siblings,
+                                    prune_siblings=a.prune_siblings, bound_siblings=not a.screen_all,
                                     donate_argnums=(0, 1), remat=a.remat)
     base = min((c for c in choices if c.name.startswith("baseline ") and c.feasible), key=lambda c: c.time,
                default=None)
     m3d = min((c for c in choices if c.name == "megatron-3d" and c.feasible), key=lambda c: c.time, default=None)
+    total = time.time() - t0
     print(f"\nchosen: {best.pipeline.describe() if best.pipeline is not None else 'no pipeline'}, mesh "
-          f"{dict(best.mesh_sizes)}: {best.cost.step_time * 1e3:.2f} ms ({time.time() - t0:.0f} s in all)")
+          f"{dict(best.mesh_sizes)}: {best.cost.step_time * 1e3:.2f} ms ({total:.0f} s in all)")
+    bounded = sum(c.name == "bounded" for c in choices)
+    print("planning: " + ", ".join(f"{k} {sum(v):.0f} s ({len(v)})" for k, v in phases.items())
+          + (f"; {bounded} candidates not screened (bounded by a faster sibling)" if bounded else "")
+          + f"; {total:.0f} s in all; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     pc = best.cost.pipeline
     if pc is not None:
         print(f"  bubble {pc.bubble_s * 1e3:.1f} ms of loop compute {pc.loop_compute_s * 1e3:.1f} ms; stage boundary "

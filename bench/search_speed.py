@@ -1,6 +1,7 @@
 """Benchmark: how long shardc's strategy search takes to plan the 12-layer GPT train step (Adam).
 
     python bench/search_speed.py [--layers 12] [--write]
+    python bench/search_speed.py --pipeline [--layers 12]
 
 For each target — 8 devices on `h100-sxm-8` and 64 devices on `h100-sxm-8x8` (more than this host has:
 the plan is made on a mesh shape without devices, `shardc.plan_for`) — it plans with `search=True` and
@@ -8,6 +9,12 @@ reports the time to trace, to search and in all, the simulated plans evaluated p
 of one evaluation: a full one (a baseline, on a fresh mesh) and an incremental one (a one-decision move,
 as MCMC proposes). `--write` records the table in docs/benchmarks.md. Targets (issue 6): ≤ 10 s in all on
 8 devices and ≤ 30 s on 64 on a 2-core machine.
+
+`--pipeline` plans the same LM with its blocks as one `nn.scan` (`bench.gpt.ScanGPT`, the form shardc cuts
+into stages) with the pipeline dimension on (`shardc.plan_for(..., pipeline=True)`: the unpipelined search,
+every candidate pipeline screened, two finalists searched, default budgets) for 8, 64 and 256 devices
+(`h100-sxm-8`, `-8x8`, `-8x32`) and reports where the time goes. Targets (issue 16): ≤ 10 s on 8 devices,
+≤ 30 s on 64 and on 256. It prints its table (docs/benchmarks.md `pipeline` records it by hand).
 """
 from __future__ import annotations
 
@@ -35,6 +42,52 @@ from shardc.search.evaluate import Evaluator  # noqa: E402
 from shardc.search.space import build_space, seeds_for  # noqa: E402
 
 TARGETS = (("h100-sxm-8", 8, 10.0), ("h100-sxm-8x8", 64, 30.0))  # topology, devices, target (s); default budget_s
+PIPELINE_TARGETS = TARGETS + (("h100-sxm-8x32", 256, 30.0),)  # (issue 16: with the pipeline dimension)
+
+
+def plan_pipelined(step, args, topology: str) -> dict:
+    """Plan with the pipeline dimension on (default budgets); seconds per phase of the choice, from the rows
+    `choose_pipeline` reports as it makes them."""
+    phases: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    last = [time.perf_counter()]
+    phase_of = {"unpipelined": "unpipelined", "screened": "screens", "pipelined": "finalists"}
+
+    def on_choice(c) -> None:
+        now = time.perf_counter()
+        name = phase_of.get(c.name, "screens" if c.name.startswith("error") else None)
+        if name is not None:
+            phases[name] = phases.get(name, 0.0) + now - last[0]
+            last[0] = now
+        counts[c.name.split(":")[0]] = counts.get(c.name.split(":")[0], 0) + 1
+
+    t0 = time.perf_counter()
+    plan = shardc.plan_for(step, *args, topology=topology, pipeline=True, on_choice=on_choice, progress=False)
+    total = time.perf_counter() - t0
+    return {"plan": plan, "total": total, "phases": phases, "counts": counts}
+
+
+def pipeline_rows(layers: int) -> list[str]:
+    """One row per PIPELINE_TARGETS entry: planning time with the pipeline dimension, by phase."""
+    from bench.zoo_models import _unbox
+
+    model, tx, params, _, ids = setup(layers=layers, scan=True)
+    params = _unbox(params)  # (no partitioning metadata: its "layers" axis would be a 4th mesh axis beside the stage)
+    step, args = make_train_step(model, tx), (params, tx.init(params), ids)
+    rows = []
+    for topology, devices, target in PIPELINE_TARGETS:
+        r = plan_pipelined(step, args, topology)
+        plan, ph, n = r["plan"], r["phases"], r["counts"]
+        unpiped = next(c for c in plan.pipeline_choice.choices if c.name == "unpipelined")
+        chosen = plan.pipeline.describe() if plan.pipeline is not None else "no pipeline"
+        cands = n.get("screened", 0) + n.get("error", 0) + n.get("bounded", 0)
+        row = (f"| {devices} / `{topology}` | {cands} ({n.get('screened', 0)} screened, {n.get('bounded', 0)} "
+               f"bounded) | {ph.get('unpipelined', 0):.1f} | {ph.get('screens', 0):.1f} | {ph.get('finalists', 0):.1f} "
+               f"| {r['total']:.1f} (≤ {target:.0f}) | {chosen}: {plan.cost.step_time * 1e3:.3f} ms (unpipelined "
+               f"{unpiped.time * 1e3:.3f} ms) |")
+        print(row, flush=True)
+        rows.append(row)
+    return rows
 
 
 def plan_once(step, args, topology: str, devices: int, budget_s: float | None = None) -> dict:
@@ -100,7 +153,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--write", action="store_true")
+    ap.add_argument("--pipeline", action="store_true", help="plan with the pipeline dimension on (issue 16)")
     args = ap.parse_args()
+    if args.pipeline:
+        print("| devices / topology | candidates | unpipelined search | screens | finalists | total (target) | chosen |")
+        print("|---|---|---|---|---|---|---|")
+        pipeline_rows(args.layers)
+        print(f"(seconds; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end)")
+        return
 
     model, tx, params, opt_state, ids = setup(layers=args.layers)
     step = make_train_step(model, tx)

@@ -98,7 +98,8 @@ class AutoFunction:
                  static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
                  time_cap_s: float | None = None, in_shardings: Any = None, out_shardings: Any = None,
                  remat: bool | str = True, memory_limit: float | None = None, pipeline: Any = None,
-                 pcg: bool = False, _source: SourceLine | None = None) -> None:
+                 pcg: bool = False, _source: SourceLine | None = None, _shared: Any = None,
+                 _priced_only: bool = False, _resume: Any = None) -> None:
         if not callable(fun):
             raise TypeError(f"shardc.auto expects a function, got {type(fun).__name__}")
         functools.update_wrapper(self, fun)
@@ -153,6 +154,17 @@ class AutoFunction:
         # pipeline=True: the first call chooses the pipeline, or none (shardc/pipeline/auto_choice.py)
         self._choosing_pipeline = pipeline is True
         self._pipeline_choice: Any = None  # what that choice scored (Plan.pipeline_choice)
+        # the stack, tracing mesh and traced programs shared by the candidates of one pipeline choice
+        # (shardc/pipeline/reuse.py; set by choose_pipeline, None otherwise)
+        self._shared = _shared
+        if _shared is not None:
+            _shared.prepare(self)
+        # a plan to price, not to run (choose_pipeline's screens): the searched plan is not rebuilt from a
+        # trace under the mesh the search chose, and it is not lowered
+        self._priced_only = _priced_only
+        if _resume is not None:  # a priced plan of this step made to run: retraced under its mesh, not searched
+            self.mesh, self._search_resume, self._remat_resume = _resume.mesh, _resume.search, _resume.remat
+            self._pcg_resume = _resume.pcg
         self._options = dict(mesh=mesh, rules=rules, donate_argnums=donate_argnums, donate_argnames=donate_argnames,
                              topology=topology, search=search,
                              budget_s=budget_s, seed=seed, devices=devices, static_argnums=static_argnums,
@@ -498,7 +510,9 @@ class AutoFunction:
         hints = input_hints(roots, mesh.axis_names if provisional else mesh, self.rules, _describe(self.fun))
         self._warn_unhinted_params(args, kwargs, roots, hints)
         t0 = time.perf_counter()
-        closed, in_tree, out_tree = _search.trace(self, self._trace, (args, kwargs), meta_axes)
+        trace_fn = self._trace if self._shared is None else \
+            functools.partial(self._shared.trace, self, trace_fn=self._trace)
+        closed, in_tree, out_tree = _search.trace(self, trace_fn, (args, kwargs), meta_axes)
         mesh = self._mesh()  # the search may have chosen a tracing mesh that has the axes the program names
         t1 = time.perf_counter()
         # Positional leaves come first, then keyword ones (sorted by name), as (args, kwargs) flattens; named
@@ -549,7 +563,8 @@ class AutoFunction:
                         closed, lambda program: plan_of(program, graph if program is closed else None))
                     graph = the_plan.graph
             # (the axis order counts: {data: 4, expert: 2} and {expert: 2, data: 4} lay devices out differently)
-            if list(the_plan.mesh_sizes.items()) != list(mesh.shape.items()) and not is_abstract(the_plan.mesh):
+            if list(the_plan.mesh_sizes.items()) != list(mesh.shape.items()) and not is_abstract(the_plan.mesh) \
+                    and not self._priced_only:
                 # retrace under the chosen mesh, keeping the decisions
                 self.mesh, self._search_resume, self._remat_resume = the_plan.mesh, the_plan.search, remat_choice
                 self._pcg_resume = the_plan.pcg
@@ -598,7 +613,7 @@ class AutoFunction:
             the_plan = dataclasses.replace(the_plan, pcg=choice)
         self._warn_if_wasteful(the_plan)
         with _internal_errors("lowering", self.fun):
-            if is_abstract(the_plan.mesh):
+            if is_abstract(the_plan.mesh) or self._priced_only:
                 jitted = None
             elif choice is not None and choice.chosen:  # the rewritten PCG runs: its shard_map lowering
                 from shardc.pcg.choice import jit_pcg
@@ -958,7 +973,7 @@ _AUTO_OPTIONS = frozenset(p for p in inspect.signature(AutoFunction.__init__).pa
 
 
 # choose_pipeline's own options, which plan_for(pipeline=True) passes on
-_CHOOSE_OPTIONS = ("screen_budget_s", "finalists", "prune_siblings", "on_choice", "progress")
+_CHOOSE_OPTIONS = ("screen_budget_s", "finalists", "prune_siblings", "bound_siblings", "on_choice", "progress")
 
 
 def _check_options(entry: str, options: Mapping[str, Any]) -> None:
@@ -989,7 +1004,8 @@ def plan_for(f: Any, *args: Any, topology: Any, devices: int | None = None, sear
     donate_argnums); the step's own keyword arguments go in `kwargs`. `pipeline=True` chooses a pipeline too
     (`shardc.pipeline.choose.choose_pipeline` on all of the topology's devices: the unpipelined search, every
     candidate pipeline screened, the fastest searched in full; its options `screen_budget_s`, `finalists`,
-    `prune_siblings`, `on_choice` and `progress` are passed on) and returns the fastest plan that fits."""
+    `prune_siblings`, `bound_siblings`, `on_choice` and `progress` are passed on) and returns the fastest plan that
+    fits."""
     from shardc.sim import as_topology
 
     choose = options.get("pipeline") is True

@@ -5,10 +5,14 @@ finds for it, against the unpipelined search.
 and plans the step without a pipeline (the ordinary search). Every candidate is then *screened*: traced and
 planned with its baselines only (`search="baselines"`: the baselines on the meshes it implies, each run
 inside the stages, `shardc.search.baselines`; with `screen_budget_s`, a small search from them instead),
-which costs a trace and a dozen simulations instead of a search. The `finalists` best screened candidates
-get the full search (`budget_s`), and the fastest plan that fits memory wins. The screen also scores
-`megatron-3d` (Megatron inside each stage, the stages over the slowest level: Megatron-LM's 3-D parallelism)
-on every candidate.
+which costs a trace and a dozen simulations instead of a search. A candidate that only adds work to its
+screened sibling with deferred weight gradients (the loop's accumulation, 1F1B's recomputation), when that
+sibling's fastest baseline plan fits, is screened only if that sibling could be a finalist
+(`shardc.pipeline.bound`). The `finalists`
+best screened candidates get the full search (`budget_s`), and the fastest plan that fits memory wins. The
+screen also scores `megatron-3d` (Megatron inside each stage, the stages over the slowest level: Megatron-LM's
+3-D parallelism) on every candidate. The candidates share their layer stack, tracing mesh and traced
+programs (`shardc.pipeline.reuse`: a finalist's search plans the program its screen traced).
 
 It is an outer enumeration around the search, not one joint search space.
 """
@@ -24,7 +28,9 @@ from tqdm.auto import tqdm
 
 from annotations import provisional_mesh
 from annotations.errors import ShardingError
+from shardc.pipeline.bound import bounding_sibling, fastest_baseline_fits
 from shardc.pipeline.jit import stack_of
+from shardc.pipeline.reuse import SharedTraces
 from shardc.search.baselines import BASELINES
 from shardc.search.driver import NoPlanFits
 from shardc.pipeline.value import Pipeline
@@ -67,8 +73,10 @@ class PipelineChoice:
         unpiped = next((c for c in rows if c.name == "unpipelined"), None)
         screened = sum(c.name == "screened" for c in rows)
         failed = sum(c.name.startswith("error") for c in rows)
-        head = (f"pipelines considered: {screened + failed} candidates ({screened} screened, "
-                f"{sum(c.name == 'pipelined' for c in rows)} searched in full, {failed} could not be planned)")
+        bounded = sum(c.name == "bounded" for c in rows)
+        head = (f"pipelines considered: {screened + failed + bounded} candidates ({screened} screened, "
+                f"{sum(c.name == 'pipelined' for c in rows)} searched in full, {failed} could not be planned"
+                + (f", {bounded} not screened: bounded by a faster sibling" if bounded else "") + ")")
         lines = [head]
         if unpiped is not None:
             mark = "chosen" if self.chosen is None else "      "
@@ -142,16 +150,21 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
                     pipelines: list[Pipeline] | None = None, plan_for: Callable | None = None,
                     screen_budget_s: float | None = None, finalists: int = 2,
                     on_choice: Callable[[Choice], None] | None = None, prune_siblings: bool = False,
-                    progress: bool | None = None, **options: Any) -> tuple[Any, list[Choice]]:
+                    bound_siblings: bool = True, progress: bool | None = None, **options: Any) -> tuple[Any, list[Choice]]:
     """The fastest plan that fits, over the unpipelined search and (with `pipeline=True`) the pipelines of
     `pipelines` (default: `candidates` for the step's largest layer stack): each screened by its baselines
     (or, with `screen_budget_s`, a search of that budget; with `prune_siblings`, not a candidate whose usually
-    faster sibling already fit: `_sibling`), the `finalists` fastest searched with `budget_s`. Returns the plan
+    faster sibling already fit: `_sibling`; with `bound_siblings`, the default, a candidate bounded by a
+    sibling only when that sibling is among the `finalists` fastest screened: `shardc.pipeline.bound`, rows
+    "bounded" for the others), the `finalists` fastest searched with `budget_s`. Returns the plan
     and every choice scored (also passed to `on_choice` as it is made): the unpipelined search's baselines
     ("baseline fsdp", ...) and the candidates' "megatron-3d" rows included. A progress bar counts the
     candidates on a terminal (`progress`: True/False forces it). `options` go to `shardc.plan_for`."""
-    if plan_for is None:
+    shared = None
+    if plan_for is None:  # (candidates share their stack, tracing mesh and traced programs: shardc/pipeline/reuse.py)
         from shardc.auto import plan_for
+
+        shared = SharedTraces()
     if not isinstance(finalists, int) or isinstance(finalists, bool) or finalists < 0:
         raise ShardingError(f"choose_pipeline(finalists={finalists!r}): expected an int >= 0")
     from shardc.sim import as_topology
@@ -186,37 +199,86 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
         pipelines = list(candidates(n, stack.layers, stack.batch))
     screened: list[tuple[tuple, int, Pipeline, Any]] = []
     fitted: set[tuple] = set()  # sibling groups with a screened candidate that fits (`_sibling`)
-    bar = tqdm(pipelines, desc="shardc pipelines", unit="pipeline", leave=False,
+    bounds: set[Pipeline] = set()  # screened candidates whose fastest baseline plan fits (shardc/pipeline/bound.py)
+    bounded: dict[Pipeline, tuple[int, Pipeline]] = {}  # not screened (yet): (index, the candidate bounding it)
+    bound = bound_siblings and screen_budget_s is None  # (a search's screen may beat every baseline: no bound)
+    bar = tqdm(total=len(pipelines), desc="shardc pipelines", unit="pipeline", leave=False,
                disable=None if progress is None else not progress)
-    for i, p in enumerate(bar):
-        if prune_siblings and _sibling(p) in fitted:
-            continue
+
+    def screen(i: int, p: Pipeline) -> None:
+        bar.update(1)
         try:
-            plan = plan_for(step, *args, topology=topology, pipeline=p, **_screening(screen_budget_s, options))
+            plan = _plan(plan_for, shared, step, args, topology, n, pipeline=p, priced_only=True,
+                         **_screening(screen_budget_s, options))
         except ShardingError as e:  # a pipeline this step cannot take (said in the table, not fatal)
             note(Choice(f"error: {str(e).splitlines()[0][:80]}", p, {}, float("inf"), 0.0, False))
-            continue
+            return
         note(_choice("screened", plan, plan.pipeline))
         for c in _baseline_choices(plan, ("megatron-3d",)):
             note(c)
         screened.append((_key(plan), i, p, plan))
         if plan.cost.fits:
             fitted.add(_sibling(p))
+        if bound and fastest_baseline_fits(plan):
+            bounds.add(p)
+
+    for i, p in enumerate(pipelines):
+        if prune_siblings and _sibling(p) in fitted:
+            bar.update(1)
+            continue
+        q = bounding_sibling(p) if bound else None
+        if q in bounds:  # not faster than `q`: screened only if `q` could be a finalist (below)
+            bounded[p] = (i, q)
+            continue
+        screen(i, p)
+    while bounded:  # the candidates bounded by one that could be a finalist (or the fastest screened)
+        screened.sort(key=lambda x: (x[0], x[1]))
+        top = {p for _, _, p, _ in screened[:max(finalists, 1)]}
+        due = sorted((i, p) for p, (i, root) in bounded.items() if root in top)
+        if not due:
+            break
+        for i, p in due:
+            del bounded[p]
+            screen(i, p)
+    bar.close()
+    for i, p in sorted((i, p) for p, (i, _) in bounded.items()):
+        note(Choice("bounded", p, {}, float("inf"), 0.0, False))  # (its bounding sibling is in the table)
     screened.sort(key=lambda x: (x[0], x[1]))
+    best_screen = None  # the screened candidate whose plan is the best so far (priced, not made to run)
     for key, _, p, plan in screened:
         if best is None or key < _key(best):
-            best = plan
+            best, best_screen = plan, p
     for _, _, p, _ in screened[:finalists]:
-        plan = plan_for(step, *args, topology=topology, budget_s=budget_s, pipeline=p, **options)
+        plan = _plan(plan_for, shared, step, args, topology, n, budget_s=budget_s, pipeline=p, **options)
         note(_choice("pipelined", plan, plan.pipeline))
         if best is None or _key(plan) < _key(best):
-            best = plan
+            best, best_screen = plan, None
+    if best_screen is not None and shared is not None and n <= len(jax.devices()):
+        # a screened plan won, on this host's devices: made to run (traced under its mesh, its search's decisions)
+        best = _plan(plan_for, shared, step, args, topology, n, pipeline=best_screen, resume=best,
+                     **_screening(screen_budget_s, options))
     if best is None or not best.cost.fits and unfit is not None:
         raise unfit if unfit is not None else ShardingError("choose_pipeline: no candidate pipeline could be planned "
                                                             "(every one raised; see the choices passed to on_choice)")
     if dataclasses.is_dataclass(best):  # (what explain() shows of the choice)
         best = dataclasses.replace(best, pipeline_choice=PipelineChoice(tuple(choices), best.pipeline))
     return best, choices
+
+
+def _plan(plan_for: Callable, shared: SharedTraces | None, step: Callable, args: tuple, topology: Any, devices: int,
+          priced_only: bool = False, resume: Any = None, **options: Any) -> Any:
+    """`plan_for(step, *args, topology=topology, **options)` for one candidate pipeline; with `shared`, as
+    `shardc.plan_for` plans it (on all `devices` of the topology) but with what the candidates share and,
+    `priced_only`, a plan to price, not to run (a screen): on this host's devices, the search's plan is not
+    rebuilt from a trace of the step under the mesh it chose (the same step time and memory). `resume`: such a
+    plan, rebuilt so (no search), as the plan without `priced_only` would have been."""
+    if shared is None:
+        return plan_for(step, *args, topology=topology, **options)
+    from shardc.auto import AutoFunction
+
+    fun = step.fun if isinstance(step, AutoFunction) else step
+    return AutoFunction(fun, topology=topology, devices=devices, _shared=shared, _priced_only=priced_only,
+                        _resume=resume, **options).plan(*args)
 
 
 def _screening(budget_s: float | None, options: dict) -> dict:

@@ -214,12 +214,15 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
         tried.append(sizes)
         hinted = hinted or bool(user)
         budget.charge(MESH_SETUP_UNITS)
-        space = build_space(problem.graph, sizes, user)
+        # Without search moves ("baselines") the space serves only a baseline computed as another one computes
+        # (COMPUTE_OF): built when one is, as it costs much of a pipelined program's baselines-only screen.
+        space = None if method == "baselines" else build_space(problem.graph, sizes, user)
         ev = Evaluator(problem, mesh, space, user)
         evaluators.append(ev)
         base_choices: dict[str, Assignment] = {}
         by_mesh[tuple(sizes.items())] = (ev, base_choices)
-        starts: list[Assignment] = [space.neutral()]
+        starts: list[Assignment] = [] if space is None else [space.neutral()]
+        of_name: dict[str, Plan] = {}  # each baseline's plan, for their choices when the space is built late
         mixes: list[Assignment] = []
         seed_sets: dict[str, list[Seed]] = {}
         seed_scores: dict[str, Score] = {}
@@ -233,15 +236,18 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
                 if extra is None:
                     continue
                 if name in COMPUTE_OF:  # its storage, another baseline's compute: one incremental evaluation
-                    if COMPUTE_OF[name] not in base_choices:
+                    if COMPUTE_OF[name] not in of_name:
                         continue
+                    if space is None:
+                        space = ev.space = build_space(problem.graph, sizes, user)
+                        base_choices.update((n, plan_choices(space, pl)) for n, pl in of_name.items())
                     point = with_input_layouts(space, base_choices[COMPUTE_OF[name]], extra, state)
                     plan = ev.plan(point)
                     score = ev.cache[point] = ev.score_plan(plan)[0]
                     bar.update(1)
                     budget.charge(1)
                     consider(name, sizes, plan, score, tuple(seeds_for(space, point, user)), point)
-                    plans[name] = plan
+                    plans[name] = of_name[name] = plan
                     starts.append(point)
                     mixes.append(plan_choices(space, plan))
                     base_choices[name] = mixes[-1]
@@ -251,7 +257,9 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
                 if key in scored:
                     plan, score = scored[key]
                     consider(name, sizes, plan, score, tuple(extra))
-                    base_choices[name] = plan_choices(space, plan)
+                    of_name[name] = plan
+                    if space is not None:
+                        base_choices[name] = plan_choices(space, plan)
                     continue
                 plan = ev.plan_with(extra)
                 score = ev.score_plan(plan)[0]
@@ -263,10 +271,11 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
             consider(name, sizes, plan, score, tuple(extra))
             seed_sets[name] = list(extra)
             seed_scores[name] = score
-            plans[name] = plan
-            starts.append(project(space, plan))
-            mixes.append(plan_choices(space, plan))
-            base_choices[name] = mixes[-1]
+            plans[name] = of_name[name] = plan
+            if space is not None:
+                starts.append(project(space, plan))
+                mixes.append(plan_choices(space, plan))
+                base_choices[name] = mixes[-1]
             top = min(top, score, key=lambda x: x.key)
         if "hints" in plans and problem.topology is not None:
             for layout_cost in _other_layout_costs(problem):
@@ -401,8 +410,8 @@ def _hints_by(layout_cost: str, problem: Problem, ev: Evaluator, hints: Plan,
     slower than not searching); "collectives" leaves out XLA:CPU's copies around all-gathers of non-major
     dims, which an op pays alone in the pricer where the step shares them (docs/search.md). None when it
     plans the same."""
-    try:
-        plan = plan_from_seeds(problem, ev.mesh, list(user), layout_cost=layout_cost)
+    try:  # (the user's seeds alone: their propagation is the one the evaluator continues from)
+        plan = plan_from_seeds(problem, ev.mesh, [], base=ev.user_propagation(), layout_cost=layout_cost)
     except ShardingError:
         return None
     if plan.strategies == hints.strategies and plan.shardings == hints.shardings:

@@ -207,11 +207,18 @@ class Evaluator:
     def plan(self, assignment: Assignment) -> Plan:
         return self.plan_with(seeds_for(self.space, assignment, self.user_seeds))
 
+    def user_propagation(self) -> UserPropagation:
+        """The propagation of the user's seeds every plan of this evaluator continues from (shared by the
+        meshes with the same axis sizes); `run([])` of it is `propagate(graph, mesh, user_seeds)`."""
+        if self._base is None:
+            self._base = _shared_base(self.problem.graph, mesh_shape(self.mesh), self.user_seeds)[0]
+        return self._base
+
     def plan_with(self, extra: Sequence[Seed]) -> Plan:
         """The plan of the user's seeds plus `extra` (priority >= 1)."""
     
         pr = self.problem
-        if self._base is None:
+        if self._builder is None:
             self._base, memos = _shared_base(pr.graph, mesh_shape(self.mesh), self.user_seeds)
             self._builder = PlanBuilder(pr.graph, self.mesh, input_names=pr.input_names,
                                         output_names=pr.output_names, warnings=list(pr.warnings),

@@ -120,3 +120,102 @@ def test_a_pipeline_is_chosen_when_no_unpipelined_plan_fits():
         choose_pipeline(step, args, topology="h100-sxm-8", budget_s=0.5, pipelines=pipes[:1], plan_for=fake_plan_for)
     with pytest.raises(NoPlanFits):  # and without pipelines, as before
         choose_pipeline(step, args, topology="h100-sxm-8", budget_s=0.5, pipeline=False, plan_for=fake_plan_for)
+
+
+def test_bounded_siblings_are_screened_only_when_they_could_be_finalists():
+    """A sibling that only adds work to its sibling with deferred weight gradients (the loop's accumulation,
+    1F1B's recomputation) is not screened unless that sibling is among the finalists; the choice, the finalists and their
+    step times are those of screening every candidate, and the bound's premise holds on what was screened."""
+    import dataclasses
+
+    from shardc.pipeline.bound import bounding_sibling
+
+    step, args = make_step(None), make_args()
+    pipes = [Pipeline(2, 4, data=("data",), shards=2, defer_wgrad=True), Pipeline(2, 4, data=("data",), shards=2),
+             Pipeline(2, 4, "1f1b", data=("data",), shards=2),
+             Pipeline(4, 4, defer_wgrad=True), Pipeline(4, 4), Pipeline(4, 4, "1f1b")]
+    opts = dict(topology="h100-sxm-8", budget_s=0.5, pipelines=pipes, finalists=1)
+    best_all, every = choose_pipeline(step, args, bound_siblings=False, **opts)
+    best, rows = choose_pipeline(step, args, **opts)
+    unbound = lambda p: dataclasses.replace(p, layers=None, stack="")  # noqa: E731
+    of = lambda rs, name: {unbound(c.pipeline): c.time for c in rs if c.name == name}  # noqa: E731
+    assert best.cost.step_time == best_all.cost.step_time and best.pipeline == best_all.pipeline
+    assert of(rows, "pipelined") == of(every, "pipelined")  # the same finalist, searched to the same plan
+    screened, times, skipped = of(rows, "screened"), of(every, "screened"), of(rows, "bounded")
+    assert skipped and len(screened) + len(skipped) == len(pipes)  # some not screened; every one in the table
+    assert all(screened[p] == times[p] for p in screened)  # the same screens
+    for p in skipped:  # bounded by its screened sibling with deferred weight gradients, which is no finalist
+        root = bounding_sibling(p)
+        assert root in screened and root not in of(rows, "pipelined") and times[p] >= times[root]
+    for p, t in times.items():  # the premise, on every sibling pair screened
+        q = bounding_sibling(p)
+        if q in times:
+            assert t >= times[q]
+    summary = best.pipeline_choice.summary()
+    assert f"{len(skipped)} not screened: bounded by a faster sibling" in summary.splitlines()[0]
+
+
+def test_candidates_share_the_stack_the_tracing_mesh_and_the_programs(monkeypatch):
+    """The layer stack is found once, later candidates trace on the mesh the first one's trace ended on, and a
+    finalist's search plans the program its screen traced: one trace per candidate, none for the finalists,
+    and the same plans as shardc.plan_for makes of each candidate alone."""
+    import shardc.pipeline.choose as choose
+    from shardc.pipeline.reuse import SharedTraces
+
+    made: list[SharedTraces] = []
+
+    class Counting(SharedTraces):
+        def __init__(self) -> None:
+            super().__init__()
+            made.append(self)
+
+    monkeypatch.setattr(choose, "SharedTraces", Counting)
+    step, args = make_step(None), make_args()
+    pipes = [Pipeline(2, 4, data=("data",), shards=2), Pipeline(4, 4, "1f1b")]
+    _, rows = choose_pipeline(step, args, topology="h100-sxm-8", budget_s=0.5, pipelines=pipes, finalists=2)
+    shared, = made
+    assert shared.stack is not None and shared.stack.layers == 8
+    assert shared.reused >= 2  # each finalist's trace (and each retrace under the mesh its search chose)
+    assert len(shared.programs) == shared.traced
+    alone = {p: shardc.plan_for(step, *args, topology="h100-sxm-8", budget_s=0.5, pipeline=p) for p in pipes}
+    for c in rows:
+        if c.name == "pipelined":
+            p = next(q for q in pipes if c.pipeline == q.bind(8, c.pipeline.stack))
+            assert c.time == alone[p].cost.step_time and c.mesh == dict(alone[p].mesh_sizes)
+
+
+def test_screens_are_priced_without_a_retrace_and_a_screened_winner_is_planned_to_run(monkeypatch):
+    """On this host's devices a screen's plan is not rebuilt from a trace under the mesh its search chose (it
+    is priced, not run): the screens score what shardc.plan_for(search="baselines") scores, and a screened
+    plan that wins is planned again as plan_for plans it (the same plan, traced under its mesh)."""
+    import importlib
+
+    from shardc.search.driver import NoPlanFits
+
+    auto = importlib.import_module("shardc.auto")  # (the module: shardc.auto is the decorator)
+    real = auto.plan_for
+
+    def unpipelined_unfit(step, *args, pipeline=None, **options):  # (so that a screened plan wins)
+        if pipeline is None:
+            raise NoPlanFits(2**40, 2**30)
+        return real(step, *args, pipeline=pipeline, **options)
+
+    monkeypatch.setattr(auto, "plan_for", unpipelined_unfit)
+    import shardc.pipeline.choose as choose
+
+    made, plan = [], choose._plan
+    monkeypatch.setattr(choose, "_plan", lambda *a, priced_only=False, **k: made.append(priced_only) or plan(
+        *a, priced_only=priced_only, **k))
+    step, args = make_step(None), make_args()
+    pipes = [Pipeline(2, 4, data=("data",), shards=4), Pipeline(4, 4, "1f1b")]
+    best, rows = choose_pipeline(step, args, topology="h100-sxm-8", budget_s=0.5, pipelines=pipes, finalists=0)
+    assert made == [True, True, False]  # two screens, priced; the winner made to run (without a search)
+    alone = [real(step, *args, topology="h100-sxm-8", pipeline=p, search="baselines") for p in pipes]
+    screened = {c.pipeline: c for c in rows if c.name == "screened"}
+    for pl in alone:
+        c = screened[pl.pipeline]
+        assert (c.time, c.peak, c.mesh) == (pl.cost.step_time, pl.cost.peak_memory, dict(pl.mesh_sizes))
+    fastest = min(alone, key=lambda pl: (not pl.cost.fits, pl.cost.step_time))
+    assert best.pipeline == fastest.pipeline and best.cost.step_time == fastest.cost.step_time
+    assert dict(best.mesh_sizes) == dict(fastest.mesh_sizes) and best.strategies == fastest.strategies
+    assert len(best.graph.ops) == len(fastest.graph.ops) and best.pipeline_choice is not None
