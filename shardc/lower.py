@@ -23,6 +23,7 @@ reshard step of one traced value is made once: the simulator counts them so.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from typing import Any, Callable, Iterator, Sequence
 
@@ -84,6 +85,17 @@ def _constrain(x: Any, sharding: NamedSharding) -> Any:
     return jax.lax.with_sharding_constraint(x, sharding)
 
 
+@dataclasses.dataclass
+class _Trace:
+    """What the walk keeps per trace being built (the program, each re-traced loop or branch body)."""
+
+    bound: dict[int, Any] = dataclasses.field(default_factory=dict)  # graph value -> its traced value
+    # each reshard made so far, (id of the traced source, layout) -> (source, result): XLA reshards one
+    # instruction to one layout once; a later consumer reuses it
+    made: dict[tuple[int, Sharding], tuple[Any, Any]] = dataclasses.field(default_factory=dict)
+    padding: dict[int, Any] = dataclasses.field(default_factory=dict)  # a pad's result -> its padding value
+
+
 class Lowering:
     """The walk that re-evaluates a traced program op by op with the plan's constraints (one per lowering:
     `next_op` is the plan op the walk meets next, in the graph builder's order)."""
@@ -98,17 +110,12 @@ class Lowering:
                 self.needs.setdefault(r.consumer, {})[r.operand] = r.dst.without_partial()
         self.next_op = 0
         self.info = program_info(self.graph)
-        # Per trace being built (the program, each re-traced loop or branch body): the traced value of each
-        # graph value bound so far, each reshard made so far ((id of the traced source, layout) ->
-        # (source, result)): XLA reshards one instruction to one layout once; a later consumer reuses it),
-        # and the padding value of each pad's result (`padding_only`).
-        self._traces: list[tuple[dict[int, Any], dict[tuple[int, Sharding], tuple[Any, Any]], dict[int, Any]]] = \
-            [({}, {}, {})]
+        self._traces: list[_Trace] = [_Trace()]  # the program's, then each re-traced loop or branch body's
 
     @contextlib.contextmanager
     def new_trace(self) -> Iterator[None]:
         """A body traced apart from the program (its values are not the enclosing trace's)."""
-        self._traces.append(({}, {}, {}))
+        self._traces.append(_Trace())
         try:
             yield
         finally:
@@ -129,7 +136,7 @@ class Lowering:
         counts it (XLA would share only a path's first step: each constraint is an instruction of its own)."""
         if src != dst:
             val = self.graph.values[vid]
-            made = self._traces[-1][1]
+            made = self._traces[-1].made
             for layout, _ in reshard_steps(src, dst, val.shape, val.dtype.itemsize, self.sizes, self.reduce_scatter):
                 layout = layout.without_partial()
                 hit = made.get((id(x), layout))
@@ -206,7 +213,7 @@ class Lowering:
         if folds_to_constant(self.graph, op):  # (its result is a constant whatever it reads: see below)
             invals = [_constant_like(x) for x in invals]
         if op.primitive == "pad" and len(invals) > 1:
-            self._traces[-1][2][op.outputs[0]] = invals[1]
+            self._traces[-1].padding[op.outputs[0]] = invals[1]
         invals = self.padding_only(op, invals)
         if eqn.primitive is hint_p or op.primitive == "sharding_constraint":
             # a hint or jax's own constraint (maybe on the mesh the step was traced under, e.g. Flax's on
@@ -238,7 +245,7 @@ class Lowering:
         the plan does not list); a broadcast it makes in any layout."""
         if not invals or not reads_only_padding(self.graph, op):
             return invals
-        value = self._traces[-1][2].get(op.inputs[0])
+        value = self._traces[-1].padding.get(op.inputs[0])
         x = invals[0]
         if value is None or not hasattr(x, "shape"):  # (a pad of another trace: left as it is)
             return invals
@@ -270,7 +277,7 @@ class Lowering:
         apart and XLA would reshard each for its consumers)."""
         if not self.info.duplicate[op.id]:
             return None
-        bound = self._traces[-1][0]
+        bound = self._traces[-1].bound
         canon = [self.info.canon[v] for v in op.outputs]
         if not all(c in bound and self.plan.shardings[c] == self.plan.shardings[v] for c, v in zip(canon, op.outputs)):
             return None
@@ -296,7 +303,7 @@ class Lowering:
                 if outs is None:
                     with self.scope(op.id):
                         outs = self.apply_op(op, eqn, invals)
-                    self._traces[-1][0].update(zip(op.outputs, outs))
+                    self._traces[-1].bound.update(zip(op.outputs, outs))
             env.write(eqn.outvars, outs)
         return env.reads(jaxpr.outvars)
 

@@ -121,11 +121,7 @@ class SearchReport:
         elif self.chosen.name not in ("search", "search+pcg"):
             what = ("the hints baseline: the program has no hints, so this is plain propagation (every tensor "
                     "replicated)" if self.chosen.name == "hints" and not self.user_hinted
-                    else "the hints as search=False plans them (each op's layout chosen by the bytes it sends)"
-                    if self.chosen.name == HINTS_BY_BYTES
-                    else "the hints with each op's layout chosen by its collectives' time, without XLA:CPU's "
-                    "relayout copies" if self.chosen.name == "hints (collectives)"
-                    else f"the {self.chosen.name} baseline")
+                    else _HINTS_PLANNED.get(self.chosen.name, f"the {self.chosen.name} baseline"))
             s = self.searched
             if s is not None and s.score.feasible and s.score.time < self.chosen.score.time:
                 lines.append(f"  chosen: {what}; the search's fastest plan simulated "
@@ -279,7 +275,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
             top = min(top, score, key=lambda x: x.key)
         if "hints" in plans and problem.topology is not None:
             for layout_cost in _other_layout_costs(problem):
-                other = _hints_by(layout_cost, problem, ev, plans["hints"], user)
+                other = _hints_by(layout_cost, problem, ev, plans["hints"])
                 if other is not None:
                     bar.update(1)
                     budget.charge(full_plan_units(n_devices))
@@ -393,6 +389,12 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
 
 
 HINTS_BY_BYTES = "hints (bytes)"  # the candidate that is exactly the search=False plan
+# What each candidate of the user's hints planned with another op-layout pricing is (`_hints_by`), for the summary.
+_HINTS_PLANNED = {
+    HINTS_BY_BYTES: "the hints as search=False plans them (each op's layout chosen by the bytes it sends)",
+    "hints (collectives)": "the hints with each op's layout chosen by its collectives' time, without XLA:CPU's "
+                           "relayout copies",
+}
 
 
 def _other_layout_costs(problem: Problem) -> tuple[str, ...]:
@@ -401,8 +403,7 @@ def _other_layout_costs(problem: Problem) -> tuple[str, ...]:
     return ("bytes", "collectives") if as_topology(problem.topology).backend == "cpu" else ("bytes",)
 
 
-def _hints_by(layout_cost: str, problem: Problem, ev: Evaluator, hints: Plan,
-              user: Sequence[Seed]) -> tuple[Plan, Score] | None:
+def _hints_by(layout_cost: str, problem: Problem, ev: Evaluator, hints: Plan) -> tuple[Plan, Score] | None:
     """The user's hints planned with each op's layout weighed by `layout_cost` (`plan_from_seeds`) instead of
     the seconds of its reshards on the topology, when that gives other op layouts than the "hints" baseline:
     scored, so the search never returns a plan simulated slower than these. The per-op choice is greedy and
