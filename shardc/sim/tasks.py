@@ -44,9 +44,16 @@ def is_static(start: int, end: int, stream: int, dur: int) -> bool:
 # A value key: (canonical value id, sharding, origin). origin 0: the value in its planned layout or a
 # layout resharded from it (what consumers read; identical reshards of it are one, as XLA's CSE makes
 # them); origin 1: the layout an op's strategy makes before it is resharded to the planned one (a
-# separate buffer, never reused by consumers). Keys are interned to ints by the builder.
+# separate buffer, never reused by consumers); origin 2: a loop carry resharded after the loop by its exit tie
+# (the while's result is another instruction than the body's parameter: none of the body's reshards of the
+# carry serve it, however alike). Keys are interned to ints by the builder.
 Key = tuple[int, Sharding, int]
-HOME, MADE = 0, 1
+HOME, MADE, EXIT = 0, 1, 2
+
+
+def reads_after_loop(op: Any) -> bool:
+    """Whether `op` is a loop's exit tie: it reads the loop's carry as the loop leaves it."""
+    return op.primitive == "tie" and op.params.get("at") == "out"
 
 
 @dataclasses.dataclass(slots=True)
@@ -425,18 +432,21 @@ class TaskBuilder:
                 deps = (k,)
         return deps
 
-    def chain(self, slot: Slot, src_key: Key, steps: tuple, v: int, op: int, trips: int) -> list[Key]:
+    def chain(self, slot: Slot, src_key: Key, steps: tuple, v: int, op: int, trips: int,
+              origin: int | None = None) -> list[Key]:
         """Tasks taking value `v` from `src_key` through `steps` (a reshard path, or its tail); returns the
         keys of the layouts they make, one per step: the last is a home key (consumers read it), the others
         keep `src_key`'s origin (a later consumer whose path goes through one of them starts there, as the
-        lowering reuses a layout it made of one traced value)."""
-        c, _, origin = src_key
+        lowering reuses a layout it made of one traced value). `origin`: every key's origin instead (EXIT)."""
+        c, _, src_origin = src_key
+        final = HOME if origin is None else origin
+        origin = src_origin if origin is None else origin
         val = self.graph.values[v]
         made: list[Key] = []
         deps = (self.kid(src_key),)
         src = src_key[1]
         for n, (layout, colls) in enumerate(steps):
-            key = (c, layout, HOME if n == len(steps) - 1 else origin)
+            key = (c, layout, final if n == len(steps) - 1 else origin)
             src_id = deps[0]
             first = len(slot.tasks)
             copies = self._relayouts(v, src, layout, colls)
@@ -502,9 +512,11 @@ class TaskBuilder:
         key_of = self.key_of
         state = []
         bc_start, empty = self.bc_start, frozenset()
+        exits = reads_after_loop(op)
         for i, (v, c) in enumerate(zip(op.inputs, canon_in)):
             need = needs.get((op_id, i), sh[v])
-            k = key_of.get(self.vkey((c, need, HOME)))
+            after_loop = exits and need != sh[c]
+            k = key_of.get(self.vkey((c, need, EXIT if after_loop else HOME)))
             if k is not None and k in keys:
                 state.append(need)
             elif self.info.constant[c] or self.info.constant[v]:
@@ -512,7 +524,8 @@ class TaskBuilder:
             else:
                 h = key_of.get(self.vkey((c, sh[c], HOME)))
                 b = bc_start.get((op_id, i), empty)
-                done = self.resume(c, self.path(sh[c], need, v, (), b), keys) if need != sh[c] else 0
+                resumes = need != sh[c] and not after_loop
+                done = self.resume(c, self.path(sh[c], need, v, (), b), keys) if resumes else 0
                 state.append((need, sh[c], h is not None and h in keys, done, b))
         made_b = tuple(self.bc_made.get((op_id, k), empty) for k in range(len(op.outputs)))
         mk = (tuple(state), plan.strategies[op_id], tuple([sh[v] for v in op.outputs]), made_b)
@@ -567,6 +580,7 @@ class TaskBuilder:
             return slot.seal()
         trips = info.trips[op_id]
         trips_in, trips_out = info.reshard_trips[op_id]  # (reshards of values entering/leaving a loop: outside it)
+        exits = reads_after_loop(op)
         made_keys: list[int] = []
         kid = self.kid
 
@@ -580,17 +594,21 @@ class TaskBuilder:
             """The key of value v (operand i) at sharding s, building a reshard chain from its home layout
             if needed."""
             c = self.canon(v)
-            k = kid((c, s, HOME))
+            after_loop = exits and s != plan.shardings[c]
+            want = (c, s, EXIT if after_loop else HOME)
+            k = kid(want)
             if k in keys:
                 return k
             if info.constant[c] or info.constant[v]:  # folded by XLA: ready, in any layout, at the start
                 slot.tasks.append(Task(f"constant {g.values[v].name}", "join", -1, 0, (), (k,), op_id))
-                return made((c, s, HOME))
+                return made(want)
             home = (c, plan.shardings[c], HOME)
             if kid(home) not in keys:  # made by an op XLA drops: ready at the start
                 slot.tasks.append(Task(g.values[v].name, "join", -1, 0, (), (kid(home),), op_id))
                 made(home)
             steps = self.path(home[1], s, v, (), self.bc_start.get((op_id, i), frozenset()))
+            if after_loop:
+                return [made(k) for k in self.chain(slot, home, steps, v, op_id, trips_in, EXIT)][-1]
             n = self.resume(c, steps, keys)
             src = (c, steps[n - 1][0], HOME) if n else home
             runs = min(trips_in, info.hoisted.get(c, (trips_in,))[0])  # (a loop-invariant value's: out of the loop)

@@ -128,10 +128,11 @@ Fixed in the oracle:
   without moving a tile, index passthrough, 2x4 meshes, a scatter-add written directly, and seed 99015's
   sort gradient, a scatter with an explicit batch dim).
 
-Not modelled, pinned as a strict xfail (the day the plan says what XLA does, it passes and says so):
-* seed 100001 (1 of 1,500 programs): a `fori_loop` whose state is [-, y] and whose body reshards it to
-  [-, x+y] for its ops and its next state; XLA permutes the loop's result once more after the loop
-  (`LOOP_STATE_RESHARDED_IN_THE_BODY`: collective-permute 236 B planned, 304 compiled).
+* seed 100001: a `fori_loop` whose state is [-, y] and whose body reshards it to [-, x+y] for its ops; the
+  simulator let the loop's exit tie reuse that in-body reshard, but XLA's while result is another
+  instruction than the body's parameter and is permuted again after the loop (236 B planned, 304
+  compiled). Exit ties now reshard the carry on keys of their own (`shardc.sim.tasks.EXIT`)
+  (`loop_state_resharded_in_the_body`).
 
 Upstream (XLA), pinned with a pure-JAX reproduction that fails today (strict xfail, so the day XLA is
 fixed this file says so):
@@ -571,6 +572,19 @@ def test_the_regrouping_permutes_are_planned():
     assert _permute_bytes(GATHER_REGROUPED["index_passthrough"]) == 32  # operand [z] 16 B, scatter result 16 B
 
 
+LOOP_STATE_RESHARDED_IN_THE_BODY = Program(mesh=(("x", 4), ("y", 2)), steps=(  # seed 100001, shrunk
+    Step(kind="input", args=(), attrs=(), shape=(8, 8)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 1), ("axes", "y")), shape=(8, 8)),
+    Step(kind="pad", args=(1,), attrs=(("config", ((0, 2, 1), (0, 0, 0))),), shape=(17, 8)),
+    Step(kind="fori", args=(2,), attrs=(("n", 3), ("inner", None)), shape=(17, 8)),  # state [-, y], body [-, x+y]
+    Step(kind="input", args=(), attrs=(), shape=(2, 8)),
+    Step(kind="scatter_add", args=(3, 4), attrs=(("dim", 0), ("indices", (4, 13))), shape=(17, 8)),
+    Step(kind="hint", args=(5,), attrs=(("how", "split"), ("dim", 1), ("axes", 8)), shape=(17, 8)),
+    Step(kind="input", args=(), attrs=(), shape=(2, 8, 6, 17)),
+    Step(kind="einsum", args=(6, 7), attrs=(("spec", "ab,dbca->cba"),), shape=(6, 8, 17)),
+), outputs=(8,))
+
+
 @pytest.mark.parametrize("prog", [COND_INDEX, DEAD_LOOP, UPDATE_SLICE_SPLIT_DIM, UPDATE_ONE_ROW_OF_SPLIT_DIM,
                                   SCANNED_ARRAY_RESHARD, SCAN_FINAL_CARRY, SUM_OVER_TWO_SPLIT_DIMS,
                                   DUPLICATE_OPS_RESHARDED, TWO_STEP_RESHARD_TWICE, FULL_UPDATE, BROADCAST_RESHARD,
@@ -582,7 +596,7 @@ def test_the_regrouping_permutes_are_planned():
                                   BROADCAST_THROUGH_A_MIDDLE_LAYOUT, CONSTANT_OVER_A_WHOLE_OPERAND,
                                   CARRY_SPLIT_AFTER_THE_LOOP, ARGMAX_OF_ONE_SPLIT_TWO_WAYS, ARGMAX_OVER_A_SIZE_ONE_AXIS,
                                   RESHARD_THROUGH_A_CACHED_LAYOUT, SPLIT_OF_A_BROADCAST, SLICE_OF_THE_PADDING,
-                                  DYNAMIC_SLICE_AFTER_THE_PADDED],
+                                  DYNAMIC_SLICE_AFTER_THE_PADDED, LOOP_STATE_RESHARDED_IN_THE_BODY],
                          ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
                               "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
                               "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
@@ -595,7 +609,7 @@ def test_the_regrouping_permutes_are_planned():
                               "constant_over_a_whole_operand", "carry_split_after_the_loop",
                               "argmax_of_one_split_two_ways", "argmax_over_a_size_one_axis",
                               "reshard_through_a_cached_layout", "split_of_a_broadcast", "slice_of_the_padding",
-                              "dynamic_slice_after_the_padded"])
+                              "dynamic_slice_after_the_padded", "loop_state_resharded_in_the_body"])
 def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
 
@@ -627,28 +641,6 @@ def test_attribution_reads_op_tags_inside_transforms():
     assert tagged_op("jit(run)/transpose(jvp(shardc.op7))/shardc.op12/dot_general") == 12
     assert tagged_op("jit(run)/shardc.op3/sharding_constraint") == 3
     assert tagged_op("jit(run)/reduce_sum") is None
-
-
-# ------------------------------------------------------------------------- not modelled yet: strict xfails
-
-LOOP_STATE_RESHARDED_IN_THE_BODY = Program(mesh=(("x", 4), ("y", 2)), steps=(  # seed 100001, shrunk
-    Step(kind="input", args=(), attrs=(), shape=(8, 8)),
-    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 1), ("axes", "y")), shape=(8, 8)),
-    Step(kind="pad", args=(1,), attrs=(("config", ((0, 2, 1), (0, 0, 0))),), shape=(17, 8)),
-    Step(kind="fori", args=(2,), attrs=(("n", 3), ("inner", None)), shape=(17, 8)),  # state [-, y], body [-, x+y]
-    Step(kind="input", args=(), attrs=(), shape=(2, 8)),
-    Step(kind="scatter_add", args=(3, 4), attrs=(("dim", 0), ("indices", (4, 13))), shape=(17, 8)),
-    Step(kind="hint", args=(5,), attrs=(("how", "split"), ("dim", 1), ("axes", 8)), shape=(17, 8)),
-    Step(kind="input", args=(), attrs=(), shape=(2, 8, 6, 17)),
-    Step(kind="einsum", args=(6, 7), attrs=(("spec", "ab,dbca->cba"),), shape=(6, 8, 17)),
-), outputs=(8,))
-
-
-@pytest.mark.xfail(strict=True, reason="not modelled: the plan reshards the loop state [-, y] -> [-, x+y] inside "
-                   "the body (3 x 68 B) and counts the loop's result as made there; XLA also permutes the result "
-                   "after the loop (one 68 B collective-permute more: 236 planned, 304 compiled)")
-def test_a_loop_state_resharded_in_its_body_is_resharded_after_it_too():
-    fuzzlib.check_program(LOOP_STATE_RESHARDED_IN_THE_BODY)
 
 
 # ------------------------------------------------------------------------------------------ fixed in the oracle
