@@ -700,6 +700,44 @@ def test_second_step_rounding_is_adjudicated_by_float64():
     assert out.upstream_bug is None and out.rounding
 
 
+ILL_CONDITIONED_STEP2 = Program(  # seed 102009, shrunk: step 2's inputs make a float32 result 8% off even unsharded
+    mesh=(('x', 4), ('y', 2)),
+    steps=(Step(kind='input', args=(), attrs=(), shape=(16, 12), dtype='float32'),
+           Step(kind='input', args=(), attrs=(), shape=(6,), dtype='float32'),
+           Step(kind='input', args=(), attrs=(), shape=(16, 12), dtype='float32'),
+           Step(kind='binary', args=(2, 0), attrs=(('fn', 'add'),), shape=(16, 12), dtype='float32'),
+           Step(kind='cond', args=(3,), attrs=(('inner', ('?', ('y',))),), shape=(16, 12), dtype='float32'),
+           Step(kind='cumsum', args=(0,), attrs=(('dim', 0),), shape=(16, 12), dtype='float32'),
+           Step(kind='input', args=(), attrs=(), shape=(16, 3), dtype='float32'),
+           Step(kind='scatter_add', args=(5, 6), attrs=(('dim', 1), ('indices', (8, 11, 9))), shape=(16, 12),
+                dtype='float32'),
+           Step(kind='slice', args=(7,), attrs=(('start', (0, 4)), ('limit', (16, 9)), ('strides', (1, 1))),
+                shape=(16, 5), dtype='float32'),
+           Step(kind='einsum', args=(8, 6), attrs=(('spec', 'ab,cd->a'),), shape=(16,), dtype='float32'),
+           Step(kind='remat_chain', args=(9,), attrs=(('inner', (('x',),)),), shape=(16,), dtype='float32')),
+    outputs=(1, 4, 5, 10), step_mode=True)
+
+
+def test_ill_conditioned_rounding_is_adjudicated_by_the_sharded_program_in_float64():
+    """Step 2's float32 results are 8% (unsharded) and 19% (sharded) off the float64 ones: the ratio of two
+    rounding errors says nothing there; the sharded program run in float64 equals the float64 reference."""
+    out = fuzzlib.check_program(ILL_CONDITIONED_STEP2)
+    assert out.upstream_bug is None and out.rounding
+
+
+def test_ill_conditioned_adjudication_rejects_a_wrong_sharded_program():
+    def cancel(x, big):  # float32 loses x entirely: (x + 1e8) - 1e8 is 0
+        return (x + big) - big
+
+    args = (np.linspace(0.5, 2.0, 8, dtype=np.float32), np.full(8, 1e8, np.float32))
+    ref = jax.jit(cancel)(*args)
+    got = np.asarray(ref) + 10.0  # further from the truth (x) than twice the unsharded error (2 at most)
+    assert fuzzlib._as_accurate_as_unsharded(cancel, args, got, ref, sharded64=jax.jit(cancel))
+    wrong64 = jax.jit(lambda x, big: cancel(x, big) * 1.01)
+    assert not fuzzlib._as_accurate_as_unsharded(cancel, args, got, ref, sharded64=wrong64)
+    assert not fuzzlib._as_accurate_as_unsharded(cancel, args, got, ref)  # no float64 run: the ratio decides
+
+
 # Soak seeds 50000-50041 and 60042: a train step returning its parameters re-hinted to another layout
 # (beside the updated ones, which carry Flax metadata that step 2's unboxed arguments do not): step 2 tied
 # the parameters to the re-hinted view, the only output of the same structure, and the two layouts' hints
