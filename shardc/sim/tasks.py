@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import re
 from typing import Any, Mapping, Sequence
 
 from shardc.cost.collectives import collective_fixed, collective_phases
@@ -46,14 +47,31 @@ def is_static(start: int, end: int, stream: int, dur: int) -> bool:
 # them); origin 1: the layout an op's strategy makes before it is resharded to the planned one (a
 # separate buffer, never reused by consumers); origin 2: a loop carry resharded after the loop by its exit tie
 # (the while's result is another instruction than the body's parameter: none of the body's reshards of the
-# carry serve it, however alike). Keys are interned to ints by the builder.
+# carry serve it, however alike); origin 3 + k: a value made outside cond branch k (`BranchScopes`) and
+# resharded inside it (a branch is a computation of its own: XLA neither shares a reshard with another
+# branch or the code around the cond, nor hoists it out). Keys are interned to ints by the builder.
 Key = tuple[int, Sharding, int]
 HOME, MADE, EXIT = 0, 1, 2
+_BRANCH = re.compile(r"/cond\d+\.\d+")
 
 
 def reads_after_loop(op: Any) -> bool:
     """Whether `op` is a loop's exit tie: it reads the loop's carry as the loop leaves it."""
     return op.primitive == "tie" and op.params.get("at") == "out"
+
+
+class BranchScopes:
+    """Per op, the innermost cond branch it runs in, as a key origin (3 + the branch's index; HOME outside
+    every branch), and per value, the branch its producer runs in."""
+
+    def __init__(self, graph: Any) -> None:
+        index: dict[str, int] = {}
+        self.op_scope: list[int] = []
+        for op in graph.ops:
+            found = list(_BRANCH.finditer(op.region))
+            scope = op.region[:found[-1].end()] if found else ""
+            self.op_scope.append(HOME if not scope else 3 + index.setdefault(scope, len(index)))
+        self.value_scope = [self.op_scope[v.producer] if v.producer is not None else HOME for v in graph.values]
 
 
 @dataclasses.dataclass(slots=True)
@@ -149,6 +167,7 @@ class TaskBuilder:
         self._shape_memo: dict[Any, tuple[int, ...]] = {}
         self._slot_memo: dict[int, dict[tuple, Slot]] = {}
         self._canon_in: list | None = None
+        self._scopes: BranchScopes | None = None
         self._plan_class: list[int] | None = None
         self._made_memo: dict[tuple, tuple[Sharding, ...]] = {}
         self._layout_memo: dict[Sharding, Sharding] = {}
@@ -432,12 +451,24 @@ class TaskBuilder:
                 deps = (k,)
         return deps
 
+    def read_origin(self, op: Any, c: int, need: Sharding, planned: Sharding) -> int:
+        """The origin of the key `op` reads canonical value `c` from at layout `need` (`Key`): HOME unless
+        the read reshards it after a loop (EXIT) or inside a cond branch it was not made in."""
+        if need == planned:
+            return HOME
+        if reads_after_loop(op):
+            return EXIT
+        if self._scopes is None:
+            self._scopes = BranchScopes(self.graph)
+        scope = self._scopes.op_scope[op.id]
+        return scope if scope != self._scopes.value_scope[c] else HOME
+
     def chain(self, slot: Slot, src_key: Key, steps: tuple, v: int, op: int, trips: int,
               origin: int | None = None) -> list[Key]:
         """Tasks taking value `v` from `src_key` through `steps` (a reshard path, or its tail); returns the
         keys of the layouts they make, one per step: the last is a home key (consumers read it), the others
         keep `src_key`'s origin (a later consumer whose path goes through one of them starts there, as the
-        lowering reuses a layout it made of one traced value). `origin`: every key's origin instead (EXIT)."""
+        lowering reuses a layout it made of one traced value). `origin`: every key's origin instead."""
         c, _, src_origin = src_key
         final = HOME if origin is None else origin
         origin = src_origin if origin is None else origin
@@ -486,11 +517,13 @@ class TaskBuilder:
         slot.compute_ps += dur
         return (k,)
 
-    def resume(self, c: int, steps: tuple, keys: Mapping[int, int]) -> int:
+    def resume(self, c: int, steps: tuple, keys: Mapping[int, int], origin: int = HOME) -> int:
         """How many steps of a path from value `c`'s home layout are done: the furthest of its layouts some
-        slot made already (0: none)."""
+        slot made already with keys of `origin` (0: none)."""
+        if origin == EXIT:  # (one exit tie reads a carry: nothing to resume)
+            return 0
         for n in range(len(steps) - 1, 0, -1):
-            i = self.key_of.get(self.vkey((c, steps[n - 1][0], HOME)))
+            i = self.key_of.get(self.vkey((c, steps[n - 1][0], origin)))
             if i is not None and i in keys:
                 return n
         return 0
@@ -512,11 +545,10 @@ class TaskBuilder:
         key_of = self.key_of
         state = []
         bc_start, empty = self.bc_start, frozenset()
-        exits = reads_after_loop(op)
         for i, (v, c) in enumerate(zip(op.inputs, canon_in)):
             need = needs.get((op_id, i), sh[v])
-            after_loop = exits and need != sh[c]
-            k = key_of.get(self.vkey((c, need, EXIT if after_loop else HOME)))
+            origin = self.read_origin(op, c, need, sh[c])
+            k = key_of.get(self.vkey((c, need, origin)))
             if k is not None and k in keys:
                 state.append(need)
             elif self.info.constant[c] or self.info.constant[v]:
@@ -524,8 +556,7 @@ class TaskBuilder:
             else:
                 h = key_of.get(self.vkey((c, sh[c], HOME)))
                 b = bc_start.get((op_id, i), empty)
-                resumes = need != sh[c] and not after_loop
-                done = self.resume(c, self.path(sh[c], need, v, (), b), keys) if resumes else 0
+                done = self.resume(c, self.path(sh[c], need, v, (), b), keys, origin) if need != sh[c] else 0
                 state.append((need, sh[c], h is not None and h in keys, done, b))
         made_b = tuple(self.bc_made.get((op_id, k), empty) for k in range(len(op.outputs)))
         mk = (tuple(state), plan.strategies[op_id], tuple([sh[v] for v in op.outputs]), made_b)
@@ -580,7 +611,6 @@ class TaskBuilder:
             return slot.seal()
         trips = info.trips[op_id]
         trips_in, trips_out = info.reshard_trips[op_id]  # (reshards of values entering/leaving a loop: outside it)
-        exits = reads_after_loop(op)
         made_keys: list[int] = []
         kid = self.kid
 
@@ -594,8 +624,8 @@ class TaskBuilder:
             """The key of value v (operand i) at sharding s, building a reshard chain from its home layout
             if needed."""
             c = self.canon(v)
-            after_loop = exits and s != plan.shardings[c]
-            want = (c, s, EXIT if after_loop else HOME)
+            origin = self.read_origin(op, c, s, plan.shardings[c])
+            want = (c, s, origin)
             k = kid(want)
             if k in keys:
                 return k
@@ -607,12 +637,11 @@ class TaskBuilder:
                 slot.tasks.append(Task(g.values[v].name, "join", -1, 0, (), (kid(home),), op_id))
                 made(home)
             steps = self.path(home[1], s, v, (), self.bc_start.get((op_id, i), frozenset()))
-            if after_loop:
-                return [made(k) for k in self.chain(slot, home, steps, v, op_id, trips_in, EXIT)][-1]
-            n = self.resume(c, steps, keys)
-            src = (c, steps[n - 1][0], HOME) if n else home
+            n = self.resume(c, steps, keys, origin)
+            src = (c, steps[n - 1][0], origin) if n else home
             runs = min(trips_in, info.hoisted.get(c, (trips_in,))[0])  # (a loop-invariant value's: out of the loop)
-            return [made(k) for k in self.chain(slot, src, steps[n:], v, op_id, runs)][-1]
+            chained = self.chain(slot, src, steps[n:], v, op_id, runs, None if origin == HOME else origin)
+            return [made(k) for k in chained][-1]
 
         deps = []
         need_shardings = []

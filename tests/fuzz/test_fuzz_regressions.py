@@ -133,6 +133,10 @@ Fixed in the oracle:
   instruction than the body's parameter and is permuted again after the loop (236 B planned, 304
   compiled). Exit ties now reshard the carry on keys of their own (`shardc.sim.tasks.EXIT`)
   (`loop_state_resharded_in_the_body`).
+* seed 102002: both branches of a cond reshard its operand to the same layout; the simulator counted one
+  (keys were shared across regions), but each branch is a computation of its own and XLA reshards in both
+  (256 B planned, 384 compiled). A value made outside a branch and resharded in it now has keys of that
+  branch (`shardc.sim.tasks.BranchScopes`) (`branches_reshard_one_operand`).
 
 Upstream (XLA), pinned with a pure-JAX reproduction that fails today (strict xfail, so the day XLA is
 fixed this file says so):
@@ -585,6 +589,13 @@ LOOP_STATE_RESHARDED_IN_THE_BODY = Program(mesh=(("x", 4), ("y", 2)), steps=(  #
 ), outputs=(8,))
 
 
+BRANCHES_RESHARD_ONE_OPERAND = Program(mesh=(("x", 1), ("y", 8)), steps=(  # seed 102002, shrunk by hand
+    Step(kind="input", args=(), attrs=(), shape=(8, 16, 2)),
+    Step(kind="hint", args=(0,), attrs=(("how", "shard"), ("spec", (("y", "x"), None, "?"))), shape=(8, 16, 2)),
+    Step(kind="cond", args=(1,), attrs=(("inner", ("?", ("y", "x"), "?")),), shape=(8, 16, 2)),  # each branch
+), outputs=(2,))                                                                   # reshards the operand itself
+
+
 @pytest.mark.parametrize("prog", [COND_INDEX, DEAD_LOOP, UPDATE_SLICE_SPLIT_DIM, UPDATE_ONE_ROW_OF_SPLIT_DIM,
                                   SCANNED_ARRAY_RESHARD, SCAN_FINAL_CARRY, SUM_OVER_TWO_SPLIT_DIMS,
                                   DUPLICATE_OPS_RESHARDED, TWO_STEP_RESHARD_TWICE, FULL_UPDATE, BROADCAST_RESHARD,
@@ -596,7 +607,8 @@ LOOP_STATE_RESHARDED_IN_THE_BODY = Program(mesh=(("x", 4), ("y", 2)), steps=(  #
                                   BROADCAST_THROUGH_A_MIDDLE_LAYOUT, CONSTANT_OVER_A_WHOLE_OPERAND,
                                   CARRY_SPLIT_AFTER_THE_LOOP, ARGMAX_OF_ONE_SPLIT_TWO_WAYS, ARGMAX_OVER_A_SIZE_ONE_AXIS,
                                   RESHARD_THROUGH_A_CACHED_LAYOUT, SPLIT_OF_A_BROADCAST, SLICE_OF_THE_PADDING,
-                                  DYNAMIC_SLICE_AFTER_THE_PADDED, LOOP_STATE_RESHARDED_IN_THE_BODY],
+                                  DYNAMIC_SLICE_AFTER_THE_PADDED, LOOP_STATE_RESHARDED_IN_THE_BODY,
+                                  BRANCHES_RESHARD_ONE_OPERAND],
                          ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
                               "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
                               "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
@@ -609,7 +621,8 @@ LOOP_STATE_RESHARDED_IN_THE_BODY = Program(mesh=(("x", 4), ("y", 2)), steps=(  #
                               "constant_over_a_whole_operand", "carry_split_after_the_loop",
                               "argmax_of_one_split_two_ways", "argmax_over_a_size_one_axis",
                               "reshard_through_a_cached_layout", "split_of_a_broadcast", "slice_of_the_padding",
-                              "dynamic_slice_after_the_padded", "loop_state_resharded_in_the_body"])
+                              "dynamic_slice_after_the_padded", "loop_state_resharded_in_the_body",
+                              "branches_reshard_one_operand"])
 def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
 
