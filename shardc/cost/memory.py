@@ -307,15 +307,20 @@ class MemoryModel:
         self.diff[pos + 1] -= n
 
     def _fused_everywhere(self, kid: int) -> bool:
-        """Whether every slot reading key `kid` reads it in its op's loop fusion (the op itself, or a local slice
-        fused into it)."""
+        """Whether every slot reading key `kid` reads it in a loop fusion: its op's (the op itself, or a local slice
+        fused into it), or a local slice of its own (a dynamic-slice fusion, which reads any layout); a free op
+        reading it (a hint) passes the question on to its result's readers."""
         rs = self.readers.get(kid)
         if not rs or not self.info.loop:
             return False
         for r in rs:
             slot = self._slots[r]
             for i, t in enumerate(slot.tasks):
-                if kid in t.deps and not (i == slot.at and self.info.loop[r] or self._fused_slice(slot, i)):
+                if kid not in t.deps or i == slot.at and self.info.loop[r] or self._local_slice(slot, i):
+                    continue
+                passes_on = i == slot.at and t.kind == "join" and t.outs \
+                    and all(self.keys.is_value_key[o] for o in t.outs)  # a free op (a hint): its result is the buffer
+                if not (passes_on and all(self._fused_everywhere(o) for o in t.outs)):
                     return False
         return True
 
@@ -536,12 +541,15 @@ class MemoryModel:
             return 2 * self.order[p]
         return self._ready[c]
 
+    def _local_slice(self, slot: Any, i: int) -> bool:
+        """Whether task `i` of a slot is an operand's reshard without collectives (a local slice of it)."""
+        t = slot.tasks[i]
+        return i < slot.at and t.kind == "join" and bool(t.deps) and all(self.keys.is_value_key[d] for d in t.deps)
+
     def _fused_slice(self, slot: Any, i: int) -> bool:
         """Whether task `i` of a slot is a reshard without collectives (a local slice of its operand) that XLA
         fuses into the op reading it (an elementwise-like op in a loop fusion): no buffer of its own."""
-        t = slot.tasks[i]
-        return (i < slot.at and t.kind == "join" and bool(t.deps) and self.info.loop[slot.op]
-                and all(self.keys.is_value_key[d] for d in t.deps))
+        return bool(self.info.loop[slot.op]) and self._local_slice(slot, i)
 
     def _position(self, slot: Any, i: int, kid: int, read: bool = False) -> int:
         """Where task `i` of a slot reads or makes value key `kid`: with its op (2 * position in the schedule),
