@@ -178,6 +178,8 @@ class MemoryModel:
         order = self.order
         lo, hi = 2 * order[lo] + 1 if lo >= 0 else -1, 2 * order[hi] + 1 if hi >= 0 else -1  # merged all-reduces
         start = max(owner[1], lo)
+        if end > start and self._sliced_last(kid, end):
+            end -= 1
         end = max(end, hi, start)
         full = self._positions(self._slots[owner[0]]).reduced.get(kid) if self._slots else None
         if full is not None:  # a slice of an all-reduced buffer
@@ -188,6 +190,30 @@ class MemoryModel:
         self.diff[start] += b
         self.diff[end + 1] -= b
         self.ends_at.setdefault(end, set()).add(kid)
+
+    def _sliced_last(self, kid: int, end: int) -> bool:
+        """Whether every read of key `kid` at position `end` is a local slice of its own (a dynamic-slice fusion,
+        not fused into the op reading it) that a collective reads next: the slice is made before the
+        collective's result exists, so `kid`'s buffer is free by then (the model makes both at one position). A
+        free op reading it (a hint) passes the question on to its result's readers."""
+        rs = self.readers.get(kid)
+        if not rs or not self._slots:
+            return False
+        at_end = [r for r, pos in rs.items() if self._read_end(kid, r, pos) >= end]
+        if not at_end:
+            return False
+        for r in at_end:
+            slot = self._slots[r]
+            for i, t in enumerate(slot.tasks):
+                if kid not in t.deps:
+                    continue
+                if i == slot.at and t.kind == "join" and t.outs and all(self.keys.is_value_key[o] for o in t.outs):
+                    if not all(self._sliced_last(o, end) for o in t.outs):
+                        return False
+                elif self._fused_slice(slot, i) or not self._local_slice(slot, i) or i + 1 >= slot.at \
+                        or not slot.tasks[i + 1].collective or not set(t.outs) & set(slot.tasks[i + 1].deps):
+                    return False
+        return True
 
     def _last_read(self, kid: int, made: int) -> int:
         """The last position a slot reads key `kid` at (`made` when none), not counting the slots that recompute
@@ -708,10 +734,30 @@ class MemoryModel:
         touched |= self._walking(touched)
         for k in list(touched):  # a fused slice's readers read what it slices
             touched.update(self.slice_src.get(k, ()))
+        touched |= self._passed_on(touched, slots)
         self._ends.clear()
         for k in touched:
             self._set(k)
         self.io(plan, donated, values)
+
+    def _passed_on(self, touched: Iterable[int], slots: Sequence[Any]) -> set[int]:
+        """The keys free ops (hints) read to make any of `touched`, transitively: their result's readers decide
+        whether a relayout copy of them is made and where they are free (`_fused_everywhere`, `_sliced_last`)."""
+        out: set[int] = set()
+        todo = list(touched)
+        while todo:
+            k = todo.pop()
+            owner = self.owner.get(k)
+            if owner is None:
+                continue
+            slot = slots[owner[0]]
+            if slot.at >= len(slot.tasks) or slot.tasks[slot.at].kind != "join" or k not in slot.tasks[slot.at].outs:
+                continue
+            for d in slot.tasks[slot.at].deps:
+                if self.keys.is_value_key[d] and d not in out:
+                    out.add(d)
+                    todo.append(d)
+        return out
 
     def _walking(self, touched: Iterable[int]) -> set[int]:
         """Key ids whose reads by fused ops end where `_fused_end` walks through a value one of `touched` is a layout

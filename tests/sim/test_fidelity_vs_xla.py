@@ -436,6 +436,22 @@ def test_peak_memory_of_an_all_gather_read_through_a_hint():
     assert row.ok, f"predicted {row.predicted:,.0f} bytes, XLA {row.compiled:,.0f}"
 
 
+def test_peak_memory_of_a_reshard_that_slices_then_gathers():
+    """[data, -] -> [-, model] is a local slice (a dynamic-slice fusion of its own, which reads the minor-dim
+    all-gather before it in its gathered layout: no relayout copy) and an all-gather over data: the slice is made
+    before the all-gather's result exists, so the [data, -] buffer is free by then (the model was 67% over with
+    the copy and both buffers at once, 33% with both)."""
+    mesh = shardc.make_mesh({"data": 2, "model": 4})
+
+    def step(h):
+        h = shardc.shard(h, ("data", "model"))
+        g = shardc.shard(h, ("data", None))
+        return shardc.shard(g, (None, "model")) * 2.0
+
+    row = shardc.check(shardc.auto(step, mesh=mesh, search=False), jnp.ones((512, 128))).row("peak memory bytes")
+    assert row.ok, f"predicted {row.predicted:,.0f} bytes, XLA {row.compiled:,.0f}"
+
+
 def test_peak_memory_of_a_fused_value_read_through_a_collective():
     """A collective reads its operand from memory, so XLA computes a fused elementwise value into the collective's
     operand where the collective runs, and its readers read the collective's result: what the value is computed
