@@ -169,6 +169,18 @@ def _candidates(pcg: PCG, rules: list[Rule], refuted: set[str], new_from: int | 
             yield rule, m, new
 
 
+def _screened(pcg: PCG, rules: list[Rule], refuted: set[str]) -> list[tuple[int, Rule, Match, PCG]]:
+    """Every rewrite of `_candidates` with its index in their order, ordered for simulation by the bytes one
+    device sends afterwards (`bytes_moved`: a count over the PCG, no simulation; ties in their order). Every
+    candidate is still simulated and a tie between equal simulated costs still goes to the first in rule
+    order, so the result is the same; under a simulation budget the rewrites that move fewer bytes (those
+    that can pay) are simulated first instead of, say, a hundred reorderings of compute ops."""
+    from shardc.pcg.costs import bytes_moved
+
+    found = [(i, rule, m, new) for i, (rule, m, new) in enumerate(_candidates(pcg, rules, refuted))]
+    return sorted(found, key=lambda e: (bytes_moved(e[3]), e[0]))
+
+
 def _same_match(pcg: PCG, rule: Rule, m: Match) -> Match | None:
     """The match of `rule` on `pcg` binding the same tensors at the same roots as `m` (made on an earlier
     PCG), if it is still there."""
@@ -258,9 +270,9 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
     seen = {current.key()}
     for _ in range(max_steps):
         better: list[tuple[float, int, Rule, Match]] = []  # rewrites that pay (the others are applied again below)
-        best: tuple[float, PCG] | None = None  # the cheapest of them, the first on a tie: its PCG alone is kept
-        near: list[tuple[float, PCG, Step]] = []  # rewrites within alpha of the current cost, the beam cheapest
-        for rule, m, new in _candidates(current, rules, refuted):
+        best: tuple[float, int, PCG] | None = None  # the cheapest of them, the first on a tie: its PCG alone is kept
+        near: list[tuple[float, int, PCG, Step]] = []  # rewrites within alpha of the current cost, the beam cheapest
+        for i, rule, m, new in _screened(current, rules, refuted):
             candidates += 1
             k = new.key()
             if k in seen:
@@ -268,17 +280,17 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
             seen.add(k)
             c = cost_fn(new)
             if c < cost * (1 - 1e-12):
-                better.append((c, len(better), rule, m))
-                if best is None or c < best[0]:
-                    best = (c, new)
+                better.append((c, i, rule, m))
+                if best is None or (c, i) < best[:2]:
+                    best = (c, i, new)
             elif c <= cost * search.alpha:
-                near.append((c, new, Step(rule.name, str(m), cost, c, describe_match(current, m))))
-                if len(near) > 2 * search.beam:  # (what `_lookahead` reads: a stable sort keeps ties in order)
-                    near = sorted(near, key=lambda e: e[0])[:search.beam]
+                near.append((c, i, new, Step(rule.name, str(m), cost, c, describe_match(current, m))))
+                if len(near) > 2 * search.beam:  # (what `_lookahead` reads: ties in rule order)
+                    near = sorted(near, key=lambda e: e[:2])[:search.beam]
         if better:
             better.sort(key=lambda e: e[:2])
             c, _, rule, m = better[0]
-            new = best[1]
+            new = best[2]
             steps.append(Step(rule.name, str(m), cost, c, describe_match(current, m)))
             cost, current = c, new
             state.update(current=current, cost=cost, candidates=candidates)
@@ -299,6 +311,7 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
                     state.update(current=current, cost=cost, candidates=candidates)
                     seen.add(new.key())
             continue
+        near = [(c, p, st) for c, _, p, st in sorted(near, key=lambda e: e[:2])]
         found, n = _lookahead(current, cost, near, rules, cost_fn, search, refuted, seen)
         candidates += n
         if found is None:

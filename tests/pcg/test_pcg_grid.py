@@ -102,3 +102,15 @@ def test_slice_over_one_group_before_an_all_reduce_over_the_other(mesh):
     (ar,) = res.pcg.communication()
     (before,) = pcg.communication()
     assert ar.collective == before.collective == "all-reduce" and ar.in_bytes * 4 == before.in_bytes
+
+
+def test_all_reduce_over_both_groups_then_slices_over_each_become_two_reduce_scatters(mesh):
+    def f(x):  # weight-gradient-like: summed over a dim split over (data, model), read split [model, data]
+        s = jnp.sum(split(x, 0, ("data", "model")) * 2.0, axis=0)
+        return split(split(jnp.sin(replicate(s)), 0, "model"), 1, "data")
+
+    pcg, res = _optimized(f, mesh, jax.random.normal(jax.random.key(3), (16, 64, 256)))
+    assert [str(n.op) for n in pcg.nodes if n.is_parallel] == ["reduce[data+model]", "partition[0,model]",
+                                                                "partition[1,data]"]
+    assert "reduce_split_scatter2" in [s.rule for s in res.steps]
+    assert res.pcg.collectives() == collections.Counter({"reduce-scatter": 2})
