@@ -272,21 +272,28 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
         better: list[tuple[float, int, Rule, Match]] = []  # rewrites that pay (the others are applied again below)
         best: tuple[float, int, PCG] | None = None  # the cheapest of them, the first on a tie: its PCG alone is kept
         near: list[tuple[float, int, PCG, Step]] = []  # rewrites within alpha of the current cost, the beam cheapest
-        for i, rule, m, new in _screened(current, rules, refuted):
-            candidates += 1
-            k = new.key()
-            if k in seen:
-                continue
-            seen.add(k)
-            c = cost_fn(new)
-            if c < cost * (1 - 1e-12):
-                better.append((c, i, rule, m))
-                if best is None or (c, i) < best[:2]:
-                    best = (c, i, new)
-            elif c <= cost * search.alpha:
-                near.append((c, i, new, Step(rule.name, str(m), cost, c, describe_match(current, m))))
-                if len(near) > 2 * search.beam:  # (what `_lookahead` reads: ties in rule order)
-                    near = sorted(near, key=lambda e: e[:2])[:search.beam]
+        try:
+            for i, rule, m, new in _screened(current, rules, refuted):
+                candidates += 1
+                k = new.key()
+                if k in seen:
+                    continue
+                seen.add(k)
+                c = cost_fn(new)
+                if c < cost * (1 - 1e-12):
+                    better.append((c, i, rule, m))
+                    if best is None or (c, i) < best[:2]:
+                        best = (c, i, new)
+                elif c <= cost * search.alpha:
+                    near.append((c, i, new, Step(rule.name, str(m), cost, c, describe_match(current, m))))
+                    if len(near) > 2 * search.beam:  # (what `_lookahead` reads: ties in rule order)
+                        near = sorted(near, key=lambda e: e[:2])[:search.beam]
+        except _OutOfBudget:  # the budget ran out mid-pass: the best rewrite that paid so far stands
+            if best is not None:
+                c, _, rule, m = min(better, key=lambda e: e[:2])
+                steps.append(Step(rule.name, str(m), cost, c, describe_match(current, m)))
+                state.update(current=best[2], cost=c, candidates=candidates)
+            raise
         if better:
             better.sort(key=lambda e: e[:2])
             c, _, rule, m = better[0]

@@ -114,3 +114,22 @@ def test_all_reduce_over_both_groups_then_slices_over_each_become_two_reduce_sca
                                                                 "partition[1,data]"]
     assert "reduce_split_scatter2" in [s.rule for s in res.steps]
     assert res.pcg.collectives() == collections.Counter({"reduce-scatter": 2})
+
+
+def test_a_simulation_budget_goes_first_to_rewrites_that_move_fewer_bytes(mesh):
+    """Each pass simulates its candidates in order of the bytes they leave moving, and a budget running out
+    mid-pass keeps the best rewrite that paid: with two simulations (the PCG's own and one more) the
+    reduce-scatter is found, though four candidates (all-to-alls split, a slice moved) come first in rule
+    order."""
+    def f(x, w, v):
+        y = replicate(split(x, 1, "data") @ split(w, 1, "model"))
+        z = split(jnp.tanh(split(v, 0, "model")), 1, "model")
+        u = jnp.exp(split(jnp.sin(split(v, 1, "model")), 0, "model"))
+        return split(split(jnp.sin(y), 0, "data"), 1, "model"), z, u
+
+    k = jax.random.split(jax.random.key(0), 3)
+    args = (jax.random.normal(k[0], (16, 32)), jax.random.normal(k[1], (32, 64)), jax.random.normal(k[2], (64, 64)))
+    c = shardc.auto(f, mesh=mesh, search=False).compiled_info(*args)
+    pcg = build_pcg(c.plan, c.closed_jaxpr, fuse=True)
+    assert [s.rule for s in optimize(pcg, max_evaluations=2).steps] == ["reduce_gather_slice"]
+    assert "reduce_gather_slice" in [s.rule for s in optimize(pcg).steps]
