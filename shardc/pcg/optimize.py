@@ -169,16 +169,24 @@ def _candidates(pcg: PCG, rules: list[Rule], refuted: set[str], new_from: int | 
             yield rule, m, new
 
 
-def _screened(pcg: PCG, rules: list[Rule], refuted: set[str]) -> list[tuple[int, Rule, Match, PCG]]:
-    """Every rewrite of `_candidates` with its index in their order, ordered for simulation by the bytes one
-    device sends afterwards (`bytes_moved`: a count over the PCG, no simulation; ties in their order). Every
-    candidate is still simulated and a tie between equal simulated costs still goes to the first in rule
-    order, so the result is the same; under a simulation budget the rewrites that move fewer bytes (those
-    that can pay) are simulated first instead of, say, a hundred reorderings of compute ops."""
-    from shardc.pcg.costs import bytes_moved
+def _fewer_collectives_first(rule: Rule) -> tuple[int, int]:
+    """A rule's screening key: the parallel ops its right side has beyond its left (fusing rules first),
+    then rules with parallel ops before those that only rearrange compute ops."""
+    count = lambda ts: sum(OPS[a.op].parallel for t in ts for a in term_ops(t))  # noqa: E731
+    lhs, rhs = count(rule.lhs), count(rule.rhs)
+    return rhs - lhs, 0 if lhs or rhs else 1
 
-    found = [(i, rule, m, new) for i, (rule, m, new) in enumerate(_candidates(pcg, rules, refuted))]
-    return sorted(found, key=lambda e: (bytes_moved(e[3]), e[0]))
+
+def _screened(pcg: PCG, rules: list[Rule], refuted: set[str]) -> Iterator[tuple[tuple[int, int], Rule, Match, PCG]]:
+    """The rewrites of `_candidates`, rules that leave fewer collectives first (`_fewer_collectives_first`, a
+    static key: no candidate is built or simulated to order them), each with its position in rule order
+    (rule index, match index). Every candidate is still simulated and a tie between equal simulated costs
+    still goes to the first in rule order, so the result is the same; under a simulation budget the rewrites
+    that can remove collectives are simulated before, say, a hundred reorderings of compute ops."""
+    order = sorted(range(len(rules)), key=lambda i: (_fewer_collectives_first(rules[i]), i))
+    for i in order:
+        for j, (rule, m, new) in enumerate(_candidates(pcg, [rules[i]], refuted)):
+            yield (i, j), rule, m, new
 
 
 def _same_match(pcg: PCG, rule: Rule, m: Match) -> Match | None:

@@ -116,8 +116,8 @@ def test_all_reduce_over_both_groups_then_slices_over_each_become_two_reduce_sca
     assert res.pcg.collectives() == collections.Counter({"reduce-scatter": 2})
 
 
-def test_a_simulation_budget_goes_first_to_rewrites_that_move_fewer_bytes(mesh):
-    """Each pass simulates its candidates in order of the bytes they leave moving, and a budget running out
+def test_a_simulation_budget_goes_first_to_rewrites_that_remove_collectives(mesh):
+    """Each pass simulates the rewrites of rules that leave fewer collectives first, and a budget running out
     mid-pass keeps the best rewrite that paid: with two simulations (the PCG's own and one more) the
     reduce-scatter is found, though four candidates (all-to-alls split, a slice moved) come first in rule
     order."""
