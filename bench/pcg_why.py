@@ -2,12 +2,14 @@
 PCG, each applied alone and simulated: the rules that match, where, and the simulated gain or loss of each.
 
     python -m bench.pcg_why --model gpt12 [--scale full|tiny] [--budget 60] [--per-rule 6] [--plan /tmp/p.json]
+    python -m bench.pcg_why --model gpt12 --plan /tmp/p.json --apply reduce_split_scatter2:0
 
 The plan is `@shardc.auto(search=True)`'s on `h100-sxm-8` (with `--plan`, the search's plan is saved there and
 loaded on the next run, so the analysis of one plan can be repeated without searching again). Per rule: the
 number of matches, how many of them were simulated (at most `--per-rule`, the first in program order), and the
 best / worst simulated change of the step (negative = faster). Then the best single rewrites, with the matched
-ops and their source lines.
+ops and their source lines. With `--apply RULE:I`, only that match: both PCGs' step, communication and the
+compute stream's largest idle gaps.
 """
 from __future__ import annotations
 
@@ -97,6 +99,31 @@ def analyse(plan, closed, donated, per_rule: int, out=print) -> list[tuple]:
     return results
 
 
+def compare(plan, closed, donated, rule_name: str, index: int, out=print) -> None:
+    """One match of one rule applied: both PCGs' simulated step, communication time and the compute stream's
+    largest idle gaps (where a rewrite that shortens a collective can lose)."""
+    from shardc.pcg.build import build_pcg
+    from shardc.pcg.library import all_rules
+    from shardc.pcg.match import apply_match, find_matches
+    from shardc.pcg.simcost import simulate_pcg
+    from shardc.pcg.verify import verify_rule
+    from shardc.sim import as_topology
+
+    topo = as_topology(TOPOLOGY)
+    pcg = build_pcg(plan, closed, fuse=True, reduce_scatter=topo.reduce_scatter)
+    rule = next(r for r in all_rules() if r.name == rule_name)
+    assert verify_rule(rule).proved
+    m = list(find_matches(pcg, rule))[index]
+    out(f"{m}")
+    for label, p in (("before", pcg), ("after", apply_match(pcg, m))):
+        r = simulate_pcg(p, topo, donated=donated).result
+        tasks = sorted((st, en, t.name) for si, sl in enumerate(r.slots)
+                       for t, st, en in zip(sl.tasks, r.starts[si], r.ends[si]) if t.kind == "compute" and t.dur)
+        gaps = sorted(((b[0] - a[1], a[1], b[2]) for a, b in zip(tasks, tasks[1:])), reverse=True)[:3]
+        out(f"{label}: step {r.step_time * 1e6:.1f} us, communication {r.comm_time * 1e6:.1f} us, compute idle "
+            + ", ".join(f"{g / 1e6:.1f} us at {at / 1e6:.1f} us (before {name})" for g, at, name in gaps))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="mlp")
@@ -104,10 +131,15 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=60)
     ap.add_argument("--per-rule", type=int, default=6)
     ap.add_argument("--plan", default=None, help="a .json plan file: saved after the search, loaded if present")
+    ap.add_argument("--apply", default=None, help="RULE:I: only compare the PCG with its I-th match of RULE applied")
     a = ap.parse_args()
     t0 = time.perf_counter()
     plan, closed, donated = searched(a.model, a.scale, a.budget, a.plan)
     print(f"{a.model} ({a.scale}): searched in {time.perf_counter() - t0:.1f} s", flush=True)
+    if a.apply:
+        name, index = a.apply.rsplit(":", 1)
+        compare(plan, closed, donated, name, int(index), out=lambda s: print(s, flush=True))
+        return
     analyse(plan, closed, donated, a.per_rule, out=lambda s: print(s, flush=True))
 
 
