@@ -4,7 +4,7 @@ PCG, each applied alone and simulated: the rules that match, where, and the simu
     python -m bench.pcg_why --model gpt12 [--scale full|tiny] [--budget 60] [--per-rule 6] [--plan /tmp/p.json]
     python -m bench.pcg_why --model gpt12 --plan /tmp/p.json --apply reduce_split_scatter2:0
 
-The plan is `@shardc.auto(search=True)`'s on `h100-sxm-8` (with `--plan`, the search's plan is saved there and
+The plan is `@shardc.auto(search=True)`'s on `--topology` (default `h100-sxm-8`; with `--plan`, the search's plan is saved there and
 loaded on the next run, so the analysis of one plan can be repeated without searching again). Per rule: the
 number of matches, how many of them were simulated (at most `--per-rule`, the first in program order), and the
 best / worst simulated change of the step (negative = faster). Then the best single rewrites, with the matched
@@ -23,7 +23,7 @@ if __name__ == "__main__":  # 8 local CPU devices, as the tests have
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-TOPOLOGY = "h100-sxm-8"
+TOPOLOGY = "h100-sxm-8"  # (--topology sets it)
 
 
 def _us(t: float) -> str:
@@ -125,14 +125,17 @@ def compare(plan, closed, donated, rule_name: str, index: int, out=print) -> Non
 
 
 def main() -> None:
+    global TOPOLOGY
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="mlp")
     ap.add_argument("--scale", default="full")
     ap.add_argument("--budget", type=float, default=60)
     ap.add_argument("--per-rule", type=int, default=6)
     ap.add_argument("--plan", default=None, help="a .json plan file: saved after the search, loaded if present")
+    ap.add_argument("--topology", default=TOPOLOGY)
     ap.add_argument("--apply", default=None, help="RULE:I: only compare the PCG with its I-th match of RULE applied")
     a = ap.parse_args()
+    TOPOLOGY = a.topology
     t0 = time.perf_counter()
     plan, closed, donated = searched(a.model, a.scale, a.budget, a.plan)
     print(f"{a.model} ({a.scale}): searched in {time.perf_counter() - t0:.1f} s", flush=True)
