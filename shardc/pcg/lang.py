@@ -175,6 +175,7 @@ class App:
     op: str
     params: tuple[Any, ...]
     args: tuple["Term", ...]
+    group: str = ""  # a parallel op's axes group: "" (the rule's group A), "B" (a second, disjoint one), "AB" (both)
 
     def __str__(self) -> str:
         return format_term(self)
@@ -187,7 +188,8 @@ def format_term(t: Term) -> str:
     if isinstance(t, Var):
         return t.name
     ps = f"[{', '.join(_pstr(p) for p in t.params)}]" if t.params else ""
-    return f"{t.op}{ps}({', '.join(format_term(a) for a in t.args)})"
+    at = f"@{t.group}" if t.group else ""
+    return f"{t.op}{ps}{at}({', '.join(format_term(a) for a in t.args)})"
 
 
 def term_vars(t: Term) -> list[str]:
@@ -266,6 +268,8 @@ class Rule:
     def var_kinds(self) -> dict[str, str]:
         """For each tensor variable: "G" (a global value: it feeds partition/replicate, directly or
         through compute ops, or is declared global) or "D" (one piece per device, the default)."""
+        if self.two_groups:  # (per-device pieces on a grid of two groups: no global values, see shardc.pcg.grid)
+            return {v: "D" for v in self.vars()}
         kinds: dict[str, str] = {v: ("G" if v in self.globals else "") for v in self.vars()}
 
         def visit(t: Term, expect: str) -> None:
@@ -286,13 +290,22 @@ class Rule:
     def reversed(self, name: str | None = None) -> "Rule":
         return Rule(name or f"{self.name}~rev", self.rhs, self.lhs, self.conds, self.globals)
 
+    def groups(self) -> frozenset[str]:
+        """The axes groups its parallel ops name ("" is the default group A)."""
+        return frozenset(a.group for t in self.lhs + self.rhs for a in term_ops(t) if OPS[a.op].parallel)
+
+    @property
+    def two_groups(self) -> bool:
+        """Does the rule relate collectives on two disjoint axes groups (proved by `shardc.pcg.grid`)?"""
+        return bool(self.groups() - {""})
+
     def has_parallel(self) -> bool:
         return any(OPS[a.op].parallel for t in self.lhs + self.rhs for a in term_ops(t))
 
 
 # -- parser -----------------------------------------------------------------------------------------
 
-_TOKEN = re.compile(r"\s*(?:(<=>|=>|!=|==|<=|>=|//|[-+*%<>()\[\],:])|(\d+\.\d*|\d*\.\d+|\d+)|([A-Za-z_][A-Za-z_0-9~.']*))")
+_TOKEN = re.compile(r"\s*(?:(<=>|=>|!=|==|<=|>=|//|[-+*%<>()\[\],:@])|(\d+\.\d*|\d*\.\d+|\d+)|([A-Za-z_][A-Za-z_0-9~.']*))")
 
 
 def _tokens(text: str) -> list[str]:
@@ -367,7 +380,7 @@ class _Parser:
         name = self.take()
         if not re.match(r"[A-Za-z_]", name):
             raise RuleSyntaxError(f"expected a term in {self.text!r}, got {name!r}")
-        if self.peek() not in ("[", "("):
+        if self.peek() not in ("[", "(", "@"):
             return Var(name)
         if name not in OPS:
             raise RuleSyntaxError(f"unknown op {name!r} in {self.text!r}; ops: {', '.join(OPS)}")
@@ -376,6 +389,12 @@ class _Parser:
             self.take("[")
             params = self.pexprs("]")
             self.take("]")
+        group = ""
+        if self.peek() == "@":
+            self.take("@")
+            group = self.take()
+            if group not in GROUPS or not OPS[name].parallel:
+                raise RuleSyntaxError(f"{name}@{group}: a group is one of {GROUPS} on a parallel op, in {self.text!r}")
         self.take("(")
         args = self.terms()
         self.take(")")
@@ -383,7 +402,7 @@ class _Parser:
         if len(args) != spec.arity or len(params) != len(spec.params):
             raise RuleSyntaxError(f"{name} takes {spec.arity} argument(s) and {len(spec.params)} parameter(s) "
                                   f"{list(spec.params)}, got {len(args)} and {len(params)} in {self.text!r}")
-        return App(name, tuple(params), tuple(args))
+        return App(name, tuple(params), tuple(args), "" if group == "A" else group)
 
     def pexprs(self, close: str) -> list[Any]:
         out: list[Any] = []
@@ -461,7 +480,30 @@ def _check(rule: Rule) -> None:
         raise RuleSyntaxError(f"{rule.name}: parameters {sorted(used - bound)} are not bound by the left-hand side")
     if all(isinstance(t, Var) for t in rule.lhs):
         raise RuleSyntaxError(f"{rule.name}: the left-hand side must contain an op")
+    if rule.two_groups:
+        _check_two_groups(rule, used)
     rule.var_kinds()
+
+
+GROUPS = ("A", "B", "AB")
+GRID_OPS = ("partition", "combine", "reduce", "reduce_scatter", "all_to_all")  # what shardc.pcg.grid evaluates
+
+
+def _check_two_groups(rule: Rule, used: set[str]) -> None:
+    """A two-group rule: parallel ops of `GRID_OPS` only, `@AB` (both groups at once) only on `reduce` (the one
+    collective whose result does not depend on how the two groups order their devices), the left side names
+    both groups, no global variables and no degree `n` (each group has its own)."""
+    for t in rule.lhs + rule.rhs:
+        for a in term_ops(t):
+            if OPS[a.op].parallel and a.op not in GRID_OPS:
+                raise RuleSyntaxError(f"{rule.name}: {a.op} is not defined on two groups")
+            if a.group == "AB" and a.op != "reduce":
+                raise RuleSyntaxError(f"{rule.name}: only reduce acts on both groups at once (@AB)")
+    lhs = {a.group for t in rule.lhs for a in term_ops(t) if OPS[a.op].parallel}
+    if not ({"", "B"} <= lhs or "AB" in lhs and lhs & {"", "B"}):
+        raise RuleSyntaxError(f"{rule.name}: the left-hand side must bind both groups")
+    if rule.globals or "n" in used:
+        raise RuleSyntaxError(f"{rule.name}: a two-group rule has no global variables and no degree n")
 
 
 def parse_rule(text: str) -> list[Rule]:

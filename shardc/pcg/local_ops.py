@@ -10,6 +10,8 @@ own per-device program:
   sums over those axes, as GSPMD does;
 * `scatter-add`: window and batch dims split; updates split over an implicit batch dim (data-parallel
   embedding gradients) leave partial sums: the operand is added on the first device of those axes only;
+  an operand dim indexed one row at a time split too (a vocab-split embedding's gradient): each device
+  adds the updates of the rows it holds (indices shifted to its piece, the other updates zeroed);
 * `dynamic_slice` / `dynamic_update_slice`: dims taken whole split;
 * `conv_general_dilated` without feature or batch groups: batch, input and output feature dims split
   (spatial dims need halos: not local);
@@ -54,13 +56,22 @@ def _gather_local(op: Any, strat: Any) -> bool:
 
 def _scatter_local(op: Any, strat: Any) -> bool:
     rule = op.rule
+    add = op.primitive in ("scatter-add", "scatter_add")
     for f in _sharded(strat):
         in_updates = _dim_of(rule.operands[2], f) is not None
-        if not in_updates or (rule.kinds[f] is RED and op.primitive not in ("scatter-add", "scatter_add")):
+        if not in_updates and add and rule.kinds[f] is PT and _scattered_row_dim(op, _dim_of(rule.operands[0], f)):
+            continue  # rows of the operand split: each device adds the updates of the rows it holds
+        if not in_updates or (rule.kinds[f] is RED and not add):
             return False
         if rule.kinds[f] not in (PT, RED):
             return False
     return True
+
+
+def _scattered_row_dim(op: Any, d: int | None) -> bool:
+    """Is operand dim `d` one a scatter indexes one row at a time (an inserted window dim)?"""
+    dn = op.params["dimension_numbers"]
+    return d is not None and d in tuple(dn.inserted_window_dims) and d in tuple(dn.scatter_dims_to_operand_dims)
 
 
 def _pass_through_only(op: Any, strat: Any) -> bool:
@@ -144,6 +155,21 @@ def _run_scatter(node: Any, args: list[Any], ins: list[Any], outs: list[Any], me
     if partial:  # the operand counts once in the sum of the devices' partial results
         first = _index(partial) == 0
         x = jnp.where(first, x, jnp.zeros((), x.dtype))
+    dn = node.params["dimension_numbers"]
+    local = ins[0].local_shape(mesh)
+    mask = None
+    for d, axes in enumerate(ins[0].sharding.dims):
+        if not axes or not _scattered_row_dim(node, d):
+            continue
+        # rows split over `axes`: indices shifted to this device's rows, updates of the other rows zeroed
+        k = list(dn.scatter_dims_to_operand_dims).index(d)
+        i = idx[..., k] - (_index(axes) * local[d]).astype(idx.dtype)
+        ok = (i >= 0) & (i < local[d])
+        mask = ok if mask is None else mask & ok
+        idx = idx.at[..., k].set(jnp.clip(i, 0, local[d] - 1))
+    if mask is not None:  # the updates' scatter dims are the indices' leading dims, in order
+        scatter = [d for d in range(upd.ndim) if d not in tuple(dn.update_window_dims)]
+        upd = jnp.where(jax.lax.broadcast_in_dim(mask, upd.shape, tuple(scatter)), upd, jnp.zeros((), upd.dtype))
     return [node.prim.bind(x, idx, upd, **node.params)]
 
 

@@ -34,6 +34,17 @@ class Match:
     axes: Axes | None
     roots: tuple[int, ...]
     nodes: frozenset[int]
+    axes_b: Axes | None = None  # a two-group rule's second group (`op@B`)
+
+    def group_axes(self, group: str, mesh: dict[str, int]) -> Axes | None:
+        """The mesh axes of a rule op's group ("" = A, "B", "AB" = both, in mesh order)."""
+        if group == "":
+            return self.axes
+        if group == "B":
+            return self.axes_b
+        if self.axes is None or self.axes_b is None:
+            return None
+        return tuple(a for a in mesh if a in self.axes or a in self.axes_b)
 
     def __str__(self) -> str:
         where = ", ".join(f"{k}=%{v}" for k, v in self.tensors.items())
@@ -47,6 +58,7 @@ class _State:
     axes: Axes | None
     nodes: frozenset[int]
     deferred: tuple[tuple[Any, Any], ...] = ()
+    axes_b: Axes | None = None
 
     def bind_tensor(self, name: str, tid: int) -> "_State | None":
         have = self.tensors.get(name)
@@ -75,10 +87,24 @@ class _State:
                 deferred.append((e, v))
         return dataclasses.replace(self, params=params, deferred=tuple(deferred))
 
-    def bind_axes(self, axes: Axes) -> "_State | None":
-        if self.axes is not None:
-            return self if self.axes == axes else None
-        return dataclasses.replace(self, axes=axes)
+    def bind_axes(self, axes: Axes, group: str = "") -> "_State | None":
+        """Bind the rule's group A (""), B, or check/complete both against a node over A and B ("AB"); the
+        two groups are disjoint sets of mesh axes."""
+        if group == "AB":
+            a, b = self.axes, self.axes_b
+            if a is not None and b is not None:
+                return self if set(axes) == set(a) | set(b) else None
+            known = a if a is not None else b
+            if known is None or not set(known) < set(axes):  # (neither bound yet: not decidable here)
+                return None
+            rest = tuple(x for x in axes if x not in known)
+            return dataclasses.replace(self, axes_b=rest) if a is not None else dataclasses.replace(self, axes=rest)
+        mine, other = (self.axes, self.axes_b) if group == "" else (self.axes_b, self.axes)
+        if mine is not None:
+            return self if mine == axes else None
+        if other is not None and set(other) & set(axes):
+            return None
+        return dataclasses.replace(self, **{"axes" if group == "" else "axes_b": axes})
 
 
 def _has_vars(e: Any) -> bool:
@@ -112,7 +138,7 @@ def _match(pcg: PCG, term: Term, tid: int, st: _State) -> Iterator[_State]:
             args = [args[i] for i in order]
         nxt = st.bind_params(term.params, values)
         if nxt is not None and spec.parallel:
-            nxt = nxt.bind_axes(node.op.axes)
+            nxt = nxt.bind_axes(node.op.axes, term.group)
         if nxt is None:
             continue
         nxt = dataclasses.replace(nxt, nodes=nxt.nodes | {node.id})
@@ -154,6 +180,10 @@ def _final(pcg: PCG, rule: Rule, st: _State) -> dict[str, Any] | None:
         env["n"] = group_size(st.axes, pcg.mesh_sizes)
         if env["n"] == 1:
             return None
+    if st.axes_b is not None and group_size(st.axes_b, pcg.mesh_sizes) == 1:
+        return None
+    if rule.two_groups and (st.axes is None or st.axes_b is None):
+        return None
     try:
         for e, v in st.deferred:
             if eval_param(e, env) != v:
@@ -195,7 +225,7 @@ def find_matches(pcg: PCG, rule: Rule) -> Iterator[Match]:
         if key in seen:
             continue
         seen.add(key)
-        yield Match(rule, st.tensors, env, st.axes, chosen, st.nodes)
+        yield Match(rule, st.tensors, env, st.axes, chosen, st.nodes, st.axes_b)
 
 
 def apply_match(pcg: PCG, m: Match, *, require_proof: bool = True) -> PCG:
@@ -221,9 +251,10 @@ def apply_match(pcg: PCG, m: Match, *, require_proof: bool = True) -> PCG:
         spec = OPS[term.op]
         try:
             if spec.parallel:
-                if m.axes is None:
+                axes = m.group_axes(term.group, pcg.mesh_sizes)
+                if axes is None:
                     raise RewriteError(f"{rule.name}: the right-hand side needs an axes group the left does not bind")
-                op = build_parallel(term.op, params, m.axes)
+                op = build_parallel(term.op, params, axes)
                 out = b.parallel(op, args[0], cause=cause, order=anchor)
             else:
                 out = build_compute(b, term.op, params, args, order=anchor, cause=cause)

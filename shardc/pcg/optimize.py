@@ -169,6 +169,26 @@ def _candidates(pcg: PCG, rules: list[Rule], refuted: set[str], new_from: int | 
             yield rule, m, new
 
 
+def _fewer_collectives_first(rule: Rule) -> tuple[int, int]:
+    """A rule's screening key: the parallel ops its right side has beyond its left (fusing rules first),
+    then rules with parallel ops before those that only rearrange compute ops."""
+    count = lambda ts: sum(OPS[a.op].parallel for t in ts for a in term_ops(t))  # noqa: E731
+    lhs, rhs = count(rule.lhs), count(rule.rhs)
+    return rhs - lhs, 0 if lhs or rhs else 1
+
+
+def _screened(pcg: PCG, rules: list[Rule], refuted: set[str]) -> Iterator[tuple[tuple[int, int], Rule, Match, PCG]]:
+    """The rewrites of `_candidates`, rules that leave fewer collectives first (`_fewer_collectives_first`, a
+    static key: no candidate is built or simulated to order them), each with its position in rule order
+    (rule index, match index). Every candidate is still simulated and a tie between equal simulated costs
+    still goes to the first in rule order, so the result is the same; under a simulation budget the rewrites
+    that can remove collectives are simulated before, say, a hundred reorderings of compute ops."""
+    order = sorted(range(len(rules)), key=lambda i: (_fewer_collectives_first(rules[i]), i))
+    for i in order:
+        for j, (rule, m, new) in enumerate(_candidates(pcg, [rules[i]], refuted)):
+            yield (i, j), rule, m, new
+
+
 def _same_match(pcg: PCG, rule: Rule, m: Match) -> Match | None:
     """The match of `rule` on `pcg` binding the same tensors at the same roots as `m` (made on an earlier
     PCG), if it is still there."""
@@ -258,27 +278,34 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
     seen = {current.key()}
     for _ in range(max_steps):
         better: list[tuple[float, int, Rule, Match]] = []  # rewrites that pay (the others are applied again below)
-        best: tuple[float, PCG] | None = None  # the cheapest of them, the first on a tie: its PCG alone is kept
-        near: list[tuple[float, PCG, Step]] = []  # rewrites within alpha of the current cost, the beam cheapest
-        for rule, m, new in _candidates(current, rules, refuted):
-            candidates += 1
-            k = new.key()
-            if k in seen:
-                continue
-            seen.add(k)
-            c = cost_fn(new)
-            if c < cost * (1 - 1e-12):
-                better.append((c, len(better), rule, m))
-                if best is None or c < best[0]:
-                    best = (c, new)
-            elif c <= cost * search.alpha:
-                near.append((c, new, Step(rule.name, str(m), cost, c, describe_match(current, m))))
-                if len(near) > 2 * search.beam:  # (what `_lookahead` reads: a stable sort keeps ties in order)
-                    near = sorted(near, key=lambda e: e[0])[:search.beam]
+        best: tuple[float, int, PCG] | None = None  # the cheapest of them, the first on a tie: its PCG alone is kept
+        near: list[tuple[float, int, PCG, Step]] = []  # rewrites within alpha of the current cost, the beam cheapest
+        try:
+            for i, rule, m, new in _screened(current, rules, refuted):
+                candidates += 1
+                k = new.key()
+                if k in seen:
+                    continue
+                seen.add(k)
+                c = cost_fn(new)
+                if c < cost * (1 - 1e-12):
+                    better.append((c, i, rule, m))
+                    if best is None or (c, i) < best[:2]:
+                        best = (c, i, new)
+                elif c <= cost * search.alpha:
+                    near.append((c, i, new, Step(rule.name, str(m), cost, c, describe_match(current, m))))
+                    if len(near) > 2 * search.beam:  # (what `_lookahead` reads: ties in rule order)
+                        near = sorted(near, key=lambda e: e[:2])[:search.beam]
+        except _OutOfBudget:  # the budget ran out mid-pass: the best rewrite that paid so far stands
+            if best is not None:
+                c, _, rule, m = min(better, key=lambda e: e[:2])
+                steps.append(Step(rule.name, str(m), cost, c, describe_match(current, m)))
+                state.update(current=best[2], cost=c, candidates=candidates)
+            raise
         if better:
             better.sort(key=lambda e: e[:2])
             c, _, rule, m = better[0]
-            new = best[1]
+            new = best[2]
             steps.append(Step(rule.name, str(m), cost, c, describe_match(current, m)))
             cost, current = c, new
             state.update(current=current, cost=cost, candidates=candidates)
@@ -299,6 +326,7 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
                     state.update(current=current, cost=cost, candidates=candidates)
                     seen.add(new.key())
             continue
+        near = [(c, p, st) for c, _, p, st in sorted(near, key=lambda e: e[:2])]
         found, n = _lookahead(current, cost, near, rules, cost_fn, search, refuted, seen)
         candidates += n
         if found is None:

@@ -42,10 +42,10 @@ def rule_key(text: str) -> str:
 @functools.lru_cache(maxsize=1)
 def verifier_id() -> str:
     """Digest of the source of the modules that decide whether a rule is proved."""
-    from shardc.pcg import lang, semantics, verify
+    from shardc.pcg import grid, lang, semantics, verify
 
     h = hashlib.sha256()
-    for module in (lang, semantics, verify):
+    for module in (lang, semantics, grid, verify):
         h.update(inspect.getsource(module).encode())
     return h.hexdigest()
 

@@ -67,7 +67,22 @@ class _Emitter:
 def _dims_rule(layouts: list[Sharding], shapes: list[tuple[int, ...]], n_operands: int,
                partial: frozenset[str], emit: _Emitter) -> tuple[FactorRule, tuple[tuple[str, ...], ...]]:
     """A rule with one pass-through factor per dim of every tensor (plus one reduction factor for the
-    partial axes), and the strategy that lays each tensor out as given."""
+    partial axes), and the strategy that lays each tensor out as given (memoised: the candidates of a
+    rewriting share most of their nodes, and a rule is an immutable value)."""
+    key = (tuple(layouts), tuple(map(tuple, shapes)), n_operands, partial, tuple(emit.mesh.items()))
+    hit = _RULES.get(key)
+    if hit is None:
+        hit = _RULES[key] = _make_dims_rule(layouts, shapes, n_operands, partial, emit)
+        if len(_RULES) > 200_000:  # (a bound on what a long process keeps)
+            _RULES.clear()
+    return hit
+
+
+_RULES: dict[tuple, tuple[FactorRule, tuple[tuple[str, ...], ...]]] = {}
+
+
+def _make_dims_rule(layouts: list[Sharding], shapes: list[tuple[int, ...]], n_operands: int,
+                    partial: frozenset[str], emit: _Emitter) -> tuple[FactorRule, tuple[tuple[str, ...], ...]]:
     tensors, sizes, kinds, axes = [], [], [], []
     for lay, shape in zip(layouts, shapes):
         dims = []

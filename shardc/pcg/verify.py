@@ -28,6 +28,7 @@ import z3
 
 from shardc.pcg.lang import OPS, Rule, term_ops
 from shardc.pcg.proofs import recorded
+from shardc.pcg.grid import Grid, evaluate_grid
 from shardc.pcg.semantics import D, G, IllTyped, Model, evaluate, flat_pairs
 
 __all__ = ["Verdict", "verify_rule", "verify_rules", "is_proved", "CHECKS", "clear_cache"]
@@ -278,6 +279,11 @@ def verify_rule(rule: Rule, checks: Sequence[tuple[int, int]] = CHECKS, *, use_c
         _CACHE[key] = verdict
         return verdict
     t0 = time.perf_counter()
+    if rule.two_groups:
+        verdict = _verify_grid(rule, t0)
+        if tuple(checks) == CHECKS:
+            _CACHE[key] = verdict
+        return verdict
     kinds = rule.var_kinds()
     fixed = _ranks(rule)
     count = 0
@@ -321,6 +327,90 @@ def verify_rule(rule: Rule, checks: Sequence[tuple[int, int]] = CHECKS, *, use_c
     if tuple(checks) == CHECKS:
         _CACHE[key] = verdict
     return verdict
+
+
+# (na, nb, rank) every two-group rule is checked at: each group of degree 2 and 4 against the other's 2
+GRID_CHECKS: tuple[tuple[int, int, int], ...] = ((2, 2, 2), (2, 2, 3), (2, 4, 2), (4, 2, 2))
+
+
+def _verify_grid(rule: Rule, t0: float) -> Verdict:
+    """Prove a two-group rule on the device grids of `GRID_CHECKS` (`shardc.pcg.grid`): every input a
+    distinct `z3.Real` per entry and per device, each device's piece of each output equal on both sides for
+    every parameter instance whose left side is defined, and at least one such instance per grid."""
+    count = 0
+    for na, nb, rank in GRID_CHECKS:
+        grid = Grid(na, nb, _z3_model(na))
+        k = na * nb
+        shapes = [tuple(k * (1 + i) for i in range(rank)), (k,) * rank]
+        where0 = f"grid {na}x{nb}, rank {rank}"
+        defined = 0
+        for env in instances(rule, na, rank):
+            where = where0 + "".join(f", {p}={v}" for p, v in env.items() if p != "n")
+            for shape in shapes:
+                inputs = {v: D(tuple(_grid_symbols(v, shape, d) for d in range(k))) for v in rule.vars()}
+                ienv = {**env, **{f"rank:{v}": rank for v in inputs}, **{f"shape:{v}": shape for v in inputs}}
+                try:
+                    if not all(c.holds(ienv) for c in rule.conds):
+                        continue
+                    memo: dict = {}
+                    lhs = [evaluate_grid(t, inputs, ienv, grid, memo) for t in rule.lhs]
+                except IllTyped:
+                    continue
+                except (KeyError, ValueError, IndexError, TypeError):
+                    continue
+                try:
+                    memo = {}
+                    rhs = [evaluate_grid(t, inputs, ienv, grid, memo) for t in rule.rhs]
+                    pairs = [(x, y, f"output {i} {w}") for i, (a, b) in enumerate(zip(lhs, rhs))
+                             for x, y, w in flat_pairs(a, b, k)]
+                except IllTyped as e:
+                    return Verdict(rule, False, count, time.perf_counter() - t0,
+                                   f"{where}: shape {shape}: the left side is defined but the right is not: {e}")
+                why = _solve(pairs, where, inputs)
+                if why is not None:
+                    return Verdict(rule, False, count, time.perf_counter() - t0, why)
+                defined += 1
+                count += 1
+                break
+        if not defined:
+            return Verdict(rule, False, count, time.perf_counter() - t0,
+                           f"the left side is not defined on any instance of the {where0}")
+    return Verdict(rule, True, count, time.perf_counter() - t0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _grid_symbols(name: str, shape: tuple[int, ...], device: int) -> np.ndarray:
+    a = np.empty(shape, dtype=object)
+    for idx in np.ndindex(*shape):
+        a[idx] = z3.Real(f"{name}@{device}{list(idx)}")
+    return a
+
+
+def _solve(pairs: list[tuple[Any, Any, str]], where: str, inputs: dict) -> str | None:
+    """None if every pair is equal for all inputs, else a counterexample."""
+    open_pairs = []
+    for x, y, w in pairs:
+        if x is y or (isinstance(x, z3.ExprRef) and isinstance(y, z3.ExprRef) and x.eq(y)):
+            continue
+        diff = z3.simplify(_real(x) - _real(y))
+        if not (z3.is_rational_value(diff) and diff.as_fraction() == 0):
+            open_pairs.append((x, y, w))
+    if not open_pairs:
+        return None
+    s = z3.Solver()
+    s.set("timeout", TIMEOUT_MS)
+    s.add(z3.Or([_real(x) != _real(y) for x, y, _ in open_pairs]))
+    res = s.check()
+    if res == z3.unsat:
+        return None
+    if res == z3.unknown:
+        return f"{where}: z3 could not decide ({s.reason_unknown()})"
+    m = s.model()
+    for x, y, w in open_pairs:
+        lv, rv = m.eval(_real(x), model_completion=True), m.eval(_real(y), model_completion=True)
+        if not z3.is_true(z3.simplify(lv == rv)):
+            return f"{where}: {w}: left {_num(lv)}, right {_num(rv)}"
+    return f"{where}: the solver found a difference"  # pragma: no cover
 
 
 def verify_rules(rules: Iterable[Rule]) -> list[Verdict]:
