@@ -812,13 +812,42 @@ def folds_to_constant(graph: Graph, op: Any) -> bool:
     return False
 
 
+# Ops whose result is their (first) operand's value: what is zeros through them stays zeros.
+_SAME_VALUE = frozenset({"shardc_hint", "sharding_constraint", "convert_element_type", "copy", "copy_p", "tie",
+                         "optimization_barrier"})
+
+
+def is_zeros(graph: Graph, v: int) -> bool:
+    """Whether value `v` is all zeros at compile time as XLA's simplifier sees it: a broadcast of a literal 0
+    (`zeros_like`, the cotangent of an unused result), through ops that keep their operand's value, and a
+    dynamic_update_slice over its whole operand of such zeros."""
+    for _ in range(64):  # (chains of hints and converts; bounded)
+        p = graph.values[v].producer
+        if p is None:
+            return graph.values[v].literal == 0
+        op = graph.ops[p]
+        if op.primitive == "broadcast_in_dim" and op.inputs:
+            return graph.values[op.inputs[0]].literal == 0
+        if op.primitive == "dynamic_update_slice" and len(op.inputs) > 1 \
+                and graph.values[op.inputs[1]].shape == graph.values[op.inputs[0]].shape:
+            v = op.inputs[1]
+        elif op.primitive in _SAME_VALUE and op.inputs:
+            v = op.inputs[0]
+        else:
+            return False
+    return False
+
+
 def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:
     """Operands of `op` XLA's algebraic simplifier drops: a dynamic_update_slice whose update covers its
     whole operand is the update; a select whose cases are one value is that value (`where(p, x, x)`: the
-    predicate is not read); an op folded to a constant whatever its operands reads none of them; a slice of
-    nothing but a pad's padding reads nothing (`reads_only_padding`)."""
+    predicate is not read); a scatter-add of zeros (`is_zeros`: the gradient of a gather whose result's
+    cotangent is zero) is its operand; an op folded to a constant whatever its operands reads none of them;
+    a slice of nothing but a pad's padding reads nothing (`reads_only_padding`)."""
     if folds_to_constant(graph, op):
         return tuple(range(len(op.inputs)))
+    if op.primitive in ("scatter-add", "scatter_add") and len(op.inputs) == 3 and is_zeros(graph, op.inputs[2]):
+        return (1, 2)
     if op.primitive == "dynamic_update_slice" and len(op.inputs) > 1 \
             and graph.values[op.inputs[1]].shape == graph.values[op.inputs[0]].shape:
         return (0,)

@@ -137,6 +137,10 @@ Fixed in the oracle:
   (keys were shared across regions), but each branch is a computation of its own and XLA reshards in both
   (256 B planned, 384 compiled). A value made outside a branch and resharded in it now has keys of that
   branch (`shardc.sim.tasks.BranchScopes`) (`branches_reshard_one_operand`).
+* seed 102005: a sorted value overwritten whole by a dynamic_update_slice: its cotangent is zeros, and XLA's
+  simplifier makes the sort gradient's scatter-add of zeros its operand, so the sort and the reshards
+  feeding it are dead (8 B of all-gather planned, none compiled). A scatter-add of zeros reads neither
+  indices nor updates (`shardc.cost.program.is_zeros`) (`sorted_then_overwritten`).
 
 Upstream (XLA), pinned with a pure-JAX reproduction that fails today (strict xfail, so the day XLA is
 fixed this file says so):
@@ -596,6 +600,16 @@ BRANCHES_RESHARD_ONE_OPERAND = Program(mesh=(("x", 1), ("y", 8)), steps=(  # see
 ), outputs=(2,))                                                                   # reshards the operand itself
 
 
+SORTED_THEN_OVERWRITTEN = Program(mesh=(("x", 2), ("y", 2), ("z", 2)), steps=(  # seed 102005, shrunk by hand
+    Step(kind="input", args=(), attrs=(), shape=(4, 1)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 0), ("axes", ("y", "x"))), shape=(4, 1)),
+    Step(kind="hint", args=(1,), attrs=(("how", "shard"), ("spec", (("z",), None))), shape=(4, 1)),
+    Step(kind="sort", args=(2,), attrs=(("dim", 1),), shape=(4, 1)),
+    Step(kind="input", args=(), attrs=(), shape=(4, 1)),
+    Step(kind="update_slice", args=(3, 4), attrs=(("start", (0, 0)),), shape=(4, 1)),  # over the whole sorted value
+), outputs=(5,))
+
+
 @pytest.mark.parametrize("prog", [COND_INDEX, DEAD_LOOP, UPDATE_SLICE_SPLIT_DIM, UPDATE_ONE_ROW_OF_SPLIT_DIM,
                                   SCANNED_ARRAY_RESHARD, SCAN_FINAL_CARRY, SUM_OVER_TWO_SPLIT_DIMS,
                                   DUPLICATE_OPS_RESHARDED, TWO_STEP_RESHARD_TWICE, FULL_UPDATE, BROADCAST_RESHARD,
@@ -608,7 +622,7 @@ BRANCHES_RESHARD_ONE_OPERAND = Program(mesh=(("x", 1), ("y", 8)), steps=(  # see
                                   CARRY_SPLIT_AFTER_THE_LOOP, ARGMAX_OF_ONE_SPLIT_TWO_WAYS, ARGMAX_OVER_A_SIZE_ONE_AXIS,
                                   RESHARD_THROUGH_A_CACHED_LAYOUT, SPLIT_OF_A_BROADCAST, SLICE_OF_THE_PADDING,
                                   DYNAMIC_SLICE_AFTER_THE_PADDED, LOOP_STATE_RESHARDED_IN_THE_BODY,
-                                  BRANCHES_RESHARD_ONE_OPERAND],
+                                  BRANCHES_RESHARD_ONE_OPERAND, SORTED_THEN_OVERWRITTEN],
                          ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
                               "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
                               "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
@@ -622,7 +636,7 @@ BRANCHES_RESHARD_ONE_OPERAND = Program(mesh=(("x", 1), ("y", 8)), steps=(  # see
                               "argmax_of_one_split_two_ways", "argmax_over_a_size_one_axis",
                               "reshard_through_a_cached_layout", "split_of_a_broadcast", "slice_of_the_padding",
                               "dynamic_slice_after_the_padded", "loop_state_resharded_in_the_body",
-                              "branches_reshard_one_operand"])
+                              "branches_reshard_one_operand", "sorted_then_overwritten"])
 def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
 
