@@ -119,6 +119,7 @@ class MemoryModel:
         self._donated_to: list[tuple[int, int]] = []  # (donated input, the output written into it), canonical
         self._io_donated: tuple[int, ...] | None = None  # the donated inputs `io` last computed for
         self._io_ids: frozenset[int] | None = None  # (`_io_values`)
+        self._unused: frozenset[int] | None = None  # (`_unused_inputs`)
         self._merged: list[tuple[int, int]] = []  # per merged all-reduce: (bitmask of members, of their descendants)
         self._merged_of: Sequence[Any] | None = None  # the groups `_merged` is of
         self.order = info.order  # op -> its position in the compiled program's schedule
@@ -137,9 +138,7 @@ class MemoryModel:
         c, s, _ = self.keys.key_list[kid]
         if self.info.constant[c] or (self.info.fused[c] and kid not in self.keys.chain_keys):
             return 0
-        v = self.graph.values[c]
-        item = int(v.dtype.itemsize) if v.dtype is not None else 4
-        return item * math.prod(-(-d // math.prod(self.mesh[a] for a in axes)) for d, axes in zip(v.shape, s.dims))
+        return self._value_bytes(kid)
 
     def _set(self, kid: int) -> None:
         self._dirty.add(kid)
@@ -167,6 +166,7 @@ class MemoryModel:
             return  # counted with the arguments / outputs (other layouts of them are temporaries)
         b = 0 if owner[2] else self._bytes(kid)
         if b == 0:
+            self._set_operand(kid, owner[1])
             return
         end = self._last_read(kid, owner[1])
         loop = self.info.loop
@@ -190,6 +190,63 @@ class MemoryModel:
         self.diff[start] += b
         self.diff[end + 1] -= b
         self.ends_at.setdefault(end, set()).add(kid)
+
+    def _set_operand(self, kid: int, made: int) -> None:
+        """Record the buffer a collective reads fused value key `kid` from (`_collective_operand`): XLA computes the
+        value into it (a fusion of its own) just before the collective's result is made, and it lives until the
+        collective has read it."""
+        c = self.keys.key_list[kid][0]
+        if not self.info.fused[c] or self.info.constant[c]:
+            return
+        at = self._collective_operand(kid)
+        if at < 0 or not self._computed(kid):
+            return
+        start = max(made, at - 1)
+        self.buffers[kid] = (start, at, self._value_bytes(kid))
+        self.diff[start] += self.buffers[kid][2]
+        self.diff[at + 1] -= self.buffers[kid][2]
+        self.ends_at.setdefault(at, set()).add(kid)
+
+    def _computed(self, kid: int, depth: int = 0) -> bool:
+        """Whether fused value key `kid` is computed (an op's fused result, or a local slice) rather than another
+        buffer under a free op (a hint of an argument or of a collective's result): looks through free ops."""
+        owner = self.owner.get(kid)
+        if owner is None or not self._slots or depth > 8:
+            return False
+        flags, keys = self.keys.is_value_key, self.keys.key_list
+        for t in self._slots[owner[0]].tasks:
+            if kid not in t.outs:
+                continue
+            if t.kind != "join":
+                return True
+            same = [d for d in t.deps if flags[d] and keys[d][1] == keys[kid][1]]
+            if not same:
+                return bool(t.deps) and all(flags[d] for d in t.deps)  # a local slice (not a collective's result)
+            return all(self._bytes(d) == 0 and self._output_of(*keys[d]) is None and self._computed(d, depth + 1)
+                       for d in same)
+        return False
+
+    def _collective_operand(self, kid: int) -> int:
+        """The last position where a collective reads key `kid` itself (a phase of it, or the relayout copy before
+        it, reads the key), -1: none does. A collective reads its operand from memory."""
+        last = -1
+        for r, pos in (self.readers.get(kid) or {}).items():
+            slot = self._slots[r] if self._slots else None
+            if slot is None:
+                continue
+            for i, t in enumerate(slot.tasks[:slot.at]):
+                if kid in t.deps and (t.collective or (t.kind == "compute" and i + 1 < slot.at
+                                                       and slot.tasks[i + 1].collective
+                                                       and set(t.outs) & set(slot.tasks[i + 1].deps))):
+                    last = max(last, self._position(slot, i, kid, read=True))
+        return last
+
+    def _value_bytes(self, kid: int) -> int:
+        """Local bytes of key `kid`'s value in its layout, fused or not."""
+        c, s, _ = self.keys.key_list[kid]
+        v = self.graph.values[c]
+        item = int(v.dtype.itemsize) if v.dtype is not None else 4
+        return item * math.prod(-(-d // math.prod(self.mesh[a] for a in axes)) for d, axes in zip(v.shape, s.dims))
 
     def _sliced_last(self, kid: int, end: int) -> bool:
         """Whether every read of key `kid` at position `end` is a local slice of its own (a dynamic-slice fusion,
@@ -254,7 +311,8 @@ class MemoryModel:
         fusions of its readers (`ProgramInfo.fusing`): in each reader, where it materialises what it computes from
         `c` — unless it reads `c` only in layouts a collective made. A collective reads its operand from memory:
         XLA computes `c` into the collective's operand, and the reader reads the collective's result; so `c` is
-        materialised where the collective's result is made (`_collective_read`). (-1: nowhere.)"""
+        materialised into the collective's operand, just before the collective's result is made
+        (`_collective_read`; the model makes both at one position, so one before). (-1: nowhere.)"""
         hit = self._ends.get(c)
         if hit is not None:
             return hit
@@ -262,7 +320,7 @@ class MemoryModel:
         last = -1
         for w in self.info.fusing.get(c, ()):
             cut = self._collective_read(w, c)
-            last = max(last, cut if cut >= 0 else self._fused_end(w, c, own=False))
+            last = max(last, max(cut - 1, 0) if cut >= 0 else self._fused_end(w, c, own=False))
         self._ends[c] = last
         return last
 
@@ -735,6 +793,7 @@ class MemoryModel:
         for k in list(touched):  # a fused slice's readers read what it slices
             touched.update(self.slice_src.get(k, ()))
         touched |= self._passed_on(touched, slots)
+        touched |= self._aliases(touched, slots)
         self._ends.clear()
         for k in touched:
             self._set(k)
@@ -757,6 +816,23 @@ class MemoryModel:
                 if self.keys.is_value_key[d] and d not in out:
                     out.add(d)
                     todo.append(d)
+        return out
+
+    def _aliases(self, touched: Iterable[int], slots: Sequence[Any]) -> set[int]:
+        """The keys free ops (hints) make of any of `touched` in the same layout, transitively: whether a collective
+        reading them materialises a computation depends on what they alias (`_computed`)."""
+        out: set[int] = set()
+        flags, keys = self.keys.is_value_key, self.keys.key_list
+        todo = list(touched)
+        while todo:
+            k = todo.pop()
+            for r in self.readers.get(k) or ():
+                for t in slots[r].tasks:
+                    if t.kind == "join" and k in t.deps:
+                        for o in t.outs:
+                            if flags[o] and keys[o][1] == keys[k][1] and o not in out:
+                                out.add(o)
+                                todo.append(o)
         return out
 
     def _walking(self, touched: Iterable[int]) -> set[int]:
@@ -788,13 +864,14 @@ class MemoryModel:
                 n = local[v] = plan.local_bytes(v)
             return n
 
-        self.args = sum(nbytes(v) for v in g.inputs)
+        unused = self._unused_inputs()
+        self.args = sum(nbytes(v) for v in g.inputs if v not in unused)
         # A tuple of outputs also holds its table of pointers (8 bytes each), as XLA counts it.
         self.outs = sum(nbytes(v) for v in g.outputs) + (8 * len(g.outputs) if len(g.outputs) > 1 else 0)
         alias = 0
         aliased: set[int] = set()
         self._donated_to = []
-        free = [g.inputs[i] for i in donated if i < len(g.inputs)]
+        free = [g.inputs[i] for i in donated if i < len(g.inputs) and g.inputs[i] not in unused]
         inputs = set(g.inputs)
         fresh = []
         for v in g.outputs:
@@ -815,6 +892,20 @@ class MemoryModel:
         canon = self.info.canon
         self._free_outs = sorted((nbytes(v), canon[v]) for v in set(g.outputs) - aliased
                                  if canon[v] not in self._inputs and nbytes(v) >= _MIN_REUSE)
+
+    def _unused_inputs(self) -> frozenset[int]:
+        """The arguments nothing computing an output reads: `jax.jit` (keep_unused=False) prunes them from the
+        compiled program, so they take no argument buffer. (A tie of an input to an output is no read.)"""
+        if self._unused is None:
+            g, live = self.graph, self.info.live
+            used = set(g.outputs)
+            for op in g.ops:
+                if live[op.id] and not (op.primitive == "tie" and op.region == "io"):
+                    used.update(op.inputs)
+            for vs in getattr(g, "region_reads", {}).values():
+                used.update(vs)
+            self._unused = frozenset(v for v in g.inputs if v not in used)
+        return self._unused
 
     def _io_values(self) -> frozenset[int]:
         """The arguments and outputs, as value ids and as their canonical values."""
