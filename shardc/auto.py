@@ -979,7 +979,8 @@ _AUTO_OPTIONS = frozenset(p for p in inspect.signature(AutoFunction.__init__).pa
 
 
 # choose_pipeline's own options, which plan_for(pipeline=True) passes on
-_CHOOSE_OPTIONS = ("screen_budget_s", "finalists", "prune_siblings", "bound_siblings", "on_choice", "progress")
+_CHOOSE_OPTIONS = ("screen_budget_s", "finalists", "prune_siblings", "bound_siblings", "floors", "on_choice",
+                   "progress")
 
 
 def _check_options(entry: str, options: Mapping[str, Any]) -> None:
@@ -1010,7 +1011,7 @@ def plan_for(f: Any, *args: Any, topology: Any, devices: int | None = None, sear
     donate_argnums); the step's own keyword arguments go in `kwargs`. `pipeline=True` chooses a pipeline too
     (`shardc.pipeline.choose.choose_pipeline` on all of the topology's devices: the unpipelined search, every
     candidate pipeline screened, the fastest searched in full; its options `screen_budget_s`, `finalists`,
-    `prune_siblings`, `bound_siblings`, `on_choice` and `progress` are passed on) and returns the fastest plan that
+    `prune_siblings`, `bound_siblings`, `floors`, `on_choice` and `progress` are passed on) and returns the fastest plan that
     fits."""
     from shardc.sim import as_topology
 
