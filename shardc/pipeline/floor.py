@@ -94,6 +94,6 @@ def floor_applies(program: Any, remat: Any) -> bool:
     (`choose_remat`: repeated layer groups outside loop bodies, no remat of the user's own)."""
     if not remat:
         return True
-    from shardc.remat import inline_calls, layer_groups, uses_own_remat
+    from shardc.remat import inlined_layer_groups, uses_own_remat
 
-    return uses_own_remat(program) or not layer_groups(inline_calls(program))
+    return uses_own_remat(program) or not inlined_layer_groups(program)

@@ -12,6 +12,7 @@ from shardc.ir.build import build_graph
 from shardc.pipeline import Pipeline
 from shardc.pipeline.choose import choose_pipeline
 from shardc.pipeline.floor import may_be_bitcast, step_floor
+from shardc.remat import inline_calls, inlined_layer_groups, layer_groups
 from shardc.sim import as_topology
 
 from test_pipeline_lowering import make_args, make_step
@@ -48,6 +49,7 @@ def test_no_plan_the_search_scores_is_below_the_floor(scored, pipeline):
     floor = step_floor(plan.graph, topology, 8)
     assert floor <= plan.cost.step_time
     assert floor > 0.5 * plan.cost.step_time  # (and it bounds something: the tiny step is latency-bound)
+    assert inlined_layer_groups(plan.program) == layer_groups(inline_calls(plan.program))  # (`floor_applies`)
 
 
 def test_no_floor_on_measured_devices():
