@@ -286,10 +286,10 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
     for key, _, p, plan in screened:
         if best is None or key < _key(best):
             best, best_screen = plan, p
-    for _, _, p, _ in screened[:finalists]:
+    for _, _, p, screen_plan in screened[:finalists]:
         f = holds(p) if floors else None
         if f is not None and best.cost.fits and f > best.cost.step_time:  # its search could not find the winner
-            note(Choice("floored", p, {}, f, 0.0, False))
+            note(Choice("floored", screen_plan.pipeline, {}, f, 0.0, False))  # (as its screen's row names it)
             continue
         plan = _plan(plan_for, shared, step, args, topology, n, budget_s=budget_s, pipeline=p, **options)
         note(_choice("pipelined", plan, plan.pipeline))

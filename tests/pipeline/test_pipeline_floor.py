@@ -106,9 +106,10 @@ def test_choose_pipeline_does_not_screen_or_search_what_cannot_win():
     assert "not screened: their floor is above a plan in hand" in best.pipeline_choice.summary().splitlines()[0]
 
 
-def test_a_winning_pipeline_is_not_floored(monkeypatch):
-    """With no unpipelined plan in hand (it does not fit), nothing is floored until a screen fits; the
-    pipeline chosen is the one chosen without floors."""
+def test_a_finalist_above_the_best_screen_is_not_searched(monkeypatch):
+    """With no unpipelined plan in hand (it does not fit), nothing is floored until a screen fits; a finalist
+    whose floor is above the best plan by then is not searched; the pipeline chosen is the one chosen without
+    floors."""
     import importlib
 
     from shardc.search.driver import NoPlanFits
@@ -123,10 +124,15 @@ def test_a_winning_pipeline_is_not_floored(monkeypatch):
 
     monkeypatch.setattr(auto, "plan_for", unpipelined_unfit)
     step, args = make_step(None), make_args()
-    pipes = [Pipeline(2, 2, data=("data",), shards=4), Pipeline(2, 8, defer_wgrad=True), Pipeline(4, 8, "1f1b")]
-    opts = dict(topology=TOPOLOGY, budget_s=0.3, pipelines=pipes, finalists=1)
+    # (the fastest last: the slower ones are screened while nothing faster is in hand, and the second finalist's
+    # floor is above the fastest screen found after it)
+    pipes = [Pipeline(2, 8, defer_wgrad=True), Pipeline(4, 8, "1f1b"), Pipeline(2, 2, data=("data",), shards=4)]
+    opts = dict(topology=TOPOLOGY, budget_s=0.3, pipelines=pipes, finalists=2)
     best_all, _ = choose_pipeline(step, args, floors=False, **opts)
     best, rows = choose_pipeline(step, args, **opts)
     assert best.pipeline == best_all.pipeline and best.cost.step_time == best_all.cost.step_time
     names = [c.name for c in rows]
-    assert names.index("screened") < names.index("floored")  # the first screen is the plan in hand
+    assert names[-2:] == ["pipelined", "floored"] and names.count("screened") == 3  # a finalist not searched
+    assert rows[-1].time > best.cost.step_time and best.pipeline == pipes[2].bind(8, best.pipeline.stack)
+    assert best.pipeline_choice.summary().startswith(f"pipelines considered: {len(pipes)} candidates (3 screened, "
+                                                     f"1 searched in full")
