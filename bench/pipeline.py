@@ -64,6 +64,8 @@ def main() -> None:
                     help="do not screen the usually slower siblings of a candidate that fits (faster planning)")
     ap.add_argument("--screen-all", action="store_true",
                     help="screen every candidate, those bounded by a faster sibling too (bound_siblings=False)")
+    ap.add_argument("--no-floors", action="store_true",
+                    help="screen candidates whose floor is above a plan in hand too (floors=False)")
     a = ap.parse_args()
     n = as_topology(a.topology).num_devices
     step, args = build(a.scale, max(1, n // 8))  # weak scaling, as bench/zoo.py
@@ -77,14 +79,16 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     t = [time.time()]
     phases: dict[str, list[float]] = {}  # wall seconds per phase of the choice (rows arrive as they are made)
-    phase_of = {"unpipelined": "unpipelined search", "screened": "screens", "pipelined": "finalists' searches"}
+    phase_of = {"unpipelined": "unpipelined search", "screened": "screens", "floored": "screens",
+                "pipelined": "finalists' searches"}
 
     def row(c: Choice) -> None:
         p = c.pipeline
         what = (f"{p.schedule} S={p.stages} M={p.microbatches}" + (f" R={p.repeats}" if p.repeats > 1 else "")
                 + f" data={p.shards}" + (" W after loop" if p.defer_wgrad else "")) if p is not None else "–"
         fits = "" if c.feasible else " (OOM)"
-        when = "not screened" if c.name == "bounded" else f"{c.time * 1e3:.2f} ms{fits}"
+        when = ("not screened" if c.name == "bounded" else f"floor {c.time * 1e3:.2f} ms" if c.name == "floored"
+                else f"{c.time * 1e3:.2f} ms{fits}")
         print(f"| {c.name} | {what} | {c.mesh} | {when} | {c.peak / 2**30:.1f} GiB | "
               f"{time.time() - t[0]:.0f} s |", flush=True)
         if c.name in phase_of or c.name.startswith("error"):
@@ -95,6 +99,7 @@ def main() -> None:
     best, choices = choose_pipeline(step, args, topology=a.topology, budget_s=a.budget, pipelines=pipes,
                                     screen_budget_s=a.screen_budget, finalists=a.finalists, on_choice=row,
                                     prune_siblings=a.prune_siblings, bound_siblings=not a.screen_all,
+                                    floors=not a.no_floors,
                                     donate_argnums=(0, 1), remat=a.remat)
     base = min((c for c in choices if c.name.startswith("baseline ") and c.feasible), key=lambda c: c.time,
                default=None)
@@ -103,8 +108,10 @@ def main() -> None:
     print(f"\nchosen: {best.pipeline.describe() if best.pipeline is not None else 'no pipeline'}, mesh "
           f"{dict(best.mesh_sizes)}: {best.cost.step_time * 1e3:.2f} ms ({total:.0f} s in all)")
     bounded = sum(c.name == "bounded" for c in choices)
+    floored = sum(c.name == "floored" for c in choices)
     print("planning: " + ", ".join(f"{k} {sum(v):.0f} s ({len(v)})" for k, v in phases.items())
           + (f"; {bounded} candidates not screened (bounded by a faster sibling)" if bounded else "")
+          + (f"; {floored} floored (floor above a plan in hand)" if floored else "")
           + f"; {total:.0f} s in all; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     pc = best.cost.pipeline
     if pc is not None:

@@ -19,6 +19,7 @@ every candidate pipeline screened, two finalists searched, default budgets) for 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import statistics
@@ -51,7 +52,7 @@ def plan_pipelined(step, args, topology: str) -> dict:
     phases: dict[str, float] = {}
     counts: dict[str, int] = {}
     last = [time.perf_counter()]
-    phase_of = {"unpipelined": "unpipelined", "screened": "screens", "pipelined": "finalists"}
+    phase_of = {"unpipelined": "unpipelined", "screened": "screens", "floored": "screens", "pipelined": "finalists"}
 
     def on_choice(c) -> None:
         now = time.perf_counter()
@@ -80,9 +81,10 @@ def pipeline_rows(layers: int) -> list[str]:
         plan, ph, n = r["plan"], r["phases"], r["counts"]
         unpiped = next(c for c in plan.pipeline_choice.choices if c.name == "unpipelined")
         chosen = plan.pipeline.describe() if plan.pipeline is not None else "no pipeline"
-        cands = n.get("screened", 0) + n.get("error", 0) + n.get("bounded", 0)
+        cands = len({dataclasses.replace(c.pipeline, layers=None, stack="") for c in plan.pipeline_choice.choices
+                     if c.name in ("screened", "bounded", "floored") or c.name.startswith("error")})  # (once each)
         row = (f"| {devices} / `{topology}` | {cands} ({n.get('screened', 0)} screened, {n.get('bounded', 0)} "
-               f"bounded) | {ph.get('unpipelined', 0):.1f} | {ph.get('screens', 0):.1f} | {ph.get('finalists', 0):.1f} "
+               f"bounded, {n.get('floored', 0)} floored) | {ph.get('unpipelined', 0):.1f} | {ph.get('screens', 0):.1f} | {ph.get('finalists', 0):.1f} "
                f"| {r['total']:.1f} (≤ {target:.0f}) | {chosen}: {plan.cost.step_time * 1e3:.3f} ms (unpipelined "
                f"{unpiped.time * 1e3:.3f} ms) |")
         print(row, flush=True)

@@ -99,7 +99,8 @@ class AutoFunction:
                  time_cap_s: float | None = None, in_shardings: Any = None, out_shardings: Any = None,
                  remat: bool | str = True, memory_limit: float | None = None, pipeline: Any = None,
                  pcg: bool = False, _source: SourceLine | None = None, _shared: Any = None,
-                 _priced_only: bool = False, _resume: Any = None) -> None:
+                 _priced_only: bool = False, _resume: Any = None,
+                 _on_graph: Callable[[Any, Any], None] | None = None) -> None:
         if not callable(fun):
             raise TypeError(f"shardc.auto expects a function, got {type(fun).__name__}")
         functools.update_wrapper(self, fun)
@@ -162,6 +163,9 @@ class AutoFunction:
         # a plan to price, not to run (choose_pipeline's screens): the searched plan is not rebuilt from a
         # trace under the mesh the search chose, and it is not lowered
         self._priced_only = _priced_only
+        # called with (program, graph) once the traced program's graph is built, before it is planned; may raise
+        # to stop planning it (choose_pipeline's floor: shardc/pipeline/floor.py)
+        self._on_graph = _on_graph
         if _resume is not None:  # a priced plan of this step made to run: retraced under its mesh, not searched
             self.mesh, self._search_resume, self._remat_resume = _resume.mesh, _resume.search, _resume.remat
             self._pcg_resume = _resume.pcg
@@ -537,6 +541,8 @@ class AutoFunction:
             seeds = [] if provisional else \
                 self._input_seeds(graph, args, kwargs, out_tree, mesh, overridden) + program_seeds(graph, mesh)
             _tie_carried_state(graph, in_tree, out_tree, args)
+        if self._on_graph is not None:
+            self._on_graph(closed, graph)
         notes = []
         if own_remat_removed:
             notes.append("remat='replace': the program's own jax.checkpoint / nn.remat was removed (outside loop "
@@ -973,7 +979,8 @@ _AUTO_OPTIONS = frozenset(p for p in inspect.signature(AutoFunction.__init__).pa
 
 
 # choose_pipeline's own options, which plan_for(pipeline=True) passes on
-_CHOOSE_OPTIONS = ("screen_budget_s", "finalists", "prune_siblings", "bound_siblings", "on_choice", "progress")
+_CHOOSE_OPTIONS = ("screen_budget_s", "finalists", "prune_siblings", "bound_siblings", "floors", "on_choice",
+                   "progress")
 
 
 def _check_options(entry: str, options: Mapping[str, Any]) -> None:
@@ -1004,7 +1011,7 @@ def plan_for(f: Any, *args: Any, topology: Any, devices: int | None = None, sear
     donate_argnums); the step's own keyword arguments go in `kwargs`. `pipeline=True` chooses a pipeline too
     (`shardc.pipeline.choose.choose_pipeline` on all of the topology's devices: the unpipelined search, every
     candidate pipeline screened, the fastest searched in full; its options `screen_budget_s`, `finalists`,
-    `prune_siblings`, `bound_siblings`, `on_choice` and `progress` are passed on) and returns the fastest plan that
+    `prune_siblings`, `bound_siblings`, `floors`, `on_choice` and `progress` are passed on) and returns the fastest plan that
     fits."""
     from shardc.sim import as_topology
 

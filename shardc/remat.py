@@ -37,7 +37,7 @@ from jax.extend import core as jcore
 from shardc.ir.build import call_jaxpr
 from shardc.ir.jaxpr_env import JaxprEnv, open_jaxpr
 
-__all__ = ["POLICIES", "Layer", "layer_groups", "rematerialize", "inline_calls", "uses_own_remat",
+__all__ = ["inlined_layer_groups", "POLICIES", "Layer", "layer_groups", "rematerialize", "inline_calls", "uses_own_remat",
            "without_own_remat"]
 
 POLICIES = ("none", "dots", "dots_no_batch", "names", "nothing")
@@ -99,13 +99,20 @@ def _stack(eqn: Any) -> str:
 
 
 def _is_forward(eqn: Any) -> bool:
-    s = _stack(eqn)
+    return _forward_stack(_stack(eqn))
+
+
+def _forward_stack(s: str) -> bool:
     return s.startswith("jvp(") and "transpose(" not in s
 
 
 def _path(eqn: Any) -> list[str]:
     """The module path of an eqn: its name stack without the transformation wrappers and the model root."""
-    parts = [p for p in _stack(eqn).split("/") if p]
+    return _path_of(_stack(eqn))
+
+
+def _path_of(stack: str) -> list[str]:
+    parts = [p for p in stack.split("/") if p]
     return parts[1:] if parts else []
 
 
@@ -170,11 +177,31 @@ def _eqn_key(eqn: Any, invars: Sequence[Any]) -> tuple | None:
 def layer_groups(closed: jcore.ClosedJaxpr) -> dict[str, list[Layer]]:
     """The repeated modules of the forward pass, by group (`Block_*` -> [Block_0, Block_1, ...]): at the
     outermost level of the module path where a name appears with two or more indices."""
+    return _groups_of(_stack(eqn) for eqn in closed.jaxpr.eqns)
+
+
+def inlined_layer_groups(closed: jcore.ClosedJaxpr) -> dict[str, list[Layer]]:
+    """`layer_groups(inline_calls(closed))` without tracing the program again: the name stack each eqn would
+    have inlined (its calls' name stacks, then its own), walked where `inline_calls` binds it."""
+
+    def stacks(jaxpr: Any, prefix: Any) -> Any:
+        for eqn in jaxpr.eqns:
+            sub = call_jaxpr(eqn)
+            if sub is not None:
+                yield from stacks(open_jaxpr(sub)[0], prefix + eqn.source_info.name_stack)
+            else:
+                yield str(prefix + eqn.source_info.name_stack)
+
+    return _groups_of(stacks(closed.jaxpr, source_info_util.NameStack()))
+
+
+def _groups_of(stacks: Any) -> dict[str, list[Layer]]:
+    """`layer_groups` of the eqns with these name stacks (strings), in program order."""
     seen: dict[str, dict[str, Layer]] = {}
-    for eqn in closed.jaxpr.eqns:
-        if not _is_forward(eqn):
+    for stack in stacks:
+        if not _forward_stack(stack):
             continue
-        path = _path(eqn)
+        path = _path_of(stack)
         for depth, part in enumerate(path):
             m = _REPEATED.match(part)
             if not m:

@@ -8,8 +8,11 @@ inside the stages, `shardc.search.baselines`; with `screen_budget_s`, a small se
 which costs a trace and a dozen simulations instead of a search. A candidate that only adds work to its
 screened sibling with deferred weight gradients (the loop's accumulation, 1F1B's recomputation), when that
 sibling's fastest baseline plan fits, is screened only if that sibling could be a finalist
-(`shardc.pipeline.bound`). The `finalists`
-best screened candidates get the full search (`budget_s`), and the fastest plan that fits memory wins. The
+(`shardc.pipeline.bound`). A candidate whose traced program has a floor (`shardc.pipeline.floor`: seconds no
+plan of it simulates below) above the step time of a plan in hand that fits is neither screened nor searched:
+it could not be chosen (its siblings are then bounded by it, as by a screened sibling). The `finalists`
+best screened candidates get the full search (`budget_s`) unless their floor is above the best plan by then,
+and the fastest plan that fits memory wins. The
 screen also scores `megatron-3d` (Megatron inside each stage, the stages over the slowest level: Megatron-LM's
 3-D parallelism) on every candidate. The candidates share their layer stack, tracing mesh and traced
 programs (`shardc.pipeline.reuse`: a finalist's search plans the program its screen traced).
@@ -29,6 +32,7 @@ from tqdm.auto import tqdm
 from annotations import provisional_mesh
 from annotations.errors import ShardingError
 from shardc.pipeline.bound import bounding_sibling, fastest_baseline_fits
+from shardc.pipeline.floor import floor_applies, step_floor
 from shardc.pipeline.jit import stack_of
 from shardc.pipeline.reuse import SharedTraces
 from shardc.search.baselines import BASELINES
@@ -74,9 +78,11 @@ class PipelineChoice:
         screened = sum(c.name == "screened" for c in rows)
         failed = sum(c.name.startswith("error") for c in rows)
         bounded = sum(c.name == "bounded" for c in rows)
-        head = (f"pipelines considered: {screened + failed + bounded} candidates ({screened} screened, "
+        floored = len({c.pipeline for c in rows if c.name == "floored"} - {c.pipeline for c in planned})
+        head = (f"pipelines considered: {screened + failed + bounded + floored} candidates ({screened} screened, "
                 f"{sum(c.name == 'pipelined' for c in rows)} searched in full, {failed} could not be planned"
-                + (f", {bounded} not screened: bounded by a faster sibling" if bounded else "") + ")")
+                + (f", {bounded} not screened: bounded by a faster sibling" if bounded else "")
+                + (f", {floored} not screened: their floor is above a plan in hand" if floored else "") + ")")
         lines = [head]
         if unpiped is not None:
             mark = "chosen" if self.chosen is None else "      "
@@ -150,13 +156,16 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
                     pipelines: list[Pipeline] | None = None, plan_for: Callable | None = None,
                     screen_budget_s: float | None = None, finalists: int = 2,
                     on_choice: Callable[[Choice], None] | None = None, prune_siblings: bool = False,
-                    bound_siblings: bool = True, progress: bool | None = None, **options: Any) -> tuple[Any, list[Choice]]:
+                    bound_siblings: bool = True, floors: bool = True, progress: bool | None = None,
+                    **options: Any) -> tuple[Any, list[Choice]]:
     """The fastest plan that fits, over the unpipelined search and (with `pipeline=True`) the pipelines of
     `pipelines` (default: `candidates` for the step's largest layer stack): each screened by its baselines
     (or, with `screen_budget_s`, a search of that budget; with `prune_siblings`, not a candidate whose usually
     faster sibling already fit: `_sibling`; with `bound_siblings`, the default, a candidate bounded by a
     sibling only when that sibling is among the `finalists` fastest screened: `shardc.pipeline.bound`, rows
-    "bounded" for the others), the `finalists` fastest searched with `budget_s`. Returns the plan
+    "bounded" for the others; with `floors`, the default, not a candidate whose floor is above a plan in hand
+    that fits: `shardc.pipeline.floor`, rows "floored" with the floor as their time), the `finalists` fastest
+    searched with `budget_s` (with `floors`, not one whose floor is above the best plan by then). Returns the plan
     and every choice scored (also passed to `on_choice` as it is made): the unpipelined search's baselines
     ("baseline fsdp", ...) and the candidates' "megatron-3d" rows included. A progress bar counts the
     candidates on a terminal (`progress`: True/False forces it). `options` go to `shardc.plan_for`."""
@@ -176,7 +185,8 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
         if on_choice is not None:
             on_choice(c)
 
-    n = as_topology(topology).num_devices
+    topo = as_topology(topology)
+    n = topo.num_devices
     best: Any = None
     unfit: NoPlanFits | None = None
     try:
@@ -202,6 +212,28 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
     bounds: set[Pipeline] = set()  # screened candidates whose fastest baseline plan fits (shardc/pipeline/bound.py)
     bounded: dict[Pipeline, tuple[int, Pipeline]] = {}  # not screened (yet): (index, the candidate bounding it)
     bound = bound_siblings and screen_budget_s is None  # (a search's screen may beat every baseline: no bound)
+    floor_of: dict[Pipeline, tuple[float, Any]] = {}  # screened candidate -> (floor, its traced program)
+    floored: set[Pipeline] = set()  # candidates not screened: their floor is above a plan in hand
+    lead = [best.cost.step_time if best is not None and best.cost.fits else float("inf")]  # the plan in hand
+
+    def holds(p: Pipeline) -> float | None:
+        """`p`'s floor when it bounds every plan a search can make of its program, else None."""
+        f, program = floor_of.get(p, (None, None))
+        return f if f is not None and floor_applies(program, options.get("remat", True)) else None
+
+    def checker(p: Pipeline) -> Callable[[Any, Any], None] | None:
+        """The graph hook of `p`'s screen: its floor noted, and `_Floored` raised when it is above the plan in
+        hand (before any propagation or simulation)."""
+        if not floors or shared is None:
+            return None
+
+        def check(program: Any, graph: Any) -> None:
+            floor_of[p] = (step_floor(graph, topo, n), program)
+            f = holds(p) if floor_of[p][0] > lead[0] else None
+            if f is not None:
+                raise _Floored(f)
+
+        return check
     bar = tqdm(total=len(pipelines), desc="shardc pipelines", unit="pipeline", leave=False,
                disable=None if progress is None else not progress)
 
@@ -209,11 +241,17 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
         bar.update(1)
         try:
             plan = _plan(plan_for, shared, step, args, topology, n, pipeline=p, priced_only=True,
-                         **_screening(screen_budget_s, options))
+                         on_graph=checker(p), **_screening(screen_budget_s, options))
         except ShardingError as e:  # a pipeline this step cannot take (said in the table, not fatal)
             note(Choice(f"error: {str(e).splitlines()[0][:80]}", p, {}, float("inf"), 0.0, False))
             return
+        except _Floored as e:  # no plan of it could be chosen
+            floored.add(p)
+            note(Choice("floored", p, {}, e.floor, 0.0, False))
+            return
         note(_choice("screened", plan, plan.pipeline))
+        if plan.cost.fits:
+            lead[0] = min(lead[0], plan.cost.step_time)
         for c in _baseline_choices(plan, ("megatron-3d",)):
             note(c)
         screened.append((_key(plan), i, p, plan))
@@ -227,7 +265,7 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
             bar.update(1)
             continue
         q = bounding_sibling(p) if bound else None
-        if q in bounds:  # not faster than `q`: screened only if `q` could be a finalist (below)
+        if q in bounds or q in floored:  # not faster than `q`: screened only if `q` could be a finalist (below)
             bounded[p] = (i, q)
             continue
         screen(i, p)
@@ -248,7 +286,11 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
     for key, _, p, plan in screened:
         if best is None or key < _key(best):
             best, best_screen = plan, p
-    for _, _, p, _ in screened[:finalists]:
+    for _, _, p, screen_plan in screened[:finalists]:
+        f = holds(p) if floors else None
+        if f is not None and best.cost.fits and f > best.cost.step_time:  # its search could not find the winner
+            note(Choice("floored", screen_plan.pipeline, {}, f, 0.0, False))  # (as its screen's row names it)
+            continue
         plan = _plan(plan_for, shared, step, args, topology, n, budget_s=budget_s, pipeline=p, **options)
         note(_choice("pipelined", plan, plan.pipeline))
         if best is None or _key(plan) < _key(best):
@@ -265,20 +307,29 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
     return best, choices
 
 
+class _Floored(Exception):
+    """A candidate's floor is above the plan in hand (raised from its screen's graph hook)."""
+
+    def __init__(self, floor: float) -> None:
+        super().__init__(f"floor {floor:.6g} s")
+        self.floor = floor
+
+
 def _plan(plan_for: Callable, shared: SharedTraces | None, step: Callable, args: tuple, topology: Any, devices: int,
-          priced_only: bool = False, resume: Any = None, **options: Any) -> Any:
+          priced_only: bool = False, resume: Any = None, on_graph: Callable | None = None, **options: Any) -> Any:
     """`plan_for(step, *args, topology=topology, **options)` for one candidate pipeline; with `shared`, as
     `shardc.plan_for` plans it (on all `devices` of the topology) but with what the candidates share and,
     `priced_only`, a plan to price, not to run (a screen): on this host's devices, the search's plan is not
     rebuilt from a trace of the step under the mesh it chose (the same step time and memory). `resume`: such a
-    plan, rebuilt so (no search), as the plan without `priced_only` would have been."""
+    plan, rebuilt so (no search), as the plan without `priced_only` would have been. `on_graph`: AutoFunction's
+    graph hook (`_on_graph`)."""
     if shared is None:
         return plan_for(step, *args, topology=topology, **options)
     from shardc.auto import AutoFunction
 
     fun = step.fun if isinstance(step, AutoFunction) else step
     return AutoFunction(fun, topology=topology, devices=devices, _shared=shared, _priced_only=priced_only,
-                        _resume=resume, **options).plan(*args)
+                        _resume=resume, _on_graph=on_graph, **options).plan(*args)
 
 
 def _screening(budget_s: float | None, options: dict) -> dict:

@@ -17,8 +17,11 @@ CANDIDATES = [Pipeline(2, 4, data=("data",), shards=4), Pipeline(4, 4, "1f1b")]
 
 @pytest.fixture
 def searches(monkeypatch):
-    """The candidates above, and a count of the searches run."""
+    """The candidates above, and a count of the searches run. (Every candidate screened and searched: no
+    floor, tests/pipeline/test_pipeline_floor.py tests those; here the tiny step's floors would leave no
+    pipeline to run.)"""
     monkeypatch.setattr(choose, "candidates", lambda *a, **k: iter(CANDIDATES))
+    monkeypatch.setattr(choose, "step_floor", lambda *a, **k: 0.0)
     calls = []
     real = integrate.search_plan
 

@@ -30,7 +30,7 @@ def test_choose_pipeline_keeps_the_fastest_that_fits():
     pipes = [Pipeline(2, 4, data=("data",), shards=4), Pipeline(4, 4, "1f1b")]
     seen = []
     best, choices = choose_pipeline(step, args, topology="h100-sxm-8", budget_s=1.0, pipelines=pipes, finalists=1,
-                                    on_choice=seen.append)
+                                    on_choice=seen.append, floors=False)  # (every candidate screened)
     assert seen == choices
     names = [c.name for c in choices]
     assert names.count("unpipelined") == 1 and names.count("screened") == 2 and names.count("pipelined") == 1
@@ -61,7 +61,8 @@ def test_choose_pipeline_finds_the_brute_force_optimum():
     fastest = min(brute, key=key)
     assert len({pl.cost.step_time for pl in brute}) == len(brute)  # a strict order: one optimum
     unpiped = shardc.plan_for(step, *args, topology="h100-sxm-8", budget_s=0.5)
-    best, choices = choose_pipeline(step, args, topology="h100-sxm-8", budget_s=0.5, pipelines=pipes, finalists=2)
+    best, choices = choose_pipeline(step, args, topology="h100-sxm-8", budget_s=0.5, pipelines=pipes, finalists=2,
+                                    floors=False)
     piped = min((c for c in choices if c.name in ("screened", "pipelined")), key=lambda c: (not c.feasible, c.time))
     assert piped.time == fastest.cost.step_time and piped.pipeline == fastest.pipeline
     overall = min([fastest, unpiped], key=key)
@@ -76,17 +77,19 @@ def test_siblings_trading_memory_for_time_are_screened_only_until_one_fits(monke
     group = [Pipeline(2, 4, defer_wgrad=True), Pipeline(2, 4), Pipeline(2, 4, "1f1b")]
     other = Pipeline(4, 4)
     _, pruned = choose_pipeline(step, args, topology="h100-sxm-8", budget_s=0.5, pipelines=group + [other],
-                                finalists=0, prune_siblings=True)
+                                finalists=0, prune_siblings=True, floors=False)
     screened = [(c.pipeline.stages, c.pipeline.schedule, c.pipeline.defer_wgrad)
                 for c in pruned if c.name == "screened"]
     assert screened == [(2, "gpipe", True), (4, "gpipe", False)]
-    _, every = choose_pipeline(step, args, topology="h100-sxm-8", budget_s=0.5, pipelines=group, finalists=0)
+    _, every = choose_pipeline(step, args, topology="h100-sxm-8", budget_s=0.5, pipelines=group, finalists=0,
+                               floors=False)
     times = [c.time for c in every if c.name == "screened"]
     assert len(times) == 3 and times[0] <= times[1] <= times[2]  # here each sibling is slower than the one before
 
     import shardc.pipeline.choose as choose
     monkeypatch.setattr(choose, "candidates", lambda *a, **k: iter([group[0], other]))
-    best = shardc.plan_for(step, *args, topology="h100-sxm-8", pipeline=True, budget_s=0.5, prune_siblings=True)
+    best = shardc.plan_for(step, *args, topology="h100-sxm-8", pipeline=True, budget_s=0.5, prune_siblings=True,
+                           floors=False)
     fastest = min((c for c in pruned if c.name in ("unpipelined", "screened")), key=lambda c: (not c.feasible, c.time))
     assert best.cost.step_time <= fastest.time
     summary = best.pipeline_choice.summary()  # what explain() shows: the choice against what it beat
@@ -134,7 +137,7 @@ def test_bounded_siblings_are_screened_only_when_they_could_be_finalists():
     pipes = [Pipeline(2, 4, data=("data",), shards=2, defer_wgrad=True), Pipeline(2, 4, data=("data",), shards=2),
              Pipeline(2, 4, "1f1b", data=("data",), shards=2),
              Pipeline(4, 4, defer_wgrad=True), Pipeline(4, 4), Pipeline(4, 4, "1f1b")]
-    opts = dict(topology="h100-sxm-8", budget_s=0.5, pipelines=pipes, finalists=1)
+    opts = dict(topology="h100-sxm-8", budget_s=0.5, pipelines=pipes, finalists=1, floors=False)
     best_all, every = choose_pipeline(step, args, bound_siblings=False, **opts)
     best, rows = choose_pipeline(step, args, **opts)
     unbound = lambda p: dataclasses.replace(p, layers=None, stack="")  # noqa: E731
@@ -172,7 +175,8 @@ def test_candidates_share_the_stack_the_tracing_mesh_and_the_programs(monkeypatc
     monkeypatch.setattr(choose, "SharedTraces", Counting)
     step, args = make_step(None), make_args()
     pipes = [Pipeline(2, 4, data=("data",), shards=2), Pipeline(4, 4, "1f1b")]
-    _, rows = choose_pipeline(step, args, topology="h100-sxm-8", budget_s=0.5, pipelines=pipes, finalists=2)
+    _, rows = choose_pipeline(step, args, topology="h100-sxm-8", budget_s=0.5, pipelines=pipes, finalists=2,
+                              floors=False)
     shared, = made
     assert shared.stack is not None and shared.stack.layers == 8
     assert shared.reused >= 2  # each finalist's trace (and each retrace under the mesh its search chose)
@@ -208,7 +212,8 @@ def test_screens_are_priced_without_a_retrace_and_a_screened_winner_is_planned_t
         *a, priced_only=priced_only, **k))
     step, args = make_step(None), make_args()
     pipes = [Pipeline(2, 4, data=("data",), shards=4), Pipeline(4, 4, "1f1b")]
-    best, rows = choose_pipeline(step, args, topology="h100-sxm-8", budget_s=0.5, pipelines=pipes, finalists=0)
+    best, rows = choose_pipeline(step, args, topology="h100-sxm-8", budget_s=0.5, pipelines=pipes, finalists=0,
+                                 floors=False)
     assert made == [True, True, False]  # two screens, priced; the winner made to run (without a search)
     alone = [real(step, *args, topology="h100-sxm-8", pipeline=p, search="baselines") for p in pipes]
     screened = {c.pipeline: c for c in rows if c.name == "screened"}

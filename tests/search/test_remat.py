@@ -10,7 +10,8 @@ import pytest
 from jax.extend import core as jcore
 
 import shardc
-from shardc.remat import inline_calls, layer_groups, rematerialize, uses_own_remat, without_own_remat
+from shardc.remat import (inline_calls, inlined_layer_groups, layer_groups, rematerialize, uses_own_remat,
+                          without_own_remat)
 from shardc.search.driver import NoPlanFits
 
 
@@ -61,6 +62,18 @@ def test_layers_are_the_repeated_modules(traced):
     closed, _, _ = traced
     groups = layer_groups(closed)
     assert list(groups) == ["Layer_*"] and [l.path for l in groups["Layer_*"]] == [f"Layer_{i}" for i in range(6)]
+
+
+@pytest.mark.parametrize("jit_loss, layers", [(False, 6), (True, 6), (True, 1)])
+def test_inlined_layer_groups_are_those_of_the_inlined_program(jit_loss, layers):
+    """(choose_pipeline's floor asks whether the search could rematerialize a program without inlining it.)"""
+    step, args = _problem(batch=64, layers=layers)
+    if jit_loss:  # the layers inside a call: their name stacks are the call's, then their own
+        step = jax.jit(step)
+    closed = jax.make_jaxpr(step)(*args)
+    want = layer_groups(inline_calls(closed))
+    assert bool(want) == (layers > 1)
+    assert inlined_layer_groups(closed) == want
 
 
 @pytest.mark.parametrize("policy", ["dots", "dots_no_batch", "nothing"])
