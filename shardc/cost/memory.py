@@ -827,12 +827,15 @@ class MemoryModel:
         while todo:
             k = todo.pop()
             for r in self.readers.get(k) or ():
-                for t in slots[r].tasks:
-                    if t.kind == "join" and k in t.deps:
-                        for o in t.outs:
-                            if flags[o] and keys[o][1] == keys[k][1] and o not in out:
-                                out.add(o)
-                                todo.append(o)
+                slot = slots[r]
+                if slot.at >= len(slot.tasks):
+                    continue
+                t = slot.tasks[slot.at]  # (only a free op's own join passes a layout on unchanged)
+                if t.kind == "join" and k in t.deps:
+                    for o in t.outs:
+                        if flags[o] and keys[o][1] == keys[k][1] and o not in out:
+                            out.add(o)
+                            todo.append(o)
         return out
 
     def _walking(self, touched: Iterable[int]) -> set[int]:
