@@ -233,31 +233,8 @@ def _compare(rule: Rule, lhs: list, inputs: dict, env: dict, model: Model, n: in
             pairs += [(x, y, f"output {i} {w}") for x, y, w in flat_pairs(a, b, n)]
     except IllTyped as e:
         return "shape", f"{where}: with inputs {_describe_inputs(inputs, None)} the left side is defined but the right is not: {e}"
-    open_pairs = []
-    for x, y, w in pairs:
-        if x is y or (isinstance(x, z3.ExprRef) and isinstance(y, z3.ExprRef) and x.eq(y)):
-            continue
-        diff = z3.simplify(_real(x) - _real(y))
-        if not (z3.is_rational_value(diff) and diff.as_fraction() == 0):
-            open_pairs.append((x, y, w))
-    if not open_pairs:
-        return "ok", None
-    s = z3.Solver()
-    s.set("timeout", TIMEOUT_MS)
-    s.add(z3.Or([_real(x) != _real(y) for x, y, _ in open_pairs]))
-    res = s.check()
-    if res == z3.unsat:
-        return "ok", None
-    if res == z3.unknown:
-        return "fail", f"{where}: z3 could not decide ({s.reason_unknown()})"
-    m = s.model()
-    for x, y, w in open_pairs:
-        lv, rv = m.eval(_real(x), model_completion=True), m.eval(_real(y), model_completion=True)
-        if not z3.is_true(z3.simplify(lv == rv)):
-            fns = [f"{d.name()} = " + " ".join(str(m[d]).split()) for d in m.decls() if d.arity() > 0]
-            return "fail", (f"{where}: {w}: left {_num(lv)}, right {_num(rv)}; "
-                            f"inputs {_describe_inputs(inputs, m)}" + ("; " + "; ".join(fns) if fns else ""))
-    return "fail", f"{where}: the solver found a difference"  # pragma: no cover
+    why = _solve(pairs, where, inputs)
+    return ("ok", None) if why is None else ("fail", why)
 
 
 def _real(x: Any) -> Any:
@@ -387,7 +364,7 @@ def _grid_symbols(name: str, shape: tuple[int, ...], device: int) -> np.ndarray:
 
 
 def _solve(pairs: list[tuple[Any, Any, str]], where: str, inputs: dict) -> str | None:
-    """None if every pair is equal for all inputs, else a counterexample."""
+    """None if every pair is equal for all inputs, else why not (a counterexample, or z3 undecided)."""
     open_pairs = []
     for x, y, w in pairs:
         if x is y or (isinstance(x, z3.ExprRef) and isinstance(y, z3.ExprRef) and x.eq(y)):
@@ -409,7 +386,9 @@ def _solve(pairs: list[tuple[Any, Any, str]], where: str, inputs: dict) -> str |
     for x, y, w in open_pairs:
         lv, rv = m.eval(_real(x), model_completion=True), m.eval(_real(y), model_completion=True)
         if not z3.is_true(z3.simplify(lv == rv)):
-            return f"{where}: {w}: left {_num(lv)}, right {_num(rv)}"
+            fns = [f"{d.name()} = " + " ".join(str(m[d]).split()) for d in m.decls() if d.arity() > 0]
+            return (f"{where}: {w}: left {_num(lv)}, right {_num(rv)}; "
+                    f"inputs {_describe_inputs(inputs, m)}" + ("; " + "; ".join(fns) if fns else ""))
     return f"{where}: the solver found a difference"  # pragma: no cover
 
 
