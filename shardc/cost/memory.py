@@ -201,10 +201,10 @@ class MemoryModel:
         at = self._collective_operand(kid)
         if at < 0 or not self._computed(kid):
             return
-        start = max(made, at - 1)
-        self.buffers[kid] = (start, at, self._value_bytes(kid))
-        self.diff[start] += self.buffers[kid][2]
-        self.diff[at + 1] -= self.buffers[kid][2]
+        start, b = max(made, at - 1), self._value_bytes(kid)
+        self.buffers[kid] = (start, at, b)
+        self.diff[start] += b
+        self.diff[at + 1] -= b
         self.ends_at.setdefault(at, set()).add(kid)
 
     def _computed(self, kid: int, depth: int = 0) -> bool:
@@ -235,9 +235,7 @@ class MemoryModel:
             if slot is None:
                 continue
             for i, t in enumerate(slot.tasks[:slot.at]):
-                if kid in t.deps and (t.collective or (t.kind == "compute" and i + 1 < slot.at
-                                                       and slot.tasks[i + 1].collective
-                                                       and set(t.outs) & set(slot.tasks[i + 1].deps))):
+                if kid in t.deps and (t.collective or t.kind == "compute" and self._feeds_collective(slot, i)):
                     last = max(last, self._position(slot, i, kid, read=True))
         return last
 
@@ -264,11 +262,10 @@ class MemoryModel:
             for i, t in enumerate(slot.tasks):
                 if kid not in t.deps:
                     continue
-                if i == slot.at and t.kind == "join" and t.outs and all(self.keys.is_value_key[o] for o in t.outs):
+                if self._passes_on(slot, i):
                     if not all(self._sliced_last(o, end) for o in t.outs):
                         return False
-                elif self._fused_slice(slot, i) or not self._local_slice(slot, i) or i + 1 >= slot.at \
-                        or not slot.tasks[i + 1].collective or not set(t.outs) & set(slot.tasks[i + 1].deps):
+                elif self._fused_slice(slot, i) or not self._local_slice(slot, i) or not self._feeds_collective(slot, i):
                     return False
         return True
 
@@ -402,9 +399,7 @@ class MemoryModel:
             for i, t in enumerate(slot.tasks):
                 if kid not in t.deps or i == slot.at and self.info.loop[r] or self._local_slice(slot, i):
                     continue
-                passes_on = i == slot.at and t.kind == "join" and t.outs \
-                    and all(self.keys.is_value_key[o] for o in t.outs)  # a free op (a hint): its result is the buffer
-                if not (passes_on and all(self._fused_everywhere(o) for o in t.outs)):
+                if not (self._passes_on(slot, i) and all(self._fused_everywhere(o) for o in t.outs)):
                     return False
         return True
 
@@ -624,6 +619,17 @@ class MemoryModel:
         if p is not None and self.info.eager and c in self.info.cheap:
             return 2 * self.order[p]
         return self._ready[c]
+
+    def _passes_on(self, slot: Any, i: int) -> bool:
+        """Whether task `i` of a slot is a free op's own join (a hint): its results are the buffer it reads."""
+        t = slot.tasks[i]
+        return i == slot.at and t.kind == "join" and bool(t.outs) and all(self.keys.is_value_key[o] for o in t.outs)
+
+    @staticmethod
+    def _feeds_collective(slot: Any, i: int) -> bool:
+        """Whether the next task of a slot's operand reshards is a collective reading what task `i` makes."""
+        nxt = slot.tasks[i + 1] if i + 1 < slot.at else None
+        return nxt is not None and bool(nxt.collective) and bool(set(slot.tasks[i].outs) & set(nxt.deps))
 
     def _local_slice(self, slot: Any, i: int) -> bool:
         """Whether task `i` of a slot is an operand's reshard without collectives (a local slice of it)."""
