@@ -812,9 +812,9 @@ def folds_to_constant(graph: Graph, op: Any) -> bool:
     return False
 
 
-# Ops whose result is their (first) operand's value: what is zeros through them stays zeros.
-_SAME_VALUE = frozenset({"shardc_hint", "sharding_constraint", "convert_element_type", "copy", "copy_p", "tie",
-                         "optimization_barrier"})
+# Ops whose result is their (first) operand's value: what is zeros through them stays zeros (the free ones
+# but those that slice or stack a loop's values, and converts and copies).
+_SAME_VALUE = FREE_PRIMITIVES - _NOT_MERGED | {"tie", "convert_element_type", "copy", "copy_p"}
 
 
 def is_zeros(graph: Graph, v: int) -> bool:
