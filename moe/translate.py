@@ -159,6 +159,9 @@ def build_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.1, help="dropout rate")
     p.add_argument("--aux-weight", type=float, default=0.01, help="weight of the MoE load-balancing loss")
     p.add_argument("--capacity-factor", type=float, default=2.0, help="training capacity factor (2.0 = 2S/E)")
+    p.add_argument("--group-size", type=int, default=128,
+                   help="tokens per MoE routing group (GShard's S; dispatch and combine cost grows with S); "
+                        "0: one group per device")
     p.add_argument("--decode-capacity-factor", type=float, default=2.0,
                    help="capacity factor of a decoding step's group (0: C = S, never drop)")
     p.add_argument("--second-expert-policy", default="random", choices=["random", "all"],
@@ -273,6 +276,7 @@ def model_config(args, vocab_size: int, group_axes, max_len: int) -> Transformer
         **preset,
         capacity_factor=args.capacity_factor,
         eval_capacity_factor=2.0,
+        group_size=args.group_size or None,
         second_expert_policy=args.second_expert_policy,
         aux_loss_weight=args.aux_weight,
         dropout_rate=args.dropout,
@@ -455,7 +459,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                    if any(getattr(k, "key", None) in ("wi", "wo") for k in p) and x.ndim == 3)
     print(f"model   {args.model}: d={cfg.d_model}, {cfg.num_encoder_layers}+{cfg.num_decoder_layers} layers, "
           f"{num_moe_layers(cfg)} MoE layers x {cfg.num_experts} experts (top-2, capacity factor "
-          f"{cfg.capacity_factor}, policy {cfg.second_expert_policy}), {n_params / 1e6:.1f}M parameters "
+          f"{cfg.capacity_factor}, policy {cfg.second_expert_policy}, "
+          f"{f'groups of ~{cfg.group_size} tokens' if cfg.group_size else 'one group per device'}), {n_params / 1e6:.1f}M parameters "
           f"({n_expert / 1e6:.1f}M in experts)")
 
     needs_rng = cfg.dropout_rate > 0 or cfg.second_expert_policy == "random"
@@ -523,7 +528,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             saved = meta.get("args", {})
             changed = [k for k in ("corpus", "data", "model", "steps", "lr", "warmup", "batch_tokens", "buckets",
                                    "vocab_size", "max_len", "mesh", "dropout", "capacity_factor",
-                                   "second_expert_policy", "aux_weight", "experts", "layers", "d_model")
+                                   "second_expert_policy", "aux_weight", "experts", "layers", "d_model",
+                                   "group_size")
                        if k in saved and saved[k] != getattr(args, k)]
             if changed:
                 print("*** resuming with different " + ", ".join(f"--{k.replace('_', '-')} ({saved[k]} -> "
