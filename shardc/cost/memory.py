@@ -30,7 +30,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from shardc.cost.first_fit import FirstFit
-from shardc.cost.program import ProgramInfo, conv_output_copied, derived, descendants, gathered_order, outer_region
+from shardc.cost.program import (SAME_OPERAND_RULES, ProgramInfo, conv_output_copied, derived, descendants,
+                                 gathered_order, outer_region)
 
 __all__ = ["MemoryModel", "MemoryResult"]
 
@@ -158,6 +159,8 @@ class MemoryModel:
         owner = self.owner.get(kid)
         if owner is None:
             return
+        if self._dropped(owner[0], kid):
+            return  # (the operand's buffer: its reads last as long as this key's, `_read_end`)
         self._set_relayout(kid, owner[0])
         c, sharding, origin = self.keys.key_list[kid]
         o = self._output_of(c, sharding, origin)
@@ -190,6 +193,15 @@ class MemoryModel:
         self.diff[start] += b
         self.diff[end + 1] -= b
         self.ends_at.setdefault(end, set()).add(kid)
+
+    def _dropped(self, op_id: int, kid: int | None = None) -> bool:
+        """Whether op `op_id` is one XLA's simplifier replaced by an operand in this plan (`TaskBuilder.dropped`:
+        its own task is a join; `kid`: and it makes that key there): its results are that operand's buffer."""
+        slot = self._slots[op_id] if self._slots else None
+        if slot is None or slot.at >= len(slot.tasks) or self.graph.ops[op_id].primitive not in SAME_OPERAND_RULES:
+            return False
+        own = slot.tasks[slot.at]
+        return own.kind == "join" and bool(own.deps) and (kid is None or kid in own.outs)
 
     def _set_operand(self, kid: int, made: int) -> None:
         """Record the buffer a collective reads fused value key `kid` from (`_collective_operand`): XLA computes the
@@ -285,6 +297,10 @@ class MemoryModel:
         """Where slot `r`'s reads of key `kid` end, `pos` as `_reads_of` found them: for an op whose fused result is
         computed from `kid`, at the last place this plan materialises that result (`_fused_end`), not at
         `ProgramInfo.until`'s, which does not know the plan's collectives."""
+        if self._slots and self._dropped(r):  # an op XLA replaced by this operand: read as long as its results
+            own = self._slots[r].tasks[self._slots[r].at]
+            if kid in own.deps:
+                pos = max([pos] + [self._last_read(o, pos) for o in own.outs if self.keys.is_value_key[o]])
         base = self._positions(self._slots[r]).fused_reads.get(kid) if self._slots else None
         if base is None:
             return pos

@@ -38,7 +38,8 @@ from shardc.cost.estimator import params_key
 from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL
 from shardc.ir.graph import Graph
 
-__all__ = ["ProgramInfo", "program_info", "descendants", "Merged", "merged", "unread_operands", "reads_only_padding",
+__all__ = ["ProgramInfo", "program_info", "descendants", "Merged", "merged", "unread_operands", "unread_if_same",
+           "SAME_OPERAND_RULES", "ALIASES", "reads_only_padding",
            "broadcast_dims", "broadcast_transfer", "derived", "fusing_readers",
            "FUSIBLE", "FREE_PRIMITIVES", "PCG_COLLECTIVE"]
 
@@ -838,10 +839,38 @@ def is_zeros(graph: Graph, v: int) -> bool:
     return False
 
 
+def _cases_alike(n: int, same: Callable[[int, int], bool]) -> tuple[int, ...]:
+    """select_n (predicate, case 0, case 1, ...) whose cases are one buffer is that case: the predicate and the
+    other cases are not read."""
+    return (0, *range(2, n)) if n > 2 and all(same(1, i) for i in range(2, n)) else ()
+
+
+def _pair_alike(n: int, same: Callable[[int, int], bool]) -> tuple[int, ...]:
+    """max(x, x) and min(x, x) are x."""
+    return (1,) if n == 2 and same(0, 1) else ()
+
+
+# Ops XLA's algebraic simplifier replaces by one of their operands when some operands are one buffer (its
+# HandleSelect, HandleMaximum, HandleMinimum; `and`/`or` of one operand are kept, tested): per primitive,
+# given `same(i, j)` (operands i and j are one buffer), the operands it drops; the op is then the first
+# operand left. Statically one buffer means one value (`unread_operands`); per plan, also one value read
+# through hints in the layout they make it (`shardc.sim.tasks`: `where(p, hint(x), x)` with the select in
+# the hint's layout reads the hint's reshard of x twice, so its predicate's reshards do not run).
+SAME_OPERAND_RULES: dict[str, Callable[[int, Callable[[int, int], bool]], tuple[int, ...]]] = {
+    "select_n": _cases_alike, "max": _pair_alike, "min": _pair_alike}
+
+
+def unread_if_same(op: Any, same: Callable[[int, int], bool]) -> tuple[int, ...]:
+    """The operands of `op` XLA's simplifier drops given which of its operands are one buffer
+    (`SAME_OPERAND_RULES`; () for other ops)."""
+    rule = SAME_OPERAND_RULES.get(op.primitive)
+    return rule(len(op.inputs), same) if rule is not None else ()
+
+
 def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:
     """Operands of `op` XLA's algebraic simplifier drops: a dynamic_update_slice whose update covers its
     whole operand is the update; a select whose cases are one value is that value (`where(p, x, x)`: the
-    predicate is not read); a scatter-add of zeros (`is_zeros`: the gradient of a gather whose result's
+    predicate is not read), and so are max and min of one value (`SAME_OPERAND_RULES`); a scatter-add of zeros (`is_zeros`: the gradient of a gather whose result's
     cotangent is zero) is its operand; an op folded to a constant whatever its operands reads none of them;
     a slice of nothing but a pad's padding reads nothing (`reads_only_padding`)."""
     if folds_to_constant(graph, op):
@@ -851,8 +880,9 @@ def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:
     if op.primitive == "dynamic_update_slice" and len(op.inputs) > 1 \
             and graph.values[op.inputs[1]].shape == graph.values[op.inputs[0]].shape:
         return (0,)
-    if op.primitive == "select_n" and len(op.inputs) > 2 and len(set(op.inputs[1:])) == 1:
-        return (0, *range(2, len(op.inputs)))
+    same = unread_if_same(op, lambda i, j: op.inputs[i] == op.inputs[j])
+    if same:
+        return same
     if reads_only_padding(graph, op):
         return tuple(range(len(op.inputs)))
     return ()
@@ -1148,18 +1178,18 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
 
 # Ops that only name their operand (a sharding hint or constraint, a name, a stop_gradient): their result has no
 # buffer of its own (`fused`), yet what reads it reads the operand's buffer, unless the operand itself is fused.
-_ALIASES = _HINTS | {"name", "stop_gradient"}
+ALIASES = _HINTS | {"name", "stop_gradient"}
 
 
 def reads_fused(graph: Graph, canon: Sequence[int], fused: Sequence[bool]) -> tuple[bool, ...]:
     """Per canonical value: whether an op reading it reads it from registers (its producer fused into the
-    reader), for op costs. As `fused`, except that a value an alias op (`_ALIASES`) makes is read as its
+    reader), for op costs. As `fused`, except that a value an alias op (`ALIASES`) makes is read as its
     operand is: from that operand's buffer when it has one. (`fused` says the alias has no buffer; taken for
     the read, a hinted value cost its readers nothing to read: the expert matmuls of a hinted MoE layer
     were priced 25% cheaper than the same matmuls unhinted, on a TPU v5e.)"""
     out = list(fused)
     for op in graph.ops:  # (in program order: an alias of an alias reads what the first one reads)
-        if op.primitive in _ALIASES and op.inputs:
+        if op.primitive in ALIASES and op.inputs:
             src = canon[op.inputs[0]]
             for v in op.outputs:
                 c = canon[v]
