@@ -145,6 +145,9 @@ class ProgramInfo:
     # cheap materialised one) -> the ops whose fusions recompute it (`fusing_readers`; `until` walks them)
     strided: Mapping[int, int] = dataclasses.field(default_factory=dict)  # (XLA:CPU) transpose op moving the minor
     # dim, fused -> the loop fusions that read it across its operand's memory order (`strided_readers`)
+    batch: tuple[int, ...] = ()  # per op (XLA:CPU): the last position of what its running made ready (`_breadth_first`)
+    first_reader: tuple[int, ...] = ()  # per op (XLA:CPU): the first position of an instruction reading its results
+    # through ops that are none (hints, fused values); its own when nothing does (`_first_readers`)
 
     def counts(self, op_id: int) -> bool:
         """Whether an op does work in the compiled program."""
@@ -418,6 +421,7 @@ def _reshaped_dot(graph: Graph, c: int) -> bool:
 _HINTS = frozenset({"shardc_hint", "sharding_constraint"})
 # Switches for measuring a rule's effect (docs/simulator.md quotes the errors without them).
 LOOK_THROUGH_HINTS = True
+HINTED_IN_PROGRAM_ORDER = True
 RECOMPUTE_IN_LOOPS = True
 
 
@@ -570,7 +574,7 @@ def _breadth_first(graph: Graph, live: list[bool], canon: list[int], constant: l
     since `xla_cpu_enable_concurrency_optimized_scheduler`): an instruction runs as soon as its operands
     exist, in the order they became ready — so what depends only on the arguments (a parameter's
     all-gather, an iota) runs at the start. Ops whose results are fused into their readers, hints and ties
-    are no instructions: they run as they become ready. A loop or branch region is one instruction (its
+    are no instructions: they run as they become ready (what hints make ready is queued in program order). A loop or branch region is one instruction (its
     body in program order)."""
     no = len(graph.ops)
     unit = list(range(no))  # op -> its unit: a top-level region's first op, else itself
@@ -599,22 +603,57 @@ def _breadth_first(graph: Graph, live: list[bool], canon: list[int], constant: l
     queue = collections.deque(u for u in sorted(members) if not waiting[u])
     order = [-1] * no
     pos = 0
+    groups: list[tuple[list[int], list[int]]] = []  # (a queued unit and the units inlined with it, what they queued)
     while queue:
         stack = [queue.popleft()]
+        queued: list[int] = []
+        ran: list[int] = []
+        hinted = False
         while stack:  # inlined units run at once, with what made them ready
             u = stack.pop()
+            ran.append(u)
+            hinted = hinted or graph.ops[u].primitive in ALIASES
             for i in members[u]:
                 order[i] = pos
                 pos += 1
             for w in succs[u]:
                 waiting[w] -= 1
                 if not waiting[w]:
-                    (stack if w in inline else queue).append(w)
+                    (stack if w in inline else queued).append(w)
+        # A hint is no instruction: what it makes ready is what the hinted value's instruction makes ready, queued in
+        # the order of that instruction's users (program order), not in the order the hints were walked.
+        queue.extend(sorted(queued) if hinted and HINTED_IN_PROGRAM_ORDER else queued)
+        groups.append((ran, queued))
     for i in range(no):  # dead ops (no work) after the rest
         if order[i] < 0:
             order[i] = pos
             pos += 1
-    return order
+    batch = list(order)  # per op: the last position of what its unit's group queued (`ProgramInfo.batch`)
+    for ran, queued in groups:
+        end = max((order[w] for w in queued), default=-1)
+        for u in ran:
+            for i in members[u]:
+                batch[i] = max(batch[i], end)
+    return order, batch
+
+
+def _first_readers(graph: Graph, live: Sequence[bool], order: Sequence[int], fused: Sequence[bool],
+                   constant: Sequence[bool], canon: Sequence[int], consumers: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """Per op, the first position (`order`) of an op reading its results that is an instruction: through readers
+    whose results are all fused or constant (hints, fused elementwise work: no instruction), to theirs."""
+    out = list(order)
+    for op in reversed(graph.ops):  # (readers come after producers)
+        if not live[op.id] or not op.outputs:
+            continue
+        firsts = []
+        for v in op.outputs:
+            for u in consumers[canon[v]]:
+                r = graph.ops[u]
+                none = bool(r.outputs) and all(fused[canon[w]] or constant[canon[w]] for w in r.outputs)
+                firsts.append(out[u] if none else order[u])
+        if firsts:
+            out[op.id] = max(order[op.id], min(firsts))
+    return tuple(out)
 
 
 def derived(op: Any, c: int, canon: Sequence[int]) -> list[int]:
@@ -1121,8 +1160,8 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                         and consumers[c] and all(graph.ops[u].primitive == "dot_general" for u in consumers[c]))
     for t in bitcast:
         fused[canon[graph.ops[t].outputs[0]]] = True
-    order = (_breadth_first(graph, live, canon, constant, fused, consumers) if backend == "cpu"
-             else list(range(no)))
+    order, batch = (_breadth_first(graph, live, canon, constant, fused, consumers) if backend == "cpu"
+                    else (list(range(no)), []))
     # A dot decomposition's copy of cheap work is a fusion recomputing it, and the cheap values it is computed
     # from even where they are also materialised (XLA duplicates cheap producers into each consumer fusing
     # them): those values' operands are read until the copy is made.
@@ -1173,7 +1212,9 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                        copies=copies, copy_owner=last_copies(graph, canon, copies, order), cheap=cheap,
                        bitcast=bitcast, inplace=inplace, out_alias=output_aliases(graph, live, canon, constant),
                        recompute=recompute if backend == "cpu" else frozenset(), fusing=fusing, strided=strided,
-                       read_fused=reads_fused(graph, canon, fused))
+                       read_fused=reads_fused(graph, canon, fused), batch=tuple(batch),
+                       first_reader=_first_readers(graph, live, order, fused, constant, canon, consumers)
+                       if batch else ())
 
 
 # Ops that only name their operand (a sharding hint or constraint, a name, a stop_gradient): their result has no
