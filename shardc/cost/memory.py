@@ -715,8 +715,8 @@ class MemoryModel:
         after it (+1: the results' reshards), or, for the operands' reshards under an eager schedule, where
         the resharded value is made — a collective reading a local slice (`late`, `_late`) after what the
         value's maker made ready (`ProgramInfo.batch`), but not after the instruction reading its result (the
-        op, or a hint's first reader: `first_reader`). A loop reads a value made outside it until its last iteration, and
-        writes its stacked outputs and the values it carries into buffers that exist from its first."""
+        op, or a hint's first reader: `first_reader`). A loop reads a value made outside it until its last
+        iteration, and writes its stacked outputs and the values it carries into buffers that exist from its first."""
         op = slot.op
         first, last = self.info.span[op]
         hoisted = self.info.hoisted.get(self.keys.key_list[kid][0])

@@ -574,8 +574,8 @@ def _breadth_first(graph: Graph, live: list[bool], canon: list[int], constant: l
     since `xla_cpu_enable_concurrency_optimized_scheduler`): an instruction runs as soon as its operands
     exist, in the order they became ready — so what depends only on the arguments (a parameter's
     all-gather, an iota) runs at the start. Ops whose results are fused into their readers, hints and ties
-    are no instructions: they run as they become ready (what hints make ready is queued in program order). A loop or branch region is one instruction (its
-    body in program order)."""
+    are no instructions: they run as they become ready (what hints make ready is queued in program order). A
+    loop or branch region is one instruction (its body in program order)."""
     no = len(graph.ops)
     unit = list(range(no))  # op -> its unit: a top-level region's first op, else itself
     first: dict[str, int] = {}
@@ -638,7 +638,8 @@ def _breadth_first(graph: Graph, live: list[bool], canon: list[int], constant: l
 
 
 def _first_readers(graph: Graph, live: Sequence[bool], order: Sequence[int], fused: Sequence[bool],
-                   constant: Sequence[bool], canon: Sequence[int], consumers: Sequence[Sequence[int]]) -> tuple[int, ...]:
+                   constant: Sequence[bool], canon: Sequence[int],
+                   consumers: Sequence[Sequence[int]]) -> tuple[int, ...]:
     """Per op, the first position (`order`) of an op reading its results that is an instruction: through readers
     whose results are all fused or constant (hints, fused elementwise work: no instruction), to theirs."""
     out = list(order)
@@ -889,8 +890,8 @@ def _pair_alike(n: int, same: Callable[[int, int], bool]) -> tuple[int, ...]:
     return (1,) if n == 2 and same(0, 1) else ()
 
 
-# Ops XLA's algebraic simplifier replaces by one of their operands when some operands are one buffer (its
-# HandleSelect, HandleMaximum, HandleMinimum; `and`/`or` of one operand are kept, tested): per primitive,
+# Ops XLA's algebraic simplifier replaces by one of their operands when some operands are one buffer (on the
+# compiled HLO of jaxlib 0.10: select, max and min of one operand are dropped, `and`/`or` kept): per primitive,
 # given `same(i, j)` (operands i and j are one buffer), the operands it drops; the op is then the first
 # operand left. Statically one buffer means one value (`unread_operands`); per plan, also one value read
 # through hints in the layout they make it (`shardc.sim.tasks`: `where(p, hint(x), x)` with the select in
@@ -909,9 +910,10 @@ def unread_if_same(op: Any, same: Callable[[int, int], bool]) -> tuple[int, ...]
 def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:
     """Operands of `op` XLA's algebraic simplifier drops: a dynamic_update_slice whose update covers its
     whole operand is the update; a select whose cases are one value is that value (`where(p, x, x)`: the
-    predicate is not read), and so are max and min of one value (`SAME_OPERAND_RULES`); a scatter-add of zeros (`is_zeros`: the gradient of a gather whose result's
-    cotangent is zero) is its operand; an op folded to a constant whatever its operands reads none of them;
-    a slice of nothing but a pad's padding reads nothing (`reads_only_padding`)."""
+    predicate is not read), and so are max and min of one value (`SAME_OPERAND_RULES`); a scatter-add of zeros
+    (`is_zeros`: the gradient of a gather whose result's cotangent is zero) is its operand; an op folded to a
+    constant whatever its operands reads none of them; a slice of nothing but a pad's padding reads nothing
+    (`reads_only_padding`)."""
     if folds_to_constant(graph, op):
         return tuple(range(len(op.inputs)))
     if op.primitive in ("scatter-add", "scatter_add") and len(op.inputs) == 3 and is_zeros(graph, op.inputs[2]):
