@@ -7,7 +7,8 @@ simulation and read by later ones: an op's result in the layout its strategy mak
 full-size), the result in its planned layout, each layout a reshard makes for consumers, and values the
 backward pass keeps (activations live until their last reader). It lives from the position that makes it
 to the last position that reads it, positions following `ProgramInfo.order` (XLA:CPU: breadth first, an
-operand's reshards right after its producer). Values XLA fuses into their readers, local slices fused into
+operand's reshards right after its producer, a collective reading a local slice after what the value made ready:
+`_late`). Values XLA fuses into their readers, local slices fused into
 elementwise readers and compile-time constants take no memory; what a fused value is computed from is read
 where the value is materialised: by its readers' fusions, or by a collective reading it (`_read_end`). Loop
 bodies are counted once (their buffers are reused across iterations); a loop holds the values it reads from
@@ -30,11 +31,13 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from shardc.cost.first_fit import FirstFit
-from shardc.cost.program import ProgramInfo, conv_output_copied, derived, descendants, gathered_order, outer_region
+from shardc.cost.program import (SAME_OPERAND_RULES, ProgramInfo, conv_output_copied, derived, descendants,
+                                 gathered_order, outer_region)
 
 __all__ = ["MemoryModel", "MemoryResult"]
 
 COPIES_EARLY = True
+LATE_AFTER_SLICES = True  # (switch: `_late`)
 # Ops that are no instruction: their readers read what they read.
 _PASS_THROUGH = frozenset({"shardc_hint", "sharding_constraint", "tie", "name", "optimization_barrier"})
 _MIN_REUSE = 1024  # outputs smaller than this (a loss) are not worth looking for values to put in
@@ -53,6 +56,7 @@ class SlotMemory:
     # `until` extends it to where that result is materialised (`MemoryModel._read_end` decides per plan)
     relayouts: dict[int, tuple[int, int]]  # all-gathered key id -> (position, bytes) of its gathered layout before
     # XLA:CPU's relayout copy (`MemoryModel._gathers_of`)
+    late: tuple[bool, ...] = ()  # per operand reshard task: a collective after a local slice (`MemoryModel._late`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +162,8 @@ class MemoryModel:
         owner = self.owner.get(kid)
         if owner is None:
             return
+        if self._dropped(owner[0], kid):
+            return  # (the operand's buffer: its reads last as long as this key's, `_read_end`)
         self._set_relayout(kid, owner[0])
         c, sharding, origin = self.keys.key_list[kid]
         o = self._output_of(c, sharding, origin)
@@ -191,6 +197,17 @@ class MemoryModel:
         self.diff[end + 1] -= b
         self.ends_at.setdefault(end, set()).add(kid)
 
+    def _dropped(self, op_id: int, kid: int | None = None) -> bool:
+        """Whether op `op_id` is one XLA's simplifier replaced by an operand in this plan (`TaskBuilder.dropped`:
+        its own task is a join; `kid`: and it makes that key there): its results are that operand's buffer."""
+        if self.graph.ops[op_id].primitive not in SAME_OPERAND_RULES or not self._slots:
+            return False
+        slot = self._slots[op_id]
+        if slot.at >= len(slot.tasks):
+            return False
+        own = slot.tasks[slot.at]
+        return own.kind == "join" and bool(own.deps) and (kid is None or kid in own.outs)
+
     def _set_operand(self, kid: int, made: int) -> None:
         """Record the buffer a collective reads fused value key `kid` from (`_collective_operand`): XLA computes the
         value into it (a fusion of its own) just before the collective's result is made, and it lives until the
@@ -201,7 +218,11 @@ class MemoryModel:
         at = self._collective_operand(kid)
         if at < 0 or not self._computed(kid):
             return
-        start, b = max(made, at - 1), self._value_bytes(kid)
+        # (a local slice fused into an op that runs after this collective, which owns the key in program order: the
+        # collective reads a slice of its own, a dynamic-slice fusion made just before it)
+        start, b = (max(made, at - 1) if made <= at else max(at - 1, 0)), self._value_bytes(kid)
+        if made <= at and self._read_late(kid):  # (a slice of its own, made where it is, read late: `_late`)
+            start = made
         self.buffers[kid] = (start, at, b)
         self.diff[start] += b
         self.diff[at + 1] -= b
@@ -236,8 +257,17 @@ class MemoryModel:
                 continue
             for i, t in enumerate(slot.tasks[:slot.at]):
                 if kid in t.deps and (t.collective or t.kind == "compute" and self._feeds_collective(slot, i)):
-                    last = max(last, self._position(slot, i, kid, read=True))
+                    last = max(last, self._position(slot, i, kid, read=True, late=self._late(slot)[i]))
         return last
+
+    def _read_late(self, kid: int) -> bool:
+        """Whether a collective that runs late (`_late`: it reads a local slice) reads key `kid`."""
+        for r in self.readers.get(kid) or ():
+            slot = self._slots[r] if self._slots else None
+            if slot is not None and any(kid in t.deps and t.collective and late
+                                        for t, late in zip(slot.tasks, self._late(slot))):
+                return True
+        return False
 
     def _value_bytes(self, kid: int) -> int:
         """Local bytes of key `kid`'s value in its layout, fused or not."""
@@ -285,6 +315,10 @@ class MemoryModel:
         """Where slot `r`'s reads of key `kid` end, `pos` as `_reads_of` found them: for an op whose fused result is
         computed from `kid`, at the last place this plan materialises that result (`_fused_end`), not at
         `ProgramInfo.until`'s, which does not know the plan's collectives."""
+        if self._slots and self._dropped(r):  # an op XLA replaced by this operand: read as long as its results
+            own = self._slots[r].tasks[self._slots[r].at]
+            if kid in own.deps:
+                pos = max([pos] + [self._last_read(o, pos) for o in own.outs if self.keys.is_value_key[o]])
         base = self._positions(self._slots[r]).fused_reads.get(kid) if self._slots else None
         if base is None:
             return pos
@@ -339,7 +373,7 @@ class MemoryModel:
         if owner is None:
             return -1
         if kid in self.keys.chain_keys:
-            return owner[1]
+            return self._sliced_from(kid, owner)
         flags, keys = self.keys.is_value_key, self.keys.key_list
         for t in self._slots[owner[0]].tasks if depth < 4 else ():
             if kid in t.outs:
@@ -348,6 +382,16 @@ class MemoryModel:
                 made = [self._collective_made(d, depth + 1) for d in t.deps]
                 return max(made) if min(made) >= 0 else -1
         return -1
+
+    def _sliced_from(self, kid: int, owner: tuple[int, int, bool]) -> int:
+        """Where a collective makes key `kid` (`owner`'s position), for what it is computed from: one after the local
+        slice its chain starts with when the collective runs late (`_late`: the slice reads the value there)."""
+        slot = self._slots[owner[0]]
+        late = self._late(slot)
+        for i, t in enumerate(slot.tasks[:slot.at]):
+            if kid in t.outs and late[i]:
+                return min(owner[1], self._ready[self.keys.key_list[kid][0]] + 1)
+        return owner[1]
 
     def _walked(self) -> dict[int, tuple[int, ...]]:
         """Value -> the ops whose reads `_read_end` decides by walking through it (`_fused_end`): a change in the
@@ -474,7 +518,7 @@ class MemoryModel:
         if cached is None:
             reads, fused_reads = self._reads_of(slot)
             cached = SlotMemory(self._makes_of(slot), reads, self._workspace_of(slot), self._reduced_of(slot),
-                                self._recomputed_of(slot), fused_reads, self._gathers_of(slot))
+                                self._recomputed_of(slot), fused_reads, self._gathers_of(slot), tuple(self._late(slot)))
             try:
                 slot.memory = cached
             except AttributeError:  # a slot type without the cache field
@@ -561,7 +605,8 @@ class MemoryModel:
             c, src, _ = keys[dep]
             dst = keys[t.outs[0]][1]
             if gathered_order(src.dims, dst.dims, self.keys.local_shape(c, dst)) is not None:
-                out[t.outs[0]] = (self._position(slot, i, t.outs[0]), self._bytes(t.outs[0]))
+                late = i < slot.at and self._late(slot)[i]
+                out[t.outs[0]] = (self._position(slot, i, t.outs[0], late=late), self._bytes(t.outs[0]))
         return out
 
     def _shares_of(self, slot: Any) -> tuple[tuple[int, frozenset[int]], ...]:
@@ -641,11 +686,37 @@ class MemoryModel:
         fuses into the op reading it (an elementwise-like op in a loop fusion): no buffer of its own."""
         return bool(self.info.loop[slot.op]) and self._local_slice(slot, i)
 
-    def _position(self, slot: Any, i: int, kid: int, read: bool = False) -> int:
+    def _late(self, slot: Any) -> list[bool]:
+        """Per task of a slot's operand reshards: whether it belongs to a collective reading a local slice (one of
+        this slot's reshard, or a layout another slot made, which this chain resumes from), or to what follows
+        it. XLA:CPU's breadth-first schedule queues such a collective when the slice (a dynamic-slice fusion)
+        runs, so it runs after what became ready with the sliced value, not with it (`_position`)."""
+        cached = getattr(slot, "memory", None)
+        if cached is not None:
+            return cached.late
+        flags, keys, planned = self.keys.is_value_key, self.keys.key_list, self._planned
+        sliced: set[int] = set()
+        out: list[bool] = []
+        for i, t in enumerate(slot.tasks[:slot.at]):
+            if self._local_slice(slot, i):
+                sliced.update(t.outs)
+                out.append(False)
+                continue
+            resumed = any(flags[d] and d not in sliced and planned and keys[d][2] == 0
+                          and self.keys.layout(planned[keys[d][0]]) != keys[d][1] for d in t.deps)
+            late = bool(t.collective or t.kind == "compute") and resumed or any(d in sliced for d in t.deps)
+            if late:
+                sliced.update(t.outs)
+            out.append(late)
+        return out
+
+    def _position(self, slot: Any, i: int, kid: int, read: bool = False, late: bool = False) -> int:
         """Where task `i` of a slot reads or makes value key `kid`: with its op (2 * position in the schedule),
         after it (+1: the results' reshards), or, for the operands' reshards under an eager schedule, where
-        the resharded value is made. A loop reads a value made outside it until its last iteration, and
-        writes its stacked outputs and the values it carries into buffers that exist from its first."""
+        the resharded value is made — a collective reading a local slice (`late`, `_late`) after what the
+        value's maker made ready (`ProgramInfo.batch`), but not after the instruction reading its result (the
+        op, or a hint's first reader: `first_reader`). A loop reads a value made outside it until its last
+        iteration, and writes its stacked outputs and the values it carries into buffers that exist from its first."""
         op = slot.op
         first, last = self.info.span[op]
         hoisted = self.info.hoisted.get(self.keys.key_list[kid][0])
@@ -665,7 +736,12 @@ class MemoryModel:
                   or self.keys.key_list[kid][0] in self.info.carried):
                 return 0 if self.keys.key_list[kid][0] in self.info.preset else 2 * self.order[first]
         if i < slot.at and self.info.eager and not self._fused_slice(slot, i):
-            return self._ready[self.keys.key_list[kid][0]]
+            c = self.keys.key_list[kid][0]
+            p = self.graph.values[c].producer
+            if not late or not LATE_AFTER_SLICES or not self.info.batch or p is None or not self.info.live[p]:
+                return self._ready[c]
+            limit = self.info.first_reader[op] if self.graph.ops[op].primitive in _PASS_THROUGH else self.order[op]
+            return max(self._ready[c], min(2 * self.info.batch[p] + 1, 2 * limit))
         if not read and i == slot.at and self.keys.key_list[kid][0] in self.info.preset:
             return 0  # written in place into a buffer made at the start (`ProgramInfo.preset`)
         return 2 * self.order[op] + (i > slot.at)
@@ -681,11 +757,12 @@ class MemoryModel:
         out: dict[int, int] = {}
         plain: dict[int, int] = {}  # the reads without `until`
         extended: set[int] = set()
+        late = self._late(slot)
         for i, t in enumerate(slot.tasks):
             fused_in = until and (i == slot.at or self._fused_slice(slot, i))
             for d in t.deps:
                 if flags[d]:
-                    pos = self._position(slot, i, d, read=True)
+                    pos = self._position(slot, i, d, read=True, late=i < slot.at and late[i])
                     c = self.keys.key_list[d][0]
                     if i == slot.at and c in copied:  # the dot reads its copy
                         pos = min(pos, self._copy_start(c))
@@ -699,11 +776,13 @@ class MemoryModel:
     def _makes_of(self, slot: Any) -> dict[int, tuple[int, bool, tuple[int, ...]]]:
         flags = self.keys.is_value_key
         out: dict[int, tuple[int, bool, tuple[int, ...]]] = {}
+        late = self._late(slot)
         for i, t in enumerate(slot.tasks):
             for k in t.outs:
                 if flags[k] and k not in out:
                     fused = self._fused_slice(slot, i)
-                    out[k] = (self._position(slot, i, k), fused, tuple(t.deps) if fused else ())
+                    out[k] = (self._position(slot, i, k, late=i < slot.at and late[i]), fused,
+                              tuple(t.deps) if fused else ())
         return out
 
     def full(self, plan: Any, slots: Sequence[Any], donated: Sequence[int] = (),

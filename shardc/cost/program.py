@@ -38,7 +38,8 @@ from shardc.cost.estimator import params_key
 from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL
 from shardc.ir.graph import Graph
 
-__all__ = ["ProgramInfo", "program_info", "descendants", "Merged", "merged", "unread_operands", "reads_only_padding",
+__all__ = ["ProgramInfo", "program_info", "descendants", "Merged", "merged", "unread_operands", "unread_if_same",
+           "SAME_OPERAND_RULES", "ALIASES", "reads_only_padding",
            "broadcast_dims", "broadcast_transfer", "derived", "fusing_readers",
            "FUSIBLE", "FREE_PRIMITIVES", "PCG_COLLECTIVE"]
 
@@ -144,6 +145,9 @@ class ProgramInfo:
     # cheap materialised one) -> the ops whose fusions recompute it (`fusing_readers`; `until` walks them)
     strided: Mapping[int, int] = dataclasses.field(default_factory=dict)  # (XLA:CPU) transpose op moving the minor
     # dim, fused -> the loop fusions that read it across its operand's memory order (`strided_readers`)
+    batch: tuple[int, ...] = ()  # per op (XLA:CPU): the last position of what its running made ready (`_breadth_first`)
+    first_reader: tuple[int, ...] = ()  # per op (XLA:CPU): the first position of an instruction reading its results
+    # through ops that are none (hints, fused values); its own when nothing does (`_first_readers`)
 
     def counts(self, op_id: int) -> bool:
         """Whether an op does work in the compiled program."""
@@ -417,6 +421,7 @@ def _reshaped_dot(graph: Graph, c: int) -> bool:
 _HINTS = frozenset({"shardc_hint", "sharding_constraint"})
 # Switches for measuring a rule's effect (docs/simulator.md quotes the errors without them).
 LOOK_THROUGH_HINTS = True
+HINTED_IN_PROGRAM_ORDER = True
 RECOMPUTE_IN_LOOPS = True
 
 
@@ -569,8 +574,8 @@ def _breadth_first(graph: Graph, live: list[bool], canon: list[int], constant: l
     since `xla_cpu_enable_concurrency_optimized_scheduler`): an instruction runs as soon as its operands
     exist, in the order they became ready — so what depends only on the arguments (a parameter's
     all-gather, an iota) runs at the start. Ops whose results are fused into their readers, hints and ties
-    are no instructions: they run as they become ready. A loop or branch region is one instruction (its
-    body in program order)."""
+    are no instructions: they run as they become ready (what hints make ready is queued in program order). A
+    loop or branch region is one instruction (its body in program order)."""
     no = len(graph.ops)
     unit = list(range(no))  # op -> its unit: a top-level region's first op, else itself
     first: dict[str, int] = {}
@@ -598,22 +603,58 @@ def _breadth_first(graph: Graph, live: list[bool], canon: list[int], constant: l
     queue = collections.deque(u for u in sorted(members) if not waiting[u])
     order = [-1] * no
     pos = 0
+    groups: list[tuple[list[int], list[int]]] = []  # (a queued unit and the units inlined with it, what they queued)
     while queue:
         stack = [queue.popleft()]
+        queued: list[int] = []
+        ran: list[int] = []
+        hinted = False
         while stack:  # inlined units run at once, with what made them ready
             u = stack.pop()
+            ran.append(u)
+            hinted = hinted or graph.ops[u].primitive in ALIASES
             for i in members[u]:
                 order[i] = pos
                 pos += 1
             for w in succs[u]:
                 waiting[w] -= 1
                 if not waiting[w]:
-                    (stack if w in inline else queue).append(w)
+                    (stack if w in inline else queued).append(w)
+        # A hint is no instruction: what it makes ready is what the hinted value's instruction makes ready, queued in
+        # the order of that instruction's users (program order), not in the order the hints were walked.
+        queue.extend(sorted(queued) if hinted and HINTED_IN_PROGRAM_ORDER else queued)
+        groups.append((ran, queued))
     for i in range(no):  # dead ops (no work) after the rest
         if order[i] < 0:
             order[i] = pos
             pos += 1
-    return order
+    batch = list(order)  # per op: the last position of what its unit's group queued (`ProgramInfo.batch`)
+    for ran, queued in groups:
+        end = max((order[w] for w in queued), default=-1)
+        for u in ran:
+            for i in members[u]:
+                batch[i] = max(batch[i], end)
+    return order, batch
+
+
+def _first_readers(graph: Graph, live: Sequence[bool], order: Sequence[int], fused: Sequence[bool],
+                   constant: Sequence[bool], canon: Sequence[int],
+                   consumers: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """Per op, the first position (`order`) of an op reading its results that is an instruction: through readers
+    whose results are all fused or constant (hints, fused elementwise work: no instruction), to theirs."""
+    out = list(order)
+    for op in reversed(graph.ops):  # (readers come after producers)
+        if not live[op.id] or not op.outputs:
+            continue
+        firsts = []
+        for v in op.outputs:
+            for u in consumers[canon[v]]:
+                r = graph.ops[u]
+                none = bool(r.outputs) and all(fused[canon[w]] or constant[canon[w]] for w in r.outputs)
+                firsts.append(out[u] if none else order[u])
+        if firsts:
+            out[op.id] = max(order[op.id], min(firsts))
+    return tuple(out)
 
 
 def derived(op: Any, c: int, canon: Sequence[int]) -> list[int]:
@@ -838,12 +879,41 @@ def is_zeros(graph: Graph, v: int) -> bool:
     return False
 
 
+def _cases_alike(n: int, same: Callable[[int, int], bool]) -> tuple[int, ...]:
+    """select_n (predicate, case 0, case 1, ...) whose cases are one buffer is that case: the predicate and the
+    other cases are not read."""
+    return (0, *range(2, n)) if n > 2 and all(same(1, i) for i in range(2, n)) else ()
+
+
+def _pair_alike(n: int, same: Callable[[int, int], bool]) -> tuple[int, ...]:
+    """max(x, x) and min(x, x) are x."""
+    return (1,) if n == 2 and same(0, 1) else ()
+
+
+# Ops XLA's algebraic simplifier replaces by one of their operands when some operands are one buffer (on the
+# compiled HLO of jaxlib 0.10: select, max and min of one operand are dropped, `and`/`or` kept): per primitive,
+# given `same(i, j)` (operands i and j are one buffer), the operands it drops; the op is then the first
+# operand left. Statically one buffer means one value (`unread_operands`); per plan, also one value read
+# through hints in the layout they make it (`shardc.sim.tasks`: `where(p, hint(x), x)` with the select in
+# the hint's layout reads the hint's reshard of x twice, so its predicate's reshards do not run).
+SAME_OPERAND_RULES: dict[str, Callable[[int, Callable[[int, int], bool]], tuple[int, ...]]] = {
+    "select_n": _cases_alike, "max": _pair_alike, "min": _pair_alike}
+
+
+def unread_if_same(op: Any, same: Callable[[int, int], bool]) -> tuple[int, ...]:
+    """The operands of `op` XLA's simplifier drops given which of its operands are one buffer
+    (`SAME_OPERAND_RULES`; () for other ops)."""
+    rule = SAME_OPERAND_RULES.get(op.primitive)
+    return rule(len(op.inputs), same) if rule is not None else ()
+
+
 def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:
     """Operands of `op` XLA's algebraic simplifier drops: a dynamic_update_slice whose update covers its
     whole operand is the update; a select whose cases are one value is that value (`where(p, x, x)`: the
-    predicate is not read); a scatter-add of zeros (`is_zeros`: the gradient of a gather whose result's
-    cotangent is zero) is its operand; an op folded to a constant whatever its operands reads none of them;
-    a slice of nothing but a pad's padding reads nothing (`reads_only_padding`)."""
+    predicate is not read), and so are max and min of one value (`SAME_OPERAND_RULES`); a scatter-add of zeros
+    (`is_zeros`: the gradient of a gather whose result's cotangent is zero) is its operand; an op folded to a
+    constant whatever its operands reads none of them; a slice of nothing but a pad's padding reads nothing
+    (`reads_only_padding`)."""
     if folds_to_constant(graph, op):
         return tuple(range(len(op.inputs)))
     if op.primitive in ("scatter-add", "scatter_add") and len(op.inputs) == 3 and is_zeros(graph, op.inputs[2]):
@@ -851,8 +921,9 @@ def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:
     if op.primitive == "dynamic_update_slice" and len(op.inputs) > 1 \
             and graph.values[op.inputs[1]].shape == graph.values[op.inputs[0]].shape:
         return (0,)
-    if op.primitive == "select_n" and len(op.inputs) > 2 and len(set(op.inputs[1:])) == 1:
-        return (0, *range(2, len(op.inputs)))
+    same = unread_if_same(op, lambda i, j: op.inputs[i] == op.inputs[j])
+    if same:
+        return same
     if reads_only_padding(graph, op):
         return tuple(range(len(op.inputs)))
     return ()
@@ -1091,8 +1162,8 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                         and consumers[c] and all(graph.ops[u].primitive == "dot_general" for u in consumers[c]))
     for t in bitcast:
         fused[canon[graph.ops[t].outputs[0]]] = True
-    order = (_breadth_first(graph, live, canon, constant, fused, consumers) if backend == "cpu"
-             else list(range(no)))
+    order, batch = (_breadth_first(graph, live, canon, constant, fused, consumers) if backend == "cpu"
+                    else (list(range(no)), []))
     # A dot decomposition's copy of cheap work is a fusion recomputing it, and the cheap values it is computed
     # from even where they are also materialised (XLA duplicates cheap producers into each consumer fusing
     # them): those values' operands are read until the copy is made.
@@ -1143,23 +1214,25 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                        copies=copies, copy_owner=last_copies(graph, canon, copies, order), cheap=cheap,
                        bitcast=bitcast, inplace=inplace, out_alias=output_aliases(graph, live, canon, constant),
                        recompute=recompute if backend == "cpu" else frozenset(), fusing=fusing, strided=strided,
-                       read_fused=reads_fused(graph, canon, fused))
+                       read_fused=reads_fused(graph, canon, fused), batch=tuple(batch),
+                       first_reader=_first_readers(graph, live, order, fused, constant, canon, consumers)
+                       if batch else ())
 
 
 # Ops that only name their operand (a sharding hint or constraint, a name, a stop_gradient): their result has no
 # buffer of its own (`fused`), yet what reads it reads the operand's buffer, unless the operand itself is fused.
-_ALIASES = _HINTS | {"name", "stop_gradient"}
+ALIASES = _HINTS | {"name", "stop_gradient"}
 
 
 def reads_fused(graph: Graph, canon: Sequence[int], fused: Sequence[bool]) -> tuple[bool, ...]:
     """Per canonical value: whether an op reading it reads it from registers (its producer fused into the
-    reader), for op costs. As `fused`, except that a value an alias op (`_ALIASES`) makes is read as its
+    reader), for op costs. As `fused`, except that a value an alias op (`ALIASES`) makes is read as its
     operand is: from that operand's buffer when it has one. (`fused` says the alias has no buffer; taken for
     the read, a hinted value cost its readers nothing to read: the expert matmuls of a hinted MoE layer
     were priced 25% cheaper than the same matmuls unhinted, on a TPU v5e.)"""
     out = list(fused)
     for op in graph.ops:  # (in program order: an alias of an alias reads what the first one reads)
-        if op.primitive in _ALIASES and op.inputs:
+        if op.primitive in ALIASES and op.inputs:
             src = canon[op.inputs[0]]
             for v in op.outputs:
                 c = canon[v]

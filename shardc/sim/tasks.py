@@ -24,8 +24,8 @@ from shardc.cost.estimator import OpCostEstimator, OpKey
 from shardc.cost.flops import count_op
 from shardc.cost.host_ops import default_estimator, relayout_seconds
 from shardc.cost.op_collectives import NONE as NO_COLLECTIVES, OP_COLLECTIVES, OwnCollectives, op_collectives
-from shardc.cost.program import (FREE_PRIMITIVES, ProgramInfo, broadcast_dims, broadcast_transfer, gather_relayouts,
-                                 moves_no_data, program_info)
+from shardc.cost.program import (ALIASES, FREE_PRIMITIVES, SAME_OPERAND_RULES, ProgramInfo, broadcast_dims,
+                                 broadcast_transfer, gather_relayouts, moves_no_data, program_info, unread_if_same)
 from shardc.cost.reshard_path import kept_after, reshard_steps
 from shardc.cost.topology import MeshMapping, Topology
 from shardc.cost.wire import wire_itemsize
@@ -560,6 +560,8 @@ class TaskBuilder:
                 state.append((need, sh[c], h is not None and h in keys, done, b))
         made_b = tuple(self.bc_made.get((op_id, k), empty) for k in range(len(op.outputs)))
         mk = (tuple(state), plan.strategies[op_id], tuple([sh[v] for v in op.outputs]), made_b)
+        if op.primitive in SAME_OPERAND_RULES:  # (which operands are one buffer depends on their makers' slots)
+            mk += (self.dropped(plan, op, keys, needs),)
         memo = self._slot_memo.setdefault(op_id, {})
         slot = memo.get(mk)
         if slot is None:
@@ -645,17 +647,19 @@ class TaskBuilder:
 
         deps = []
         need_shardings = []
+        dropped = self.dropped(plan, op, keys, needs)
         for i, v in enumerate(op.inputs):
             need = needs.get((op_id, i), plan.shardings[v])
             need_shardings.append(need)
-            if (op_id, i) not in info.unread:
+            if (op_id, i) not in info.unread and i not in dropped:
                 deps.append(have(i, v, need))
         out_keys: list[Key] = []
         for v, m in zip(op.outputs, self._made_layouts(op, plan.strategies[op_id])):
             out_keys.append((self.canon(v), m, HOME if m == plan.shardings[v] else MADE))
         outs = tuple(kid(k) for k in out_keys)
         free = (op.primitive in FREE_PRIMITIVES or all(info.constant[self.canon(v)] for v in op.outputs)
-                or op_id in info.bitcast and self._reads_dot_as_made(plan, op, need_shardings[0]))
+                or op_id in info.bitcast and self._reads_dot_as_made(plan, op, need_shardings[0])
+                or bool(dropped))  # (XLA replaced the op by the operand it still reads)
         own = NO_COLLECTIVES if free else self._own_collectives(plan, op, need_shardings)
         if own.before:  # the op's own collectives on its operands (shardc.cost.op_collectives)
             deps = list(self.collective_tasks(slot, own.before, tuple(deps), self.canon(op.inputs[0]), op.inputs[0],
@@ -692,6 +696,43 @@ class TaskBuilder:
                     made(key)
         slot.made = tuple(made_keys)
         return slot.seal()
+
+    def dropped(self, plan: Plan, op: Any, keys: Mapping[int, int],
+                needs: Mapping[tuple[int, int], Sharding]) -> tuple[int, ...]:
+        """The operands of `op` XLA's simplifier drops in this plan because others are one buffer with them
+        (`SAME_OPERAND_RULES`): two operands are one buffer when they are read as one key, or as keys a chain
+        of hints makes of one key in the layouts the hints make (`buffer`). The op is then the operand left."""
+        if op.primitive not in SAME_OPERAND_RULES:
+            return ()
+        sh, canon = plan.shardings, self.info.canon
+        bufs = []
+        for i, v in enumerate(op.inputs):
+            c = canon[v]
+            need = needs.get((op.id, i), sh[v])
+            k = self.kid((c, need, self.read_origin(op, c, need, sh[c])))
+            bufs.append(self.buffer(plan, k, keys, needs))
+        return unread_if_same(op, lambda i, j: bufs[i] == bufs[j])
+
+    def buffer(self, plan: Plan, k: int, keys: Mapping[int, int], needs: Mapping[tuple[int, int], Sharding]) -> int:
+        """The key whose buffer key `k` is: itself, or, when a hint (a sharding constraint, a name, a
+        stop_gradient: `ALIASES`, no instruction after partitioning) made it by its own join in the layout it
+        reads its operand in, that operand's key's buffer. Only keys made already (`keys`) resolve."""
+        sh, canon, graph = plan.shardings, self.info.canon, self.graph
+        for _ in range(64):  # (chains of hints; bounded)
+            if k not in keys:
+                return k
+            c, s, origin = self.key_list[k]
+            p = graph.values[c].producer
+            if p is None or keys[k] != p or origin != HOME or graph.ops[p].primitive not in ALIASES:
+                return k
+            op = graph.ops[p]
+            made = self.layout(self._made_layouts(op, plan.strategies[p])[0])
+            u = op.inputs[0]
+            need = needs.get((p, 0), sh[u])
+            if s != made or self.layout(need) != made or self.layout(sh[c]) != made:
+                return k
+            k = self.kid((canon[u], need, self.read_origin(op, canon[u], need, sh[canon[u]])))
+        return k
 
     def _own_collectives(self, plan: Plan, op: Any, needs: Sequence[Sharding]) -> OwnCollectives:
         """The collectives `op` makes by itself (`shardc.cost.op_collectives`) with its operands as it reads

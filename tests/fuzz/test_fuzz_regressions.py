@@ -141,6 +141,11 @@ Fixed in the oracle:
   simplifier makes the sort gradient's scatter-add of zeros its operand, so the sort and the reshards
   feeding it are dead (8 B of all-gather planned, none compiled). A scatter-add of zeros reads neither
   indices nor updates (`shardc.cost.program.is_zeros`) (`sorted_then_overwritten`).
+* seed 102000: `where(h > 0.1, h, x)` with `h` a hint resharding `x`, the select in `h`'s layout: its two cases
+  are one buffer to XLA (the hint's reshard of `x`, read twice), so its simplifier drops the select and the
+  predicate's reshard to that layout (12 B of all-to-all and collective-permute planned, not compiled). Which
+  operands are one buffer is the plan's (`TaskBuilder.dropped`, `program.SAME_OPERAND_RULES`: select, max,
+  min) (`select_of_a_hint_and_itself`).
 
 Upstream (XLA), pinned with a pure-JAX reproduction that fails today (strict xfail, so the day XLA is
 fixed this file says so):
@@ -609,6 +614,12 @@ SORTED_THEN_OVERWRITTEN = Program(mesh=(("x", 2), ("y", 2), ("z", 2)), steps=(  
     Step(kind="update_slice", args=(3, 4), attrs=(("start", (0, 0)),), shape=(4, 1)),  # over the whole sorted value
 ), outputs=(5,))
 
+SELECT_OF_A_HINT_AND_ITSELF = Program(mesh=(("x", 2), ("y", 4)), steps=(  # seed 102000, shrunk
+    Step(kind="input", args=(), attrs=(("meta", ("x", None)),), shape=(12, 8)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 1), ("axes", ("x", "y"))), shape=(12, 8)),
+    Step(kind="where", args=(1, 0), attrs=(), shape=(12, 8)),  # where(h > 0.1, h, x), h = hint(x): in h's layout
+), outputs=(2,))                                                # both cases are the hint's reshard of x
+
 
 @pytest.mark.parametrize("prog", [COND_INDEX, DEAD_LOOP, UPDATE_SLICE_SPLIT_DIM, UPDATE_ONE_ROW_OF_SPLIT_DIM,
                                   SCANNED_ARRAY_RESHARD, SCAN_FINAL_CARRY, SUM_OVER_TWO_SPLIT_DIMS,
@@ -622,7 +633,7 @@ SORTED_THEN_OVERWRITTEN = Program(mesh=(("x", 2), ("y", 2), ("z", 2)), steps=(  
                                   CARRY_SPLIT_AFTER_THE_LOOP, ARGMAX_OF_ONE_SPLIT_TWO_WAYS, ARGMAX_OVER_A_SIZE_ONE_AXIS,
                                   RESHARD_THROUGH_A_CACHED_LAYOUT, SPLIT_OF_A_BROADCAST, SLICE_OF_THE_PADDING,
                                   DYNAMIC_SLICE_AFTER_THE_PADDED, LOOP_STATE_RESHARDED_IN_THE_BODY,
-                                  BRANCHES_RESHARD_ONE_OPERAND, SORTED_THEN_OVERWRITTEN],
+                                  BRANCHES_RESHARD_ONE_OPERAND, SORTED_THEN_OVERWRITTEN, SELECT_OF_A_HINT_AND_ITSELF],
                          ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
                               "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
                               "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
@@ -636,7 +647,8 @@ SORTED_THEN_OVERWRITTEN = Program(mesh=(("x", 2), ("y", 2), ("z", 2)), steps=(  
                               "argmax_of_one_split_two_ways", "argmax_over_a_size_one_axis",
                               "reshard_through_a_cached_layout", "split_of_a_broadcast", "slice_of_the_padding",
                               "dynamic_slice_after_the_padded", "loop_state_resharded_in_the_body",
-                              "branches_reshard_one_operand", "sorted_then_overwritten"])
+                              "branches_reshard_one_operand", "sorted_then_overwritten",
+                              "select_of_a_hint_and_itself"])
 def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
 
