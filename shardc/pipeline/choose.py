@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from annotations import provisional_mesh
 from annotations.errors import ShardingError
+from shardc.gc_pause import frozen_heap, paused_gc
 from shardc.pipeline.bound import bounding_sibling, fastest_baseline_fits
 from shardc.pipeline.floor import floor_applies, step_floor
 from shardc.pipeline.jit import stack_of
@@ -171,9 +172,11 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
     candidates on a terminal (`progress`: True/False forces it). `options` go to `shardc.plan_for`."""
     shared = None
     if plan_for is None:  # (candidates share their stack, tracing mesh and traced programs: shardc/pipeline/reuse.py)
-        from shardc.auto import plan_for
+        from shardc.auto import AutoFunction, plan_for
 
         shared = SharedTraces()
+        # (a plain step, traced by stack_of as the candidates trace it: its stack is theirs)
+        plain = not isinstance(step, AutoFunction) and not {"static_argnums", "static_argnames"} & options.keys()
     if not isinstance(finalists, int) or isinstance(finalists, bool) or finalists < 0:
         raise ShardingError(f"choose_pipeline(finalists={finalists!r}): expected an int >= 0")
     from shardc.sim import as_topology
@@ -207,6 +210,8 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
         with provisional_mesh(True):
             stack = stack_of(step, args, make_mesh({"data": len(jax.devices()), "model": 1, "expert": 1}))
         pipelines = list(candidates(n, stack.layers, stack.batch))
+        if shared is not None and plain:  # (the candidates' traces need not find it again)
+            shared.stack = stack
     screened: list[tuple[tuple, int, Pipeline, Any]] = []
     fitted: set[tuple] = set()  # sibling groups with a screened candidate that fits (`_sibling`)
     bounds: set[Pipeline] = set()  # screened candidates whose fastest baseline plan fits (shardc/pipeline/bound.py)
@@ -240,8 +245,9 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
     def screen(i: int, p: Pipeline) -> None:
         bar.update(1)
         try:
-            plan = _plan(plan_for, shared, step, args, topology, n, pipeline=p, priced_only=True,
-                         on_graph=checker(p), **_screening(screen_budget_s, options))
+            with paused_gc():  # (a young collection after it instead: its garbage, not the heap it adds to)
+                plan = _plan(plan_for, shared, step, args, topology, n, pipeline=p, priced_only=True,
+                             on_graph=checker(p), **_screening(screen_budget_s, options))
         except ShardingError as e:  # a pipeline this step cannot take (said in the table, not fatal)
             note(Choice(f"error: {str(e).splitlines()[0][:80]}", p, {}, float("inf"), 0.0, False))
             return
@@ -260,24 +266,25 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
         if bound and fastest_baseline_fits(plan):
             bounds.add(p)
 
-    for i, p in enumerate(pipelines):
-        if prune_siblings and _sibling(p) in fitted:
-            bar.update(1)
-            continue
-        q = bounding_sibling(p) if bound else None
-        if q in bounds or q in floored:  # not faster than `q`: screened only if `q` could be a finalist (below)
-            bounded[p] = (i, q)
-            continue
-        screen(i, p)
-    while bounded:  # the candidates bounded by one that could be a finalist (or the fastest screened)
-        screened.sort(key=lambda x: (x[0], x[1]))
-        top = {p for _, _, p, _ in screened[:max(finalists, 1)]}
-        due = sorted((i, p) for p, (i, root) in bounded.items() if root in top)
-        if not due:
-            break
-        for i, p in due:
-            del bounded[p]
+    with frozen_heap():  # (the unpipelined search's heap is not rescanned by each trace's collections)
+        for i, p in enumerate(pipelines):
+            if prune_siblings and _sibling(p) in fitted:
+                bar.update(1)
+                continue
+            q = bounding_sibling(p) if bound else None
+            if q in bounds or q in floored:  # not faster than `q`: screened only if `q` could be a finalist (below)
+                bounded[p] = (i, q)
+                continue
             screen(i, p)
+        while bounded:  # the candidates bounded by one that could be a finalist (or the fastest screened)
+            screened.sort(key=lambda x: (x[0], x[1]))
+            top = {p for _, _, p, _ in screened[:max(finalists, 1)]}
+            due = sorted((i, p) for p, (i, root) in bounded.items() if root in top)
+            if not due:
+                break
+            for i, p in due:
+                del bounded[p]
+                screen(i, p)
     bar.close()
     for i, p in sorted((i, p) for p, (i, _) in bounded.items()):
         note(Choice("bounded", p, {}, float("inf"), 0.0, False))  # (its bounding sibling is in the table)

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from annotations import split
 from annotations.errors import ShardingError
+from shardc.pipeline.fixpoint import known_fixpoint
 from shardc.pipeline.shift import stage_shift
 from shardc.pipeline.value import Pipeline
 from shardc.pipeline.wgrad import eval_deferring, layer_sites, make_probes
@@ -224,7 +225,7 @@ def pipelined_scan(body: Callable, init: Any, xs: Any, p: Pipeline, scan: Callab
         io = [jax.lax.dynamic_update_index_in_dim(b, c, slot, axis=1) for b, c in zip(io, cols)]
         return (io, shift), None
 
-    with jax.named_scope(LOOP_SCOPE):  # (how the simulator finds the loop's ops, forward and backward)
+    with jax.named_scope(LOOP_SCOPE), known_fixpoint(len(io)):  # (named: how the simulator finds the loop's ops)
         (io, _), _ = scan(iteration, (io, shift), (jnp.arange(p.iterations, dtype=jnp.int32), probes))
     out = [_from_microbatches(bf, p) for bf in io]
     return jax.tree.unflatten(carry_tree, out), jax.tree.unflatten(ys_tree[0], [])
