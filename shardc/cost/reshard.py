@@ -121,7 +121,12 @@ def _transpose(dims: Sequence[int], devices: Devices, perm: Sequence[int]) -> tu
     new = tuple(dims[p] for p in perm)
     if list(perm) == sorted(perm):
         return new, devices
-    return new, tuple(devices[i] for i in _source_positions(tuple(dims), tuple(perm)))
+    return new, _permuted(tuple(devices), _source_positions(tuple(dims), tuple(perm)))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _permuted(devices: Devices, positions: tuple[int, ...]) -> Devices:
+    return tuple(devices[i] for i in positions)
 
 
 def _tile(dims: Sequence[int], devices: Devices) -> _Tiling:
@@ -167,6 +172,11 @@ def _can_permute(s: _Tiling, t: _Tiling) -> bool:
 
 def _within(sub: _Tiling, sup: _Tiling, shape: Sequence[int]) -> bool:
     """IsSubTilingOrEqualSharding: every device's tile under `sub` lies inside its tile under `sup`."""
+    return _within_cached(sub, sup, tuple(shape))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _within_cached(sub: _Tiling, sup: _Tiling, shape: tuple[int, ...]) -> bool:
     if sup.replicated:
         return True
     rank = len(sup.data)
@@ -314,22 +324,32 @@ def _replicate_dims(s: _Tiling, dims: Sequence[int]) -> _Tiling:
     return _partial_tile(new, devices)
 
 
-def _replication_groups(s: _Tiling, dims: Sequence[int]) -> list[list[int]]:
+def _replication_groups(s: _Tiling, dims: Sequence[int]) -> tuple[Devices, ...]:
     """GetPartitionGroupsForReplication: devices that differ only in their tile index along `dims`."""
+    return _replication_groups_cached(s, tuple(dims))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _replication_groups_cached(s: _Tiling, dims: tuple[int, ...]) -> tuple[Devices, ...]:
     groups: dict[tuple[int, ...], list[int]] = {}
     for idx, dev in zip(_indices(s.dims), s.devices):
         groups.setdefault(tuple(i for d, i in enumerate(idx) if d not in dims), []).append(dev)
-    return list(groups.values())
+    return tuple(tuple(g) for g in groups.values())
 
 
-def _groups_across(s: _Tiling, dims: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
+def _groups_across(s: _Tiling, dims: Sequence[int], sizes: Sequence[int]) -> tuple[Devices, ...]:
     """GetPartitionGroupsAcrossTargetDims: devices that differ only in the minor `sizes[i]` part of each
     `dims[i]` (the part an all-to-all moved there)."""
+    return _groups_across_cached(s, tuple(dims), tuple(sizes))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _groups_across_cached(s: _Tiling, dims: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[Devices, ...]:
     part = dict(zip(dims, sizes))
     groups: dict[tuple[int, ...], list[int]] = {}
     for idx, dev in zip(_indices(s.dims), s.devices):
         groups.setdefault(tuple(i // part[d] if d in part else i for d, i in enumerate(idx)), []).append(dev)
-    return list(groups.values())
+    return tuple(tuple(g) for g in groups.values())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -454,6 +474,11 @@ class _Value:
 
 def _expand(groups: tuple[Devices, ...], inner: Sequence[Devices]) -> tuple[Devices, ...]:
     """Device groups inside device groups, in global ids."""
+    return _expand_cached(groups, inner if type(inner) is tuple else tuple(tuple(dg) for dg in inner))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _expand_cached(groups: tuple[Devices, ...], inner: tuple[Devices, ...]) -> tuple[Devices, ...]:
     return tuple(tuple(g[x] for x in dg) for g in groups for dg in inner)
 
 
@@ -501,8 +526,8 @@ class _Partitioner:
             self.cached = inter
 
     # -- emitting ------------------------------------------------------------------------------------
-    def emit(self, kind: str, v: _Value, in_group: Sequence[Sequence[int]], elements: int) -> None:
-        groups = tuple(tuple(g[x] for x in grp) for g in v.groups for grp in in_group)
+    def emit(self, kind: str, v: _Value, in_group: tuple[Devices, ...], elements: int) -> None:
+        groups = _expand(v.groups, in_group)
         self.out.append((kind, *_span(groups, kind == "collective-permute", self.mesh), elements))
         if kind == "collective-permute":
             self.pairs.append(tuple((a, b) for a, b in groups))
@@ -569,7 +594,7 @@ class _Partitioner:
             dims = sorted(v.bcast)
             if _replicate_dims(v.tiling, dims) == _replicate_dims(target, dims):
                 return v.at(target)
-        self.emit("collective-permute", v, list(zip(v.tiling.devices, target.devices)), v.elements())
+        self.emit("collective-permute", v, tuple(zip(v.tiling.devices, target.devices)), v.elements())
         return v.at(target, keep=False)
 
     def all_to_all(self, v: _Value, target: _Tiling, pairs: Sequence[tuple[int, int]],
