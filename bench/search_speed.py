@@ -1,7 +1,7 @@
 """Benchmark: how long shardc's strategy search takes to plan the 12-layer GPT train step (Adam).
 
     python bench/search_speed.py [--layers 12] [--write]
-    python bench/search_speed.py --pipeline [--layers 12]
+    python bench/search_speed.py --pipeline [--layers 12] [--topology h100-sxm-8x8 ...]
 
 For each target — 8 devices on `h100-sxm-8` and 64 devices on `h100-sxm-8x8` (more than this host has:
 the plan is made on a mesh shape without devices, `shardc.plan_for`) — it plans with `search=True` and
@@ -68,8 +68,9 @@ def plan_pipelined(step, args, topology: str) -> dict:
     return {"plan": plan, "total": total, "phases": phases, "counts": counts}
 
 
-def pipeline_rows(layers: int) -> list[str]:
-    """One row per PIPELINE_TARGETS entry: planning time with the pipeline dimension, by phase."""
+def pipeline_rows(layers: int, topologies: list[str] | None = None) -> list[str]:
+    """One row per PIPELINE_TARGETS entry (those named in `topologies`, when given): planning time with the
+    pipeline dimension, by phase, and the process's CPU seconds."""
     from bench.zoo_models import _unbox
 
     model, tx, params, _, ids = setup(layers=layers, scan=True)
@@ -77,7 +78,11 @@ def pipeline_rows(layers: int) -> list[str]:
     step, args = make_train_step(model, tx), (params, tx.init(params), ids)
     rows = []
     for topology, devices, target in PIPELINE_TARGETS:
+        if topologies and topology not in topologies:
+            continue
+        cpu = time.process_time()
         r = plan_pipelined(step, args, topology)
+        cpu = time.process_time() - cpu
         plan, ph, n = r["plan"], r["phases"], r["counts"]
         unpiped = next(c for c in plan.pipeline_choice.choices if c.name == "unpipelined")
         chosen = plan.pipeline.describe() if plan.pipeline is not None else "no pipeline"
@@ -85,7 +90,7 @@ def pipeline_rows(layers: int) -> list[str]:
                      if c.name in ("screened", "bounded", "floored") or c.name.startswith("error")})  # (once each)
         row = (f"| {devices} / `{topology}` | {cands} ({n.get('screened', 0)} screened, {n.get('bounded', 0)} "
                f"bounded, {n.get('floored', 0)} floored) | {ph.get('unpipelined', 0):.1f} | {ph.get('screens', 0):.1f} | {ph.get('finalists', 0):.1f} "
-               f"| {r['total']:.1f} (≤ {target:.0f}) | {chosen}: {plan.cost.step_time * 1e3:.3f} ms (unpipelined "
+               f"| {r['total']:.1f} (≤ {target:.0f}; CPU {cpu:.1f}) | {chosen}: {plan.cost.step_time * 1e3:.3f} ms (unpipelined "
                f"{unpiped.time * 1e3:.3f} ms) |")
         print(row, flush=True)
         rows.append(row)
@@ -156,11 +161,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--pipeline", action="store_true", help="plan with the pipeline dimension on (issue 16)")
+    ap.add_argument("--topology", action="append", help="with --pipeline: only this target (repeatable)")
     args = ap.parse_args()
     if args.pipeline:
-        print("| devices / topology | candidates | unpipelined search | screens | finalists | total (target) | chosen |")
+        print("| devices / topology | candidates | unpipelined search | screens | finalists | total (target; CPU) "
+              "| chosen |")
         print("|---|---|---|---|---|---|---|")
-        pipeline_rows(args.layers)
+        pipeline_rows(args.layers, args.topology)
         print(f"(seconds; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end)")
         return
 

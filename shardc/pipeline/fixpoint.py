@@ -28,6 +28,7 @@ programs are equal with and without it (`tests/pipeline/test_pipeline_fixpoint.p
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -59,11 +60,12 @@ def known_fixpoint(leaves: int) -> Iterator[None]:
 
 
 def _first_call(original: Callable, leaves: int) -> Callable:
-    """`original` (the scan linearization rule), started from the fixpoint on its first call only."""
-    done = [False]
+    """`original` (the scan linearization rule), started from the fixpoint on its first call only, in this
+    thread (another thread's scans are linearized as JAX does)."""
+    done, thread = [False], threading.get_ident()
 
     def rule(is_vjp: bool, nzs: list[bool], *primals: Any, **params: Any) -> Any:
-        if done[0]:
+        if done[0] or threading.get_ident() != thread:
             return original(is_vjp, nzs, *primals, **params)
         done[0] = True
         _RULES[_SCAN] = original  # (scans linearized inside this one are not the loop)
