@@ -69,7 +69,11 @@ def _first_call(original: Callable, leaves: int) -> Callable:
             return original(is_vjp, nzs, *primals, **params)
         done[0] = True
         _RULES[_SCAN] = original  # (scans linearized inside this one are not the loop)
-        return original(is_vjp, _fixpoint(nzs, primals, params, leaves, is_vjp), *primals, **params)
+        try:
+            start = _fixpoint(nzs, primals, params, leaves, is_vjp)
+        except (TypeError, ValueError, AttributeError, IndexError):  # another JAX's internals: JAX's own fixpoint
+            start = nzs
+        return original(is_vjp, start, *primals, **params)
 
     return rule
 
