@@ -56,7 +56,7 @@ class SlotMemory:
     # `until` extends it to where that result is materialised (`MemoryModel._read_end` decides per plan)
     relayouts: dict[int, tuple[int, int]]  # all-gathered key id -> (position, bytes) of its gathered layout before
     # XLA:CPU's relayout copy (`MemoryModel._gathers_of`)
-    late: tuple[bool, ...] = ()  # per operand reshard task: a collective after a local slice (`MemoryModel._late`)
+    late: tuple[bool, ...] = ()  # per task: a reshard of a collective after a local slice (`MemoryModel._late`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -605,7 +605,7 @@ class MemoryModel:
             c, src, _ = keys[dep]
             dst = keys[t.outs[0]][1]
             if gathered_order(src.dims, dst.dims, self.keys.local_shape(c, dst)) is not None:
-                late = i < slot.at and self._late(slot)[i]
+                late = self._late(slot)[i]
                 out[t.outs[0]] = (self._position(slot, i, t.outs[0], late=late), self._bytes(t.outs[0]))
         return out
 
@@ -686,11 +686,12 @@ class MemoryModel:
         fuses into the op reading it (an elementwise-like op in a loop fusion): no buffer of its own."""
         return bool(self.info.loop[slot.op]) and self._local_slice(slot, i)
 
-    def _late(self, slot: Any) -> list[bool]:
-        """Per task of a slot's operand reshards: whether it belongs to a collective reading a local slice (one of
-        this slot's reshard, or a layout another slot made, which this chain resumes from), or to what follows
-        it. XLA:CPU's breadth-first schedule queues such a collective when the slice (a dynamic-slice fusion)
-        runs, so it runs after what became ready with the sliced value, not with it (`_position`)."""
+    def _late(self, slot: Any) -> Sequence[bool]:
+        """Per task of a slot: whether it is one of the operands' reshards that belongs to a collective reading a
+        local slice (one of this slot's reshard, or a layout another slot made, which this chain resumes from), or
+        to what follows it (False for the op's own task and its results' reshards). XLA:CPU's breadth-first
+        schedule queues such a collective when the slice (a dynamic-slice fusion) runs, so it runs after what
+        became ready with the sliced value, not with it (`_position`)."""
         cached = getattr(slot, "memory", None)
         if cached is not None:
             return cached.late
@@ -708,7 +709,7 @@ class MemoryModel:
             if late:
                 sliced.update(t.outs)
             out.append(late)
-        return out
+        return out + [False] * (len(slot.tasks) - len(out))
 
     def _position(self, slot: Any, i: int, kid: int, read: bool = False, late: bool = False) -> int:
         """Where task `i` of a slot reads or makes value key `kid`: with its op (2 * position in the schedule),
@@ -762,7 +763,7 @@ class MemoryModel:
             fused_in = until and (i == slot.at or self._fused_slice(slot, i))
             for d in t.deps:
                 if flags[d]:
-                    pos = self._position(slot, i, d, read=True, late=i < slot.at and late[i])
+                    pos = self._position(slot, i, d, read=True, late=late[i])
                     c = self.keys.key_list[d][0]
                     if i == slot.at and c in copied:  # the dot reads its copy
                         pos = min(pos, self._copy_start(c))
@@ -781,7 +782,7 @@ class MemoryModel:
             for k in t.outs:
                 if flags[k] and k not in out:
                     fused = self._fused_slice(slot, i)
-                    out[k] = (self._position(slot, i, k, late=i < slot.at and late[i]), fused,
+                    out[k] = (self._position(slot, i, k, late=late[i]), fused,
                               tuple(t.deps) if fused else ())
         return out
 

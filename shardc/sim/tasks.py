@@ -560,14 +560,16 @@ class TaskBuilder:
                 state.append((need, sh[c], h is not None and h in keys, done, b))
         made_b = tuple(self.bc_made.get((op_id, k), empty) for k in range(len(op.outputs)))
         mk = (tuple(state), plan.strategies[op_id], tuple([sh[v] for v in op.outputs]), made_b)
+        dropped = None
         if op.primitive in SAME_OPERAND_RULES:  # (which operands are one buffer depends on their makers' slots)
-            mk += (self.dropped(plan, op, keys, needs),)
+            dropped = self.dropped(plan, op, keys, needs)
+            mk += (dropped,)
         memo = self._slot_memo.setdefault(op_id, {})
         slot = memo.get(mk)
         if slot is None:
             if len(memo) >= 6:
                 memo.clear()
-            slot = memo[mk] = self._build_slot(plan, op_id, keys, needs)
+            slot = memo[mk] = self._build_slot(plan, op_id, keys, needs, dropped)
         else:
             for i in slot.made:
                 keys[i] = op_id
@@ -605,7 +607,8 @@ class TaskBuilder:
         return out
 
     def _build_slot(self, plan: Plan, op_id: int, keys: dict[int, int],
-                    needs: Mapping[tuple[int, int], Sharding]) -> Slot:
+                    needs: Mapping[tuple[int, int], Sharding], dropped: tuple[int, ...] | None = None) -> Slot:
+        """(`dropped`: `self.dropped(...)` of this op, when `build_slot`'s memo key computed it already.)"""
         g, info = self.graph, self.info
         op = g.ops[op_id]
         slot = Slot(op_id, [])
@@ -647,7 +650,8 @@ class TaskBuilder:
 
         deps = []
         need_shardings = []
-        dropped = self.dropped(plan, op, keys, needs)
+        if dropped is None:
+            dropped = self.dropped(plan, op, keys, needs)
         for i, v in enumerate(op.inputs):
             need = needs.get((op_id, i), plan.shardings[v])
             need_shardings.append(need)
