@@ -17,7 +17,8 @@ Variants per model, timed round robin in one process (median of `--steps` steps 
 with its defaults and the same `rules`, `in_shardings`, `out_shardings` (the search decides what they leave
 open); `shardc.auto` bare (defaults, no rules or shardings, the state not placed: the search chooses the mesh
 and every layout). Also: the compiled program's collectives (`shardc.cost.hlo.collectives`) and peak memory
-per device (`compiled.memory_analysis()`), and the loss after 3 steps from the same state (equal numerics).
+per device (`compiled.memory_analysis()`), the loss after 3 steps from the same state (equal numerics), and
+`shardc.check` of each shardc plan (its simulated collective bytes, FLOPs and memory against the compiled program).
 
     python -m bench.real_models [--models lm,resnet,scan] [--steps 12] [--write]
 """
@@ -374,13 +375,14 @@ class Row:
     peak_mib: float | None
     loss3: float
     plan: str
+    check: str = "-"  # shardc.check of a shardc plan: its simulation against the compiled program
 
 
 def measure(m: RealModel, steps: int, check_steps: int = 3) -> list[Row]:
     """Loss after `check_steps` steps from the same state, compiled stats, then interleaved step times."""
     vs = variants(m)
     batch = m.batch
-    losses, states, stats = {}, {}, {}
+    losses, states, stats, checks = {}, {}, {}, {}
     for v in vs:
         s = fresh(m, v.placed)
         for _ in range(check_steps):
@@ -391,6 +393,7 @@ def measure(m: RealModel, steps: int, check_steps: int = 3) -> list[Row]:
         if isinstance(v.call, shardc.AutoFunction):
             v.plan = v.call.plan(s, batch)
             v.mesh = v.plan.mesh
+            checks[v.name] = shardc.check(v.plan).summary()
         stats[v.name] = compiled_stats(compiled, list(v.mesh.shape.items()))
     times: dict[str, list[float]] = {v.name: [] for v in vs}
     for _ in range(steps + 2):  # round robin; the first two rounds are warmup
@@ -415,12 +418,14 @@ def measure(m: RealModel, steps: int, check_steps: int = 3) -> list[Row]:
                         1e3 * statistics.median(t), (1e3 * t[len(t) // 4], 1e3 * t[(3 * len(t)) // 4]),
                         sum(c.count for c in st["collectives"]), sum(st["bytes"].values()) / 2**20,
                         None if st["memory"] is None else st["memory"] / 2**20, losses[v.name],
-                        "" if v.plan is None else (f"{chosen.name}" if chosen is not None else "hints")))
+                        "" if v.plan is None else (f"{chosen.name}" if chosen is not None else "hints"),
+                        checks.get(v.name, "-")))
     return rows
 
 
 HEADER = ("| model | variant | mesh | step ms (median, IQR) | vs jax.jit | collectives (count, MiB/device) | "
-          "peak MiB/device | loss after 3 steps | plan |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "peak MiB/device | loss after 3 steps | plan | shardc.check |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
 def table(rows: list[Row]) -> str:
@@ -432,7 +437,7 @@ def table(rows: list[Row]) -> str:
         out.append(f"| {r.model} | {r.variant} | {r.mesh} | {r.median_ms:.1f} ({r.spread_ms[0]:.1f}-{r.spread_ms[1]:.1f}) "
                    f"| {r.median_ms / b.median_ms:.2f}x | {r.collectives}, {r.collective_mib:.2f} | "
                    f"{'n/a' if r.peak_mib is None else f'{r.peak_mib:.1f}'} | {r.loss3:.6f}"
-                   f"{'' if same else ' (differs)'} | {r.plan} |")
+                   f"{'' if same else ' (differs)'} | {r.plan} | {r.check} |")
     return "\n".join(out)
 
 

@@ -18,7 +18,8 @@ on the 8 CPU devices, for each `(fsdp, tensor)` parallelism:
 
 Reported: loss and metrics after 3 steps, the largest parameter difference from `jax.jit` relative to the
 parameter's scale (AdamW turns a rounding-level sign flip of a near-zero gradient into a move of up to 2 lr
-per step), the compiled collectives, the simulated step of each shardc plan, and the step times measured
+per step), the compiled collectives, `shardc.check` of each shardc plan (simulated collective bytes, FLOPs
+and memory against the compiled program), the simulated step of each shardc plan, and the step times measured
 round-robin in one process (median and fastest; ratio to `jax.jit`). The model is `configs/tiny.py`'s
 (4 layers, d 256, 4 heads of 128, one KV head) with a 2048-token vocabulary, 32 x 128 tokens, float32
 activations. Modules the train step does not use (the grain/TF input pipelines, CLU writers, SentencePiece,
@@ -173,6 +174,7 @@ def run_mesh(mods: tuple, par: tuple[int, int], rounds: int, vocab: int = 2048, 
                 plan = f.plan(s["model"], s["optimizer"], s["rngs"], s["batch"], s["metrics"], 0.0, 0)
             row["plan mesh"] = dict(plan.mesh_sizes)
             row["simulated"] = shardc.simulate(plan, shardc.Topology.preset("cpu-host")).step_time
+            row["check"] = shardc.check(plan).summary()  # the plan is what runs: compiled vs simulated
         row["collectives"] = collectives(lowered(f, s).compile().as_text())
         row["times"] = []
         states[name] = s
@@ -199,8 +201,9 @@ def run_mesh(mods: tuple, par: tuple[int, int], rounds: int, vocab: int = 2048, 
 def table(results: list[dict[str, Any]]) -> str:
     lines = ["| mesh (fsdp, tensor) | variant | plan mesh | loss / accuracy after 3 steps | loss rel diff | "
              "max abs param diff (/ lr of step 3) | "
-             "collectives (AR/AG/A2A/CP/RS) | simulated | median step | fastest | vs jax.jit (median, fastest) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "collectives (AR/AG/A2A/CP/RS) | shardc.check | simulated | median step | fastest | "
+             "vs jax.jit (median, fastest) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         base = float(np.median(res["rows"]["jax.jit (authors)"]["times"]))
         base_fast = min(res["rows"]["jax.jit (authors)"]["times"])
@@ -213,7 +216,7 @@ def table(results: list[dict[str, Any]]) -> str:
             med, fast = float(np.median(row["times"])), min(row["times"])
             lines.append(f"| {mesh} | {name} | {plan_mesh or '-'} | {row['loss']:.6f} / {row['accuracy']:.6f} | "
                          f"{row['loss rel diff']:.1e} | {row['max abs diff']:.1e} ({row['diff in lr']:.3f}) | "
-                         f"{counts} | {sim} | "
+                         f"{counts} | {row.get('check', '-')} | {sim} | "
                          f"{med * 1e3:.0f} ms | {fast * 1e3:.0f} ms | {med / base:.2f}x, {fast / base_fast:.2f}x |")
     return "\n".join(lines) + "\n"
 

@@ -109,6 +109,17 @@ class CheckReport:
     def failures(self) -> list[CheckRow]:
         return [r for r in self.rows if not r.ok]
 
+    def summary(self) -> str:
+        """One line for a table: "exact" / "within bounds", or each quantity out of bounds as
+        predicted/compiled (e.g. "all-gather bytes 2.10/3.40 MiB; 1 involuntary remat")."""
+        bad = [f"{r.quantity} {_short(r.predicted, r.quantity)}/{_short(r.compiled, r.quantity)}"
+               for r in self.failures()]
+        if self.involuntary_remats:
+            bad.append(f"{len(self.involuntary_remats)} involuntary remat")
+        if bad:
+            return "; ".join(bad)
+        return "exact" if all(r.error < 5e-4 for r in self.rows) else "within bounds"
+
     def assert_ok(self) -> None:
         if not self.ok:
             raise AssertionError("simulation disagrees with the compiled program:\n" + str(self))
@@ -126,6 +137,10 @@ class CheckReport:
                   for b in body]
         lines += [f"XLA: {w.strip()[:300]}" for w in self.involuntary_remats]
         return "\n".join(lines)
+
+
+def _short(x: float, quantity: str) -> str:
+    return f"{x / 2**20:.2f} MiB" if "bytes" in quantity else f"{x / 1e9:.2f} GFLOP"
 
 
 def _host_topology(platform: str) -> Topology:

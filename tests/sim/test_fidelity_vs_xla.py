@@ -116,6 +116,8 @@ def test_check_on_a_plan_and_a_broken_model(monkeypatch):
     broken = shardc.check(plan)
     assert not broken.ok and [r.quantity for r in broken.failures()] == ["all-gather bytes"]
     assert "MISMATCH" in str(broken)
+    assert report.summary() in ("exact", "within bounds")
+    assert broken.summary().startswith("all-gather bytes 0.00 MiB/") and ";" not in broken.summary()
     with pytest.raises(shardc.ShardingError, match="records the traced program"):
         shardc.check(plan.__class__(plan.graph, plan.mesh, plan.shardings, plan.strategies, plan.reshards,
                                     plan.origins))
