@@ -1111,9 +1111,8 @@ class MemoryModel:
             live = live - reused
         for pos, b in self._shared(pairs, kids).items():
             live[pos] -= b
-        for a, e, b, p in copies:
-            if -1 - p not in kids:
-                live[a:e + 1] += b
+        for a, e, b, p in copies:  # a temporary; placed in an input's allocation, none ( `reused` took it off)
+            live[a:e + 1] += b
         return live
 
     def _set_merged(self, groups: Sequence[Any]) -> None:

@@ -572,6 +572,32 @@ def test_peak_memory_of_copied_donated_weights():
     assert copies and all(start == 0 for start, *_ in copies)
 
 
+class _Split2d(nn.Module):
+    """The zoo MLP (tiny) as the search plans it on data=2, model=2, expert=2."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = split(x, 0, "data")
+        x = nn.relu(nn.Dense(512, kernel_init=kernel((("data", "model"), "expert")))(x))
+        for _ in range(3):
+            x = nn.relu(nn.Dense(512, kernel_init=kernel(("expert", ("data", "model"))))(x))
+        return nn.Dense(128, kernel_init=kernel((("data", "model", "expert"), None)))(x)
+
+
+def test_peak_memory_of_a_copy_placed_in_an_input_copied_before_it():
+    """Of several copied donated weights, XLA puts the copy of each into the allocation of one copied before
+    it (free from that input's copy until its update): that copy is no temporary, and no less either (the
+    model took its bytes off the temporaries a second time: 11.7% under here, the zoo MLP's searched plan
+    10.5%)."""
+    step, args = train_step(_Split2d(), jnp.ones((64, 256)), shardc.make_mesh({"data": 2, "model": 2, "expert": 2}))
+    report = shardc.check(step, *args)
+    row = report.row("peak memory bytes")
+    assert row.ok, f"predicted {row.predicted:,.0f} bytes, XLA {row.compiled:,.0f}"
+    from shardc.cost.memdebug import ModelLive
+
+    assert len(ModelLive(step.plan(*args)).copies) > 1
+
+
 class _Fsdp2(nn.Module):
     @nn.compact
     def __call__(self, x):
