@@ -105,7 +105,7 @@ class Lowering:
         self.sizes = plan.mesh_sizes
         self.reduce_scatter = lowers_reduce_scatter(plan.mesh)
         self.needs: dict[int, dict[int, Sharding]] = {}  # op -> operand index -> the layout it needs
-        for r in plan.reshards:
+        for r in plan.constrained:
             if r.consumer is not None:
                 self.needs.setdefault(r.consumer, {})[r.operand] = r.dst.without_partial()
         self.next_op = 0

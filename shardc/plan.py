@@ -19,6 +19,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 from annotations.errors import ShardingError, SourceLine
 from shardc.cost.collectives import Collective, collectives_time
 from shardc.cost.host_ops import default_estimator, relayout_seconds
+from shardc.cost.dropped import candidates, dead_ops, plan_drops
 from shardc.cost.program import broadcast_dims, gather_relayouts, merged, unread_operands
 from shardc.cost.reshard_path import reshard_steps, sent_bytes
 from shardc.cost.wire import wire_itemsize
@@ -132,6 +133,10 @@ class Plan:
     input_names: tuple[str, ...] = ()
     output_names: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
+    # Reshards the lowering constrains that XLA then removes (`split_unrun`): of operands its simplifier drops
+    # as one buffer with another, and of ops only they read. Not run, not counted; the lowering and the
+    # simulator read the layouts they need (`constrained`).
+    unrun: tuple[Reshard, ...] = ()
     # Set by @shardc.auto: the traced program and donated flat inputs (so shardc.check can compile the
     # plan), and the simulated cost when a topology was given (shardc.simulate's SimResult).
     program: Any = None
@@ -160,6 +165,11 @@ class Plan:
         v = self.graph.values[vid]
         n = int(v.dtype.itemsize) if v.dtype is not None else 4
         return n * math.prod(self.shardings[vid].local_shape(v.shape, self.mesh_sizes))
+
+    @property
+    def constrained(self) -> tuple[Reshard, ...]:
+        """Every reshard the lowering constrains: those that run, then those XLA removes (`unrun`)."""
+        return self.reshards + self.unrun if self.unrun else self.reshards
 
     def total_reshard_bytes(self) -> int:
         return sum(r.bytes for r in self.reshards)
@@ -492,6 +502,26 @@ def _compute_operand_shares(graph: Graph) -> list[tuple[int, ...]]:
     return [tuple(readers[(v, i, classes[op.id])] for i, v in enumerate(op.inputs)) for op in graph.ops]
 
 
+def split_unrun(graph: Graph, shardings: Sequence[Sharding], strategies: Sequence[OpStrategy],
+                reshards: Sequence[Reshard], sizes: Mapping[str, int]) -> tuple[tuple[Reshard, ...], tuple[Reshard, ...]]:
+    """(the reshards that run, those XLA removes): a reshard of an operand XLA's simplifier drops as one buffer
+    with another in this plan, or of an op only such operands read, does not run (`shardc.cost.dropped`)."""
+    if not candidates(graph):
+        return tuple(reshards), ()
+    needs = {(r.consumer, r.operand): r.dst.without_partial() for r in reshards if r.consumer is not None}
+    drops = plan_drops(graph, shardings, strategies, needs, sizes)
+    if not drops:
+        return tuple(reshards), ()
+    dead = dead_ops(graph, drops)
+    run: list[Reshard] = []
+    unrun: list[Reshard] = []
+    for r in reshards:
+        op = r.consumer if r.consumer is not None else graph.values[r.value].producer
+        gone = op in dead or (r.consumer is not None and r.operand in drops.get(r.consumer, ()))
+        (unrun if gone else run).append(r)
+    return tuple(run), tuple(unrun)
+
+
 def _describe_origin(origins: Sequence[Cause | None]) -> str:
     causes = [str(c) for c in dict.fromkeys(c for c in origins if c is not None)]
     return f" (from {'; '.join(causes)})" if causes else ""
@@ -611,8 +641,10 @@ class PlanBuilder:
                 if strat != self.strategies[i]:
                     self.strategies[i] = strat
                 self.reshards[i] = rs
-        return Plan(graph, self.mesh, tuple(self.shardings), tuple(self.strategies),
-                    tuple(r for rs in self.reshards for r in rs), tuple(self.origins), *self.names)
+        run, unrun = split_unrun(graph, self.shardings, self.strategies, [r for rs in self.reshards for r in rs],
+                                 self.sizes)
+        return Plan(graph, self.mesh, tuple(self.shardings), tuple(self.strategies), run, tuple(self.origins),
+                    *self.names, unrun=unrun)
 
     def _op(self, op: Op) -> tuple[OpStrategy, tuple[Reshard, ...]]:
         tensors = op.inputs + op.outputs

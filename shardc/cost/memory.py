@@ -199,8 +199,10 @@ class MemoryModel:
 
     def _dropped(self, op_id: int, kid: int | None = None) -> bool:
         """Whether op `op_id` is one XLA's simplifier replaced by an operand in this plan (`TaskBuilder.dropped`:
-        its own task is a join; `kid`: and it makes that key there): its results are that operand's buffer."""
-        if self.graph.ops[op_id].primitive not in SAME_OPERAND_RULES or not self._slots:
+        its own task is a join; `kid`: and it makes that key there), or by its operands whatever the plan
+        (`ProgramInfo.through`): its results are that operand's buffer."""
+        if (self.graph.ops[op_id].primitive not in SAME_OPERAND_RULES and op_id not in self.info.through) \
+                or not self._slots:
             return False
         slot = self._slots[op_id]
         if slot.at >= len(slot.tasks):
@@ -1109,9 +1111,8 @@ class MemoryModel:
             live = live - reused
         for pos, b in self._shared(pairs, kids).items():
             live[pos] -= b
-        for a, e, b, p in copies:
-            if -1 - p not in kids:
-                live[a:e + 1] += b
+        for a, e, b, p in copies:  # a temporary; placed in an input's allocation, none ( `reused` took it off)
+            live[a:e + 1] += b
         return live
 
     def _set_merged(self, groups: Sequence[Any]) -> None:

@@ -38,8 +38,8 @@ from shardc.cost.estimator import params_key
 from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL
 from shardc.ir.graph import Graph
 
-__all__ = ["ProgramInfo", "program_info", "descendants", "Merged", "merged", "unread_operands", "unread_if_same",
-           "SAME_OPERAND_RULES", "ALIASES", "reads_only_padding",
+__all__ = ["ProgramInfo", "program_info", "descendants", "Merged", "merged", "liveness", "unread_operands", "unread_if_same",
+           "SAME_OPERAND_RULES", "PASS_THROUGH_RULES", "passes_through", "ALIASES", "reads_only_padding",
            "broadcast_dims", "broadcast_transfer", "derived", "fusing_readers",
            "FUSIBLE", "FREE_PRIMITIVES", "PCG_COLLECTIVE"]
 
@@ -134,6 +134,7 @@ class ProgramInfo:
     # values: (runs of their reshards, the value outside the loops they come from); XLA's loop-invariant code
     # motion moves those reshards out of the loop (`_invariant_trips`)
     unread: frozenset[tuple[int, int]] = frozenset()  # (op, operand index) XLA does not read (`unread_operands`)
+    through: frozenset[int] = frozenset()  # ops XLA replaces by their operands (`passes_through`): no work, no buffer
     copies: tuple[tuple[int, ...], ...] = ()  # per op (XLA:CPU): operands its dot decomposition copies (`dot_copies`)
     bitcast: frozenset[int] = frozenset()  # transposes layout assignment makes bitcasts (XLA:GPU: `dot_bitcasts`)
     copy_owner: frozenset[tuple[int, int]] = frozenset()  # (op, operand) whose copy is counted (`last_copies`)
@@ -492,6 +493,16 @@ def _library_fusions(graph: Graph, live: list[bool], canon: list[int], constant:
     return absorbed, members
 
 
+def liveness(graph: Graph, extra: frozenset[tuple[int, int]] = frozenset()) -> tuple[bool, ...]:
+    """Per op: whether XLA's DCE keeps it, with the operands `extra` ((op, operand index): those a plan's
+    simplification drops, `shardc.cost.dropped`) unread besides those XLA's simplifier drops whatever the plan
+    (cached without `extra`)."""
+    cse = merged(graph)
+    if not extra:
+        return graph.analysis("liveness", lambda: tuple(_liveness(graph, cse.canon, cse.duplicate, cse.unread)))
+    return tuple(_liveness(graph, cse.canon, cse.duplicate, cse.unread | extra))
+
+
 def _liveness(graph: Graph, canon: Sequence[int], duplicate: Sequence[bool],
               unread: frozenset[tuple[int, int]]) -> list[bool]:
     """Per op: whether XLA's DCE keeps it (over the CSE-merged program, backwards from the outputs). A loop
@@ -839,14 +850,19 @@ class Merged:
     duplicate: tuple[bool, ...]  # per op: merged into an earlier identical op
     pkeys: tuple[Any, ...]  # per op: its params as a hashable key
     unread: frozenset[tuple[int, int]] = frozenset()  # (op, operand index) XLA's simplifier stops reading
+    through: frozenset[int] = frozenset()  # ops XLA's simplifier replaces by their operands (`passes_through`)
 
 
 def folds_to_constant(graph: Graph, op: Any) -> bool:
     """Whether XLA's simplifier makes `op`'s results constants whatever its operands: argmax/argmin over
     dims of size 1 (the index is 0); `empty`/`empty2` are zeros (a broadcast of a constant, which XLA's
-    partitioner makes in any layout without collectives)."""
+    partitioner makes in any layout without collectives), and so is an iota along a dim of size 1 (its
+    simplifier's `HandleIota`: the sort permutation of a sort along such a dim)."""
     if op.primitive in ("empty", "empty2") and not op.inputs:
         return True
+    if op.primitive == "iota" and not op.inputs:
+        shape = op.params.get("shape", ())
+        return bool(shape) and shape[op.params.get("dimension", 0)] <= 1
     if op.primitive in ("argmax", "argmin") and op.inputs:
         shape = graph.values[op.inputs[0]].shape
         return all(shape[d] == 1 for d in op.params.get("axes", ()))
@@ -858,22 +874,57 @@ def folds_to_constant(graph: Graph, op: Any) -> bool:
 _SAME_VALUE = FREE_PRIMITIVES - _NOT_MERGED | {"tie", "convert_element_type", "copy", "copy_p"}
 
 
+def _sorts_one(graph: Graph, op: Any) -> bool:
+    """A sort along a dim of size 1 (or of no elements) is its operands (`AlgebraicSimplifier::HandleSort`)."""
+    shape = graph.values[op.inputs[0]].shape
+    return not shape or math.prod(shape) == 0 or shape[op.params.get("dimension", len(shape) - 1)] <= 1
+
+
+# Ops XLA's algebraic simplifier replaces by their operands whatever their shardings (result k is operand k's
+# value): per primitive, whether this op is one. Run after SPMD partitioning: the op's reshards run, but it
+# computes nothing, makes no buffer, and what it makes of a constant is that constant.
+PASS_THROUGH_RULES: dict[str, Callable[[Graph, Any], bool]] = {"sort": _sorts_one}
+
+
+def passes_through(graph: Graph, op: Any) -> bool:
+    """Whether XLA's simplifier replaces `op` by its operands (`PASS_THROUGH_RULES`)."""
+    rule = PASS_THROUGH_RULES.get(op.primitive)
+    return rule is not None and len(op.inputs) == len(op.outputs) > 0 and rule(graph, op)
+
+
+def joined_values(graph: Graph) -> frozenset[int]:
+    """Values more than one op writes: a loop's carry (its initial value's tie and the body's new carry) and a
+    branch's result (each branch's tie). No one writer's operand is their value."""
+    def compute() -> frozenset[int]:
+        count = collections.Counter(v for op in graph.ops for v in op.outputs)
+        return frozenset(v for v, n in count.items() if n > 1)
+    return graph.analysis("joined_values", compute)
+
+
 def is_zeros(graph: Graph, v: int) -> bool:
     """Whether value `v` is all zeros at compile time as XLA's simplifier sees it: a broadcast of a literal 0
-    (`zeros_like`, the cotangent of an unused result), through ops that keep their operand's value, and a
-    dynamic_update_slice over its whole operand of such zeros."""
+    (`zeros_like`, the cotangent of an unused result), through ops that keep their operand's value (not into a
+    loop's carry, whose value the body changes: `joined_values`), and a dynamic_update_slice over its whole
+    operand of such zeros."""
+    joined = joined_values(graph)
     for _ in range(64):  # (chains of hints and converts; bounded)
         p = graph.values[v].producer
         if p is None:
             return graph.values[v].literal == 0
+        if v in joined:
+            return False
         op = graph.ops[p]
         if op.primitive == "broadcast_in_dim" and op.inputs:
             return graph.values[op.inputs[0]].literal == 0
+        if op.primitive == "iota":
+            return folds_to_constant(graph, op)  # (zeros along a dim of size 1)
         if op.primitive == "dynamic_update_slice" and len(op.inputs) > 1 \
                 and graph.values[op.inputs[1]].shape == graph.values[op.inputs[0]].shape:
             v = op.inputs[1]
         elif op.primitive in _SAME_VALUE and op.inputs:
             v = op.inputs[0]
+        elif passes_through(graph, op):
+            v = op.inputs[op.outputs.index(v)]
         else:
             return False
     return False
@@ -1081,6 +1132,9 @@ def _merge(graph: Graph) -> Merged:
                 or folds_to_constant(graph, op)) and op.primitive not in _NOT_MERGED:
             for v in op.outputs:
                 constant[v] = True
+        elif passes_through(graph, op):  # (result k is operand k: a constant where that operand is one)
+            for v, u in zip(op.outputs, op.inputs):
+                constant[v] = constant[u]
         if op.primitive in _NOT_MERGED or op.primitive in ("shardc_hint", "sharding_constraint", PCG_COLLECTIVE):
             continue
         lits = tuple((graph.values[v].shape, str(graph.values[v].dtype), graph.values[v].name)
@@ -1094,14 +1148,15 @@ def _merge(graph: Graph) -> Merged:
         for a, b in zip(op.outputs, graph.ops[first].outputs):
             canon[a] = canon[b]
     unread = frozenset((op.id, i) for op in graph.ops for i in unread_operands(graph, op))
-    return Merged(tuple(constant), tuple(canon), tuple(duplicate), pkeys, unread)
+    through = frozenset(op.id for op in graph.ops if passes_through(graph, op))
+    return Merged(tuple(constant), tuple(canon), tuple(duplicate), pkeys, unread, through)
 
 
 def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     nv, no = len(graph.values), len(graph.ops)
     cse = merged(graph)
     constant, canon, duplicate, pkeys = list(cse.constant), cse.canon, cse.duplicate, cse.pkeys
-    live = _liveness(graph, canon, duplicate, cse.unread)
+    live = liveness(graph)
 
     consumers: list[list[int]] = [[] for _ in range(nv)]
     for op in graph.ops:
@@ -1209,7 +1264,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     return ProgramInfo(tuple(live), tuple(constant), tuple(canon), tuple(duplicate), tuple(fused),
                        tuple(trips), tuple(order), pkeys, until, span=_spans(graph, live, order),
                        carried=carried, loop=loop, library=frozenset(library), backend=backend, preset=preset,
-                       eager=backend == "cpu", reshard_trips=reshard_trips, hoisted=hoisted, unread=cse.unread,
+                       eager=backend == "cpu", reshard_trips=reshard_trips, hoisted=hoisted, unread=cse.unread, through=cse.through,
                        post=tuple(_post_order(graph, canon)),
                        copies=copies, copy_owner=last_copies(graph, canon, copies, order), cheap=cheap,
                        bitcast=bitcast, inplace=inplace, out_alias=output_aliases(graph, live, canon, constant),

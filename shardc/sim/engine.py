@@ -338,6 +338,7 @@ class Simulator:
         keys = b.initial_keys(plan)
         needs = self._needs = plan_needs(plan)
         b.set_broadcasts(plan, needs)
+        b.set_drops(plan, needs)
         slots = [b.build_slot(plan, i, keys, needs) for i in range(len(self.graph.ops))]
         b.chain_keys.clear()
         for s in slots:
@@ -370,6 +371,7 @@ class Simulator:
         if diff is None:
             return self.full(plan, donated)
         bc = b.set_broadcasts(plan, needs, diff)  # ops whose chains start from or make broadcasts differently
+        bc = bc | b.set_drops(plan, needs)  # ops whose operands XLA drops, or that it removes, differently
         found = self._affected(diff, bc)
         if found is None:
             return self.full(plan, donated)

@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import re
 from typing import Any, Mapping, Sequence
 
 from shardc.cost.collectives import collective_fixed, collective_phases
+from shardc.cost.dropped import BranchScopes, dead_ops, plan_drops
 from shardc.cost.estimator import OpCostEstimator, OpKey
 from shardc.cost.flops import count_op
 from shardc.cost.host_ops import default_estimator, relayout_seconds
 from shardc.cost.op_collectives import NONE as NO_COLLECTIVES, OP_COLLECTIVES, OwnCollectives, op_collectives
-from shardc.cost.program import (ALIASES, FREE_PRIMITIVES, SAME_OPERAND_RULES, ProgramInfo, broadcast_dims,
-                                 broadcast_transfer, gather_relayouts, moves_no_data, program_info, unread_if_same)
+from shardc.cost.program import (FREE_PRIMITIVES, ProgramInfo, broadcast_dims, broadcast_transfer, gather_relayouts,
+                                 moves_no_data, program_info)
 from shardc.cost.reshard_path import kept_after, reshard_steps
 from shardc.cost.topology import MeshMapping, Topology
 from shardc.cost.wire import wire_itemsize
@@ -51,27 +51,12 @@ def is_static(start: int, end: int, stream: int, dur: int) -> bool:
 # resharded inside it (a branch is a computation of its own: XLA neither shares a reshard with another
 # branch or the code around the cond, nor hoists it out). Keys are interned to ints by the builder.
 Key = tuple[int, Sharding, int]
-HOME, MADE, EXIT = 0, 1, 2
-_BRANCH = re.compile(r"/cond\d+\.\d+")
+HOME, MADE, EXIT = 0, 1, 2  # (HOME as `shardc.cost.dropped.HOME`)
 
 
 def reads_after_loop(op: Any) -> bool:
     """Whether `op` is a loop's exit tie: it reads the loop's carry as the loop leaves it."""
     return op.primitive == "tie" and op.params.get("at") == "out"
-
-
-class BranchScopes:
-    """Per op, the innermost cond branch it runs in, as a key origin (3 + the branch's index; HOME outside
-    every branch), and per value, the branch its producer runs in."""
-
-    def __init__(self, graph: Any) -> None:
-        index: dict[str, int] = {}
-        self.op_scope: list[int] = []
-        for op in graph.ops:
-            found = list(_BRANCH.finditer(op.region))
-            scope = op.region[:found[-1].end()] if found else ""
-            self.op_scope.append(HOME if not scope else 3 + index.setdefault(scope, len(index)))
-        self.value_scope = [self.op_scope[v.producer] if v.producer is not None else HOME for v in graph.values]
 
 
 @dataclasses.dataclass(slots=True)
@@ -168,6 +153,10 @@ class TaskBuilder:
         self._slot_memo: dict[int, dict[tuple, Slot]] = {}
         self._canon_in: list | None = None
         self._scopes: BranchScopes | None = None
+        # Of the current plan: per op, the operands XLA's simplifier drops as one buffer with another, and the
+        # ops only they read (`shardc.cost.dropped`; `set_drops`)
+        self.drops: dict[int, tuple[int, ...]] = {}
+        self.dead: frozenset[int] = frozenset()
         self._plan_class: list[int] | None = None
         self._made_memo: dict[tuple, tuple[Sharding, ...]] = {}
         self._layout_memo: dict[Sharding, Sharding] = {}
@@ -537,6 +526,8 @@ class TaskBuilder:
         layouts, which of those keys earlier slots made already, the op's strategy and its results'
         layouts. A search goes back and forth between a few states, so most rebuilt slots are found here
         (the few last states of each op are kept; sealed slots are never modified)."""
+        if op_id in self.dead:  # (removed by XLA's DCE in this plan: no tasks, no keys)
+            return Slot(op_id, []).seal()
         canon_in = self._canon_in[op_id] if self._canon_in is not None else self._canon_inputs()[op_id]
         if canon_in is None:
             return self._build_slot(plan, op_id, keys, needs)
@@ -560,9 +551,8 @@ class TaskBuilder:
                 state.append((need, sh[c], h is not None and h in keys, done, b))
         made_b = tuple(self.bc_made.get((op_id, k), empty) for k in range(len(op.outputs)))
         mk = (tuple(state), plan.strategies[op_id], tuple([sh[v] for v in op.outputs]), made_b)
-        dropped = None
-        if op.primitive in SAME_OPERAND_RULES:  # (which operands are one buffer depends on their makers' slots)
-            dropped = self.dropped(plan, op, keys, needs)
+        dropped = self.drops.get(op_id, ())
+        if dropped:
             mk += (dropped,)
         memo = self._slot_memo.setdefault(op_id, {})
         slot = memo.get(mk)
@@ -608,7 +598,7 @@ class TaskBuilder:
 
     def _build_slot(self, plan: Plan, op_id: int, keys: dict[int, int],
                     needs: Mapping[tuple[int, int], Sharding], dropped: tuple[int, ...] | None = None) -> Slot:
-        """(`dropped`: `self.dropped(...)` of this op, when `build_slot`'s memo key computed it already.)"""
+        """(`dropped`: the operands XLA drops, `drops`, when `build_slot` looked them up already.)"""
         g, info = self.graph, self.info
         op = g.ops[op_id]
         slot = Slot(op_id, [])
@@ -651,7 +641,7 @@ class TaskBuilder:
         deps = []
         need_shardings = []
         if dropped is None:
-            dropped = self.dropped(plan, op, keys, needs)
+            dropped = self.drops.get(op_id, ())
         for i, v in enumerate(op.inputs):
             need = needs.get((op_id, i), plan.shardings[v])
             need_shardings.append(need)
@@ -663,7 +653,7 @@ class TaskBuilder:
         outs = tuple(kid(k) for k in out_keys)
         free = (op.primitive in FREE_PRIMITIVES or all(info.constant[self.canon(v)] for v in op.outputs)
                 or op_id in info.bitcast and self._reads_dot_as_made(plan, op, need_shardings[0])
-                or bool(dropped))  # (XLA replaced the op by the operand it still reads)
+                or bool(dropped) or op_id in info.through)  # (XLA replaced the op by the operands it reads)
         own = NO_COLLECTIVES if free else self._own_collectives(plan, op, need_shardings)
         if own.before:  # the op's own collectives on its operands (shardc.cost.op_collectives)
             deps = list(self.collective_tasks(slot, own.before, tuple(deps), self.canon(op.inputs[0]), op.inputs[0],
@@ -701,42 +691,15 @@ class TaskBuilder:
         slot.made = tuple(made_keys)
         return slot.seal()
 
-    def dropped(self, plan: Plan, op: Any, keys: Mapping[int, int],
-                needs: Mapping[tuple[int, int], Sharding]) -> tuple[int, ...]:
-        """The operands of `op` XLA's simplifier drops in this plan because others are one buffer with them
-        (`SAME_OPERAND_RULES`): two operands are one buffer when they are read as one key, or as keys a chain
-        of hints makes of one key in the layouts the hints make (`buffer`). The op is then the operand left."""
-        if op.primitive not in SAME_OPERAND_RULES:
-            return ()
-        sh, canon = plan.shardings, self.info.canon
-        bufs = []
-        for i, v in enumerate(op.inputs):
-            c = canon[v]
-            need = needs.get((op.id, i), sh[v])
-            k = self.kid((c, need, self.read_origin(op, c, need, sh[c])))
-            bufs.append(self.buffer(plan, k, keys, needs))
-        return unread_if_same(op, lambda i, j: bufs[i] == bufs[j])
-
-    def buffer(self, plan: Plan, k: int, keys: Mapping[int, int], needs: Mapping[tuple[int, int], Sharding]) -> int:
-        """The key whose buffer key `k` is: itself, or, when a hint (a sharding constraint, a name, a
-        stop_gradient: `ALIASES`, no instruction after partitioning) made it by its own join in the layout it
-        reads its operand in, that operand's key's buffer. Only keys made already (`keys`) resolve."""
-        sh, canon, graph = plan.shardings, self.info.canon, self.graph
-        for _ in range(64):  # (chains of hints; bounded)
-            if k not in keys:
-                return k
-            c, s, origin = self.key_list[k]
-            p = graph.values[c].producer
-            if p is None or keys[k] != p or origin != HOME or graph.ops[p].primitive not in ALIASES:
-                return k
-            op = graph.ops[p]
-            made = self.layout(self._made_layouts(op, plan.strategies[p])[0])
-            u = op.inputs[0]
-            need = needs.get((p, 0), sh[u])
-            if s != made or self.layout(need) != made or self.layout(sh[c]) != made:
-                return k
-            k = self.kid((canon[u], need, self.read_origin(op, canon[u], need, sh[canon[u]])))
-        return k
+    def set_drops(self, plan: Plan, needs: Mapping[tuple[int, int], Sharding]) -> set[int]:
+        """Take the operands XLA's simplifier drops in `plan` and the ops only they read (`drops`, `dead`);
+        returns the ops whose drops or deadness differ from the previous plan's."""
+        drops = plan_drops(self.graph, plan.shardings, plan.strategies, needs, self.mesh)
+        dead = dead_ops(self.graph, drops)
+        changed = {i for i in drops.keys() | self.drops.keys() if drops.get(i) != self.drops.get(i)}
+        changed |= dead ^ self.dead
+        self.drops, self.dead = drops, dead
+        return changed
 
     def _own_collectives(self, plan: Plan, op: Any, needs: Sequence[Sharding]) -> OwnCollectives:
         """The collectives `op` makes by itself (`shardc.cost.op_collectives`) with its operands as it reads
@@ -815,4 +778,4 @@ class TaskBuilder:
 def plan_needs(plan: Plan) -> dict[tuple[int, int], Sharding]:
     """(consumer op, operand index) -> the layout the consumer needs it in, from the plan's reshards (as
     lowered)."""
-    return {(r.consumer, r.operand): r.dst.without_partial() for r in plan.reshards if r.consumer is not None}
+    return {(r.consumer, r.operand): r.dst.without_partial() for r in plan.constrained if r.consumer is not None}

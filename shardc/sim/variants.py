@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from shardc.plan import OpStrategy, Plan, Reshard, lowers_backend, lowers_reduce_scatter, op_reshard_specs
+from shardc.plan import (OpStrategy, Plan, Reshard, lowers_backend, lowers_reduce_scatter, op_reshard_specs,
+                         split_unrun)
 from shardc.rules.core import FactorKind
 from shardc.sharding import Sharding
 
@@ -34,12 +35,14 @@ def _op_reshards(plan: Plan, op_id: int, strategies: Sequence[OpStrategy],
 
 
 def _rebuild(plan: Plan, ops: set[int], strategies: list[OpStrategy], shardings: list[Sharding]) -> Plan:
-    kept = [r for r in plan.reshards
+    kept = [r for r in plan.constrained
             if not ((r.consumer is not None and r.consumer in ops) or
                     (r.consumer is None and plan.graph.values[r.value].producer in ops))]
     for i in sorted(ops):
         kept.extend(_op_reshards(plan, i, strategies, shardings))
-    return dataclasses.replace(plan, shardings=tuple(shardings), strategies=tuple(strategies), reshards=tuple(kept))
+    run, unrun = split_unrun(plan.graph, shardings, strategies, kept, plan.mesh_sizes)
+    return dataclasses.replace(plan, shardings=tuple(shardings), strategies=tuple(strategies), reshards=run,
+                               unrun=unrun)
 
 
 def with_strategy(plan: Plan, op_id: int, factor_axes: Sequence[Sequence[str]]) -> Plan:

@@ -75,6 +75,13 @@ Fixed in shardc so that the compiled program's collectives are the plan's, kind 
   than the init's and the body's) and all-gathered it for the body in every iteration. The lowering now
   constrains a loop's final carry to the loop state's planned layout before resharding it
   (`lower_regions._leave`).
+* a sort along a dim of size 1 is its operands, and the iota its gradient sorts along with it (along that dim)
+  is zeros (XLA's simplifier, after partitioning): the sort's permutation is a constant, and its all-gather
+  the plan listed does not run (`PASS_THROUGH_RULES`, `folds_to_constant`).
+* a loop's carry whose initial value is zeros (the cotangent a backward scan carries) was taken for zeros
+  (`is_zeros` followed the carry's first tie), so the scatter-add of sort's gradient into it was taken for
+  its (constant) operand, computed whole and all-gathered by XLA; a value several ties write (a carry, a
+  branch result) is no one writer's operand (`joined_values`).
 
 Fixed in the oracle:
 * a chain of contractions grew gradients to ~1.6e3 where float32 rounding of the (differently ordered)
@@ -620,6 +627,19 @@ SELECT_OF_A_HINT_AND_ITSELF = Program(mesh=(("x", 2), ("y", 4)), steps=(  # seed
     Step(kind="where", args=(1, 0), attrs=(), shape=(12, 8)),  # where(h > 0.1, h, x), h = hint(x): in h's layout
 ), outputs=(2,))                                                # both cases are the hint's reshard of x
 
+SORT_ALONG_A_DIM_OF_ONE = Program(mesh=(("x", 1), ("y", 8)), steps=(  # seed 107002, shrunk by hand
+    Step(kind="input", args=(), attrs=(), shape=(1, 5, 8)),
+    Step(kind="hint", args=(0,), attrs=(("how", "shard"), ("spec", ("?", "?", ("y", "x")))), shape=(1, 5, 8)),
+    Step(kind="sort", args=(1,), attrs=(("dim", 0),), shape=(1, 5, 8)),  # its gradient's permutation is a
+), outputs=(2,))                                                          # constant (an iota along a dim of 1)
+
+ZEROS_CARRIED_THROUGH_A_LOOP = Program(mesh=(("x", 4), ("y", 2)), steps=(  # seed 107004, shrunk by hand
+    Step(kind="input", args=(), attrs=(), shape=(4, 8)),
+    Step(kind="sort", args=(0,), attrs=(("dim", 0),), shape=(4, 8)),  # its gradient scatters the cotangent the
+    Step(kind="input", args=(), attrs=(), shape=(4, 4, 8)),           # backward loop carries from zeros: not
+    Step(kind="scan", args=(1, 2), attrs=(("inner", (None, ("x", "y"))),), shape=(4, 4, 8)),  # zeros
+), outputs=(3,))
+
 
 @pytest.mark.parametrize("prog", [COND_INDEX, DEAD_LOOP, UPDATE_SLICE_SPLIT_DIM, UPDATE_ONE_ROW_OF_SPLIT_DIM,
                                   SCANNED_ARRAY_RESHARD, SCAN_FINAL_CARRY, SUM_OVER_TWO_SPLIT_DIMS,
@@ -633,7 +653,8 @@ SELECT_OF_A_HINT_AND_ITSELF = Program(mesh=(("x", 2), ("y", 4)), steps=(  # seed
                                   CARRY_SPLIT_AFTER_THE_LOOP, ARGMAX_OF_ONE_SPLIT_TWO_WAYS, ARGMAX_OVER_A_SIZE_ONE_AXIS,
                                   RESHARD_THROUGH_A_CACHED_LAYOUT, SPLIT_OF_A_BROADCAST, SLICE_OF_THE_PADDING,
                                   DYNAMIC_SLICE_AFTER_THE_PADDED, LOOP_STATE_RESHARDED_IN_THE_BODY,
-                                  BRANCHES_RESHARD_ONE_OPERAND, SORTED_THEN_OVERWRITTEN, SELECT_OF_A_HINT_AND_ITSELF],
+                                  BRANCHES_RESHARD_ONE_OPERAND, SORTED_THEN_OVERWRITTEN, SELECT_OF_A_HINT_AND_ITSELF,
+                                  SORT_ALONG_A_DIM_OF_ONE, ZEROS_CARRIED_THROUGH_A_LOOP],
                          ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
                               "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
                               "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
@@ -648,7 +669,8 @@ SELECT_OF_A_HINT_AND_ITSELF = Program(mesh=(("x", 2), ("y", 4)), steps=(  # seed
                               "reshard_through_a_cached_layout", "split_of_a_broadcast", "slice_of_the_padding",
                               "dynamic_slice_after_the_padded", "loop_state_resharded_in_the_body",
                               "branches_reshard_one_operand", "sorted_then_overwritten",
-                              "select_of_a_hint_and_itself"])
+                              "select_of_a_hint_and_itself", "sort_along_a_dim_of_one",
+                              "zeros_carried_through_a_loop"])
 def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
 

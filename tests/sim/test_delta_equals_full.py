@@ -259,3 +259,32 @@ def test_a_kept_task_whose_input_is_ready_earlier_is_checked_against_the_idle_in
     opened = [(0, 10, 200, ()), (0, 30, 210, (0,))]
     assert _moves_earlier(_tail_state(opened, [], 150, 40), 1, 1, 210, 0, from_j)
     assert not _moves_earlier(_tail_state(opened, [], 150, 190), 1, 1, 210, 0, from_j)
+
+
+def test_delta_follows_a_select_that_a_plan_drops():
+    """`where(x > 0.1, h, x)` (h a hint of x) is dropped by XLA in the plans that compute it in h's layout, and
+    its predicate and the comparison making it with it (`shardc.cost.dropped`): through layouts of the hint, the
+    select and the predicate that drop it and keep it, the delta gives what a full simulation gives."""
+    mesh = shardc.make_mesh({"x": 2, "y": 4})
+
+    def step(x):
+        x = split(x, 0, "x")
+        return jnp.tanh(jnp.where(x > 0.1, split(x, 1, ("x", "y")), x)) * 2.0
+
+    plan = shardc.auto(step, mesh=mesh, search=False).plan(jnp.ones((64, 32)))
+    g = plan.graph
+    select = next(op for op in g.ops if op.primitive == "select_n")
+    hint = next(op for op in g.ops if op.primitive == "shardc_hint" and op.outputs[0] in select.inputs)
+    incremental = simulator_for(plan, "cpu-host")
+    incremental.full(plan)
+    assert incremental.builder.dead  # (the predicate's comparison, in the hinted plan)
+    layouts = [Sharding((("x",), ())), Sharding(((), ("x", "y"))), Sharding(((), ()))]
+    steps = [(v, s) for v in (select.outputs[0], select.inputs[0], hint.outputs[0]) for s in layouts]
+    steps += [(select.id, s) for s in legal_strategies(plan, select.id)[:4]]
+    seen = set()
+    for target, choice in steps + steps[::-1]:
+        plan = with_sharding(plan, target, choice) if isinstance(choice, Sharding) else \
+            with_strategy(plan, target, choice)
+        assert same(incremental.delta(plan), simulator_for(plan, "cpu-host").full(plan)), (target, choice)
+        seen.add(bool(incremental.builder.dead))
+    assert seen == {True, False}

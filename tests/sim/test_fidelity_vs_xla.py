@@ -574,6 +574,32 @@ def test_peak_memory_of_copied_donated_weights():
     assert copies and all(start == 0 for start, *_ in copies)
 
 
+class _Split2d(nn.Module):
+    """The zoo MLP (tiny) as the search plans it on data=2, model=2, expert=2."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = split(x, 0, "data")
+        x = nn.relu(nn.Dense(512, kernel_init=kernel((("data", "model"), "expert")))(x))
+        for _ in range(3):
+            x = nn.relu(nn.Dense(512, kernel_init=kernel(("expert", ("data", "model"))))(x))
+        return nn.Dense(128, kernel_init=kernel((("data", "model", "expert"), None)))(x)
+
+
+def test_peak_memory_of_a_copy_placed_in_an_input_copied_before_it():
+    """Of several copied donated weights, XLA puts the copy of each into the allocation of one copied before
+    it (free from that input's copy until its update): that copy is no temporary, and no less either (the
+    model took its bytes off the temporaries a second time: 11.7% under here, the zoo MLP's searched plan
+    10.5%)."""
+    step, args = train_step(_Split2d(), jnp.ones((64, 256)), shardc.make_mesh({"data": 2, "model": 2, "expert": 2}))
+    report = shardc.check(step, *args)
+    row = report.row("peak memory bytes")
+    assert row.ok, f"predicted {row.predicted:,.0f} bytes, XLA {row.compiled:,.0f}"
+    from shardc.cost.memdebug import ModelLive
+
+    assert len(ModelLive(step.plan(*args)).copies) > 1
+
+
 class _Fsdp2(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -646,5 +672,41 @@ def test_an_op_of_a_hint_and_itself_is_that_operand(combine):
         if row.quantity.endswith(" bytes") and row.quantity != "peak memory bytes":
             assert row.predicted == row.compiled, (row.quantity, row.predicted, row.compiled)
     assert report.row("all-to-all bytes").compiled > 0
-    if combine == "max":  # (the predicate of `where` is still computed in the plan: it is not dead per plan)
-        assert report.row("FLOPs").ok, report
+    assert report.row("FLOPs").ok, report  # (`where`: its predicate is dead, below)
+
+
+def test_a_predicate_read_only_by_a_dropped_select_is_dead():
+    """`where(x > 0.1, h, x)` in `h`'s layout is the hint's reshard of `x` (the case above): its predicate,
+    which nothing else reads, is dead in the compiled program. Neither its comparison (the simulation
+    counted twice the compiled FLOPs) nor its reshard to the select's layout (which the plan listed) runs:
+    the plan's reshards make the compiled collectives, kind by kind."""
+    mesh = shardc.make_mesh({"x": 2, "y": 4})
+
+    def step(x):
+        x = split(x, 0, "x")
+        return jnp.where(x > 0.1, split(x, 1, ("x", "y")), x) * 2.0
+
+    auto = shardc.auto(step, mesh=mesh, search=False)
+    x = jnp.ones((512, 256))
+    report = shardc.check(auto, x)
+    assert report.row("FLOPs").compiled > 0 and report.row("FLOPs").ok, report
+    planned: dict[str, int] = {}
+    for r in auto.plan(x).reshards:
+        for c in r.collectives:
+            planned[c.kind] = planned.get(c.kind, 0) + c.bytes
+    compiled = {row.quantity[:-len(" bytes")]: row.compiled for row in report.rows
+                if row.quantity.endswith(" bytes") and row.quantity != "peak memory bytes" and row.compiled}
+    assert compiled and planned == compiled, (planned, compiled)
+
+
+def test_a_sort_along_a_dim_of_one_is_its_operand():
+    """XLA's simplifier replaces a sort along a dim of size 1 by its operand (after partitioning): the compiled
+    program has no sort, so no sort FLOPs (the plan counted n log2 n, 9x the multiply's here)."""
+    mesh = shardc.make_mesh({"x": 8})
+
+    def step(x):
+        return jnp.sort(split(x, 0, "x") * 3.0, axis=1)
+
+    report = shardc.check(shardc.auto(step, mesh=mesh, search=False), jnp.ones((4096, 1)))
+    flops = report.row("FLOPs")
+    assert flops.compiled > 0 and flops.ok, report
