@@ -21,6 +21,7 @@ TINY = [
     "--corpus", "synthetic", "--synthetic-size", "1500", "--model", "tiny", "--vocab-size", "400",
     "--max-len", "24", "--buckets", "24", "--batch-tokens", "768", "--warmup", "2",
     "--quiet", "--no-plot", "--mesh", "data=2,expert=4",
+    "--dropout", "0.1",  # not the default: bit-for-bit resume must hold with the dropout RNG drawing too
 ]
 # two sequence buckets: two batch shapes, so two programs planned (and kept in OUT/plan.json) in one run; a
 # small search budget (the report still lists every baseline: they are scored before the search proper)
