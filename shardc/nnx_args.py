@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import Any, Callable
 
 import jax
@@ -30,10 +31,10 @@ __all__ = ["NnxCall", "split_call"]
 
 
 def _is_graph_node(x: Any) -> bool:
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover - flax is a dependency, but keep plain JAX working
+    if "flax.nnx" not in sys.modules:  # no NNX object exists before flax.nnx is imported (importing it costs ~1 s)
         return False
+    from flax import nnx
+
     return nnx.graph.is_graph_node(x) and not isinstance(x, nnx.Variable)
 
 

@@ -92,6 +92,7 @@ class MemoryModel:
         self._range_of: dict[int, tuple] = {}  # key id -> its range there
         self._sorted_ranges: list[tuple] = []
         self._dirty: set[int] = set()  # key ids `_set` recomputed since
+        self._vbytes: dict[int, int] = {}  # key id -> `_value_bytes`
         self.mesh = dict(mesh)
         self.keys = keys
         self.n = len(graph.ops)
@@ -272,11 +273,16 @@ class MemoryModel:
         return False
 
     def _value_bytes(self, kid: int) -> int:
-        """Local bytes of key `kid`'s value in its layout, fused or not."""
-        c, s, _ = self.keys.key_list[kid]
-        v = self.graph.values[c]
-        item = int(v.dtype.itemsize) if v.dtype is not None else 4
-        return item * math.prod(-(-d // math.prod(self.mesh[a] for a in axes)) for d, axes in zip(v.shape, s.dims))
+        """Local bytes of key `kid`'s value in its layout, fused or not (memoised: a key id names one value and
+        layout for good)."""
+        n = self._vbytes.get(kid)
+        if n is None:
+            c, s, _ = self.keys.key_list[kid]
+            v = self.graph.values[c]
+            item = int(v.dtype.itemsize) if v.dtype is not None else 4
+            n = self._vbytes[kid] = item * math.prod(-(-d // math.prod(self.mesh[a] for a in axes))
+                                                     for d, axes in zip(v.shape, s.dims))
+        return n
 
     def _sliced_last(self, kid: int, end: int) -> bool:
         """Whether every read of key `kid` at position `end` is a local slice of its own (a dynamic-slice fusion,
@@ -397,15 +403,24 @@ class MemoryModel:
 
     def _walked(self) -> dict[int, tuple[int, ...]]:
         """Value -> the ops whose reads `_read_end` decides by walking through it (`_fused_end`): a change in the
-        layouts of the value, or in who reads them, moves where those reads end. Plan-independent."""
+        layouts of the value, or in who reads them, moves where those reads end. Plan- and mesh-independent: computed
+        once per graph and ProgramInfo (the simulators of a search's meshes share it)."""
         if self._walks is None:
-            info, out = self.info, {}
-            for op in self.graph.ops:
-                for c, _ in info.until[op.id] if info.until else ():
-                    for v in self._fused_tree(op.id, c):
-                        out.setdefault(v, set()).add(op.id)
-            self._walks = {v: tuple(sorted(ops)) for v, ops in out.items()}
+            cache = self.graph.analysis("memory_walks", dict)  # id(info) -> (info, walks); the entry keeps info alive
+            hit = cache.get(id(self.info))
+            if hit is None or hit[0] is not self.info:
+                hit = cache[id(self.info)] = (self.info, self._walks_of())
+            self._walks = hit[1]
         return self._walks
+
+    def _walks_of(self) -> dict[int, tuple[int, ...]]:
+        """`_walked`'s table, computed."""
+        info, out = self.info, {}
+        for op in self.graph.ops:
+            for c, _ in info.until[op.id] if info.until else ():
+                for v in self._fused_tree(op.id, c):
+                    out.setdefault(v, set()).add(op.id)
+        return {v: tuple(sorted(ops)) for v, ops in out.items()}
 
     def _fused_tree(self, op_id: int, c: int) -> set[int]:
         """The values `_fused_end(op_id, c)` may visit."""

@@ -190,6 +190,7 @@ def build_space(graph: Graph, mesh: Mapping[str, int], user_seeds: Sequence[Seed
         for d, ax in enumerate(s.dims):
             if ax is not None:
                 pinned[(s.value, d)] = tuple(ax)
+    pins = _pins_by_value(pinned)
     by_sig: dict[str, list[int]] = {}
     for op in graph.ops:
         if op.primitive in DECISION_PRIMITIVES and op.rule.num_factors:
@@ -198,7 +199,7 @@ def build_space(graph: Graph, mesh: Mapping[str, int], user_seeds: Sequence[Seed
     for sig, members in by_sig.items():
         op = graph.ops[members[0]]
         choices = [c for c in _assignments(op.rule.sizes, mesh, names)
-                   if _op_choice_ok(graph, [graph.ops[m] for m in members], c, pinned, mesh)]
+                   if _op_choice_ok(graph, [graph.ops[m] for m in members], c, pins, mesh)]
         if len(choices) > 1:
             groups.append(Group("op", tuple(members), sig, tuple(choices[:max_choices])))
     if inputs:
@@ -211,32 +212,47 @@ def build_space(graph: Graph, mesh: Mapping[str, int], user_seeds: Sequence[Seed
         for sig, members in by_isig.items():
             v = graph.values[members[0]]
             choices = [c for c in _assignments(v.shape, mesh, names)
-                       if all(_dims_ok(m, c, pinned) for m in members)]
+                       if all(_dims_ok(m, c, pins) for m in members)]
             if len(choices) > 1:
                 groups.append(Group("input", tuple(members), sig, tuple(choices[:max_choices])))
     return Space(graph, mesh, tuple(groups), frozenset(pinned))
 
 
-def _dims_ok(vid: int, dims: Sequence[Axes], pinned: Mapping[tuple[int, int], Axes]) -> bool:
+Pins = Mapping[int, tuple[Mapping[int, Axes], frozenset[str]]]
+
+
+def _pins_by_value(pinned: Mapping[tuple[int, int], Axes]) -> Pins:
+    """The user's pinned dims grouped by value: value -> ({dim: axes}, every axis pinned on the value)."""
+    dims: dict[int, dict[int, Axes]] = {}
+    for (v, d), ax in pinned.items():
+        dims.setdefault(v, {})[d] = ax
+    return {v: (ds, frozenset(a for ax in ds.values() for a in ax)) for v, ds in dims.items()}
+
+
+def _dims_ok(vid: int, dims: Sequence[Axes], pins: Pins) -> bool:
     """A choice of dims for a value: pinned dims must match; pinned axes are not reused on other dims."""
-    used = {a for (v, d), ax in pinned.items() if v == vid for a in ax}
+    pv = pins.get(vid)
+    if pv is None:
+        return True
+    pinned, used = pv
     for d, ax in enumerate(dims):
-        p = pinned.get((vid, d))
+        p = pinned.get(d)
         if p is not None:
             if ax != p:
                 return False
-        elif used & set(ax):
+        elif not used.isdisjoint(ax):
             return False
     return True
 
 
-def _op_choice_ok(graph: Graph, ops, choice, pinned, mesh) -> bool:
+def _op_choice_ok(graph: Graph, ops, choice, pins: Pins, mesh) -> bool:
     for op in ops:
         st = OpStrategy(choice)
         for v, dims in zip(op.inputs + op.outputs, op.rule.operands + op.rule.results):
-            if any((v, d) in pinned for d in range(len(dims))):
+            pv = pins.get(v)
+            if pv is not None and any(d < len(dims) for d in pv[0]):
                 sh = st.tensor_sharding(op.rule, dims, mesh)
-                if not _dims_ok(v, sh.dims, pinned):
+                if not _dims_ok(v, sh.dims, pins):
                     return False
     return True
 

@@ -160,6 +160,7 @@ class TaskBuilder:
         self._plan_class: list[int] | None = None
         self._made_memo: dict[tuple, tuple[Sharding, ...]] = {}
         self._layout_memo: dict[Sharding, Sharding] = {}
+        self._unit_axes = frozenset(a for a, n in self.mesh.items() if n == 1)  # (none: `layout` is the identity)
         self.key_of: dict[Any, int] = {}
         self._input_keys: dict[int, tuple[Sharding, int]] = {}  # input value -> (sharding, its key id)
         self.key_list: list[Any] = []
@@ -208,16 +209,19 @@ class TaskBuilder:
     def layout(self, s: Sharding) -> Sharding:
         """`s` without the mesh axes of size 1: one layout, however many such axes name it ([y+x] and [x],
         [y] and [-] with y of size 1 are the same HloSharding: XLA makes it once)."""
+        one = self._unit_axes
+        if not one:
+            return s
         hit = self._layout_memo.get(s)
         if hit is None:
-            one = {a for a, n in self.mesh.items() if n == 1}
-            hit = s if not one else Sharding(tuple(tuple(a for a in d if a not in one) for d in s.dims),
-                                             frozenset(s.partial - one))
+            hit = Sharding(tuple(tuple(a for a in d if a not in one) for d in s.dims), frozenset(s.partial - one))
             self._layout_memo[s] = hit
         return hit
 
     def vkey(self, key: Key) -> Key:
         """A value key with its layout as `layout` gives it."""
+        if not self._unit_axes and type(key) is tuple:
+            return key
         return (key[0], self.layout(key[1]), key[2])
 
     def initial_keys(self, plan: Plan) -> dict[int, int]:
@@ -443,7 +447,7 @@ class TaskBuilder:
     def read_origin(self, op: Any, c: int, need: Sharding, planned: Sharding) -> int:
         """The origin of the key `op` reads canonical value `c` from at layout `need` (`Key`): HOME unless
         the read reshards it after a loop (EXIT) or inside a cond branch it was not made in."""
-        if need == planned:
+        if need is planned or need == planned:
             return HOME
         if reads_after_loop(op):
             return EXIT
@@ -586,15 +590,20 @@ class TaskBuilder:
 
     def _canon_inputs(self) -> list:
         """Per op: its operands' canonical values, or None when the slot is not memoised (a dead op, an io
-        tie, or two operands with one canonical value, whose keys interact within the slot)."""
-        info, out = self.info, []
-        for op in self.graph.ops:
-            cs = tuple(info.canon[v] for v in op.inputs)
-            ok = info.live[op.id] and not (op.primitive == "tie" and op.region == "io") and len(set(cs)) == len(cs) \
-                and not any((op.id, i) in info.unread for i in range(len(op.inputs)))
-            out.append(cs if ok else None)
-        self._canon_in = out
-        return out
+        tie, or two operands with one canonical value, whose keys interact within the slot). Mesh-independent:
+        computed once per graph and ProgramInfo (the builders of a search's meshes share it)."""
+        cache = self.graph.analysis("canon_inputs", dict)  # id(info) -> (info, table); the entry keeps info alive
+        hit = cache.get(id(self.info))
+        if hit is None or hit[0] is not self.info:
+            info, out = self.info, []
+            for op in self.graph.ops:
+                cs = tuple(info.canon[v] for v in op.inputs)
+                ok = info.live[op.id] and not (op.primitive == "tie" and op.region == "io") \
+                    and len(set(cs)) == len(cs) and not any((op.id, i) in info.unread for i in range(len(op.inputs)))
+                out.append(cs if ok else None)
+            hit = cache[id(self.info)] = (self.info, out)
+        self._canon_in = hit[1]
+        return hit[1]
 
     def _build_slot(self, plan: Plan, op_id: int, keys: dict[int, int],
                     needs: Mapping[tuple[int, int], Sharding], dropped: tuple[int, ...] | None = None) -> Slot:
@@ -679,12 +688,14 @@ class TaskBuilder:
             slot.xla_flops += int(round(count.flops))
         for k in out_keys:
             made(k)
-        groups = plan.strategies[op_id].partial_groups(op.rule)
+        groups = None  # (the strategy's partial groups: only a result resharded needs them)
         for n, (v, k) in enumerate(zip(op.outputs, out_keys)):
             want = plan.shardings[v]
             if k[1] != want and info.constant[self.canon(v)]:  # folded by XLA: made in the layout wanted
                 made((k[0], want, HOME))
             elif k[1] != want:
+                if groups is None:
+                    groups = plan.strategies[op_id].partial_groups(op.rule)
                 path = self.path(k[1], want, v, groups, self.bc_made.get((op_id, n), frozenset()))
                 for key in self.chain(slot, k, path, v, op_id, trips_out):
                     made(key)

@@ -156,3 +156,32 @@ def test_only_meshes_that_lay_onto_the_topology():
     assert [("data", 3), ("model", 2)] not in orders  # model=2 inside a node of 3
     with pytest.raises(ShardingError, match="no mesh of 4 devices lays onto topology"):
         mesh_candidates(4, ["data"], topology=topo)
+
+
+def test_pins_grouped_by_value_decide_as_the_pinned_dims_do():
+    """`_dims_ok` on the pins grouped per value (`_pins_by_value`) decides as the definition on the flat pinned
+    dims does: pinned dims must match, and no other dim may reuse an axis pinned on the value."""
+    import random
+
+    from shardc.search.space import _dims_ok, _pins_by_value
+
+    def reference(vid, dims, pinned):
+        used = {a for (v, d), ax in pinned.items() if v == vid for a in ax}
+        return all(ax == pinned[(vid, d)] if (vid, d) in pinned else not used & set(ax) for d, ax in enumerate(dims))
+
+    rng = random.Random(0)
+    axes = ("data", "model", "expert")
+
+    def some_axes():
+        return tuple(rng.sample(axes, rng.randrange(3)))
+
+    outcomes = set()
+    for _ in range(400):
+        pinned = {(rng.randrange(4), rng.randrange(3)): some_axes() for _ in range(rng.randrange(5))}
+        pins = _pins_by_value(pinned)
+        for vid in range(5):
+            dims = tuple(some_axes() for _ in range(rng.randrange(1, 4)))
+            want = reference(vid, dims, pinned)
+            assert _dims_ok(vid, dims, pins) == want
+            outcomes.add(want)
+    assert outcomes == {True, False}
