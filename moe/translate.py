@@ -1,6 +1,6 @@
 """Train a GShard MoE Transformer translation model on real parallel text, sharded with @shardc.auto.
 
-    python -m moe.translate                       # default: es->en Bible, 600 steps (docs/moe.md: time, BLEU)
+    python -m moe.translate                       # default: es->en Bible, 500 steps (docs/moe.md: time, BLEU)
     python -m moe.translate --corpus trans-de-en  # German->English example sentences
     python -m moe.translate --data pairs.tsv      # your own "source<TAB>target" file
     python -m moe.translate --corpus synthetic --model tiny --steps 200
@@ -150,7 +150,7 @@ def build_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=None, help="experts per MoE layer (None: the preset's)")
     p.add_argument("--layers", type=int, default=None, help="encoder and decoder layers (None: the preset's)")
     p.add_argument("--d-model", type=int, default=None, help="model width (None: the preset's)")
-    p.add_argument("--steps", type=int, default=600,
+    p.add_argument("--steps", type=int, default=500,
                    help="training steps (the run always trains them all unless --time-limit or --stop-at says "
                         "otherwise; docs/moe.md gives the time and BLEU of the default run)")
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch and side")
