@@ -1,43 +1,20 @@
 """Tables the simulators of one graph share across meshes (computed once per graph and ProgramInfo) equal what
 each simulator would compute for itself, and a simulation that uses the shared tables gives the result of one
 that computes them afresh."""
-import flax.linen as nn
-import jax
 import jax.numpy as jnp
-import optax
 import pytest
 
 import shardc
-from shardc import split
 from shardc.sharding import Sharding
 from shardc.sim import simulator_for
 from shardc.sim.tasks import TaskBuilder
-
-
-class Block(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = split(x, 0, "data")
-        h = nn.LayerNorm()(x)
-        q, k, v = jnp.split(nn.Dense(96, use_bias=False)(h), 3, axis=-1)
-        att = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k), axis=-1)
-        x = x + nn.Dense(32)(jnp.einsum("bqk,bkd->bqd", att, v))
-        return x + nn.Dense(32)(nn.gelu(nn.Dense(64)(nn.LayerNorm()(x))))
+from tests.sim.test_delta_equals_full import Block
+from tests.sim.test_fidelity_vs_xla import train_step
 
 
 def _plan(mesh: dict[str, int]):
-    model = Block()
-    x = jnp.ones((8, 16, 32))
-    params = model.init(jax.random.key(0), x)["params"]
-    tx = optax.adam(1e-3)
-
-    def step(p, o, x):
-        loss, g = jax.value_and_grad(lambda p: jnp.mean(model.apply({"params": p}, x) ** 2))(p)
-        u, o = tx.update(g, o, p)
-        return optax.apply_updates(p, u), o, loss
-
-    f = shardc.auto(step, mesh=shardc.make_mesh(mesh), donate_argnums=(0, 1), search=False)
-    return f.plan(params, tx.init(params), x)
+    step, args = train_step(Block(), jnp.ones((8, 16, 32)), shardc.make_mesh(mesh))
+    return step.plan(*args)
 
 
 @pytest.fixture(scope="module")
