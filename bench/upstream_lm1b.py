@@ -18,8 +18,8 @@ Reported: loss and metrics after 3 steps, the largest parameter difference from 
 rounding-level sign flip of a near-zero gradient into a move of up to 2 lr per step), the compiled collectives,
 `shardc.check` of each shardc plan (its simulated collective bytes, FLOPs and memory against the compiled
 program: "exact", "within bounds" or what is out), the simulated step of each shardc plan, and the step times
-measured round-robin in one process (median and fastest; ratio to `jax.jit`). The model is shrunk to run here (2 layers, d 256, vocab 2048, 32 x 128 tokens)
-and computes in float32. Modules the train step does not use (the TFDS input pipeline, CLU writers,
+measured round-robin in one process (median and fastest; ratio to `jax.jit`). The model is shrunk to run
+here (2 layers, d 256, vocab 2048, 32 x 128 tokens) and computes in float32. Modules the train step does not use (the TFDS input pipeline, CLU writers,
 TensorFlow) are replaced by empty stand-ins so that `train.py` imports without them.
 """
 from __future__ import annotations
