@@ -502,14 +502,18 @@ def _compute_operand_shares(graph: Graph) -> list[tuple[int, ...]]:
     return [tuple(readers[(v, i, classes[op.id])] for i, v in enumerate(op.inputs)) for op in graph.ops]
 
 
+def reshard_needs(reshards: Sequence[Reshard]) -> dict[tuple[int, int], Sharding]:
+    """(consumer op, operand index) -> the layout the consumer reads it in, from reshards (as lowered)."""
+    return {(r.consumer, r.operand): r.dst.without_partial() for r in reshards if r.consumer is not None}
+
+
 def split_unrun(graph: Graph, shardings: Sequence[Sharding], strategies: Sequence[OpStrategy],
                 reshards: Sequence[Reshard], sizes: Mapping[str, int]) -> tuple[tuple[Reshard, ...], tuple[Reshard, ...]]:
     """(the reshards that run, those XLA removes): a reshard of an operand XLA's simplifier drops as one buffer
     with another in this plan, or of an op only such operands read, does not run (`shardc.cost.dropped`)."""
     if not candidates(graph):
         return tuple(reshards), ()
-    needs = {(r.consumer, r.operand): r.dst.without_partial() for r in reshards if r.consumer is not None}
-    drops = plan_drops(graph, shardings, strategies, needs, sizes)
+    drops = plan_drops(graph, shardings, strategies, reshard_needs(reshards), sizes)
     if not drops:
         return tuple(reshards), ()
     dead = dead_ops(graph, drops)

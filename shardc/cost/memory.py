@@ -32,7 +32,7 @@ import numpy as np
 
 from shardc.cost.first_fit import FirstFit
 from shardc.cost.program import (SAME_OPERAND_RULES, ProgramInfo, conv_output_copied, derived, descendants,
-                                 gathered_order, outer_region)
+                                 gathered_order, outer_region, per_info)
 
 __all__ = ["MemoryModel", "MemoryResult"]
 
@@ -406,11 +406,7 @@ class MemoryModel:
         layouts of the value, or in who reads them, moves where those reads end. Plan- and mesh-independent: computed
         once per graph and ProgramInfo (the simulators of a search's meshes share it)."""
         if self._walks is None:
-            cache = self.graph.analysis("memory_walks", dict)  # id(info) -> (info, walks); the entry keeps info alive
-            hit = cache.get(id(self.info))
-            if hit is None or hit[0] is not self.info:
-                hit = cache[id(self.info)] = (self.info, self._walks_of())
-            self._walks = hit[1]
+            self._walks = per_info(self.graph, "memory_walks", self.info, self._walks_of)
         return self._walks
 
     def _walks_of(self) -> dict[int, tuple[int, ...]]:

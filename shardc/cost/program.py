@@ -38,7 +38,8 @@ from shardc.cost.estimator import params_key
 from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL
 from shardc.ir.graph import Graph
 
-__all__ = ["ProgramInfo", "program_info", "descendants", "Merged", "merged", "liveness", "unread_operands", "unread_if_same",
+__all__ = ["ProgramInfo", "program_info", "per_info", "descendants", "Merged", "merged", "liveness", "unread_operands",
+           "unread_if_same",
            "SAME_OPERAND_RULES", "PASS_THROUGH_RULES", "passes_through", "ALIASES", "reads_only_padding",
            "broadcast_dims", "broadcast_transfer", "derived", "fusing_readers",
            "FUSIBLE", "FREE_PRIMITIVES", "PCG_COLLECTIVE"]
@@ -830,6 +831,16 @@ def descendants(graph: Graph, canon: Sequence[int]) -> list[int]:
                 desc[canon[v]] |= below
     cache[id(canon)] = (canon, desc)  # (the entry keeps canon alive: its id is not reused)
     return desc
+
+
+def per_info(graph: Graph, name: str, info: ProgramInfo, compute: Callable[[], Any]) -> Any:
+    """A table that depends only on the graph and `info`, computed once per (graph, info) pair: the simulators
+    of a search's meshes share it (cached on the graph, keyed by the ProgramInfo object it was computed from)."""
+    cache = graph.analysis(name, dict)  # id(info) -> (info, table); the entry keeps info alive, so its id stays its own
+    hit = cache.get(id(info))
+    if hit is None or hit[0] is not info:
+        hit = cache[id(info)] = (info, compute())
+    return hit[1]
 
 
 def program_info(graph: Graph, backend: str = "") -> ProgramInfo:

@@ -25,11 +25,11 @@ from shardc.cost.flops import count_op
 from shardc.cost.host_ops import default_estimator, relayout_seconds
 from shardc.cost.op_collectives import NONE as NO_COLLECTIVES, OP_COLLECTIVES, OwnCollectives, op_collectives
 from shardc.cost.program import (FREE_PRIMITIVES, ProgramInfo, broadcast_dims, broadcast_transfer, gather_relayouts,
-                                 moves_no_data, program_info)
+                                 moves_no_data, per_info, program_info)
 from shardc.cost.reshard_path import kept_after, reshard_steps
 from shardc.cost.topology import MeshMapping, Topology
 from shardc.cost.wire import wire_itemsize
-from shardc.plan import Plan
+from shardc.plan import Plan, reshard_needs
 from shardc.sharding import Sharding
 
 __all__ = ["Task", "Slot", "TaskBuilder", "PS", "TASKS_PER_SLOT", "is_static", "plan_needs"]
@@ -563,7 +563,7 @@ class TaskBuilder:
         if slot is None:
             if len(memo) >= 6:
                 memo.clear()
-            slot = memo[mk] = self._build_slot(plan, op_id, keys, needs, dropped)
+            slot = memo[mk] = self._build_slot(plan, op_id, keys, needs)
         else:
             for i in slot.made:
                 keys[i] = op_id
@@ -592,22 +592,20 @@ class TaskBuilder:
         """Per op: its operands' canonical values, or None when the slot is not memoised (a dead op, an io
         tie, or two operands with one canonical value, whose keys interact within the slot). Mesh-independent:
         computed once per graph and ProgramInfo (the builders of a search's meshes share it)."""
-        cache = self.graph.analysis("canon_inputs", dict)  # id(info) -> (info, table); the entry keeps info alive
-        hit = cache.get(id(self.info))
-        if hit is None or hit[0] is not self.info:
+        def compute() -> list:
             info, out = self.info, []
             for op in self.graph.ops:
                 cs = tuple(info.canon[v] for v in op.inputs)
                 ok = info.live[op.id] and not (op.primitive == "tie" and op.region == "io") \
                     and len(set(cs)) == len(cs) and not any((op.id, i) in info.unread for i in range(len(op.inputs)))
                 out.append(cs if ok else None)
-            hit = cache[id(self.info)] = (self.info, out)
-        self._canon_in = hit[1]
-        return hit[1]
+            return out
+
+        self._canon_in = per_info(self.graph, "canon_inputs", self.info, compute)
+        return self._canon_in
 
     def _build_slot(self, plan: Plan, op_id: int, keys: dict[int, int],
-                    needs: Mapping[tuple[int, int], Sharding], dropped: tuple[int, ...] | None = None) -> Slot:
-        """(`dropped`: the operands XLA drops, `drops`, when `build_slot` looked them up already.)"""
+                    needs: Mapping[tuple[int, int], Sharding]) -> Slot:
         g, info = self.graph, self.info
         op = g.ops[op_id]
         slot = Slot(op_id, [])
@@ -649,8 +647,7 @@ class TaskBuilder:
 
         deps = []
         need_shardings = []
-        if dropped is None:
-            dropped = self.drops.get(op_id, ())
+        dropped = self.drops.get(op_id, ())  # (operands XLA's simplifier drops in this plan)
         for i, v in enumerate(op.inputs):
             need = needs.get((op_id, i), plan.shardings[v])
             need_shardings.append(need)
@@ -789,4 +786,4 @@ class TaskBuilder:
 def plan_needs(plan: Plan) -> dict[tuple[int, int], Sharding]:
     """(consumer op, operand index) -> the layout the consumer needs it in, from the plan's reshards (as
     lowered)."""
-    return {(r.consumer, r.operand): r.dst.without_partial() for r in plan.constrained if r.consumer is not None}
+    return reshard_needs(plan.constrained)
