@@ -323,14 +323,20 @@ class MemoryModel:
         """Where slot `r`'s reads of key `kid` end, `pos` as `_reads_of` found them: for an op whose fused result is
         computed from `kid`, at the last place this plan materialises that result (`_fused_end`), not at
         `ProgramInfo.until`'s, which does not know the plan's collectives."""
-        if self._slots and self._dropped(r):  # an op XLA replaced by this operand: read as long as its results
-            own = self._slots[r].tasks[self._slots[r].at]
-            if kid in own.deps:
-                pos = max([pos] + [self._last_read(o, pos) for o in own.outs if self.keys.is_value_key[o]])
+        if self._slots and self._dropped(r) and kid in self._slots[r].tasks[self._slots[r].at].deps:
+            return self._dropped_read_end(r, pos)
         base = self._positions(self._slots[r]).fused_reads.get(kid) if self._slots else None
         if base is None:
             return pos
         return max(base, self._fused_end(r, self.keys.key_list[kid][0]))
+
+    def _dropped_read_end(self, op_id: int, default: int) -> int:
+        """Where the reads of an operand of op `op_id`, which XLA replaced by that operand (`_dropped`), end: where
+        its results' reads end, as the op is gone and its readers read the operand's buffer (nothing is fused
+        into it); `default` when it has no result key."""
+        own = self._slots[op_id].tasks[self._slots[op_id].at]
+        outs = [o for o in own.outs if self.keys.is_value_key[o]]
+        return max(self._last_read(o, -1) for o in outs) if outs else default
 
     def _fused_end(self, op_id: int, c: int, own: bool = True) -> int:
         """The last position where what op `op_id` computes from canonical value `c` is materialised: where the
@@ -358,6 +364,9 @@ class MemoryModel:
         self._ends[c] = -1
         last = -1
         for w in self.info.fusing.get(c, ()):
+            if self._dropped(w):  # (no fusion computes `c` there: the op's readers read the buffer it passes on)
+                last = max(last, self._dropped_read_end(w, -1))
+                continue
             cut = self._collective_read(w, c)
             last = max(last, max(cut - 1, 0) if cut >= 0 else self._fused_end(w, c, own=False))
         self._ends[c] = last

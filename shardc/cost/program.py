@@ -375,8 +375,11 @@ def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], f
     from that operand is elementwise (`AreTransitiveUsesElementwiseOrTuple`). So: an elementwise op emitted in a
     loop fusion, and the values of its result's shape and dtype it reads directly or through fused elementwise
     producers of that shape only (a value also read through a fused broadcast, reshape or reduction is not one);
-    cheap work the fusion recomputes (`recompute`) counts as fused. Whether the value dies there, and in one
-    layout, is the plan's (`MemoryModel`)."""
+    cheap work the fusion recomputes (`recompute`) is not one (the fusion does not read its buffer). A fused
+    value it reads so is one: where the plan reads it in another layout than it is computed in, the fusion reads
+    a reshard's result, a buffer of the result's shape (XLA writes an elementwise result over an all-gather's
+    output); where it does not, the value has no buffer to take. Whether the value dies there, and in one layout,
+    is the plan's (`MemoryModel`)."""
     out: list[tuple[int, ...]] = [()] * len(graph.ops)
     for op in graph.ops:
         if (not live[op.id] or not loop[op.id] or op.primitive not in _ELEMENTWISE_OPS or len(op.outputs) != 1
@@ -385,7 +388,7 @@ def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], f
         res = graph.values[op.outputs[0]]
         ok: set[int] = set()
         bad: set[int] = set()
-        inside: set[int] = set()  # values computed inside the fusion
+        recomputed: set[int] = set()  # materialised values the fusion computes again instead of reading
         stack, seen = [(op, True)], 0
         while stack and seen < limit:
             o, elementwise = stack.pop()
@@ -398,10 +401,11 @@ def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], f
                 p = v.producer
                 if (fused[c] or (o.id, c) in recompute) and p is not None:
                     stack.append((graph.ops[p], good and graph.ops[p].primitive in _ELEMENTWISE_OPS))
-                    inside.add(c)
+                    if not fused[c]:
+                        recomputed.add(c)
         if stack:
             continue  # too large a fusion to tell
-        out[op.id] = tuple(sorted(c for c in ok - bad - inside if not fused[c] and not _reshaped_dot(graph, c)))
+        out[op.id] = tuple(sorted(c for c in ok - bad - recomputed if not _reshaped_dot(graph, c)))
     return tuple(out)
 
 
