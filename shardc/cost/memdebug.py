@@ -11,7 +11,8 @@ flattened schedule (`*-live-range.txt`) and the optimized HLO (each instruction'
 `shardc.op<id>` tag of its metadata, `shardc.lower` with `tag_ops`). The temporaries' peak is the largest
 sum of live temp buffers at one schedule position (XLA's heap packing may add fragmentation on top; on the
 programs examined it added almost none: `docs/simulator.md`). A loop's or conditional's values (listed as
-"(phi)": its carry, body parameter and result) are temporaries too. The model's side is `MemoryModel`'s buffers and workspaces at the position where its temporaries peak.
+"(phi)": its carry, body parameter and result) are temporaries too. The model's side is `MemoryModel`'s
+buffers and workspaces at the position where its temporaries peak.
 """
 from __future__ import annotations
 
