@@ -9,8 +9,10 @@ buffer assignment (which allocation holds each logical buffer: a parameter, the 
 preallocated temporaries `memory_analysis().temp_size_in_bytes` reports), the live ranges over the
 flattened schedule (`*-live-range.txt`) and the optimized HLO (each instruction's opcode, shape and the
 `shardc.op<id>` tag of its metadata, `shardc.lower` with `tag_ops`). The temporaries' peak is the largest
-sum of live temp buffers at one schedule position (XLA's heap packing may add fragmentation on top). The
-model's side is `MemoryModel`'s buffers and workspaces at the position where its temporaries peak.
+sum of live temp buffers at one schedule position (XLA's heap packing may add fragmentation on top; on the
+programs examined it added almost none: `docs/simulator.md`). A loop's or conditional's values (listed as
+"(phi)": its carry, body parameter and result) are temporaries too. The model's side is `MemoryModel`'s
+buffers and workspaces at the position where its temporaries peak.
 """
 from __future__ import annotations
 
@@ -69,7 +71,8 @@ class PeakBuffers:
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = ")
 _ALLOC = re.compile(r"^allocation (\d+): size (\d+)(.*)$")
-_VALUE = re.compile(r"^\s*value: <\d+ ([^ >]+)(?: @\d+)?> \(size=(\d+),offset=(\d+)\)")
+# a value line; "(phi)" marks a while loop's or conditional's merged value (its carry, body parameter, result)
+_VALUE = re.compile(r"^\s*value: <\d+ ([^ >]+)(?: \(phi\))?(?: @\d+)?> \(size=(\d+),offset=(\d+)\)")
 _RANGE = re.compile(r"^\s*([\w.\-]+\{[\d,]*\}):(\d+)-(\d+)\s*$")
 _OPNAME = re.compile(r'op_name="([^"]*)"')
 

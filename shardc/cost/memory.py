@@ -15,7 +15,7 @@ bodies are counted once (their buffers are reused across iterations); a loop hol
 outside until its end, and its stacked outputs and carried values from its start (XLA:CPU: from the program's
 start when a constant initialises them, `ProgramInfo.preset`). Some ops need buffers beyond their operands and
 results where the backend expands them (`_workspace_of`), some collectives beyond their results (`fulls`,
-`relayouts`).
+`relayouts`), and some ops write a buffer wider than their result (`ProgramInfo.wide`: XLA:CPU's threefry words).
 
 `update` recomputes only the buffers of the slots a delta simulation rebuilt; the peak is a prefix sum
 over positions (numpy), so an update costs O(changed buffers) plus one vectorised pass, and the placement of
@@ -175,6 +175,8 @@ class MemoryModel:
         if b == 0:
             self._set_operand(kid, owner[1])
             return
+        if c in self.info.wide and self._made_by_op(kid, owner[0]):
+            b = b // self.graph.values[c].dtype.itemsize * self.info.wide[c]
         end = self._last_read(kid, owner[1])
         loop = self.info.loop
         for k in self.slices.get(kid, ()):  # a local slice of it fused into its readers (loop fusions) reads it
@@ -210,6 +212,13 @@ class MemoryModel:
             return False
         own = slot.tasks[slot.at]
         return own.kind == "join" and bool(own.deps) and (kid is None or kid in own.outs)
+
+    def _made_by_op(self, kid: int, op_id: int) -> bool:
+        """Whether key `kid` is what op `op_id`'s own task makes (not a reshard of its result)."""
+        if not self._slots:
+            return False
+        slot = self._slots[op_id]
+        return slot.at < len(slot.tasks) and kid in slot.tasks[slot.at].outs
 
     def _set_operand(self, kid: int, made: int) -> None:
         """Record the buffer a collective reads fused value key `kid` from (`_collective_operand`): XLA computes the

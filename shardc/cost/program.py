@@ -36,6 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from shardc.cost.estimator import params_key
 from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL
+from shardc.cost.wide_results import wide_results
 from shardc.ir.graph import Graph
 
 __all__ = ["ProgramInfo", "program_info", "per_info", "descendants", "Merged", "merged", "liveness", "unread_operands",
@@ -70,6 +71,15 @@ _CHEAP_REAL = {"": frozenset({"sin", "cos"}), "cpu": frozenset({"sin", "cos", "t
 _CHEAP_F32_GPU = frozenset({"div", "sqrt", "rsqrt", "exp"})
 
 
+def fusible(op: Any, graph: Graph) -> bool:
+    """Whether XLA's loop fusion may take `op` into its readers (`FUSIBLE`), or a bitcast_convert_type between
+    types of one width (XLA's elementwise, cheap bitcast-convert; across widths it adds or drops a dim)."""
+    if op.primitive in FUSIBLE:
+        return True
+    return (op.primitive == "bitcast_convert_type" and len(op.inputs) == 1 and len(op.outputs) == 1
+            and tuple(graph.values[op.inputs[0]].shape) == tuple(graph.values[op.outputs[0]].shape))
+
+
 # Ops that, when they only add, drop or move unit dims of their local operand (or reduce over unit dims),
 # keep its bytes in order: XLA makes them bitcasts (`ShapeUtil::ReshapeIsBitcast`/`TransposeIsBitcast`, the
 # algebraic simplifier's degenerate-dim rewrites), whatever the layouts.
@@ -95,16 +105,19 @@ def moves_no_data(primitive: str, params: Any, in_shapes: Sequence[Sequence[int]
 
 def expensive(op: Any, graph: Graph, backend: str = "", constant: Sequence[bool] = ()) -> bool:
     """Whether XLA's fusion on `backend` would not duplicate `op` into several consumers (its IsExpensive).
-    `constant`: per value, known at compile time (an integer division by a constant is cheap)."""
+    `constant`: per value, known at compile time: a division by a constant is cheap (an integer one is; XLA's
+    algebraic simplifier makes a floating one a multiply by the reciprocal)."""
     if op.primitive not in EXPENSIVE:
         return False
     dtype = graph.values[op.outputs[0]].dtype if op.outputs else None
     kind = dtype.kind if dtype is not None else "f"
     if op.primitive in _CHEAP_REAL.get(backend, _CHEAP_REAL[""]) and kind != "c":
         return False
-    if op.primitive in ("div", "rem") and kind in "iub":
-        d = op.inputs[1] if len(op.inputs) > 1 else None
-        return not (d is not None and (graph.values[d].is_const or (d < len(constant) and constant[d])))
+    if op.primitive in ("div", "rem") and len(op.inputs) > 1:
+        d = op.inputs[1]
+        by_constant = graph.values[d].is_const or (d < len(constant) and constant[d])
+        if kind in "iub" or by_constant and op.primitive == "div":
+            return not by_constant
     return not (backend == "gpu" and op.primitive in _CHEAP_F32_GPU and str(dtype) in ("float32", "float16"))
 
 
@@ -150,6 +163,8 @@ class ProgramInfo:
     batch: tuple[int, ...] = ()  # per op (XLA:CPU): the last position of what its running made ready (`_breadth_first`)
     first_reader: tuple[int, ...] = ()  # per op (XLA:CPU): the first position of an instruction reading its results
     # through ops that are none (hints, fused values); its own when nothing does (`_first_readers`)
+    wide: Mapping[int, int] = dataclasses.field(default_factory=dict)  # canonical value -> bytes per element of
+    # the wider buffer its producer writes (`shardc.cost.wide_results`: XLA:CPU's threefry words)
 
     def counts(self, op_id: int) -> bool:
         """Whether an op does work in the compiled program."""
@@ -489,7 +504,7 @@ def _library_fusions(graph: Graph, live: list[bool], canon: list[int], constant:
             v = stack.pop()
             p = graph.values[v].producer
             if (p is None or constant[v] or v in absorbed or p in members or p in group
-                    or graph.ops[p].primitive not in FUSIBLE or not all(u in group for u in consumers[v])):
+                    or not fusible(graph.ops[p], graph) or not all(u in group for u in consumers[v])):
                 continue
             group.add(p)
             absorbed.add(v)
@@ -1205,7 +1220,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
         return out
 
     for op in graph.ops:
-        if op.primitive not in FUSIBLE or not live[op.id]:
+        if not fusible(op, graph) or not live[op.id]:
             continue
         for v in op.outputs:
             users = readers(v)
@@ -1214,7 +1229,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
             # Loop fusion takes a value into its readers when every one of them is an elementwise-like op or a
             # reduction outside a library fusion (which reads its operands from memory).
             fused[v] = v in absorbed or (
-                all((graph.ops[u].primitive in FUSIBLE or graph.ops[u].primitive in REDUCTIONS) and u not in library
+                all((fusible(graph.ops[u], graph) or graph.ops[u].primitive in REDUCTIONS) and u not in library
                     for u in users)
                 and (not expensive(op, graph, backend, constant) or len(users) == 1))
     for op in graph.ops:  # a scatter-add the simplifier moves into the sum reading it writes that sum's buffer
@@ -1286,7 +1301,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                        recompute=recompute if backend == "cpu" else frozenset(), fusing=fusing, strided=strided,
                        read_fused=reads_fused(graph, canon, fused), batch=tuple(batch),
                        first_reader=_first_readers(graph, live, order, fused, constant, canon, consumers)
-                       if batch else ())
+                       if batch else (), wide=wide_results(graph, live, canon, backend))
 
 
 # Ops that only name their operand (a sharding hint or constraint, a name, a stop_gradient): their result has no
@@ -1345,7 +1360,7 @@ def _loop_ops(graph: Graph, live: Sequence[bool], library: set[int], backend: st
     """Per op: emitted in a loop fusion (elementwise-like ops and reductions outside library fusions; on XLA:CPU
     optimization barriers too, removed before fusion: a local slice a barrier reads is fused into the fusions
     reading the barrier's result)."""
-    return tuple(live[op.id] and ((op.primitive in FUSIBLE or op.primitive in REDUCTIONS) and op.id not in library
+    return tuple(live[op.id] and ((fusible(op, graph) or op.primitive in REDUCTIONS) and op.id not in library
                                   or backend == "cpu" and op.primitive == "optimization_barrier")
                  for op in graph.ops)
 

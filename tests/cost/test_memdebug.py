@@ -45,3 +45,26 @@ def test_model_side_is_the_simulated_temporary_peak():
     assert sum(b.nbytes for b in m.at(m.peak())) == m.result.memory.temp_peak
     report = str(peak_buffers(plan))
     assert "XLA temporaries" in report and "model" in report
+
+
+def test_xla_side_counts_loop_carries():
+    """A while loop's values (its carry, body parameter and result) are listed as "(phi)" values in XLA's buffer
+    assignment; they are temporaries like the others. jax's threefry on XLA:CPU is such a loop: its two
+    words per random number stay live until the last fusion reading them (the backward pass's, for a dropout
+    mask), and XLA's peak holds them."""
+
+    def step(w, x, key):
+        def loss(w):
+            h = jnp.tanh(x @ w)
+            h = jnp.where(jax.random.bernoulli(key, 0.9, h.shape), h / 0.9, 0)
+            return jnp.mean((h @ w.T) ** 2)
+
+        return jax.grad(loss)(w)
+
+    f = shardc.auto(step, mesh=shardc.make_mesh({"data": 8}), search=False)
+    plan = f.plan(jnp.ones((256, 512)), jnp.ones((512, 256)), jax.random.key(0))
+    x = xla_live(_lowered(plan), compiler_options(plan))
+    at = x.at(x.peak())
+    words = [b for b in at if b.what.startswith("while ")]
+    assert len(words) == 2 and all(b.nbytes == 512 * 512 * 4 for b in words)
+    assert 0.9 * x.temp_size <= sum(b.nbytes for b in at) <= x.temp_size
