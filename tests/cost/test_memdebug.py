@@ -7,6 +7,7 @@ import shardc
 from shardc.check import _lowered
 from shardc.cost.memdebug import ModelLive, peak_buffers, xla_live
 from shardc.lower import compiler_options
+from tests.sim.test_fidelity_vs_xla import _dropout_grad
 
 
 def _plan():
@@ -52,16 +53,7 @@ def test_xla_side_counts_loop_carries():
     assignment; they are temporaries like the others. jax's threefry on XLA:CPU is such a loop: its two
     words per random number stay live until the last fusion reading them (the backward pass's, for a dropout
     mask), and XLA's peak holds them."""
-
-    def step(w, x, key):
-        def loss(w):
-            h = jnp.tanh(x @ w)
-            h = jnp.where(jax.random.bernoulli(key, 0.9, h.shape), h / 0.9, 0)
-            return jnp.mean((h @ w.T) ** 2)
-
-        return jax.grad(loss)(w)
-
-    f = shardc.auto(step, mesh=shardc.make_mesh({"data": 8}), search=False)
+    f = shardc.auto(_dropout_grad, mesh=shardc.make_mesh({"data": 8}), search=False)
     plan = f.plan(jnp.ones((256, 512)), jnp.ones((512, 256)), jax.random.key(0))
     x = xla_live(_lowered(plan), compiler_options(plan))
     at = x.at(x.peak())
