@@ -1182,6 +1182,19 @@ def _merge(graph: Graph) -> Merged:
     return Merged(tuple(constant), tuple(canon), tuple(duplicate), pkeys, unread, through)
 
 
+def _readers(graph: Graph, consumers: list[list[int]], canon: Sequence[int], v: int) -> list[int]:
+    """The ops reading v, looking through PCG collectives to the ops reading their results (a plan prices a
+    value by the ops reading it, its reshards aside; a PCG must price it the same). (A module function: a
+    recursive closure would be a reference cycle keeping the graph alive until a cyclic collection.)"""
+    out = []
+    for u in consumers[v]:
+        if graph.ops[u].primitive == PCG_COLLECTIVE or graph.ops[u].primitive in _HINTS and LOOK_THROUGH_HINTS:
+            out += [w for r in graph.ops[u].outputs for w in _readers(graph, consumers, canon, canon[r])]
+        else:
+            out.append(u)
+    return out
+
+
 def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     nv, no = len(graph.values), len(graph.ops)
     cse = merged(graph)
@@ -1208,22 +1221,11 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     # XLA:CPU removes optimization barriers before fusion: a local slice a barrier reads is fused into the
     # fusions that read the barrier's result (what it slices is read there: `until`)
     loop = _loop_ops(graph, live, library, backend)
-    def readers(v: int) -> list[int]:
-        """The ops reading v, looking through PCG collectives to the ops reading their results (a plan
-        prices a value by the ops reading it, its reshards aside; a PCG must price it the same)."""
-        out = []
-        for u in consumers[v]:
-            if graph.ops[u].primitive == PCG_COLLECTIVE or graph.ops[u].primitive in _HINTS and LOOK_THROUGH_HINTS:
-                out += [w for r in graph.ops[u].outputs for w in readers(canon[r])]
-            else:
-                out.append(u)
-        return out
-
     for op in graph.ops:
         if not fusible(op, graph) or not live[op.id]:
             continue
         for v in op.outputs:
-            users = readers(v)
+            users = _readers(graph, consumers, canon, v)
             if v in outputs or not users:
                 continue
             # Loop fusion takes a value into its readers when every one of them is an elementwise-like op or a

@@ -227,6 +227,20 @@ class Cond:
         return f"{_pstr(self.a)} {self.op} {_pstr(self.b)}"
 
 
+def _visit_kinds(rule: str, t: Term, expect: str, kinds: dict[str, str]) -> None:
+    """`Rule.var_kinds`'s walk: record in `kinds` what each variable under `t` must be ("G", "D"; "*": either).
+    (A module function: a recursive closure would be a reference cycle, garbage only a cyclic collection frees.)"""
+    if isinstance(t, Var):
+        if expect != "*":
+            if kinds.get(t.name) and kinds[t.name] != expect:
+                raise RuleSyntaxError(f"{rule}: {t.name} is used both as a global value and per device")
+            kinds[t.name] = expect
+        return
+    spec = OPS[t.op]
+    for a in t.args:
+        _visit_kinds(rule, a, spec.in_kind if spec.parallel else ("G" if expect == "G" else "*"), kinds)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Rule:
     """A directed rewrite. `text` is its canonical one-line form (the key proofs are stored under)."""
@@ -271,20 +285,8 @@ class Rule:
         if self.two_groups:  # (per-device pieces on a grid of two groups: no global values, see shardc.pcg.grid)
             return {v: "D" for v in self.vars()}
         kinds: dict[str, str] = {v: ("G" if v in self.globals else "") for v in self.vars()}
-
-        def visit(t: Term, expect: str) -> None:
-            if isinstance(t, Var):
-                if expect != "*":
-                    if kinds.get(t.name) and kinds[t.name] != expect:
-                        raise RuleSyntaxError(f"{self.name}: {t.name} is used both as a global value and per device")
-                    kinds[t.name] = expect
-                return
-            spec = OPS[t.op]
-            for a in t.args:
-                visit(a, spec.in_kind if spec.parallel else ("G" if expect == "G" else "*"))
-
         for t in self.lhs + self.rhs:
-            visit(t, "*")
+            _visit_kinds(self.name, t, "*", kinds)
         return {v: k or "D" for v, k in kinds.items()}
 
     def reversed(self, name: str | None = None) -> "Rule":

@@ -203,21 +203,25 @@ def _final(pcg: PCG, rule: Rule, st: _State) -> dict[str, Any] | None:
     return env
 
 
+def _roots(pcg: PCG, rule: Rule, i: int, st: _State, chosen: tuple[int, ...]
+           ) -> Iterator[tuple[_State, tuple[int, ...]]]:
+    """Bindings of the rule's left-hand terms i, i+1, ... at distinct root tensors, extending `st`. (A module
+    function, not a recursive closure: that would be a reference cycle keeping `pcg` alive until a cyclic
+    collection, which the search pauses.)"""
+    if i == len(rule.lhs):
+        yield st, chosen
+        return
+    for tid in _candidates(pcg, rule.lhs[i]):
+        if tid in chosen:
+            continue
+        for nxt in _match(pcg, rule.lhs[i], tid, st):
+            yield from _roots(pcg, rule, i + 1, nxt, chosen + (tid,))
+
+
 def find_matches(pcg: PCG, rule: Rule) -> Iterator[Match]:
     """Every occurrence of the rule's left-hand side in the PCG."""
     seen: set[tuple] = set()
-
-    def roots(i: int, st: _State, chosen: tuple[int, ...]) -> Iterator[tuple[_State, tuple[int, ...]]]:
-        if i == len(rule.lhs):
-            yield st, chosen
-            return
-        for tid in _candidates(pcg, rule.lhs[i]):
-            if tid in chosen:
-                continue
-            for nxt in _match(pcg, rule.lhs[i], tid, st):
-                yield from roots(i + 1, nxt, chosen + (tid,))
-
-    for st, chosen in roots(0, _State({}, {}, None, frozenset()), ()):
+    for st, chosen in _roots(pcg, rule, 0, _State({}, {}, None, frozenset()), ()):
         env = _final(pcg, rule, st)
         if env is None:
             continue
@@ -226,6 +230,44 @@ def find_matches(pcg: PCG, rule: Rule) -> Iterator[Match]:
             continue
         seen.add(key)
         yield Match(rule, st.tensors, env, st.axes, chosen, st.nodes, st.axes_b)
+
+
+@dataclasses.dataclass
+class _RhsBuilder:
+    """Adds a rule's right-hand terms to `b`, each equal subterm once. (An object, not a recursive closure:
+    that would be a reference cycle keeping the builder's nodes alive until a cyclic collection, which the
+    search pauses.)"""
+
+    pcg: PCG
+    m: Match
+    b: GraphBuilder
+    anchor: float
+    cause: str
+    memo: dict[Any, int] = dataclasses.field(default_factory=dict)
+
+    def build(self, term: Term) -> int:
+        m = self.m
+        if isinstance(term, Var):
+            return m.tensors[term.name]
+        params = tuple(_value(p, m.params) for p in term.params)
+        args = tuple(self.build(a) for a in term.args)
+        key = (term.op, _hashable(params), args)
+        if key in self.memo:
+            return self.memo[key]
+        spec = OPS[term.op]
+        try:
+            if spec.parallel:
+                axes = m.group_axes(term.group, self.pcg.mesh_sizes)
+                if axes is None:
+                    raise RewriteError(f"{m.rule.name}: the right-hand side needs an axes group the left does not bind")
+                op = build_parallel(term.op, params, axes)
+                out = self.b.parallel(op, args[0], cause=self.cause, order=self.anchor)
+            else:
+                out = build_compute(self.b, term.op, params, args, order=self.anchor, cause=self.cause)
+        except ShardingError as e:
+            raise RewriteError(str(e)) from None
+        self.memo[key] = out
+        return out
 
 
 def apply_match(pcg: PCG, m: Match, *, require_proof: bool = True) -> PCG:
@@ -238,32 +280,8 @@ def apply_match(pcg: PCG, m: Match, *, require_proof: bool = True) -> PCG:
     pos = {n.id: i for i, n in enumerate(pcg.nodes)}
     anchor = max(pos[i] for i in m.nodes) + 0.5
     cause = f"rule {rule.name}"
-    memo: dict[Any, int] = {}
-
-    def build(term: Term) -> int:
-        if isinstance(term, Var):
-            return m.tensors[term.name]
-        params = tuple(_value(p, m.params) for p in term.params)
-        args = tuple(build(a) for a in term.args)
-        key = (term.op, _hashable(params), args)
-        if key in memo:
-            return memo[key]
-        spec = OPS[term.op]
-        try:
-            if spec.parallel:
-                axes = m.group_axes(term.group, pcg.mesh_sizes)
-                if axes is None:
-                    raise RewriteError(f"{rule.name}: the right-hand side needs an axes group the left does not bind")
-                op = build_parallel(term.op, params, axes)
-                out = b.parallel(op, args[0], cause=cause, order=anchor)
-            else:
-                out = build_compute(b, term.op, params, args, order=anchor, cause=cause)
-        except ShardingError as e:
-            raise RewriteError(str(e)) from None
-        memo[key] = out
-        return out
-
-    new_roots = [build(t) for t in rule.rhs]
+    rhs = _RhsBuilder(pcg, m, b, anchor, cause)
+    new_roots = [rhs.build(t) for t in rule.rhs]
     replace: dict[int, int] = {}
     for old, new in zip(m.roots, new_roots):
         a, c = pcg.tensors[old], b.tensors[new]
