@@ -342,10 +342,10 @@ class MemoryModel:
     def _dropped_read_end(self, op_id: int, default: int) -> int:
         """Where the reads of an operand of op `op_id`, which XLA replaced by that operand (`_dropped`), end: where
         its results' reads end, as the op is gone and its readers read the operand's buffer (nothing is fused
-        into it); `default` when it has no result key."""
+        into it); `default` for a result nothing reads (an output) and when it has no result key."""
         own = self._slots[op_id].tasks[self._slots[op_id].at]
         outs = [o for o in own.outs if self.keys.is_value_key[o]]
-        return max(self._last_read(o, -1) for o in outs) if outs else default
+        return max(self._last_read(o, default) for o in outs) if outs else default
 
     def _fused_end(self, op_id: int, c: int, own: bool = True) -> int:
         """The last position where what op `op_id` computes from canonical value `c` is materialised: where the
