@@ -627,7 +627,8 @@ class MemoryModel:
             if t.kind != "join" or len(t.deps) != 1 or flags[t.deps[0]] or not t.outs or not flags[t.outs[0]]:
                 continue
             j, dep, kinds = i - 1, t.deps[0], set()
-            while j >= 0 and dep in slot.tasks[j].outs:  # back through the step's collective phases
+            # back through this step's collective phases to its operand (a layout: the step before is another's)
+            while j >= 0 and dep >= 0 and not flags[dep] and dep in slot.tasks[j].outs:
                 kinds.add(slot.tasks[j].collective)
                 dep = slot.tasks[j].deps[0] if slot.tasks[j].deps else -1
                 j -= 1

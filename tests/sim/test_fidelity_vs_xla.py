@@ -717,6 +717,26 @@ def test_memory_of_an_op_of_a_hint_and_itself(combine):
     assert row.ok, f"predicted {row.predicted:,.0f} bytes, XLA {row.compiled:,.0f}"
 
 
+def test_no_relayout_copy_for_an_all_gather_of_the_major_dim_after_an_all_to_all():
+    """[-, x+y] -> [x, -] is an all-to-all to [x+y, -], then an all-gather over y of dim 0, the major dim: XLA:CPU
+    gathers it in place, with no relayout copy (the compiled program has none). The memory model took the
+    relayout's question to the all-to-all's operand ([-, x+y], dim 1 gathered) and counted a copy of the
+    result's size beside the output it is."""
+    from shardc.sim import simulator_for
+
+    mesh = shardc.make_mesh({"x": 2, "y": 4})
+
+    def step(x):
+        x = split(x, 0, "x")
+        return jnp.maximum(split(x, 1, ("x", "y")), x), x * 3.0
+
+    plan = shardc.auto(step, mesh=mesh, search=False).plan(jnp.ones((512, 256)))
+    assert any(r.kind == "all-to-all+all-gather" for r in plan.reshards), plan.reshards
+    sim = simulator_for(plan, "cpu-host")
+    sim.full(plan, ())
+    assert not sim.memory.relayouts, sim.memory.relayouts
+
+
 def test_a_predicate_read_only_by_a_dropped_select_is_dead():
     """`where(x > 0.1, h, x)` in `h`'s layout is the hint's reshard of `x` (the case above): its predicate,
     which nothing else reads, is dead in the compiled program. Neither its comparison (the simulation
