@@ -18,7 +18,7 @@ from shardc.cost.program import ALIASES, SAME_OPERAND_RULES, liveness, merged, u
 from shardc.ir.graph import Graph
 from shardc.sharding import Sharding
 
-__all__ = ["BranchScopes", "candidates", "plan_drops", "dead_ops", "HOME"]
+__all__ = ["BranchScopes", "branch_scopes", "candidates", "plan_drops", "dead_ops", "HOME"]
 
 HOME = 0  # the origin of a value key read in its planned layout or resharded from it (`shardc.sim.tasks.Key`)
 _BRANCH = re.compile(r"/cond\d+\.\d+")
@@ -36,6 +36,17 @@ class BranchScopes:
             scope = op.region[:found[-1].end()] if found else ""
             self.op_scope.append(HOME if not scope else 3 + index.setdefault(scope, len(index)))
         self.value_scope = [self.op_scope[v.producer] if v.producer is not None else HOME for v in graph.values]
+
+    def origin(self, op_id: int, c: int) -> int:
+        """The origin of a key op `op_id` reads value `c` from in a layout other than `c`'s planned one: the op's
+        branch when `c` is made outside it (the branch reshards it itself), else HOME."""
+        scope = self.op_scope[op_id]
+        return scope if scope != self.value_scope[c] else HOME
+
+
+def branch_scopes(graph: Graph) -> BranchScopes:
+    """The graph's `BranchScopes` (cached on the graph: every mesh's simulator and plan share it)."""
+    return graph.analysis("branch_scopes", lambda: BranchScopes(graph))
 
 
 def _root(graph: Graph, canon: Sequence[int], v: int) -> int:
@@ -75,17 +86,14 @@ def plan_drops(graph: Graph, shardings: Sequence[Sharding], strategies: Sequence
     if not ops:
         return {}
     canon, live = merged(graph).canon, liveness(graph)
-    scopes = graph.analysis("branch_scopes", lambda: BranchScopes(graph))
+    scopes = branch_scopes(graph)
     one = frozenset(a for a, n in sizes.items() if n == 1)
 
     def layout(s: Sharding) -> tuple:
         return tuple(tuple(a for a in d if a not in one) for d in s.dims) if one else s.dims
 
     def origin(op_id: int, c: int, need: Sharding) -> int:
-        if need == shardings[c]:
-            return HOME
-        scope = scopes.op_scope[op_id]
-        return scope if scope != scopes.value_scope[c] else HOME
+        return HOME if need == shardings[c] else scopes.origin(op_id, c)
 
     def need(op_id: int, i: int) -> Sharding:
         """The layout op `op_id` reads operand i in: its reshard's (those of dropped operands included), else

@@ -200,25 +200,26 @@ class MemoryModel:
         self.diff[end + 1] -= b
         self.ends_at.setdefault(end, set()).add(kid)
 
-    def _dropped(self, op_id: int, kid: int | None = None) -> bool:
-        """Whether op `op_id` is one XLA's simplifier replaced by an operand in this plan (`TaskBuilder.dropped`:
-        its own task is a join; `kid`: and it makes that key there), or by its operands whatever the plan
-        (`ProgramInfo.through`): its results are that operand's buffer."""
-        if (self.graph.ops[op_id].primitive not in SAME_OPERAND_RULES and op_id not in self.info.through) \
-                or not self._slots:
-            return False
+    def _own_task(self, op_id: int) -> Any | None:
+        """The task of op `op_id`'s slot that is the op itself (None: it has none, or no simulation ran)."""
+        if not self._slots:
+            return None
         slot = self._slots[op_id]
-        if slot.at >= len(slot.tasks):
+        return slot.tasks[slot.at] if slot.at < len(slot.tasks) else None
+
+    def _dropped(self, op_id: int, kid: int | None = None) -> bool:
+        """Whether op `op_id` is one XLA's simplifier replaced by an operand in this plan
+        (`shardc.cost.dropped.plan_drops`: its own task is a join; `kid`: and it makes that key there), or by its
+        operands whatever the plan (`ProgramInfo.through`): its results are that operand's buffer."""
+        if self.graph.ops[op_id].primitive not in SAME_OPERAND_RULES and op_id not in self.info.through:
             return False
-        own = slot.tasks[slot.at]
-        return own.kind == "join" and bool(own.deps) and (kid is None or kid in own.outs)
+        own = self._own_task(op_id)
+        return own is not None and own.kind == "join" and bool(own.deps) and (kid is None or kid in own.outs)
 
     def _made_by_op(self, kid: int, op_id: int) -> bool:
         """Whether key `kid` is what op `op_id`'s own task makes (not a reshard of its result)."""
-        if not self._slots:
-            return False
-        slot = self._slots[op_id]
-        return slot.at < len(slot.tasks) and kid in slot.tasks[slot.at].outs
+        own = self._own_task(op_id)
+        return own is not None and kid in own.outs
 
     def _set_operand(self, kid: int, made: int) -> None:
         """Record the buffer a collective reads fused value key `kid` from (`_collective_operand`): XLA computes the
@@ -332,7 +333,7 @@ class MemoryModel:
         """Where slot `r`'s reads of key `kid` end, `pos` as `_reads_of` found them: for an op whose fused result is
         computed from `kid`, at the last place this plan materialises that result (`_fused_end`), not at
         `ProgramInfo.until`'s, which does not know the plan's collectives."""
-        if self._slots and self._dropped(r) and kid in self._slots[r].tasks[self._slots[r].at].deps:
+        if self._dropped(r) and kid in self._own_task(r).deps:
             return self._dropped_read_end(r, pos)
         base = self._positions(self._slots[r]).fused_reads.get(kid) if self._slots else None
         if base is None:
@@ -343,8 +344,7 @@ class MemoryModel:
         """Where the reads of an operand of op `op_id`, which XLA replaced by that operand (`_dropped`), end: where
         its results' reads end, as the op is gone and its readers read the operand's buffer (nothing is fused
         into it); `default` for a result nothing reads (an output) and when it has no result key."""
-        own = self._slots[op_id].tasks[self._slots[op_id].at]
-        outs = [o for o in own.outs if self.keys.is_value_key[o]]
+        outs = [o for o in self._own_task(op_id).outs if self.keys.is_value_key[o]]
         return max(self._last_read(o, default) for o in outs) if outs else default
 
     def _fused_end(self, op_id: int, c: int, own: bool = True) -> int:

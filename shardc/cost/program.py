@@ -1153,16 +1153,19 @@ def _merge(graph: Graph) -> Merged:
     canon = list(range(nv))
     duplicate = [False] * no
     seen: dict[Any, int] = {}
+    unread_pairs: set[tuple[int, int]] = set()
+    through = frozenset(op.id for op in graph.ops if passes_through(graph, op))
     for op in graph.ops:
         ins = tuple(canon[v] for v in op.inputs)
         # (an operand the simplifier drops does not count: a dynamic_update_slice of a constant over its whole
         # operand is that constant; in a loop or branch body too: XLA folds them there)
         unread = unread_operands(graph, op)
+        unread_pairs.update((op.id, i) for i in unread)
         if (op.inputs and all(constant[v] for i, v in enumerate(op.inputs) if i not in unread)
                 or folds_to_constant(graph, op)) and op.primitive not in _NOT_MERGED:
             for v in op.outputs:
                 constant[v] = True
-        elif passes_through(graph, op):  # (result k is operand k: a constant where that operand is one)
+        elif op.id in through:  # (result k is operand k: a constant where that operand is one)
             for v, u in zip(op.outputs, op.inputs):
                 constant[v] = constant[u]
         if op.primitive in _NOT_MERGED or op.primitive in ("shardc_hint", "sharding_constraint", PCG_COLLECTIVE):
@@ -1177,9 +1180,7 @@ def _merge(graph: Graph) -> Merged:
         duplicate[op.id] = True
         for a, b in zip(op.outputs, graph.ops[first].outputs):
             canon[a] = canon[b]
-    unread = frozenset((op.id, i) for op in graph.ops for i in unread_operands(graph, op))
-    through = frozenset(op.id for op in graph.ops if passes_through(graph, op))
-    return Merged(tuple(constant), tuple(canon), tuple(duplicate), pkeys, unread, through)
+    return Merged(tuple(constant), tuple(canon), tuple(duplicate), pkeys, frozenset(unread_pairs), through)
 
 
 def _readers(graph: Graph, consumers: list[list[int]], canon: Sequence[int], v: int) -> list[int]:
@@ -1296,7 +1297,8 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     return ProgramInfo(tuple(live), tuple(constant), tuple(canon), tuple(duplicate), tuple(fused),
                        tuple(trips), tuple(order), pkeys, until, span=_spans(graph, live, order),
                        carried=carried, loop=loop, library=frozenset(library), backend=backend, preset=preset,
-                       eager=backend == "cpu", reshard_trips=reshard_trips, hoisted=hoisted, unread=cse.unread, through=cse.through,
+                       eager=backend == "cpu", reshard_trips=reshard_trips, hoisted=hoisted, unread=cse.unread,
+                       through=cse.through,
                        post=tuple(_post_order(graph, canon)),
                        copies=copies, copy_owner=last_copies(graph, canon, copies, order), cheap=cheap,
                        bitcast=bitcast, inplace=inplace, out_alias=output_aliases(graph, live, canon, constant),

@@ -19,7 +19,7 @@ import heapq
 from typing import Any, Mapping, Sequence
 
 from shardc.cost.collectives import collective_fixed, collective_phases
-from shardc.cost.dropped import BranchScopes, dead_ops, plan_drops
+from shardc.cost.dropped import BranchScopes, branch_scopes, dead_ops, plan_drops
 from shardc.cost.estimator import OpCostEstimator, OpKey
 from shardc.cost.flops import count_op
 from shardc.cost.host_ops import default_estimator, relayout_seconds
@@ -452,9 +452,8 @@ class TaskBuilder:
         if reads_after_loop(op):
             return EXIT
         if self._scopes is None:
-            self._scopes = BranchScopes(self.graph)
-        scope = self._scopes.op_scope[op.id]
-        return scope if scope != self._scopes.value_scope[c] else HOME
+            self._scopes = branch_scopes(self.graph)
+        return self._scopes.origin(op.id, c)
 
     def chain(self, slot: Slot, src_key: Key, steps: tuple, v: int, op: int, trips: int,
               origin: int | None = None) -> list[Key]:

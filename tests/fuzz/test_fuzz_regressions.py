@@ -143,7 +143,7 @@ Fixed in the oracle:
 * seed 102002: both branches of a cond reshard its operand to the same layout; the simulator counted one
   (keys were shared across regions), but each branch is a computation of its own and XLA reshards in both
   (256 B planned, 384 compiled). A value made outside a branch and resharded in it now has keys of that
-  branch (`shardc.sim.tasks.BranchScopes`) (`branches_reshard_one_operand`).
+  branch (`shardc.cost.dropped.BranchScopes`) (`branches_reshard_one_operand`).
 * seed 102005: a sorted value overwritten whole by a dynamic_update_slice: its cotangent is zeros, and XLA's
   simplifier makes the sort gradient's scatter-add of zeros its operand, so the sort and the reshards
   feeding it are dead (8 B of all-gather planned, none compiled). A scatter-add of zeros reads neither
@@ -151,7 +151,7 @@ Fixed in the oracle:
 * seed 102000: `where(h > 0.1, h, x)` with `h` a hint resharding `x`, the select in `h`'s layout: its two cases
   are one buffer to XLA (the hint's reshard of `x`, read twice), so its simplifier drops the select and the
   predicate's reshard to that layout (12 B of all-to-all and collective-permute planned, not compiled). Which
-  operands are one buffer is the plan's (`TaskBuilder.dropped`, `program.SAME_OPERAND_RULES`: select, max,
+  operands are one buffer is the plan's (`shardc.cost.dropped.plan_drops`, `program.SAME_OPERAND_RULES`: select, max,
   min) (`select_of_a_hint_and_itself`).
 
 Upstream (XLA), pinned with a pure-JAX reproduction that fails today (strict xfail, so the day XLA is
