@@ -19,8 +19,9 @@ rounding-level sign flip of a near-zero gradient into a move of up to 2 lr per s
 `shardc.check` of each shardc plan (its simulated collective bytes, FLOPs and memory against the compiled
 program: "exact", "within bounds" or what is out), the simulated step of each shardc plan, and the step times
 measured round-robin in one process (median and fastest; ratio to `jax.jit`). The model is shrunk to run
-here (2 layers, d 256, vocab 2048, 32 x 128 tokens) and computes in float32. Modules the train step does not use (the TFDS input pipeline, CLU writers,
-TensorFlow) are replaced by empty stand-ins so that `train.py` imports without them.
+here (2 layers, d 256, vocab 2048, 32 x 128 tokens) and computes in float32. Modules the train step does not
+use (the TFDS input pipeline, CLU writers, TensorFlow) are replaced by empty stand-ins so that `train.py`
+imports without them.
 """
 from __future__ import annotations
 
@@ -172,7 +173,8 @@ def table(results: list[dict[str, Any]]) -> str:
             sim = f"{row['simulated'] * 1e3:.0f} ms" if "simulated" in row else "-"
             med, fast = float(np.median(row["times"])), min(row["times"])
             lines.append(f"| {mesh} | {name} | {plan_mesh} | {row['loss']:.6f} | {row['max abs diff']:.1e} | {counts} | "
-                         f"{row.get('check', '-')} | {sim} | {med * 1e3:.0f} ms | {fast * 1e3:.0f} ms | {med / base:.2f}x |")
+                         f"{row.get('check', '-')} | {sim} | {med * 1e3:.0f} ms | {fast * 1e3:.0f} ms | "
+                         f"{med / base:.2f}x |")
     return "\n".join(lines) + "\n"
 
 

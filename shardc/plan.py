@@ -508,7 +508,8 @@ def reshard_needs(reshards: Sequence[Reshard]) -> dict[tuple[int, int], Sharding
 
 
 def split_unrun(graph: Graph, shardings: Sequence[Sharding], strategies: Sequence[OpStrategy],
-                reshards: Sequence[Reshard], sizes: Mapping[str, int]) -> tuple[tuple[Reshard, ...], tuple[Reshard, ...]]:
+                reshards: Sequence[Reshard], sizes: Mapping[str, int]
+                ) -> tuple[tuple[Reshard, ...], tuple[Reshard, ...]]:
     """(the reshards that run, those XLA removes): a reshard of an operand XLA's simplifier drops as one buffer
     with another in this plan, or of an op only such operands read, does not run (`shardc.cost.dropped`)."""
     if not candidates(graph):
