@@ -18,7 +18,7 @@ import math
 import time
 from typing import Any
 
-__all__ = ["Budget", "plans_for", "full_plan_units", "MESH_SETUP_UNITS", "SearchTimeCapWarning"]
+__all__ = ["Budget", "plans_for", "plan_seconds", "full_plan_units", "MESH_SETUP_UNITS", "SearchTimeCapWarning"]
 
 class SearchTimeCapWarning(UserWarning):
     """The search stopped at the wall-clock cap the user asked for before spending its plan budget: a rerun
@@ -46,12 +46,17 @@ def full_plan_units(num_devices: int) -> float:
 MESH_SETUP_UNITS = 2.0
 
 
+def plan_seconds(num_ops: int, num_devices: int) -> float:
+    """Seconds one incremental evaluation of a `num_ops`-op program on `num_devices` devices takes on the
+    reference machine."""
+    return (_FIXED_S + _FIXED_S_PER_DEVICE * num_devices
+            + max(num_ops, 1) * (_PER_OP_S + _PER_OP_S_PER_DEVICE * num_devices))
+
+
 def plans_for(seconds: float, num_ops: int, num_devices: int) -> int:
     """How many candidate plans of a `num_ops`-op program on `num_devices` devices the reference machine
     evaluates in `_TARGET_FRACTION * seconds` (at least 20)."""
-    per_plan = (_FIXED_S + _FIXED_S_PER_DEVICE * num_devices
-                + max(num_ops, 1) * (_PER_OP_S + _PER_OP_S_PER_DEVICE * num_devices))
-    return max(20, int(_TARGET_FRACTION * seconds / per_plan))
+    return max(20, int(_TARGET_FRACTION * seconds / plan_seconds(num_ops, num_devices)))
 
 
 @dataclasses.dataclass

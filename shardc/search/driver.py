@@ -9,6 +9,7 @@ import json
 import math
 import os
 import time
+import warnings
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -18,18 +19,14 @@ from shardc.gc_pause import paused_gc
 from shardc.plan import Plan, abstract_mesh
 from shardc.propagate import Seed
 from shardc.report import format_bytes
-from shardc.search.baselines import (BASELINES, COMPUTE_OF, baseline_seeds, consistent_carry, role_mixes,
-                                     state_inputs, storage_mixes)
-from shardc.search.budget import MESH_SETUP_UNITS, Budget, full_plan_units
-from shardc.search.compare import GroupNote, compare_groups
-from shardc.search.dp import sp_dp
-from shardc.search.evaluate import INVALID, Evaluator, Problem, Score, plan_from_seeds
-from shardc.search.mcmc import mcmc
-from shardc.search.polish import polish
-from shardc.search.space import (SEARCH_CAUSE, Assignment, Space, build_space, mixing_domains,
-                                 plan_choices, project_plan, seeds_for, with_input_layouts)
+from shardc.search.baselines import BASELINES
+from shardc.search.budget import MESH_SETUP_UNITS, Budget, full_plan_units, plan_seconds
+from shardc.search.compare import GroupNote
+from shardc.search.evaluate import Problem, Score, plan_from_seeds
+from shardc.search.mesh_work import Considered, MeshWork
+from shardc.search.space import SEARCH_CAUSE, Assignment, Space, project_plan
+from shardc.search.workers import Job, MeshPool, WorkerLost, can_fork, default_workers
 from shardc.sharding import make_mesh
-from shardc.sim import as_topology
 
 __all__ = ["SearchReport", "search_plan", "save_plan", "load_plan", "graph_key", "NoPlanFits"]
 
@@ -150,7 +147,8 @@ def project(space: Space, plan: Plan) -> Assignment:
 
 def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, method: Any = True,
                 budget_s: float | None = 30.0, seed: int = 0, max_steps: int = 2000, progress: bool | None = None, max_meshes: int = 2,
-                baselines: Sequence[str] = tuple(BASELINES), time_cap: bool | float | None = None) -> tuple[Plan, SearchReport]:
+                baselines: Sequence[str] = tuple(BASELINES), time_cap: bool | float | None = None,
+                workers: int | None = None) -> tuple[Plan, SearchReport]:
     """Search every mesh in `meshes` and return the best plan (fits memory, lowest simulated step time)
     with its report. `method`: True (DP then MCMC), "dp", "mcmc", "baselines" (no search: the fastest
     baseline, e.g. to screen many programs cheaply). The baselines are scored on the meshes
@@ -160,264 +158,173 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
     `budget_s` becomes a number of simulated plans (`shardc.search.budget`), so the result is the same on
     every run for a seed, however busy the machine. `time_cap` (off by default) also stops the search on
     the clock: at `budget_s` when True, at `time_cap` seconds when a number (flagged in the report: a
-    rerun may differ). With budget_s=None, `max_steps` alone bounds MCMC and every mesh is scored."""
+    rerun may differ). With budget_s=None, `max_steps` alone bounds MCMC and every mesh is scored.
+
+    `workers`: processes that score the meshes (`shardc.search.workers`; None: `default_workers()` when the
+    work repays a fork); the result is the same with any number."""
     from tqdm.auto import tqdm
 
     t0 = time.perf_counter()
-    method_name = {True: "dp+mcmc", "dp": "dp", "mcmc": "mcmc", "baselines": "baselines only"}.get(method, str(method))
-    bar = tqdm(desc="shardc search", unit="plan", disable=(None if progress is None else not progress), leave=False)
-    best: tuple[Score, Plan, Candidate, tuple[Seed, ...], Assignment | None, str] | None = None
-    cands: list[Candidate] = []
-    smallest_peak = math.inf
-    evaluations = 0
-    tried: list[dict[str, int]] = []
     n_devices = math.prod(dict(meshes[0]).values()) if meshes else 1
     budget = Budget.for_search(budget_s, problem.graph, n_devices, cap=time_cap)
-    hint_error: str | None = None  # why the first mesh that rejected the hints did
+    work = MeshWork(problem, baselines, method, n_devices)
+    jobs: dict[int, Job | ShardingError] = {}
 
+    def job(i: int) -> Job | ShardingError:
+        """Mesh `i`, made, with the user's seeds on it (or why the hints do not fit it)."""
+        if i not in jobs:
+            sizes = dict(meshes[i])
+            mesh = _mesh_of(sizes)
+            try:
+                user = list(problem.user_seeds(mesh)) if callable(problem.user_seeds) else list(problem.user_seeds or ())
+                jobs[i] = (i, sizes, mesh, user)
+            except ShardingError as e:
+                jobs[i] = e
+        return jobs[i]
+
+    n = _worker_count(workers, problem, meshes, budget, baselines, time_cap)
+    if n > 1:  # (every mesh's hints are resolved here, before any fork: see shardc.search.workers)
+        pool = MeshPool(work, [j for j in map(job, range(len(meshes))) if not isinstance(j, ShardingError)], n)
+    else:
+        pool = MeshPool(work, [], 1)
+    bar = tqdm(desc="shardc search", unit="plan", disable=(None if progress is None else not progress), leave=False)
+    try:
+        return _search(problem, meshes, pool, job, budget, t0, bar, method=method, seed=seed, max_steps=max_steps,
+                       max_meshes=max_meshes)
+    except WorkerLost as e:
+        pool.close()
+        warnings.warn(f"shardc: {e}\nsearching again in this process alone (the same plan, more slowly)",
+                      RuntimeWarning, stacklevel=3)
+        return _search_plan(problem, meshes, method=method, budget_s=budget_s, seed=seed, max_steps=max_steps,
+                            progress=progress, max_meshes=max_meshes, baselines=baselines, time_cap=time_cap,
+                            workers=1)
+    finally:
+        bar.close()
+        pool.close()
+
+
+# A fork repays itself when the meshes' baselines cost at least this many seconds on the reference machine.
+_FORK_WORTH_S = 1.0
+
+
+def _worker_count(workers: int | None, problem: Problem, meshes: Sequence[Mapping[str, int]], budget: Budget,
+                  baselines: Sequence[str], time_cap: Any) -> int:
+    """How many processes score the meshes: 1 with a wall-clock cap (what it stops must not depend on how the
+    work was split), when a child may not run this problem's simulation (`can_fork`), or (with `workers`
+    None) when the baselines of every mesh after the first cost less than `_FORK_WORTH_S`."""
+    if len(meshes) < 2 or budget.cap_s is not None or (workers is not None and workers <= 1):
+        return 1
+    if not can_fork(problem):
+        return 1
+    if workers is None:
+        workers = default_workers()
+        per_mesh = plan_seconds(len(problem.graph.ops), math.prod(dict(meshes[0]).values())) * (
+            MESH_SETUP_UNITS + len(baselines) * full_plan_units(math.prod(dict(meshes[0]).values())))
+        if per_mesh * (len(meshes) - 1) < _FORK_WORTH_S:
+            return 1
+    return min(workers, len(meshes))
+
+
+def _search(problem: Problem, meshes: Sequence[Mapping[str, int]], pool: MeshPool, job: Any, budget: Budget,
+            t0: float, bar: Any, *, method: Any, seed: int, max_steps: int,
+            max_meshes: int) -> tuple[Plan, SearchReport]:
+    """`_search_plan`'s decisions, over the mesh work of `pool` (see there)."""
+    method_name = {True: "dp+mcmc", "dp": "dp", "mcmc": "mcmc", "baselines": "baselines only"}.get(method, str(method))
+    best: tuple[Score, Candidate, Considered, int, Plan | None] | None = None
+    cands: list[Candidate] = []
+    smallest_peak = math.inf
     searched: Candidate | None = None
 
-    def consider(name: str, sizes: dict[str, int], plan: Plan, score: Score, extra: tuple[Seed, ...],
-                 point: Assignment | None = None, layout_cost: str = "time") -> None:
+    def consider(rec: Considered, index: int, plan: Plan | None = None, name: str | None = None,
+                 score: Score | None = None) -> None:
+        """Weigh a plan mesh `index`'s work made (`plan`: a rewritten one made here instead)."""
         nonlocal best, smallest_peak, searched
+        name, score = name or rec.name, score or rec.score
         smallest_peak = min(smallest_peak, score.peak)
-        c = Candidate(name, sizes, score)
+        c = Candidate(name, dict(rec.sizes), score)
         if name != "search":
             cands.append(c)
         elif searched is None or score.key < searched.score.key:
             searched = c
-        if best is None or _beats(name, score, best[2].name, best[0]):
-            best = (score, plan, c, extra, point, layout_cost)
+        if best is None or _beats(name, score, best[1].name, best[0]):
+            best = (score, c, rec, index, plan)
 
-    # Phase 1: every baseline on every mesh.
-    states = []
-    evaluators: list[Evaluator] = []  # of every mesh scored (the report counts their plans)
-    by_mesh: dict[tuple, tuple[Evaluator, dict[str, Assignment]]] = {}  # mesh -> evaluator, baselines' choices
+    # Phase 1: every baseline on every mesh (while the budget allows, at least max_meshes).
+    states: list[tuple[tuple, int, int, float]] = []  # best key, order, mesh index, memory limit
+    tried: list[dict[str, int]] = []
+    scored: list[int] = []  # the meshes whose work counts
     not_started = 0  # meshes the budget left unscored
     hinted = False  # any user hint on a mesh scored
-    for i, sizes in enumerate(meshes):
+    hint_error: str | None = None  # why the first mesh that rejected the hints did
+    for i in range(len(meshes)):
         if budget.plans is not None and len(states) >= max_meshes and (3 * budget.spent >= 2 * budget.plans
                                                                        or budget.out_of_time()):
             not_started = len(meshes) - i
             break  # 2/3 of the budget is spent on baselines: search the meshes scored so far (at least max_meshes)
-        sizes = dict(sizes)
-        mesh = _mesh_of(sizes)
-        try:
-            user = list(problem.user_seeds(mesh)) if callable(problem.user_seeds) else list(problem.user_seeds or ())
-        except ShardingError as e:
-            hint_error = hint_error or f"on {sizes}: {e}"
+        j = job(i)
+        if isinstance(j, ShardingError):
+            hint_error = hint_error or f"on {dict(meshes[i])}: {j}"
             continue  # the hints do not fit this mesh
+        _, sizes, _, user = j
         tried.append(sizes)
         hinted = hinted or bool(user)
-        budget.charge(MESH_SETUP_UNITS)
-        # Without search moves ("baselines") the space serves only a baseline computed as another one computes
-        # (COMPUTE_OF): built when one is, as it costs much of a pipelined program's baselines-only screen.
-        space = None if method == "baselines" else build_space(problem.graph, sizes, user)
-        ev = Evaluator(problem, mesh, space, user)
-        evaluators.append(ev)
-        base_choices: dict[str, Assignment] = {}
-        by_mesh[tuple(sizes.items())] = (ev, base_choices)
-        starts: list[Assignment] = [] if space is None else [space.neutral()]
-        of_name: dict[str, Plan] = {}  # each baseline's plan, for their choices when the space is built late
-        mixes: list[Assignment] = []
-        seed_sets: dict[str, list[Seed]] = {}
-        seed_scores: dict[str, Score] = {}
-        top = INVALID
-        scored: dict[tuple, tuple[Plan, Score]] = {}  # baselines that seed alike plan alike: scored once
-        plans: dict[str, Plan] = {}  # each baseline's plan on this mesh
-        state = state_inputs(problem.graph)
-        for name in baselines:
-            try:
-                extra = baseline_seeds(name, problem.graph, sizes, user, problem.pipeline)
-                if extra is None:
-                    continue
-                if name in COMPUTE_OF:  # its storage, another baseline's compute: one incremental evaluation
-                    if COMPUTE_OF[name] not in of_name:
-                        continue
-                    if space is None:
-                        space = ev.space = build_space(problem.graph, sizes, user)
-                        base_choices.update((n, plan_choices(space, pl)) for n, pl in of_name.items())
-                    point = with_input_layouts(space, base_choices[COMPUTE_OF[name]], extra, state)
-                    plan = ev.plan(point)
-                    score = ev.cache[point] = ev.score_plan(plan)[0]
-                    bar.update(1)
-                    budget.charge(1)
-                    consider(name, sizes, plan, score, tuple(seeds_for(space, point, user)), point)
-                    plans[name] = of_name[name] = plan
-                    starts.append(point)
-                    mixes.append(plan_choices(space, plan))
-                    base_choices[name] = mixes[-1]
-                    top = min(top, score, key=lambda x: x.key)
-                    continue
-                key = tuple((s.value, s.dims, s.priority) for s in extra)
-                if key in scored:
-                    plan, score = scored[key]
-                    consider(name, sizes, plan, score, tuple(extra))
-                    of_name[name] = plan
-                    if space is not None:
-                        base_choices[name] = plan_choices(space, plan)
-                    continue
-                plan = ev.plan_with(extra)
-                score = ev.score_plan(plan)[0]
-                scored[key] = (plan, score)
-            except ShardingError:
-                continue
-            bar.update(1)
-            budget.charge(full_plan_units(n_devices))
-            consider(name, sizes, plan, score, tuple(extra))
-            seed_sets[name] = list(extra)
-            seed_scores[name] = score
-            plans[name] = of_name[name] = plan
-            if space is not None:
-                starts.append(project(space, plan))
-                mixes.append(plan_choices(space, plan))
-                base_choices[name] = mixes[-1]
-            top = min(top, score, key=lambda x: x.key)
-        if "hints" in plans and problem.topology is not None:
-            for layout_cost in _other_layout_costs(problem):
-                other = _hints_by(layout_cost, problem, ev, plans["hints"])
-                if other is not None:
-                    bar.update(1)
-                    budget.charge(full_plan_units(n_devices))
-                    consider(f"hints ({layout_cost})", sizes, *other, (), None, layout_cost)
-                    top = min(top, other[1], key=lambda x: x.key)
-        states.append((top.key, len(states), sizes, user, ev, starts, mixes, seed_sets, seed_scores, plans,
-                       base_choices))
+        res = pool.scored(j)
+        scored.append(i)
+        for units in res.charges:
+            budget.charge(units)
+        bar.update(res.progress)
+        for rec in res.considered:
+            consider(rec, i)
+        states.append((res.top, len(states), i, res.limit))
+    pool.stop_scoring()
     # Phase 2: search the most promising meshes (by their best baseline), sharing what is left of the budget.
     states.sort(key=lambda st: (st[0], st[1]))
     states = states[:max_meshes] if method != "baselines" else []  # ("baselines": the best of phase 1)
-    for i, (_, _, sizes, user, ev, starts, mixes, seed_sets, seed_scores, plans, base_choices) in enumerate(states):
-        share = budget.left / (len(states) - i)  # plans for this mesh
-        used0 = ev.evaluations
-        # the mixes of the fastest baselines first (the budget may allow only a few)
-        ranked = dict(sorted(seed_sets.items(), key=lambda kv: seed_scores[kv[0]].key))
-        roles = role_mixes(problem.graph, ranked)
-        if math.isfinite(share):  # role mixes get at most a quarter of the share
-            roles = roles[:int(share / 4 / full_plan_units(n_devices))]
-        # one baseline's storage of the state with another's compute (the FSDP of the second: storage_mixes)
-        storage = storage_mixes(problem.graph, plans)
-        if math.isfinite(share):  # at most a quarter of the share too
-            storage = storage[:int(share / 4)]
-        state = set(state_inputs(problem.graph))
-        for a, b in storage:
-            point = tuple(sa if grp.kind == "input" and grp.members[0] in state else sb
-                          for grp, sa, sb in zip(ev.space.groups, base_choices[a], base_choices[b]))
-            if point in ev.cache:
-                continue
+    for k, (_, _, i, _) in enumerate(states):
+        share = budget.left / (len(states) - k)  # plans for this mesh
+        res = pool.call(i, "search", i, share, budget, seed, max_steps)
+        bar.update(res.progress)
+        for units in res.charges:
+            budget.charge(units)
+        budget.capped = budget.capped or res.capped
+        for rec in res.considered:
+            consider(rec, i)
+        if res.final is not None:
+            rec = res.final
             try:
-                plan = ev.plan(point)
-                score = ev.cache[point] = ev.score_plan(plan)[0]
+                plan = None
+                if problem.pcg and rec.score.feasible:  # this mesh's best, its PCG rewritten with proved rules
+                    plan = _with_pcg(problem, pool.call(i, "plan", rec.plan_id))
+                consider(rec, i, plan)
+                if plan is not None and plan.pcg is not None and plan.pcg.chosen:
+                    ch = plan.pcg
+                    consider(rec, i, plan, "search+pcg", Score(ch.time, ch.peak, ch.comm, True))
             except ShardingError:
-                ev.cache[point] = INVALID
-                continue
-            bar.update(1)
-            if not consistent_carry(problem.graph, plan):
-                continue
-            consider("search", sizes, plan, score, tuple(seeds_for(ev.space, point, user)), point)
-            starts.append(point)
-            mixes.append(plan_choices(ev.space, plan))
-        for _, seeds in roles:
-            try:
-                plan = ev.plan_with(seeds)
-                if not consistent_carry(problem.graph, plan):
-                    continue  # the next step would start from another layout: not a steady-state plan
-                score = ev.score_plan(plan)[0]
-            except ShardingError:
-                continue
-            bar.update(1)
-            budget.charge(full_plan_units(n_devices) - 1)  # (the evaluation itself is charged below)
-            consider("search", sizes, plan, score, tuple(seeds))
-            starts.append(project(ev.space, plan))
-            mixes.append(plan_choices(ev.space, plan))
-        base = min(starts, key=lambda s: (ev.score(s).key, s))
-        doms = mixing_domains(ev.space, mixes + [base])  # the DP mixes the baselines per kind of layer
-        # each other start polished by single-group moves (a slower baseline may be one move from the best
-        # plan): at most a quarter of the share, split evenly between the starts, the fastest first
-        others = sorted({s for s in starts if s != base}, key=lambda s: (ev.score(s).key, s))
-        for s in others:
-            if not math.isfinite(share) or budget.out_of_time():
-                break
-            starts.append(polish(ev, s, doms, max_evals=int(share / 4 / len(others)), on_eval=lambda: bar.update(1)))
-        base = min(starts, key=lambda s: (ev.score(s).key, s))
-        dp_evals = sum(len(d) - 1 for d in doms) + 10  # its unary pass
-        skip_dp = method is True and dp_evals > share / 2  # (DP+MCMC skips a DP that cannot finish in half its share)
-        if method in (True, "dp") and not skip_dp and not budget.out_of_time():
-            cap = 400 if method is True else 4000
-            dp_max = int(min(cap, share / 2 if method is True else share))
-            a, _ = sp_dp(ev, base, max_evals=dp_max, deadline=budget.deadline, on_eval=lambda: bar.update(1),
-                         domains=doms)
-            budget.out_of_time()
-            starts.append(a)
-        if method in (True, "mcmc") and not budget.out_of_time():
-            steps = int(min(max_steps, share - (ev.evaluations - used0)))
-            a, _, st = mcmc(ev, starts, seed=seed, max_steps=max(steps, 1), deadline=budget.deadline,
-                            on_step=lambda i, s: bar.update(1), prefer=doms)
-            if st.stopped == "time cap":
-                budget.capped = True
-            starts.append(a)
-        budget.charge(ev.evaluations - used0)
-        a = min(starts, key=lambda s: (ev.score(s).key, s))
-        extra = tuple(seeds_for(ev.space, a, user))
-        try:
-            plan = ev.plan(a)
-            score = ev.score_plan(plan)[0]
-            if problem.pcg and score.feasible:  # this mesh's best, its PCG rewritten with proved rules
-                plan = _with_pcg(problem, plan)
-            consider("search", sizes, plan, score, extra, a)
-            if plan.pcg is not None and plan.pcg.chosen:
-                ch = plan.pcg
-                consider("search+pcg", sizes, plan, Score(ch.time, ch.peak, ch.comm, True), extra, a)
-        except ShardingError:
-            pass
-    evaluations = sum(ev.evaluations for ev in evaluators)
-    limit = states[0][4].limit if states else math.inf
-    bar.close()
+                pass
+    limit = states[0][3] if states else math.inf
     if best is None:
         raise ShardingError(f"strategy search: no mesh of {[dict(m) for m in meshes]} accepts the program's hints"
                             + (f" ({hint_error})" if hint_error is not None else ""))
-    score, plan, chosen, extra, point, layout_cost = best
+    score, chosen, rec, index, plan = best
     if not score.feasible:
         raise NoPlanFits(smallest_peak, limit)
-    ev, base_choices = by_mesh[tuple(chosen.mesh.items())]
-    groups = () if method == "baselines" else \
-        compare_groups(ev, point if point is not None else project(ev.space, plan), plan, score.time, base_choices)
-    evaluations = sum(ev.evaluations for ev in evaluators)
-    report = SearchReport(chosen, cands, tried, evaluations, time.perf_counter() - t0, method_name, extra,
-                          budget.plans, budget.capped, len(tried) + not_started, hinted, groups=groups,
-                          layout_cost=layout_cost, searched=searched)
+    if plan is None:
+        plan = pool.call(index, "plan", rec.plan_id)
+    groups = () if method == "baselines" else pool.call(index, "groups", index, rec.point, rec.plan_id, score.time)
+    report = SearchReport(chosen, cands, tried, pool.evaluations(scored), time.perf_counter() - t0, method_name,
+                          rec.extra, budget.plans, budget.capped, len(tried) + not_started, hinted, groups=groups,
+                          layout_cost=rec.layout_cost, searched=searched)
     return dataclasses.replace(plan, search=report), report
 
 
 HINTS_BY_BYTES = "hints (bytes)"  # the candidate that is exactly the search=False plan
-# What each candidate of the user's hints planned with another op-layout pricing is (`_hints_by`), for the summary.
+# What each candidate of the user's hints planned with another op-layout pricing is (`MeshWork.score`), for the
+# summary.
 _HINTS_PLANNED = {
     HINTS_BY_BYTES: "the hints as search=False plans them (each op's layout chosen by the bytes it sends)",
     "hints (collectives)": "the hints with each op's layout chosen by its collectives' time, without XLA:CPU's "
                            "relayout copies",
 }
-
-
-def _other_layout_costs(problem: Problem) -> tuple[str, ...]:
-    """The op-layout pricings the user's hints are also planned with (`_hints_by`): bytes, as `search=False`
-    does; on XLA:CPU also the collectives' seconds without the relayout copies (elsewhere that is "time")."""
-    return ("bytes", "collectives") if as_topology(problem.topology).backend == "cpu" else ("bytes",)
-
-
-def _hints_by(layout_cost: str, problem: Problem, ev: Evaluator, hints: Plan) -> tuple[Plan, Score] | None:
-    """The user's hints planned with each op's layout weighed by `layout_cost` (`plan_from_seeds`) instead of
-    the seconds of its reshards on the topology, when that gives other op layouts than the "hints" baseline:
-    scored, so the search never returns a plan simulated slower than these. The per-op choice is greedy and
-    the step's simulation sometimes prefers another pricing's: "bytes" is what `search=False` plans (never
-    slower than not searching); "collectives" leaves out XLA:CPU's copies around all-gathers of non-major
-    dims, which an op pays alone in the pricer where the step shares them (docs/search.md). None when it
-    plans the same."""
-    try:  # (the user's seeds alone: their propagation is the one the evaluator continues from)
-        plan = plan_from_seeds(problem, ev.mesh, [], base=ev.user_propagation(), layout_cost=layout_cost)
-    except ShardingError:
-        return None
-    if plan.strategies == hints.strategies and plan.shardings == hints.shardings:
-        return None
-    return plan, ev.score_plan(plan)[0]
 
 
 def _with_pcg(problem: Problem, plan: Plan) -> Plan:

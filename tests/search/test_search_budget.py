@@ -118,10 +118,10 @@ def test_the_report_counts_every_scored_plan_and_says_which_meshes_went_unscored
 
 
 def test_baselines_that_seed_alike_are_scored_once(monkeypatch):
-    import shardc.search.driver as driver
+    import shardc.search.mesh_work as mesh_work
 
-    real_seeds = driver.baseline_seeds
-    monkeypatch.setattr(driver, "baseline_seeds",  # FSDP made to seed what data parallelism seeds
+    real_seeds = mesh_work.baseline_seeds
+    monkeypatch.setattr(mesh_work, "baseline_seeds",  # FSDP made to seed what data parallelism seeds
                         lambda name, *a: real_seeds("data-parallel" if name == "fsdp" else name, *a))
     pb = problem_of(_step, mlp_args())
     runs = {}

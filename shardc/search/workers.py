@@ -1,0 +1,280 @@
+"""The search's meshes scored by several processes at once.
+
+Scoring the baselines on each candidate mesh (phase 1 of `shardc.search.driver`) is most of a search's time on
+large programs (the 12-layer GPT: 24 of 33 s on 64 devices), and each mesh's work is independent of the others'.
+A `MeshPool` gives the meshes round-robin to this process and to `workers - 1` forked children, each running a
+`MeshWork` of its own; the driver then takes the results in mesh order and decides exactly as it does alone
+(which meshes count under the plan budget, which are searched and with how many plans), so the plan, the
+report and every count are the same with one worker or several. A child scores its meshes as soon as it starts
+and keeps each mesh's evaluator, so the phase 2 search of a mesh, its final plan and its group comparisons run
+where it was scored (one mesh at a time: the share of one depends on what the previous one spent).
+
+Only pure-Python work runs in a child: the user's hints are resolved and the meshes made in this process before
+it forks, and no child is forked when the simulator would time ops on this host (the measured `cpu-host`
+profile: XLA must not run in a forked child, and a sibling burning a core would skew the timings), in a
+multi-process JAX job, off Linux, or when the work is too small to repay a fork. A child that fails or dies
+makes the driver search again in this process alone (the same result: nothing depends on which process did
+the work). `SHARDC_SEARCH_WORKERS` sets the number of processes (1: never fork); the default is this process's
+CPUs, at most 4.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import signal
+import sys
+import traceback
+import warnings
+from collections import deque
+from typing import Any, Mapping, Sequence
+
+from shardc.search.mesh_work import MeshScored, MeshWork
+
+__all__ = ["MeshPool", "WorkerLost", "default_workers"]
+
+MAX_WORKERS = 4
+
+
+class WorkerLost(RuntimeError):
+    """A forked worker failed or died; the driver searches again in this process alone."""
+
+
+def default_workers() -> int:
+    """`SHARDC_SEARCH_WORKERS` if set, else this process's CPUs (at most `MAX_WORKERS`)."""
+    env = os.environ.get("SHARDC_SEARCH_WORKERS")
+    if env:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            raise ValueError(f"SHARDC_SEARCH_WORKERS={env!r}: expected a whole number of processes") from None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_WORKERS, cpus))
+
+
+def can_fork(problem: Any) -> bool:
+    """Whether a child may do this problem's mesh work (see the module docstring)."""
+    import jax
+
+    from shardc.sim import as_topology
+
+    if not sys.platform.startswith("linux") or not hasattr(os, "fork") or jax.process_count() > 1:
+        return False
+    return not as_topology(problem.topology).device.measured_ops
+
+
+_MISSING = object()
+Job = tuple[int, Mapping[str, int], Any, list]  # mesh index, sizes, mesh, the user's seeds on it
+
+
+class _Channel:
+    """Pickled messages over a pair of pipes; objects that both processes hold since the fork (the graph, the
+    traced program, the meshes) travel as references to themselves."""
+
+    def __init__(self, read_fd: int, write_fd: int, shared: Sequence[Any]) -> None:
+        self._r, self._w = os.fdopen(read_fd, "rb", buffering=0), os.fdopen(write_fd, "wb")
+        self._shared = {id(o): o for o in shared}
+
+    def send(self, obj: Any) -> None:
+        buf = io.BytesIO()
+        p = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+        shared = self._shared
+        p.persistent_id = lambda o: id(o) if shared.get(id(o), _MISSING) is o else None  # type: ignore[method-assign]
+        p.dump(obj)
+        data = buf.getvalue()
+        self._w.write(len(data).to_bytes(8, "little"))
+        self._w.write(data)
+        self._w.flush()
+
+    def _read(self, size: int) -> bytes:
+        parts, left = [], size
+        while left:
+            part = self._r.read(left)
+            if not part:
+                raise EOFError("the other process closed its pipe")
+            parts.append(part)
+            left -= len(part)
+        return b"".join(parts)
+
+    def recv(self) -> Any:
+        data = self._read(int.from_bytes(self._read(8), "little"))
+        u = pickle.Unpickler(io.BytesIO(data))
+        u.persistent_load = self._shared.__getitem__  # type: ignore[method-assign]
+        return u.load()
+
+    def ready(self) -> bool:
+        import select
+
+        return bool(select.select([self._r], [], [], 0)[0])
+
+    def close(self) -> None:
+        for f in (self._r, self._w):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+class _Child:
+    """This process's handle of one forked worker."""
+
+    def __init__(self, pid: int, channel: _Channel) -> None:
+        self.pid, self.channel = pid, channel
+
+    def reply(self) -> Any:
+        """The next reply to a command (phase 1 results still in the pipe are dropped: not asked for)."""
+        while True:
+            kind, value = self._message()
+            if kind == "reply":
+                return value
+            if kind == "error":
+                raise WorkerLost(f"a search worker failed:\n{value}")
+
+    def _message(self) -> tuple[str, Any]:
+        try:
+            return self.channel.recv()
+        except (EOFError, OSError, pickle.UnpicklingError) as e:
+            raise WorkerLost(f"a search worker stopped answering ({type(e).__name__}: {e})") from None
+
+    def next_scored(self, index: int) -> MeshScored:
+        kind, value = self._message()
+        if kind == "error":
+            raise WorkerLost(f"a search worker failed:\n{value}")
+        if kind != "scored" or value.index != index:
+            raise WorkerLost(f"a search worker sent {kind} out of order (expected mesh {index})")
+        return value
+
+    def call(self, method: str, *args: Any) -> Any:
+        try:
+            self.channel.send(("call", method, args))
+        except OSError as e:
+            raise WorkerLost(f"a search worker stopped listening ({e})") from None
+        return self.reply()
+
+    def close(self) -> None:
+        """Tell the child to exit and reap it; one still busy (scoring a mesh no one asked for) is killed."""
+        try:
+            self.channel.send(("exit", None, ()))
+        except OSError:
+            pass
+        self.channel.close()
+        try:
+            if os.waitpid(self.pid, os.WNOHANG)[0] == 0:
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+        except (ChildProcessError, ProcessLookupError):
+            pass
+
+
+def _serve(work: MeshWork, jobs: Sequence[Job], channel: _Channel) -> None:
+    """A child's loop: score its meshes in order while no command waits, then answer commands until told to
+    exit (or the parent goes away)."""
+    pending = deque(jobs)
+    while True:
+        if pending and not channel.ready():
+            index, sizes, mesh, user = pending.popleft()
+            try:
+                channel.send(("scored", work.score(index, sizes, mesh, user)))
+            except Exception:
+                channel.send(("error", traceback.format_exc()))
+                return
+            continue
+        try:
+            cmd, method, args = channel.recv()
+        except EOFError:
+            return
+        if cmd == "exit":
+            return
+        if cmd == "stop":
+            pending.clear()
+            continue
+        try:
+            channel.send(("reply", getattr(work, method)(*args)))
+        except Exception:
+            channel.send(("error", traceback.format_exc()))
+            return
+
+
+class MeshPool:
+    """The meshes of one search, scored in this process and `workers - 1` forked children (round-robin in mesh
+    order); every later call on a mesh runs in the process that scored it."""
+
+    def __init__(self, work: MeshWork, jobs: Sequence[Job], workers: int, shared: Sequence[Any] = ()) -> None:
+        self.work = work
+        self._jobs = {j[0]: j for j in jobs}
+        workers = max(1, min(workers, len(jobs)))
+        self._owner = {j[0]: k % workers for k, j in enumerate(jobs)}  # mesh index -> 0 (here) or child k
+        self._children: list[_Child] = []
+        shared = [work.problem, work.problem.graph, work.problem.program, work.problem.topology,
+                  *(j[2] for j in jobs), *shared]
+        shared = [o for o in shared if o is not None]
+        try:
+            for k in range(1, workers):
+                self._children.append(self._fork(work, [j for j in jobs if self._owner[j[0]] == k], shared))
+        except OSError:
+            self.close()
+            raise WorkerLost("could not start a search worker") from None
+
+    @staticmethod
+    def _fork(work: MeshWork, jobs: list[Job], shared: Sequence[Any]) -> _Child:
+        down_r, down_w = os.pipe()  # parent -> child
+        up_r, up_w = os.pipe()  # child -> parent
+        sys.stdout.flush()
+        sys.stderr.flush()
+        with warnings.catch_warnings():  # (JAX warns of any fork; the child runs no JAX: see the module docstring)
+            warnings.simplefilter("ignore", RuntimeWarning)
+            pid = os.fork()
+        if pid == 0:  # the child: serve, then leave without running this process's exit handlers
+            code = 0
+            try:
+                for sig in (signal.SIGINT, signal.SIGTERM):  # (not the program's handlers, e.g. a checkpoint's)
+                    signal.signal(sig, signal.SIG_DFL)
+                os.close(down_w)
+                os.close(up_r)
+                channel = _Channel(down_r, up_w, shared)
+                _serve(MeshWork(work.problem, work.baselines, work.method, work.n_devices), jobs, channel)
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(down_r)
+        os.close(up_w)
+        return _Child(pid, _Channel(up_r, down_w, shared))
+
+    def scored(self, job: Job) -> MeshScored:
+        """Phase 1's result for `job`'s mesh (scored here now, or the next result of the child that owns it)."""
+        index, sizes, mesh, user = job
+        owner = self._owner.get(index, 0)
+        if owner == 0:
+            return self.work.score(index, sizes, mesh, user)
+        return self._children[owner - 1].next_scored(index)
+
+    def stop_scoring(self) -> None:
+        """The children score no further meshes (the plan budget ends phase 1)."""
+        for c in self._children:
+            try:
+                c.channel.send(("stop", None, ()))
+            except OSError:
+                raise WorkerLost("a search worker stopped listening") from None
+
+    def call(self, index: int, method: str, *args: Any) -> Any:
+        """`MeshWork.<method>(*args)` in the process that scored mesh `index`."""
+        owner = self._owner.get(index, 0)
+        if owner == 0:
+            return getattr(self.work, method)(*args)
+        return self._children[owner - 1].call(method, *args)
+
+    def evaluations(self, indices: Sequence[int]) -> int:
+        """Simulated plans of the meshes `indices`, over every process."""
+        total = self.work.evaluations([i for i in indices if self._owner.get(i, 0) == 0])
+        for k, c in enumerate(self._children, start=1):
+            mine = [i for i in indices if self._owner.get(i) == k]
+            if mine:
+                total += c.call("evaluations", mine)
+        return total
+
+    def close(self) -> None:
+        """End every child (see `_Child.close`)."""
+        for c in self._children:
+            c.close()
+        self._children = []

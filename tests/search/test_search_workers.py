@@ -1,0 +1,144 @@
+"""Meshes scored by forked workers (shardc.search.workers): the same plan and report as one process, a failed
+or dead worker costs time but not the result, children are reaped, and no fork where a child may not work."""
+import dataclasses
+import os
+
+import jax
+import pytest
+
+import shardc.search.workers as workers
+from shardc.search.driver import _worker_count, search_plan
+from shardc.search.mesh_work import MeshWork
+from shardc.sim import as_topology
+from search_models import mlp_args, mlp_forward, problem_of
+
+MESHES = [{"data": 8}, {"data": 4, "model": 2}, {"data": 2, "model": 4}, {"model": 8}, {"model": 2, "data": 4}]
+
+
+def _step(x, w1, w2):
+    l, g = jax.value_and_grad(lambda w1, w2: mlp_forward(x, w1, w2).mean(), argnums=(0, 1))(w1, w2)
+    return w1 - g[0], w2 - g[1], l
+
+
+def _search(pb, n, **kw):
+    return search_plan(pb, MESHES, budget_s=kw.pop("budget_s", 0.3), seed=0, progress=False, workers=n, **kw)
+
+
+def _same(a, b):
+    """Plans and reports equal in everything the search decided and counted."""
+    (pa, ra), (pb, rb) = a, b
+    assert (ra.chosen, ra.baselines, ra.meshes, ra.seeds, ra.searched, ra.groups, ra.layout_cost) == \
+           (rb.chosen, rb.baselines, rb.meshes, rb.seeds, rb.searched, rb.groups, rb.layout_cost)
+    assert (ra.evaluations, ra.plan_budget, ra.candidate_meshes) == (rb.evaluations, rb.plan_budget,
+                                                                    rb.candidate_meshes)
+    assert (pa.shardings, pa.strategies, pa.reshards) == (pb.shardings, pb.strategies, pb.reshards)
+
+
+@pytest.fixture(scope="module")
+def problem():
+    return problem_of(_step, mlp_args())
+
+
+@pytest.fixture(scope="module")
+def alone(problem):
+    return _search(problem, 1)
+
+
+@pytest.fixture
+def forks(monkeypatch):
+    """The pids of the children forked during the test."""
+    pids = []
+    real = workers.MeshPool._fork
+
+    def counted(*a):
+        child = real(*a)
+        pids.append(child.pid)
+        return child
+
+    monkeypatch.setattr(workers.MeshPool, "_fork", staticmethod(counted))
+    return pids
+
+
+def _reaped(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_workers_plan_as_one_process_does(problem, alone, forks, n):
+    _same(_search(problem, n), alone)
+    assert len(forks) == n - 1 and all(_reaped(p) for p in forks)
+
+
+def test_a_budget_that_ends_phase_one_early_counts_the_same_meshes(problem, forks):
+    """A small budget stops scoring after the first meshes: a worker's speculative meshes are dropped."""
+    one = _search(problem, 1, budget_s=0.01, max_meshes=1)
+    two = _search(problem, 2, budget_s=0.01, max_meshes=1)
+    assert len(one[1].meshes) < len(MESHES)
+    _same(two, one)
+    assert forks and all(_reaped(p) for p in forks)
+
+
+def test_a_failing_worker_costs_time_not_the_result(problem, alone, forks, monkeypatch):
+    parent = os.getpid()
+    real = MeshWork.score
+
+    def fails_in_a_child(self, *a):
+        if os.getpid() != parent:
+            raise RuntimeError("boom in a worker")
+        return real(self, *a)
+
+    monkeypatch.setattr(MeshWork, "score", fails_in_a_child)
+    with pytest.warns(RuntimeWarning, match="(?s)boom in a worker.*searching again in this process alone"):
+        got = _search(problem, 2)
+    _same(got, alone)
+    assert forks and all(_reaped(p) for p in forks)
+
+
+def test_a_dead_worker_costs_time_not_the_result(problem, alone, forks, monkeypatch):
+    parent = os.getpid()
+    real = MeshWork.score
+
+    def dies_in_a_child(self, *a):
+        if os.getpid() != parent:
+            os._exit(3)
+        return real(self, *a)
+
+    monkeypatch.setattr(MeshWork, "score", dies_in_a_child)
+    with pytest.warns(RuntimeWarning, match="stopped answering"):
+        got = _search(problem, 2)
+    _same(got, alone)
+    assert forks and all(_reaped(p) for p in forks)
+
+
+def test_no_fork_where_a_child_may_not_work(problem, monkeypatch):
+    assert _worker_count(2, problem, MESHES, _budget(problem), ("hints",), None) == 2
+    assert _worker_count(1, problem, MESHES, _budget(problem), ("hints",), None) == 1
+    assert _worker_count(2, problem, MESHES[:1], _budget(problem), ("hints",), None) == 1
+    capped = _budget(problem, cap=True)
+    assert _worker_count(2, problem, MESHES, capped, ("hints",), None) == 1  # what a cap stops must not vary
+    host = as_topology("cpu-host")  # one that times ops with XLA on this host (the tests' does not)
+    host = dataclasses.replace(host, device=dataclasses.replace(host.device, measured_ops=("conv_general_dilated",)))
+    measured = problem_of(_step, mlp_args(), topology=host)
+    assert _worker_count(2, measured, MESHES, _budget(measured), ("hints",), None) == 1
+    # automatic: a small program's meshes do not repay a fork
+    assert _worker_count(None, problem, MESHES, _budget(problem), ("hints",), None) == 1
+
+
+def test_workers_from_the_environment(monkeypatch):
+    monkeypatch.setenv("SHARDC_SEARCH_WORKERS", "3")
+    assert workers.default_workers() == 3
+    monkeypatch.setenv("SHARDC_SEARCH_WORKERS", "two")
+    with pytest.raises(ValueError, match="SHARDC_SEARCH_WORKERS='two'"):
+        workers.default_workers()
+    monkeypatch.delenv("SHARDC_SEARCH_WORKERS")
+    assert 1 <= workers.default_workers() <= workers.MAX_WORKERS
+
+
+def _budget(problem, cap=None):
+    from shardc.search.budget import Budget
+
+    return Budget.for_search(1.0, problem.graph, 8, cap=cap)
