@@ -47,8 +47,8 @@ MESH_SETUP_UNITS = 2.0
 
 
 def plan_seconds(num_ops: int, num_devices: int) -> float:
-    """Seconds one incremental evaluation of a `num_ops`-op program on `num_devices` devices takes on the
-    reference machine."""
+    """Seconds the reference machine takes for one incremental evaluation of a `num_ops`-op program on
+    `num_devices` devices."""
     return (_FIXED_S + _FIXED_S_PER_DEVICE * num_devices
             + max(num_ops, 1) * (_PER_OP_S + _PER_OP_S_PER_DEVICE * num_devices))
 

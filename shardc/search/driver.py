@@ -182,15 +182,12 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
                 jobs[i] = e
         return jobs[i]
 
-    n = _worker_count(workers, problem, meshes, budget, baselines, time_cap)
-    if n > 1:  # (every mesh's hints are resolved here, before any fork: see shardc.search.workers)
-        pool = MeshPool(work, [j for j in map(job, range(len(meshes))) if not isinstance(j, ShardingError)], n)
-    else:
-        pool = MeshPool(work, [], 1)
+    pool = MeshPool(work)
     bar = tqdm(desc="shardc search", unit="plan", disable=(None if progress is None else not progress), leave=False)
     try:
         return _search(problem, meshes, pool, job, budget, t0, bar, method=method, seed=seed, max_steps=max_steps,
-                       max_meshes=max_meshes)
+                       max_meshes=max_meshes, workers=_worker_limit(workers, problem, meshes, budget),
+                       forced=workers is not None)
     except WorkerLost as e:
         pool.close()
         warnings.warn(f"shardc: {e}\nsearching again in this process alone (the same plan, more slowly)",
@@ -203,32 +200,35 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
         pool.close()
 
 
-# A fork repays itself when the meshes' baselines cost at least this many seconds on the reference machine.
-_FORK_WORTH_S = 1.0
+# Forked workers score the meshes when the baselines of the meshes after the first take this long: as estimated
+# from the program's size (`plans_for`'s reference timings) before the first, else as the first took.
+_FORK_WORTH_S = 0.5
 
 
-def _worker_count(workers: int | None, problem: Problem, meshes: Sequence[Mapping[str, int]], budget: Budget,
-                  baselines: Sequence[str], time_cap: Any) -> int:
-    """How many processes score the meshes: 1 with a wall-clock cap (what it stops must not depend on how the
-    work was split), when a child may not run this problem's simulation (`can_fork`), or (with `workers`
-    None) when the baselines of every mesh after the first cost less than `_FORK_WORTH_S`."""
+def _worker_limit(workers: int | None, problem: Problem, meshes: Sequence[Mapping[str, int]], budget: Budget) -> int:
+    """How many processes may score the meshes (`workers`, or `default_workers()`): 1 with a wall-clock cap
+    (what it stops must not depend on how the work was split) or when a child may not run this problem's
+    simulation (`can_fork`)."""
     if len(meshes) < 2 or budget.cap_s is not None or (workers is not None and workers <= 1):
         return 1
     if not can_fork(problem):
         return 1
-    if workers is None:
-        workers = default_workers()
-        per_mesh = plan_seconds(len(problem.graph.ops), math.prod(dict(meshes[0]).values())) * (
-            MESH_SETUP_UNITS + len(baselines) * full_plan_units(math.prod(dict(meshes[0]).values())))
-        if per_mesh * (len(meshes) - 1) < _FORK_WORTH_S:
-            return 1
-    return min(workers, len(meshes))
+    return default_workers() if workers is None else workers
+
+
+def _phase_one_estimate(problem: Problem, meshes: Sequence[Mapping[str, int]], baselines: int) -> float:
+    """Seconds the reference machine takes to score the baselines of every mesh after the first."""
+    n = math.prod(dict(meshes[0]).values())
+    return (len(meshes) - 1) * (MESH_SETUP_UNITS + baselines * full_plan_units(n)) * plan_seconds(
+        len(problem.graph.ops), n)
 
 
 def _search(problem: Problem, meshes: Sequence[Mapping[str, int]], pool: MeshPool, job: Any, budget: Budget,
-            t0: float, bar: Any, *, method: Any, seed: int, max_steps: int,
-            max_meshes: int) -> tuple[Plan, SearchReport]:
-    """`_search_plan`'s decisions, over the mesh work of `pool` (see there)."""
+            t0: float, bar: Any, *, method: Any, seed: int, max_steps: int, max_meshes: int, workers: int,
+            forced: bool) -> tuple[Plan, SearchReport]:
+    """`_search_plan`'s decisions, over the mesh work of `pool` (see there). The meshes after the first are
+    spread over `workers` processes when the first took long enough to repay a fork (`_FORK_WORTH_S`; always
+    when `forced`): the seconds decide only who does the work, never what is decided."""
     method_name = {True: "dp+mcmc", "dp": "dp", "mcmc": "mcmc", "baselines": "baselines only"}.get(method, str(method))
     best: tuple[Score, Candidate, Considered, int, Plan | None] | None = None
     cands: list[Candidate] = []
@@ -253,9 +253,12 @@ def _search(problem: Problem, meshes: Sequence[Mapping[str, int]], pool: MeshPoo
     states: list[tuple[tuple, int, int, float]] = []  # best key, order, mesh index, memory limit
     tried: list[dict[str, int]] = []
     scored: list[int] = []  # the meshes whose work counts
+    first_s = 0.0  # seconds the first of them took
     not_started = 0  # meshes the budget left unscored
     hinted = False  # any user hint on a mesh scored
     hint_error: str | None = None  # why the first mesh that rejected the hints did
+    if workers > 1 and (forced or _phase_one_estimate(problem, meshes, len(pool.work.baselines)) >= _FORK_WORTH_S):
+        pool.spread([r for r in map(job, range(len(meshes))) if not isinstance(r, ShardingError)], workers)
     for i in range(len(meshes)):
         if budget.plans is not None and len(states) >= max_meshes and (3 * budget.spent >= 2 * budget.plans
                                                                        or budget.out_of_time()):
@@ -266,9 +269,16 @@ def _search(problem: Problem, meshes: Sequence[Mapping[str, int]], pool: MeshPoo
             hint_error = hint_error or f"on {dict(meshes[i])}: {j}"
             continue  # the hints do not fit this mesh
         _, sizes, _, user = j
+        if workers > 1 and scored and not pool.spread_done:  # (from the second mesh scored on)
+            rest = [r for r in map(job, range(i, len(meshes))) if not isinstance(r, ShardingError)]
+            if first_s * len(rest) >= _FORK_WORTH_S:
+                pool.spread(rest, workers, here_first=False)
         tried.append(sizes)
         hinted = hinted or bool(user)
+        t = time.perf_counter()
         res = pool.scored(j)
+        if not scored:
+            first_s = time.perf_counter() - t
         scored.append(i)
         for units in res.charges:
             budget.charge(units)

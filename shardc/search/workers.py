@@ -196,27 +196,33 @@ def _serve(work: MeshWork, jobs: Sequence[Job], channel: _Channel) -> None:
 
 
 class MeshPool:
-    """The meshes of one search, scored in this process and `workers - 1` forked children (round-robin in mesh
-    order); every later call on a mesh runs in the process that scored it."""
+    """The meshes of one search: scored in this process until `spread` gives the rest round-robin to it and to
+    `workers - 1` forked children; every later call on a mesh runs in the process that scored it."""
 
-    def __init__(self, work: MeshWork, jobs: Sequence[Job], workers: int, shared: Sequence[Any] = ()) -> None:
+    def __init__(self, work: MeshWork) -> None:
         self.work = work
-        self._jobs = {j[0]: j for j in jobs}
-        workers = max(1, min(workers, len(jobs)))
-        self._owner = {j[0]: k % workers for k, j in enumerate(jobs)}  # mesh index -> 0 (here) or child k
+        self._owner: dict[int, int] = {}  # mesh index -> 0 (here) or child k
         self._children: list[_Child] = []
-        shared = [work.problem, work.problem.graph, work.problem.program, work.problem.topology,
-                  *(j[2] for j in jobs), *shared]
+        self.spread_done = False
+
+    def spread(self, jobs: Sequence[Job], workers: int, here_first: bool = True) -> None:
+        """Score `jobs` (the meshes left, in order) here and in `workers - 1` children, round-robin from this
+        process (or from the first child, when this one has just scored a mesh)."""
+        self.spread_done = True
+        workers = max(1, min(workers, len(jobs)))
+        self._owner.update((j[0], (k + (not here_first)) % workers) for k, j in enumerate(jobs))
+        work = self.work
+        shared = [work.problem, work.problem.graph, work.problem.program, work.problem.topology, *(j[2] for j in jobs)]
         shared = [o for o in shared if o is not None]
         try:
             for k in range(1, workers):
-                self._children.append(self._fork(work, [j for j in jobs if self._owner[j[0]] == k], shared))
+                self._children.append(self._fork(work, [j for j in jobs if self._owner[j[0]] == k], shared,
+                                                 self._children))
         except OSError:
-            self.close()
             raise WorkerLost("could not start a search worker") from None
 
     @staticmethod
-    def _fork(work: MeshWork, jobs: list[Job], shared: Sequence[Any]) -> _Child:
+    def _fork(work: MeshWork, jobs: list[Job], shared: Sequence[Any], siblings: Sequence[_Child]) -> _Child:
         down_r, down_w = os.pipe()  # parent -> child
         up_r, up_w = os.pipe()  # child -> parent
         sys.stdout.flush()
@@ -229,6 +235,8 @@ class MeshPool:
             try:
                 for sig in (signal.SIGINT, signal.SIGTERM):  # (not the program's handlers, e.g. a checkpoint's)
                     signal.signal(sig, signal.SIG_DFL)
+                for c in siblings:  # (their pipes are the parent's)
+                    c.channel.close()
                 os.close(down_w)
                 os.close(up_r)
                 channel = _Channel(down_r, up_w, shared)

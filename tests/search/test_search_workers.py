@@ -7,7 +7,7 @@ import jax
 import pytest
 
 import shardc.search.workers as workers
-from shardc.search.driver import _worker_count, search_plan
+from shardc.search.driver import _worker_limit, search_plan
 from shardc.search.mesh_work import MeshWork
 from shardc.sim import as_topology
 from search_models import mlp_args, mlp_forward, problem_of
@@ -114,18 +114,21 @@ def test_a_dead_worker_costs_time_not_the_result(problem, alone, forks, monkeypa
     assert forks and all(_reaped(p) for p in forks)
 
 
-def test_no_fork_where_a_child_may_not_work(problem, monkeypatch):
-    assert _worker_count(2, problem, MESHES, _budget(problem), ("hints",), None) == 2
-    assert _worker_count(1, problem, MESHES, _budget(problem), ("hints",), None) == 1
-    assert _worker_count(2, problem, MESHES[:1], _budget(problem), ("hints",), None) == 1
-    capped = _budget(problem, cap=True)
-    assert _worker_count(2, problem, MESHES, capped, ("hints",), None) == 1  # what a cap stops must not vary
+def test_no_fork_where_a_child_may_not_work(problem):
+    assert _worker_limit(2, problem, MESHES, _budget(problem)) == 2
+    assert _worker_limit(1, problem, MESHES, _budget(problem)) == 1
+    assert _worker_limit(2, problem, MESHES[:1], _budget(problem)) == 1
+    assert _worker_limit(2, problem, MESHES, _budget(problem, cap=True)) == 1  # what a cap stops must not vary
     host = as_topology("cpu-host")  # one that times ops with XLA on this host (the tests' does not)
     host = dataclasses.replace(host, device=dataclasses.replace(host.device, measured_ops=("conv_general_dilated",)))
     measured = problem_of(_step, mlp_args(), topology=host)
-    assert _worker_count(2, measured, MESHES, _budget(measured), ("hints",), None) == 1
-    # automatic: a small program's meshes do not repay a fork
-    assert _worker_count(None, problem, MESHES, _budget(problem), ("hints",), None) == 1
+    assert _worker_limit(2, measured, MESHES, _budget(measured)) == 1
+
+
+def test_a_small_program_is_not_worth_a_fork(problem, alone, forks, monkeypatch):
+    monkeypatch.setenv("SHARDC_SEARCH_WORKERS", "2")
+    _same(_search(problem, None), alone)  # (its first mesh scores in milliseconds)
+    assert forks == []
 
 
 def test_workers_from_the_environment(monkeypatch):
