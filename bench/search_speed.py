@@ -2,6 +2,7 @@
 
     python bench/search_speed.py [--layers 12] [--write]
     python bench/search_speed.py --pipeline [--layers 12] [--topology h100-sxm-8x8 ...]
+    python bench/search_speed.py --workers 3
 
 For each target — 8 devices on `h100-sxm-8` and 64 devices on `h100-sxm-8x8` (more than this host has:
 the plan is made on a mesh shape without devices, `shardc.plan_for`) — it plans with `search=True` and
@@ -9,6 +10,10 @@ reports the time to trace, to search and in all, the simulated plans evaluated p
 of one evaluation: a full one (a baseline, on a fresh mesh) and an incremental one (a one-decision move,
 as MCMC proposes). `--write` records the table in docs/benchmarks.md. Targets (issue 6): ≤ 10 s in all on
 8 devices and ≤ 30 s on 64 on a 2-core machine.
+
+`--workers ROUNDS` plans each target with one process (`SHARDC_SEARCH_WORKERS=1`) and with the default
+workers (`shardc.search.workers`), alternately, and prints the medians, the speedup and whether every run chose
+the same plan.
 
 `--pipeline` plans the same LM with its blocks as one `nn.scan` (`bench.gpt.ScanGPT`, the form shardc cuts
 into stages) with the pipeline dimension on (`shardc.plan_for(..., pipeline=True)`: the unpipelined search,
@@ -156,12 +161,48 @@ def evaluation_costs(problem, sizes: dict, moves: int = 12) -> tuple[float, floa
     return statistics.median(full), statistics.median(inc)
 
 
+def workers_rows(step, args: tuple, rounds: int) -> list[str]:
+    """Per target: the plan made with one process (`SHARDC_SEARCH_WORKERS=1`) and with the default workers,
+    alternately `rounds` times in this process (medians: the machine's speed drifts), and whether every run
+    chose the same plan (the report's decisions and counts, the plan's shardings, strategies and reshards)."""
+    rows = []
+    for topology, devices, target in TARGETS:
+        runs: dict[str, list[dict]] = {"1": [], "default": []}
+        for _ in range(rounds):
+            for name in runs:
+                if name == "1":
+                    os.environ["SHARDC_SEARCH_WORKERS"] = "1"
+                else:
+                    os.environ.pop("SHARDC_SEARCH_WORKERS", None)
+                runs[name].append(plan_once(step, args, topology, devices))
+        os.environ.pop("SHARDC_SEARCH_WORKERS", None)
+        digests = {_decisions(r["plan"], r["report"]) for rs in runs.values() for r in rs}
+        one, many = ({k: statistics.median(r[k] for r in rs) for k in ("total", "search")} for rs in runs.values())
+        from shardc.search.workers import default_workers
+
+        rows.append(f"| {devices} / `{topology}` | {one['search']:.1f} / {one['total']:.1f} | {default_workers()}: "
+                    f"{many['search']:.1f} / {many['total']:.1f} (≤ {target:.0f}) | {one['total'] / many['total']:.2f}x "
+                    f"| {'yes' if len(digests) == 1 else f'NO ({len(digests)} different)'} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
+def _decisions(plan, report) -> str:
+    import hashlib
+
+    d = (report.chosen, report.baselines, report.meshes, report.evaluations, report.seeds, report.searched,
+         report.groups, plan.shardings, plan.strategies, plan.reshards)
+    return hashlib.sha256(repr(d).encode()).hexdigest()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--pipeline", action="store_true", help="plan with the pipeline dimension on (issue 16)")
     ap.add_argument("--topology", action="append", help="with --pipeline: only this target (repeatable)")
+    ap.add_argument("--workers", type=int, metavar="ROUNDS",
+                    help="plan with one process and with the default workers, alternately ROUNDS times")
     args = ap.parse_args()
     if args.pipeline:
         print("| devices / topology | candidates | unpipelined search | screens | finalists | total (target; CPU) "
@@ -173,6 +214,13 @@ def main() -> None:
 
     model, tx, params, opt_state, ids = setup(layers=args.layers)
     step = make_train_step(model, tx)
+    if args.workers:
+        print("| devices / topology | one process: search / total | workers: search / total (target) | speedup "
+              "| same plan |\n|---|---|---|---|---|")
+        workers_rows(step, (params, opt_state, ids), args.workers)
+        print(f"(seconds, medians of {args.workers}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
+              "at the end)")
+        return
     closed = jax.make_jaxpr(step)(params, opt_state, ids)
     eqns = count_eqns(closed.jaxpr)
     rows = []

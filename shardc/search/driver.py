@@ -230,14 +230,16 @@ def _search(problem: Problem, meshes: Sequence[Mapping[str, int]], pool: MeshPoo
     spread over `workers` processes when the first took long enough to repay a fork (`_FORK_WORTH_S`; always
     when `forced`): the seconds decide only who does the work, never what is decided."""
     method_name = {True: "dp+mcmc", "dp": "dp", "mcmc": "mcmc", "baselines": "baselines only"}.get(method, str(method))
-    best: tuple[Score, Candidate, Considered, int, Plan | None] | None = None
+    best: tuple[Score, Candidate, Considered, int, int, Plan | None] | None = None
     cands: list[Candidate] = []
     smallest_peak = math.inf
     searched: Candidate | None = None
 
     def consider(rec: Considered, index: int, plan: Plan | None = None, name: str | None = None,
                  score: Score | None = None) -> None:
-        """Weigh a plan mesh `index`'s work made (`plan`: a rewritten one made here instead)."""
+        """Weigh a plan mesh `index`'s work made (`plan`: a rewritten one made here instead). (Its handle is
+        kept with the process holding it now: a mesh searched elsewhere than it was scored keeps its baselines'
+        plans where they were made.)"""
         nonlocal best, smallest_peak, searched
         name, score = name or rec.name, score or rec.score
         smallest_peak = min(smallest_peak, score.peak)
@@ -247,7 +249,7 @@ def _search(problem: Problem, meshes: Sequence[Mapping[str, int]], pool: MeshPoo
         elif searched is None or score.key < searched.score.key:
             searched = c
         if best is None or _beats(name, score, best[1].name, best[0]):
-            best = (score, c, rec, index, plan)
+            best = (score, c, rec, index, pool.process_of(index), plan)
 
     # Phase 1: every baseline on every mesh (while the budget allows, at least max_meshes).
     states: list[tuple[tuple, int, int, float]] = []  # best key, order, mesh index, memory limit
@@ -287,12 +289,13 @@ def _search(problem: Problem, meshes: Sequence[Mapping[str, int]], pool: MeshPoo
             consider(rec, i)
         states.append((res.top, len(states), i, res.limit))
     pool.stop_scoring()
-    # Phase 2: search the most promising meshes (by their best baseline), sharing what is left of the budget.
+    # Phase 2: search the most promising meshes (by their best baseline), each with an equal share of what is
+    # left of the budget, decided before any of them runs (so they may run at once: shardc.search.workers).
     states.sort(key=lambda st: (st[0], st[1]))
     states = states[:max_meshes] if method != "baselines" else []  # ("baselines": the best of phase 1)
-    for k, (_, _, i, _) in enumerate(states):
-        share = budget.left / (len(states) - k)  # plans for this mesh
-        res = pool.call(i, "search", i, share, budget, seed, max_steps)
+    share = budget.left / len(states) if states else 0.0  # plans for each mesh
+    searches = pool.search([st[2] for st in states], job, share, budget, seed, max_steps)
+    for (_, _, i, _), res in zip(states, searches):
         bar.update(res.progress)
         for units in res.charges:
             budget.charge(units)
@@ -315,12 +318,12 @@ def _search(problem: Problem, meshes: Sequence[Mapping[str, int]], pool: MeshPoo
     if best is None:
         raise ShardingError(f"strategy search: no mesh of {[dict(m) for m in meshes]} accepts the program's hints"
                             + (f" ({hint_error})" if hint_error is not None else ""))
-    score, chosen, rec, index, plan = best
+    score, chosen, rec, index, process, plan = best
     if not score.feasible:
         raise NoPlanFits(smallest_peak, limit)
     if plan is None:
-        plan = pool.call(index, "plan", rec.plan_id)
-    groups = () if method == "baselines" else pool.call(index, "groups", index, rec.point, rec.plan_id, score.time)
+        plan = pool.call_on(process, "plan", rec.plan_id)
+    groups = () if method == "baselines" else pool.call(index, "groups", index, rec.point, plan, score.time)
     report = SearchReport(chosen, cands, tried, pool.evaluations(scored), time.perf_counter() - t0, method_name,
                           rec.extra, budget.plans, budget.capped, len(tried) + not_started, hinted, groups=groups,
                           layout_cost=rec.layout_cost, searched=searched)

@@ -271,9 +271,9 @@ class MeshWork:
             pass
         return out
 
-    def groups(self, index: int, point: Assignment | None, plan_id: int, time: float) -> tuple[GroupNote, ...]:
-        """What each heavy decision group of the chosen plan (`plan_id`, simulated `time`) beat on its mesh."""
-        st, plan = self._states[index], self._plans[plan_id]
+    def groups(self, index: int, point: Assignment | None, plan: Plan, time: float) -> tuple[GroupNote, ...]:
+        """What each heavy decision group of the chosen plan (simulated `time`) beat on its mesh."""
+        st = self._states[index]
         return compare_groups(st.ev, point if point is not None else project_plan(st.ev.space, plan), plan, time,
                               st.base_choices)
 

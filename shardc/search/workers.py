@@ -7,7 +7,8 @@ A `MeshPool` gives the meshes round-robin to this process and to `workers - 1` f
 (which meshes count under the plan budget, which are searched and with how many plans), so the plan, the
 report and every count are the same with one worker or several. A child scores its meshes as soon as it starts
 and keeps each mesh's evaluator, so the phase 2 search of a mesh, its final plan and its group comparisons run
-where it was scored (one mesh at a time: the share of one depends on what the previous one spent).
+where it was scored; the searched meshes run at once (their plan shares are fixed before either starts), and
+when one process scored two of them an idle one scores the second again and searches it.
 
 Only pure-Python work runs in a child: the user's hints are resolved and the meshes made in this process before
 it forks, and no child is forked when the simulator would time ops on this host (the measured `cpu-host`
@@ -27,9 +28,9 @@ import sys
 import traceback
 import warnings
 from collections import deque
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from shardc.search.mesh_work import MeshScored, MeshWork
+from shardc.search.mesh_work import MeshScored, MeshSearched, MeshWork
 
 __all__ = ["MeshPool", "WorkerLost", "default_workers"]
 
@@ -144,11 +145,15 @@ class _Child:
             raise WorkerLost(f"a search worker sent {kind} out of order (expected mesh {index})")
         return value
 
-    def call(self, method: str, *args: Any) -> Any:
+    def post(self, method: str, *args: Any) -> None:
+        """Ask for `MeshWork.<method>(*args)`; `reply()` gives its result (replies come in the order asked)."""
         try:
             self.channel.send(("call", method, args))
         except OSError as e:
             raise WorkerLost(f"a search worker stopped listening ({e})") from None
+
+    def call(self, method: str, *args: Any) -> Any:
+        self.post(method, *args)
         return self.reply()
 
     def close(self) -> None:
@@ -203,6 +208,7 @@ class MeshPool:
         self.work = work
         self._owner: dict[int, int] = {}  # mesh index -> 0 (here) or child k
         self._children: list[_Child] = []
+        self._meshes: list[Any] = []  # the meshes scored here before a fork (shared with the children)
         self.spread_done = False
 
     def spread(self, jobs: Sequence[Job], workers: int, here_first: bool = True) -> None:
@@ -212,7 +218,8 @@ class MeshPool:
         workers = max(1, min(workers, len(jobs)))
         self._owner.update((j[0], (k + (not here_first)) % workers) for k, j in enumerate(jobs))
         work = self.work
-        shared = [work.problem, work.problem.graph, work.problem.program, work.problem.topology, *(j[2] for j in jobs)]
+        shared = [work.problem, work.problem.graph, work.problem.program, work.problem.topology, *self._meshes,
+                  *(j[2] for j in jobs)]
         shared = [o for o in shared if o is not None]
         try:
             for k in range(1, workers):
@@ -254,6 +261,7 @@ class MeshPool:
         index, sizes, mesh, user = job
         owner = self._owner.get(index, 0)
         if owner == 0:
+            self._meshes.append(mesh)
             return self.work.score(index, sizes, mesh, user)
         return self._children[owner - 1].next_scored(index)
 
@@ -265,12 +273,57 @@ class MeshPool:
             except OSError:
                 raise WorkerLost("a search worker stopped listening") from None
 
+    def process_of(self, index: int) -> int:
+        """The process that holds mesh `index`'s work now (0: this one)."""
+        return self._owner.get(index, 0)
+
     def call(self, index: int, method: str, *args: Any) -> Any:
-        """`MeshWork.<method>(*args)` in the process that scored mesh `index`."""
-        owner = self._owner.get(index, 0)
-        if owner == 0:
+        """`MeshWork.<method>(*args)` in the process that holds mesh `index`'s work."""
+        return self.call_on(self.process_of(index), method, *args)
+
+    def call_on(self, process: int, method: str, *args: Any) -> Any:
+        """`MeshWork.<method>(*args)` in `process` (0: this one)."""
+        if process == 0:
             return getattr(self.work, method)(*args)
-        return self._children[owner - 1].call(method, *args)
+        return self._children[process - 1].call(method, *args)
+
+    def search(self, indices: Sequence[int], job: Callable[[int], Job], share: float, budget: Any, seed: int,
+               max_steps: int) -> list[MeshSearched]:
+        """Phase 2 (`MeshWork.search`) on the meshes `indices`, each with `share` plans, at once where they are
+        in different processes; a mesh whose process already searches another is given to an idle one, which
+        scores it again first (the same evaluator state: scoring depends on nothing but the mesh). Results in
+        the order of `indices`."""
+        where: dict[int, int] = {}  # mesh index -> the process that searches it
+        moved: set[int] = set()
+        processes = range(len(self._children) + 1)
+        for n, i in enumerate(indices):
+            p = self._owner.get(i, 0)
+            later = {self._owner.get(j, 0) for j in indices[n + 1:]}
+            free = [q for q in processes if q not in where.values() and q not in later]
+            if p in where.values() and free:
+                p = free[0]
+                moved.add(i)
+            where[i] = p
+        for i in indices:  # the children's first, then this process's, then the children's replies
+            if where[i]:
+                child = self._children[where[i] - 1]
+                if i in moved:
+                    child.post("score", *job(i))
+                child.post("search", i, share, budget, seed, max_steps)
+        results: dict[int, MeshSearched] = {}
+        for i in indices:
+            if not where[i]:
+                if i in moved:
+                    self.work.score(*job(i))
+                results[i] = self.work.search(i, share, budget, seed, max_steps)
+        for i in indices:
+            if where[i]:
+                child = self._children[where[i] - 1]
+                if i in moved:
+                    child.reply()
+                results[i] = child.reply()
+        self._owner.update(where)
+        return [results[i] for i in indices]
 
     def evaluations(self, indices: Sequence[int]) -> int:
         """Simulated plans of the meshes `indices`, over every process."""

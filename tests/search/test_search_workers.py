@@ -145,3 +145,35 @@ def _budget(problem, cap=None):
     from shardc.search.budget import Budget
 
     return Budget.for_search(1.0, problem.graph, 8, cap=cap)
+
+
+def test_a_mesh_searched_beside_another_of_its_process_moves_to_an_idle_one(problem, forks):
+    """Meshes 0 and 2 are both scored here; searched together, mesh 2 is scored again and searched in the
+    child, with the same result as here alone."""
+    from shardc.search.budget import Budget
+    from shardc.search.driver import _mesh_of
+
+    def jobs():
+        return [(i, m, _mesh_of(m), []) for i, m in enumerate(MESHES[:3])]
+
+    def run(n):
+        pool = workers.MeshPool(MeshWork(problem, ("hints", "data-parallel", "megatron"), True, 8))
+        if n > 1:
+            pool.spread(jobs(), n)
+        try:
+            scored = [pool.scored(j) for j in jobs()]
+            made_in = pool.process_of(2)
+            res = pool.search([0, 2], lambda i: jobs()[i], 12.0, Budget(None, None), 0, 50)
+            # a baseline of mesh 2, made where mesh 2 was scored, compared on its mesh where it is searched now
+            rec = scored[2].considered[0]
+            plan = pool.call_on(made_in, "plan", rec.plan_id)
+            groups = pool.call(2, "groups", 2, None, plan, rec.score.time)
+            return [[(c.score, c.point) for c in [*r.considered, r.final]] + [r.charges] for r in res], \
+                pool.evaluations([0, 1, 2]), plan.shardings, groups, dict(pool._owner)
+        finally:
+            pool.close()
+
+    alone, here = run(1)[:4], run(2)
+    assert here[4][2] == 1 and here[4][0] == 0  # (mesh 2 moved to the child)
+    assert here[:4] == alone
+    assert len(forks) == 1 and _reaped(forks[0])
