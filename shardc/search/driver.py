@@ -201,7 +201,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
 
 
 # Forked workers score the meshes when the baselines of the meshes after the first take this long: as estimated
-# from the program's size (`plans_for`'s reference timings) before the first, else as the first took.
+# from the program's size (`budget.plan_seconds`, the reference machine) before the first, else as the first took.
 _FORK_WORTH_S = 0.5
 
 
@@ -226,9 +226,10 @@ def _phase_one_estimate(problem: Problem, meshes: Sequence[Mapping[str, int]], b
 def _search(problem: Problem, meshes: Sequence[Mapping[str, int]], pool: MeshPool, job: Any, budget: Budget,
             t0: float, bar: Any, *, method: Any, seed: int, max_steps: int, max_meshes: int, workers: int,
             forced: bool) -> tuple[Plan, SearchReport]:
-    """`_search_plan`'s decisions, over the mesh work of `pool` (see there). The meshes after the first are
-    spread over `workers` processes when the first took long enough to repay a fork (`_FORK_WORTH_S`; always
-    when `forced`): the seconds decide only who does the work, never what is decided."""
+    """`_search_plan`'s decisions, over the mesh work of `pool` (see there). The meshes are spread over
+    `workers` processes at once when `forced` or when the program's size says their baselines repay a fork
+    (`_FORK_WORTH_S`), else after the first mesh if it took that long times the meshes left: the seconds
+    decide only who does the work, never what is decided."""
     method_name = {True: "dp+mcmc", "dp": "dp", "mcmc": "mcmc", "baselines": "baselines only"}.get(method, str(method))
     best: tuple[Score, Candidate, Considered, int, int, Plan | None] | None = None
     cands: list[Candidate] = []

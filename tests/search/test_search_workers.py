@@ -82,33 +82,23 @@ def test_a_budget_that_ends_phase_one_early_counts_the_same_meshes(problem, fork
     assert forks and all(_reaped(p) for p in forks)
 
 
-def test_a_failing_worker_costs_time_not_the_result(problem, alone, forks, monkeypatch):
+def _raise_boom():
+    raise RuntimeError("boom in a worker")
+
+
+@pytest.mark.parametrize("fault, said", [(_raise_boom, "(?s)boom in a worker.*searching again in this process alone"),
+                                         (lambda: os._exit(3), "stopped answering")], ids=["raises", "dies"])
+def test_a_failing_or_dead_worker_costs_time_not_the_result(problem, alone, forks, monkeypatch, fault, said):
     parent = os.getpid()
     real = MeshWork.score
 
-    def fails_in_a_child(self, *a):
+    def faulty_in_a_child(self, *a):
         if os.getpid() != parent:
-            raise RuntimeError("boom in a worker")
+            fault()
         return real(self, *a)
 
-    monkeypatch.setattr(MeshWork, "score", fails_in_a_child)
-    with pytest.warns(RuntimeWarning, match="(?s)boom in a worker.*searching again in this process alone"):
-        got = _search(problem, 2)
-    _same(got, alone)
-    assert forks and all(_reaped(p) for p in forks)
-
-
-def test_a_dead_worker_costs_time_not_the_result(problem, alone, forks, monkeypatch):
-    parent = os.getpid()
-    real = MeshWork.score
-
-    def dies_in_a_child(self, *a):
-        if os.getpid() != parent:
-            os._exit(3)
-        return real(self, *a)
-
-    monkeypatch.setattr(MeshWork, "score", dies_in_a_child)
-    with pytest.warns(RuntimeWarning, match="stopped answering"):
+    monkeypatch.setattr(MeshWork, "score", faulty_in_a_child)
+    with pytest.warns(RuntimeWarning, match=said):
         got = _search(problem, 2)
     _same(got, alone)
     assert forks and all(_reaped(p) for p in forks)
