@@ -73,6 +73,16 @@ def test_workers_plan_as_one_process_does(problem, alone, forks, n):
     assert len(forks) == n - 1 and all(_reaped(p) for p in forks)
 
 
+def test_with_the_pcg_rewriting_too(forks):
+    """pcg=True: each searched mesh's best plan, fetched from its worker, rewritten here."""
+    pb = dataclasses.replace(problem_of(_step, mlp_args()), pcg=True)
+    one, two = _search(pb, 1), _search(pb, 2)
+    _same(two, one)
+    a, b = one[0].pcg, two[0].pcg
+    assert forks and a is not None and b.pcg.key() == a.pcg.key()
+    assert dataclasses.replace(b, pcg=None, seconds=0) == dataclasses.replace(a, pcg=None, seconds=0)
+
+
 def test_a_budget_that_ends_phase_one_early_counts_the_same_meshes(problem, forks):
     """A small budget stops scoring after the first meshes: a worker's speculative meshes are dropped."""
     one = _search(problem, 1, budget_s=0.01, max_meshes=1)
