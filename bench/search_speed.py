@@ -2,7 +2,7 @@
 
     python bench/search_speed.py [--layers 12] [--write]
     python bench/search_speed.py --pipeline [--layers 12] [--topology h100-sxm-8x8 ...]
-    python bench/search_speed.py --workers 3
+    python bench/search_speed.py --workers 3 [--scan]
 
 For each target — 8 devices on `h100-sxm-8` and 64 devices on `h100-sxm-8x8` (more than this host has:
 the plan is made on a mesh shape without devices, `shardc.plan_for`) — it plans with `search=True` and
@@ -13,7 +13,7 @@ as MCMC proposes). `--write` records the table in docs/benchmarks.md. Targets (i
 
 `--workers ROUNDS` plans each target with one process (`SHARDC_SEARCH_WORKERS=1`) and with the default
 workers (`shardc.search.workers`), alternately, and prints the medians, the speedup and whether every run chose
-the same plan.
+the same plan (`--scan`: the LM with its blocks as one `nn.scan`, as `--pipeline` plans it).
 
 `--pipeline` plans the same LM with its blocks as one `nn.scan` (`bench.gpt.ScanGPT`, the form shardc cuts
 into stages) with the pipeline dimension on (`shardc.plan_for(..., pipeline=True)`: the unpipelined search,
@@ -203,6 +203,7 @@ def main() -> None:
     ap.add_argument("--topology", action="append", help="with --pipeline: only this target (repeatable)")
     ap.add_argument("--workers", type=int, metavar="ROUNDS",
                     help="plan with one process and with the default workers, alternately ROUNDS times")
+    ap.add_argument("--scan", action="store_true", help="with --workers: the LM's blocks as one nn.scan")
     args = ap.parse_args()
     if args.pipeline:
         print("| devices / topology | candidates | unpipelined search | screens | finalists | total (target; CPU) "
@@ -212,7 +213,12 @@ def main() -> None:
         print(f"(seconds; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end)")
         return
 
-    model, tx, params, opt_state, ids = setup(layers=args.layers)
+    model, tx, params, opt_state, ids = setup(layers=args.layers, scan=args.scan)
+    if args.scan:  # (as pipeline_rows plans it)
+        from bench.zoo_models import _unbox
+
+        params = _unbox(params)
+        opt_state = tx.init(params)
     step = make_train_step(model, tx)
     if args.workers:
         print("| devices / topology | one process: search / total | workers: search / total (target) | speedup "
