@@ -324,7 +324,8 @@ def _search(problem: Problem, meshes: Sequence[Mapping[str, int]], pool: MeshPoo
         raise NoPlanFits(smallest_peak, limit)
     if plan is None:
         plan = pool.call_on(process, "plan", rec.plan_id)
-    groups = () if method == "baselines" else pool.call(index, "groups", index, rec.point, plan, score.time)
+    groups = () if method == "baselines" else \
+        pool.call(index, "groups", index, rec.point, dataclasses.replace(plan, pcg=None), score.time)  # (the layouts)
     report = SearchReport(chosen, cands, tried, pool.evaluations(scored), time.perf_counter() - t0, method_name,
                           rec.extra, budget.plans, budget.capped, len(tried) + not_started, hinted, groups=groups,
                           layout_cost=rec.layout_cost, searched=searched)

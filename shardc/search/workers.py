@@ -81,7 +81,11 @@ class _Channel:
         p = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
         shared = self._shared
         p.persistent_id = lambda o: id(o) if shared.get(id(o), _MISSING) is o else None  # type: ignore[method-assign]
-        p.dump(obj)
+        try:
+            p.dump(obj)
+        except (pickle.PicklingError, AttributeError, TypeError) as e:  # (a shardc bug: said, then searched alone)
+            raise WorkerLost(f"a message between search workers could not be pickled ({type(e).__name__}: {e})") \
+                from None
         data = buf.getvalue()
         self._w.write(len(data).to_bytes(8, "little"))
         self._w.write(data)

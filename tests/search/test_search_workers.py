@@ -177,3 +177,29 @@ def test_a_mesh_searched_beside_another_of_its_process_moves_to_an_idle_one(prob
     assert here[4][2] == 1 and here[4][0] == 0  # (mesh 2 moved to the child)
     assert here[:4] == alone
     assert len(forks) == 1 and _reaped(forks[0])
+
+
+@pytest.mark.parametrize("pcg", [False, True])
+def test_a_plan_made_with_workers_runs_as_jax_jit(forks, monkeypatch, pcg):
+    """Through @shardc.auto, forking whatever the program's size: the chosen plan (made in a worker or here,
+    with its PCG rewritten when pcg=True) runs and equals jax.jit."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import shardc
+    import shardc.search.driver as driver
+
+    monkeypatch.setattr(driver, "_FORK_WORTH_S", 0.0)
+    monkeypatch.setenv("SHARDC_SEARCH_WORKERS", "2")
+
+    def step(x, w1, w2):
+        l, g = jax.value_and_grad(lambda w1, w2: mlp_forward(x, w1, w2).mean(), argnums=(0, 1))(w1, w2)
+        return w1 - 0.1 * g[0], w2 - 0.1 * g[1], l
+
+    args = mlp_args()
+    f = shardc.auto(step, search=True, topology="h100-sxm-8", pcg=pcg)
+    got, want = f(*args), jax.jit(step)(*args)
+    assert forks and all(_reaped(p) for p in forks)
+    assert (f.plan(*args).search.chosen.name == "search+pcg") == pcg  # (this MLP's PCG rewrite pays on h100)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(jnp.asarray(b)), rtol=1e-6, atol=1e-6)
