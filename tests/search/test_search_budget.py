@@ -43,7 +43,8 @@ def test_a_slower_machine_gives_the_same_plan(monkeypatch):
     fast, rep_fast = search_plan(pb, MESHES, budget_s=2.0, seed=3, progress=False)
     _slowed(monkeypatch, 0.01)
     t = time.perf_counter()
-    slow, rep_slow = search_plan(pb, MESHES, budget_s=2.0, seed=3, progress=False)  # no cap by default
+    # no cap by default (one process: the sleeps then add up)
+    slow, rep_slow = search_plan(pb, MESHES, budget_s=2.0, seed=3, progress=False, workers=1)
     assert time.perf_counter() - t > rep_slow.evaluations * 0.01  # it really was slower
     assert rep_fast.plan_budget == rep_slow.plan_budget
     assert rep_fast.evaluations == rep_slow.evaluations  # the same work, not the same seconds
