@@ -666,7 +666,7 @@ def baseline_plan(name: str, problem, mesh):
     from shardc.search.evaluate import plan_from_seeds
     from shardc.sharding import mesh_shape
 
-    user = list(problem.user_seeds(mesh)) if callable(problem.user_seeds) else list(problem.user_seeds or ())
+    user = problem.seeds_on(mesh)
     sizes = mesh_shape(mesh)
     extra = baseline_seeds(name, problem.graph, sizes, user, getattr(problem, "pipeline", None))
     if extra is None or name not in COMPUTE_OF:

@@ -176,7 +176,7 @@ def _search_plan(problem: Problem, meshes: Sequence[Mapping[str, int]], *, metho
             sizes = dict(meshes[i])
             mesh = _mesh_of(sizes)
             try:
-                user = list(problem.user_seeds(mesh)) if callable(problem.user_seeds) else list(problem.user_seeds or ())
+                user = problem.seeds_on(mesh)
                 jobs[i] = (i, sizes, mesh, user)
             except ShardingError as e:
                 jobs[i] = e
@@ -440,7 +440,7 @@ def load_plan(path: str, problem: Problem, *, mesh: Mapping[str, int] | None = N
                                 f"for {topology!r}; delete the file to search again")
         on = _mesh_of(data["mesh"])
         try:
-            user = list(problem.user_seeds(on)) if callable(problem.user_seeds) else list(problem.user_seeds or ())
+            user = problem.seeds_on(on)
         except ShardingError as e:
             if data.get("hints") is None:
                 raise

@@ -36,6 +36,10 @@ class Problem:
     pipeline: Any = None  # the bound shardc.pipeline.Pipeline of a pipelined program (baselines run per stage)
     pcg: bool = False  # each searched mesh's best plan also competes with its PCG rewritten (shardc.pcg.choice)
 
+    def seeds_on(self, mesh: Any) -> list[Seed]:
+        """The user's seeds on `mesh` (ShardingError when the hints do not fit it)."""
+        return list(self.user_seeds(mesh)) if callable(self.user_seeds) else list(self.user_seeds or ())
+
 
 @dataclasses.dataclass(frozen=True)
 class Score:

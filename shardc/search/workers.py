@@ -132,19 +132,19 @@ class _Child:
             kind, value = self._message()
             if kind == "reply":
                 return value
-            if kind == "error":
-                raise WorkerLost(f"a search worker failed:\n{value}")
 
     def _message(self) -> tuple[str, Any]:
+        """The next message; WorkerLost when the child reports a failure or is gone."""
         try:
-            return self.channel.recv()
+            kind, value = self.channel.recv()
         except (EOFError, OSError, pickle.UnpicklingError) as e:
             raise WorkerLost(f"a search worker stopped answering ({type(e).__name__}: {e})") from None
+        if kind == "error":
+            raise WorkerLost(f"a search worker failed:\n{value}")
+        return kind, value
 
     def next_scored(self, index: int) -> MeshScored:
         kind, value = self._message()
-        if kind == "error":
-            raise WorkerLost(f"a search worker failed:\n{value}")
         if kind != "scored" or value.index != index:
             raise WorkerLost(f"a search worker sent {kind} out of order (expected mesh {index})")
         return value
@@ -263,7 +263,7 @@ class MeshPool:
     def scored(self, job: Job) -> MeshScored:
         """Phase 1's result for `job`'s mesh (scored here now, or the next result of the child that owns it)."""
         index, sizes, mesh, user = job
-        owner = self._owner.get(index, 0)
+        owner = self.process_of(index)
         if owner == 0:
             self._meshes.append(mesh)
             return self.work.score(index, sizes, mesh, user)
@@ -301,8 +301,8 @@ class MeshPool:
         moved: set[int] = set()
         processes = range(len(self._children) + 1)
         for n, i in enumerate(indices):
-            p = self._owner.get(i, 0)
-            later = {self._owner.get(j, 0) for j in indices[n + 1:]}
+            p = self.process_of(i)
+            later = {self.process_of(j) for j in indices[n + 1:]}
             free = [q for q in processes if q not in where.values() and q not in later]
             if p in where.values() and free:
                 p = free[0]
@@ -331,9 +331,9 @@ class MeshPool:
 
     def evaluations(self, indices: Sequence[int]) -> int:
         """Simulated plans of the meshes `indices`, over every process."""
-        total = self.work.evaluations([i for i in indices if self._owner.get(i, 0) == 0])
+        total = self.work.evaluations([i for i in indices if self.process_of(i) == 0])
         for k, c in enumerate(self._children, start=1):
-            mine = [i for i in indices if self._owner.get(i) == k]
+            mine = [i for i in indices if self.process_of(i) == k]
             if mine:
                 total += c.call("evaluations", mine)
         return total
