@@ -38,6 +38,7 @@ from shardc.pipeline.jit import stack_of
 from shardc.pipeline.reuse import SharedTraces
 from shardc.search.baselines import BASELINES
 from shardc.search.driver import NoPlanFits
+from shardc.search.idle import IdleQueue, idle_work
 from shardc.pipeline.value import Pipeline
 from shardc.sharding import make_mesh
 from shardc.waste import IdleDevicesWarning
@@ -190,8 +191,39 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
 
     topo = as_topology(topology)
     n = topo.num_devices
+    if pipeline and pipelines is None:
+        with provisional_mesh(True):
+            stack = stack_of(step, args, make_mesh({"data": len(jax.devices()), "model": 1, "expert": 1}))
+        pipelines = list(candidates(n, stack.layers, stack.batch))
+        if shared is not None and plain:  # (the candidates' traces need not find it again)
+            shared.stack = stack
+    with idle_work() as early:  # (candidates traced while the searches below wait for their workers)
+        return _choose(step, args, topology, topo, n, budget_s, pipeline, pipelines or [], plan_for, shared,
+                       screen_budget_s, finalists, note, choices, prune_siblings, bound_siblings, floors, progress,
+                       early, options)
+
+
+def _choose(step: Callable, args: tuple, topology: Any, topo: Any, n: int, budget_s: float | None, pipeline: bool,
+            pipelines: list[Pipeline], plan_for: Callable, shared: SharedTraces | None, screen_budget_s: float | None,
+            finalists: int, note: Callable[[Choice], None], choices: list[Choice], prune_siblings: bool,
+            bound_siblings: bool, floors: bool, progress: bool | None, early: IdleQueue,
+            options: dict) -> tuple[Any, list[Choice]]:
+    """`choose_pipeline` once its candidates are known (see there); `early` takes the traces that may run
+    while a search waits for its workers."""
     best: Any = None
     unfit: NoPlanFits | None = None
+    bound = bound_siblings and screen_budget_s is None  # (a search's screen may beat every baseline: no bound)
+    floor_of: dict[Pipeline, tuple[float, Any]] = {}  # traced candidate -> (floor, its traced program)
+    tracing_early = pipeline and floors and shared is not None and not prune_siblings
+
+    def trace_early(due: list[Pipeline]) -> None:
+        """Queue the traces of candidates about to be screened (in their order) for the searches' waits."""
+        for p in due if tracing_early else ():
+            early.add(p, functools.partial(_trace_early, plan_for, shared, step, args, topology, topo, n, p, floor_of,
+                                           _screening(screen_budget_s, options)))
+
+    listed = set(pipelines)  # (those screened whatever the others' screens say: see the loop below)
+    trace_early([p for p in pipelines if not bound or bounding_sibling(p) not in listed])
     try:
         base = plan_for(step, *args, topology=topology, budget_s=budget_s, **options)
     except NoPlanFits as e:  # (a pipeline may fit: fewer activations per device)
@@ -206,18 +238,10 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
             note(dataclasses.replace(c, name=f"baseline {c.name}"))
     if not pipeline:
         return best, choices
-    if pipelines is None:
-        with provisional_mesh(True):
-            stack = stack_of(step, args, make_mesh({"data": len(jax.devices()), "model": 1, "expert": 1}))
-        pipelines = list(candidates(n, stack.layers, stack.batch))
-        if shared is not None and plain:  # (the candidates' traces need not find it again)
-            shared.stack = stack
     screened: list[tuple[tuple, int, Pipeline, Any]] = []
     fitted: set[tuple] = set()  # sibling groups with a screened candidate that fits (`_sibling`)
     bounds: set[Pipeline] = set()  # screened candidates whose fastest baseline plan fits (shardc/pipeline/bound.py)
     bounded: dict[Pipeline, tuple[int, Pipeline]] = {}  # not screened (yet): (index, the candidate bounding it)
-    bound = bound_siblings and screen_budget_s is None  # (a search's screen may beat every baseline: no bound)
-    floor_of: dict[Pipeline, tuple[float, Any]] = {}  # screened candidate -> (floor, its traced program)
     floored: set[Pipeline] = set()  # candidates not screened: their floor is above a plan in hand
     lead = [best.cost.step_time if best is not None and best.cost.fits else float("inf")]  # the plan in hand
 
@@ -233,7 +257,8 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
             return None
 
         def check(program: Any, graph: Any) -> None:
-            floor_of[p] = (step_floor(graph, topo, n), program)
+            if p not in floor_of:
+                floor_of[p] = (step_floor(graph, topo, n), program)
             f = holds(p) if floor_of[p][0] > lead[0] else None
             if f is not None:
                 raise _Floored(f)
@@ -244,7 +269,10 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
 
     def screen(i: int, p: Pipeline) -> None:
         bar.update(1)
+        early.discard(p)
         try:
+            if p in floor_of and checker(p) is not None:  # (traced early: its floor may settle it untraced now)
+                checker(p)(floor_of[p][1], None)
             with paused_gc():  # (a young collection after it instead: its garbage, not the heap it adds to)
                 plan = _plan(plan_for, shared, step, args, topology, n, pipeline=p, priced_only=True,
                              on_graph=checker(p), **_screening(screen_budget_s, options))
@@ -282,6 +310,7 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
             due = sorted((i, p) for p, (i, root) in bounded.items() if root in top)
             if not due:
                 break
+            trace_early([p for _, p in due])
             for i, p in due:
                 del bounded[p]
                 screen(i, p)
@@ -312,6 +341,27 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
     if dataclasses.is_dataclass(best):  # (what explain() shows of the choice)
         best = dataclasses.replace(best, pipeline_choice=PipelineChoice(tuple(choices), best.pipeline))
     return best, choices
+
+
+def _trace_early(plan_for: Callable, shared: SharedTraces, step: Callable, args: tuple, topology: Any, topo: Any,
+                 devices: int, p: Pipeline, floor_of: dict, options: dict) -> None:
+    """Trace candidate `p` as its screen will (the program kept in `shared`) and note its floor, while a search
+    waits for its workers (`shardc.search.idle`); its screen then starts from both."""
+
+    def traced(program: Any, graph: Any) -> None:
+        floor_of[p] = (step_floor(graph, topo, devices), program)
+        raise _TracedEarly
+
+    try:
+        with paused_gc():
+            _plan(plan_for, shared, step, args, topology, devices, pipeline=p, priced_only=True, on_graph=traced,
+                  **options)
+    except _TracedEarly:
+        pass
+
+
+class _TracedEarly(Exception):
+    """Raised from an early trace's graph hook: the rest of the screen waits for the candidate's turn."""
 
 
 class _Floored(Exception):

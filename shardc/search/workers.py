@@ -16,7 +16,8 @@ profile: XLA must not run in a forked child, and a sibling burning a core would 
 multi-process JAX job, off Linux, or when the work is too small to repay a fork. A child that fails or dies
 makes the driver search again in this process alone (the same result: nothing depends on which process did
 the work). `SHARDC_SEARCH_WORKERS` sets the number of processes (1: never fork); the default is this process's
-CPUs, at most 4.
+CPUs, at most 4. With idle work queued (`shardc.search.idle`: JAX traces a caller wants done early), every mesh
+goes to a child, one more than usual, and this process runs that work while it waits for them.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import warnings
 from collections import deque
 from typing import Any, Callable, Mapping, Sequence
 
+from shardc.search import idle
 from shardc.search.mesh_work import MeshScored, MeshSearched, MeshWork
 
 __all__ = ["MeshPool", "WorkerLost", "default_workers"]
@@ -134,7 +136,9 @@ class _Child:
                 return value
 
     def _message(self) -> tuple[str, Any]:
-        """The next message; WorkerLost when the child reports a failure or is gone."""
+        """The next message; WorkerLost when the child reports a failure or is gone. (Until it is there, this
+        process runs the idle work queued for it: `shardc.search.idle`.)"""
+        idle.run_while(lambda: not self.channel.ready())
         try:
             kind, value = self.channel.recv()
         except (EOFError, OSError, pickle.UnpicklingError) as e:
@@ -217,10 +221,15 @@ class MeshPool:
 
     def spread(self, jobs: Sequence[Job], workers: int, here_first: bool = True) -> None:
         """Score `jobs` (the meshes left, in order) here and in `workers - 1` children, round-robin from this
-        process (or from the first child, when this one has just scored a mesh)."""
+        process (or from the first child, when this one has just scored a mesh). With idle work queued
+        (`shardc.search.idle`), in `workers` children and none here: this process runs that work meanwhile."""
         self.spread_done = True
         workers = max(1, min(workers, len(jobs)))
-        self._owner.update((j[0], (k + (not here_first)) % workers) for k, j in enumerate(jobs))
+        if idle.pending():
+            self._owner.update((j[0], 1 + k % workers) for k, j in enumerate(jobs))
+            workers += 1
+        else:
+            self._owner.update((j[0], (k + (not here_first)) % workers) for k, j in enumerate(jobs))
         work = self.work
         shared = [work.problem, work.problem.graph, work.problem.program, work.problem.topology, *self._meshes,
                   *(j[2] for j in jobs)]
@@ -295,16 +304,18 @@ class MeshPool:
                max_steps: int) -> list[MeshSearched]:
         """Phase 2 (`MeshWork.search`) on the meshes `indices`, each with `share` plans, at once where they are
         in different processes; a mesh whose process already searches another is given to an idle one, which
-        scores it again first (the same evaluator state: scoring depends on nothing but the mesh). Results in
-        the order of `indices`."""
+        scores it again first (the same evaluator state: scoring depends on nothing but the mesh), and with idle
+        work queued (`shardc.search.idle`) a mesh of this process goes to an idle child too. Results in the order
+        of `indices`."""
         where: dict[int, int] = {}  # mesh index -> the process that searches it
         moved: set[int] = set()
-        processes = range(len(self._children) + 1)
+        busy_here = idle.pending() and bool(self._children)  # (this process runs the idle work meanwhile)
+        processes = range(1 if busy_here else 0, len(self._children) + 1)
         for n, i in enumerate(indices):
             p = self.process_of(i)
             later = {self.process_of(j) for j in indices[n + 1:]}
             free = [q for q in processes if q not in where.values() and q not in later]
-            if p in where.values() and free:
+            if (p in where.values() or p == 0 and busy_here) and free:
                 p = free[0]
                 moved.add(i)
             where[i] = p

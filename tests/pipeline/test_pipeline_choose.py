@@ -224,3 +224,31 @@ def test_screens_are_priced_without_a_retrace_and_a_screened_winner_is_planned_t
     assert best.pipeline == fastest.pipeline and best.cost.step_time == fastest.cost.step_time
     assert dict(best.mesh_sizes) == dict(fastest.mesh_sizes) and best.strategies == fastest.strategies
     assert len(best.graph.ops) == len(fastest.graph.ops) and best.pipeline_choice is not None
+
+
+def test_candidates_traced_while_the_searches_wait_change_nothing(monkeypatch):
+    """With forked search workers, the candidates' traces run while the unpipelined search and the screens wait
+    for them (shardc.search.idle); every row of the choice is what it is without that."""
+    import dataclasses
+
+    import shardc.pipeline.choose as choose
+    import shardc.search.driver as driver
+    import shardc.search.idle as idle
+
+    monkeypatch.setattr(driver, "_FORK_WORTH_S", 0.0)
+    monkeypatch.setenv("SHARDC_SEARCH_WORKERS", "2")
+    step, args = make_step(None), make_args()
+    opts = dict(topology="h100-sxm-8x8", budget_s=0.3, finalists=1)
+    early, real = [], choose._trace_early
+    monkeypatch.setattr(choose, "_trace_early", lambda *a: early.append(a[7]) or real(*a))
+    best, rows = choose_pipeline(step, args, **opts)
+    assert early  # (some traced while a search waited)
+    with monkeypatch.context() as m:
+        m.setattr(idle, "pending", lambda: False)
+        m.setattr(idle, "run_while", lambda waiting: None)
+        best_after, rows_after = choose_pipeline(step, args, **opts)
+    assert [(c.name, c.time, c.peak, c.mesh, c.pipeline) for c in rows] == \
+           [(c.name, c.time, c.peak, c.mesh, c.pipeline) for c in rows_after]
+    assert (best.pipeline, best.cost.step_time) == (best_after.pipeline, best_after.cost.step_time)
+    unbound = lambda p: dataclasses.replace(p, layers=None, stack="")  # noqa: E731
+    assert set(early) <= {unbound(c.pipeline) for c in rows if c.name in ("screened", "floored")}

@@ -1,0 +1,82 @@
+"""Work this process does while it waits for its search workers.
+
+When a search's meshes are scored by forked children (`shardc.search.workers`), this process mostly waits
+for their messages. A caller with optional work that must stay in this process (JAX traces: JAX must not run in
+a forked child) can queue it with `idle_work`; while the queue is not empty, a `MeshPool` gives every mesh to
+its children (one more child than usual, so the search keeps its processes) and, whenever it would block on a
+child, runs queued tasks until a message is there. `choose_pipeline` queues the traces of its candidate
+pipelines this way, so they overlap the unpipelined search and the screens' baselines.
+
+A task is an optimisation only: it may fill caches its caller reads later, never decide anything, so the
+results are the same whether a task ran early, late or not at all. A task that raises is dropped (the caller
+does the same work later in its own order, where an error is reported as usual).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from typing import Callable, Hashable, Iterator
+
+__all__ = ["IdleQueue", "idle_work", "pending", "run_while"]
+
+
+class IdleQueue:
+    """Tasks by key, run oldest first; `discard` drops one its owner is about to do itself."""
+
+    def __init__(self) -> None:
+        self._tasks: OrderedDict[Hashable, Callable[[], None]] = OrderedDict()
+        self.ran = 0  # tasks run while waiting
+
+    def add(self, key: Hashable, task: Callable[[], None]) -> None:
+        self._tasks[key] = task
+
+    def discard(self, key: Hashable) -> None:
+        self._tasks.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def run_one(self) -> bool:
+        """Run the oldest task (its exceptions dropped); False when there was none."""
+        if not self._tasks:
+            return False
+        _, task = self._tasks.popitem(last=False)
+        self.ran += 1
+        try:
+            task()
+        except Exception:  # (the owner does this work again where its errors are reported)
+            pass
+        return True
+
+
+_queue: IdleQueue | None = None
+_running = False  # a task is running: a search inside it does not run others (no nesting)
+
+
+@contextlib.contextmanager
+def idle_work() -> Iterator[IdleQueue]:
+    """A queue of tasks the searches inside this block may run while they wait for their workers."""
+    global _queue
+    outer, _queue = _queue, IdleQueue()
+    try:
+        yield _queue
+    finally:
+        _queue = outer
+
+
+def pending() -> bool:
+    """Whether queued tasks wait (and this process may run them now)."""
+    return _queue is not None and not _running and len(_queue) > 0
+
+
+def run_while(waiting: Callable[[], bool]) -> None:
+    """Run queued tasks, one at a time, while `waiting()` holds and tasks are left."""
+    global _running
+    if _queue is None or _running:
+        return
+    _running = True
+    try:
+        while len(_queue) and waiting():
+            _queue.run_one()
+    finally:
+        _running = False
