@@ -14,6 +14,7 @@ does the same work later in its own order, where an error is reported as usual).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections import OrderedDict
 from typing import Callable, Hashable, Iterator
 
@@ -49,34 +50,36 @@ class IdleQueue:
         return True
 
 
-_queue: IdleQueue | None = None
-_running = False  # a task is running: a search inside it does not run others (no nesting)
+_queue: contextvars.ContextVar[IdleQueue | None] = contextvars.ContextVar("shardc_idle_queue", default=None)
+_running: contextvars.ContextVar[bool] = contextvars.ContextVar("shardc_idle_running", default=False)
+# (per thread: another thread's search never runs this one's tasks; a task's own searches run no others)
 
 
 @contextlib.contextmanager
 def idle_work() -> Iterator[IdleQueue]:
-    """A queue of tasks the searches inside this block may run while they wait for their workers."""
-    global _queue
-    outer, _queue = _queue, IdleQueue()
+    """A queue of tasks the searches inside this block (in this thread) may run while they wait for their
+    workers."""
+    token = _queue.set(IdleQueue())
     try:
-        yield _queue
+        yield _queue.get()
     finally:
-        _queue = outer
+        _queue.reset(token)
 
 
 def pending() -> bool:
     """Whether queued tasks wait (and this process may run them now)."""
-    return _queue is not None and not _running and len(_queue) > 0
+    q = _queue.get()
+    return q is not None and not _running.get() and len(q) > 0
 
 
 def run_while(waiting: Callable[[], bool]) -> None:
     """Run queued tasks, one at a time, while `waiting()` holds and tasks are left."""
-    global _running
-    if _queue is None or _running:
+    q = _queue.get()
+    if q is None or _running.get():
         return
-    _running = True
+    token = _running.set(True)
     try:
-        while len(_queue) and waiting():
-            _queue.run_one()
+        while len(q) and waiting():
+            q.run_one()
     finally:
-        _running = False
+        _running.reset(token)

@@ -100,3 +100,15 @@ def test_a_search_runs_the_idle_work_and_makes_the_same_plan(problem, forks):
     for pid in forks:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_another_threads_search_runs_none_of_these_tasks():
+    import threading
+
+    seen = []
+    with idle.idle_work() as q:
+        q.add(0, lambda: seen.append(threading.get_ident()))
+        t = threading.Thread(target=lambda: seen.append(("pending", idle.pending())) or idle.run_while(lambda: True))
+        t.start()
+        t.join()
+        assert seen == [("pending", False)] and len(q) == 1
