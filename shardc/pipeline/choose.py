@@ -38,7 +38,7 @@ from shardc.pipeline.jit import stack_of
 from shardc.pipeline.reuse import SharedTraces
 from shardc.search.baselines import BASELINES
 from shardc.search.driver import NoPlanFits
-from shardc.search.idle import IdleQueue, idle_work
+from shardc.search import idle
 from shardc.pipeline.value import Pipeline
 from shardc.sharding import make_mesh
 from shardc.waste import IdleDevicesWarning
@@ -153,7 +153,20 @@ def _quiet_candidates(fn: Callable) -> Callable:
     return quiet
 
 
+def _with_idle_work(fn: Callable) -> Callable:
+    """`fn` inside `shardc.search.idle.idle_work()`: the searches it runs may do the candidates' traces it
+    queues there (`idle.current()`) while they wait for their workers."""
+
+    @functools.wraps(fn)
+    def with_queue(*args: Any, **kwargs: Any) -> Any:
+        with idle.idle_work():
+            return fn(*args, **kwargs)
+
+    return with_queue
+
+
 @_quiet_candidates
+@_with_idle_work
 def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: float | None, pipeline: bool = True,
                     pipelines: list[Pipeline] | None = None, plan_for: Callable | None = None,
                     screen_budget_s: float | None = None, finalists: int = 2,
@@ -197,19 +210,8 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
         pipelines = list(candidates(n, stack.layers, stack.batch))
         if shared is not None and plain:  # (the candidates' traces need not find it again)
             shared.stack = stack
-    with idle_work() as early:  # (candidates traced while the searches below wait for their workers)
-        return _choose(step, args, topology, topo, n, budget_s, pipeline, pipelines or [], plan_for, shared,
-                       screen_budget_s, finalists, note, choices, prune_siblings, bound_siblings, floors, progress,
-                       early, options)
-
-
-def _choose(step: Callable, args: tuple, topology: Any, topo: Any, n: int, budget_s: float | None, pipeline: bool,
-            pipelines: list[Pipeline], plan_for: Callable, shared: SharedTraces | None, screen_budget_s: float | None,
-            finalists: int, note: Callable[[Choice], None], choices: list[Choice], prune_siblings: bool,
-            bound_siblings: bool, floors: bool, progress: bool | None, early: IdleQueue,
-            options: dict) -> tuple[Any, list[Choice]]:
-    """`choose_pipeline` once its candidates are known (see there); `early` takes the traces that may run
-    while a search waits for its workers."""
+    early = idle.current()  # (the traces the searches below may run while they wait: `_with_idle_work`)
+    assert early is not None
     best: Any = None
     unfit: NoPlanFits | None = None
     bound = bound_siblings and screen_budget_s is None  # (a search's screen may beat every baseline: no bound)
@@ -222,8 +224,8 @@ def _choose(step: Callable, args: tuple, topology: Any, topo: Any, n: int, budge
             early.add(p, functools.partial(_trace_early, plan_for, shared, step, args, topology, topo, n, p, floor_of,
                                            _screening(screen_budget_s, options)))
 
-    listed = set(pipelines)  # (those screened whatever the others' screens say: see the loop below)
-    trace_early([p for p in pipelines if not bound or bounding_sibling(p) not in listed])
+    listed = set(pipelines or ())  # (those screened whatever the others' screens say: see the loop below)
+    trace_early([p for p in pipelines or () if not bound or bounding_sibling(p) not in listed])
     try:
         base = plan_for(step, *args, topology=topology, budget_s=budget_s, **options)
     except NoPlanFits as e:  # (a pipeline may fit: fewer activations per device)
@@ -250,6 +252,10 @@ def _choose(step: Callable, args: tuple, topology: Any, topo: Any, n: int, budge
         f, program = floor_of.get(p, (None, None))
         return f if f is not None and floor_applies(program, options.get("remat", True)) else None
 
+    def above_lead(p: Pipeline) -> float | None:
+        """`p`'s floor when it is known, bounds every plan of its program and is above the plan in hand."""
+        return holds(p) if p in floor_of and floor_of[p][0] > lead[0] else None
+
     def checker(p: Pipeline) -> Callable[[Any, Any], None] | None:
         """The graph hook of `p`'s screen: its floor noted, and `_Floored` raised when it is above the plan in
         hand (before any propagation or simulation)."""
@@ -259,8 +265,7 @@ def _choose(step: Callable, args: tuple, topology: Any, topo: Any, n: int, budge
         def check(program: Any, graph: Any) -> None:
             if p not in floor_of:
                 floor_of[p] = (step_floor(graph, topo, n), program)
-            f = holds(p) if floor_of[p][0] > lead[0] else None
-            if f is not None:
+            if (f := above_lead(p)) is not None:
                 raise _Floored(f)
 
         return check
@@ -271,8 +276,8 @@ def _choose(step: Callable, args: tuple, topology: Any, topo: Any, n: int, budge
         bar.update(1)
         early.discard(p)
         try:
-            if p in floor_of and checker(p) is not None:  # (traced early: its floor may settle it untraced now)
-                checker(p)(floor_of[p][1], None)
+            if (f := above_lead(p)) is not None:  # (traced early: its floor settles it now)
+                raise _Floored(f)
             with paused_gc():  # (a young collection after it instead: its garbage, not the heap it adds to)
                 plan = _plan(plan_for, shared, step, args, topology, n, pipeline=p, priced_only=True,
                              on_graph=checker(p), **_screening(screen_budget_s, options))

@@ -18,7 +18,7 @@ import contextvars
 from collections import OrderedDict
 from typing import Callable, Hashable, Iterator
 
-__all__ = ["IdleQueue", "idle_work", "pending", "run_while"]
+__all__ = ["IdleQueue", "current", "idle_work", "pending", "run_while"]
 
 
 class IdleQueue:
@@ -64,6 +64,11 @@ def idle_work() -> Iterator[IdleQueue]:
         yield _queue.get()
     finally:
         _queue.reset(token)
+
+
+def current() -> IdleQueue | None:
+    """The queue of the innermost `idle_work` block (in this thread), if any."""
+    return _queue.get()
 
 
 def pending() -> bool:
