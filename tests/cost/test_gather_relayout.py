@@ -95,12 +95,16 @@ def test_contended_relayout_of_a_transpose_costs_more_than_nothing():
     assert contended_relayout((512, 8, 128), "float32", (1, 2, 0)) > 0
 
 
-def test_host_timing_works_under_the_users_mesh_context():
+def test_host_timing_works_under_the_users_mesh_context(monkeypatch):
     """A step planned inside `jax.set_mesh(<the user's mesh>)` (the Flax NNX examples) times its ops on the
-    host's own mesh: before, shard_map refused the mismatch and the op was cached as free."""
+    host's own mesh: before, shard_map refused the mismatch and the op was cached as free. (A strided read may
+    cost nothing beyond an ordered one on some CPUs, so its two timed calls are what is checked.)"""
     import jax
 
+    timed, real = [], host_ops._on_every_device
+    monkeypatch.setattr(host_ops, "_on_every_device", lambda *a: timed.append(real(*a)) or timed[-1])
     mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"))
     with jax.set_mesh(mesh):
         assert contended_relayout((512, 8, 128), "float32", (1, 2, 0)) > 0
-        assert host_ops.contended_strided_read((512, 1024), "float32", (1, 0)) > 0
+        assert host_ops.contended_strided_read((512, 1024), "float32", (1, 0)) >= 0
+    assert len(timed) >= 3 and all(t > 0 for t in timed)

@@ -7,7 +7,6 @@ import jax
 import pytest
 
 import shardc.search.idle as idle
-import shardc.search.workers as workers
 from shardc.search.driver import search_plan
 from search_models import mlp_args, mlp_forward, problem_of
 
@@ -58,20 +57,6 @@ def test_a_task_does_not_run_other_tasks():
 @pytest.fixture(scope="module")
 def problem():
     return problem_of(_step, mlp_args())
-
-
-@pytest.fixture
-def forks(monkeypatch):
-    pids = []
-    real = workers.MeshPool._fork
-
-    def counted(*a):
-        child = real(*a)
-        pids.append(child.pid)
-        return child
-
-    monkeypatch.setattr(workers.MeshPool, "_fork", staticmethod(counted))
-    return pids
 
 
 def _decided(result):

@@ -44,21 +44,6 @@ def alone(problem):
     return _search(problem, 1)
 
 
-@pytest.fixture
-def forks(monkeypatch):
-    """The pids of the children forked during the test."""
-    pids = []
-    real = workers.MeshPool._fork
-
-    def counted(*a):
-        child = real(*a)
-        pids.append(child.pid)
-        return child
-
-    monkeypatch.setattr(workers.MeshPool, "_fork", staticmethod(counted))
-    return pids
-
-
 def _reaped(pid: int) -> bool:
     try:
         os.kill(pid, 0)
