@@ -1,6 +1,8 @@
-"""Small programs for the search tests (a helper module, not a test file)."""
+"""Small programs for the search tests, and the `forks` fixture of the worker tests (a helper module, not a
+test file)."""
 import jax
 import jax.numpy as jnp
+import pytest
 
 from shardc.ir.build import build_graph
 from shardc.search.evaluate import Problem
@@ -30,3 +32,20 @@ def graph_of(fun, args, names=None):
 def problem_of(fun, args, *, topology="h100-sxm-8", seeds=(), memory_limit=None, names=None):
     g, closed, names, outs = graph_of(fun, args, names)
     return Problem(g, list(seeds), topology, names, outs, (), (), closed, memory_limit)
+
+
+@pytest.fixture
+def forks(monkeypatch):
+    """The pids of the search workers forked during the test (import it into the test module to use it)."""
+    import shardc.search.workers as workers
+
+    pids = []
+    real = workers.MeshPool._fork
+
+    def counted(*a):
+        child = real(*a)
+        pids.append(child.pid)
+        return child
+
+    monkeypatch.setattr(workers.MeshPool, "_fork", staticmethod(counted))
+    return pids

@@ -8,7 +8,7 @@ import pytest
 
 import shardc.search.idle as idle
 from shardc.search.driver import search_plan
-from search_models import mlp_args, mlp_forward, problem_of
+from search_models import forks, mlp_args, mlp_forward, problem_of  # noqa: F401 (forks: a fixture)
 
 MESHES = [{"data": 8}, {"data": 4, "model": 2}, {"data": 2, "model": 4}, {"model": 8}]
 

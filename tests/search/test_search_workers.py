@@ -10,7 +10,7 @@ import shardc.search.workers as workers
 from shardc.search.driver import _worker_limit, search_plan
 from shardc.search.mesh_work import MeshWork
 from shardc.sim import as_topology
-from search_models import mlp_args, mlp_forward, problem_of
+from search_models import forks, mlp_args, mlp_forward, problem_of  # noqa: F401 (forks: a fixture)
 
 MESHES = [{"data": 8}, {"data": 4, "model": 2}, {"data": 2, "model": 4}, {"model": 8}, {"model": 2, "data": 4}]
 
