@@ -305,16 +305,16 @@ def _search(problem: Problem, meshes: Sequence[Mapping[str, int]], pool: MeshPoo
             consider(rec, i)
         if res.final is not None:
             rec = res.final
-            try:
-                plan = None
-                if problem.pcg and rec.score.feasible:  # this mesh's best, its PCG rewritten with proved rules
+            plan = None
+            if problem.pcg and rec.score.feasible:  # this mesh's best, its PCG rewritten with proved rules
+                try:
                     plan = _with_pcg(problem, pool.call(i, "plan", rec.plan_id))
-                consider(rec, i, plan)
-                if plan is not None and plan.pcg is not None and plan.pcg.chosen:
-                    ch = plan.pcg
-                    consider(rec, i, plan, "search+pcg", Score(ch.time, ch.peak, ch.comm, True))
-            except ShardingError:
-                pass
+                except ShardingError:  # (a PCG the rewriting cannot build: the plan competes as it is)
+                    plan = None
+            consider(rec, i, plan)
+            if plan is not None and plan.pcg is not None and plan.pcg.chosen:
+                ch = plan.pcg
+                consider(rec, i, plan, "search+pcg", Score(ch.time, ch.peak, ch.comm, True))
     limit = states[0][3] if states else math.inf
     if best is None:
         raise ShardingError(f"strategy search: no mesh of {[dict(m) for m in meshes]} accepts the program's hints"

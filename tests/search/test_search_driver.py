@@ -257,3 +257,21 @@ def test_a_searched_plan_must_gain_the_margin_over_the_hints_and_baselines():
     report = SearchReport(Candidate("hints (bytes)", {"data": 8}, hints), [Candidate("hints (bytes)", {"data": 8}, hints)],
                           [{"data": 8}], 10, 1.0, "dp+mcmc", searched=Candidate("search", {"data": 8}, close))
     assert f"{SEARCH_MARGIN / 2:.2%} faster" in report.summary()
+
+
+def test_a_pcg_the_rewriting_cannot_build_leaves_the_searched_plan_in_the_running(monkeypatch):
+    """pcg=True where the PCG rewriting raises a ShardingError: each searched mesh's best plan still competes,
+    as it is, so the search chooses what pcg=False chooses (the mesh's searched plan was dropped before)."""
+    import dataclasses
+
+    from shardc.pcg import choice
+
+    def cannot(*a, **k):
+        raise ShardingError("a PCG this rewriting cannot build")
+
+    pb = problem_of(_step, mlp_args())
+    plain, plain_rep = _search(pb)
+    monkeypatch.setattr(choice, "choose_pcg", cannot)
+    plan, rep = _search(dataclasses.replace(pb, pcg=True))
+    assert rep.searched is not None and rep.searched == plain_rep.searched
+    assert rep.chosen == plain_rep.chosen and plan.shardings == plain.shardings and plan.pcg is None
