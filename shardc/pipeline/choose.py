@@ -218,11 +218,29 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
     floor_of: dict[Pipeline, tuple[float, Any]] = {}  # traced candidate -> (floor, its traced program)
     tracing_early = pipeline and floors and shared is not None and not prune_siblings
 
+    def note_floor(p: Pipeline, program: Any, graph: Any) -> None:
+        if p not in floor_of:
+            floor_of[p] = (step_floor(graph, topo, n), program)
+
+    def trace_now(p: Pipeline) -> None:
+        """Trace candidate `p` as its screen will (the program kept in `shared`) and note its floor; its screen
+        then starts from both."""
+
+        def traced(program: Any, graph: Any) -> None:
+            note_floor(p, program, graph)
+            raise _TracedEarly
+
+        try:
+            with paused_gc():
+                _plan(plan_for, shared, step, args, topology, n, pipeline=p, priced_only=True, on_graph=traced,
+                      **_screening(screen_budget_s, options))
+        except _TracedEarly:
+            pass
+
     def trace_early(due: list[Pipeline]) -> None:
         """Queue the traces of candidates about to be screened (in their order) for the searches' waits."""
         for p in due if tracing_early else ():
-            early.add(p, functools.partial(_trace_early, plan_for, shared, step, args, topology, topo, n, p, floor_of,
-                                           _screening(screen_budget_s, options)))
+            early.add(p, functools.partial(trace_now, p))
 
     listed = set(pipelines or ())  # (those screened whatever the others' screens say: see the loop below)
     trace_early([p for p in pipelines or () if not bound or bounding_sibling(p) not in listed])
@@ -263,8 +281,7 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
             return None
 
         def check(program: Any, graph: Any) -> None:
-            if p not in floor_of:
-                floor_of[p] = (step_floor(graph, topo, n), program)
+            note_floor(p, program, graph)
             if (f := above_lead(p)) is not None:
                 raise _Floored(f)
 
@@ -346,23 +363,6 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
     if dataclasses.is_dataclass(best):  # (what explain() shows of the choice)
         best = dataclasses.replace(best, pipeline_choice=PipelineChoice(tuple(choices), best.pipeline))
     return best, choices
-
-
-def _trace_early(plan_for: Callable, shared: SharedTraces, step: Callable, args: tuple, topology: Any, topo: Any,
-                 devices: int, p: Pipeline, floor_of: dict, options: dict) -> None:
-    """Trace candidate `p` as its screen will (the program kept in `shared`) and note its floor, while a search
-    waits for its workers (`shardc.search.idle`); its screen then starts from both."""
-
-    def traced(program: Any, graph: Any) -> None:
-        floor_of[p] = (step_floor(graph, topo, devices), program)
-        raise _TracedEarly
-
-    try:
-        with paused_gc():
-            _plan(plan_for, shared, step, args, topology, devices, pipeline=p, priced_only=True, on_graph=traced,
-                  **options)
-    except _TracedEarly:
-        pass
 
 
 class _TracedEarly(Exception):

@@ -231,7 +231,6 @@ def test_candidates_traced_while_the_searches_wait_change_nothing(monkeypatch):
     for them (shardc.search.idle); every row of the choice is what it is without that."""
     import dataclasses
 
-    import shardc.pipeline.choose as choose
     import shardc.search.driver as driver
     import shardc.search.idle as idle
 
@@ -239,8 +238,13 @@ def test_candidates_traced_while_the_searches_wait_change_nothing(monkeypatch):
     monkeypatch.setenv("SHARDC_SEARCH_WORKERS", "2")
     step, args = make_step(None), make_args()
     opts = dict(topology="h100-sxm-8x8", budget_s=0.3, finalists=1)
-    early, real = [], choose._trace_early
-    monkeypatch.setattr(choose, "_trace_early", lambda *a: early.append(a[7]) or real(*a))
+    early, real = [], idle.IdleQueue.run_one  # (the candidates traced while a search waited)
+
+    def run_one(queue):
+        early.extend(list(queue._tasks)[:1])
+        return real(queue)
+
+    monkeypatch.setattr(idle.IdleQueue, "run_one", run_one)
     best, rows = choose_pipeline(step, args, **opts)
     assert early  # (some traced while a search waited)
     with monkeypatch.context() as m:
