@@ -81,7 +81,9 @@ class _Builder:
 
     def read(self, env: dict, atom: Any) -> int:
         if isinstance(atom, jcore.Literal):
-            return self.new_value(atom.aval, f"literal {atom.val!r}"[:40], is_const=True, literal=_scalar(atom.val))
+            value = _scalar(atom.val)  # (named by it: printing the numpy value itself costs ~90 us a literal)
+            name = "literal" if value is None else f"literal {value!r}"[:40]
+            return self.new_value(atom.aval, name, is_const=True, literal=value)
         return env[atom]
 
     def add(self, primitive: str, ins: Sequence[int], outs: Sequence[int], params: Any, rule: FactorRule,
