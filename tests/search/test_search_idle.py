@@ -7,6 +7,7 @@ import jax
 import pytest
 
 import shardc.search.idle as idle
+import shardc.search.workers as workers
 from shardc.search.driver import search_plan
 from search_models import forks, mlp_args, mlp_forward, problem_of  # noqa: F401 (forks: a fixture)
 
@@ -69,10 +70,11 @@ def test_a_search_runs_the_idle_work_and_makes_the_same_plan(problem, forks):
     """With idle work queued, every mesh goes to a child (one more than without) and this process runs the
     tasks while it waits; the plan and report are those of one process."""
     alone = search_plan(problem, MESHES, budget_s=0.3, seed=0, progress=False, workers=1)
-    pids = []
+    pids, ranks = [], []
 
     def task():
         pids.append(os.getpid())
+        ranks.extend(_niceness(forks))
         time.sleep(0.02)
 
     with idle.idle_work() as q:
@@ -82,9 +84,35 @@ def test_a_search_runs_the_idle_work_and_makes_the_same_plan(problem, forks):
     assert _decided(here) == _decided(alone)
     assert pids and set(pids) == {os.getpid()} and q.ran == len(pids)
     assert len(forks) == 2  # (two children: this process scored and searched no mesh)
+    # (the children rank below this process meanwhile: its tasks go first when the cores are contended)
+    assert ranks and min(ranks) == os.getpriority(os.PRIO_PROCESS, 0) + workers._IDLE_NICENESS, ranks
     for pid in forks:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_without_idle_work_the_children_rank_as_this_process(problem, forks, monkeypatch):
+    ranks = []
+    real = workers.MeshPool.scored
+
+    def scored(self, job):
+        ranks.extend(_niceness(forks))
+        return real(self, job)
+
+    monkeypatch.setattr(workers.MeshPool, "scored", scored)
+    search_plan(problem, MESHES, budget_s=0.3, seed=0, progress=False, workers=2)
+    assert forks and ranks and set(ranks) == {os.getpriority(os.PRIO_PROCESS, 0)}, ranks
+
+
+def _niceness(pids):
+    """The niceness of those of `pids` still running."""
+    out = []
+    for pid in pids:
+        try:
+            out.append(os.getpriority(os.PRIO_PROCESS, pid))
+        except OSError:
+            pass
+    return out
 
 
 def test_another_threads_search_runs_none_of_these_tasks():
