@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding
 from annotations.primitive import hint_p
 from shardc.ir.build import REGION_PRIMITIVES, call_jaxpr
 from shardc.ir.jaxpr_env import JaxprEnv, open_jaxpr
-from shardc.cost.program import folds_to_constant, program_info, reads_only_padding
+from shardc.cost.program import folds_to_constant, pad_of, program_info, reads_only_padding
 from shardc.cost.reshard_path import reshard_steps
 from shardc.plan import Plan, lowers_reduce_scatter, require_devices
 from shardc.rules.core import FactorKind
@@ -245,7 +245,8 @@ class Lowering:
         the plan does not list); a broadcast it makes in any layout."""
         if not invals or not reads_only_padding(self.graph, op):
             return invals
-        value = self._traces[-1].padding.get(op.inputs[0])
+        pad = pad_of(self.graph, op.inputs[0])  # (maybe through a sort along a dim of size 1)
+        value = self._traces[-1].padding.get(pad.outputs[0])
         x = invals[0]
         if value is None or not hasattr(x, "shape"):  # (a pad of another trace: left as it is)
             return invals

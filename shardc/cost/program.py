@@ -40,8 +40,8 @@ from shardc.cost.wide_results import wide_results
 from shardc.ir.graph import Graph
 
 __all__ = ["ProgramInfo", "program_info", "per_info", "descendants", "Merged", "merged", "liveness", "unread_operands",
-           "unread_if_same",
-           "SAME_OPERAND_RULES", "PASS_THROUGH_RULES", "passes_through", "ALIASES", "reads_only_padding",
+           "unread_if_same", "read_values",
+           "SAME_OPERAND_RULES", "PASS_THROUGH_RULES", "passes_through", "ALIASES", "reads_only_padding", "pad_of",
            "broadcast_dims", "broadcast_transfer", "derived", "fusing_readers",
            "FUSIBLE", "FREE_PRIMITIVES", "PCG_COLLECTIVE"]
 
@@ -165,6 +165,8 @@ class ProgramInfo:
     # through ops that are none (hints, fused values); its own when nothing does (`_first_readers`)
     wide: Mapping[int, int] = dataclasses.field(default_factory=dict)  # canonical value -> bytes per element of
     # the wider buffer its producer writes (`shardc.cost.wide_results`: XLA:CPU's threefry words)
+    read: tuple[bool, ...] = ()  # per canonical value: the compiled program reads it (`read_values`); a result
+    # no one reads is not resharded to its planned layout
 
     def counts(self, op_id: int) -> bool:
         """Whether an op does work in the compiled program."""
@@ -521,6 +523,28 @@ def liveness(graph: Graph, extra: frozenset[tuple[int, int]] = frozenset()) -> t
     if not extra:
         return graph.analysis("liveness", lambda: tuple(_liveness(graph, cse.canon, cse.duplicate, cse.unread)))
     return tuple(_liveness(graph, cse.canon, cse.duplicate, cse.unread | extra))
+
+
+def read_values(graph: Graph) -> tuple[bool, ...]:
+    """Per canonical value: whether the compiled program reads it (an output, or an operand of an op XLA's DCE
+    keeps that its simplifier does not drop; a region's branch index when the region runs). A live op's result
+    nobody reads (the permutation of a sort whose gradient is not taken) is a dead instruction to XLA, and so is
+    the reshard constraining it to its planned layout (cached on the graph)."""
+    def compute() -> tuple[bool, ...]:
+        cse, live = merged(graph), liveness(graph)
+        read = [False] * len(graph.values)
+        for v in graph.outputs:
+            read[cse.canon[v]] = True
+        for op in graph.ops:
+            if not live[op.id]:
+                continue
+            for i, v in enumerate(op.inputs):
+                if (op.id, i) not in cse.unread:
+                    read[cse.canon[v]] = True
+            for v in graph.region_reads.get(op.region, ()):
+                read[cse.canon[v]] = True
+        return tuple(read)
+    return graph.analysis("read_values", compute)
 
 
 def _liveness(graph: Graph, canon: Sequence[int], duplicate: Sequence[bool],
@@ -1032,18 +1056,34 @@ def _window(graph: Graph, op: Any) -> list[tuple[int, int]] | None:
     return None
 
 
+def pad_of(graph: Graph, v: int) -> Any | None:
+    """The pad op whose result value `v` is, itself or through ops XLA's simplifier replaces by their operands
+    (`passes_through`: a sort along a dim of size 1), which it folds before it folds a slice of the pad; None
+    when `v` is no pad's result."""
+    for _ in range(64):  # (chains of such ops; bounded)
+        p = graph.values[v].producer
+        if p is None:
+            return None
+        op = graph.ops[p]
+        if op.primitive == "pad":
+            return op
+        if not passes_through(graph, op):
+            return None
+        v = op.inputs[op.outputs.index(v)]
+    return None
+
+
 def reads_only_padding(graph: Graph, op: Any) -> bool:
-    """Whether `op` slices nothing but the padding of the pad making its operand (on some dim, its window
-    lies before the padded value's first element or after its last, interior padding included): XLA's
+    """Whether `op` slices nothing but the padding of the pad making its operand (`pad_of`; on some dim, its
+    window lies before the padded value's first element or after its last, interior padding included): XLA's
     simplifier makes it a broadcast of the padding value, and the padded value is not read (the transpose of
     a slice of a pad is such a pad of a pad; a dynamic slice at literal starts is a slice)."""
     window = _window(graph, op)
     if window is None or not op.inputs:
         return False
-    p = graph.values[op.inputs[0]].producer
-    if p is None or graph.ops[p].primitive != "pad":
+    pad = pad_of(graph, op.inputs[0])
+    if pad is None:
         return False
-    pad = graph.ops[p]
     inner = graph.values[pad.inputs[0]].shape
     for (start, limit), (lo, _, interior), n in zip(window, pad.params["padding_config"], inner):
         # (the padded value's elements sit at lo + i * (interior + 1): before the first or after the last;
@@ -1305,7 +1345,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                        recompute=recompute if backend == "cpu" else frozenset(), fusing=fusing, strided=strided,
                        read_fused=reads_fused(graph, canon, fused), batch=tuple(batch),
                        first_reader=_first_readers(graph, live, order, fused, constant, canon, consumers)
-                       if batch else (), wide=wide_results(graph, live, canon, backend))
+                       if batch else (), wide=wide_results(graph, live, canon, backend), read=read_values(graph))
 
 
 # Ops that only name their operand (a sharding hint or constraint, a name, a stop_gradient): their result has no

@@ -689,7 +689,7 @@ class TaskBuilder:
             want = plan.shardings[v]
             if k[1] != want and info.constant[self.canon(v)]:  # folded by XLA: made in the layout wanted
                 made((k[0], want, HOME))
-            elif k[1] != want:
+            elif k[1] != want and info.read[self.canon(v)]:  # (a result no one reads: its constraint is dead)
                 if groups is None:
                     groups = plan.strategies[op_id].partial_groups(op.rule)
                 path = self.path(k[1], want, v, groups, self.bc_made.get((op_id, n), frozenset()))

@@ -18,6 +18,11 @@ CASES = {  # name: (function of x[4], whether XLA folds the read)
     "dynamic slice after the last": (lambda x: lax.dynamic_slice(lax.pad(x, 0.0, [(0, 3, 0)]), (5,), (2,)), True),
     "dynamic slice clamped onto the value": (lambda x: lax.dynamic_slice(lax.pad(x, 0.0, [(0, 1, 0)]), (9,), (2,)),
                                              False),
+    # (a sort along a dim of size 1 is its operand to the simplifier, which then folds the slice of the pad)
+    "through a sort along a dim of one": (lambda x: lax.slice(
+        lax.sort(lax.pad(x.reshape(1, 4), 0.0, [(0, 0, 0), (3, 0, 0)]), dimension=0), (0, 0), (1, 2)), True),
+    "through a sort along the padded dim": (lambda x: lax.slice(
+        lax.sort(lax.pad(x.reshape(1, 4), 0.0, [(0, 0, 0), (3, 0, 0)]), dimension=1), (0, 0), (1, 2)), False),
 }
 
 

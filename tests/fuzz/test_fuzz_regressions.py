@@ -675,6 +675,41 @@ def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
 
 
+UNREAD_SORT_PERMUTATION = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(  # seed 120003, shrunk
+    Step(kind="input", args=(), attrs=(), shape=(8, 6)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 1), ("axes", "y")), shape=(8, 6)),
+    Step(kind="sort", args=(1,), attrs=(("dim", 0),), shape=(8, 6)),  # sorted in [-, x], planned [-, y]
+    Step(kind="input", args=(), attrs=(), shape=(2, 8, 6)),
+    Step(kind="scan", args=(2, 3), attrs=(("inner", ("?", ("x",))),), shape=(2, 8, 6)),
+    Step(kind="argmax", args=(4,), attrs=(("dim", 1),), shape=(2, 6)),  # no gradient: the permutation is unread
+), outputs=(5,))
+
+
+def test_an_unread_result_is_not_resharded():
+    """The sort's permutation (for its gradient, zero through an argmax) is made in the sort's layout and read
+    by no op XLA keeps: its reshard to the planned layout is a dead instruction (192 B of all-gather planned,
+    none compiled)."""
+    fuzzlib.check_program(UNREAD_SORT_PERMUTATION)
+
+
+PADDING_READ_THROUGH_A_SORT = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(  # seed 120024, shrunk
+    Step(kind="input", args=(), attrs=(), shape=(3, 1, 8)),
+    Step(kind="argmax", args=(0,), attrs=(("dim", 2),), shape=(3, 1)),  # over [z+x]: all-gathers its candidates
+    Step(kind="slice", args=(1,), attrs=(("start", (0, 0)), ("limit", (1, 1)), ("strides", (1, 1))), shape=(1, 1)),
+    Step(kind="pad", args=(2,), attrs=(("config", ((0, 0, 0), (2, 0, 1))),), shape=(1, 3)),
+    Step(kind="sort", args=(3,), attrs=(("dim", 0),), shape=(1, 3)),  # along a dim of 1: the pad itself
+    Step(kind="dynamic_slice", args=(4,), attrs=(("start", (0, 0)),), shape=(1, 1)),  # of the padding only
+    Step(kind="reshape", args=(5,), attrs=(), shape=(1,)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 2), ("axes", ("z", "x"))), shape=(3, 1, 8)),
+), outputs=(6,))
+
+
+def test_a_slice_of_the_padding_through_a_sort_reads_nothing():
+    """A sort along a dim of size 1 is its operand to XLA's simplifier, so a dynamic slice of its padding only
+    is folded and the argmax feeding the pad is dead (192 B of all-gather planned, none compiled)."""
+    fuzzlib.check_program(PADDING_READ_THROUGH_A_SORT)
+
+
 def test_update_slice_wider_than_one_row_gathers_the_split_dim():
     """The plan, not only XLA, gathers the operand's split dim before a two-row update (and keeps a one-row
     update's operand split)."""
