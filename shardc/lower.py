@@ -209,6 +209,7 @@ class Lowering:
         if need:
             invals = [self.reshard(x, v, self.plan.shardings[v], need[i]) if i in need else x
                       for i, (x, v) in enumerate(zip(invals, op.inputs))]
+        read = invals  # (the operands in the layouts the op reads them in, constants as they were made)
         invals = self.constants_as_needed(op, invals)
         if folds_to_constant(self.graph, op):  # (its result is a constant whatever it reads: see below)
             invals = [_constant_like(x) for x in invals]
@@ -223,7 +224,7 @@ class Lowering:
             if self.info.constant[op.outputs[0]] and hasattr(invals[0], "shape") and invals[0].shape:
                 return [self.whole(invals[0])]
             return [self.as_planned(invals[0], op.outputs[0])]
-        outs = self.bind(eqn, invals, op.id)
+        outs = self.passed_through(op, read, invals) if op.id in self.info.through else self.bind(eqn, invals, op.id)
         made = self.made_dims(op.id)
         for i, (var, vid) in enumerate(zip(eqn.outvars, op.outputs)):
             if isinstance(var, jcore.DropVar) or not hasattr(outs[i], "shape") \
@@ -236,6 +237,15 @@ class Lowering:
             if made[i] != self.plan.shardings[vid]:
                 outs[i] = self.reshard(outs[i], vid, made[i], self.plan.shardings[vid])
         return outs
+
+    def passed_through(self, op: Any, read: list[Any], invals: list[Any]) -> list[Any]:
+        """The results of an op XLA's simplifier replaces by its operands (`passes_through`: result k is operand
+        k), without binding it. Bound, the op would be partitioned before the simplifier runs, so a constant
+        result (the zeros iota a sort along a dim of size 1 sorts for its gradient), sliced to the op's layout
+        and then made whole as constants are (`apply_op`), would be all-gathered. A constant result is its
+        operand as made (`read`: whole), any other the operand in the layout the op reads it in."""
+        constant = self.info.constant
+        return [r if constant[v] else x for r, x, v in zip(read, invals, op.outputs)]
 
     def padding_only(self, op: Any, invals: list[Any]) -> list[Any]:
         """`invals`, with the operand of an op that reads nothing but the padding of the pad making it

@@ -154,6 +154,19 @@ Fixed in the oracle:
   operands are one buffer is the plan's (`shardc.cost.dropped.plan_drops`, `program.SAME_OPERAND_RULES`: select, max,
   min) (`select_of_a_hint_and_itself`).
 
+* seed 120003: a sort's permutation (for a gradient that is zero through an argmax) made in the sort's layout
+  [-, x] and planned [-, y]: no op XLA keeps reads it, so its reshard is a dead instruction (192 B of all-gather
+  planned, none compiled). The simulator reshards only results the program reads (`program.read_values`)
+  (`test_an_unread_result_is_not_resharded`).
+* seed 120024: a dynamic slice of nothing but a pad's padding, read through a sort along a dim of size 1 (its
+  operand to XLA's simplifier): folded, so the argmax feeding the pad is dead with its candidate all-gather (192 B
+  planned, none compiled). `reads_only_padding` looks through such ops (`program.pad_of`), and the lowering's
+  broadcast of the padding value with it (`test_a_slice_of_the_padding_through_a_sort_reads_nothing`).
+* seed 120036: a sort along a dim of size 1 with its operand split on another dim ([-, x]): XLA partitions it
+  before its simplifier replaces it by its operands, so its constant permutation (zeros, made whole as constants
+  are) was all-gathered from [-, x] (8 B compiled, none planned). The lowering now passes such an op's operands
+  through without binding it (`Lowering.passed_through`) (`test_a_sort_along_a_dim_of_one_is_lowered_as_its_operands`).
+
 Upstream (XLA), pinned with a pure-JAX reproduction that fails today (strict xfail, so the day XLA is
 fixed this file says so):
 * XLA CPU: a scatter-add into a dim sharded over the mesh (the gradient of `take` on a sharded dim),
@@ -708,6 +721,20 @@ def test_a_slice_of_the_padding_through_a_sort_reads_nothing():
     """A sort along a dim of size 1 is its operand to XLA's simplifier, so a dynamic slice of its padding only
     is folded and the argmax feeding the pad is dead (192 B of all-gather planned, none compiled)."""
     fuzzlib.check_program(PADDING_READ_THROUGH_A_SORT)
+
+
+SORT_OF_ONE_SPLIT_ELSEWHERE = Program(mesh=(("x", 2), ("y", 2), ("z", 2)), steps=(  # seed 120036, shrunk by hand
+    Step(kind="input", args=(), attrs=(), shape=(1, 2)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 1), ("axes", "x")), shape=(1, 2)),
+    Step(kind="sort", args=(1,), attrs=(("dim", 0),), shape=(1, 2)),  # its gradient's permutation: zeros in
+), outputs=(2,))                                                      # [-, x], made whole
+
+
+def test_a_sort_along_a_dim_of_one_is_lowered_as_its_operands():
+    """A sort along a dim of size 1 is its operands to XLA's simplifier, which runs after the partitioner:
+    bound, the sort was partitioned in [-, x] and its constant permutation (made whole, as constants are)
+    all-gathered, 8 B the plan does not list. The lowering passes its operands through instead."""
+    fuzzlib.check_program(SORT_OF_ONE_SPLIT_ELSEWHERE)
 
 
 def test_update_slice_wider_than_one_row_gathers_the_split_dim():
