@@ -162,6 +162,7 @@ fixed this file says so):
   fuzz program that found it computes the right numbers; before, the oracle attributed it to XLA
   (shardc's own compiled program reproduced the wrong numbers exactly and was right without the pass).
 """
+import dataclasses
 import warnings
 
 import jax
@@ -735,6 +736,18 @@ def test_adjudication_still_rejects_a_wrong_result():
     wrong = jax.tree.map(lambda a: a * 1.01, ref)
     assert not fuzzlib._as_accurate_as_unsharded(fun, args, wrong, ref)
     assert fuzzlib._as_accurate_as_unsharded(fun, args, ref, ref)
+
+
+def test_constant_cotangents_take_the_float64_adjudications_dtype():
+    """With constant cotangents (`const_cotangents`) the adjudication's float64 run pulled float32 constants back
+    through float64 outputs: JAX's VJP raised ("got float32[], but expected float64[]"), so a step whose float32
+    rounding needed adjudicating failed instead (seed 121013). The cotangents now take the outputs' dtype."""
+    prog = dataclasses.replace(ROUNDING_CHAIN, step_mode=True, const_cotangents=True)
+    fun = fuzzlib.program_function(prog, reference=True)
+    args = fuzzlib.make_args(prog)
+    ref = jax.jit(fun)(*args)
+    assert fuzzlib._as_accurate_as_unsharded(fun, args, ref, ref)
+    assert not fuzzlib._as_accurate_as_unsharded(fun, args, jax.tree.map(lambda a: a * 1.01, ref), ref)
 
 
 STEP2_ROUNDING = Program(  # seed 4250, shrunk
