@@ -154,6 +154,12 @@ Fixed in the oracle:
   all-gathering its local copy, with no collective-permute (1 B planned). Elementwise ops now treat an
   operand's size-1 dims as broadcast along the result's (`shardc.cost.program.broadcast_transfer`)
   (`min_of_a_split_broadcast`).
+* seed 120031: a gather of an operand split on the indexed dim with its indices (an argument) split too, and
+  its gradient's scatter-add: both regroup the indices by the operand's device groups with the same pairs, and
+  XLA's partitioner permutes that one instruction once (4 B of int32 indices planned twice). An op's own
+  operand permutes are now keyed by operand, layout, pairs and computation, and a later op reads the one an
+  earlier op made (`OperandPermute`, `TaskBuilder.shared_keys`); constant indices stay per consumer (the
+  lowering constrains them apart) (`test_a_gather_and_its_scatter_add_share_their_index_permute`).
 * seed 102000: `where(h > 0.1, h, x)` with `h` a hint resharding `x`, the select in `h`'s layout: its two cases
   are one buffer to XLA (the hint's reshard of `x`, read twice), so its simplifier drops the select and the
   predicate's reshard to that layout (12 B of all-to-all and collective-permute planned, not compiled). Which
@@ -596,6 +602,22 @@ def test_the_regrouping_permutes_are_planned():
     assert _permute_bytes(GATHER_SPLIT_OPERAND_AND_INDICES) == 24
     assert _permute_bytes(GATHER_REGROUPED["groups_differ_tiles_stay"]) == 0
     assert _permute_bytes(GATHER_REGROUPED["index_passthrough"]) == 32  # operand [z] 16 B, scatter result 16 B
+
+GATHER_AND_SCATTER_SHARE_AN_INDEX_PERMUTE = Program(mesh=_mesh3(), steps=(  # seed 120031, shrunk by hand
+    Step(kind="input", args=(), attrs=(("meta", ("z", None)),), shape=(4, 2)),
+    Step(kind="input", args=(), attrs=(("high", 4),), shape=(2,), dtype="int32"),  # indices as an argument
+    Step(kind="gather", args=(0, 1), attrs=(("dim", 0),), shape=(2, 2)),
+    Step(kind="hint", args=(2,), attrs=(("how", "split"), ("dim", 0), ("axes", "y")), shape=(2, 2)),
+), outputs=(0, 3))  # GATHER_SPLIT_OPERAND_AND_INDICES with the indices one instruction both ops regroup alike
+
+
+def test_a_gather_and_its_scatter_add_share_their_index_permute():
+    """XLA permutes an instruction to one layout once: the gather and its gradient's scatter-add regroup the
+    indices argument alike and read one collective-permute of it (`TaskBuilder.shared_keys`), where constant
+    indices (the lowering constrains them per consumer) are permuted for each."""
+    fuzzlib.check_program(GATHER_AND_SCATTER_SHARE_AN_INDEX_PERMUTE)
+    assert _permute_bytes(GATHER_AND_SCATTER_SHARE_AN_INDEX_PERMUTE) == 20  # indices 4 once, result 8, updates 8
+
 
 
 LOOP_STATE_RESHARDED_IN_THE_BODY = Program(mesh=(("x", 4), ("y", 2)), steps=(  # seed 100001, shrunk
