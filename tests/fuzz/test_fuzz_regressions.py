@@ -603,6 +603,7 @@ def test_the_regrouping_permutes_are_planned():
     assert _permute_bytes(GATHER_REGROUPED["groups_differ_tiles_stay"]) == 0
     assert _permute_bytes(GATHER_REGROUPED["index_passthrough"]) == 32  # operand [z] 16 B, scatter result 16 B
 
+
 GATHER_AND_SCATTER_SHARE_AN_INDEX_PERMUTE = Program(mesh=_mesh3(), steps=(  # seed 120031, shrunk by hand
     Step(kind="input", args=(), attrs=(("meta", ("z", None)),), shape=(4, 2)),
     Step(kind="input", args=(), attrs=(("high", 4),), shape=(2,), dtype="int32"),  # indices as an argument
@@ -617,7 +618,6 @@ def test_a_gather_and_its_scatter_add_share_their_index_permute():
     indices (the lowering constrains them per consumer) are permuted for each."""
     fuzzlib.check_program(GATHER_AND_SCATTER_SHARE_AN_INDEX_PERMUTE)
     assert _permute_bytes(GATHER_AND_SCATTER_SHARE_AN_INDEX_PERMUTE) == 20  # indices 4 once, result 8, updates 8
-
 
 
 LOOP_STATE_RESHARDED_IN_THE_BODY = Program(mesh=(("x", 4), ("y", 2)), steps=(  # seed 100001, shrunk
