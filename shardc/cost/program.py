@@ -1082,7 +1082,7 @@ def broadcast_transfer(graph: Graph, op: Any, operands: Sequence[frozenset[int]]
         dims = set(range(len(shape)))
         for u, ub in zip(op.inputs, operands):
             if graph.values[u].rank:  # (a scalar operand is broadcast to every dim)
-                dims &= ub
+                dims &= ub | _implicitly_broadcast(graph.values[u].shape, shape)
         return [frozenset(dims)] * len(op.outputs)
     if prim == "transpose":
         perm = op.params["permutation"]
@@ -1097,6 +1097,15 @@ def broadcast_transfer(graph: Graph, op: Any, operands: Sequence[frozenset[int]]
         config = op.params["padding_config"]
         return [frozenset(d for d in b if tuple(config[d]) == (0, 0, 0))]
     return none
+
+
+def _implicitly_broadcast(operand: Sequence[int], result: Sequence[int]) -> frozenset[int]:
+    """The dims along which an elementwise op's operand is broadcast to its result's shape: those of size 1
+    where the result's is not (lax's `eq(x: f32[4], m: f32[1])` in reduce_min's gradient lowers to a
+    broadcast_in_dim of m, which XLA's SpmdBuilder tracks as one)."""
+    if len(operand) != len(result):
+        return frozenset()
+    return frozenset(d for d, (n, m) in enumerate(zip(operand, result)) if n == 1 and m != 1)
 
 
 def _reshape_broadcast(src: Sequence[int], dst: Sequence[int], b: frozenset[int]) -> frozenset[int]:

@@ -148,6 +148,18 @@ Fixed in the oracle:
   simplifier makes the sort gradient's scatter-add of zeros its operand, so the sort and the reshards
   feeding it are dead (8 B of all-gather planned, none compiled). A scatter-add of zeros reads neither
   indices nor updates (`shardc.cost.program.is_zeros`) (`sorted_then_overwritten`).
+* seed 121010: reduce_min's gradient compares its operand with the minimum reshaped to [1]
+  (`eq(b: f32[4], m: f32[1])`, lax broadcasting a size-1 dim); with b a broadcast split [x], the comparison
+  is one too (XLA lowers the size-1 operand to a broadcast_in_dim), and XLA resharded it [x] -> [y] by
+  all-gathering its local copy, with no collective-permute (1 B planned). Elementwise ops now treat an
+  operand's size-1 dims as broadcast along the result's (`shardc.cost.program.broadcast_transfer`)
+  (`min_of_a_split_broadcast`).
+* seed 120031: a gather of an operand split on the indexed dim with its indices (an argument) split too, and
+  its gradient's scatter-add: both regroup the indices by the operand's device groups with the same pairs, and
+  XLA's partitioner permutes that one instruction once (4 B of int32 indices planned twice). An op's own
+  operand permutes are now keyed by operand, layout, pairs and computation, and a later op reads the one an
+  earlier op made (`OperandPermute`, `TaskBuilder.shared_keys`); constant indices stay per consumer (the
+  lowering constrains them apart) (`test_a_gather_and_its_scatter_add_share_their_index_permute`).
 * seed 102000: `where(h > 0.1, h, x)` with `h` a hint resharding `x`, the select in `h`'s layout: its two cases
   are one buffer to XLA (the hint's reshard of `x`, read twice), so its simplifier drops the select and the
   predicate's reshard to that layout (12 B of all-to-all and collective-permute planned, not compiled). Which
@@ -593,6 +605,22 @@ def test_the_regrouping_permutes_are_planned():
     assert _permute_bytes(GATHER_REGROUPED["index_passthrough"]) == 32  # operand [z] 16 B, scatter result 16 B
 
 
+GATHER_AND_SCATTER_SHARE_AN_INDEX_PERMUTE = Program(mesh=_mesh3(), steps=(  # seed 120031, shrunk by hand
+    Step(kind="input", args=(), attrs=(("meta", ("z", None)),), shape=(4, 2)),
+    Step(kind="input", args=(), attrs=(("high", 4),), shape=(2,), dtype="int32"),  # indices as an argument
+    Step(kind="gather", args=(0, 1), attrs=(("dim", 0),), shape=(2, 2)),
+    Step(kind="hint", args=(2,), attrs=(("how", "split"), ("dim", 0), ("axes", "y")), shape=(2, 2)),
+), outputs=(0, 3))  # GATHER_SPLIT_OPERAND_AND_INDICES with the indices one instruction both ops regroup alike
+
+
+def test_a_gather_and_its_scatter_add_share_their_index_permute():
+    """XLA permutes an instruction to one layout once: the gather and its gradient's scatter-add regroup the
+    indices argument alike and read one collective-permute of it (`TaskBuilder.shared_keys`), where constant
+    indices (the lowering constrains them per consumer) are permuted for each."""
+    fuzzlib.check_program(GATHER_AND_SCATTER_SHARE_AN_INDEX_PERMUTE)
+    assert _permute_bytes(GATHER_AND_SCATTER_SHARE_AN_INDEX_PERMUTE) == 20  # indices 4 once, result 8, updates 8
+
+
 LOOP_STATE_RESHARDED_IN_THE_BODY = Program(mesh=(("x", 4), ("y", 2)), steps=(  # seed 100001, shrunk
     Step(kind="input", args=(), attrs=(), shape=(8, 8)),
     Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 1), ("axes", "y")), shape=(8, 8)),
@@ -642,6 +670,16 @@ ZEROS_CARRIED_THROUGH_A_LOOP = Program(mesh=(("x", 4), ("y", 2)), steps=(  # see
 ), outputs=(3,))
 
 
+MIN_OF_A_SPLIT_BROADCAST = Program(mesh=(("x", 4), ("y", 2)), steps=(  # seed 121010, shrunk by hand
+    Step(kind="input", args=(), attrs=(), shape=(8,)),
+    Step(kind="reduce", args=(0,), attrs=(("fn", "max"), ("dims", (0,))), shape=()),
+    Step(kind="broadcast", args=(1,), attrs=(("pos", 0),), shape=(4,)),
+    Step(kind="hint", args=(2,), attrs=(("how", "split"), ("dim", 0), ("axes", ("x",))), shape=(4,)),
+    Step(kind="reduce", args=(3,), attrs=(("fn", "min"), ("dims", (0,))), shape=()),  # its gradient's eq(b, m[1])
+    Step(kind="hint", args=(3,), attrs=(("how", "split"), ("dim", 0), ("axes", ("y",))), shape=(4,)),  # is a
+), outputs=(4, 5))                                                           # broadcast resharded [x] -> [y]
+
+
 @pytest.mark.parametrize("prog", [COND_INDEX, DEAD_LOOP, UPDATE_SLICE_SPLIT_DIM, UPDATE_ONE_ROW_OF_SPLIT_DIM,
                                   SCANNED_ARRAY_RESHARD, SCAN_FINAL_CARRY, SUM_OVER_TWO_SPLIT_DIMS,
                                   DUPLICATE_OPS_RESHARDED, TWO_STEP_RESHARD_TWICE, FULL_UPDATE, BROADCAST_RESHARD,
@@ -655,7 +693,7 @@ ZEROS_CARRIED_THROUGH_A_LOOP = Program(mesh=(("x", 4), ("y", 2)), steps=(  # see
                                   RESHARD_THROUGH_A_CACHED_LAYOUT, SPLIT_OF_A_BROADCAST, SLICE_OF_THE_PADDING,
                                   DYNAMIC_SLICE_AFTER_THE_PADDED, LOOP_STATE_RESHARDED_IN_THE_BODY,
                                   BRANCHES_RESHARD_ONE_OPERAND, SORTED_THEN_OVERWRITTEN, SELECT_OF_A_HINT_AND_ITSELF,
-                                  SORT_ALONG_A_DIM_OF_ONE, ZEROS_CARRIED_THROUGH_A_LOOP],
+                                  SORT_ALONG_A_DIM_OF_ONE, ZEROS_CARRIED_THROUGH_A_LOOP, MIN_OF_A_SPLIT_BROADCAST],
                          ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
                               "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
                               "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
@@ -671,7 +709,7 @@ ZEROS_CARRIED_THROUGH_A_LOOP = Program(mesh=(("x", 4), ("y", 2)), steps=(  # see
                               "dynamic_slice_after_the_padded", "loop_state_resharded_in_the_body",
                               "branches_reshard_one_operand", "sorted_then_overwritten",
                               "select_of_a_hint_and_itself", "sort_along_a_dim_of_one",
-                              "zeros_carried_through_a_loop"])
+                              "zeros_carried_through_a_loop", "min_of_a_split_broadcast"])
 def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
 
