@@ -37,6 +37,7 @@ from typing import Any, Callable, Mapping, Sequence
 from shardc.cost.estimator import params_key
 from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL
 from shardc.cost.wide_results import wide_results
+from shardc.cost.windows import slice_window, window_unread
 from shardc.ir.graph import Graph
 
 __all__ = ["ProgramInfo", "program_info", "per_info", "descendants", "Merged", "merged", "liveness", "unread_operands",
@@ -994,7 +995,8 @@ def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:
     predicate is not read), and so are max and min of one value (`SAME_OPERAND_RULES`); a scatter-add of zeros
     (`is_zeros`: the gradient of a gather whose result's cotangent is zero) is its operand; an op folded to a
     constant whatever its operands reads none of them; a slice of nothing but a pad's padding reads nothing
-    (`reads_only_padding`)."""
+    (`reads_only_padding`); a concatenate's or pad's operand no slice of its result reads is not read
+    (`shardc.cost.windows.window_unread`)."""
     if folds_to_constant(graph, op):
         return tuple(range(len(op.inputs)))
     if op.primitive in ("scatter-add", "scatter_add") and len(op.inputs) == 3 and is_zeros(graph, op.inputs[2]):
@@ -1007,29 +1009,7 @@ def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:
         return same
     if reads_only_padding(graph, op):
         return tuple(range(len(op.inputs)))
-    return ()
-
-
-def _window(graph: Graph, op: Any) -> list[tuple[int, int]] | None:
-    """Per dim, the [start, limit) of its operand a slice reads (a pad with no positive padding is a slice
-    too: the transpose of a pad; so is a dynamic slice whose start indices are literals, clamped into the
-    operand as XLA clamps them); None for other ops."""
-    if op.primitive == "slice":
-        return list(zip(op.params["start_indices"], op.params["limit_indices"]))
-    if op.primitive == "dynamic_slice" and op.inputs:
-        starts = [graph.values[v].literal for v in op.inputs[1:]]
-        shape, sizes = graph.values[op.inputs[0]].shape, op.params.get("slice_sizes", ())
-        if len(starts) != len(shape) or len(sizes) != len(shape) \
-                or not all(isinstance(s, int) and not isinstance(s, bool) for s in starts):
-            return None
-        lows = [min(max(s, 0), n - k) for s, n, k in zip(starts, shape, sizes)]
-        return [(lo, lo + k) for lo, k in zip(lows, sizes)]
-    if op.primitive == "pad":
-        config = [tuple(c) for c in op.params["padding_config"]]
-        if all(lo <= 0 and hi <= 0 and interior == 0 for lo, hi, interior in config):
-            shape = graph.values[op.inputs[0]].shape
-            return [(-lo, n + hi) for (lo, hi, _), n in zip(config, shape)]
-    return None
+    return window_unread(graph, op)
 
 
 def reads_only_padding(graph: Graph, op: Any) -> bool:
@@ -1037,7 +1017,7 @@ def reads_only_padding(graph: Graph, op: Any) -> bool:
     lies before the padded value's first element or after its last, interior padding included): XLA's
     simplifier makes it a broadcast of the padding value, and the padded value is not read (the transpose of
     a slice of a pad is such a pad of a pad; a dynamic slice at literal starts is a slice)."""
-    window = _window(graph, op)
+    window = slice_window(graph, op)
     if window is None or not op.inputs:
         return False
     p = graph.values[op.inputs[0]].producer
