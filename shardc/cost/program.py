@@ -1126,17 +1126,40 @@ def merged(graph: Graph) -> Merged:
     return graph.analysis("merged", lambda: _merge(graph))
 
 
-def _merge(graph: Graph) -> Merged:
-    nv, no = len(graph.values), len(graph.ops)
+def cse(graph: Graph) -> tuple[tuple[int, ...], tuple[bool, ...], tuple[Any, ...]]:
+    """XLA's CSE over `graph` (cached on the graph): per value the one XLA keeps (`canon`), per op whether it
+    is merged into an earlier identical one (`duplicate`), per op its params as a hashable key (`pkeys`)."""
+    return graph.analysis("cse", lambda: _cse(graph))
+
+
+def _cse(graph: Graph) -> tuple[tuple[int, ...], tuple[bool, ...], tuple[Any, ...]]:
     pkeys = tuple(params_key(op.params) for op in graph.ops)
-    constant = [graph.values[v].is_const for v in range(nv)]
-    canon = list(range(nv))
-    duplicate = [False] * no
+    canon = list(range(len(graph.values)))
+    duplicate = [False] * len(graph.ops)
     seen: dict[Any, int] = {}
+    for op in graph.ops:
+        if op.primitive in _NOT_MERGED or op.primitive in ("shardc_hint", "sharding_constraint", PCG_COLLECTIVE):
+            continue
+        ins = tuple(canon[v] for v in op.inputs)
+        lits = tuple((graph.values[v].shape, str(graph.values[v].dtype), graph.values[v].name)
+                     if graph.values[v].is_const else None for v in op.inputs)
+        key = (op.primitive, op.region, pkeys[op.id], ins, lits)
+        first = seen.get(key)
+        if first is None:
+            seen[key] = op.id
+            continue
+        duplicate[op.id] = True
+        for a, b in zip(op.outputs, graph.ops[first].outputs):
+            canon[a] = canon[b]
+    return tuple(canon), tuple(duplicate), pkeys
+
+
+def _merge(graph: Graph) -> Merged:
+    canon, duplicate, pkeys = cse(graph)
+    constant = [graph.values[v].is_const for v in range(len(graph.values))]
     unread_pairs: set[tuple[int, int]] = set()
     through = frozenset(op.id for op in graph.ops if passes_through(graph, op))
     for op in graph.ops:
-        ins = tuple(canon[v] for v in op.inputs)
         # (an operand the simplifier drops does not count: a dynamic_update_slice of a constant over its whole
         # operand is that constant; in a loop or branch body too: XLA folds them there)
         unread = unread_operands(graph, op)
@@ -1148,19 +1171,7 @@ def _merge(graph: Graph) -> Merged:
         elif op.id in through:  # (result k is operand k: a constant where that operand is one)
             for v, u in zip(op.outputs, op.inputs):
                 constant[v] = constant[u]
-        if op.primitive in _NOT_MERGED or op.primitive in ("shardc_hint", "sharding_constraint", PCG_COLLECTIVE):
-            continue
-        lits = tuple((graph.values[v].shape, str(graph.values[v].dtype), graph.values[v].name)
-                     if graph.values[v].is_const else None for v in op.inputs)
-        key = (op.primitive, op.region, pkeys[op.id], ins, lits)
-        first = seen.get(key)
-        if first is None:
-            seen[key] = op.id
-            continue
-        duplicate[op.id] = True
-        for a, b in zip(op.outputs, graph.ops[first].outputs):
-            canon[a] = canon[b]
-    return Merged(tuple(constant), tuple(canon), tuple(duplicate), pkeys, frozenset(unread_pairs), through)
+    return Merged(tuple(constant), canon, duplicate, pkeys, frozenset(unread_pairs), through)
 
 
 def _readers(graph: Graph, consumers: list[list[int]], canon: Sequence[int], v: int) -> list[int]:

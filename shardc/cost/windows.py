@@ -31,11 +31,8 @@ Box = tuple[tuple[int, int], ...]  # per dim, the [start, limit) read
 def slice_window(graph: Graph, op: Any) -> list[tuple[int, int]] | None:
     """Per dim, the [start, limit) of its operand a slice reads (a pad with no positive padding is a slice
     too: the transpose of a pad; so is a dynamic slice whose start indices are literals, clamped into the
-    operand as XLA clamps them); None for other ops and strided slices."""
+    operand as XLA clamps them); None for other ops."""
     if op.primitive == "slice":
-        strides = op.params.get("strides")
-        if strides is not None and any(s != 1 for s in strides):
-            return None
         return list(zip(op.params["start_indices"], op.params["limit_indices"]))
     if op.primitive == "dynamic_slice" and op.inputs:
         starts = [graph.values[v].literal for v in op.inputs[1:]]
@@ -69,12 +66,15 @@ WindowRule = Callable[[Graph, Any, Sequence["Box | None"]], "list[Box | None] | 
 
 
 def _sliced(graph: Graph, op: Any, out: Sequence[Box | None]) -> list[Box | None] | None:
-    """A slice (dynamic at literal starts; a pad cutting its operand) reads its window of the part read of it."""
+    """A slice (dynamic at literal starts; a pad cutting its operand) reads its window of the part read of it
+    (with strides: from the first element read to the last)."""
     window = slice_window(graph, op)
     if window is None:
         return None
     read = out[0]
-    box = None if read is None else tuple((s + lo, s + hi) for (s, _), (lo, hi) in zip(window, read))
+    strides = (op.params.get("strides") if op.primitive == "slice" else None) or (1,) * len(window)
+    box = None if read is None else tuple((s + lo * k, s + (hi - 1) * k + 1)
+                                          for (s, _), (lo, hi), k in zip(window, read, strides))
     return [box] + [_full(graph.values[v].shape) for v in op.inputs[1:]]
 
 
@@ -162,26 +162,29 @@ _DROPS_OPERANDS = frozenset({"concatenate", "pad"})
 
 
 def read_windows(graph: Graph) -> tuple[Box | None, ...]:
-    """Per value, the box its readers read of it (None: no op reads it), through `WINDOW_RULES`; program
-    outputs, values a region reads and values several ops write are read whole (cached on the graph)."""
+    """Per value, the box its readers read of it (None: no op reads it), through `WINDOW_RULES`, over the
+    values XLA's CSE keeps (a value and its duplicates are read together); program outputs, values a region
+    reads and values several ops write are read whole (cached on the graph)."""
     return graph.analysis("read_windows", lambda: _read_windows(graph))
 
 
 def _read_windows(graph: Graph) -> tuple[Box | None, ...]:
+    from shardc.cost.program import cse  # (program asks this module which operands are unread)
+    canon = cse(graph)[0]
     boxes: list[Box | None] = [None] * len(graph.values)
     writers = collections.Counter(v for op in graph.ops for v in op.outputs)
     whole = set(graph.outputs) | {v for vs in graph.region_reads.values() for v in vs}
     whole |= {v for v, n in writers.items() if n > 1}
     for v in whole:
-        boxes[v] = _full(graph.values[v].shape)
+        boxes[canon[v]] = _full(graph.values[v].shape)
     for op in reversed(graph.ops):
         rule = WINDOW_RULES.get(op.primitive)
-        reads = rule(graph, op, [boxes[v] for v in op.outputs]) if rule is not None else None
+        reads = rule(graph, op, [boxes[canon[v]] for v in op.outputs]) if rule is not None else None
         if reads is None:
             reads = [_full(graph.values[v].shape) for v in op.inputs]
         for v, box in zip(op.inputs, reads):
-            boxes[v] = _union(boxes[v], box)
-    return tuple(boxes)
+            boxes[canon[v]] = _union(boxes[canon[v]], box)
+    return tuple(boxes[canon[v]] for v in range(len(boxes)))
 
 
 def window_unread(graph: Graph, op: Any) -> tuple[int, ...]:
