@@ -6,8 +6,9 @@ that only move data — another slice, a broadcast, a pad, a reverse, a concaten
 after partitioning — down to the values it reads from: `slice(concat(a, b))` reading only `a`'s part is a
 slice of `a`, and a slice of a pad reading only its padding is a broadcast of the padding value. A
 concatenate's operand (or a pad's) that no slice reads is then read by nothing, so XLA's DCE removes it with
-the ops and reshards only it needs (an einsum's all-reduce, an all-gather feeding the concatenate). Measured on the compiled HLO of jaxlib 0.10:
-elementwise ops, converts, reshapes and transposes stop the slice (what they read is read whole).
+the ops and reshards only it needs (an einsum's all-reduce, an all-gather feeding the concatenate).
+Measured on the compiled HLO of jaxlib 0.10: elementwise ops, converts, reshapes and transposes stop the
+slice (what they read is read whole).
 
 `read_windows` is the analysis: per value, the box (per dim, [start, limit)) its readers read of it, or None
 when nothing reads it; `window_unread` is what it implies for one op: the operands of a concatenate or pad
