@@ -165,6 +165,15 @@ Fixed in the oracle:
   predicate's reshard to that layout (12 B of all-to-all and collective-permute planned, not compiled). Which
   operands are one buffer is the plan's (`shardc.cost.dropped.plan_drops`, `program.SAME_OPERAND_RULES`: select, max,
   min) (`select_of_a_hint_and_itself`).
+* seeds 120007, 121011, 121028: a slice (a dynamic slice at literal starts) reading part of a concatenate, through
+  broadcasts, pads, reverses, other slices and hints: XLA's simplifier moves it onto the operands it covers, and
+  the others are read by nothing — an einsum's partial-sum all-reduce (16 B planned, none compiled), the all-gather
+  of a concatenated operand (64 B planned, 32 compiled), both operands' all-gathers when the slice reads only a
+  concatenated pad's padding (16 B planned, none compiled). Per value, the box its readers read of it is
+  `shardc.cost.windows.read_windows`; a concatenate's or pad's operand outside it is unread (`window_unread`), and
+  the lowering hands it over as zeros so that XLA drops it even with a reshard between the slice and the
+  concatenate (`slice_past_a_partial_sum`, `slice_of_one_concatenated_operand`, `slice_of_a_concatenated_padding`,
+  `a_slice_past_a_reshard_drops_what_it_does_not_read`).
 
 Upstream (XLA), pinned with a pure-JAX reproduction that fails today (strict xfail, so the day XLA is
 fixed this file says so):
@@ -679,6 +688,47 @@ MIN_OF_A_SPLIT_BROADCAST = Program(mesh=(("x", 4), ("y", 2)), steps=(  # seed 12
     Step(kind="hint", args=(3,), attrs=(("how", "split"), ("dim", 0), ("axes", ("y",))), shape=(4,)),  # is a
 ), outputs=(4, 5))                                                           # broadcast resharded [x] -> [y]
 
+SLICE_PAST_A_PARTIAL_SUM = Program(mesh=(("x", 2), ("y", 2), ("z", 2)), steps=(  # seed 120007, shrunk
+    Step(kind="input", args=(), attrs=(), shape=(4, 6, 4)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 0), ("axes", "y")), shape=(4, 6, 4)),
+    Step(kind="input", args=(), attrs=(), shape=(6, 4, 4)),
+    Step(kind="einsum", args=(1, 2), attrs=(("spec", "abc,bac->c"),), shape=(4,)),  # partial sums over y
+    Step(kind="dynamic_slice", args=(3,), attrs=(("start", (1,)),), shape=(3,)),
+    Step(kind="input", args=(), attrs=(), shape=(4,)),
+    Step(kind="concat", args=(5, 4), attrs=(("dim", 0),), shape=(7,)),
+    Step(kind="broadcast", args=(6,), attrs=(("pos", 0),), shape=(2, 7)),
+    Step(kind="dynamic_slice", args=(7,), attrs=(("start", (0, 1)),), shape=(2, 2)),  # the first operand only:
+), outputs=(8,))                                                                       # the all-reduce is dead
+
+SLICE_OF_ONE_CONCATENATED_OPERAND = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(  # seed 121011, shrunk
+    Step(kind="input", args=(), attrs=(), shape=(4, 4)),                                   # by hand
+    Step(kind="input", args=(), attrs=(("meta", (None, None, "x")),), shape=(4, 4, 2)),
+    Step(kind="einsum", args=(0, 1), attrs=(("spec", "ab,bac->bc"),), shape=(4, 2)),  # [-, x]
+    Step(kind="input", args=(), attrs=(("meta", (None, ("x", "y"))),), shape=(4, 2)),
+    Step(kind="concat", args=(3, 2), attrs=(("dim", 1),), shape=(4, 4)),
+    Step(kind="dynamic_slice", args=(4,), attrs=(("start", (0, 1)),), shape=(4, 1)),  # the first operand only:
+), outputs=(5,))                                                                       # the einsum's gather is dead
+
+SLICE_OF_A_CONCATENATED_PADDING = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(  # seed 121028, shrunk
+    Step(kind="input", args=(), attrs=(("meta", (("y", "x"),)),), shape=(2,)),          # by hand
+    Step(kind="pad", args=(0,), attrs=(("config", ((1, 0, 0),)),), shape=(3,)),
+    Step(kind="input", args=(), attrs=(("meta", (("y", "x"),)),), shape=(2,)),
+    Step(kind="concat", args=(2, 1), attrs=(("dim", 0),), shape=(5,)),
+    Step(kind="dynamic_slice", args=(3,), attrs=(("start", (2,)),), shape=(1,)),  # the pad's low padding only:
+), outputs=(4,))                                                                   # neither input is gathered
+
+SLICE_OF_A_CONCATENATE_PAST_A_RESHARD = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(  # seed 121011's, by
+    Step(kind="input", args=(), attrs=(), shape=(4, 4)),                                       # hand
+    Step(kind="input", args=(), attrs=(("meta", (None, None, "x")),), shape=(4, 4, 2)),
+    Step(kind="einsum", args=(0, 1), attrs=(("spec", "ab,bac->bc"),), shape=(4, 2)),
+    Step(kind="input", args=(), attrs=(("meta", (None, ("x", "y"))),), shape=(4, 2)),
+    Step(kind="concat", args=(3, 2), attrs=(("dim", 1),), shape=(4, 4)),
+    Step(kind="hint", args=(4,), attrs=(("how", "replicate"),), shape=(4, 4)),
+    Step(kind="hint", args=(5,), attrs=(("how", "split"), ("dim", 0), ("axes", ("z",))), shape=(4, 4)),  # a reshard
+    Step(kind="dynamic_slice", args=(6,), attrs=(("start", (0, 1)),), shape=(4, 1)),  # between the concatenate
+    Step(kind="hint", args=(7,), attrs=(("how", "replicate"),), shape=(4, 1)),         # and its slice
+), outputs=(8,))
+
 
 @pytest.mark.parametrize("prog", [COND_INDEX, DEAD_LOOP, UPDATE_SLICE_SPLIT_DIM, UPDATE_ONE_ROW_OF_SPLIT_DIM,
                                   SCANNED_ARRAY_RESHARD, SCAN_FINAL_CARRY, SUM_OVER_TWO_SPLIT_DIMS,
@@ -693,7 +743,9 @@ MIN_OF_A_SPLIT_BROADCAST = Program(mesh=(("x", 4), ("y", 2)), steps=(  # seed 12
                                   RESHARD_THROUGH_A_CACHED_LAYOUT, SPLIT_OF_A_BROADCAST, SLICE_OF_THE_PADDING,
                                   DYNAMIC_SLICE_AFTER_THE_PADDED, LOOP_STATE_RESHARDED_IN_THE_BODY,
                                   BRANCHES_RESHARD_ONE_OPERAND, SORTED_THEN_OVERWRITTEN, SELECT_OF_A_HINT_AND_ITSELF,
-                                  SORT_ALONG_A_DIM_OF_ONE, ZEROS_CARRIED_THROUGH_A_LOOP, MIN_OF_A_SPLIT_BROADCAST],
+                                  SORT_ALONG_A_DIM_OF_ONE, ZEROS_CARRIED_THROUGH_A_LOOP, MIN_OF_A_SPLIT_BROADCAST,
+                                  SLICE_PAST_A_PARTIAL_SUM, SLICE_OF_ONE_CONCATENATED_OPERAND,
+                                  SLICE_OF_A_CONCATENATED_PADDING],
                          ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
                               "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
                               "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
@@ -709,9 +761,26 @@ MIN_OF_A_SPLIT_BROADCAST = Program(mesh=(("x", 4), ("y", 2)), steps=(  # seed 12
                               "dynamic_slice_after_the_padded", "loop_state_resharded_in_the_body",
                               "branches_reshard_one_operand", "sorted_then_overwritten",
                               "select_of_a_hint_and_itself", "sort_along_a_dim_of_one",
-                              "zeros_carried_through_a_loop", "min_of_a_split_broadcast"])
+                              "zeros_carried_through_a_loop", "min_of_a_split_broadcast",
+                              "slice_past_a_partial_sum", "slice_of_one_concatenated_operand",
+                              "slice_of_a_concatenated_padding"])
 def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
+
+
+def test_a_slice_past_a_reshard_drops_what_it_does_not_read():
+    """Between the concatenate and its slice the plan reshards (replicated, then split over z): XLA's simplifier
+    cannot move the slice past the collective, so the lowering hands the concatenate the operand it drops as
+    zeros (`Lowering.unread_as_zeros`) and XLA runs what the plan lists: no gather of the einsum's result."""
+    from shardc.cost.windows import window_unread
+
+    prog = SLICE_OF_A_CONCATENATE_PAST_A_RESHARD
+    fun, args = fuzzlib.program_function(prog), fuzzlib.make_args(prog)
+    plan = shardc.plan(fun, *args, mesh=shardc.make_mesh(dict(prog.mesh)), search=False)
+    cat = next(op for op in plan.graph.ops if op.primitive == "concatenate")
+    assert window_unread(plan.graph, cat) == (1,)
+    assert not [r for r in plan.reshards if r.consumer == cat.id and r.operand == 1]
+    fuzzlib.check_program(prog)
 
 
 def test_update_slice_wider_than_one_row_gathers_the_split_dim():
