@@ -36,6 +36,7 @@ from annotations.primitive import hint_p
 from shardc.ir.build import REGION_PRIMITIVES, call_jaxpr
 from shardc.ir.jaxpr_env import JaxprEnv, open_jaxpr
 from shardc.cost.program import folds_to_constant, pad_of, program_info, reads_only_padding
+from shardc.cost.windows import window_unread
 from shardc.cost.reshard_path import reshard_steps
 from shardc.plan import Plan, lowers_reduce_scatter, require_devices
 from shardc.rules.core import FactorKind
@@ -216,6 +217,7 @@ class Lowering:
         if op.primitive == "pad" and len(invals) > 1:
             self._traces[-1].padding[op.outputs[0]] = invals[1]
         invals = self.padding_only(op, invals)
+        invals = self.unread_as_zeros(op, invals)
         if eqn.primitive is hint_p or op.primitive == "sharding_constraint":
             # a hint or jax's own constraint (maybe on the mesh the step was traced under, e.g. Flax's on
             # partitioned parameters): the plan's decided sharding of the value, on the plan's mesh. A
@@ -261,6 +263,18 @@ class Lowering:
         if value is None or not hasattr(x, "shape"):  # (a pad of another trace: left as it is)
             return invals
         return [jax.lax.broadcast_in_dim(jax.numpy.asarray(value, x.dtype), x.shape, ()), *invals[1:]]
+
+    def unread_as_zeros(self, op: Any, invals: list[Any]) -> list[Any]:
+        """`invals`, with each operand of a concatenate or pad that no slice of its result reads (`window_unread`:
+        the plan neither reshards nor computes it) replaced by zeros of its shape. XLA's simplifier moves such
+        slices past the op only when nothing lies between them after partitioning; with a collective between
+        (a reshard the plan makes of the op's result), it would read the operand and move it to the op's
+        layout. Zeros it makes in any layout without moving data, and the slices read none of them."""
+        unread = window_unread(self.graph, op)
+        if not unread:
+            return invals
+        return [jax.numpy.zeros(x.shape, x.dtype) if i in unread and hasattr(x, "shape") else x
+                for i, x in enumerate(invals)]
 
     def constants_as_needed(self, op: Any, invals: list[Any]) -> list[Any]:
         """`invals` with each compile-time constant operand of a non-constant op constrained to the layout

@@ -33,10 +33,10 @@ import math
 from typing import Any, Mapping, Sequence
 
 from shardc.cost.collectives import Collective
-from shardc.cost.op_collectives import NONE, OwnCollectives, register_op_collectives
+from shardc.cost.op_collectives import NONE, OperandPermute, OwnCollectives, register_op_collectives
 from shardc.sharding import Sharding
 
-__all__ = ["Grouping", "on_dims", "ts_moves", "ip_moves", "gather_collectives", "scatter_collectives"]
+__all__ = ["Grouping", "Move", "on_dims", "ts_moves", "ip_moves", "gather_collectives", "scatter_collectives"]
 
 Coord = Mapping[str, int]
 
@@ -98,57 +98,70 @@ def on_dims(sh: Sharding, dims: Sequence[int], mesh: Mapping[str, int]) -> Group
     return Grouping(group, position)
 
 
-def _moved_axes(sh: Sharding, groups: int, ref: Grouping, mesh: Mapping[str, int]) -> tuple[str, ...]:
-    """The mesh axes XLA's collective-permute crosses when it groups layout `sh` on its replicated devices into
-    `groups` groups (GroupShardingOnReplicatedDim: the major part of its replicated axes) and aligns them with
-    `ref` (AlignGroupsWith); none when no tile moves. The same groups keep every tile in place; other groups
-    put the tile of in-group position p on the device at position p of the reference's group. The permute
-    pairs the old and the new holders of each tile in device order (XLA sorts a tile's replicas)."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Move:
+    """How XLA's collective-permute regroups one tensor: the mesh axes it crosses and its (source, target) device
+    pairs (devices in mesh order; none when no tile moves)."""
+
+    axes: tuple[str, ...] = ()
+    pairs: tuple[tuple[int, int], ...] = ()
+
+
+STAY = Move()
+
+
+def _move(sh: Sharding, groups: int, ref: Grouping, mesh: Mapping[str, int]) -> Move:
+    """How XLA permutes layout `sh` when it groups it on its replicated devices into `groups` groups
+    (GroupShardingOnReplicatedDim: the major part of its replicated axes) and aligns them with `ref`
+    (AlignGroupsWith); `STAY` when no tile moves. The same groups keep every tile in place; other groups put the
+    tile of in-group position p on the device at position p of the reference's group. The permute pairs the old
+    and the new holders of each tile in device order (XLA sorts a tile's replicas)."""
     rep = _replicated(sh, mesh)
     inner = _count(rep, mesh) // groups  # replicated devices per tile inside one group
     if inner * groups != _count(rep, mesh) or not sh.axes():
-        return ()  # (nothing split: every device holds the whole tensor)
+        return STAY  # (nothing split: every device holds the whole tensor)
     devs = _devices(mesh)
     if all(_index(c, rep, mesh) // inner == g for c, g in zip(devs, ref.group)):
-        return ()
+        return STAY
     old = [_tile(sh, c, mesh) for c in devs]
     new = [p // inner for p in ref.position]
-    crossed: set[str] = set()
-    for t in set(old):
-        holders = zip((d for d, u in enumerate(old) if u == t), (d for d, u in enumerate(new) if u == t))
-        crossed.update(a for src, dst in holders for a in mesh if devs[src][a] != devs[dst][a])
-    return tuple(a for a in mesh if a in crossed)
+    pairs = sorted((src, dst) for t in set(old)
+                   for src, dst in zip((d for d, u in enumerate(old) if u == t), (d for d, u in enumerate(new) if u == t)))
+    crossed = {a for src, dst in pairs for a in mesh if devs[src][a] != devs[dst][a]}
+    if not crossed:
+        return STAY
+    return Move(tuple(a for a in mesh if a in crossed), tuple(pairs))
 
 
 def ts_moves(operand: Sharding, indexed: Sequence[int], others: Sequence[Sharding], mesh: Mapping[str, int]
              ) -> tuple[tuple[str, ...], ...]:
     """Trivially sliced operand: per tensor of `others` (indices, a gather's result, a scatter's updates),
     the mesh axes XLA permutes it across to align it with the operand's groups on its `indexed` dims."""
-    return _ts_moves(operand, tuple(indexed), tuple(others), tuple(mesh.items()))
+    return tuple(m.axes for m in _ts_moves(operand, tuple(indexed), tuple(others), tuple(mesh.items())))
 
 
 @functools.lru_cache(maxsize=4096)
 def _ts_moves(operand: Sharding, indexed: tuple[int, ...], others: tuple[Sharding, ...],
-              items: tuple[tuple[str, int], ...]) -> tuple[tuple[str, ...], ...]:
+              items: tuple[tuple[str, int], ...]) -> tuple[Move, ...]:
     mesh = dict(items)
     ref = on_dims(operand, indexed, mesh)
     groups = math.prod(_count(operand.dims[d], mesh) for d in indexed)
-    return tuple(_moved_axes(t, groups, ref, mesh) for t in others)
+    return tuple(_move(t, groups, ref, mesh) for t in others)
 
 
 def ip_moves(operand: Sharding, indices: Sharding, batch: Sequence[int], mesh: Mapping[str, int]
              ) -> tuple[str, ...]:
     """Index passthrough: the mesh axes XLA permutes the operand across to align it with the groups of the
     indices' pieces on their `batch` dims."""
-    return _ip_moves(operand, indices, tuple(batch), tuple(mesh.items()))
+    return _ip_moves(operand, indices, tuple(batch), tuple(mesh.items())).axes
 
 
 @functools.lru_cache(maxsize=4096)
 def _ip_moves(operand: Sharding, indices: Sharding, batch: tuple[int, ...], items: tuple[tuple[str, int], ...]
-              ) -> tuple[str, ...]:
+              ) -> Move:
     mesh = dict(items)
     ref = on_dims(indices, batch, mesh)
-    return _moved_axes(operand, math.prod(_count(indices.dims[d], mesh) for d in batch), ref, mesh)
+    return _move(operand, math.prod(_count(indices.dims[d], mesh) for d in batch), ref, mesh)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -203,13 +216,27 @@ def _case(shapes: Sequence[tuple[int, ...]], itemsizes: Sequence[int], ins: Sequ
     return _Case(total[0], total[1], math.prod(r_shape) * r_item, a, b, batch, scatter)
 
 
-def _permute(sh: Sharding, shape: Sequence[int], itemsize: int, axes: tuple[str, ...], mesh: Mapping[str, int]
+def _permute(sh: Sharding, shape: Sequence[int], itemsize: int, move: Move, mesh: Mapping[str, int]
              ) -> tuple[Collective, ...]:
-    """A collective-permute across `axes` of one device's piece of a tensor laid out as `sh` (none without
+    """A collective-permute across `move`'s axes of one device's piece of a tensor laid out as `sh` (none without
     axes: nothing moves)."""
-    if not axes:
+    if not move.axes:
         return ()
-    return (Collective("collective-permute", axes, math.prod(sh.local_shape(shape, mesh)) * itemsize),)
+    return (Collective("collective-permute", move.axes, math.prod(sh.local_shape(shape, mesh)) * itemsize),)
+
+
+def _permute_operands(moves: Mapping[int, Move], ins: Sequence[Sharding], shapes: Sequence[tuple[int, ...]],
+                      itemsizes: Sequence[int], mesh: Mapping[str, int], after: tuple[Collective, ...] = ()
+                      ) -> OwnCollectives:
+    """The op's collectives when it permutes operand i by `moves[i]` (in operand order) before it computes, each
+    an `OperandPermute` another op permuting that operand alike shares, and `after` on its results."""
+    before: list[Collective] = []
+    shared: list[OperandPermute] = []
+    for i, move in sorted(moves.items()):
+        for c in _permute(ins[i], shapes[i], itemsizes[i], move, mesh):
+            before.append(c)
+            shared.append(OperandPermute(i, move.pairs))
+    return OwnCollectives(before=tuple(before), after=after, shared=tuple(shared))
 
 
 def _copied(sh: Sharding, bcast: frozenset[int]) -> bool:
@@ -255,12 +282,11 @@ def gather_collectives(op: Any, ins: Sequence[Sharding], shapes: Sequence[tuple[
     if k is None:
         return NONE
     if _ip_cost(k) < _ts_cost(k):
-        moved = () if _copied(ins[0], bcast[0]) else ip_moves(ins[0], ins[1], k.batch, mesh)
-        return OwnCollectives(before=_permute(ins[0], shapes[0], itemsizes[0], moved, mesh))
-    idx_axes, out_axes = ts_moves(ins[0], indexed, (ins[1], out), mesh)
-    idx_axes = () if _copied(ins[1], bcast[1]) else idx_axes
-    return OwnCollectives(before=_permute(ins[1], shapes[1], itemsizes[1], idx_axes, mesh),
-                          after=_permute(out, r_shape, itemsizes[0], out_axes, mesh))
+        moved = STAY if _copied(ins[0], bcast[0]) else _ip_moves(ins[0], ins[1], k.batch, tuple(mesh.items()))
+        return _permute_operands({0: moved}, ins, shapes, itemsizes, mesh)
+    idx, res = _ts_moves(ins[0], indexed, (ins[1], out), tuple(mesh.items()))
+    return _permute_operands({1: STAY if _copied(ins[1], bcast[1]) else idx}, ins, shapes, itemsizes, mesh,
+                             after=_permute(out, r_shape, itemsizes[0], res, mesh))
 
 
 def _scatter_slice_sizes(dn: Any, operand: Sequence[int], updates: Sequence[int]) -> tuple[int, ...]:
@@ -286,8 +312,10 @@ def scatter_collectives(op: Any, ins: Sequence[Sharding], shapes: Sequence[tuple
     if k is None:
         return NONE
     if _ip_cost(k) < _ts_cost(k):
-        back = _permute(ins[0], shapes[0], itemsizes[0], ip_moves(ins[0], ins[1], k.batch, mesh), mesh)
-        return OwnCollectives(before=() if _copied(ins[0], bcast[0]) else back, after=back)
-    moved = ts_moves(ins[0], indexed, (ins[1], ins[2]), mesh)
-    return OwnCollectives(before=tuple(c for i, axes in zip((1, 2), moved) if not _copied(ins[i], bcast[i])
-                                       for c in _permute(ins[i], shapes[i], itemsizes[i], axes, mesh)))
+        move = _ip_moves(ins[0], ins[1], k.batch, tuple(mesh.items()))
+        back = _permute(ins[0], shapes[0], itemsizes[0], move, mesh)
+        return _permute_operands({0: STAY if _copied(ins[0], bcast[0]) else move}, ins, shapes, itemsizes, mesh,
+                                 after=back)
+    moved = _ts_moves(ins[0], indexed, (ins[1], ins[2]), tuple(mesh.items()))
+    return _permute_operands({i: STAY if _copied(ins[i], bcast[i]) else m for i, m in zip((1, 2), moved)},
+                             ins, shapes, itemsizes, mesh)

@@ -21,17 +21,32 @@ import numpy as np
 from shardc.cost.collectives import Collective
 from shardc.sharding import Sharding
 
-__all__ = ["NONE", "OP_COLLECTIVES", "OwnCollectives", "register_op_collectives", "op_collectives"]
+__all__ = ["NONE", "OP_COLLECTIVES", "OperandPermute", "OwnCollectives", "register_op_collectives", "op_collectives"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OperandPermute:
+    """What a collective-permute of one operand is to XLA: operand `operand` (as the op reads it) sent from
+    device `src` to `dst` for each of `pairs` (devices in mesh order). Two ops of one computation that permute
+    the same operand instruction with the same pairs read one collective-permute (the partitioner reshards an
+    instruction to one layout once; CSE merges the rest): a gather and its gradient's scatter-add regrouping
+    the same indices."""
+
+    operand: int
+    pairs: tuple[tuple[int, int], ...]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class OwnCollectives:
     """The collectives one op makes by itself: `before` it computes (on its operands), `after` (on its local
-    results); `instead`: the op is nothing but its `before` collectives (the stage shift computes nothing)."""
+    results); `instead`: the op is nothing but its `before` collectives (the stage shift computes nothing);
+    `shared`: per collective of `before`, the operand permute it is when another op may share it (None: the
+    op's own; empty: none is shared)."""
 
     before: tuple[Collective, ...] = ()
     after: tuple[Collective, ...] = ()
     instead: bool = False
+    shared: tuple[OperandPermute | None, ...] = ()
 
     @property
     def all(self) -> tuple[Collective, ...]:

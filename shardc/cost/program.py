@@ -37,6 +37,7 @@ from typing import Any, Callable, Mapping, Sequence
 from shardc.cost.estimator import params_key
 from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL
 from shardc.cost.wide_results import wide_results
+from shardc.cost.windows import slice_window, window_unread
 from shardc.ir.graph import Graph
 
 __all__ = ["ProgramInfo", "program_info", "per_info", "descendants", "Merged", "merged", "liveness", "unread_operands",
@@ -1018,7 +1019,8 @@ def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:
     predicate is not read), and so are max and min of one value (`SAME_OPERAND_RULES`); a scatter-add of zeros
     (`is_zeros`: the gradient of a gather whose result's cotangent is zero) is its operand; an op folded to a
     constant whatever its operands reads none of them; a slice of nothing but a pad's padding reads nothing
-    (`reads_only_padding`)."""
+    (`reads_only_padding`); a concatenate's or pad's operand no slice of its result reads is not read
+    (`shardc.cost.windows.window_unread`)."""
     if folds_to_constant(graph, op):
         return tuple(range(len(op.inputs)))
     if op.primitive in ("scatter-add", "scatter_add") and len(op.inputs) == 3 and is_zeros(graph, op.inputs[2]):
@@ -1031,29 +1033,7 @@ def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:
         return same
     if reads_only_padding(graph, op):
         return tuple(range(len(op.inputs)))
-    return ()
-
-
-def _window(graph: Graph, op: Any) -> list[tuple[int, int]] | None:
-    """Per dim, the [start, limit) of its operand a slice reads (a pad with no positive padding is a slice
-    too: the transpose of a pad; so is a dynamic slice whose start indices are literals, clamped into the
-    operand as XLA clamps them); None for other ops."""
-    if op.primitive == "slice":
-        return list(zip(op.params["start_indices"], op.params["limit_indices"]))
-    if op.primitive == "dynamic_slice" and op.inputs:
-        starts = [graph.values[v].literal for v in op.inputs[1:]]
-        shape, sizes = graph.values[op.inputs[0]].shape, op.params.get("slice_sizes", ())
-        if len(starts) != len(shape) or len(sizes) != len(shape) \
-                or not all(isinstance(s, int) and not isinstance(s, bool) for s in starts):
-            return None
-        lows = [min(max(s, 0), n - k) for s, n, k in zip(starts, shape, sizes)]
-        return [(lo, lo + k) for lo, k in zip(lows, sizes)]
-    if op.primitive == "pad":
-        config = [tuple(c) for c in op.params["padding_config"]]
-        if all(lo <= 0 and hi <= 0 and interior == 0 for lo, hi, interior in config):
-            shape = graph.values[op.inputs[0]].shape
-            return [(-lo, n + hi) for (lo, hi, _), n in zip(config, shape)]
-    return None
+    return window_unread(graph, op)
 
 
 def pad_of(graph: Graph, v: int) -> Any | None:
@@ -1078,7 +1058,7 @@ def reads_only_padding(graph: Graph, op: Any) -> bool:
     window lies before the padded value's first element or after its last, interior padding included): XLA's
     simplifier makes it a broadcast of the padding value, and the padded value is not read (the transpose of
     a slice of a pad is such a pad of a pad; a dynamic slice at literal starts is a slice)."""
-    window = _window(graph, op)
+    window = slice_window(graph, op)
     if window is None or not op.inputs:
         return False
     pad = pad_of(graph, op.inputs[0])
@@ -1122,7 +1102,7 @@ def broadcast_transfer(graph: Graph, op: Any, operands: Sequence[frozenset[int]]
         dims = set(range(len(shape)))
         for u, ub in zip(op.inputs, operands):
             if graph.values[u].rank:  # (a scalar operand is broadcast to every dim)
-                dims &= ub
+                dims &= ub | _implicitly_broadcast(graph.values[u].shape, shape)
         return [frozenset(dims)] * len(op.outputs)
     if prim == "transpose":
         perm = op.params["permutation"]
@@ -1137,6 +1117,15 @@ def broadcast_transfer(graph: Graph, op: Any, operands: Sequence[frozenset[int]]
         config = op.params["padding_config"]
         return [frozenset(d for d in b if tuple(config[d]) == (0, 0, 0))]
     return none
+
+
+def _implicitly_broadcast(operand: Sequence[int], result: Sequence[int]) -> frozenset[int]:
+    """The dims along which an elementwise op's operand is broadcast to its result's shape: those of size 1
+    where the result's is not (lax's `eq(x: f32[4], m: f32[1])` in reduce_min's gradient lowers to a
+    broadcast_in_dim of m, which XLA's SpmdBuilder tracks as one)."""
+    if len(operand) != len(result):
+        return frozenset()
+    return frozenset(d for d, (n, m) in enumerate(zip(operand, result)) if n == 1 and m != 1)
 
 
 def _reshape_broadcast(src: Sequence[int], dst: Sequence[int], b: frozenset[int]) -> frozenset[int]:
@@ -1186,17 +1175,40 @@ def merged(graph: Graph) -> Merged:
     return graph.analysis("merged", lambda: _merge(graph))
 
 
-def _merge(graph: Graph) -> Merged:
-    nv, no = len(graph.values), len(graph.ops)
+def cse(graph: Graph) -> tuple[tuple[int, ...], tuple[bool, ...], tuple[Any, ...]]:
+    """XLA's CSE over `graph` (cached on the graph): per value the one XLA keeps (`canon`), per op whether it
+    is merged into an earlier identical one (`duplicate`), per op its params as a hashable key (`pkeys`)."""
+    return graph.analysis("cse", lambda: _cse(graph))
+
+
+def _cse(graph: Graph) -> tuple[tuple[int, ...], tuple[bool, ...], tuple[Any, ...]]:
     pkeys = tuple(params_key(op.params) for op in graph.ops)
-    constant = [graph.values[v].is_const for v in range(nv)]
-    canon = list(range(nv))
-    duplicate = [False] * no
+    canon = list(range(len(graph.values)))
+    duplicate = [False] * len(graph.ops)
     seen: dict[Any, int] = {}
+    for op in graph.ops:
+        if op.primitive in _NOT_MERGED or op.primitive in ("shardc_hint", "sharding_constraint", PCG_COLLECTIVE):
+            continue
+        ins = tuple(canon[v] for v in op.inputs)
+        lits = tuple((graph.values[v].shape, str(graph.values[v].dtype), graph.values[v].name)
+                     if graph.values[v].is_const else None for v in op.inputs)
+        key = (op.primitive, op.region, pkeys[op.id], ins, lits)
+        first = seen.get(key)
+        if first is None:
+            seen[key] = op.id
+            continue
+        duplicate[op.id] = True
+        for a, b in zip(op.outputs, graph.ops[first].outputs):
+            canon[a] = canon[b]
+    return tuple(canon), tuple(duplicate), pkeys
+
+
+def _merge(graph: Graph) -> Merged:
+    canon, duplicate, pkeys = cse(graph)
+    constant = [graph.values[v].is_const for v in range(len(graph.values))]
     unread_pairs: set[tuple[int, int]] = set()
     through = frozenset(op.id for op in graph.ops if passes_through(graph, op))
     for op in graph.ops:
-        ins = tuple(canon[v] for v in op.inputs)
         # (an operand the simplifier drops does not count: a dynamic_update_slice of a constant over its whole
         # operand is that constant; in a loop or branch body too: XLA folds them there)
         unread = unread_operands(graph, op)
@@ -1208,19 +1220,7 @@ def _merge(graph: Graph) -> Merged:
         elif op.id in through:  # (result k is operand k: a constant where that operand is one)
             for v, u in zip(op.outputs, op.inputs):
                 constant[v] = constant[u]
-        if op.primitive in _NOT_MERGED or op.primitive in ("shardc_hint", "sharding_constraint", PCG_COLLECTIVE):
-            continue
-        lits = tuple((graph.values[v].shape, str(graph.values[v].dtype), graph.values[v].name)
-                     if graph.values[v].is_const else None for v in op.inputs)
-        key = (op.primitive, op.region, pkeys[op.id], ins, lits)
-        first = seen.get(key)
-        if first is None:
-            seen[key] = op.id
-            continue
-        duplicate[op.id] = True
-        for a, b in zip(op.outputs, graph.ops[first].outputs):
-            canon[a] = canon[b]
-    return Merged(tuple(constant), tuple(canon), tuple(duplicate), pkeys, frozenset(unread_pairs), through)
+    return Merged(tuple(constant), canon, duplicate, pkeys, frozenset(unread_pairs), through)
 
 
 def _readers(graph: Graph, consumers: list[list[int]], canon: Sequence[int], v: int) -> list[int]:

@@ -39,6 +39,7 @@ import numpy as np
 
 from shardc.cost.estimator import OpCostEstimator
 from shardc.cost.memory import MemoryModel
+from shardc.cost.op_collectives import OP_COLLECTIVES
 from shardc.cost.topology import MeshMapping, Topology
 from shardc.gc_pause import gc_paused_long_lived
 from shardc.plan import Plan
@@ -322,6 +323,7 @@ class Simulator:
         self.mapping = mapping
         self._last: _State | None = None
         self._users_cache: dict[int, list[int]] | None = None
+        self._own_cache: dict[int, list[int]] | None = None  # (`_own_readers`)
         self._combiner: Combiner | None = None
         self._reads: _Reads | None = None  # who reads each key (built by the first delta)
         self._needs: dict | None = None  # plan_needs of the last plan simulated
@@ -472,9 +474,36 @@ class Simulator:
         users = self._users()
         for c in values:
             slots.update(users.get(c, ()))
+        slots.update(self._sharing_permutes(slots))
         if len(slots) > len(g.ops) * 9 // 10:
             return None
         return sorted(slots), values
+
+    def _sharing_permutes(self, slots: set[int]) -> set[int]:
+        """The ops that may share an operand permute with one of `slots` (`TaskBuilder.shared_keys`: ops with
+        collectives of their own reading one canonical value): which slot makes it, and which reads it, can
+        change with any of them."""
+        own = self._own_readers()
+        canon = self.builder.info.canon
+        out: set[int] = set()
+        for s in slots:
+            op = self.graph.ops[s]
+            if op.primitive in OP_COLLECTIVES:
+                for v in op.inputs:
+                    out.update(own.get(canon[v], ()))
+        return out
+
+    def _own_readers(self) -> dict[int, list[int]]:
+        """Canonical value -> the ops with collectives of their own (`OP_COLLECTIVES`) reading it."""
+        if self._own_cache is None:
+            canon = self.builder.info.canon
+            readers: dict[int, list[int]] = {}
+            for op in self.graph.ops:
+                if op.primitive in OP_COLLECTIVES:
+                    for v in op.inputs:
+                        readers.setdefault(canon[v], []).append(op.id)
+            self._own_cache = readers
+        return self._own_cache
 
     def _users(self) -> dict[int, list[int]]:
         """Canonical value -> ops that read or make it (any value CSE merged into it)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from shardc.cost.collectives import collective_fixed, collective_phases
 from shardc.cost.dropped import BranchScopes, branch_scopes, dead_ops, plan_drops
@@ -557,6 +557,8 @@ class TaskBuilder:
         dropped = self.drops.get(op_id, ())
         if dropped:
             mk += (dropped,)
+        if op.primitive in OP_COLLECTIVES:
+            mk += (self._shared_made(plan, op, needs, keys),)
         memo = self._slot_memo.setdefault(op_id, {})
         slot = memo.get(mk)
         if slot is None:
@@ -661,8 +663,7 @@ class TaskBuilder:
                 or bool(dropped) or op_id in info.through)  # (XLA replaced the op by the operands it reads)
         own = NO_COLLECTIVES if free else self._own_collectives(plan, op, need_shardings)
         if own.before:  # the op's own collectives on its operands (shardc.cost.op_collectives)
-            deps = list(self.collective_tasks(slot, own.before, tuple(deps), self.canon(op.inputs[0]), op.inputs[0],
-                                              op_id, trips))
+            deps = self._before_tasks(slot, op, own, need_shardings, tuple(deps), keys, made, trips)
             free = free or own.instead
         after = own.after
         slot.at = len(slot.tasks)
@@ -707,6 +708,47 @@ class TaskBuilder:
         changed |= dead ^ self.dead
         self.drops, self.dead = drops, dead
         return changed
+
+    def _before_tasks(self, slot: Slot, op: Any, own: OwnCollectives, needs: Sequence[Sharding],
+                      deps: tuple[int, ...], keys: Mapping[int, int], made: Callable[[tuple], int], trips: int
+                      ) -> list[int]:
+        """Append the tasks of `own.before` (one after the other, from `deps`) to `slot`, but for the operand
+        permutes an earlier slot made already (`shared_keys`), which the op reads instead; returns the keys the
+        op's computation reads. `made` registers a key this slot makes."""
+        chain, reused = deps, []
+        shared = self.shared_keys(op, own, needs) or (None,) * len(own.before)
+        for coll, permute, key in zip(own.before, own.shared or shared, shared):
+            if key is not None and self.kid(key) in keys:
+                reused.append(self.kid(key))
+                continue
+            v = op.inputs[permute.operand if permute is not None else 0]
+            chain = self.collective_tasks(slot, (coll,), chain, self.canon(v), v, op.id, trips)
+            if key is not None:
+                slot.tasks.append(Task(f"{coll.kind} (shared) {self.graph.values[v].name}", "join", -1, 0, chain,
+                                       (self.kid(key),), op.id))
+                chain = (made(key),)
+        return list(chain) + reused
+
+    def _shared_made(self, plan: Plan, op: Any, needs: Mapping[tuple[int, int], Sharding], keys: Mapping[int, int]
+                     ) -> tuple[bool, ...]:
+        """Which of the operand permutes `op` may share (`shared_keys`) earlier slots made already (part of its
+        slot's memo key: the slot reads those instead of making them)."""
+        need = [needs.get((op.id, i), plan.shardings[v]) for i, v in enumerate(op.inputs)]
+        own = self._own_collectives(plan, op, need)
+        return tuple(k is not None and self.kid(k) in keys for k in self.shared_keys(op, own, need))
+
+    def shared_keys(self, op: Any, own: OwnCollectives, needs: Sequence[Sharding]) -> tuple[tuple | None, ...]:
+        """Per collective of `own.before`, the key of the operand permute it is (`OperandPermute`: the operand's
+        canonical value and layout as read, the device pairs, the computation it runs in), None for one no other
+        op shares; empty when none is shared. A constant operand is no other op's: the lowering constrains it
+        for each consumer apart (`shardc.lower.Lowering.constants_as_needed`), and XLA's partitioner reshards
+        each such instruction on its own."""
+        if not own.shared:
+            return ()
+        constant = self.info.constant
+        return tuple(None if p is None or constant[v := op.inputs[p.operand]] or constant[self.canon(v)]
+                     else ("permute", self.canon(v), self.layout(needs[p.operand]), p.pairs, op.region)
+                     for p in own.shared)
 
     def _own_collectives(self, plan: Plan, op: Any, needs: Sequence[Sharding]) -> OwnCollectives:
         """The collectives `op` makes by itself (`shardc.cost.op_collectives`) with its operands as it reads

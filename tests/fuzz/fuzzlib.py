@@ -251,9 +251,7 @@ def program_function(prog: Program, reference: bool = False) -> Callable[..., An
     weights = [_weights(prog.steps[o].shape, i) for i, o in enumerate(prog.outputs)]
 
     def with_grads(*args: Any) -> Any:
-        if prog.const_cotangents:
-            cts = tuple(jnp.asarray(w) for w in weights)
-        else:
+        if not prog.const_cotangents:
             *args, cts = args
         by_id = dict(zip(inputs, [_unbox(a) for a in args]))
 
@@ -263,6 +261,8 @@ def program_function(prog: Program, reference: bool = False) -> Callable[..., An
             return evaluate(prog, [env[i] for i in inputs], reference)
 
         outs, pullback = jax.vjp(f, *[by_id[i] for i in floats])
+        if prog.const_cotangents:  # (constants of the outputs' dtypes: float64 in the float64 adjudication)
+            cts = tuple(jnp.asarray(w, o.dtype) for w, o in zip(weights, outs))
         return outs, pullback(tuple(cts))
 
     if not prog.step_mode:

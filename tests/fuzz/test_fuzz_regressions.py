@@ -148,11 +148,32 @@ Fixed in the oracle:
   simplifier makes the sort gradient's scatter-add of zeros its operand, so the sort and the reshards
   feeding it are dead (8 B of all-gather planned, none compiled). A scatter-add of zeros reads neither
   indices nor updates (`shardc.cost.program.is_zeros`) (`sorted_then_overwritten`).
+* seed 121010: reduce_min's gradient compares its operand with the minimum reshaped to [1]
+  (`eq(b: f32[4], m: f32[1])`, lax broadcasting a size-1 dim); with b a broadcast split [x], the comparison
+  is one too (XLA lowers the size-1 operand to a broadcast_in_dim), and XLA resharded it [x] -> [y] by
+  all-gathering its local copy, with no collective-permute (1 B planned). Elementwise ops now treat an
+  operand's size-1 dims as broadcast along the result's (`shardc.cost.program.broadcast_transfer`)
+  (`min_of_a_split_broadcast`).
+* seed 120031: a gather of an operand split on the indexed dim with its indices (an argument) split too, and
+  its gradient's scatter-add: both regroup the indices by the operand's device groups with the same pairs, and
+  XLA's partitioner permutes that one instruction once (4 B of int32 indices planned twice). An op's own
+  operand permutes are now keyed by operand, layout, pairs and computation, and a later op reads the one an
+  earlier op made (`OperandPermute`, `TaskBuilder.shared_keys`); constant indices stay per consumer (the
+  lowering constrains them apart) (`test_a_gather_and_its_scatter_add_share_their_index_permute`).
 * seed 102000: `where(h > 0.1, h, x)` with `h` a hint resharding `x`, the select in `h`'s layout: its two cases
   are one buffer to XLA (the hint's reshard of `x`, read twice), so its simplifier drops the select and the
   predicate's reshard to that layout (12 B of all-to-all and collective-permute planned, not compiled). Which
   operands are one buffer is the plan's (`shardc.cost.dropped.plan_drops`, `program.SAME_OPERAND_RULES`: select, max,
   min) (`select_of_a_hint_and_itself`).
+* seeds 120007, 121011, 121028: a slice (a dynamic slice at literal starts) reading part of a concatenate, through
+  broadcasts, pads, reverses, other slices and hints: XLA's simplifier moves it onto the operands it covers, and
+  the others are read by nothing — an einsum's partial-sum all-reduce (16 B planned, none compiled), the all-gather
+  of a concatenated operand (64 B planned, 32 compiled), both operands' all-gathers when the slice reads only a
+  concatenated pad's padding (16 B planned, none compiled). Per value, the box its readers read of it is
+  `shardc.cost.windows.read_windows`; a concatenate's or pad's operand outside it is unread (`window_unread`), and
+  the lowering hands it over as zeros so that XLA drops it even with a reshard between the slice and the
+  concatenate (`slice_past_a_partial_sum`, `slice_of_one_concatenated_operand`, `slice_of_a_concatenated_padding`,
+  `a_slice_past_a_reshard_drops_what_it_does_not_read`).
 
 * seed 120003: a sort's permutation (for a gradient that is zero through an argmax) made in the sort's layout
   [-, x] and planned [-, y]: no op XLA keeps reads it, so its reshard is a dead instruction (192 B of all-gather
@@ -175,6 +196,7 @@ fixed this file says so):
   fuzz program that found it computes the right numbers; before, the oracle attributed it to XLA
   (shardc's own compiled program reproduced the wrong numbers exactly and was right without the pass).
 """
+import dataclasses
 import warnings
 
 import jax
@@ -605,6 +627,22 @@ def test_the_regrouping_permutes_are_planned():
     assert _permute_bytes(GATHER_REGROUPED["index_passthrough"]) == 32  # operand [z] 16 B, scatter result 16 B
 
 
+GATHER_AND_SCATTER_SHARE_AN_INDEX_PERMUTE = Program(mesh=_mesh3(), steps=(  # seed 120031, shrunk by hand
+    Step(kind="input", args=(), attrs=(("meta", ("z", None)),), shape=(4, 2)),
+    Step(kind="input", args=(), attrs=(("high", 4),), shape=(2,), dtype="int32"),  # indices as an argument
+    Step(kind="gather", args=(0, 1), attrs=(("dim", 0),), shape=(2, 2)),
+    Step(kind="hint", args=(2,), attrs=(("how", "split"), ("dim", 0), ("axes", "y")), shape=(2, 2)),
+), outputs=(0, 3))  # GATHER_SPLIT_OPERAND_AND_INDICES with the indices one instruction both ops regroup alike
+
+
+def test_a_gather_and_its_scatter_add_share_their_index_permute():
+    """XLA permutes an instruction to one layout once: the gather and its gradient's scatter-add regroup the
+    indices argument alike and read one collective-permute of it (`TaskBuilder.shared_keys`), where constant
+    indices (the lowering constrains them per consumer) are permuted for each."""
+    fuzzlib.check_program(GATHER_AND_SCATTER_SHARE_AN_INDEX_PERMUTE)
+    assert _permute_bytes(GATHER_AND_SCATTER_SHARE_AN_INDEX_PERMUTE) == 20  # indices 4 once, result 8, updates 8
+
+
 LOOP_STATE_RESHARDED_IN_THE_BODY = Program(mesh=(("x", 4), ("y", 2)), steps=(  # seed 100001, shrunk
     Step(kind="input", args=(), attrs=(), shape=(8, 8)),
     Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 1), ("axes", "y")), shape=(8, 8)),
@@ -654,6 +692,57 @@ ZEROS_CARRIED_THROUGH_A_LOOP = Program(mesh=(("x", 4), ("y", 2)), steps=(  # see
 ), outputs=(3,))
 
 
+MIN_OF_A_SPLIT_BROADCAST = Program(mesh=(("x", 4), ("y", 2)), steps=(  # seed 121010, shrunk by hand
+    Step(kind="input", args=(), attrs=(), shape=(8,)),
+    Step(kind="reduce", args=(0,), attrs=(("fn", "max"), ("dims", (0,))), shape=()),
+    Step(kind="broadcast", args=(1,), attrs=(("pos", 0),), shape=(4,)),
+    Step(kind="hint", args=(2,), attrs=(("how", "split"), ("dim", 0), ("axes", ("x",))), shape=(4,)),
+    Step(kind="reduce", args=(3,), attrs=(("fn", "min"), ("dims", (0,))), shape=()),  # its gradient's eq(b, m[1])
+    Step(kind="hint", args=(3,), attrs=(("how", "split"), ("dim", 0), ("axes", ("y",))), shape=(4,)),  # is a
+), outputs=(4, 5))                                                           # broadcast resharded [x] -> [y]
+
+SLICE_PAST_A_PARTIAL_SUM = Program(mesh=(("x", 2), ("y", 2), ("z", 2)), steps=(  # seed 120007, shrunk
+    Step(kind="input", args=(), attrs=(), shape=(4, 6, 4)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 0), ("axes", "y")), shape=(4, 6, 4)),
+    Step(kind="input", args=(), attrs=(), shape=(6, 4, 4)),
+    Step(kind="einsum", args=(1, 2), attrs=(("spec", "abc,bac->c"),), shape=(4,)),  # partial sums over y
+    Step(kind="dynamic_slice", args=(3,), attrs=(("start", (1,)),), shape=(3,)),
+    Step(kind="input", args=(), attrs=(), shape=(4,)),
+    Step(kind="concat", args=(5, 4), attrs=(("dim", 0),), shape=(7,)),
+    Step(kind="broadcast", args=(6,), attrs=(("pos", 0),), shape=(2, 7)),
+    Step(kind="dynamic_slice", args=(7,), attrs=(("start", (0, 1)),), shape=(2, 2)),  # the first operand only:
+), outputs=(8,))                                                                       # the all-reduce is dead
+
+SLICE_OF_ONE_CONCATENATED_OPERAND = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(  # seed 121011, shrunk
+    Step(kind="input", args=(), attrs=(), shape=(4, 4)),                                   # by hand
+    Step(kind="input", args=(), attrs=(("meta", (None, None, "x")),), shape=(4, 4, 2)),
+    Step(kind="einsum", args=(0, 1), attrs=(("spec", "ab,bac->bc"),), shape=(4, 2)),  # [-, x]
+    Step(kind="input", args=(), attrs=(("meta", (None, ("x", "y"))),), shape=(4, 2)),
+    Step(kind="concat", args=(3, 2), attrs=(("dim", 1),), shape=(4, 4)),
+    Step(kind="dynamic_slice", args=(4,), attrs=(("start", (0, 1)),), shape=(4, 1)),  # the first operand only:
+), outputs=(5,))                                                                       # the einsum's gather is dead
+
+SLICE_OF_A_CONCATENATED_PADDING = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(  # seed 121028, shrunk
+    Step(kind="input", args=(), attrs=(("meta", (("y", "x"),)),), shape=(2,)),          # by hand
+    Step(kind="pad", args=(0,), attrs=(("config", ((1, 0, 0),)),), shape=(3,)),
+    Step(kind="input", args=(), attrs=(("meta", (("y", "x"),)),), shape=(2,)),
+    Step(kind="concat", args=(2, 1), attrs=(("dim", 0),), shape=(5,)),
+    Step(kind="dynamic_slice", args=(3,), attrs=(("start", (2,)),), shape=(1,)),  # the pad's low padding only:
+), outputs=(4,))                                                                   # neither input is gathered
+
+SLICE_OF_A_CONCATENATE_PAST_A_RESHARD = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(  # seed 121011's, by
+    Step(kind="input", args=(), attrs=(), shape=(4, 4)),                                       # hand
+    Step(kind="input", args=(), attrs=(("meta", (None, None, "x")),), shape=(4, 4, 2)),
+    Step(kind="einsum", args=(0, 1), attrs=(("spec", "ab,bac->bc"),), shape=(4, 2)),
+    Step(kind="input", args=(), attrs=(("meta", (None, ("x", "y"))),), shape=(4, 2)),
+    Step(kind="concat", args=(3, 2), attrs=(("dim", 1),), shape=(4, 4)),
+    Step(kind="hint", args=(4,), attrs=(("how", "replicate"),), shape=(4, 4)),
+    Step(kind="hint", args=(5,), attrs=(("how", "split"), ("dim", 0), ("axes", ("z",))), shape=(4, 4)),  # a reshard
+    Step(kind="dynamic_slice", args=(6,), attrs=(("start", (0, 1)),), shape=(4, 1)),  # between the concatenate
+    Step(kind="hint", args=(7,), attrs=(("how", "replicate"),), shape=(4, 1)),         # and its slice
+), outputs=(8,))
+
+
 @pytest.mark.parametrize("prog", [COND_INDEX, DEAD_LOOP, UPDATE_SLICE_SPLIT_DIM, UPDATE_ONE_ROW_OF_SPLIT_DIM,
                                   SCANNED_ARRAY_RESHARD, SCAN_FINAL_CARRY, SUM_OVER_TWO_SPLIT_DIMS,
                                   DUPLICATE_OPS_RESHARDED, TWO_STEP_RESHARD_TWICE, FULL_UPDATE, BROADCAST_RESHARD,
@@ -667,7 +756,9 @@ ZEROS_CARRIED_THROUGH_A_LOOP = Program(mesh=(("x", 4), ("y", 2)), steps=(  # see
                                   RESHARD_THROUGH_A_CACHED_LAYOUT, SPLIT_OF_A_BROADCAST, SLICE_OF_THE_PADDING,
                                   DYNAMIC_SLICE_AFTER_THE_PADDED, LOOP_STATE_RESHARDED_IN_THE_BODY,
                                   BRANCHES_RESHARD_ONE_OPERAND, SORTED_THEN_OVERWRITTEN, SELECT_OF_A_HINT_AND_ITSELF,
-                                  SORT_ALONG_A_DIM_OF_ONE, ZEROS_CARRIED_THROUGH_A_LOOP],
+                                  SORT_ALONG_A_DIM_OF_ONE, ZEROS_CARRIED_THROUGH_A_LOOP, MIN_OF_A_SPLIT_BROADCAST,
+                                  SLICE_PAST_A_PARTIAL_SUM, SLICE_OF_ONE_CONCATENATED_OPERAND,
+                                  SLICE_OF_A_CONCATENATED_PADDING],
                          ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
                               "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
                               "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
@@ -683,7 +774,9 @@ ZEROS_CARRIED_THROUGH_A_LOOP = Program(mesh=(("x", 4), ("y", 2)), steps=(  # see
                               "dynamic_slice_after_the_padded", "loop_state_resharded_in_the_body",
                               "branches_reshard_one_operand", "sorted_then_overwritten",
                               "select_of_a_hint_and_itself", "sort_along_a_dim_of_one",
-                              "zeros_carried_through_a_loop"])
+                              "zeros_carried_through_a_loop", "min_of_a_split_broadcast",
+                              "slice_past_a_partial_sum", "slice_of_one_concatenated_operand",
+                              "slice_of_a_concatenated_padding"])
 def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
 
@@ -735,6 +828,21 @@ def test_a_sort_along_a_dim_of_one_is_lowered_as_its_operands():
     bound, the sort was partitioned in [-, x] and its constant permutation (made whole, as constants are)
     all-gathered, 8 B the plan does not list. The lowering passes its operands through instead."""
     fuzzlib.check_program(SORT_OF_ONE_SPLIT_ELSEWHERE)
+
+
+def test_a_slice_past_a_reshard_drops_what_it_does_not_read():
+    """Between the concatenate and its slice the plan reshards (replicated, then split over z): XLA's simplifier
+    cannot move the slice past the collective, so the lowering hands the concatenate the operand it drops as
+    zeros (`Lowering.unread_as_zeros`) and XLA runs what the plan lists: no gather of the einsum's result."""
+    from shardc.cost.windows import window_unread
+
+    prog = SLICE_OF_A_CONCATENATE_PAST_A_RESHARD
+    fun, args = fuzzlib.program_function(prog), fuzzlib.make_args(prog)
+    plan = shardc.plan(fun, *args, mesh=shardc.make_mesh(dict(prog.mesh)), search=False)
+    cat = next(op for op in plan.graph.ops if op.primitive == "concatenate")
+    assert window_unread(plan.graph, cat) == (1,)
+    assert not [r for r in plan.reshards if r.consumer == cat.id and r.operand == 1]
+    fuzzlib.check_program(prog)
 
 
 def test_update_slice_wider_than_one_row_gathers_the_split_dim():
@@ -797,6 +905,18 @@ def test_adjudication_still_rejects_a_wrong_result():
     wrong = jax.tree.map(lambda a: a * 1.01, ref)
     assert not fuzzlib._as_accurate_as_unsharded(fun, args, wrong, ref)
     assert fuzzlib._as_accurate_as_unsharded(fun, args, ref, ref)
+
+
+def test_constant_cotangents_take_the_float64_adjudications_dtype():
+    """With constant cotangents (`const_cotangents`) the adjudication's float64 run pulled float32 constants back
+    through float64 outputs: JAX's VJP raised ("got float32[], but expected float64[]"), so a step whose float32
+    rounding needed adjudicating failed instead (seed 121013). The cotangents now take the outputs' dtype."""
+    prog = dataclasses.replace(ROUNDING_CHAIN, step_mode=True, const_cotangents=True)
+    fun = fuzzlib.program_function(prog, reference=True)
+    args = fuzzlib.make_args(prog)
+    ref = jax.jit(fun)(*args)
+    assert fuzzlib._as_accurate_as_unsharded(fun, args, ref, ref)
+    assert not fuzzlib._as_accurate_as_unsharded(fun, args, jax.tree.map(lambda a: a * 1.01, ref), ref)
 
 
 STEP2_ROUNDING = Program(  # seed 4250, shrunk
