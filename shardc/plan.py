@@ -20,7 +20,7 @@ from annotations.errors import ShardingError, SourceLine
 from shardc.cost.collectives import Collective, collectives_time
 from shardc.cost.host_ops import default_estimator, relayout_seconds
 from shardc.cost.dropped import candidates, dead_ops, plan_drops
-from shardc.cost.program import broadcast_dims, gather_relayouts, merged, unread_operands
+from shardc.cost.program import broadcast_dims, gather_relayouts, merged, read_values, unread_operands
 from shardc.cost.reshard_path import reshard_steps, sent_bytes
 from shardc.cost.wire import wire_itemsize
 from shardc.ir.graph import Graph, Op
@@ -511,18 +511,18 @@ def split_unrun(graph: Graph, shardings: Sequence[Sharding], strategies: Sequenc
                 reshards: Sequence[Reshard], sizes: Mapping[str, int]
                 ) -> tuple[tuple[Reshard, ...], tuple[Reshard, ...]]:
     """(the reshards that run, those XLA removes): a reshard of an operand XLA's simplifier drops as one buffer
-    with another in this plan, or of an op only such operands read, does not run (`shardc.cost.dropped`)."""
-    if not candidates(graph):
-        return tuple(reshards), ()
-    drops = plan_drops(graph, shardings, strategies, reshard_needs(reshards), sizes)
-    if not drops:
-        return tuple(reshards), ()
-    dead = dead_ops(graph, drops)
+    with another in this plan, or of an op only such operands read, does not run (`shardc.cost.dropped`); nor
+    does the reshard of a result to its planned layout when the compiled program reads that result nowhere
+    (`read_values`: a sort's permutation whose gradient is not taken)."""
+    read, canon = read_values(graph), merged(graph).canon
+    drops = plan_drops(graph, shardings, strategies, reshard_needs(reshards), sizes) if candidates(graph) else {}
+    dead = dead_ops(graph, drops) if drops else frozenset()
     run: list[Reshard] = []
     unrun: list[Reshard] = []
     for r in reshards:
         op = r.consumer if r.consumer is not None else graph.values[r.value].producer
-        gone = op in dead or (r.consumer is not None and r.operand in drops.get(r.consumer, ()))
+        gone = op in dead or (r.consumer is not None and r.operand in drops.get(r.consumer, ())) \
+            or r.consumer is None and not read[canon[r.value]]
         (unrun if gone else run).append(r)
     return tuple(run), tuple(unrun)
 

@@ -794,8 +794,14 @@ UNREAD_SORT_PERMUTATION = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(  
 def test_an_unread_result_is_not_resharded():
     """The sort's permutation (for its gradient, zero through an argmax) is made in the sort's layout and read
     by no op XLA keeps: its reshard to the planned layout is a dead instruction (192 B of all-gather planned,
-    none compiled)."""
+    none compiled). The plan lists it among the reshards XLA removes (`plan.unrun`), not among those that run."""
     fuzzlib.check_program(UNREAD_SORT_PERMUTATION)
+    prog = UNREAD_SORT_PERMUTATION
+    plan = shardc.auto(fuzzlib.program_function(prog), mesh=shardc.make_mesh(dict(prog.mesh)),
+                       search=False).plan(*fuzzlib.make_args(prog))
+    permutations = [r for r in plan.constrained if plan.graph.ops[plan.graph.values[r.value].producer].primitive
+                    == "sort" and r.consumer is None]
+    assert permutations and set(permutations) <= set(plan.unrun), plan.reshards
 
 
 PADDING_READ_THROUGH_A_SORT = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(  # seed 120024, shrunk
