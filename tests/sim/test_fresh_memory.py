@@ -89,9 +89,10 @@ def test_an_output_over_the_threshold_is_faulted_in_every_step_unless_donated():
         f = shardc.auto(lambda x: x * 1.5 + 0.5, mesh=mesh, search=False, donate_argnums=(0,) if donate else ())
         arg = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))  # kept
         if not donate:
-            # most of every device's output, every step (0.62 of the pages measured after other tests had run in
-            # the process: glibc hands some freed pages back without unmapping them; 1.0 alone)
-            assert _faults_per_step(f, (arg,)) >= 0.5 * x.nbytes / PAGE
+            # much of every device's output, every step (1.0 of the pages alone; after other tests had run in the
+            # process 0.62, and 0.375 in one CI run: glibc hands some freed pages back without unmapping them; a
+            # buffer reused from step to step would fault ~0)
+            assert _faults_per_step(f, (arg,)) >= 0.25 * x.nbytes / PAGE
         plans[donate] = shardc.simulate(f.plan(arg), _topology())
     assert plans[False].memory.fresh_outputs == (x.nbytes // 8,)
     assert plans[False].fresh_memory_time == pytest.approx(x.nbytes // 8 * COST)
