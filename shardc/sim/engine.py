@@ -323,7 +323,6 @@ class Simulator:
         self.mapping = mapping
         self._last: _State | None = None
         self._users_cache: dict[int, list[int]] | None = None
-        self._own_cache: dict[int, list[int]] | None = None  # (`_own_readers`)
         self._combiner: Combiner | None = None
         self._reads: _Reads | None = None  # who reads each key (built by the first delta)
         self._needs: dict | None = None  # plan_needs of the last plan simulated
@@ -483,27 +482,9 @@ class Simulator:
         """The ops that may share an operand permute with one of `slots` (`TaskBuilder.shared_keys`: ops with
         collectives of their own reading one canonical value): which slot makes it, and which reads it, can
         change with any of them."""
-        own = self._own_readers()
-        canon = self.builder.info.canon
-        out: set[int] = set()
-        for s in slots:
-            op = self.graph.ops[s]
-            if op.primitive in OP_COLLECTIVES:
-                for v in op.inputs:
-                    out.update(own.get(canon[v], ()))
-        return out
-
-    def _own_readers(self) -> dict[int, list[int]]:
-        """Canonical value -> the ops with collectives of their own (`OP_COLLECTIVES`) reading it."""
-        if self._own_cache is None:
-            canon = self.builder.info.canon
-            readers: dict[int, list[int]] = {}
-            for op in self.graph.ops:
-                if op.primitive in OP_COLLECTIVES:
-                    for v in op.inputs:
-                        readers.setdefault(canon[v], []).append(op.id)
-            self._own_cache = readers
-        return self._own_cache
+        users, ops, canon = self._users(), self.graph.ops, self.builder.info.canon
+        return {u for s in slots if ops[s].primitive in OP_COLLECTIVES for v in ops[s].inputs
+                for u in users.get(canon[v], ()) if ops[u].primitive in OP_COLLECTIVES}
 
     def _users(self) -> dict[int, list[int]]:
         """Canonical value -> ops that read or make it (any value CSE merged into it)."""

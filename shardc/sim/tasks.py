@@ -716,8 +716,8 @@ class TaskBuilder:
         permutes an earlier slot made already (`shared_keys`), which the op reads instead; returns the keys the
         op's computation reads. `made` registers a key this slot makes."""
         chain, reused = deps, []
-        shared = self.shared_keys(op, own, needs) or (None,) * len(own.before)
-        for coll, permute, key in zip(own.before, own.shared or shared, shared):
+        unshared = (None,) * len(own.before)
+        for coll, permute, key in zip(own.before, own.shared or unshared, self.shared_keys(op, own, needs) or unshared):
             if key is not None and self.kid(key) in keys:
                 reused.append(self.kid(key))
                 continue
