@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import sys
+import types
 import warnings
 from typing import Any, Callable, Iterator
 
@@ -34,10 +37,13 @@ from annotations.errors import ShardingError
 from shardc.gc_pause import frozen_heap, paused_gc
 from shardc.pipeline.bound import bounding_sibling, fastest_baseline_fits
 from shardc.pipeline.floor import floor_applies, step_floor
+from shardc.pipeline.forked import ForkedScreens
 from shardc.pipeline.jit import stack_of
 from shardc.pipeline.reuse import SharedTraces
 from shardc.search.baselines import BASELINES
+from shardc.search.budget import MESH_SETUP_UNITS, full_plan_units, plan_seconds
 from shardc.search.driver import NoPlanFits
+from shardc.search.workers import default_workers
 from shardc.search import idle
 from shardc.pipeline.value import Pipeline
 from shardc.sharding import make_mesh
@@ -218,9 +224,12 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
     floor_of: dict[Pipeline, tuple[float, Any]] = {}  # traced candidate -> (floor, its traced program)
     tracing_early = pipeline and floors and shared is not None and not prune_siblings
 
+    sizes: list[int] = []  # ops of the candidates' traced graphs
+
     def note_floor(p: Pipeline, program: Any, graph: Any) -> None:
         if p not in floor_of:
             floor_of[p] = (step_floor(graph, topo, n), program)
+            sizes.append(len(graph.ops))
 
     def trace_now(p: Pipeline) -> None:
         """Trace candidate `p` as its screen will (the program kept in `shared`) and note its floor; its screen
@@ -267,17 +276,17 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
 
     def holds(p: Pipeline) -> float | None:
         """`p`'s floor when it bounds every plan a search can make of its program, else None."""
-        f, program = floor_of.get(p, (None, None))
-        return f if f is not None and floor_applies(program, options.get("remat", True)) else None
+        f, program = floor_of.get(p, (None, None))  # (also noted with floors off, by a trace before a fork)
+        return f if floors and f is not None and floor_applies(program, options.get("remat", True)) else None
 
     def above_lead(p: Pipeline) -> float | None:
         """`p`'s floor when it is known, bounds every plan of its program and is above the plan in hand."""
         return holds(p) if p in floor_of and floor_of[p][0] > lead[0] else None
 
     def checker(p: Pipeline) -> Callable[[Any, Any], None] | None:
-        """The graph hook of `p`'s screen: its floor noted, and `_Floored` raised when it is above the plan in
-        hand (before any propagation or simulation)."""
-        if not floors or shared is None:
+        """The graph hook of `p`'s screen: its floor (and size) noted, and `_Floored` raised when it is above
+        the plan in hand (before any propagation or simulation)."""
+        if shared is None:
             return None
 
         def check(program: Any, graph: Any) -> None:
@@ -289,70 +298,129 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
     bar = tqdm(total=len(pipelines), desc="shardc pipelines", unit="pipeline", leave=False,
                disable=None if progress is None else not progress)
 
-    def screen(i: int, p: Pipeline) -> None:
-        bar.update(1)
-        early.discard(p)
+    def outcome_of(p: Pipeline) -> _Outcome:
+        """`p`'s screen, here or in a forked child: its rows, or why it has none."""
         try:
-            if (f := above_lead(p)) is not None:  # (traced early: its floor settles it now)
-                raise _Floored(f)
             with paused_gc():  # (a young collection after it instead: its garbage, not the heap it adds to)
                 plan = _plan(plan_for, shared, step, args, topology, n, pipeline=p, priced_only=True,
                              on_graph=checker(p), **_screening(screen_budget_s, options))
         except ShardingError as e:  # a pipeline this step cannot take (said in the table, not fatal)
-            note(Choice(f"error: {str(e).splitlines()[0][:80]}", p, {}, float("inf"), 0.0, False))
-            return
+            return _Outcome("error", message=str(e).splitlines()[0][:80])
         except _Floored as e:  # no plan of it could be chosen
-            floored.add(p)
-            note(Choice("floored", p, {}, e.floor, 0.0, False))
+            return _Outcome("floored", floor=e.floor)
+        return _Outcome("screened", (_choice("screened", plan, plan.pipeline),
+                                     *_baseline_choices(plan, ("megatron-3d",))),
+                        _key(plan), bound and fastest_baseline_fits(plan), plan=plan)
+
+    forks = ForkedScreens(lambda p: dataclasses.replace(outcome_of(p), plan=None),
+                          _fork_limit(shared, prune_siblings, topo))
+    applied: set[Pipeline] = set()  # candidates whose turn has come (screened, floored, bounded or failed)
+    untraced: set[Pipeline] = set()  # candidates whose trace here raised (screened here at their turn)
+
+    def will_screen(p: Pipeline) -> bool:
+        """Whether `p` is screened at its turn as far as the outcomes taken so far tell (its floor aside)."""
+        q = bounding_sibling(p) if bound else None
+        return q is None or q not in listed or q in applied and q not in bounds and q not in floored
+
+    def launch(upcoming: list[tuple[int, Pipeline]], due: bool) -> bool:
+        """Start the screen of the first candidate of `upcoming` (all `due` to be screened, or those that will
+        be as far as known) that is not started and not floored by the plan in hand, in a free child (traced
+        here first), when the candidates traced so far say a fork repays it; False when none was started."""
+        for _, p in upcoming:
+            if forks.running() >= forks.limit:
+                return False
+            if forks.started(p) or p in applied or p in untraced or not (due or will_screen(p)):
+                continue
+            if not sizes or not _worth_forking(max(sizes), n):  # (no traced candidate says a fork repays it)
+                return False
+            if p not in floor_of:
+                try:
+                    trace_now(p)
+                except Exception:  # (its screen, at its turn here, reports it as it would have)
+                    untraced.add(p)
+                    continue
+            if p in floor_of and above_lead(p) is None and forks.start(p):
+                return True
+        return False
+
+    def screen(i: int, p: Pipeline, upcoming: list[tuple[int, Pipeline]], due: bool = False) -> None:
+        """Screen `p` (the `i`-th candidate) at its turn, starting those of `upcoming` ahead while it waits."""
+        bar.update(1)
+        early.discard(p)
+        if (f := above_lead(p)) is not None:  # (traced early: its floor settles it now)
+            forks.drop(p)
+            out = _Outcome("floored", floor=f)
+        elif forks.started(p) or launch([(i, p)], True):
+            out = forks.take(p, lambda: launch(upcoming, due))
+        else:
+            out = outcome_of(p)
+        applied.add(p)
+        if out.kind == "error":
+            note(Choice(f"error: {out.message}", p, {}, float("inf"), 0.0, False))
             return
-        note(_choice("screened", plan, plan.pipeline))
-        if plan.cost.fits:
-            lead[0] = min(lead[0], plan.cost.step_time)
-        for c in _baseline_choices(plan, ("megatron-3d",)):
+        if out.kind == "floored":
+            floored.add(p)
+            note(Choice("floored", p, {}, out.floor, 0.0, False))
+            return
+        row, *megatron = out.rows
+        note(row)
+        if row.feasible:
+            lead[0] = min(lead[0], row.time)
+        for c in megatron:
             note(c)
-        screened.append((_key(plan), i, p, plan))
-        if plan.cost.fits:
+        screened.append((out.key, i, p, out))
+        if row.feasible:
             fitted.add(_sibling(p))
-        if bound and fastest_baseline_fits(plan):
+        if out.bounds:
             bounds.add(p)
 
-    with frozen_heap():  # (the unpipelined search's heap is not rescanned by each trace's collections)
-        for i, p in enumerate(pipelines):
-            if prune_siblings and _sibling(p) in fitted:
-                bar.update(1)
-                continue
-            q = bounding_sibling(p) if bound else None
-            if q in bounds or q in floored:  # not faster than `q`: screened only if `q` could be a finalist (below)
-                bounded[p] = (i, q)
-                continue
-            screen(i, p)
-        while bounded:  # the candidates bounded by one that could be a finalist (or the fastest screened)
-            screened.sort(key=lambda x: (x[0], x[1]))
-            top = {p for _, _, p, _ in screened[:max(finalists, 1)]}
-            due = sorted((i, p) for p, (i, root) in bounded.items() if root in top)
-            if not due:
-                break
-            trace_early([p for _, p in due])
-            for i, p in due:
-                del bounded[p]
-                screen(i, p)
+    try:
+        with frozen_heap():  # (the unpipelined search's heap is not rescanned by each trace's collections)
+            order = list(enumerate(pipelines))
+            for k, (i, p) in enumerate(order):
+                if prune_siblings and _sibling(p) in fitted:
+                    bar.update(1)
+                    continue
+                q = bounding_sibling(p) if bound else None
+                if q in bounds or q in floored:  # not faster than `q`: screened only if `q` could be a finalist
+                    bounded[p] = (i, q)
+                    applied.add(p)
+                    continue
+                screen(i, p, order[k + 1:])
+            while bounded:  # the candidates bounded by one that could be a finalist (or the fastest screened)
+                screened.sort(key=lambda x: (x[0], x[1]))
+                top = {p for _, _, p, _ in screened[:max(finalists, 1)]}
+                due = sorted((i, p) for p, (i, root) in bounded.items() if root in top)
+                if not due:
+                    break
+                trace_early([p for _, p in due])
+                applied.difference_update(p for _, p in due)
+                for k, (i, p) in enumerate(due):
+                    del bounded[p]
+                    screen(i, p, due[k + 1:], True)
+    finally:
+        forks.close()
     bar.close()
     for i, p in sorted((i, p) for p, (i, _) in bounded.items()):
         note(Choice("bounded", p, {}, float("inf"), 0.0, False))  # (its bounding sibling is in the table)
     screened.sort(key=lambda x: (x[0], x[1]))
     best_screen = None  # the screened candidate whose plan is the best so far (priced, not made to run)
-    for key, _, p, plan in screened:
+    for key, _, p, out in screened:
         if best is None or key < _key(best):
-            best, best_screen = plan, p
-    for _, _, p, screen_plan in screened[:finalists]:
+            best, best_screen = (out.plan if out.plan is not None else _Priced(out.rows[0])), p
+    for _, _, p, out in screened[:finalists]:
         f = holds(p) if floors else None
         if f is not None and best.cost.fits and f > best.cost.step_time:  # its search could not find the winner
-            note(Choice("floored", screen_plan.pipeline, {}, f, 0.0, False))  # (as its screen's row names it)
+            note(Choice("floored", out.rows[0].pipeline, {}, f, 0.0, False))  # (as its screen's row names it)
             continue
         plan = _plan(plan_for, shared, step, args, topology, n, budget_s=budget_s, pipeline=p, **options)
         note(_choice("pipelined", plan, plan.pipeline))
         if best is None or _key(plan) < _key(best):
             best, best_screen = plan, None
+    if isinstance(best, _Priced):  # a screen run in a forked child won: its plan made here (the same plan)
+        with paused_gc():
+            best = _plan(plan_for, shared, step, args, topology, n, pipeline=best_screen, priced_only=True,
+                         **_screening(screen_budget_s, options))
     if best_screen is not None and shared is not None and n <= len(jax.devices()):
         # a screened plan won, on this host's devices: made to run (traced under its mesh, its search's decisions)
         best = _plan(plan_for, shared, step, args, topology, n, pipeline=best_screen, resume=best,
@@ -363,6 +431,50 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
     if dataclasses.is_dataclass(best):  # (what explain() shows of the choice)
         best = dataclasses.replace(best, pipeline_choice=PipelineChoice(tuple(choices), best.pipeline))
     return best, choices
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    """What `choose_pipeline` reads of one candidate's screen: `kind` "screened" (its rows — its own, then its
+    megatron-3d ones —, its plan's sort key, whether it bounds its siblings, and the plan when made in this
+    process), "error" (the ShardingError's first line) or "floored" (the floor above the plan in hand)."""
+
+    kind: str
+    rows: tuple[Choice, ...] = ()
+    key: tuple = ()
+    bounds: bool = False
+    message: str = ""
+    floor: float = 0.0
+    plan: Any = None
+
+
+class _Priced:
+    """A screened plan made in a forked child, as the choice compares plans (its cost); made here if it wins."""
+
+    def __init__(self, row: Choice) -> None:
+        self.pipeline = row.pipeline
+        self.cost = types.SimpleNamespace(fits=row.feasible, step_time=row.time, peak_memory=row.peak)
+
+
+def _fork_limit(shared: SharedTraces | None, prune_siblings: bool, topology: Any) -> int:
+    """How many screens may run at once in forked children (`shardc.pipeline.forked`): 0 (all here) for a
+    caller's own `plan_for`, with `prune_siblings` (its decisions follow each screen at once) or where the
+    search's workers may not fork (`shardc.search.workers.can_fork`); else the search's worker count."""
+    if shared is None or prune_siblings or default_workers() < 2 or topology.device.measured_ops:
+        return 0
+    if not sys.platform.startswith("linux") or not hasattr(os, "fork") or jax.process_count() > 1:
+        return 0
+    return default_workers()
+
+
+def _worth_forking(ops: int, devices: int) -> bool:
+    """Whether the baselines of an `ops`-op program on one mesh of `devices` devices repay a fork."""
+    per_mesh = (MESH_SETUP_UNITS + len(BASELINES) * full_plan_units(devices)) * plan_seconds(ops, devices)
+    return per_mesh >= _SCREEN_FORK_WORTH_S
+
+
+# A screen is forked when its baselines on one mesh take this long on the reference machine (`budget.plan_seconds`)
+_SCREEN_FORK_WORTH_S = 0.5
 
 
 class _TracedEarly(Exception):

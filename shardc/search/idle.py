@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 from collections import OrderedDict
-from typing import Callable, Hashable, Iterator
+from typing import Callable, Hashable, Iterable, Iterator
 
-__all__ = ["IdleQueue", "current", "idle_work", "pending", "run_while"]
+__all__ = ["IdleQueue", "current", "detach", "idle_work", "pending", "run_while", "yield_to_this_process"]
 
 
 class IdleQueue:
@@ -71,6 +72,11 @@ def current() -> IdleQueue | None:
     return _queue.get()
 
 
+def detach() -> None:
+    """In a forked child: none of the parent's queued tasks runs here (they are the parent's to run)."""
+    _queue.set(None)
+
+
 def pending() -> bool:
     """Whether queued tasks wait (and this process may run them now)."""
     q = _queue.get()
@@ -88,3 +94,18 @@ def run_while(waiting: Callable[[], bool]) -> None:
             q.run_one()
     finally:
         _running.reset(token)
+
+
+# How much lower the scheduler ranks children forked while this process has idle work queued: that work (the
+# pipeline candidates' traces) is what the children's next work waits for, so under contention for the cores it
+# goes first; the children's work fills the rest. Only a ranking: what is computed is the same.
+IDLE_NICENESS = 5
+
+
+def yield_to_this_process(pids: Iterable[int]) -> None:
+    """Lower the scheduling priority of the child processes `pids` by `IDLE_NICENESS` (where the OS allows it)."""
+    for pid in pids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, pid, os.getpriority(os.PRIO_PROCESS, pid) + IDLE_NICENESS)
+        except (OSError, AttributeError):  # (no such call here, or not permitted: the default ranking)
+            pass

@@ -208,21 +208,6 @@ def _serve(work: MeshWork, jobs: Sequence[Job], channel: _Channel) -> None:
             return
 
 
-# How much lower the scheduler ranks children forked while this process has idle work queued: that work (the
-# pipeline candidates' traces) is what the planning waits for last, so under contention for the cores it goes
-# first; the children's work fills the rest. Only a ranking: what is computed is the same.
-_IDLE_NICENESS = 5
-
-
-def _yield_to_this_process(children: Sequence["_Child"]) -> None:
-    """Lower the scheduling priority of `children` by `_IDLE_NICENESS` (where the OS allows it)."""
-    for c in children:
-        try:
-            os.setpriority(os.PRIO_PROCESS, c.pid, os.getpriority(os.PRIO_PROCESS, c.pid) + _IDLE_NICENESS)
-        except (OSError, AttributeError):  # (no such call here, or not permitted: the default ranking)
-            pass
-
-
 class MeshPool:
     """The meshes of one search: scored in this process until `spread` gives the rest round-robin to it and to
     `workers - 1` forked children; every later call on a mesh runs in the process that scored it."""
@@ -256,7 +241,7 @@ class MeshPool:
         except OSError:
             raise WorkerLost("could not start a search worker") from None
         if idle.pending():
-            _yield_to_this_process(self._children)
+            idle.yield_to_this_process(c.pid for c in self._children)
 
     @staticmethod
     def _fork(work: MeshWork, jobs: list[Job], shared: Sequence[Any], siblings: Sequence[_Child]) -> _Child:

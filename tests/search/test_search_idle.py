@@ -85,7 +85,7 @@ def test_a_search_runs_the_idle_work_and_makes_the_same_plan(problem, forks):
     assert pids and set(pids) == {os.getpid()} and q.ran == len(pids)
     assert len(forks) == 2  # (two children: this process scored and searched no mesh)
     # (the children rank below this process meanwhile: its tasks go first when the cores are contended)
-    assert ranks and min(ranks) == os.getpriority(os.PRIO_PROCESS, 0) + workers._IDLE_NICENESS, ranks
+    assert ranks and min(ranks) == os.getpriority(os.PRIO_PROCESS, 0) + idle.IDLE_NICENESS, ranks
     for pid in forks:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
