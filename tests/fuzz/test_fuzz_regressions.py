@@ -987,6 +987,85 @@ def test_ill_conditioned_adjudication_rejects_a_wrong_sharded_program():
     assert not fuzzlib._as_accurate_as_unsharded(cancel, args, got, ref)  # no float64 run: the ratio decides
 
 
+OUT_OF_FLOAT32_RANGE_STEP2 = Program(  # seed 123010, shrunk: step 2's true results reach 1e63-1e68
+    mesh=(('x', 2), ('y', 1), ('z', 4)),
+    steps=(Step(kind='input', args=(), attrs=(), shape=(16, 1, 16), dtype='float32'),
+           Step(kind='input', args=(), attrs=(), shape=(4, 6, 8), dtype='float32'),
+           Step(kind='pad', args=(1,), attrs=(('config', ((0, 0, 0), (0, 0, 0), (1, 0, 1))),), shape=(4, 6, 16),
+                dtype='float32'),
+           Step(kind='input', args=(), attrs=(('meta', ('y', ('x', 'z'), None)),), shape=(6, 16, 4), dtype='float32'),
+           Step(kind='einsum', args=(2, 3), attrs=(('spec', 'abc,bca->bca'),), shape=(6, 16, 4), dtype='float32'),
+           Step(kind='einsum', args=(4, 2), attrs=(('spec', 'abc,cab->ba'),), shape=(16, 6), dtype='float32'),
+           Step(kind='einsum', args=(5, 1), attrs=(('spec', 'ab,cbd->a'),), shape=(16,), dtype='float32'),
+           Step(kind='einsum', args=(6, 1), attrs=(('spec', 'a,bcd->a'),), shape=(16,), dtype='float32'),
+           Step(kind='einsum', args=(7, 1), attrs=(('spec', 'a,bcd->a'),), shape=(16,), dtype='float32'),
+           Step(kind='input', args=(), attrs=(), shape=(16,), dtype='float32'),
+           Step(kind='einsum', args=(8, 9), attrs=(('spec', 'a,a->a'),), shape=(16,), dtype='float32'),
+           Step(kind='unary', args=(10,), attrs=(('fn', 'square'),), shape=(16,), dtype='float32'),
+           Step(kind='reduce', args=(11,), attrs=(('fn', 'max'), ('dims', (0,))), shape=(), dtype='float32')),
+    outputs=(0, 12), step_mode=True)
+
+SIN_OF_LARGE_VALUES = Program(  # seed 123012, shrunk: sin of einsum results of up to ~1e4
+    mesh=(('x', 2), ('y', 2), ('z', 2)),
+    steps=(Step(kind='input', args=(), attrs=(), shape=(2,), dtype='float32'),
+           Step(kind='input', args=(), attrs=(('meta', ('y', 'z')),), shape=(12, 16), dtype='float32'),
+           Step(kind='reshape', args=(1,), attrs=(), shape=(12, 4, 4), dtype='float32'),
+           Step(kind='sort', args=(2,), attrs=(('dim', 1),), shape=(12, 4, 4), dtype='float32'),
+           Step(kind='einsum', args=(3, 3), attrs=(('spec', 'abc,dbe->de'),), shape=(12, 4), dtype='float32'),
+           Step(kind='transpose', args=(4,), attrs=(('perm', (1, 0)),), shape=(4, 12), dtype='float32'),
+           Step(kind='einsum', args=(5, 4), attrs=(('spec', 'ab,ca->cab'),), shape=(12, 4, 12), dtype='float32'),
+           Step(kind='unary', args=(6,), attrs=(('fn', 'sin'),), shape=(12, 4, 12), dtype='float32'),
+           Step(kind='reshape', args=(7,), attrs=(), shape=(2, 6, 4, 12), dtype='float32'),
+           Step(kind='binary', args=(8, 8), attrs=(('fn', 'add'),), shape=(2, 6, 4, 12), dtype='float32'),
+           Step(kind='einsum', args=(9, 0), attrs=(('spec', 'abcd,a->a'),), shape=(2,), dtype='float32'),
+           Step(kind='input', args=(), attrs=(), shape=(2,), dtype='float32'),
+           Step(kind='einsum', args=(10, 11), attrs=(('spec', 'a,a->a'),), shape=(2,), dtype='float32'),
+           Step(kind='unary', args=(12,), attrs=(('fn', 'sin'),), shape=(2,), dtype='float32')),
+    outputs=(13,))
+
+
+@pytest.mark.parametrize("prog", [OUT_OF_FLOAT32_RANGE_STEP2, SIN_OF_LARGE_VALUES], ids=["overflow", "sin"])
+def test_float32_results_float32_cannot_give_are_adjudicated_by_the_sharded_program_in_float64(prog):
+    """Seed 123010: step 2's true values are far beyond float32's range, so both float32 runs overflow, into
+    different infinities and NaNs. Seed 123012: `sin` of large values turns the inputs' float32 rounding into
+    errors of 1e-3 to 1e-1 (the sharded run's 2.2x the unsharded one's, which happened to be small). Both were
+    reported as failures by `bench/fuzz.py`; in each the sharded program run in float64 equals the float64
+    reference. (Under the tests' XLA flags, `--xla_backend_optimization_level=0`, their float32 runs round
+    otherwise and may agree outright: the adjudication itself is tested below on programs built to need it.)"""
+    out = fuzzlib.check_program(prog)
+    assert out.upstream_bug is None
+
+
+def test_out_of_range_and_sensitive_adjudications_reject_a_wrong_sharded_program():
+    def amplify(x, k):  # sin of values ~1e4: the inputs' float32 rounding moves it by ~1e-3
+        return jnp.sin(x * k)
+
+    args = (np.linspace(1.0, 2.0, 8, dtype=np.float32), np.full(8, 1e4, np.float32))
+    ref = jax.jit(amplify)(*args)
+    with jax.enable_x64(True):
+        truth = np.asarray(jax.jit(amplify)(*jax.tree.map(fuzzlib._to64, args)))
+    err = float(np.abs(np.asarray(ref, np.float64) - truth).max())
+    spread = fuzzlib._float32_sensitivity(amplify, jax.tree.map(fuzzlib._to64, args), [truth])[0]
+    assert err < fuzzlib.ILL_CONDITIONED and spread > max(2 * err, 4e-4)  # (well-conditioned by the old measure)
+    got = truth + spread  # further than twice the unsharded error, within what rounding of the inputs gives
+    assert fuzzlib._as_accurate_as_unsharded(amplify, args, got, ref, sharded64=jax.jit(amplify))
+    assert not fuzzlib._as_accurate_as_unsharded(amplify, args, truth + 3 * spread, ref, sharded64=jax.jit(amplify))
+    wrong64 = jax.jit(lambda x, k: amplify(x, k) + 1e-6)
+    assert not fuzzlib._as_accurate_as_unsharded(amplify, args, got, ref, sharded64=wrong64)
+    assert not fuzzlib._as_accurate_as_unsharded(amplify, args, got, ref)  # no float64 run: the ratio decides
+
+    def grow(x, k):  # beyond float32's range for the last elements
+        return (x * k) * k
+
+    xs = (np.array([1e-30, 1e-25, 1e-20, 1.0], np.float32), np.full(4, 1e30, np.float32))
+    ref = jax.jit(grow)(*xs)  # (1e30, 1e35, inf, inf): 1e40 and 1e60 are out of float32's range
+    assert np.isinf(np.asarray(ref)[2:]).all() and np.isfinite(np.asarray(ref)[:2]).all()
+    lost = np.asarray(ref).copy()
+    lost[1] = np.inf  # 1e35 fits float32 and the unsharded run kept it: a sharding error, whatever float64 says
+    assert fuzzlib._as_accurate_as_unsharded(grow, xs, ref, ref, sharded64=jax.jit(grow))
+    assert not fuzzlib._as_accurate_as_unsharded(grow, xs, lost, ref, sharded64=jax.jit(grow))
+
+
 # Soak seeds 50000-50041 and 60042: a train step returning its parameters re-hinted to another layout
 # (beside the updated ones, which carry Flax metadata that step 2's unboxed arguments do not): step 2 tied
 # the parameters to the re-hinted view, the only output of the same structure, and the two layouts' hints
