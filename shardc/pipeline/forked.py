@@ -9,8 +9,8 @@ outcomes in its own order, deciding exactly as it does when it screens one candi
 outcome it does not ask for (the candidate floored or bounded by then) is dropped. A child sends back only
 what the choice reads (a small picklable value); whatever needs the screen's plan itself makes it again here.
 
-A child that fails or dies is replaced by the screen run here (the same outcome: a screen depends on nothing
-but its candidate's program). Children run at a lower priority than this process while it has queued traces
+A child that fails, dies or stays silent for `STALL_S` once this process waits on nothing else is replaced by
+the screen run here (the same outcome: a screen depends on nothing but its candidate's program). Children run at a lower priority than this process while it has queued traces
 to run (`shardc.search.idle`), as the search's workers do, since the children's next screens wait on them.
 """
 from __future__ import annotations
@@ -90,10 +90,15 @@ class ForkedScreens:
         while not _readable(fd) and meanwhile():
             pass
         idle.run_while(lambda: not _readable(fd))
-        data = _read_message(fd)
-        del self._children[key]
-        os.close(fd)
-        _reap(pid)
+        answered = bool(select.select([fd], [], [], STALL_S)[0])
+        if not answered:  # (a child that hangs, e.g. on a lock another thread held at the fork: killed)
+            self.drop(key)
+            data = None
+        else:
+            data = _read_message(fd)
+            del self._children[key]
+            os.close(fd)
+            _reap(pid)
         if data is not None:
             try:
                 outcome, warned = pickle.loads(data)
@@ -104,7 +109,8 @@ class ForkedScreens:
                     warnings.warn_explicit(message, category, filename, lineno)
                 return outcome
         self.fallbacks += 1
-        warnings.warn(f"shardc: the forked screen of {key} failed; screening it again in this process (the same "
+        why = "failed" if answered else f"did not answer in {STALL_S:.0f} s"
+        warnings.warn(f"shardc: the forked screen of {key} {why}; screening it again in this process (the same "
                       "outcome, more slowly)", RuntimeWarning, stacklevel=2)
         return self._run(key)
 
@@ -122,6 +128,10 @@ class ForkedScreens:
     def close(self) -> None:
         for key in list(self._children):
             self.drop(key)
+
+
+# Seconds a child may stay silent once this process has nothing else to do before its work is done here instead.
+STALL_S = 600.0
 
 
 def _readable(fd: int) -> bool:

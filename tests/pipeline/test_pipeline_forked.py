@@ -111,3 +111,28 @@ def test_a_forked_screen_warns_here_and_a_lost_child_is_run_here():
     forks.start("dropped")
     forks.drop("dropped")
     assert forks.running() == 0
+
+
+@fork_only
+def test_a_silent_child_is_killed_and_its_screen_run_here(monkeypatch):
+    import time
+
+    import shardc.pipeline.forked as forked
+
+    parent = os.getpid()
+    monkeypatch.setattr(forked, "STALL_S", 0.3)
+
+    def run(key):
+        if os.getpid() != parent:
+            time.sleep(30)  # (hangs, as on a lock held at the fork)
+        return key + "!"
+
+    forks = ForkedScreens(run, limit=1)
+    assert forks.start("slow")
+    pid = forks._children["slow"][0]
+    t = time.perf_counter()
+    with pytest.warns(RuntimeWarning, match="did not answer in 0 s"):
+        assert forks.take("slow") == "slow!"
+    assert time.perf_counter() - t < 10 and forks.running() == 0 and forks.fallbacks == 1
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # (killed and reaped)
