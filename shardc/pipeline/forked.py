@@ -10,8 +10,9 @@ outcome it does not ask for (the candidate floored or bounded by then) is droppe
 what the choice reads (a small picklable value); whatever needs the screen's plan itself makes it again here.
 
 A child that fails, dies or stays silent for `STALL_S` once this process waits on nothing else is replaced by
-the screen run here (the same outcome: a screen depends on nothing but its candidate's program). Children run at a lower priority than this process while it has queued traces
-to run (`shardc.search.idle`), as the search's workers do, since the children's next screens wait on them.
+the screen run here (the same outcome: a screen depends on nothing but its candidate's program). Children run
+at a lower priority than this process while it has queued traces to run (`shardc.search.idle`), as the
+search's workers do, since the children's next screens wait on them.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ class ForkedScreens:
         read, write = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
-        with warnings.catch_warnings():  # (JAX warns of any fork; the child runs no JAX: module docstring)
+        with warnings.catch_warnings():  # (JAX warns of any fork; the child traces nothing: module docstring)
             warnings.simplefilter("ignore", RuntimeWarning)
             pid = os.fork()
         if pid == 0:  # the child: one outcome down the pipe, then leave without this process's exit handlers
