@@ -34,6 +34,8 @@ import functools
 import math
 from typing import Any, Callable, Mapping, Sequence
 
+from shardc.cost.aliases import ALIASES, HINTS  # (ALIASES' results have no buffer of their own, `fused`, yet what
+# reads one reads its operand's buffer, unless the operand itself is fused)
 from shardc.cost.estimator import params_key
 from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL
 from shardc.cost.wide_results import wide_results
@@ -442,7 +444,6 @@ def _reshaped_dot(graph: Graph, c: int) -> bool:
     return any(sum(shape[d] != 1 for d in dims) > 1 for shape, dims in groups)
 
 
-_HINTS = frozenset({"shardc_hint", "sharding_constraint"})
 # Switches for measuring a rule's effect (docs/simulator.md quotes the errors without them).
 LOOK_THROUGH_HINTS = True
 HINTED_IN_PROGRAM_ORDER = True
@@ -457,7 +458,7 @@ def output_aliases(graph: Graph, live: Sequence[bool], canon: Sequence[int],
     became does)."""
     outputs = {canon[v] for v in graph.outputs}
     made_by = {canon[op.outputs[0]]: op for op in graph.ops
-               if live[op.id] and op.primitive in _HINTS and len(op.outputs) == 1 and op.inputs}
+               if live[op.id] and op.primitive in HINTS and len(op.outputs) == 1 and op.inputs}
     out: dict[int, int] = {}
     for o in sorted(outputs):
         c, seen = o, 0
@@ -1229,7 +1230,7 @@ def _readers(graph: Graph, consumers: list[list[int]], canon: Sequence[int], v: 
     recursive closure would be a reference cycle keeping the graph alive until a cyclic collection.)"""
     out = []
     for u in consumers[v]:
-        if graph.ops[u].primitive == PCG_COLLECTIVE or graph.ops[u].primitive in _HINTS and LOOK_THROUGH_HINTS:
+        if graph.ops[u].primitive == PCG_COLLECTIVE or graph.ops[u].primitive in HINTS and LOOK_THROUGH_HINTS:
             out += [w for r in graph.ops[u].outputs for w in _readers(graph, consumers, canon, canon[r])]
         else:
             out.append(u)
@@ -1346,11 +1347,6 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                        read_fused=reads_fused(graph, canon, fused), batch=tuple(batch),
                        first_reader=_first_readers(graph, live, order, fused, constant, canon, consumers)
                        if batch else (), wide=wide_results(graph, live, canon, backend), read=read_values(graph))
-
-
-# Ops that only name their operand (a sharding hint or constraint, a name, a stop_gradient): their result has no
-# buffer of its own (`fused`), yet what reads it reads the operand's buffer, unless the operand itself is fused.
-ALIASES = _HINTS | {"name", "stop_gradient"}
 
 
 def reads_fused(graph: Graph, canon: Sequence[int], fused: Sequence[bool]) -> tuple[bool, ...]:

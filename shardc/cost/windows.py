@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 from typing import Any, Callable, Sequence
 
+from shardc.cost.aliases import ALIASES
 from shardc.ir.graph import Graph
 
 __all__ = ["Box", "WINDOW_RULES", "slice_window", "read_windows", "window_unread"]
@@ -157,7 +158,7 @@ def _same(graph: Graph, op: Any, out: Sequence[Box | None]) -> list[Box | None] 
 WINDOW_RULES: dict[str, WindowRule] = {
     "slice": _sliced, "dynamic_slice": _sliced, "pad": _padded, "broadcast_in_dim": _broadcast,
     "rev": _reversed, "concatenate": _concatenated, "split": _split,
-    **{p: _same for p in ("shardc_hint", "sharding_constraint", "name", "stop_gradient")}}  # (program.ALIASES)
+    **{p: _same for p in ALIASES}}
 # Ops whose operands no reader of theirs may read at all (`window_unread`); the others' operands are read.
 _DROPS_OPERANDS = frozenset({"concatenate", "pad"})
 

@@ -1,0 +1,12 @@
+"""Primitives that only name their operand: the sharding hints and constraints, a name, a stop_gradient.
+
+After partitioning none is an instruction (a hint may be a reshard before it); what reads their result reads
+their operand. Kept apart so that the modules of `shardc.cost` that need the list share one
+(`program.ALIASES`, `windows.WINDOW_RULES`).
+"""
+from __future__ import annotations
+
+__all__ = ["ALIASES", "HINTS"]
+
+HINTS = frozenset({"shardc_hint", "sharding_constraint"})
+ALIASES = HINTS | {"name", "stop_gradient"}
