@@ -4,7 +4,7 @@
   reshards (`canon` maps every value to the one XLA keeps);
 * dead ops (nothing they make reaches an output) are removed by XLA's DCE, loops and branches whole; an
   operand XLA's simplifier stops reading (`unread_operands`) keeps nothing alive;
-* constant ops (all inputs are compile-time constants) are folded;
+* constant ops (all inputs are compile-time constants) are folded, through loops of one trip too;
 * fused values: XLA fuses an elementwise-like op into its consumers when they are all elementwise-like
   or reductions in a loop fusion — duplicating it into each when it is cheap, not when it is expensive
   (transcendentals, divides: those are fused only into a single consumer) — so its result is never written
@@ -1209,6 +1209,8 @@ def _merge(graph: Graph) -> Merged:
     constant = [graph.values[v].is_const for v in range(len(graph.values))]
     unread_pairs: set[tuple[int, int]] = set()
     through = frozenset(op.id for op in graph.ops if passes_through(graph, op))
+    once = {r for r, n in graph.region_trips.items() if n == 1}  # (loops of one trip: XLA inlines them)
+    carried: set[int] = set()  # values a one-trip loop's tie or slice wrote already
     for op in graph.ops:
         # (an operand the simplifier drops does not count: a dynamic_update_slice of a constant over its whole
         # operand is that constant; in a loop or branch body too: XLA folds them there)
@@ -1221,6 +1223,13 @@ def _merge(graph: Graph) -> Merged:
         elif op.id in through:  # (result k is operand k: a constant where that operand is one)
             for v, u in zip(op.outputs, op.inputs):
                 constant[v] = constant[u]
+        elif op.region in once and op.primitive in _NOT_MERGED and len(op.inputs) == 1:
+            # XLA's while-loop simplifier inlines a loop of one trip, and constants fold through it: a carry is
+            # a constant when each value written into it is (its initial value, the body's result), a slice or
+            # stack of the one trip when its operand is
+            for v in op.outputs:
+                constant[v] = constant[op.inputs[0]] and (v not in carried or constant[v])
+                carried.add(v)
     return Merged(tuple(constant), canon, duplicate, pkeys, frozenset(unread_pairs), through)
 
 

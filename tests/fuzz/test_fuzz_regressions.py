@@ -1036,6 +1036,30 @@ def test_float32_results_float32_cannot_give_are_adjudicated_by_the_sharded_prog
     assert out.upstream_bug is None
 
 
+ONE_TRIP_LOOP_OF_CONSTANTS = Program(  # seed 124018, shrunk
+    mesh=(('x', 2), ('y', 2), ('z', 2)),
+    steps=(Step(kind='input', args=(), attrs=(('meta', ('x', None, None)),), shape=(12, 12, 1), dtype='float32'),
+           Step(kind='argmax', args=(0,), attrs=(('dim', 2),), shape=(12, 12), dtype='float32'),
+           Step(kind='reshape', args=(1,), attrs=(), shape=(48, 3, 1), dtype='float32'),
+           Step(kind='fori', args=(2,), attrs=(('n', 1), ('inner', (None, None, None))), shape=(48, 3, 1),
+                dtype='float32'),
+           Step(kind='concat', args=(3, 3), attrs=(('dim', 2),), shape=(48, 3, 2), dtype='float32')),
+    outputs=(4,))
+
+
+@pytest.mark.parametrize("trips", [1, 2])
+def test_a_loop_of_one_trip_folds_its_constants(trips):
+    """An argmax over a dim of size 1 is the constant 0; a fori_loop of one trip over it (a scan of length 1,
+    its body re-hinted to replicated) is inlined by XLA's while-loop simplifier, so the body folds to a constant
+    too and neither its all-gather (576 B) nor the concatenate's (1,152 B) runs. The plan listed both. With two
+    trips the loop stays, and so do its collectives, in the plan and in XLA's program."""
+    steps = list(ONE_TRIP_LOOP_OF_CONSTANTS.steps)
+    steps[3] = dataclasses.replace(steps[3], attrs=(('n', trips), ('inner', (None, None, None))))
+    prog = dataclasses.replace(ONE_TRIP_LOOP_OF_CONSTANTS, steps=tuple(steps))
+    out = fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
+    assert (out.reshards == 0) == (trips == 1)
+
+
 def test_out_of_range_and_sensitive_adjudications_reject_a_wrong_sharded_program():
     def amplify(x, k):  # sin of values ~1e4: the inputs' float32 rounding moves it by ~1e-3
         return jnp.sin(x * k)
