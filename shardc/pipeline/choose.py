@@ -474,7 +474,7 @@ def _worth_forking(ops: int, devices: int) -> bool:
 
 
 # A screen is forked when its baselines on one mesh take this long on the reference machine (`budget.plan_seconds`)
-_SCREEN_FORK_WORTH_S = 0.5
+_SCREEN_FORK_WORTH_S = 0.2
 
 
 class _TracedEarly(Exception):
