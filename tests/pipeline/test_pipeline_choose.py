@@ -6,6 +6,7 @@ import shardc
 from shardc.pipeline import Pipeline
 from shardc.pipeline.choose import candidates, choose_pipeline
 
+from choice_helpers import no_unpipelined_plan_fits
 from test_pipeline_lowering import make_args, make_step
 
 
@@ -192,19 +193,7 @@ def test_screens_are_priced_without_a_retrace_and_a_screened_winner_is_planned_t
     """On this host's devices a screen's plan is not rebuilt from a trace under the mesh its search chose (it
     is priced, not run): the screens score what shardc.plan_for(search="baselines") scores, and a screened
     plan that wins is planned again as plan_for plans it (the same plan, traced under its mesh)."""
-    import importlib
-
-    from shardc.search.driver import NoPlanFits
-
-    auto = importlib.import_module("shardc.auto")  # (the module: shardc.auto is the decorator)
-    real = auto.plan_for
-
-    def unpipelined_unfit(step, *args, pipeline=None, **options):  # (so that a screened plan wins)
-        if pipeline is None:
-            raise NoPlanFits(2**40, 2**30)
-        return real(step, *args, pipeline=pipeline, **options)
-
-    monkeypatch.setattr(auto, "plan_for", unpipelined_unfit)
+    real = no_unpipelined_plan_fits(monkeypatch)  # (so that a screened plan wins)
     import shardc.pipeline.choose as choose
 
     made, plan = [], choose._plan

@@ -15,6 +15,7 @@ from shardc.pipeline.floor import may_be_bitcast, step_floor
 from shardc.remat import inline_calls, inlined_layer_groups, layer_groups
 from shardc.sim import as_topology
 
+from choice_helpers import no_unpipelined_plan_fits
 from test_pipeline_lowering import make_args, make_step
 
 TOPOLOGY = "h100-sxm-8"
@@ -110,19 +111,7 @@ def test_a_finalist_above_the_best_screen_is_not_searched(monkeypatch):
     """With no unpipelined plan in hand (it does not fit), nothing is floored until a screen fits; a finalist
     whose floor is above the best plan by then is not searched; the pipeline chosen is the one chosen without
     floors."""
-    import importlib
-
-    from shardc.search.driver import NoPlanFits
-
-    auto = importlib.import_module("shardc.auto")
-    real = auto.plan_for
-
-    def unpipelined_unfit(step, *args, pipeline=None, **options):
-        if pipeline is None:
-            raise NoPlanFits(2**40, 2**30)
-        return real(step, *args, pipeline=pipeline, **options)
-
-    monkeypatch.setattr(auto, "plan_for", unpipelined_unfit)
+    no_unpipelined_plan_fits(monkeypatch)
     step, args = make_step(None), make_args()
     # (the fastest last: the slower ones are screened while nothing faster is in hand, and the second finalist's
     # floor is above the fastest screen found after it)

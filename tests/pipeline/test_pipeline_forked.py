@@ -9,6 +9,7 @@ from shardc.pipeline import Pipeline
 from shardc.pipeline.choose import choose_pipeline
 from shardc.pipeline.forked import ForkedScreens
 
+from choice_helpers import no_unpipelined_plan_fits
 from test_pipeline_lowering import make_args, make_step
 
 fork_only = pytest.mark.skipif(not hasattr(os, "fork"), reason="forked screens need os.fork")
@@ -63,20 +64,9 @@ def test_screens_forked_ahead_choose_as_screens_here(monkeypatch):
 def test_a_screen_forked_that_wins_is_planned_here(monkeypatch):
     """With no unpipelined plan fitting and no finalist, a screen run in a child wins: its plan is made in this
     process, the plan the screens here give."""
-    import importlib
-
     import shardc.pipeline.choose as choose
-    from shardc.search.driver import NoPlanFits
 
-    auto = importlib.import_module("shardc.auto")
-    real = auto.plan_for
-
-    def unpipelined_unfit(step, *args, pipeline=None, **options):
-        if pipeline is None:
-            raise NoPlanFits(2**40, 2**30)
-        return real(step, *args, pipeline=pipeline, **options)
-
-    monkeypatch.setattr(auto, "plan_for", unpipelined_unfit)
+    no_unpipelined_plan_fits(monkeypatch)
     step, args = make_step(None), make_args()
     pipes = [Pipeline(2, 4, data=("data",), shards=4), Pipeline(4, 4, "1f1b"), Pipeline(2, 2, data=("data",), shards=2)]
     opts = dict(topology="h100-sxm-8", budget_s=0.3, pipelines=pipes, finalists=0, floors=False)
