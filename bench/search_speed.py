@@ -18,8 +18,10 @@ the same plan (`--scan`: the LM with its blocks as one `nn.scan`, as `--pipeline
 `--pipeline` plans the same LM with its blocks as one `nn.scan` (`bench.gpt.ScanGPT`, the form shardc cuts
 into stages) with the pipeline dimension on (`shardc.plan_for(..., pipeline=True)`: the unpipelined search,
 every candidate pipeline screened, two finalists searched, default budgets) for 8, 64 and 256 devices
-(`h100-sxm-8`, `-8x8`, `-8x32`) and reports where the time goes. Targets (issue 16): ≤ 10 s on 8 devices,
-≤ 30 s on 64 and on 256. It prints its table (docs/benchmarks.md `pipeline` records it by hand).
+(`h100-sxm-8`, `-8x8`, `-8x32`), each in a process of its own (as a user plans one model on one topology: a
+row after others in one process ran ~5 s slower on 256 devices), and reports where the time goes. Targets
+(issue 16): ≤ 10 s on 8 devices, ≤ 30 s on 64 and on 256. It prints its table (docs/benchmarks.md `pipeline`
+records it by hand).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import dataclasses
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 
@@ -213,13 +216,22 @@ def main() -> None:
     ap.add_argument("--workers", type=int, metavar="ROUNDS",
                     help="plan with one process and with the default workers, alternately ROUNDS times")
     ap.add_argument("--scan", action="store_true", help="with --workers: the LM's blocks as one nn.scan")
+    ap.add_argument("--row-only", action="store_true", help=argparse.SUPPRESS)  # (a row's own process)
     args = ap.parse_args()
     if args.pipeline:
-        print("| devices / topology | candidates | unpipelined search | screens | finalists "
-              "| total (target; CPU with children) | chosen |")
-        print("|---|---|---|---|---|---|---|")
-        pipeline_rows(args.layers, args.topology)
-        print(f"(seconds; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end)")
+        if not args.row_only:
+            print("| devices / topology | candidates | unpipelined search | screens | finalists "
+                  "| total (target; CPU with children) | chosen |")
+            print("|---|---|---|---|---|---|---|", flush=True)
+        if args.row_only or args.topology and len(args.topology) == 1:
+            pipeline_rows(args.layers, args.topology)
+        else:  # each row in a process of its own, as a user plans one model on one topology
+            for topology, _, _ in PIPELINE_TARGETS:
+                if not args.topology or topology in args.topology:
+                    subprocess.run([sys.executable, os.path.abspath(__file__), "--pipeline", "--row-only",
+                                    "--layers", str(args.layers), "--topology", topology], check=True)
+        if not args.row_only:
+            print(f"(seconds; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end)")
         return
 
     model, tx, params, opt_state, ids = setup(layers=args.layers, scan=args.scan)
