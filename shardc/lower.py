@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding
 from annotations.primitive import hint_p
 from shardc.ir.build import REGION_PRIMITIVES, call_jaxpr
 from shardc.ir.jaxpr_env import JaxprEnv, open_jaxpr
-from shardc.cost.program import folds_to_constant, pad_of, program_info, reads_only_padding
+from shardc.cost.program import SCATTERS, folds_to_constant, pad_of, program_info, reads_only_padding
 from shardc.cost.windows import window_unread
 from shardc.cost.reshard_path import reshard_steps
 from shardc.plan import Plan, lowers_reduce_scatter, require_devices
@@ -354,14 +354,23 @@ def in_out_shardings(plan: Plan) -> tuple[list[NamedSharding], list[NamedShardin
 # XLA CPU's scatter expander (with algsimp after it) miscompiles a scatter-add into a dim sharded over
 # the mesh whose result is added to a resharded value — wrong numbers, silently; pure JAX too (pinned by
 # tests/fuzz/test_fuzz_regressions.py::test_xla_cpu_scatter_add_into_a_sharded_dim). XLA CPU runs
-# scatters natively without that pass, so shardc compiles without it on CPU.
+# scatters natively without that pass, so shardc compiles without it on CPU where a scatter is split — only
+# there: the native path miscompiles other programs (a sort's gradient scatter with a min's in one step: wrong
+# gradients, pure JAX on one device too; fuzz seed 125015, `test_xla_cpu_native_scatter_is_only_used_when_split`).
 CPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "scatter_expander"}
 
 
 def compiler_options(plan: Plan) -> dict[str, str] | None:
     """XLA options for the plan's platform (workarounds for known miscompilations)."""
     platform = next(iter(plan.mesh.devices.flat)).platform
-    return dict(CPU_COMPILER_OPTIONS) if platform == "cpu" else None
+    return dict(CPU_COMPILER_OPTIONS) if platform == "cpu" and _splits_a_scatter(plan) else None
+
+
+def _splits_a_scatter(plan: Plan) -> bool:
+    """Whether a scatter of the plan has its operand or result split over the mesh (where XLA CPU's scatter
+    expander miscompiles: see CPU_COMPILER_OPTIONS)."""
+    return any(op.primitive in SCATTERS and any(plan.shardings[v].axes() for v in (*op.inputs[:1], *op.outputs))
+               for op in plan.graph.ops)
 
 
 def jit_plan(plan: Plan, closed_jaxpr: Any, donate: Sequence[int] = (), tag_ops: bool = False) -> Any:
