@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import sys
 import types
 import warnings
 from typing import Any, Callable, Iterator
@@ -43,7 +41,7 @@ from shardc.pipeline.reuse import SharedTraces
 from shardc.search.baselines import BASELINES
 from shardc.search.budget import MESH_SETUP_UNITS, full_plan_units, plan_seconds
 from shardc.search.driver import NoPlanFits
-from shardc.search.workers import default_workers
+from shardc.search.workers import can_fork, default_workers
 from shardc.search import idle
 from shardc.pipeline.value import Pipeline
 from shardc.sharding import make_mesh
@@ -460,11 +458,8 @@ def _fork_limit(shared: SharedTraces | None, prune_siblings: bool, topology: Any
     """How many screens may run at once in forked children (`shardc.pipeline.forked`): 0 (all here) for a
     caller's own `plan_for`, with `prune_siblings` (its decisions follow each screen at once) or where the
     search's workers may not fork (`shardc.search.workers.can_fork`); else the search's worker count."""
-    if shared is None or prune_siblings or default_workers() < 2 or topology.device.measured_ops:
-        return 0
-    if not sys.platform.startswith("linux") or not hasattr(os, "fork") or jax.process_count() > 1:
-        return 0
-    return default_workers()
+    workers = default_workers()
+    return workers if shared is not None and not prune_siblings and workers > 1 and can_fork(topology) else 0
 
 
 def _worth_forking(ops: int, devices: int) -> bool:

@@ -20,11 +20,11 @@ import os
 import pickle
 import select
 import signal
-import sys
 import warnings
 from typing import Any, Callable, Hashable
 
 from shardc.search import idle
+from shardc.search.workers import fork_quietly, read_exactly
 
 __all__ = ["ForkedScreens"]
 
@@ -49,19 +49,13 @@ class ForkedScreens:
         if key in self._children or len(self._children) >= self.limit:
             return False
         read, write = os.pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        with warnings.catch_warnings():  # (JAX warns of any fork; the child traces nothing: module docstring)
-            warnings.simplefilter("ignore", RuntimeWarning)
-            pid = os.fork()
+        pid = fork_quietly()  # (the child traces nothing: module docstring)
         if pid == 0:  # the child: one outcome down the pipe, then leave without this process's exit handlers
             code = 1
             try:
                 os.close(read)
                 for _, fd in self._children.values():  # (the other children's pipes are this process's)
                     os.close(fd)
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    signal.signal(sig, signal.SIG_DFL)
                 os.environ["SHARDC_SEARCH_WORKERS"] = "1"  # (its search forks no workers of its own)
                 idle.detach()
                 with warnings.catch_warnings(record=True) as caught:
@@ -141,18 +135,11 @@ def _readable(fd: int) -> bool:
 
 def _read_message(fd: int) -> bytes | None:
     """The child's length-prefixed message, or None when it closed its pipe before sending it whole."""
-    def read(size: int) -> bytes | None:
-        parts, left = [], size
-        while left:
-            part = os.read(fd, min(left, 1 << 20))
-            if not part:
-                return None
-            parts.append(part)
-            left -= len(part)
-        return b"".join(parts)
+    def read(size: int) -> bytes:
+        return os.read(fd, min(size, 1 << 20))
 
-    head = read(8)
-    return None if head is None else read(int.from_bytes(head, "little"))
+    head = read_exactly(read, 8)
+    return None if head is None else read_exactly(read, int.from_bytes(head, "little"))
 
 
 def _reap(pid: int) -> None:

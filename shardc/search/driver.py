@@ -211,7 +211,7 @@ def _worker_limit(workers: int | None, problem: Problem, meshes: Sequence[Mappin
     simulation (`can_fork`)."""
     if len(meshes) < 2 or budget.cap_s is not None or (workers is not None and workers <= 1):
         return 1
-    if not can_fork(problem):
+    if not can_fork(problem.topology):
         return 1
     return default_workers() if workers is None else workers
 

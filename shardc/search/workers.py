@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping, Sequence
 from shardc.search import idle
 from shardc.search.mesh_work import MeshScored, MeshSearched, MeshWork
 
-__all__ = ["MeshPool", "WorkerLost", "default_workers"]
+__all__ = ["MeshPool", "WorkerLost", "can_fork", "default_workers", "fork_quietly", "read_exactly"]
 
 MAX_WORKERS = 4
 
@@ -55,15 +55,45 @@ def default_workers() -> int:
     return max(1, min(MAX_WORKERS, cpus))
 
 
-def can_fork(problem: Any) -> bool:
-    """Whether a child may do this problem's mesh work (see the module docstring)."""
+def can_fork(topology: Any) -> bool:
+    """Whether a child may do the search's work for plans priced on `topology` (see the module docstring)."""
     import jax
 
     from shardc.sim import as_topology
 
     if not sys.platform.startswith("linux") or not hasattr(os, "fork") or jax.process_count() > 1:
         return False
-    return not as_topology(problem.topology).device.measured_ops
+    return not as_topology(topology).device.measured_ops
+
+
+def fork_quietly() -> int:
+    """`os.fork()` with this process's output flushed first (else the child writes it again) and JAX's warning
+    of a fork silenced (a child runs no XLA); the child's SIGINT and SIGTERM back to their defaults (not the
+    program's handlers, e.g. a checkpoint's)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        pid = os.fork()
+    if pid == 0:
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_DFL)
+        except BaseException:  # (the child must never return into its parent's code)
+            os._exit(1)
+    return pid
+
+
+def read_exactly(read: Callable[[int], bytes], size: int) -> bytes | None:
+    """`size` bytes from `read` (a pipe's read, which may return fewer); None when the pipe closes first."""
+    parts, left = [], size
+    while left:
+        part = read(left)
+        if not part:
+            return None
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
 
 
 _MISSING = object()
@@ -94,14 +124,10 @@ class _Channel:
         self._w.flush()
 
     def _read(self, size: int) -> bytes:
-        parts, left = [], size
-        while left:
-            part = self._r.read(left)
-            if not part:
-                raise EOFError("the other process closed its pipe")
-            parts.append(part)
-            left -= len(part)
-        return b"".join(parts)
+        data = read_exactly(self._r.read, size)
+        if data is None:
+            raise EOFError("the other process closed its pipe")
+        return data
 
     def recv(self) -> Any:
         data = self._read(int.from_bytes(self._read(8), "little"))
@@ -247,16 +273,10 @@ class MeshPool:
     def _fork(work: MeshWork, jobs: list[Job], shared: Sequence[Any], siblings: Sequence[_Child]) -> _Child:
         down_r, down_w = os.pipe()  # parent -> child
         up_r, up_w = os.pipe()  # child -> parent
-        sys.stdout.flush()
-        sys.stderr.flush()
-        with warnings.catch_warnings():  # (JAX warns of any fork; the child runs no JAX: see the module docstring)
-            warnings.simplefilter("ignore", RuntimeWarning)
-            pid = os.fork()
+        pid = fork_quietly()
         if pid == 0:  # the child: serve, then leave without running this process's exit handlers
             code = 0
             try:
-                for sig in (signal.SIGINT, signal.SIGTERM):  # (not the program's handlers, e.g. a checkpoint's)
-                    signal.signal(sig, signal.SIG_DFL)
                 for c in siblings:  # (their pipes are the parent's)
                     c.channel.close()
                 os.close(down_w)
