@@ -219,14 +219,14 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
     best: Any = None
     unfit: NoPlanFits | None = None
     bound = bound_siblings and screen_budget_s is None  # (a search's screen may beat every baseline: no bound)
-    floor_of: dict[Pipeline, tuple[float, Any]] = {}  # traced candidate -> (floor, its traced program)
+    floor_of: dict[Pipeline, tuple[float | None, Any]] = {}  # traced candidate -> (floor, its traced program)
     tracing_early = pipeline and floors and shared is not None and not prune_siblings
 
     sizes: list[int] = []  # ops of the candidates' traced graphs
 
     def note_floor(p: Pipeline, program: Any, graph: Any) -> None:
         if p not in floor_of:
-            floor_of[p] = (step_floor(graph, topo, n), program)
+            floor_of[p] = (step_floor(graph, topo, n) if floors else None, program)  # (None: traced, no floor)
             sizes.append(len(graph.ops))
 
     def trace_now(p: Pipeline) -> None:
@@ -274,12 +274,13 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
 
     def holds(p: Pipeline) -> float | None:
         """`p`'s floor when it bounds every plan a search can make of its program, else None."""
-        f, program = floor_of.get(p, (None, None))  # (also noted with floors off, by a trace before a fork)
-        return f if floors and f is not None and floor_applies(program, options.get("remat", True)) else None
+        f, program = floor_of.get(p, (None, None))  # (None with floors off: traced before a fork, no floor)
+        return f if f is not None and floor_applies(program, options.get("remat", True)) else None
 
     def above_lead(p: Pipeline) -> float | None:
         """`p`'s floor when it is known, bounds every plan of its program and is above the plan in hand."""
-        return holds(p) if p in floor_of and floor_of[p][0] > lead[0] else None
+        f = floor_of.get(p, (None,))[0]
+        return holds(p) if f is not None and f > lead[0] else None
 
     def checker(p: Pipeline) -> Callable[[Any, Any], None] | None:
         """The graph hook of `p`'s screen: its floor (and size) noted, and `_Floored` raised when it is above
@@ -407,7 +408,7 @@ def choose_pipeline(step: Callable, args: tuple, *, topology: Any, budget_s: flo
         if best is None or key < _key(best):
             best, best_screen = (out.plan if out.plan is not None else _Priced(out.rows[0])), p
     for _, _, p, out in screened[:finalists]:
-        f = holds(p) if floors else None
+        f = holds(p)
         if f is not None and best.cost.fits and f > best.cost.step_time:  # its search could not find the winner
             note(Choice("floored", out.rows[0].pipeline, {}, f, 0.0, False))  # (as its screen's row names it)
             continue
