@@ -39,7 +39,7 @@ from shardc.cost.aliases import ALIASES, HINTS  # (ALIASES' results have no buff
 from shardc.cost.estimator import params_key
 from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL
 from shardc.cost.wide_results import wide_results
-from shardc.cost.windows import slice_window, window_unread
+from shardc.cost.windows import gather_window, slice_window, window_unread
 from shardc.ir.graph import Graph
 
 __all__ = ["ProgramInfo", "program_info", "per_info", "descendants", "Merged", "merged", "liveness", "unread_operands",
@@ -913,7 +913,8 @@ def folds_to_constant(graph: Graph, op: Any) -> bool:
     """Whether XLA's simplifier makes `op`'s results constants whatever its operands: argmax/argmin over
     dims of size 1 (the index is 0); `empty`/`empty2` are zeros (a broadcast of a constant, which XLA's
     partitioner makes in any layout without collectives), and so is an iota along a dim of size 1 (its
-    simplifier's `HandleIota`: the sort permutation of a sort along such a dim)."""
+    simplifier's `HandleIota`: the sort permutation of a sort along such a dim); a fill-or-drop gather whose
+    constant index lies out of bounds is its fill value (`shardc.cost.windows.gather_window`)."""
     if op.primitive in ("empty", "empty2") and not op.inputs:
         return True
     if op.primitive == "iota" and not op.inputs:
@@ -922,7 +923,7 @@ def folds_to_constant(graph: Graph, op: Any) -> bool:
     if op.primitive in ("argmax", "argmin") and op.inputs:
         shape = graph.values[op.inputs[0]].shape
         return all(shape[d] == 1 for d in op.params.get("axes", ()))
-    return False
+    return op.primitive == "gather" and gather_window(graph, op) == "nothing"
 
 
 # Ops whose result is their (first) operand's value: what is zeros through them stays zeros (the free ones

@@ -3,7 +3,8 @@ concatenate or pad left with no reader.
 
 XLA's algebraic simplifier moves a slice (a dynamic slice at literal starts is one) through the ops below it
 that only move data — another slice, a broadcast, a pad, a reverse, a concatenate; a hint, which is none
-after partitioning — down to the values it reads from: `slice(concat(a, b))` reading only `a`'s part is a
+after partitioning — down to the values it reads from (a gather whose indices fold to a single index is such
+a slice, `gather_window`): `slice(concat(a, b))` reading only `a`'s part is a
 slice of `a`, and a slice of a pad reading only its padding is a broadcast of the padding value. A
 concatenate's operand (or a pad's) that no slice reads is then read by nothing, so XLA's DCE removes it with
 the ops and reshards only it needs (an einsum's all-reduce, an all-gather feeding the concatenate).
@@ -23,9 +24,10 @@ import collections
 from typing import Any, Callable, Sequence
 
 from shardc.cost.aliases import ALIASES
+from shardc.ir.folding import constant_array
 from shardc.ir.graph import Graph
 
-__all__ = ["Box", "WINDOW_RULES", "slice_window", "read_windows", "window_unread"]
+__all__ = ["Box", "WINDOW_RULES", "slice_window", "gather_window", "read_windows", "window_unread"]
 
 Box = tuple[tuple[int, int], ...]  # per dim, the [start, limit) read
 
@@ -50,6 +52,31 @@ def slice_window(graph: Graph, op: Any) -> list[tuple[int, int]] | None:
             shape = graph.values[op.inputs[0]].shape
             return [(-lo, n + hi) for (lo, hi, _), n in zip(config, shape)]
     return None
+
+
+def gather_window(graph: Graph, op: Any) -> list[tuple[int, int]] | None | str:
+    """Per operand dim, the [start, limit) a gather reads when its indices fold to one index (XLA makes it a
+    dynamic slice at literal starts, then a slice): clamped into the operand as XLA clamps them, or
+    "nothing" when a fill-or-drop gather's index lies out of bounds (its result is the fill value); None
+    for other gathers."""
+    if op.primitive != "gather" or len(op.inputs) != 2:
+        return None
+    numbers, sizes = op.params["dimension_numbers"], op.params["slice_sizes"]
+    if getattr(numbers, "operand_batching_dims", ()):
+        return None
+    indices = constant_array(graph, op.inputs[1])
+    index_map = tuple(numbers.start_index_map)
+    if indices is None or indices.size != len(index_map):
+        return None
+    shape, starts = graph.values[op.inputs[0]].shape, [0] * len(sizes)
+    for d, i in zip(index_map, indices.reshape(-1).tolist()):
+        starts[d] = int(i)
+    if "FILL_OR_DROP" in str(op.params.get("mode")):
+        if any(s < 0 or s + k > n for s, k, n in zip(starts, sizes, shape)):
+            return "nothing"
+    else:
+        starts = [min(max(s, 0), n - k) for s, k, n in zip(starts, sizes, shape)]
+    return [(s, s + k) for s, k in zip(starts, sizes)]
 
 
 def _full(shape: Sequence[int]) -> Box:
@@ -78,6 +105,28 @@ def _sliced(graph: Graph, op: Any, out: Sequence[Box | None]) -> list[Box | None
     box = None if read is None else tuple((s + lo * k, s + (hi - 1) * k + 1)
                                           for (s, _), (lo, hi), k in zip(window, read, strides))
     return [box] + [_full(graph.values[v].shape) for v in op.inputs[1:]]
+
+
+def _gathered(graph: Graph, op: Any, out: Sequence[Box | None]) -> list[Box | None] | None:
+    """A gather at one constant index (`gather_window`) reads its window of the part read of it: the
+    operand's uncollapsed dims are the result's offset dims, in order; the indices are read whole."""
+    window = gather_window(graph, op)
+    if window is None:
+        return None
+    indices = _full(graph.values[op.inputs[1]].shape)
+    read = out[0]
+    if read is None or window == "nothing":
+        return [None, indices]
+    numbers = op.params["dimension_numbers"]
+    offsets = iter(sorted(numbers.offset_dims))
+    box = []
+    for d, (start, limit) in enumerate(window):
+        if d in numbers.collapsed_slice_dims:
+            box.append((start, limit))
+        else:
+            lo, hi = read[next(offsets)]
+            box.append((start + lo, start + hi))
+    return [tuple(box), indices]
 
 
 def _broadcast(graph: Graph, op: Any, out: Sequence[Box | None]) -> list[Box | None] | None:
@@ -157,7 +206,7 @@ def _same(graph: Graph, op: Any, out: Sequence[Box | None]) -> list[Box | None] 
 # simplifier moves a slice through; any other op reads its operands whole).
 WINDOW_RULES: dict[str, WindowRule] = {
     "slice": _sliced, "dynamic_slice": _sliced, "pad": _padded, "broadcast_in_dim": _broadcast,
-    "rev": _reversed, "concatenate": _concatenated, "split": _split,
+    "rev": _reversed, "concatenate": _concatenated, "split": _split, "gather": _gathered,
     **{p: _same for p in ALIASES}}
 # Ops whose operands no reader of theirs may read at all (`window_unread`); the others' operands are read.
 _DROPS_OPERANDS = frozenset({"concatenate", "pad"})

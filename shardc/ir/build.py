@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 from jax.extend import core as jcore
 
+from shardc.ir.folding import small_integer_array
 from shardc.ir.graph import Graph, Op
 from shardc.rules.core import rule_or_conservative
 from shardc.rules.core import FactorKind, FactorRule
@@ -79,6 +80,11 @@ class _Builder:
         dtype = getattr(aval, "dtype", None)
         return self.g.add_value(tuple(shape), dtype, name, is_const=is_const, literal=literal)
 
+    def constant(self, var: Any, value: Any) -> int:
+        """A jaxpr's constvar bound to `value` (kept when a small integer array: `shardc.ir.folding`)."""
+        shape, dtype = getattr(var.aval, "shape", ()), getattr(var.aval, "dtype", None)
+        return self.g.add_value(tuple(shape), dtype, "constant", is_const=True, array=small_integer_array(value))
+
     def read(self, env: dict, atom: Any) -> int:
         if isinstance(atom, jcore.Literal):
             value = _scalar(atom.val)  # (named by it: printing the numpy value itself costs ~90 us a literal)
@@ -108,8 +114,8 @@ class _Builder:
         """Walk a (closed or open) jaxpr with its invars bound to `args`; returns its outvars' values."""
         inner, consts = self.closed(jaxpr)
         env: dict = {}
-        for var, c in zip(inner.constvars, consts):
-            env[var] = self.new_value(var.aval, "constant", is_const=True)
+        for i, var in enumerate(inner.constvars):
+            env[var] = self.constant(var, consts[i] if i < len(consts) else None)
         if len(inner.invars) != len(args):
             raise AssertionError(f"jaxpr takes {len(inner.invars)} inputs, given {len(args)}")
         for var, vid in zip(inner.invars, args):
@@ -238,8 +244,8 @@ def build_graph(closed_jaxpr: Any, input_names: Sequence[str] | None = None,
     b = _Builder()
     jaxpr, consts = b.closed(closed_jaxpr)
     env: dict = {}
-    for var in jaxpr.constvars:
-        env[var] = b.new_value(var.aval, "constant", is_const=True)
+    for i, var in enumerate(jaxpr.constvars):
+        env[var] = b.constant(var, consts[i] if i < len(consts) else None)
     for i, var in enumerate(jaxpr.invars):
         name = input_names[i] if input_names and i < len(input_names) else f"arg{i}"
         env[var] = b.new_value(var.aval, name)

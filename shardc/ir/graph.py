@@ -23,6 +23,7 @@ class Value:
     producer: int | None = None
     is_const: bool = False
     literal: int | float | None = None  # a scalar literal's value (a dynamic slice's constant start index)
+    array: np.ndarray | None = None  # a small integer constant's value (`shardc.ir.folding.SMALL`): gather indices
 
     @property
     def nbytes(self) -> int:
@@ -142,10 +143,10 @@ class Graph:
         return cache[name]
 
     def add_value(self, shape: tuple[int, ...], dtype: Any, name: str = "", *, is_const: bool = False,
-                  literal: int | float | None = None) -> int:
+                  literal: int | float | None = None, array: np.ndarray | None = None) -> int:
         vid = len(self.values)
         self.values.append(Value(vid, tuple(int(s) for s in shape), _dtype(dtype), name or f"%{vid}",
-                                 is_const=is_const, literal=literal))
+                                 is_const=is_const, literal=literal, array=array))
         self.users.append([])
         return vid
 

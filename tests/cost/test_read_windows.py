@@ -4,6 +4,7 @@ is checked against what XLA compiles (whether `sin(b)` survives) and against the
 op is live)."""
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
@@ -35,6 +36,14 @@ CASES = {  # name: (function of a[4], b[3], whether XLA reads b)
     "slice of a reshape": (lambda a, b: _cat(a, b).reshape(1, 7)[:, 1:3], True),
     "slice of a convert": (lambda a, b: _cat(a, b).astype(jnp.float16)[1:3], True),
     "slice and the whole": (lambda a, b: (_cat(a, b)[1:3], _cat(a, b)), True),
+    "gather at one constant index": (lambda a, b: jnp.take(_cat(a, b), np.array([2])), False),
+    "gather at one constant index in b": (lambda a, b: jnp.take(_cat(a, b), np.array([5])), True),
+    "gather at a negative constant index": (lambda a, b: jnp.take(_cat(a, b), np.array([[-5]])), False),
+    "gather at a scalar index": (lambda a, b: jnp.take(_cat(a, b), 1), False),
+    "gather at two constant indices": (lambda a, b: jnp.take(_cat(a, b), np.array([1, 2])), True),
+    "gather clipped into b": (lambda a, b: jnp.take(_cat(a, b), np.array([9]), mode="clip"), True),
+    "gather out of bounds": (lambda a, b: jnp.take(_cat(a, b), np.array([9]), mode="fill"), False),
+    "gather at a computed index": (lambda a, b: jnp.take(_cat(a, b), a.astype(int)[:1]), True),
 }
 ARGS = (jnp.arange(4.0), jnp.arange(3.0))
 
@@ -59,3 +68,14 @@ def test_windows_are_boxes_per_dim():
     boxes = read_windows(graph)
     assert boxes[cat.outputs[0]] == ((1, 3),)
     assert [boxes[v] for v in cat.inputs] == [((1, 3),), None]
+
+
+def test_a_gathers_constant_index_is_folded_as_xla_folds_it():
+    """`jnp.take` wraps a negative index with lt/add/select_n over the constant: the index the gather reads is
+    the folded one (-5 of 7 elements: 2), and an index computed from an input is no constant."""
+    from shardc.ir.folding import constant_array
+    f = lambda a, b: (jnp.take(_cat(a, b), np.array([[-5]])), jnp.take(_cat(a, b), a.astype(int)[:1]))  # noqa: E731
+    graph = shardc.auto(f, mesh=shardc.make_mesh({"x": 8}), search=False).plan(*ARGS).graph
+    folded, computed = [constant_array(graph, op.inputs[1]) for op in graph.ops if op.primitive == "gather"]
+    assert folded is not None and folded.reshape(-1).tolist() == [2]
+    assert computed is None
