@@ -74,7 +74,8 @@ def tagged_op(op_name: str) -> int | None:
 
 def _constant_like(x: Any) -> Any:
     """Zeros shaped as `x`, a compile-time constant: the operand of an op XLA folds to a constant whatever it
-    reads (an argmax over dims of size 1), passed so. Bound on the traced operand, XLA partitions the op as
+    reads (an argmax over dims of size 1), passed so (its constant operands, an out-of-bounds gather's
+    indices, stay as they are: they decide the constant). Bound on the traced operand, XLA partitions the op as
     the operand is laid out before it folds it, and a result split over two mesh axes was all-gathered and
     sliced back (the plan has no collective there: the op reads nothing, `unread_operands`)."""
     if not hasattr(x, "shape"):
@@ -213,7 +214,7 @@ class Lowering:
         read = invals  # (the operands in the layouts the op reads them in, constants as they were made)
         invals = self.constants_as_needed(op, invals)
         if folds_to_constant(self.graph, op):  # (its result is a constant whatever it reads: see below)
-            invals = [_constant_like(x) for x in invals]
+            invals = [x if self.info.constant[v] else _constant_like(x) for x, v in zip(invals, op.inputs)]
         if op.primitive == "pad" and len(invals) > 1:
             self._traces[-1].padding[op.outputs[0]] = invals[1]
         invals = self.padding_only(op, invals)

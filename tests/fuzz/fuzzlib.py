@@ -534,7 +534,8 @@ class _Gen:
         if self.coin(2):
             idx = self.add("input", (), ishape, dtype="int32", high=sa[d])
             return self.add("gather", (a, idx), shape, dim=d)
-        flat = self.draw(st.lists(st.integers(0, sa[d] - 1), min_size=math.prod(ishape), max_size=math.prod(ishape)))
+        # (negative indices wrap; one past the end is out of bounds: jnp.take fills NaN, XLA folds it)
+        flat = self.draw(st.lists(st.integers(-sa[d], sa[d]), min_size=math.prod(ishape), max_size=math.prod(ishape)))
         indices = np.asarray(flat).reshape(ishape).tolist()
         return self.add("gather", (a,), shape, dim=d, indices=_tuplify(indices))
 

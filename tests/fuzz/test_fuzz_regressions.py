@@ -80,7 +80,9 @@ Fixed in shardc so that the compiled program's collectives are the plan's, kind 
   the plan listed does not run (`PASS_THROUGH_RULES`, `folds_to_constant`).
 * a gather whose indices fold to one index (`jnp.take(x, np.array([11]))`: a constant wrapped by `lt`, `add`,
   `select_n`) is a slice to XLA's simplifier, which moves it down a concatenate like any slice: the operand
-  it does not read was all-gathered in the plan (`windows.gather_window`, `shardc.ir.folding`).
+  it does not read was all-gathered in the plan (`windows.gather_window`, `shardc.ir.folding`); one out of
+  bounds is its fill value (NaN), read from nothing — the lowering keeps its constant indices when it passes
+  such an op zeros (it had zeroed the indices too: index 0, in bounds, a wrong result).
 * a loop's carry whose initial value is zeros (the cotangent a backward scan carries) was taken for zeros
   (`is_zeros` followed the carry's first tie), so the scatter-add of sort's gradient into it was taken for
   its (constant) operand, computed whole and all-gathered by XLA; a value several ties write (a carry, a
@@ -742,6 +744,12 @@ GATHER_OF_ONE_CONCATENATED_OPERAND = Program(mesh=(("x", 2), ("y", 4)), steps=( 
     Step(kind="gather", args=(4,), attrs=(("dim", 1), ("indices", ((11,),))), shape=(4, 1, 1)),  # one index,
 ), outputs=(5,))                                                                   # in the einsum's part: a slice
 
+GATHER_OUT_OF_BOUNDS = Program(mesh=(("x", 2), ("y", 4)), steps=(  # seed 125013's, by hand
+    *GATHER_OF_ONE_CONCATENATED_OPERAND.steps[:5],
+    Step(kind="gather", args=(4,), attrs=(("dim", 1), ("indices", ((20,),))), shape=(4, 1, 1)),  # NaN, folded:
+    Step(kind="unary", args=(5,), attrs=(("fn", "square"),), shape=(4, 1, 1)),                   # reads nothing
+), outputs=(6,))
+
 SLICE_OF_A_CONCATENATE_PAST_A_RESHARD = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(  # seed 121011's, by
     Step(kind="input", args=(), attrs=(), shape=(4, 4)),                                       # hand
     Step(kind="input", args=(), attrs=(("meta", (None, None, "x")),), shape=(4, 4, 2)),
@@ -770,7 +778,8 @@ SLICE_OF_A_CONCATENATE_PAST_A_RESHARD = Program(mesh=(("x", 2), ("y", 1), ("z", 
                                   BRANCHES_RESHARD_ONE_OPERAND, SORTED_THEN_OVERWRITTEN, SELECT_OF_A_HINT_AND_ITSELF,
                                   SORT_ALONG_A_DIM_OF_ONE, ZEROS_CARRIED_THROUGH_A_LOOP, MIN_OF_A_SPLIT_BROADCAST,
                                   SLICE_PAST_A_PARTIAL_SUM, SLICE_OF_ONE_CONCATENATED_OPERAND,
-                                  SLICE_OF_A_CONCATENATED_PADDING, GATHER_OF_ONE_CONCATENATED_OPERAND],
+                                  SLICE_OF_A_CONCATENATED_PADDING, GATHER_OF_ONE_CONCATENATED_OPERAND,
+                                  GATHER_OUT_OF_BOUNDS],
                          ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
                               "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
                               "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
@@ -788,7 +797,8 @@ SLICE_OF_A_CONCATENATE_PAST_A_RESHARD = Program(mesh=(("x", 2), ("y", 1), ("z", 
                               "select_of_a_hint_and_itself", "sort_along_a_dim_of_one",
                               "zeros_carried_through_a_loop", "min_of_a_split_broadcast",
                               "slice_past_a_partial_sum", "slice_of_one_concatenated_operand",
-                              "slice_of_a_concatenated_padding", "gather_of_one_concatenated_operand"])
+                              "slice_of_a_concatenated_padding", "gather_of_one_concatenated_operand",
+                              "gather_out_of_bounds"])
 def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
 
