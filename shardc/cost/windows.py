@@ -1,7 +1,7 @@
 """Which part of each value XLA reads: slices moved towards the values they slice, and the operands of a
 concatenate or pad left with no reader.
 
-XLA's algebraic simplifier moves a slice (a dynamic slice at literal starts is one) through the ops below it
+XLA's algebraic simplifier moves a slice (a dynamic slice at constant starts is one) through the ops below it
 that only move data — another slice, a broadcast, a pad, a reverse, a concatenate; a hint, which is none
 after partitioning — down to the values it reads from (a gather whose indices fold to a single index is such
 a slice, `gather_window`): `slice(concat(a, b))` reading only `a`'s part is a
@@ -34,12 +34,12 @@ Box = tuple[tuple[int, int], ...]  # per dim, the [start, limit) read
 
 def slice_window(graph: Graph, op: Any) -> list[tuple[int, int]] | None:
     """Per dim, the [start, limit) of its operand a slice reads (a pad with no positive padding is a slice
-    too: the transpose of a pad; so is a dynamic slice whose start indices are literals, clamped into the
-    operand as XLA clamps them); None for other ops."""
+    too: the transpose of a pad; so is a dynamic slice whose start indices are compile-time constants,
+    clamped into the operand as XLA clamps them); None for other ops."""
     if op.primitive == "slice":
         return list(zip(op.params["start_indices"], op.params["limit_indices"]))
     if op.primitive == "dynamic_slice" and op.inputs:
-        starts = [graph.values[v].literal for v in op.inputs[1:]]
+        starts = [_scalar_constant(graph, v) for v in op.inputs[1:]]
         shape, sizes = graph.values[op.inputs[0]].shape, op.params.get("slice_sizes", ())
         if len(starts) != len(shape) or len(sizes) != len(shape) \
                 or not all(isinstance(s, int) and not isinstance(s, bool) for s in starts):
@@ -54,9 +54,16 @@ def slice_window(graph: Graph, op: Any) -> list[tuple[int, int]] | None:
     return None
 
 
+def _scalar_constant(graph: Graph, v: int) -> int | None:
+    """Value `v` as a Python int when it is a scalar integer known at compile time (a literal, or folded:
+    `lax.dynamic_slice` wraps a negative start with lt/add/select_n), else None."""
+    array = constant_array(graph, v)
+    return int(array) if array is not None and array.shape == () and array.dtype.kind in "iu" else None
+
+
 def gather_window(graph: Graph, op: Any) -> list[tuple[int, int]] | None | str:
     """Per operand dim, the [start, limit) a gather reads when its indices fold to one index (XLA makes it a
-    dynamic slice at literal starts, then a slice): clamped into the operand as XLA clamps them, or
+    dynamic slice at constant starts, then a slice): clamped into the operand as XLA clamps them, or
     "nothing" when a fill-or-drop gather's index lies out of bounds (its result is the fill value); None
     for other gathers."""
     if op.primitive != "gather" or len(op.inputs) != 2:
@@ -95,7 +102,7 @@ WindowRule = Callable[[Graph, Any, Sequence["Box | None"]], "list[Box | None] | 
 
 
 def _sliced(graph: Graph, op: Any, out: Sequence[Box | None]) -> list[Box | None] | None:
-    """A slice (dynamic at literal starts; a pad cutting its operand) reads its window of the part read of it
+    """A slice (dynamic at constant starts; a pad cutting its operand) reads its window of the part read of it
     (with strides: from the first element read to the last)."""
     window = slice_window(graph, op)
     if window is None:

@@ -20,6 +20,10 @@ def _cat(a, b):
 CASES = {  # name: (function of a[4], b[3], whether XLA reads b)
     "slice of a concatenate": (lambda a, b: _cat(a, b)[1:3], False),
     "dynamic slice at a literal start": (lambda a, b: lax.dynamic_slice(_cat(a, b), (1,), (2,)), False),
+    "dynamic slice at a computed constant start": (lambda a, b: lax.dynamic_slice(_cat(a, b), (jnp.array(-6),), (2,)),
+                                                   False),
+    "dynamic slice at a computed constant start in b": (
+        lambda a, b: lax.dynamic_slice(_cat(a, b), (jnp.array(-2),), (2,)), True),
     "dynamic slice clamped into b": (lambda a, b: lax.dynamic_slice(_cat(a, b), (6,), (2,)), True),
     "slice across both operands": (lambda a, b: _cat(a, b)[3:5], True),
     "slice of a broadcast": (lambda a, b: jnp.broadcast_to(_cat(a, b), (2, 7))[:, 1:3], False),
