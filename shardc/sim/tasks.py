@@ -153,6 +153,7 @@ class TaskBuilder:
         self._slot_memo: dict[int, dict[tuple, Slot]] = {}
         self._canon_in: list | None = None
         self._scopes: BranchScopes | None = None
+        self._outputs: frozenset[int] | None = None  # (the graph's outputs, as a set: `_duplicate_outputs`)
         # Of the current plan: per op, the operands XLA's simplifier drops as one buffer with another, and the
         # ops only they read (`shardc.cost.dropped`; `set_drops`)
         self.drops: dict[int, tuple[int, ...]] = {}
@@ -611,6 +612,8 @@ class TaskBuilder:
         op = g.ops[op_id]
         slot = Slot(op_id, [])
         if not info.live[op_id] or (op.primitive == "tie" and op.region == "io"):
+            if not info.live[op_id]:
+                self._duplicate_outputs(plan, slot, op, keys)
             return slot.seal()
         trips = info.trips[op_id]
         trips_in, trips_out = info.reshard_trips[op_id]  # (reshards of values entering/leaving a loop: outside it)
@@ -698,6 +701,31 @@ class TaskBuilder:
                     made(key)
         slot.made = tuple(made_keys)
         return slot.seal()
+
+    def _duplicate_outputs(self, plan: Plan, slot: Slot, op: Any, keys: dict[int, int]) -> None:
+        """The reshards of a CSE duplicate's results that are program outputs in a layout of their own (the
+        planner lets an output keep its layout, `shardc.plan`): XLA computes the value once and reshards it
+        from the first op's layout for the output, as the lowering does (a step another reshard of the value
+        made already is shared)."""
+        outputs = self._program_outputs()
+        for v in op.outputs:
+            c = self.canon(v)
+            have, want = plan.shardings[c], plan.shardings[v]
+            if c == v or v not in outputs or want == have or self.info.constant[c] \
+                    or self.kid((c, have, HOME)) not in keys:
+                continue
+            steps = self.path(have, want, v)
+            n = self.resume(c, steps, keys, HOME)
+            src = (c, steps[n - 1][0], HOME) if n else (c, have, HOME)
+            for key in self.chain(slot, src, steps[n:], v, op.id, self.info.reshard_trips[op.id][1]):
+                keys[self.kid(key)] = op.id
+                slot.made += (self.kid(key),)
+        slot.at = len(slot.tasks)  # (no task of its own)
+
+    def _program_outputs(self) -> frozenset[int]:
+        if self._outputs is None:
+            self._outputs = frozenset(self.graph.outputs)
+        return self._outputs
 
     def set_drops(self, plan: Plan, needs: Mapping[tuple[int, int], Sharding]) -> set[int]:
         """Take the operands XLA's simplifier drops in `plan` and the ops only they read (`drops`, `dead`);

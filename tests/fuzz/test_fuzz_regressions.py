@@ -83,6 +83,9 @@ Fixed in shardc so that the compiled program's collectives are the plan's, kind 
   it does not read was all-gathered in the plan (`windows.gather_window`, `shardc.ir.folding`); one out of
   bounds is its fill value (NaN), read from nothing — the lowering keeps its constant indices when it passes
   such an op zeros (it had zeroed the indices too: index 0, in bounds, a wrong result).
+* an op CSE merges into an earlier one whose result is a program output in a layout of its own (outputs keep
+  theirs: here the carried next value of a replicated input): XLA reshards the first op's result for it, the
+  simulator skipped the duplicate op with its reshard (`TaskBuilder._duplicate_outputs`).
 * a loop's carry whose initial value is zeros (the cotangent a backward scan carries) was taken for zeros
   (`is_zeros` followed the carry's first tie), so the scatter-add of sort's gradient into it was taken for
   its (constant) operand, computed whole and all-gathered by XLA; a value several ties write (a carry, a
@@ -750,6 +753,21 @@ GATHER_OUT_OF_BOUNDS = Program(mesh=(("x", 2), ("y", 4)), steps=(  # seed 125013
     Step(kind="unary", args=(5,), attrs=(("fn", "square"),), shape=(4, 1, 1)),                   # reads nothing
 ), outputs=(6,))
 
+DUPLICATE_OUTPUT_IN_ITS_OWN_LAYOUT = Program(mesh=(("x", 2), ("y", 2), ("z", 2)), steps=(  # seed 126013, shrunk
+    Step(kind="input", args=(), attrs=(), shape=(4,)),  # (the output's shape: the output is its next value)
+    Step(kind="input", args=(), attrs=(), shape=(4, 4)),
+    Step(kind="scan", args=(0, 1), attrs=(("inner", None),), shape=(4, 4)),
+    Step(kind="fori", args=(2,), attrs=(("n", 3), ("inner", (("x",), ("y",)))), shape=(4, 4)),
+    Step(kind="argmax", args=(3,), attrs=(("dim", 1),), shape=(4,)),  # planned [x] for its reader below
+    Step(kind="gather", args=(4,), attrs=(("dim", 0), ("indices", ((0, 0, 0, 1), (1, 1, 1, 0), (1, 2, 1, 2),
+                                                                   (0, 3, 3, 2)))), shape=(4, 4)),
+    Step(kind="argmax", args=(3,), attrs=(("dim", 1),), shape=(4,)),  # CSE-merged into the first: an output,
+    Step(kind="input", args=(), attrs=(("meta", (("y", "x"), None)),), shape=(4, 6)),  # replicated as the input
+    Step(kind="concat", args=(7, 5), attrs=(("dim", 1),), shape=(4, 10)),
+    Step(kind="input", args=(), attrs=(), shape=(1, 5)),
+    Step(kind="update_slice", args=(8, 9), attrs=(("start", (3, 4)),), shape=(4, 10)),
+), outputs=(6,))
+
 SLICE_OF_A_CONCATENATE_PAST_A_RESHARD = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(  # seed 121011's, by
     Step(kind="input", args=(), attrs=(), shape=(4, 4)),                                       # hand
     Step(kind="input", args=(), attrs=(("meta", (None, None, "x")),), shape=(4, 4, 2)),
@@ -779,7 +797,7 @@ SLICE_OF_A_CONCATENATE_PAST_A_RESHARD = Program(mesh=(("x", 2), ("y", 1), ("z", 
                                   SORT_ALONG_A_DIM_OF_ONE, ZEROS_CARRIED_THROUGH_A_LOOP, MIN_OF_A_SPLIT_BROADCAST,
                                   SLICE_PAST_A_PARTIAL_SUM, SLICE_OF_ONE_CONCATENATED_OPERAND,
                                   SLICE_OF_A_CONCATENATED_PADDING, GATHER_OF_ONE_CONCATENATED_OPERAND,
-                                  GATHER_OUT_OF_BOUNDS],
+                                  GATHER_OUT_OF_BOUNDS, DUPLICATE_OUTPUT_IN_ITS_OWN_LAYOUT],
                          ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
                               "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
                               "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
@@ -798,7 +816,7 @@ SLICE_OF_A_CONCATENATE_PAST_A_RESHARD = Program(mesh=(("x", 2), ("y", 1), ("z", 
                               "zeros_carried_through_a_loop", "min_of_a_split_broadcast",
                               "slice_past_a_partial_sum", "slice_of_one_concatenated_operand",
                               "slice_of_a_concatenated_padding", "gather_of_one_concatenated_operand",
-                              "gather_out_of_bounds"])
+                              "gather_out_of_bounds", "duplicate_output_in_its_own_layout"])
 def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
 
