@@ -153,7 +153,7 @@ class TaskBuilder:
         self._slot_memo: dict[int, dict[tuple, Slot]] = {}
         self._canon_in: list | None = None
         self._scopes: BranchScopes | None = None
-        self._outputs: frozenset[int] | None = None  # (the graph's outputs, as a set: `_duplicate_outputs`)
+        self._outputs: frozenset[int] | None = None  # (the graph's outputs, as a set: `_bound_apart`)
         # Of the current plan: per op, the operands XLA's simplifier drops as one buffer with another, and the
         # ops only they read (`shardc.cost.dropped`; `set_drops`)
         self.drops: dict[int, tuple[int, ...]] = {}
@@ -611,9 +611,7 @@ class TaskBuilder:
         g, info = self.graph, self.info
         op = g.ops[op_id]
         slot = Slot(op_id, [])
-        if not info.live[op_id] or (op.primitive == "tie" and op.region == "io"):
-            if not info.live[op_id]:
-                self._duplicate_outputs(plan, slot, op, keys)
+        if op.primitive == "tie" and op.region == "io" or not info.live[op_id] and not self._bound_apart(plan, op):
             return slot.seal()
         trips = info.trips[op_id]
         trips_in, trips_out = info.reshard_trips[op_id]  # (reshards of values entering/leaving a loop: outside it)
@@ -702,25 +700,16 @@ class TaskBuilder:
         slot.made = tuple(made_keys)
         return slot.seal()
 
-    def _duplicate_outputs(self, plan: Plan, slot: Slot, op: Any, keys: dict[int, int]) -> None:
-        """The reshards of a CSE duplicate's results that are program outputs in a layout of their own (the
-        planner lets an output keep its layout, `shardc.plan`): XLA computes the value once and reshards it
-        from the first op's layout for the output, as the lowering does (a step another reshard of the value
-        made already is shared)."""
+    def _bound_apart(self, plan: Plan, op: Any) -> bool:
+        """Whether `op`, merged by CSE into an earlier identical op, runs on its own in this plan: a result of
+        it is a program output in a layout other than the first op's (the planner lets an output keep its
+        layout, `shardc.plan`), so the lowering binds it again (`Lowering.merged`) with its own strategy and
+        reshards (the first op's value, resharded, may be one XLA never computes: only a dead hint read it)."""
+        info = self.info
+        if not info.duplicate[op.id]:
+            return False
         outputs = self._program_outputs()
-        for v in op.outputs:
-            c = self.canon(v)
-            have, want = plan.shardings[c], plan.shardings[v]
-            if c == v or v not in outputs or want == have or self.info.constant[c] \
-                    or self.kid((c, have, HOME)) not in keys:
-                continue
-            steps = self.path(have, want, v)
-            n = self.resume(c, steps, keys, HOME)
-            src = (c, steps[n - 1][0], HOME) if n else (c, have, HOME)
-            for key in self.chain(slot, src, steps[n:], v, op.id, self.info.reshard_trips[op.id][1]):
-                keys[self.kid(key)] = op.id
-                slot.made += (self.kid(key),)
-        slot.at = len(slot.tasks)  # (no task of its own)
+        return any(v in outputs and plan.shardings[v] != plan.shardings[info.canon[v]] for v in op.outputs)
 
     def _program_outputs(self) -> frozenset[int]:
         if self._outputs is None:

@@ -84,8 +84,10 @@ Fixed in shardc so that the compiled program's collectives are the plan's, kind 
   bounds is its fill value (NaN), read from nothing — the lowering keeps its constant indices when it passes
   such an op zeros (it had zeroed the indices too: index 0, in bounds, a wrong result).
 * an op CSE merges into an earlier one whose result is a program output in a layout of its own (outputs keep
-  theirs: here the carried next value of a replicated input): XLA reshards the first op's result for it, the
-  simulator skipped the duplicate op with its reshard (`TaskBuilder._duplicate_outputs`).
+  theirs: the carried next value of a replicated input; a replicated output beside a dead hint that split the
+  first op's result) runs on its own: the lowering binds it again with its own strategy and reshards, and the
+  simulator skipped it (`TaskBuilder._bound_apart`; simulating it as a reshard of the first op's result was
+  wrong the other way: that result may be one XLA never computes).
 * a loop's carry whose initial value is zeros (the cotangent a backward scan carries) was taken for zeros
   (`is_zeros` followed the carry's first tie), so the scatter-add of sort's gradient into it was taken for
   its (constant) operand, computed whole and all-gathered by XLA; a value several ties write (a carry, a
@@ -768,6 +770,17 @@ DUPLICATE_OUTPUT_IN_ITS_OWN_LAYOUT = Program(mesh=(("x", 2), ("y", 2), ("z", 2))
     Step(kind="update_slice", args=(8, 9), attrs=(("start", (3, 4)),), shape=(4, 10)),
 ), outputs=(6,))
 
+DUPLICATE_OUTPUT_BESIDE_A_DEAD_HINT = Program(mesh=(("x", 4), ("y", 2)), steps=(  # seed 127009
+    Step(kind="input", args=(), attrs=(), shape=(4,)),
+    Step(kind="broadcast", args=(0,), attrs=(("pos", 1),), shape=(4, 4)),
+    Step(kind="reshape", args=(1,), attrs=(), shape=(16,)),
+    Step(kind="rev", args=(2,), attrs=(("dims", (0,)),), shape=(16,)),  # planned [y+x] for the hint below
+    Step(kind="input", args=(), attrs=(), shape=(3, 4)),
+    Step(kind="scatter_add", args=(1, 4), attrs=(("dim", 0), ("indices", (1, 1, 2))), shape=(4, 4)),
+    Step(kind="rev", args=(2,), attrs=(("dims", (0,)),), shape=(16,)),  # CSE-merged into the first; the output,
+    Step(kind="hint", args=(3,), attrs=(("how", "split"), ("dim", 0), ("axes", ("y", "x"))), shape=(16,)),  # dead
+), outputs=(6,))                                                        # replicated: computed so, no all-gather
+
 SLICE_OF_A_CONCATENATE_PAST_A_RESHARD = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(  # seed 121011's, by
     Step(kind="input", args=(), attrs=(), shape=(4, 4)),                                       # hand
     Step(kind="input", args=(), attrs=(("meta", (None, None, "x")),), shape=(4, 4, 2)),
@@ -797,7 +810,8 @@ SLICE_OF_A_CONCATENATE_PAST_A_RESHARD = Program(mesh=(("x", 2), ("y", 1), ("z", 
                                   SORT_ALONG_A_DIM_OF_ONE, ZEROS_CARRIED_THROUGH_A_LOOP, MIN_OF_A_SPLIT_BROADCAST,
                                   SLICE_PAST_A_PARTIAL_SUM, SLICE_OF_ONE_CONCATENATED_OPERAND,
                                   SLICE_OF_A_CONCATENATED_PADDING, GATHER_OF_ONE_CONCATENATED_OPERAND,
-                                  GATHER_OUT_OF_BOUNDS, DUPLICATE_OUTPUT_IN_ITS_OWN_LAYOUT],
+                                  GATHER_OUT_OF_BOUNDS, DUPLICATE_OUTPUT_IN_ITS_OWN_LAYOUT,
+                                  DUPLICATE_OUTPUT_BESIDE_A_DEAD_HINT],
                          ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
                               "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
                               "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
@@ -816,7 +830,8 @@ SLICE_OF_A_CONCATENATE_PAST_A_RESHARD = Program(mesh=(("x", 2), ("y", 1), ("z", 
                               "zeros_carried_through_a_loop", "min_of_a_split_broadcast",
                               "slice_past_a_partial_sum", "slice_of_one_concatenated_operand",
                               "slice_of_a_concatenated_padding", "gather_of_one_concatenated_operand",
-                              "gather_out_of_bounds", "duplicate_output_in_its_own_layout"])
+                              "gather_out_of_bounds", "duplicate_output_in_its_own_layout",
+                              "duplicate_output_beside_a_dead_hint"])
 def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
 
