@@ -177,7 +177,8 @@ class MemoryModel:
             return
         if c in self.info.wide and self._made_by_op(kid, owner[0]):
             b = b // self.graph.values[c].dtype.itemsize * self.info.wide[c]
-        end = self._last_read(kid, owner[1])
+        ends: dict[int, int] = {}  # reader -> its read end of `kid` (`_last_read`, `_sliced_last`)
+        end = self._last_read(kid, owner[1], ends)
         loop = self.info.loop
         for k in self.slices.get(kid, ()):  # a local slice of it fused into its readers (loop fusions) reads it
             for r, pos in (self.readers.get(k) or {}).items():
@@ -187,7 +188,7 @@ class MemoryModel:
         order = self.order
         lo, hi = 2 * order[lo] + 1 if lo >= 0 else -1, 2 * order[hi] + 1 if hi >= 0 else -1  # merged all-reduces
         start = max(owner[1], lo)
-        if end > start and self._sliced_last(kid, end):
+        if end > start and self._sliced_last(kid, end, ends):
             end -= 1
         end = max(end, hi, start)
         full = self._positions(self._slots[owner[0]]).reduced.get(kid) if self._slots else None
@@ -294,15 +295,17 @@ class MemoryModel:
                                                      for d, axes in zip(v.shape, s.dims))
         return n
 
-    def _sliced_last(self, kid: int, end: int) -> bool:
+    def _sliced_last(self, kid: int, end: int, ends: dict[int, int] | None = None) -> bool:
         """Whether every read of key `kid` at position `end` is a local slice of its own (a dynamic-slice fusion,
         not fused into the op reading it) that a collective reads next: the slice is made before the
         collective's result exists, so `kid`'s buffer is free by then (the model makes both at one position). A
-        free op reading it (a hint) passes the question on to its result's readers."""
+        free op reading it (a hint) passes the question on to its result's readers. `ends`: reader -> `_read_end`
+        of `kid` known already (`_last_read`'s)."""
         rs = self.readers.get(kid)
         if not rs or not self._slots:
             return False
-        at_end = [r for r, pos in rs.items() if self._read_end(kid, r, pos) >= end]
+        ends = {} if ends is None else ends
+        at_end = [r for r, pos in rs.items() if self._read_end_of(ends, kid, r, pos) >= end]
         if not at_end:
             return False
         for r in at_end:
@@ -317,17 +320,27 @@ class MemoryModel:
                     return False
         return True
 
-    def _last_read(self, kid: int, made: int) -> int:
+    def _last_read(self, kid: int, made: int, ends: dict[int, int] | None = None) -> int:
         """The last position a slot reads key `kid` at (`made` when none), not counting the slots that recompute
-        it from its operands (`_recomputed_of`) unless a collective made it."""
+        it from its operands (`_recomputed_of`) unless a collective made it. `ends`: reader -> `_read_end` of `kid`,
+        filled in for the readers counted (for `_sliced_last`)."""
         rs = self.readers.get(kid)
         if not rs:
             return made
         if not self._slots:
             return max(rs.values())
         skip = bool(self.info.recompute) and kid not in self.keys.chain_keys
-        return max((self._read_end(kid, r, p) for r, p in rs.items()
+        ends = {} if ends is None else ends
+        return max((self._read_end_of(ends, kid, r, p) for r, p in rs.items()
                     if not (skip and kid in self._positions(self._slots[r]).recomputed)), default=made)
+
+    def _read_end_of(self, ends: dict[int, int], kid: int, r: int, pos: int) -> int:
+        """`_read_end(kid, r, pos)`, kept in `ends` (reader -> its read end of `kid`) for the next question about
+        the same key (a plan's read ends do not change while its buffers are set)."""
+        e = ends.get(r)
+        if e is None:
+            e = ends[r] = self._read_end(kid, r, pos)
+        return e
 
     def _read_end(self, kid: int, r: int, pos: int) -> int:
         """Where slot `r`'s reads of key `kid` end, `pos` as `_reads_of` found them: for an op whose fused result is
@@ -547,9 +560,10 @@ class MemoryModel:
         """What a slot contributes to memory, computed once per slot (slots are not modified once sealed)."""
         cached = getattr(slot, "memory", None)
         if cached is None:
-            reads, fused_reads = self._reads_of(slot)
-            cached = SlotMemory(self._makes_of(slot), reads, self._workspace_of(slot), self._reduced_of(slot),
-                                self._recomputed_of(slot), fused_reads, self._gathers_of(slot), tuple(self._late(slot)))
+            late = tuple(self._late(slot))  # (once: the positions of the slot's reads and makes depend on it)
+            reads, fused_reads = self._reads_of(slot, late)
+            cached = SlotMemory(self._makes_of(slot, late), reads, self._workspace_of(slot), self._reduced_of(slot),
+                                self._recomputed_of(slot), fused_reads, self._gathers_of(slot, late), late)
             try:
                 slot.memory = cached
             except AttributeError:  # a slot type without the cache field
@@ -611,12 +625,13 @@ class MemoryModel:
                     (min(ready + 1, at), at, 4 * rank * n_out), (0, at - 1, item * n_in)]
         return tuple(out)
 
-    def _gathers_of(self, slot: Any) -> dict[int, tuple[int, int]]:
+    def _gathers_of(self, slot: Any, late: Sequence[bool]) -> dict[int, tuple[int, int]]:
         """Key id -> (position, bytes) of each all-gather of a slot's reshards that XLA:CPU writes in a layout with
         the gathered dim most major and then copies into the row-major one (when a dim before the gathered one has
         more than one element): the gathered buffer before its copy, made next (whether the copy is a buffer of
         its own depends on the key's readers: `_set_relayout`). Not for a loop's carried state (a hint or tie
-        making it): the loop state keeps the gathered layout, the copy is made where it is read."""
+        making it): the loop state keeps the gathered layout, the copy is made where it is read. `late`: the slot's
+        `_late`."""
         op = self.graph.ops[slot.op]
         if self.info.backend != "cpu" or (op.primitive in _PASS_THROUGH
                                           and any(self.info.canon[v] in self.info.carried for v in op.outputs)):
@@ -637,8 +652,7 @@ class MemoryModel:
             c, src, _ = keys[dep]
             dst = keys[t.outs[0]][1]
             if gathered_order(src.dims, dst.dims, self.keys.local_shape(c, dst)) is not None:
-                late = self._late(slot)[i]
-                out[t.outs[0]] = (self._position(slot, i, t.outs[0], late=late), self._bytes(t.outs[0]))
+                out[t.outs[0]] = (self._position(slot, i, t.outs[0], late=late[i]), self._bytes(t.outs[0]))
         return out
 
     def _shares_of(self, slot: Any) -> tuple[tuple[int, frozenset[int]], ...]:
@@ -779,18 +793,17 @@ class MemoryModel:
             return 0  # written in place into a buffer made at the start (`ProgramInfo.preset`)
         return 2 * self.order[op] + (i > slot.at)
 
-    def _reads_of(self, slot: Any) -> tuple[dict[int, int], dict[int, int]]:
+    def _reads_of(self, slot: Any, late: Sequence[bool]) -> tuple[dict[int, int], dict[int, int]]:
         """The last position a slot reads each key at, and, for the keys its reads of which `until` extends, its
         own last read of them. An op whose results are fused into their readers reads its operands (and the
         operands of local slices fused into it) wherever a value computed from them is materialised
-        (`ProgramInfo.until`, independent of the plan: `_read_end` decides per plan)."""
+        (`ProgramInfo.until`, independent of the plan: `_read_end` decides per plan). `late`: the slot's `_late`."""
         flags = self.keys.is_value_key
         until = dict(self.info.until[slot.op]) if self.info.until else {}
         copied = self._copied(slot.op)
         out: dict[int, int] = {}
         plain: dict[int, int] = {}  # the reads without `until`
         extended: set[int] = set()
-        late = self._late(slot)
         for i, t in enumerate(slot.tasks):
             fused_in = until and (i == slot.at or self._fused_slice(slot, i))
             for d in t.deps:
@@ -806,10 +819,11 @@ class MemoryModel:
                     out[d] = max(out.get(d, -1), pos)
         return out, {d: plain[d] for d in extended}
 
-    def _makes_of(self, slot: Any) -> dict[int, tuple[int, bool, tuple[int, ...]]]:
+    def _makes_of(self, slot: Any, late: Sequence[bool]) -> dict[int, tuple[int, bool, tuple[int, ...]]]:
+        """Key id -> (the position a slot makes it at, whether it is a local slice fused into the op, the keys it
+        slices); `late`: the slot's `_late`."""
         flags = self.keys.is_value_key
         out: dict[int, tuple[int, bool, tuple[int, ...]]] = {}
-        late = self._late(slot)
         for i, t in enumerate(slot.tasks):
             for k in t.outs:
                 if flags[k] and k not in out:
@@ -959,10 +973,13 @@ class MemoryModel:
     def _walking(self, touched: Iterable[int]) -> set[int]:
         """Key ids whose reads by fused ops end where `_fused_end` walks through a value one of `touched` is a layout
         of (a change there moves them)."""
-        walked, keys, out = self._walked(), self.keys.key_list, set()
+        walked, keys = self._walked(), self.keys.key_list
+        ops: set[int] = set()  # (each op once: many of the values walk through the same ops)
         for c in {keys[k][0] for k in touched}:
-            for op in walked.get(c, ()):
-                out.update(self._positions(self._slots[op]).fused_reads)
+            ops.update(walked.get(c, ()))
+        out: set[int] = set()
+        for op in ops:
+            out.update(self._positions(self._slots[op]).fused_reads)
         return out
 
     def io(self, plan: Any, donated: Sequence[int], values: Iterable[int] | None) -> None:
