@@ -1207,11 +1207,29 @@ def _cse(graph: Graph) -> tuple[tuple[int, ...], tuple[bool, ...], tuple[Any, ..
 
 def _merge(graph: Graph) -> Merged:
     canon, duplicate, pkeys = cse(graph)
+    through = frozenset(op.id for op in graph.ops if passes_through(graph, op))
+    # A one-trip loop's carry is a constant only when every value written into it is: one its body makes
+    # anew from other values is no constant for the body's readers either (XLA partitions the loop state,
+    # one buffer in one layout, before its while-loop simplifier inlines the loop: fuzz seed 128002). Carries
+    # found so are taken as such from the start and the propagation runs again (each run demotes some; it ends).
+    demoted: set[int] = set()
+    while True:
+        constant, unread_pairs, mixed = _propagate_constants(graph, through, demoted)
+        if mixed <= demoted:
+            return Merged(tuple(constant), canon, duplicate, pkeys, frozenset(unread_pairs), through)
+        demoted |= mixed
+
+
+def _propagate_constants(graph: Graph, through: frozenset[int], demoted: set[int]
+                         ) -> tuple[list[bool], set[tuple[int, int]], set[int]]:
+    """Per value, whether it is a compile-time constant (one pass in program order), the (op, operand) pairs
+    XLA's simplifier drops, and the one-trip loops' carries first written a constant and then not (`demoted`:
+    carries taken for non-constants from the start)."""
     constant = [graph.values[v].is_const for v in range(len(graph.values))]
     unread_pairs: set[tuple[int, int]] = set()
-    through = frozenset(op.id for op in graph.ops if passes_through(graph, op))
     once = {r for r, n in graph.region_trips.items() if n == 1}  # (loops of one trip: XLA inlines them)
     carried: set[int] = set()  # values a one-trip loop's tie or slice wrote already
+    mixed: set[int] = set()
     for op in graph.ops:
         # (an operand the simplifier drops does not count: a dynamic_update_slice of a constant over its whole
         # operand is that constant; in a loop or branch body too: XLA folds them there)
@@ -1229,9 +1247,12 @@ def _merge(graph: Graph) -> Merged:
             # a constant when each value written into it is (its initial value, the body's result), a slice or
             # stack of the one trip when its operand is
             for v in op.outputs:
-                constant[v] = constant[op.inputs[0]] and (v not in carried or constant[v])
+                was = constant[v] if v in carried else None
+                constant[v] = constant[op.inputs[0]] and v not in demoted and (v not in carried or constant[v])
+                if was and not constant[v]:
+                    mixed.add(v)
                 carried.add(v)
-    return Merged(tuple(constant), canon, duplicate, pkeys, frozenset(unread_pairs), through)
+    return constant, unread_pairs, mixed
 
 
 def _readers(graph: Graph, consumers: list[list[int]], canon: Sequence[int], v: int) -> list[int]:

@@ -88,6 +88,10 @@ Fixed in shardc so that the compiled program's collectives are the plan's, kind 
   first op's result) runs on its own: the lowering binds it again with its own strategy and reshards, and the
   simulator skipped it (`TaskBuilder._bound_apart`; simulating it as a reshard of the first op's result was
   wrong the other way: that result may be one XLA never computes).
+* a one-trip loop's carry whose initial value is a constant (a constant cotangent entering the backward loop)
+  but whose next value the body computes from other values was a constant for the body's readers (constants
+  fold through one-trip loops since seed 124018): XLA partitions the loop state in one layout before it inlines
+  the loop, and all-gathered it for a reader; such a carry is no constant anywhere (`program._merge`, a fixpoint).
 * a loop's carry whose initial value is zeros (the cotangent a backward scan carries) was taken for zeros
   (`is_zeros` followed the carry's first tie), so the scatter-add of sort's gradient into it was taken for
   its (constant) operand, computed whole and all-gathered by XLA; a value several ties write (a carry, a
@@ -781,6 +785,13 @@ DUPLICATE_OUTPUT_BESIDE_A_DEAD_HINT = Program(mesh=(("x", 4), ("y", 2)), steps=(
     Step(kind="hint", args=(3,), attrs=(("how", "split"), ("dim", 0), ("axes", ("y", "x"))), shape=(16,)),  # dead
 ), outputs=(6,))                                                        # replicated: computed so, no all-gather
 
+CONSTANT_INTO_A_ONE_TRIP_CARRY = Program(mesh=(("x", 2), ("y", 2), ("z", 2)), steps=(  # seed 128002, shrunk
+    Step(kind="input", args=(), attrs=(), shape=(2,)),
+    Step(kind="fori", args=(0,), attrs=(("n", 1), ("inner", (("y",),))), shape=(2,)),  # one trip, hinted [y]
+    Step(kind="input", args=(), attrs=(), shape=(2,)),
+    Step(kind="binary", args=(0, 2), attrs=(("fn", "add"),), shape=(2,)),
+), outputs=(1,), const_cotangents=True)  # the backward loop's carry starts as the constant cotangent
+
 SLICE_OF_A_CONCATENATE_PAST_A_RESHARD = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(  # seed 121011's, by
     Step(kind="input", args=(), attrs=(), shape=(4, 4)),                                       # hand
     Step(kind="input", args=(), attrs=(("meta", (None, None, "x")),), shape=(4, 4, 2)),
@@ -811,7 +822,7 @@ SLICE_OF_A_CONCATENATE_PAST_A_RESHARD = Program(mesh=(("x", 2), ("y", 1), ("z", 
                                   SLICE_PAST_A_PARTIAL_SUM, SLICE_OF_ONE_CONCATENATED_OPERAND,
                                   SLICE_OF_A_CONCATENATED_PADDING, GATHER_OF_ONE_CONCATENATED_OPERAND,
                                   GATHER_OUT_OF_BOUNDS, DUPLICATE_OUTPUT_IN_ITS_OWN_LAYOUT,
-                                  DUPLICATE_OUTPUT_BESIDE_A_DEAD_HINT],
+                                  DUPLICATE_OUTPUT_BESIDE_A_DEAD_HINT, CONSTANT_INTO_A_ONE_TRIP_CARRY],
                          ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
                               "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
                               "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
@@ -831,7 +842,7 @@ SLICE_OF_A_CONCATENATE_PAST_A_RESHARD = Program(mesh=(("x", 2), ("y", 1), ("z", 
                               "slice_past_a_partial_sum", "slice_of_one_concatenated_operand",
                               "slice_of_a_concatenated_padding", "gather_of_one_concatenated_operand",
                               "gather_out_of_bounds", "duplicate_output_in_its_own_layout",
-                              "duplicate_output_beside_a_dead_hint"])
+                              "duplicate_output_beside_a_dead_hint", "constant_into_a_one_trip_carry"])
 def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
 
