@@ -712,6 +712,7 @@ class TaskBuilder:
         return any(v in outputs and plan.shardings[v] != plan.shardings[info.canon[v]] for v in op.outputs)
 
     def _program_outputs(self) -> frozenset[int]:
+        """The graph's output values, as a set (made once)."""
         if self._outputs is None:
             self._outputs = frozenset(self.graph.outputs)
         return self._outputs
