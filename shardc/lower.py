@@ -38,7 +38,7 @@ from shardc.ir.jaxpr_env import JaxprEnv, open_jaxpr
 from shardc.cost.program import SCATTERS, folds_to_constant, pad_of, program_info, reads_only_padding
 from shardc.cost.windows import window_unread
 from shardc.cost.reshard_path import reshard_steps
-from shardc.plan import Plan, lowers_reduce_scatter, require_devices
+from shardc.plan import Plan, lowers_reduce_scatter, planned_apart, require_devices
 from shardc.rules.core import FactorKind
 from shardc.sharding import Sharding
 
@@ -305,7 +305,7 @@ class Lowering:
             return None
         bound = self._traces[-1].bound
         canon = [self.info.canon[v] for v in op.outputs]
-        if not all(c in bound and self.plan.shardings[c] == self.plan.shardings[v] for c, v in zip(canon, op.outputs)):
+        if planned_apart(self.plan, op, self.info.canon) or not all(c in bound for c in canon):
             return None
         return [bound[c] for c in canon]
 

@@ -28,7 +28,7 @@ from shardc.propagate import Cause, Propagation, _pass_through_op, project_dim
 from shardc.rules.core import SELF_COMBINED, FactorKind, FactorRule
 from shardc.sharding import Sharding, mesh_shape
 
-__all__ = ["OpStrategy", "Reshard", "Plan", "PlanBuilder", "build_plan", "abstract_mesh", "is_abstract",
+__all__ = ["OpStrategy", "Reshard", "Plan", "PlanBuilder", "build_plan", "abstract_mesh", "is_abstract", "planned_apart",
            "require_devices", "reshard_cost", "ReshardCost", "op_reshard_specs", "lowers_reduce_scatter",
            "lowers_backend",
            "ReshardPricer", "topology_pricer"]
@@ -500,6 +500,13 @@ def _compute_operand_shares(graph: Graph) -> list[tuple[int, ...]]:
             k = (v, i, classes[op.id])
             readers[k] = readers.get(k, 0) + 1
     return [tuple(readers[(v, i, classes[op.id])] for i, v in enumerate(op.inputs)) for op in graph.ops]
+
+
+def planned_apart(plan: "Plan", op: Op, canon: Sequence[int]) -> bool:
+    """Whether `op`, which CSE merges into an earlier identical op (`canon`: value -> the value kept), has a
+    result planned in another layout than that op's (a program output keeps its own: `PlanBuilder`): the
+    lowering binds it again with its own strategy and reshards, and the simulator prices it so."""
+    return any(plan.shardings[v] != plan.shardings[canon[v]] for v in op.outputs)
 
 
 def reshard_needs(reshards: Sequence[Reshard]) -> dict[tuple[int, int], Sharding]:

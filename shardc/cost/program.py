@@ -39,7 +39,7 @@ from shardc.cost.aliases import ALIASES, HINTS  # (ALIASES' results have no buff
 from shardc.cost.estimator import params_key
 from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL
 from shardc.cost.wide_results import wide_results
-from shardc.cost.windows import gather_window, slice_window, window_unread
+from shardc.cost.windows import OUT_OF_BOUNDS, gather_window, slice_window, window_unread
 from shardc.ir.graph import Graph
 
 __all__ = ["ProgramInfo", "program_info", "per_info", "descendants", "Merged", "merged", "liveness", "unread_operands",
@@ -923,7 +923,7 @@ def folds_to_constant(graph: Graph, op: Any) -> bool:
     if op.primitive in ("argmax", "argmin") and op.inputs:
         shape = graph.values[op.inputs[0]].shape
         return all(shape[d] == 1 for d in op.params.get("axes", ()))
-    return op.primitive == "gather" and gather_window(graph, op) == "nothing"
+    return op.primitive == "gather" and gather_window(graph, op) == OUT_OF_BOUNDS
 
 
 # Ops whose result is their (first) operand's value: what is zeros through them stays zeros (the free ones

@@ -27,9 +27,10 @@ from shardc.cost.aliases import ALIASES
 from shardc.ir.folding import constant_array
 from shardc.ir.graph import Graph
 
-__all__ = ["Box", "WINDOW_RULES", "slice_window", "gather_window", "read_windows", "window_unread"]
+__all__ = ["Box", "OUT_OF_BOUNDS", "WINDOW_RULES", "slice_window", "gather_window", "read_windows", "window_unread"]
 
 Box = tuple[tuple[int, int], ...]  # per dim, the [start, limit) read
+OUT_OF_BOUNDS = "out of bounds"  # (`gather_window` of a fill-or-drop gather reading nothing: its fill value)
 
 
 def slice_window(graph: Graph, op: Any) -> list[tuple[int, int]] | None:
@@ -41,11 +42,9 @@ def slice_window(graph: Graph, op: Any) -> list[tuple[int, int]] | None:
     if op.primitive == "dynamic_slice" and op.inputs:
         starts = [_scalar_constant(graph, v) for v in op.inputs[1:]]
         shape, sizes = graph.values[op.inputs[0]].shape, op.params.get("slice_sizes", ())
-        if len(starts) != len(shape) or len(sizes) != len(shape) \
-                or not all(isinstance(s, int) and not isinstance(s, bool) for s in starts):
+        if len(starts) != len(shape) or len(sizes) != len(shape) or any(s is None for s in starts):
             return None
-        lows = [min(max(s, 0), n - k) for s, n, k in zip(starts, shape, sizes)]
-        return [(lo, lo + k) for lo, k in zip(lows, sizes)]
+        return _clamped(starts, sizes, shape)
     if op.primitive == "pad":
         config = [tuple(c) for c in op.params["padding_config"]]
         if all(lo <= 0 and hi <= 0 and interior == 0 for lo, hi, interior in config):
@@ -64,7 +63,7 @@ def _scalar_constant(graph: Graph, v: int) -> int | None:
 def gather_window(graph: Graph, op: Any) -> list[tuple[int, int]] | None | str:
     """Per operand dim, the [start, limit) a gather reads when its indices fold to one index (XLA makes it a
     dynamic slice at constant starts, then a slice): clamped into the operand as XLA clamps them, or
-    "nothing" when a fill-or-drop gather's index lies out of bounds (its result is the fill value); None
+    `OUT_OF_BOUNDS` when a fill-or-drop gather's index lies out of bounds (its result is the fill value); None
     for other gathers."""
     if op.primitive != "gather" or len(op.inputs) != 2:
         return None
@@ -78,12 +77,17 @@ def gather_window(graph: Graph, op: Any) -> list[tuple[int, int]] | None | str:
     shape, starts = graph.values[op.inputs[0]].shape, [0] * len(sizes)
     for d, i in zip(index_map, indices.reshape(-1).tolist()):
         starts[d] = int(i)
-    if "FILL_OR_DROP" in str(op.params.get("mode")):
-        if any(s < 0 or s + k > n for s, k, n in zip(starts, sizes, shape)):
-            return "nothing"
-    else:
-        starts = [min(max(s, 0), n - k) for s, k, n in zip(starts, sizes, shape)]
-    return [(s, s + k) for s, k in zip(starts, sizes)]
+    if "FILL_OR_DROP" in str(op.params.get("mode")) \
+            and any(s < 0 or s + k > n for s, k, n in zip(starts, sizes, shape)):
+        return OUT_OF_BOUNDS
+    return _clamped(starts, sizes, shape)
+
+
+def _clamped(starts: Sequence[int], sizes: Sequence[int], shape: Sequence[int]) -> list[tuple[int, int]]:
+    """Per dim, the [start, limit) of a window of `sizes` at `starts`, clamped into `shape` as XLA clamps a
+    dynamic slice's (and a gather's) start indices."""
+    lows = [min(max(s, 0), n - k) for s, k, n in zip(starts, sizes, shape)]
+    return [(lo, lo + k) for lo, k in zip(lows, sizes)]
 
 
 def _full(shape: Sequence[int]) -> Box:
@@ -122,7 +126,7 @@ def _gathered(graph: Graph, op: Any, out: Sequence[Box | None]) -> list[Box | No
         return None
     indices = _full(graph.values[op.inputs[1]].shape)
     read = out[0]
-    if read is None or window == "nothing":
+    if read is None or window == OUT_OF_BOUNDS:
         return [None, indices]
     numbers = op.params["dimension_numbers"]
     offsets = iter(sorted(numbers.offset_dims))

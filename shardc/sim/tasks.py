@@ -29,7 +29,7 @@ from shardc.cost.program import (FREE_PRIMITIVES, ProgramInfo, broadcast_dims, b
 from shardc.cost.reshard_path import kept_after, reshard_steps
 from shardc.cost.topology import MeshMapping, Topology
 from shardc.cost.wire import wire_itemsize
-from shardc.plan import Plan, reshard_needs
+from shardc.plan import Plan, planned_apart, reshard_needs
 from shardc.sharding import Sharding
 
 __all__ = ["Task", "Slot", "TaskBuilder", "PS", "TASKS_PER_SLOT", "is_static", "plan_needs"]
@@ -153,7 +153,6 @@ class TaskBuilder:
         self._slot_memo: dict[int, dict[tuple, Slot]] = {}
         self._canon_in: list | None = None
         self._scopes: BranchScopes | None = None
-        self._outputs: frozenset[int] | None = None  # (the graph's outputs, as a set: `_bound_apart`)
         # Of the current plan: per op, the operands XLA's simplifier drops as one buffer with another, and the
         # ops only they read (`shardc.cost.dropped`; `set_drops`)
         self.drops: dict[int, tuple[int, ...]] = {}
@@ -611,7 +610,9 @@ class TaskBuilder:
         g, info = self.graph, self.info
         op = g.ops[op_id]
         slot = Slot(op_id, [])
-        if op.primitive == "tie" and op.region == "io" or not info.live[op_id] and not self._bound_apart(plan, op):
+        if op.primitive == "tie" and op.region == "io" \
+                or not info.live[op_id] and not (info.duplicate[op_id] and planned_apart(plan, op, info.canon)):
+            # (a duplicate CSE merges runs on its own where it is planned apart: bound again by the lowering)
             return slot.seal()
         trips = info.trips[op_id]
         trips_in, trips_out = info.reshard_trips[op_id]  # (reshards of values entering/leaving a loop: outside it)
@@ -699,23 +700,6 @@ class TaskBuilder:
                     made(key)
         slot.made = tuple(made_keys)
         return slot.seal()
-
-    def _bound_apart(self, plan: Plan, op: Any) -> bool:
-        """Whether `op`, merged by CSE into an earlier identical op, runs on its own in this plan: a result of
-        it is a program output in a layout other than the first op's (the planner lets an output keep its
-        layout, `shardc.plan`), so the lowering binds it again (`Lowering.merged`) with its own strategy and
-        reshards (the first op's value, resharded, may be one XLA never computes: only a dead hint read it)."""
-        info = self.info
-        if not info.duplicate[op.id]:
-            return False
-        outputs = self._program_outputs()
-        return any(v in outputs and plan.shardings[v] != plan.shardings[info.canon[v]] for v in op.outputs)
-
-    def _program_outputs(self) -> frozenset[int]:
-        """The graph's output values, as a set (made once)."""
-        if self._outputs is None:
-            self._outputs = frozenset(self.graph.outputs)
-        return self._outputs
 
     def set_drops(self, plan: Plan, needs: Mapping[tuple[int, int], Sharding]) -> set[int]:
         """Take the operands XLA's simplifier drops in `plan` and the ops only they read (`drops`, `dead`);

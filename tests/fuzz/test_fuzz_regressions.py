@@ -86,7 +86,7 @@ Fixed in shardc so that the compiled program's collectives are the plan's, kind 
 * an op CSE merges into an earlier one whose result is a program output in a layout of its own (outputs keep
   theirs: the carried next value of a replicated input; a replicated output beside a dead hint that split the
   first op's result) runs on its own: the lowering binds it again with its own strategy and reshards, and the
-  simulator skipped it (`TaskBuilder._bound_apart`; simulating it as a reshard of the first op's result was
+  simulator skipped it (`shardc.plan.planned_apart`; simulating it as a reshard of the first op's result was
   wrong the other way: that result may be one XLA never computes).
 * a one-trip loop's carry whose initial value is a constant (a constant cotangent entering the backward loop)
   but whose next value the body computes from other values was a constant for the body's readers (constants
