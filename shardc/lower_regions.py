@@ -177,7 +177,10 @@ def _cond(w: Any, eqn: Any, invals: list[Any], region: str) -> list[Any]:
         w.next_op = ends[-1]
     outs = w.bind(eqn, [index] + list(operands), branches=tuple(new_branches))
     out_vids = [op.outputs[0] for op in w.graph.ops[w.next_op - len(outs):w.next_op]]  # the last branch's ties
-    return [w.as_planned(o, v) for o, v in zip(outs, out_vids)]
+    # a result XLA folds to a constant once it inlines the cond (a constant branch index, every branch computing
+    # from constants: `shardc.cost.program`) is made whole as other constants, and its readers slice it; read
+    # in its planned layout, XLA would partition the readers before the fold and move it as data
+    return [w.whole(o) if w.info.constant[v] and o.shape else w.as_planned(o, v) for o, v in zip(outs, out_vids)]
 
 
 _LOWER: dict[str, Callable[..., list[Any]]] = {"scan": _scan, "while": _while, "cond": _cond}

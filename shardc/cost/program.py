@@ -1230,6 +1230,7 @@ def _propagate_constants(graph: Graph, through: frozenset[int], demoted: set[int
     once = {r for r, n in graph.region_trips.items() if n == 1}  # (loops of one trip: XLA inlines them)
     carried: set[int] = set()  # values a one-trip loop's tie or slice wrote already
     mixed: set[int] = set()
+    folds: set[int] = set()  # values of a constant-index cond's branch that XLA folds once it inlines it
     for op in graph.ops:
         # (an operand the simplifier drops does not count: a dynamic_update_slice of a constant over its whole
         # operand is that constant; in a loop or branch body too: XLA folds them there)
@@ -1242,6 +1243,21 @@ def _propagate_constants(graph: Graph, through: frozenset[int], demoted: set[int
         elif op.id in through:  # (result k is operand k: a constant where that operand is one)
             for v, u in zip(op.outputs, op.inputs):
                 constant[v] = constant[u]
+        elif _constant_branch(graph, op, constant):
+            # XLA inlines a cond whose branch index is a constant and folds the branch taken when it computes
+            # from constants only; the branch's own values stay what they are to the plan (their layouts run in
+            # the branch before the fold), the cond's result is a constant when every branch's is
+            folded = [constant[v] or v in folds for v in op.inputs]
+            if op.primitive != "tie":
+                if all(folded) and op.primitive not in _NOT_MERGED:
+                    folds.update(op.outputs)
+            elif op.params.get("at") == "arg":
+                if folded[0]:
+                    folds.update(op.outputs)
+            else:
+                for v in op.outputs:
+                    constant[v] = folded[0] and (v not in carried or constant[v])
+                    carried.add(v)
         elif op.region in once and op.primitive in _NOT_MERGED and len(op.inputs) == 1:
             # XLA's while-loop simplifier inlines a loop of one trip, and constants fold through it: a carry is
             # a constant when each value written into it is (its initial value, the body's result), a slice or
@@ -1253,6 +1269,12 @@ def _propagate_constants(graph: Graph, through: frozenset[int], demoted: set[int
                     mixed.add(v)
                 carried.add(v)
     return constant, unread_pairs, mixed
+
+
+def _constant_branch(graph: Graph, op: Any, constant: Sequence[bool]) -> bool:
+    """Whether `op` is in a branch of a cond whose branch index is a constant (`Graph.region_reads`)."""
+    index = graph.region_reads.get(op.region, ())
+    return len(index) == 1 and constant[index[0]]
 
 
 def _readers(graph: Graph, consumers: list[list[int]], canon: Sequence[int], v: int) -> list[int]:

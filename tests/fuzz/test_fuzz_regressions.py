@@ -805,6 +805,16 @@ SLICE_OF_A_CONCATENATE_PAST_A_RESHARD = Program(mesh=(("x", 2), ("y", 1), ("z", 
 ), outputs=(8,))
 
 
+CONSTANT_THROUGH_A_CONSTANT_COND = Program(mesh=(("x", 2), ("y", 2), ("z", 2)), steps=(  # seed 129010, shrunk
+    Step(kind="input", args=(), attrs=(), shape=(8, 1, 16)),
+    Step(kind="argmax", args=(0,), attrs=(("dim", 1),), shape=(8, 16)),  # over a dim of one: zeros
+    Step(kind="vmap_hint", args=(1,), attrs=(("dim", 0), ("spec", (("z", "x"),))), shape=(8, 16)),
+    Step(kind="cond", args=(2,), attrs=(("inner", None),), shape=(8, 16)),  # its index a constant: XLA folds it
+    Step(kind="dynamic_slice", args=(3,), attrs=(("start", (2, 2)),), shape=(2, 14)),  # reads it whole
+    Step(kind="dynamic_slice", args=(4,), attrs=(("start", (0, 0)),), shape=(2, 3)),
+), outputs=(5,))
+
+
 @pytest.mark.parametrize("prog", [COND_INDEX, DEAD_LOOP, UPDATE_SLICE_SPLIT_DIM, UPDATE_ONE_ROW_OF_SPLIT_DIM,
                                   SCANNED_ARRAY_RESHARD, SCAN_FINAL_CARRY, SUM_OVER_TWO_SPLIT_DIMS,
                                   DUPLICATE_OPS_RESHARDED, TWO_STEP_RESHARD_TWICE, FULL_UPDATE, BROADCAST_RESHARD,
@@ -822,7 +832,8 @@ SLICE_OF_A_CONCATENATE_PAST_A_RESHARD = Program(mesh=(("x", 2), ("y", 1), ("z", 
                                   SLICE_PAST_A_PARTIAL_SUM, SLICE_OF_ONE_CONCATENATED_OPERAND,
                                   SLICE_OF_A_CONCATENATED_PADDING, GATHER_OF_ONE_CONCATENATED_OPERAND,
                                   GATHER_OUT_OF_BOUNDS, DUPLICATE_OUTPUT_IN_ITS_OWN_LAYOUT,
-                                  DUPLICATE_OUTPUT_BESIDE_A_DEAD_HINT, CONSTANT_INTO_A_ONE_TRIP_CARRY],
+                                  DUPLICATE_OUTPUT_BESIDE_A_DEAD_HINT, CONSTANT_INTO_A_ONE_TRIP_CARRY,
+                                  CONSTANT_THROUGH_A_CONSTANT_COND],
                          ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
                               "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
                               "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
@@ -842,7 +853,8 @@ SLICE_OF_A_CONCATENATE_PAST_A_RESHARD = Program(mesh=(("x", 2), ("y", 1), ("z", 
                               "slice_past_a_partial_sum", "slice_of_one_concatenated_operand",
                               "slice_of_a_concatenated_padding", "gather_of_one_concatenated_operand",
                               "gather_out_of_bounds", "duplicate_output_in_its_own_layout",
-                              "duplicate_output_beside_a_dead_hint", "constant_into_a_one_trip_carry"])
+                              "duplicate_output_beside_a_dead_hint", "constant_into_a_one_trip_carry",
+                              "constant_through_a_constant_cond"])
 def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
 
