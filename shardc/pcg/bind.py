@@ -247,6 +247,8 @@ def _same_layout(ss: Sequence[Sharding], what: str) -> Sharding:
 
 def _transfer(name: str, params: Sequence[Any], ins: Sequence[Tensor]) -> Sharding:
     ss = [t.sharding for t in ins if t.rank > 0]
+    if not ss:  # (scalars only: a scalar, partial where they are)
+        return Sharding((), frozenset().union(*[t.sharding.partial for t in ins]))
     if name in ("add", "sub", "mul", "neg", "scale", "ew1", "ew2"):
         return _same_layout(ss, name)
     if name == "transpose":

@@ -24,7 +24,8 @@ from jax.extend import core as jcore
 from annotations.errors import ShardingError
 from shardc.ir.build import REGION_PRIMITIVES, call_jaxpr
 from shardc.pcg.graph import PCG, Compute, GraphBuilder
-from shardc.pcg.ops import AllToAll, Combine, CollectivePermute, ParallelOp, Partition, Reduce, ReduceScatter, group_size
+from shardc.pcg.ops import (AllToAll, Combine, CollectivePermute, ParallelOp, Partition, Reduce, ReduceScatter,
+                            ReduceScatterDims, group_size)
 from shardc.pcg.local_ops import LOCAL_CHECKS, is_local
 from shardc.pcg.reshard import xla_ops
 from shardc.plan import Plan, lowers_reduce_scatter
@@ -78,6 +79,24 @@ def reshard_ops(src: Sharding, dst: Sharding, mesh: Mapping[str, int], *, fuse: 
         raise ShardingError("reshard_ops(fuse=True) needs the value's shape (the collectives depend on it)")
     return xla_ops(src, dst, shape, itemsize, mesh, lambda a, b: _group_ops(a, b, mesh, fuse=False),
                    reduce_scatter=reduce_scatter)
+
+
+def _combining_with(ops: Sequence[ParallelOp], reduce_op: str) -> list[ParallelOp]:
+    """`ops` for a tensor whose partial values combine with `reduce_op` (the reshard model's reductions are
+    sums): its all-reduces take their max/min, and a reduce-scatter (sums only) is an all-reduce and a slice."""
+    if reduce_op == "sum":
+        return list(ops)
+    out: list[ParallelOp] = []
+    for op in ops:
+        if isinstance(op, ReduceScatter):
+            out += [Reduce(op.axes, reduce_op), Partition(op.axes, op.dim)]
+        elif isinstance(op, ReduceScatterDims):
+            out += [Reduce(tuple(op.axes), reduce_op), *(Partition((a,), d) for a, d in zip(op.axes, op.dims))]
+        elif isinstance(op, Reduce):
+            out.append(Reduce(op.axes, reduce_op))
+        else:
+            out.append(op)
+    return out
 
 
 def _group_ops(src: Sharding, dst: Sharding, mesh: Mapping[str, int], *, fuse: bool) -> list[ParallelOp]:
@@ -238,8 +257,9 @@ class Scope:
             return out
         cur = t
         tensor = b.tensors[t]
-        for pop in reshard_ops(have, want, self.ctx.sizes, fuse=self.ctx.fuse, shape=tensor.shape,
-                               itemsize=tensor.itemsize, reduce_scatter=self.ctx.reduce_scatter):
+        pops = reshard_ops(have, want, self.ctx.sizes, fuse=self.ctx.fuse, shape=tensor.shape,
+                           itemsize=tensor.itemsize, reduce_scatter=self.ctx.reduce_scatter)
+        for pop in _combining_with(pops, tensor.reduce_op):
             key = (cur, pop)
             if key not in self.steps:  # a step shared with another chain from the same tensor is made once
                 self.steps[key] = b.parallel(pop, cur, cause=cause)
@@ -384,4 +404,7 @@ def build_pcg(plan: Plan, closed_jaxpr: Any = None, *, fuse: bool = False, reduc
         if v not in scope.vmap:
             raise ShardingError(f"PCG: output {graph.values[v].name} is a constant; not supported")
         outputs.append(scope.vmap[v])
-    return scope.b.finish(inputs, outputs)
+    pcg = scope.b.finish(inputs, outputs)
+    if (uneven := pcg.uneven()) is not None:
+        raise ShardingError(f"PCG: {uneven}: a shard_map needs equal pieces, so this plan has no PCG")
+    return pcg

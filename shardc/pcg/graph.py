@@ -163,6 +163,26 @@ class CommTask:
     cause: str = ""
 
 
+def _physical(s: Sharding, mesh: Mapping[str, int]) -> Sharding:
+    """`s` without the mesh axes of size 1 (the same pieces on the same devices)."""
+    return Sharding(tuple(tuple(a for a in d if mesh[a] > 1) for d in s.dims),
+                    frozenset(a for a in s.partial if mesh[a] > 1))
+
+
+def _without_unit_axes(op: Any, mesh: Mapping[str, int]) -> Any:
+    """Parallel op `op` over its axes of size > 1 only (what it does on the devices)."""
+    return dataclasses.replace(op, axes=tuple(a for a in op.axes if mesh[a] > 1))
+
+
+def _is_identity(op: Compute, a: Tensor, r: Tensor) -> bool:
+    """Whether `op` (reading `a` first, making `r`) hands its operand on unchanged."""
+    if (a.shape, a.dtype, a.sharding) != (r.shape, r.dtype, r.sharding):
+        return False
+    if op.primitive == "pad":
+        return all(tuple(c) == (0, 0, 0) for c in op.params.get("padding_config", ()))
+    return op.primitive in ("reshape", "convert_element_type", "copy", "copy_p")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class PCG:
     """Tensors (by id), nodes in topological order, inputs/outputs, constants (tensor id -> array)."""
@@ -207,18 +227,65 @@ class PCG:
     def region_nodes(self) -> list[Node]:
         return [n for n in self.nodes if n.is_region]
 
+    def uneven(self) -> str | None:
+        """A tensor some node reads or makes that is split into unequal pieces (XLA pads the last; a
+        `shard_map` has equal ones), described; None when there is none (in region bodies neither)."""
+        m = self.mesh_sizes
+        for n in self.nodes:
+            for tid in (*n.inputs, *n.outputs):
+                t = self.tensors[tid]
+                for d, axes in enumerate(t.sharding.dims):
+                    k = math.prod(m[a] for a in axes)
+                    if d < len(t.shape) and t.shape[d] % k:
+                        return (f"{t.name or f'%{tid}'} dim {d} (size {t.shape[d]}) split {k} ways over "
+                                f"{tuple(axes)}")
+            for body in (n.op.bodies if n.is_region else ()):
+                if (inner := body.uneven()) is not None:
+                    return inner
+        return None
+
     # -- summaries ----------------------------------------------------------------------------------
     def collectives(self) -> collections.Counter:
         """How many of each HLO collective the lowered program has (local slices not counted); a loop or
-        branch body counts once, as its HLO computation holds it once."""
+        branch body counts once, as its HLO computation holds it once. Two nodes of one parallel op on one
+        value (a rewrite pushing a combine into both operands of `x + x`) are one: XLA's CSE merges them."""
         c: collections.Counter = collections.Counter()
+        seen: set[tuple[Any, int]] = set()
         for n in self.parallel_nodes():
-            if n.op.collective not in ("none", "slice") and self._moves(n):
+            key = (_without_unit_axes(n.op, self.mesh_sizes), self._same_values.get(n.inputs[0], n.inputs[0]))
+            if n.op.collective not in ("none", "slice") and self._moves(n) and key not in seen:
+                seen.add(key)
                 c[n.op.collective] += 1
         for n in self.region_nodes():
             for body in n.op.bodies:
                 c.update(body.collectives())
         return c
+
+    @functools.cached_property
+    def _same_values(self) -> dict[int, int]:
+        """Per tensor, the first tensor XLA computes it as (its CSE: the same op on the same values; and
+        through the ops its simplifier removes: a pad of nothing, a reshape, convert or copy changing neither
+        shape nor dtype). Regions are not merged."""
+        same: dict[int, int] = {}
+        first: dict[tuple[Any, ...], Node] = {}
+        m = self.mesh_sizes
+        for n in self.nodes:
+            if n.is_region:
+                continue
+            ins = tuple(same.get(t, t) for t in n.inputs)
+            if n.is_parallel and not self._moves(n) \
+                    or not n.is_parallel and len(n.inputs) >= 1 and len(n.outputs) == 1 \
+                    and _is_identity(n.op, self.tensors[n.inputs[0]], self.tensors[n.outputs[0]]):
+                same[n.outputs[0]] = ins[0]  # (a collective over axes of size 1 moves nothing)
+                continue
+            made = tuple((self.tensors[t].shape, str(self.tensors[t].dtype), _physical(self.tensors[t].sharding, m))
+                         for t in n.outputs)
+            op = _without_unit_axes(n.op, m) if n.is_parallel else n.op
+            m1 = first.setdefault((op, ins, made), n)
+            for t, u in zip(n.outputs, m1.outputs):
+                if t != u:
+                    same[t] = same.get(u, u)
+        return same
 
     def _moves(self, n: Node) -> bool:
         return group_size(n.op.axes, self.mesh_sizes) > 1

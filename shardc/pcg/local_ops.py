@@ -12,7 +12,8 @@ own per-device program:
   embedding gradients) leave partial sums: the operand is added on the first device of those axes only;
   an operand dim indexed one row at a time split too (a vocab-split embedding's gradient): each device
   adds the updates of the rows it holds (indices shifted to its piece, the other updates zeroed);
-* `dynamic_slice` / `dynamic_update_slice`: dims taken whole split;
+* `dynamic_slice` / `dynamic_update_slice`: dims taken whole split (a dim the update covers one element
+  of is written where it lands by XLA; on local pieces each device would write it: not local);
 * `conv_general_dilated` without feature or batch groups: batch, input and output feature dims split
   (spatial dims need halos: not local);
 * pooling (`reduce_window_*`, `select_and_scatter_add`): dims outside the window (batch, channels) split.
@@ -78,6 +79,13 @@ def _pass_through_only(op: Any, strat: Any) -> bool:
     return all(op.rule.kinds[f] is PT for f in _sharded(strat))
 
 
+def _update_slice_local(op: Any, strat: Any) -> bool:
+    """A dynamic_update_slice runs locally when every split dim is one the update covers whole: a dim it
+    writes one element of passes through the plan's rule (XLA's partitioner writes it with a select where it
+    lands), but on local pieces each device would write it at its own offset."""
+    return all(op.rule.kinds[f] is PT and _dim_of(op.rule.operands[1], f) is not None for f in _sharded(strat))
+
+
 def _conv_local(op: Any, strat: Any) -> bool:
     p = op.params
     if int(p.get("feature_group_count", 1) or 1) != 1 or int(p.get("batch_group_count", 1) or 1) != 1:
@@ -88,7 +96,7 @@ def _conv_local(op: Any, strat: Any) -> bool:
 LOCAL_CHECKS: dict[str, Callable[[Any, Any], bool]] = {
     "gather": _gather_local,
     "scatter-add": _scatter_local, "scatter_add": _scatter_local,
-    "dynamic_slice": _pass_through_only, "dynamic_update_slice": _pass_through_only,
+    "dynamic_slice": _pass_through_only, "dynamic_update_slice": _update_slice_local,
     "conv_general_dilated": _conv_local,
     # pooling (and its gradient) with the split dims outside the window (batch, channels)
     "reduce_window_max": _pass_through_only, "reduce_window_min": _pass_through_only,

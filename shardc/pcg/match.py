@@ -293,9 +293,12 @@ def apply_match(pcg: PCG, m: Match, *, require_proof: bool = True) -> PCG:
         b.add_node(n.op, [replace.get(t, t) for t in n.inputs], n.outputs, cause=n.cause, order=float(i))
     outputs = [replace.get(t, t) for t in pcg.outputs]
     try:
-        return b.finish(pcg.inputs, outputs)
+        new = b.finish(pcg.inputs, outputs)
     except ValueError as e:  # a cycle: the replacement feeds on what it replaces
         raise RewriteError(str(e)) from None
+    if (uneven := new.uneven()) is not None:
+        raise RewriteError(f"{rule.name}: {uneven} (a shard_map needs equal pieces)")
+    return new
 
 
 def _value(p: Any, env: dict[str, Any]) -> Any:

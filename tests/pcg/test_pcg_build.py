@@ -74,3 +74,59 @@ def test_reshard_decomposition(src, dst, naive, fused):
 def test_reshard_cannot_create_partial_sums():
     with pytest.raises(ShardingError, match="partial sums cannot be created"):
         reshard_ops(S(()), S((), partial=["model"]), MESH)
+
+
+def _builder():
+    import shardc
+    from shardc.pcg.graph import GraphBuilder
+    return GraphBuilder(shardc.make_mesh(MESH))
+
+
+def test_uneven_pieces_have_no_pcg():
+    """A shard_map's pieces are equal: a tensor split unevenly (XLA pads its last piece) is found, so
+    `build_pcg` refuses the plan and `apply_match` the rewrite."""
+    import numpy as np
+    b = _builder()
+    even = b.add_tensor((4, 8), np.float32, S((), ()), "even")
+    odd = b.add_tensor((6, 8), np.float32, S((), ()), "odd")
+    pcg = b.finish([even, odd], [b.parallel(Partition(("model",), 0), even), b.parallel(Partition(("data",), 0), odd)])
+    assert pcg.uneven() is None
+    b = _builder()
+    odd = b.add_tensor((6, 8), np.float32, S((), ()), "odd")
+    pcg = b.finish([odd], [b.parallel(Partition(("model",), 0), odd)])
+    assert pcg.uneven() == "odd dim 0 (size 6) split 4 ways over ('model',)"
+
+
+def test_collectives_are_counted_as_xla_merges_them():
+    """Two all-gathers of one value computed twice (a rewrite pushing a combine into both operands of
+    `neg(x) + neg(x)`) are one after XLA's CSE; the count the PCG names is the compiled one."""
+    import jax
+    import numpy as np
+    from shardc.pcg import hlo_collectives, lower_pcg
+    from shardc.pcg.graph import Compute
+    b = _builder()
+    x = b.add_tensor((8, 4), np.float32, S(("model",), ()), "x")
+    gathered = []
+    for _ in range(2):
+        n = b.add_tensor((8, 4), np.float32, S(("model",), ()), "n")
+        b.add_node(Compute.of(jax.lax.neg_p, {}), [x], [n])
+        gathered.append(b.parallel(Combine(("model",), 0), n))
+    s = b.add_tensor((8, 4), np.float32, S((), ()), "s")
+    b.add_node(Compute.of(jax.lax.add_p, {}), gathered, [s])
+    pcg = b.finish([x], [s])
+    assert len(pcg.parallel_nodes()) == 2 and pcg.collectives() == {"all-gather": 1}
+    fn = lower_pcg(pcg)
+    value = np.arange(32, dtype=np.float32).reshape(8, 4)
+    assert hlo_collectives(fn.lower(value).compile().as_text()) == pcg.collectives()
+    np.testing.assert_allclose(np.asarray(fn(value)[0]), -2 * value)
+
+
+def test_a_rewrite_of_scalars_is_a_scalar():
+    """A rule's right-hand side built on scalars only (no operand of rank > 0) lays out a scalar, partial
+    where an operand is."""
+    import numpy as np
+    from shardc.pcg.bind import _transfer
+    from shardc.pcg.graph import Tensor
+    a = Tensor(0, (), np.dtype(np.float32), S(partial=("data",)))
+    c = Tensor(1, (), np.dtype(np.float32), S())
+    assert _transfer("add", (), [a, c]) == S(partial=("data",))

@@ -1,0 +1,117 @@
+"""The substitution engine under the fuzzer: a generated program's plan becomes a PCG, random proved rewrites
+are applied to it, and its `shard_map` lowering must compute what the unsharded program computes with the
+collectives the PCG names (issue 18: "the fuzzer runs with the engine on").
+
+The rewrites are drawn at random (seeded), not chosen by the simulator: the engine's correctness — matching,
+applying, the proofs, the lowering — must not depend on which rewrites happen to pay. `shardc.auto(pcg=True)`
+runs the same lowering for the PCG it chooses (`shardc.pcg.choice.jit_pcg`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+import jax
+
+import fuzzlib
+import shardc
+from annotations.errors import ShardingError
+from shardc.pcg import build_pcg, hlo_collectives
+from shardc.pcg.choice import jit_pcg
+from shardc.pcg.library import all_rules
+from shardc.pcg.match import RewriteError, apply_match, find_matches
+from shardc.pcg.optimize import usable_rules
+from shardc.pcg.verify import verify_rule
+
+__all__ = ["PCGOutcome", "check_pcg"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PCGOutcome:
+    """What one engine check did: the rewrites applied (rule names, in order), the PCG's size, and why the
+    program has no PCG (`unsupported`: the builder's ShardingError, as `shardc.auto(pcg=True)` then runs the
+    plan as it is)."""
+
+    rewrites: tuple[str, ...] = ()
+    nodes: int = 0
+    collectives: int = 0
+    unsupported: str | None = None
+    rounding: bool = False
+
+
+def _reverse(name: str) -> str:
+    return name[:-len("~rev")] if name.endswith("~rev") else name + "~rev"
+
+
+def _random_rewrite(pcg: Any, rng: random.Random, rules: list[Any], last: str | None = None
+                    ) -> tuple[Any, str] | None:
+    """One proved rewrite of `pcg` chosen at random among every rule's first few matches (not the reverse of
+    the `last` one applied, which would undo it), or None."""
+    order = [r for r in rules if last is None or r.name != _reverse(last)]
+    rng.shuffle(order)
+    for rule in order:
+        matches = []
+        for m in find_matches(pcg, rule):
+            matches.append(m)
+            if len(matches) >= 4:
+                break
+        if not matches or not verify_rule(rule).proved:  # (proved when it first matches, as `optimize` does)
+            continue
+        rng.shuffle(matches)
+        for m in matches:
+            try:
+                return apply_match(pcg, m), rule.name
+            except RewriteError:
+                continue
+    return None
+
+
+def _check_results(reference: Any, args: Any, got: Any, what: str) -> bool:
+    """Assert `got` equals the unsharded reference (within float32 tolerance, or no less accurate than it
+    against a float64 run); returns whether only rounding told them apart."""
+    ref = jax.jit(reference)(*args)
+    try:
+        fuzzlib._results_close(got, ref, what)
+        return False
+    except fuzzlib.FuzzFailure:
+        if fuzzlib._as_accurate_as_unsharded(reference, args, got, ref):
+            return True
+        raise
+
+
+def check_pcg(prog: fuzzlib.Program, seed: int = 0, rewrites: int = 3) -> PCGOutcome:
+    """Plan `prog` (its hints, no search), build its PCG (`fuse` drawn at random), apply up to `rewrites`
+    random proved rewrites, and assert that the PCG's lowering (as `shardc.auto(pcg=True)` runs a chosen
+    PCG) equals the unsharded program and compiles to the collectives the PCG names, kind by kind."""
+    rng = random.Random(seed)
+    fun = fuzzlib.program_function(prog)
+    reference = fuzzlib.program_function(prog, reference=True)
+    args = fuzzlib.make_args(prog, seed)
+    mesh = shardc.make_mesh(dict(prog.mesh))
+    info = shardc.auto(fun, mesh=mesh, search=False).compiled_info(*args)
+    try:
+        pcg = build_pcg(info.plan, info.closed_jaxpr, fuse=rng.random() < 0.5)
+    except ShardingError as e:
+        return PCGOutcome(unsupported=str(e).splitlines()[0])
+    applied: list[str] = []
+    rules = usable_rules(all_rules())
+    for _ in range(rewrites):
+        step = _random_rewrite(pcg, rng, rules, applied[-1] if applied else None)
+        if step is None:
+            break
+        pcg, name = step
+        applied.append(name)
+    flat = jax.tree.leaves(args)
+    jitted = jit_pcg(info.plan, pcg)
+    compiled = jitted.lower(*flat).compile()
+    got = compiled(*flat)
+    # (the PCG's outputs are the plan's flat outputs; the reference's leaves in the same order)
+    rounding = _check_results(reference, args, got, f"PCG after {applied or 'no rewrite'}")
+    want = pcg.collectives()
+    have = hlo_collectives(compiled.as_text())
+    have = {k: v for k, v in have.items() if v}
+    want = {k: v for k, v in want.items() if v}
+    if have != want:
+        raise fuzzlib.FuzzFailure(f"PCG after {applied}: compiled collectives {have}, the PCG names {want}")
+    return PCGOutcome(tuple(applied), len(pcg.nodes), sum(want.values()), None, rounding)

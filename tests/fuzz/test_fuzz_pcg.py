@@ -1,0 +1,68 @@
+"""The substitution engine under the fuzzer (issue 18): generated programs' plans become PCGs, random proved
+rewrites are applied, and the `shard_map` lowering (what `shardc.auto(pcg=True)` runs for a PCG it chooses)
+must compute what the unsharded program computes with the collectives the PCG names (`pcg_check.check_pcg`).
+Fixed seeds: every run draws the same programs. `python bench/fuzz.py --pcg` is the long soak."""
+import pytest
+from hypothesis import HealthCheck, Phase, given, seed, settings
+
+import fuzzlib
+import pcg_check
+from fuzzlib import Program, Step
+
+BUCKETS = 2
+PER_BUCKET = 15
+
+
+def _run_bucket(bucket: int) -> None:
+    seen: list[pcg_check.PCGOutcome] = []
+
+    @seed(31000 + bucket)
+    @settings(max_examples=PER_BUCKET, deadline=None, database=None, derandomize=False,
+              phases=(Phase.explicit, Phase.generate, Phase.shrink), print_blob=True,
+              suppress_health_check=list(HealthCheck))
+    @given(fuzzlib.programs(max_ops=12))
+    def check(prog: fuzzlib.Program) -> None:
+        seen.append(pcg_check.check_pcg(prog, seed=len(seen)))
+
+    check()
+    assert len(seen) >= PER_BUCKET, f"only {len(seen)} programs ran"
+    assert sum(1 for o in seen if o.rewrites) >= 3, "too few programs were rewritten to test the engine"
+
+
+@pytest.mark.parametrize("bucket", range(BUCKETS))
+def test_rewritten_pcgs_compute_the_unsharded_values(bucket):
+    _run_bucket(bucket)
+
+
+# Programs the engine's fuzzing found wrong, shrunk (each failed before its fix).
+UPDATE_ONE_ROW_OF_A_SPLIT_DIM = Program(mesh=(("x", 2), ("y", 4)), steps=(
+    Step(kind="input", args=(), attrs=(), shape=(8, 4, 8)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 0), ("axes", 4)), shape=(8, 4, 8)),
+    # its gradient: a dynamic_update_slice writing one row of a dim split over y (each device wrote its own)
+    Step(kind="dynamic_slice", args=(1,), attrs=(("start", (0, 0, 0)),), shape=(1, 4, 1)),
+), outputs=(2,))
+
+
+MIN_OVER_A_SPLIT_DIM = Program(mesh=(("x", 2), ("y", 2), ("z", 2)), steps=(
+    Step(kind="input", args=(), attrs=(), shape=(8,)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 0), ("axes", 2)), shape=(8,)),
+    # partial minima over x: their all-reduce takes the min (it added them)
+    Step(kind="reduce", args=(0,), attrs=(("fn", "min"), ("dims", (0,))), shape=()),
+), outputs=(2,))
+
+ONE_GATHER_OVER_A_SIZE_ONE_AXIS = Program(mesh=(("x", 1), ("y", 8)), steps=(
+    Step(kind="input", args=(), attrs=(), shape=(16, 1, 2)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 2), ("axes", "x")), shape=(16, 1, 2)),
+    Step(kind="input", args=(), attrs=(), shape=(6, 1, 2)),
+    Step(kind="concat", args=(2, 1), attrs=(("dim", 0),), shape=(22, 1, 2)),
+    Step(kind="hint", args=(0,), attrs=(("how", "shard"), ("spec", (("y", "x"), "?", None))), shape=(16, 1, 2)),
+    # all-gathered over y and over y+x (x of size 1): one collective after XLA's CSE (the PCG named two)
+    Step(kind="dynamic_slice", args=(4,), attrs=(("start", (5, 0, 0)),), shape=(2, 1, 2)),
+), outputs=(3, 5))
+
+
+@pytest.mark.parametrize("prog", [UPDATE_ONE_ROW_OF_A_SPLIT_DIM, MIN_OVER_A_SPLIT_DIM, ONE_GATHER_OVER_A_SIZE_ONE_AXIS],
+                         ids=["update_one_row_of_a_split_dim", "min_over_a_split_dim",
+                              "one_gather_over_a_size_one_axis"])
+def test_pcg_regressions(prog):
+    pcg_check.check_pcg(prog)
