@@ -60,7 +60,7 @@ def _check(prog: object, pcg: bool, strict: bool) -> dict:
 
         o = pcg_check.check_pcg(prog)
         return dict(kind="ok", error=None, rewrites=list(o.rewrites), unsupported=o.unsupported,
-                    collectives=o.collectives, rounding=o.rounding)
+                    collectives=o.collectives, merged=o.merged, rounding=o.rounding)
     o = fuzzlib.check_program(prog, strict_collectives=strict)
     kind = "upstream" if o.upstream_bug else "collectives" if o.collectives_differ else "ok"
     return dict(kind=kind, error=o.upstream_bug or o.collectives_differ, hints=o.hints_checked, reshards=o.reshards,

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+import jax
 import numpy as np
 from jax.extend import core as jcore
 
 from annotations.errors import ShardingError
+from shardc.cost.program import folds_to_constant, program_info
+from shardc.cost.windows import window_unread
 from shardc.ir.build import REGION_PRIMITIVES, call_jaxpr
 from shardc.pcg.graph import PCG, Compute, GraphBuilder
 from shardc.pcg.ops import (AllToAll, Combine, CollectivePermute, ParallelOp, Partition, Reduce, ReduceScatter,
@@ -227,6 +230,7 @@ class Scope:
         self.memo: dict[tuple[int, Sharding], int] = {}
         self.steps: dict[tuple[int, ParallelOp], int] = {}
         self.made_by: dict[int, tuple[Compute, list[int]]] = {}
+        self.zero_tensors: dict[tuple[Any, ...], int] = {}
 
     def value_tensor(self, v: int, const: Any = None) -> int:
         if v not in self.vmap:
@@ -267,6 +271,18 @@ class Scope:
         self.memo[(t, want)] = cur
         return cur
 
+    def zeros(self, like: Any, layout: Sharding) -> int:
+        """Zeros shaped as tensor `like`, made in `layout` (a broadcast of a scalar: no collective)."""
+        key = (like.shape, str(like.dtype), layout)
+        if key not in self.zero_tensors:
+            b = self.b
+            scalar = b.add_const(np.zeros((), like.dtype), name="zero")
+            out = b.add_tensor(like.shape, like.dtype, layout, "zeros")
+            params = {"shape": tuple(like.shape), "broadcast_dimensions": (), "sharding": None}
+            b.add_node(Compute.of(jax.lax.broadcast_in_dim_p, params), [scalar], [out], cause="an operand XLA never reads")
+            self.zero_tensors[key] = out
+        return self.zero_tensors[key]
+
     def op(self, op: Any, eqn: Any, const_vals: Sequence[Any]) -> None:
         """One plan op: its operands resharded to what its strategy needs, the compute node, its results
         resharded to their planned layouts."""
@@ -281,12 +297,16 @@ class Scope:
         partial = strat.partial_axes(rule)
         local = _is_local(op, strat, partial, sizes)
         args = []
-        for v, t, dims in zip(op.inputs, ins, rule.operands):
+        unread = ctx.unread(op)
+        for i, (v, t, dims) in enumerate(zip(op.inputs, ins, rule.operands)):
             tensor = b.tensors[t]
             if tensor.rank == 0:
                 args.append(t)
                 continue
             need = strat.tensor_sharding(rule, dims, sizes) if local else Sharding(((),) * tensor.rank)
+            if i in unread:  # (XLA never reads it: zeros in the layout wanted, as the jit lowering passes)
+                args.append(self.zeros(tensor, need))
+                continue
             cause = ctx.causes.get((v, op.id)) or f"{op.primitive} needs {graph.values[v].name} as {need}"
             args.append(self.reshard(t, need, cause))
         outs = []
@@ -321,7 +341,18 @@ class Walker:
         self.fuse = fuse
         self.reduce_scatter = lowers_reduce_scatter(plan.mesh) if reduce_scatter is None else reduce_scatter
         self.causes = {(r.value, r.consumer): r.cause for r in plan.reshards}
+        self.unread_pairs = program_info(plan.graph).unread  # (op, operand) pairs
         self.i = 0  # next graph op
+
+    def unread(self, op: Any) -> set[int]:
+        """The operands of plan op `op` XLA never reads (its simplifier drops them or folds the op to a
+        constant), which the plan neither reshards nor computes; the jit lowering passes zeros for most."""
+        out = {i for i in range(len(op.inputs)) if (op.id, i) in self.unread_pairs}
+        out.update(window_unread(self.graph, op))
+        if folds_to_constant(self.graph, op):
+            out.update(range(len(op.inputs)))
+        constant = program_info(self.graph).constant  # (constants stay: they decide a folded op's value)
+        return {i for i in out if not constant[op.inputs[i]]}
 
     def next_op(self) -> Any:
         ops = self.graph.ops

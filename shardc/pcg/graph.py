@@ -169,6 +169,9 @@ def _physical(s: Sharding, mesh: Mapping[str, int]) -> Sharding:
                     frozenset(a for a in s.partial if mesh[a] > 1))
 
 
+_COMMUTATIVE = frozenset({"add", "add_any", "mul", "max", "min", "and", "or", "xor", "eq", "ne"})
+
+
 def _without_unit_axes(op: Any, mesh: Mapping[str, int]) -> Any:
     """Parallel op `op` over its axes of size > 1 only (what it does on the devices)."""
     return dataclasses.replace(op, axes=tuple(a for a in op.axes if mesh[a] > 1))
@@ -281,6 +284,8 @@ class PCG:
             made = tuple((self.tensors[t].shape, str(self.tensors[t].dtype), _physical(self.tensors[t].sharding, m))
                          for t in n.outputs)
             op = _without_unit_axes(n.op, m) if n.is_parallel else n.op
+            if not n.is_parallel and n.op.primitive in _COMMUTATIVE:
+                ins = tuple(sorted(ins))  # (XLA's CSE takes b * a for a * b)
             m1 = first.setdefault((op, ins, made), n)
             for t, u in zip(n.outputs, m1.outputs):
                 if t != u:

@@ -124,13 +124,32 @@ def _index(axes: Sequence[str]) -> Any:
     return jax.lax.axis_index(_axis(axes))
 
 
+def _fills(mode: Any) -> bool:
+    """Whether a gather/scatter `mode` fills (drops) out of bounds rows; otherwise it clamps them."""
+    return mode == jax.lax.GatherScatterMode.FILL_OR_DROP or str(mode).endswith("FILL_OR_DROP")
+
+
+def _fill_value(fill: Any, dtype: Any) -> Any:
+    """A gather's fill for out-of-bounds rows (`lax.gather`'s default when None)."""
+    if fill is not None:
+        return fill
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.nan
+    if jnp.issubdtype(dtype, jnp.bool_):
+        return True
+    return jnp.iinfo(dtype).min if jnp.issubdtype(dtype, jnp.signedinteger) else jnp.iinfo(dtype).max
+
+
 def _run_gather(node: Any, args: list[Any], ins: list[Any], outs: list[Any], mesh: Mapping[str, int]) -> list[Any]:
     x, idx = args
     p = dict(node.params)
     dn = p["dimension_numbers"]
     local = ins[0].local_shape(mesh)
     sizes = list(p["slice_sizes"])
+    fills = _fills(p.get("mode"))
     mask = None
+    outside = None  # rows whose index along a split dim is out of the whole dim's bounds (fill mode)
+    first = None  # this device is the first of those dims' axes (it alone gives the fill: partial sums)
     shifted = []
     for d, axes in enumerate(ins[0].sharding.dims):
         if not axes:
@@ -142,7 +161,15 @@ def _run_gather(node: Any, args: list[Any], ins: list[Any], outs: list[Any], mes
             continue  # a batch dim shared with the indices (take_along_axis): split alike, one row each
         k = list(dn.start_index_map).index(d)  # an indexed dim taken one row at a time: shift and mask
         start = _index(axes) * local[d]
-        i = idx[..., k] - start.astype(idx.dtype)
+        g = idx[..., k]
+        if fills:  # (out of bounds of the whole dim: the fill value, given once)
+            out = (g < 0) | (g > ins[0].shape[d] - 1)
+            outside = out if outside is None else outside | out
+            one = _index(axes) == 0
+            first = one if first is None else first & one
+        else:  # (clamped into the whole dim before it is shifted to the piece)
+            g = jnp.clip(g, 0, ins[0].shape[d] - 1)
+        i = g - start.astype(idx.dtype)
         ok = (i >= 0) & (i < local[d])
         mask = ok if mask is None else mask & ok
         shifted.append((k, jnp.clip(i, 0, local[d] - 1)))
@@ -154,6 +181,10 @@ def _run_gather(node: Any, args: list[Any], ins: list[Any], outs: list[Any], mes
         batch = [d for d in range(y.ndim) if d not in tuple(dn.offset_dims)]
         m = jax.lax.broadcast_in_dim(mask, y.shape, tuple(batch))
         y = jnp.where(m, y, jnp.zeros((), y.dtype))
+        if outside is not None:
+            fill = jnp.asarray(_fill_value(p.get("fill_value"), y.dtype), y.dtype)
+            o = jax.lax.broadcast_in_dim(outside & first, y.shape, tuple(batch))
+            y = jnp.where(o, fill, y)
     return [y]
 
 
@@ -171,7 +202,8 @@ def _run_scatter(node: Any, args: list[Any], ins: list[Any], outs: list[Any], me
             continue
         # rows split over `axes`: indices shifted to this device's rows, updates of the other rows zeroed
         k = list(dn.scatter_dims_to_operand_dims).index(d)
-        i = idx[..., k] - (_index(axes) * local[d]).astype(idx.dtype)
+        g = idx[..., k] if _fills(node.params.get("mode")) else jnp.clip(idx[..., k], 0, ins[0].shape[d] - 1)
+        i = g - (_index(axes) * local[d]).astype(idx.dtype)
         ok = (i >= 0) & (i < local[d])
         mask = ok if mask is None else mask & ok
         idx = idx.at[..., k].set(jnp.clip(i, 0, local[d] - 1))

@@ -38,6 +38,7 @@ class PCGOutcome:
     collectives: int = 0
     unsupported: str | None = None
     rounding: bool = False
+    merged: int = 0  # collectives the rewritten PCG names that XLA merged away (see `check_pcg`)
 
 
 def _reverse(name: str) -> str:
@@ -83,7 +84,8 @@ def _check_results(reference: Any, args: Any, got: Any, what: str) -> bool:
 def check_pcg(prog: fuzzlib.Program, seed: int = 0, rewrites: int = 3) -> PCGOutcome:
     """Plan `prog` (its hints, no search), build its PCG (`fuse` drawn at random), apply up to `rewrites`
     random proved rewrites, and assert that the PCG's lowering (as `shardc.auto(pcg=True)` runs a chosen
-    PCG) equals the unsharded program and compiles to the collectives the PCG names, kind by kind."""
+    PCG) equals the unsharded program and compiles to the collectives the PCG names, kind by kind (after
+    rewrites: to no more than it names)."""
     rng = random.Random(seed)
     fun = fuzzlib.program_function(prog)
     reference = fuzzlib.program_function(prog, reference=True)
@@ -108,10 +110,13 @@ def check_pcg(prog: fuzzlib.Program, seed: int = 0, rewrites: int = 3) -> PCGOut
     got = compiled(*flat)
     # (the PCG's outputs are the plan's flat outputs; the reference's leaves in the same order)
     rounding = _check_results(reference, args, got, f"PCG after {applied or 'no rewrite'}")
-    want = pcg.collectives()
-    have = hlo_collectives(compiled.as_text())
-    have = {k: v for k, v in have.items() if v}
-    want = {k: v for k, v in want.items() if v}
-    if have != want:
+    want = {k: v for k, v in pcg.collectives().items() if v}
+    have = {k: v for k, v in hlo_collectives(compiled.as_text()).items() if v}
+    # Unrewritten, the PCG is the plan: its collectives exactly. Rewritten, a rewrite may compute one value
+    # twice in two algebraically equal ways (a sum of a broadcast beside a dot), which XLA's simplifier then
+    # merges with their collectives: the PCG over-counts (prices more than runs), but the compiled program
+    # has no collective the PCG does not name.
+    if have != want and (not applied or any(have.get(k, 0) > want.get(k, 0) for k in have)):
         raise fuzzlib.FuzzFailure(f"PCG after {applied}: compiled collectives {have}, the PCG names {want}")
-    return PCGOutcome(tuple(applied), len(pcg.nodes), sum(want.values()), None, rounding)
+    merged = sum(want.values()) - sum(have.values())
+    return PCGOutcome(tuple(applied), len(pcg.nodes), sum(want.values()), None, rounding, merged)

@@ -61,8 +61,41 @@ ONE_GATHER_OVER_A_SIZE_ONE_AXIS = Program(mesh=(("x", 1), ("y", 8)), steps=(
 ), outputs=(3, 5))
 
 
-@pytest.mark.parametrize("prog", [UPDATE_ONE_ROW_OF_A_SPLIT_DIM, MIN_OVER_A_SPLIT_DIM, ONE_GATHER_OVER_A_SIZE_ONE_AXIS],
+GATHER_OUT_OF_BOUNDS_OF_A_SPLIT_DIM = Program(mesh=(("x", 2), ("y", 4)), steps=(
+    Step(kind="input", args=(), attrs=(("meta", ("x", None, None)),), shape=(4, 1, 6)),
+    # rows 4 (out of bounds: the fill value, NaN, not the pieces' masked zeros) and 3, -1, 0 of a dim split over x
+    Step(kind="gather", args=(0,), attrs=(("dim", 0), ("indices", ((4, 3), (-1, 0)))), shape=(2, 2, 1, 6)),
+    Step(kind="input", args=(), attrs=(), shape=(1,)),
+    Step(kind="binary", args=(0, 2), attrs=(("fn", "mul"),), shape=(4, 1, 6)),
+), outputs=(1,))
+
+WHOLE_UPDATE_OF_A_GATHERED_VALUE = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(
+    Step(kind="input", args=(), attrs=(), shape=(4, 2)),
+    Step(kind="hint", args=(0,), attrs=(("how", "replicate"),), shape=(4, 2)),
+    Step(kind="input", args=(), attrs=(("meta", (None, ("y", "x"), None)),), shape=(2, 4, 2)),
+    Step(kind="dynamic_slice", args=(2,), attrs=(("start", (0, 0, 0)),), shape=(1, 3, 1)),
+    Step(kind="broadcast", args=(3,), attrs=(("pos", 2),), shape=(1, 3, 3, 1)),
+    Step(kind="input", args=(), attrs=(), shape=(1, 3, 3, 1)),
+    # overwritten whole: XLA never reads the all-gathered operand (the PCG named its all-gather)
+    Step(kind="update_slice", args=(4, 5), attrs=(("start", (0, 0, 0, 0)),), shape=(1, 3, 3, 1)),
+), outputs=(6,))
+
+SLICE_OF_THE_OTHER_CONCATENATED_OPERAND = Program(mesh=(("x", 2), ("y", 2), ("z", 2)), steps=(
+    Step(kind="input", args=(), attrs=(), shape=(4, 6)),
+    Step(kind="input", args=(), attrs=(), shape=(2, 6)),
+    Step(kind="scatter_add", args=(0, 1), attrs=(("dim", 0), ("indices", (3, 2))), shape=(4, 6)),
+    Step(kind="input", args=(), attrs=(("meta", (("x", "y"), None)),), shape=(4, 6)),
+    Step(kind="concat", args=(3, 0), attrs=(("dim", 0),), shape=(8, 6)),
+    # reads only the second operand: XLA never reads the first (the PCG named its all-gather)
+    Step(kind="slice", args=(4,), attrs=(("start", (6, 0)), ("limit", (7, 6)), ("strides", (2, 1))), shape=(1, 6)),
+), outputs=(5,))
+
+
+@pytest.mark.parametrize("prog", [UPDATE_ONE_ROW_OF_A_SPLIT_DIM, MIN_OVER_A_SPLIT_DIM, ONE_GATHER_OVER_A_SIZE_ONE_AXIS,
+                                  GATHER_OUT_OF_BOUNDS_OF_A_SPLIT_DIM, WHOLE_UPDATE_OF_A_GATHERED_VALUE,
+                                  SLICE_OF_THE_OTHER_CONCATENATED_OPERAND],
                          ids=["update_one_row_of_a_split_dim", "min_over_a_split_dim",
-                              "one_gather_over_a_size_one_axis"])
+                              "one_gather_over_a_size_one_axis", "gather_out_of_bounds_of_a_split_dim",
+                              "whole_update_of_a_gathered_value", "slice_of_the_other_concatenated_operand"])
 def test_pcg_regressions(prog):
     pcg_check.check_pcg(prog)
