@@ -187,7 +187,7 @@ def apply_step(step: Step, vals: Sequence[Any], mesh: tuple[tuple[str, int], ...
     if k == "sort":
         return jnp.sort(a[0], axis=step.attr("dim"))
     if k == "argmax":
-        return jnp.argmax(a[0], axis=step.attr("dim")).astype(jnp.float32)
+        return jnp.argmax(a[0], axis=step.attr("dim")).astype(a[0].dtype)  # (float64 in the float64 adjudication)
     if k == "scan":  # ys[t] = c_t, c_{t+1} = c_t / 2 + tanh(xs[t]); an optional hint on the carry inside
         inner = step.attr("inner")
 
@@ -931,6 +931,31 @@ def _known_xla_bug(info: Any, flat: Sequence[Any], got: Any, ref: Any) -> str | 
     return None
 
 
+# XLA's algebraic simplifier is not exact on NaN and infinity (it folds `x * 0` of a converted predicate into a
+# select, so 0 * inf is 0): where shardc's result is non-finite and the unsharded run's is not, the unsharded
+# program compiled without it says what IEEE arithmetic gives; if that is shardc's result, the difference is the
+# simplifier's choice on one program and not the other (a reshard between the two ops hides the pattern).
+NON_IEEE_SIMPLIFIER = ("algsimp", "XLA's algebraic simplifier rewrites arithmetic on NaN/inf in the unsharded program "
+                                  "(x * 0 of a converted predicate made a select): shardc's result is the IEEE one, "
+                                  "the unsharded program's compiled without the simplifier (fuzz seed 130000)")
+
+
+def _ieee_reference_agrees(reference: Callable, args: Any, got: Any, ref: Any) -> bool:
+    """Whether `got` differs from `ref` only where one of them is non-finite, and equals the unsharded program
+    compiled without XLA's algebraic simplifier (`NON_IEEE_SIMPLIFIER`)."""
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        both = np.isfinite(g) & np.isfinite(w)
+        if g.shape != w.shape or not np.allclose(g[both], w[both], rtol=2e-4, atol=2e-4):
+            return False
+    exact = jax.jit(reference).lower(*args).compile(compiler_options={"xla_disable_hlo_passes": NON_IEEE_SIMPLIFIER[0]})
+    try:
+        _results_close(got, exact(*args), "IEEE reference")
+    except FuzzFailure:
+        return False
+    return True
+
+
 def _compare(reference: Callable, args: Any, got: Any, info: Any, what: str,
              sharded64: Callable | None = None) -> tuple[bool, str | None]:
     """Assert shardc's `got` equals the unsharded reference on `args`: within float32 tolerance, or no
@@ -944,6 +969,8 @@ def _compare(reference: Callable, args: Any, got: Any, info: Any, what: str,
         if _as_accurate_as_unsharded(reference, args, got, ref, sharded64):
             return True, None
         upstream = _known_xla_bug(info, jax.tree.leaves(args), got, ref)
+        if upstream is None and _ieee_reference_agrees(reference, args, got, ref):
+            upstream = NON_IEEE_SIMPLIFIER[1]
         if upstream is None:
             raise
         return False, upstream

@@ -1409,3 +1409,36 @@ def test_oracle_still_fails_programs_that_are_wrong_in_shardc(monkeypatch):
     monkeypatch.setattr(auto, "jit_plan", wrong_jit_plan)
     with pytest.raises(fuzzlib.FuzzFailure, match="sharded - unsharded"):
         fuzzlib.check_program(XLA_SCATTER_PROGRAM)
+
+
+NAN_THROUGH_A_MAX_GRADIENT = Program(mesh=(("x", 2), ("y", 4)), steps=(  # seed 130000, shrunk
+    Step(kind="input", args=(), attrs=(), shape=(2, 8, 1)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 0), ("axes", "x")), shape=(2, 8, 1)),
+    # row 1 of a dim of size 1 is out of bounds: NaN, so every max is NaN and its gradient divides by 0
+    Step(kind="gather", args=(0,), attrs=(("dim", 2), ("indices", ((0, 1, -1, 0), (1, 1, 0, 1), (1, -1, -1, 1),
+                                                                    (-1, 0, 1, 1)))), shape=(2, 8, 4, 4)),
+    Step(kind="reduce", args=(2,), attrs=(("fn", "max"), ("dims", (1, 3))), shape=(2, 4)),
+    Step(kind="input", args=(), attrs=(), shape=(2, 2, 8)),
+    Step(kind="reshape", args=(4,), attrs=(), shape=(8, 4)),
+    Step(kind="input", args=(), attrs=(), shape=(2, 1)),
+    Step(kind="update_slice", args=(5, 6), attrs=(("start", (6, 3)),), shape=(8, 4)),
+    Step(kind="cond", args=(3,), attrs=(("inner", (None, ("x",))),), shape=(2, 4)),
+), outputs=(8, 1))
+
+
+def test_xla_simplifier_is_not_ieee_on_a_max_gradient():
+    """Pure JAX, no shardc: the gradient of a max over NaN divides 0 by 0 where the max is not taken; XLA's
+    algebraic simplifier makes that product a select (0), IEEE arithmetic (the simplifier off) gives NaN. With
+    a reshard between the two ops (shardc's plan of seed 130000), XLA cannot see the pattern and gives NaN: the
+    fuzzer counts that as the simplifier's doing (`fuzzlib.NON_IEEE_SIMPLIFIER`), not a wrong result."""
+    idx = np.array([[0, 1, -1, 0], [1, 1, 0, 1]])
+
+    def grad(x):
+        return jax.grad(lambda v: jnp.take(v, idx, axis=2).max(axis=(1, 3)).sum())(x)
+
+    x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(2, 8, 1)
+    lowered = jax.jit(grad).lower(x)
+    assert np.isfinite(np.asarray(lowered.compile()(x))).all()
+    assert np.isnan(np.asarray(lowered.compile(compiler_options={"xla_disable_hlo_passes": "algsimp"})(x))).all()
+    outcome = fuzzlib.check_program(NAN_THROUGH_A_MAX_GRADIENT)
+    assert outcome.upstream_bug == fuzzlib.NON_IEEE_SIMPLIFIER[1]
