@@ -47,9 +47,14 @@ class NoPlanFits(ShardingError):
 SEARCH_MARGIN = 0.01
 
 
+SEARCHED = ("search", "search+pcg")  # candidates the search built (the others: the hints and the baselines)
+
+
 def _beats(name: str, score: Score, best_name: str, best: Score) -> bool:
-    """Whether candidate `name` scoring `score` replaces the best so far (`best_name`, `best`)."""
-    if name == "search" and best_name != "search" and score.feasible and best.feasible:
+    """Whether candidate `name` scoring `score` replaces the best so far (`best_name`, `best`): a plan the
+    search built must gain `SEARCH_MARGIN` over the hints and baselines, not over another searched plan (a
+    searched plan against a rewritten one: the faster)."""
+    if name in SEARCHED and best_name not in SEARCHED and score.feasible and best.feasible:
         return score.time < best.time * (1 - SEARCH_MARGIN)
     return score.key < best.key
 
