@@ -23,8 +23,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from annotations.errors import ShardingError
-from shardc.cost.program import folds_to_constant, program_info
-from shardc.cost.windows import window_unread
+from shardc.cost.program import program_info, reads_only_padding, unread_if_same, unread_operands
 from shardc.ir.build import REGION_PRIMITIVES, call_jaxpr
 from shardc.pcg.graph import PCG, Compute, GraphBuilder
 from shardc.pcg.ops import (AllToAll, Combine, CollectivePermute, ParallelOp, Partition, Reduce, ReduceScatter,
@@ -341,18 +340,20 @@ class Walker:
         self.fuse = fuse
         self.reduce_scatter = lowers_reduce_scatter(plan.mesh) if reduce_scatter is None else reduce_scatter
         self.causes = {(r.value, r.consumer): r.cause for r in plan.reshards}
-        self.unread_pairs = program_info(plan.graph).unread  # (op, operand) pairs
         self.i = 0  # next graph op
 
     def unread(self, op: Any) -> set[int]:
-        """The operands of plan op `op` XLA never reads (its simplifier drops them or folds the op to a
-        constant), which the plan neither reshards nor computes; the jit lowering passes zeros for most."""
-        out = {i for i in range(len(op.inputs)) if (op.id, i) in self.unread_pairs}
-        out.update(window_unread(self.graph, op))
-        if folds_to_constant(self.graph, op):
-            out.update(range(len(op.inputs)))
-        constant = program_info(self.graph).constant  # (constants stay: they decide a folded op's value)
-        return {i for i in out if not constant[op.inputs[i]]}
+        """The operands of plan op `op` whose values do not matter, as XLA never reads them (`unread_operands`:
+        an op folded to a constant, a dynamic_update_slice overwriting its whole operand, a scatter-add of
+        zeros, a concatenate's or pad's operand no slice reads), which the plan neither reshards nor computes;
+        zeros do for them, as the jit lowering passes. Not an operand XLA drops for another one of the same
+        value (`max(x, x)`) or an op reading only a pad's padding: their values matter. Constants stay (they
+        decide a folded op's value)."""
+        graph = self.graph
+        if unread_if_same(op, lambda i, j: op.inputs[i] == op.inputs[j]) or reads_only_padding(graph, op):
+            return set()
+        constant = program_info(graph).constant
+        return {i for i in unread_operands(graph, op) if not constant[op.inputs[i]]}
 
     def next_op(self) -> Any:
         ops = self.graph.ops

@@ -1442,3 +1442,27 @@ def test_xla_simplifier_is_not_ieee_on_a_max_gradient():
     assert np.isnan(np.asarray(lowered.compile(compiler_options={"xla_disable_hlo_passes": "algsimp"})(x))).all()
     outcome = fuzzlib.check_program(NAN_THROUGH_A_MAX_GRADIENT)
     assert outcome.upstream_bug == fuzzlib.NON_IEEE_SIMPLIFIER[1]
+
+
+@pytest.mark.xfail(strict=True, reason="XLA:CPU's all-reduce of max/min drops NaN; no shardc involved")
+def test_xla_cpu_all_reduce_max_drops_nan():
+    mesh = jax.make_mesh((2, 4), ("x", "z"), axis_types=(AxisType.Explicit,) * 2)
+    x = np.array([np.nan, 1.0, 2.0, 0.5], np.float32)
+    split_x = jax.device_put(x, NamedSharding(mesh, P("x")))
+    assert np.isnan(jax.jit(jnp.max)(x))
+    assert np.isnan(jax.jit(jnp.max)(split_x))  # 2.0: the all-reduce of the two pieces' maxima drops the NaN
+
+
+MAX_OF_A_SPLIT_NAN = Program(mesh=(("x", 2), ("y", 4)), steps=(  # seed 700 (the engine's soak), shrunk
+    Step(kind="input", args=(), attrs=(), shape=(3,)),
+    Step(kind="gather", args=(0,), attrs=(("dim", 0), ("indices", (3, 2))), shape=(2,)),  # row 3: NaN
+    Step(kind="hint", args=(1,), attrs=(("how", "split"), ("dim", 0), ("axes", ("x",))), shape=(2,)),
+    Step(kind="reduce", args=(2,), attrs=(("fn", "max"), ("dims", (0,))), shape=()),
+), outputs=(3,))
+
+
+def test_a_nan_dropped_by_xla_cpus_max_all_reduce_is_not_shardcs():
+    """The max of a NaN and a number split over x: shardc's plan (and the PCG's lowering) all-reduce the pieces'
+    maxima, which XLA:CPU's runtime does without the NaN (`test_xla_cpu_all_reduce_max_drops_nan`); the fuzzer
+    attributes such a result to it (`fuzzlib.NAN_DROPPING_ALL_REDUCE`), not to shardc."""
+    assert fuzzlib.check_program(MAX_OF_A_SPLIT_NAN).upstream_bug == fuzzlib.NAN_DROPPING_ALL_REDUCE
