@@ -721,6 +721,25 @@ def programs(draw: Any, min_ops: int = 2, max_ops: int = 8, meshes: Sequence[Any
 # ----------------------------------------------------------------------------------------- the oracle
 
 
+def check_seeded(seed_value: int, count: int, check: Callable[[Program], Any], **program_options: Any) -> list[Any]:
+    """`check` on `count` programs drawn with hypothesis seed `seed_value` (`programs(**program_options)`; the
+    same programs on every run: no example database), shrinking a failure; returns what each check returned."""
+    from hypothesis import HealthCheck, Phase, given, seed, settings
+
+    seen: list[Any] = []
+
+    @seed(seed_value)
+    @settings(max_examples=count, deadline=None, database=None, derandomize=False,
+              phases=(Phase.explicit, Phase.generate, Phase.shrink), print_blob=True,
+              suppress_health_check=list(HealthCheck))
+    @given(programs(**program_options))
+    def run(prog: Program) -> None:
+        seen.append(check(prog))
+
+    run()
+    return seen
+
+
 class FuzzFailure(AssertionError):
     """A program on which shardc disagrees with plain JAX or with its own plan."""
 

@@ -2,8 +2,9 @@
 rewrites are applied, and the `shard_map` lowering (what `shardc.auto(pcg=True)` runs for a PCG it chooses)
 must compute what the unsharded program computes with the collectives the PCG names (`pcg_check.check_pcg`).
 Fixed seeds: every run draws the same programs. `python bench/fuzz.py --pcg` is the long soak."""
+import itertools
+
 import pytest
-from hypothesis import HealthCheck, Phase, given, seed, settings
 
 import fuzzlib
 import pcg_check
@@ -14,17 +15,9 @@ PER_BUCKET = 15
 
 
 def _run_bucket(bucket: int) -> None:
-    seen: list[pcg_check.PCGOutcome] = []
-
-    @seed(31000 + bucket)
-    @settings(max_examples=PER_BUCKET, deadline=None, database=None, derandomize=False,
-              phases=(Phase.explicit, Phase.generate, Phase.shrink), print_blob=True,
-              suppress_health_check=list(HealthCheck))
-    @given(fuzzlib.programs(max_ops=12))
-    def check(prog: fuzzlib.Program) -> None:
-        seen.append(pcg_check.check_pcg(prog, seed=len(seen)))
-
-    check()
+    draws = itertools.count()  # (each program's own seed for its arguments and rewrites)
+    seen = fuzzlib.check_seeded(31000 + bucket, PER_BUCKET, lambda prog: pcg_check.check_pcg(prog, seed=next(draws)),
+                                max_ops=12)
     assert len(seen) >= PER_BUCKET, f"only {len(seen)} programs ran"
     assert sum(1 for o in seen if o.rewrites) >= 3, "too few programs were rewritten to test the engine"
 

@@ -12,7 +12,6 @@ with no involuntary full rematerialization (the plan is what runs). Buckets are 
 import warnings
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, seed, settings
 
 import fuzzlib
 
@@ -21,17 +20,7 @@ PER_BUCKET = 26
 
 
 def _run_bucket(bucket: int) -> None:
-    seen: list[fuzzlib.Outcome] = []
-
-    @seed(20240 + bucket)
-    @settings(max_examples=PER_BUCKET, deadline=None, database=None, derandomize=False,
-              phases=(Phase.explicit, Phase.generate, Phase.shrink), print_blob=True,
-              suppress_health_check=list(HealthCheck))
-    @given(fuzzlib.programs())
-    def check(prog: fuzzlib.Program) -> None:
-        seen.append(fuzzlib.check_program(prog))
-
-    check()
+    seen: list[fuzzlib.Outcome] = fuzzlib.check_seeded(20240 + bucket, PER_BUCKET, fuzzlib.check_program)
     assert len(seen) >= PER_BUCKET, f"only {len(seen)} programs ran"
     upstream = sorted({o.upstream_bug for o in seen if o.upstream_bug})
     for bug in upstream:
