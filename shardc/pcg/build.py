@@ -432,9 +432,14 @@ def build_pcg(plan: Plan, closed_jaxpr: Any = None, *, fuse: bool = False, reduc
     jaxpr = closed_jaxpr.jaxpr
     walker.walk(scope, jaxpr, closed_jaxpr.consts, [(v, None) for v in graph.inputs])
     outputs = []
-    for v in graph.outputs:
-        if v not in scope.vmap:
-            raise ShardingError(f"PCG: output {graph.values[v].name} is a constant; not supported")
+    consts = dict(zip(jaxpr.constvars, closed_jaxpr.consts))
+    for v, atom in zip(graph.outputs, jaxpr.outvars):
+        if v not in scope.vmap:  # a constant the program returns (a literal, or one it closes over)
+            value = atom.val if isinstance(atom, jcore.Literal) else consts.get(atom)
+            if value is None:
+                raise ShardingError(f"PCG: output {graph.values[v].name} is made by no op of the program")
+            val = graph.values[v]
+            scope.vmap[v] = scope.b.add_const(np.asarray(value, dtype=val.dtype), plan.shardings[v], val.name)
         outputs.append(scope.vmap[v])
     pcg = scope.b.finish(inputs, outputs)
     if (uneven := pcg.uneven()) is not None:

@@ -96,6 +96,18 @@ MAX_OF_ONE_VALUE_TWICE = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(
 ), outputs=(6,))
 
 
+A_CONSTANT_OUTPUT = Program(mesh=(("x", 2), ("y", 2), ("z", 2)), steps=(  # (the PCG refused it: "a constant")
+    Step(kind="input", args=(), attrs=(), shape=(8, 8)),  # its gradient, under constant cotangents, is zeros
+    Step(kind="input", args=(), attrs=(), shape=(8, 3, 1)),
+    Step(kind="einsum", args=(1, 1), attrs=(("spec", "abc,adc->b"),), shape=(3,)),
+    Step(kind="einsum", args=(2, 1), attrs=(("spec", "a,bac->a"),), shape=(3,)),
+), outputs=(0, 3), const_cotangents=True)
+
+
+def test_a_program_returning_a_constant_has_a_pcg():
+    assert pcg_check.check_pcg(A_CONSTANT_OUTPUT).unsupported is None
+
+
 @pytest.mark.parametrize("prog", [MAX_OF_ONE_VALUE_TWICE, UPDATE_ONE_ROW_OF_A_SPLIT_DIM, MIN_OVER_A_SPLIT_DIM, ONE_GATHER_OVER_A_SIZE_ONE_AXIS,
                                   GATHER_OUT_OF_BOUNDS_OF_A_SPLIT_DIM, WHOLE_UPDATE_OF_A_GATHERED_VALUE,
                                   SLICE_OF_THE_OTHER_CONCATENATED_OPERAND],
