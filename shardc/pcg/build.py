@@ -47,7 +47,11 @@ LOCAL_PRIMITIVES = frozenset(UNARY_ELEMENTWISE + BINARY_ELEMENTWISE + NARY_ELEME
     "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "argmax", "argmin", "sort", "top_k",
     "copy", "copy_p", "stop_gradient", "optimization_barrier", "name",
 })
-HINT_PRIMITIVES = frozenset({"shardc_hint", "sharding_constraint"})
+# Ops whose results are their operands' values, placed: hints, jax's own constraints and moves (`reshard`,
+# `device_put`, `layout_constraint`). In the PCG a result is its operand resharded to its planned layout (bound
+# on local pieces, jax's would not run inside a shard_map; run replicated, they cost an all-gather the plan
+# does not make: fuzz seed 900).
+HINT_PRIMITIVES = frozenset({"shardc_hint", "sharding_constraint", "reshard", "device_put", "layout_constraint"})
 # Cheap ops of scalars only: where their result is needed in another layout, they are made again there
 # (every layout of a filled array or an iota is computed locally) instead of moved.
 REMATERIALIZE = frozenset({"broadcast_in_dim", "iota"})
@@ -290,7 +294,7 @@ class Scope:
         ins = [self.value_tensor(v, c) for v, c in zip(op.inputs, const_vals)]
         if op.primitive in HINT_PRIMITIVES:
             for v, t in zip(op.outputs, ins):
-                self.vmap[v] = self.reshard(t, plan.shardings[v], f"hint on {graph.values[v].name}")
+                self.vmap[v] = self.reshard(t, plan.shardings[v], f"{op.primitive} of {graph.values[v].name}")
             return
         strat, rule = plan.strategies[op.id], op.rule
         partial = strat.partial_axes(rule)

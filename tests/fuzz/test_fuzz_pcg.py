@@ -108,10 +108,15 @@ def test_a_program_returning_a_constant_has_a_pcg():
     assert pcg_check.check_pcg(A_CONSTANT_OUTPUT).unsupported is None
 
 
-@pytest.mark.parametrize("prog", [MAX_OF_ONE_VALUE_TWICE, UPDATE_ONE_ROW_OF_A_SPLIT_DIM, MIN_OVER_A_SPLIT_DIM, ONE_GATHER_OVER_A_SIZE_ONE_AXIS,
+# seed 900, shrunk: the scatter-add's gradient passes jax's `reshard`, which the PCG ran replicated (an all-gather
+# the plan does not make, which XLA removed: the PCG named 4, 3 compiled); now its operand, placed
+A_JAX_RESHARD = Program(mesh=(('x', 2), ('y', 4)), steps=(Step(kind='input', args=(), attrs=(), shape=(16, 12, 1), dtype='float32'), Step(kind='hint', args=(0,), attrs=(('how', 'shard'), ('spec', (None, ('y',), None))), shape=(16, 12, 1), dtype='float32'), Step(kind='input', args=(), attrs=(), shape=(3, 16, 12, 1), dtype='float32'), Step(kind='scan', args=(1, 2), attrs=(('inner', None),), shape=(3, 16, 12, 1), dtype='float32'), Step(kind='input', args=(), attrs=(), shape=(1, 1, 11, 1), dtype='float32'), Step(kind='update_slice', args=(3, 4), attrs=(('start', (0, 2, 1, 0)),), shape=(3, 16, 12, 1), dtype='float32'), Step(kind='scatter_add', args=(5, 2), attrs=(('dim', 3), ('indices', (0,))), shape=(3, 16, 12, 1), dtype='float32'), Step(kind='input', args=(), attrs=(), shape=(3, 16, 12, 1), dtype='float32'), Step(kind='where', args=(3, 7), attrs=(), shape=(3, 16, 12, 1), dtype='float32')), outputs=(6,), step_mode=False, const_cotangents=False)
+
+
+@pytest.mark.parametrize("prog", [A_JAX_RESHARD, MAX_OF_ONE_VALUE_TWICE, UPDATE_ONE_ROW_OF_A_SPLIT_DIM, MIN_OVER_A_SPLIT_DIM, ONE_GATHER_OVER_A_SIZE_ONE_AXIS,
                                   GATHER_OUT_OF_BOUNDS_OF_A_SPLIT_DIM, WHOLE_UPDATE_OF_A_GATHERED_VALUE,
                                   SLICE_OF_THE_OTHER_CONCATENATED_OPERAND],
-                         ids=["max_of_one_value_twice", "update_one_row_of_a_split_dim", "min_over_a_split_dim",
+                         ids=["a_jax_reshard", "max_of_one_value_twice", "update_one_row_of_a_split_dim", "min_over_a_split_dim",
                               "one_gather_over_a_size_one_axis", "gather_out_of_bounds_of_a_split_dim",
                               "whole_update_of_a_gathered_value", "slice_of_the_other_concatenated_operand"])
 def test_pcg_regressions(prog):
