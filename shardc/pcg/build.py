@@ -282,7 +282,8 @@ class Scope:
             scalar = b.add_const(np.zeros((), like.dtype), name="zero")
             out = b.add_tensor(like.shape, like.dtype, layout, "zeros")
             params = {"shape": tuple(like.shape), "broadcast_dimensions": (), "sharding": None}
-            b.add_node(Compute.of(jax.lax.broadcast_in_dim_p, params), [scalar], [out], cause="an operand XLA never reads")
+            b.add_node(Compute.of(jax.lax.broadcast_in_dim_p, params), [scalar], [out],
+                       cause="an operand XLA never reads")
             self.zero_tensors[key] = out
         return self.zero_tensors[key]
 

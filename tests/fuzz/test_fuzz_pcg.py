@@ -110,14 +110,31 @@ def test_a_program_returning_a_constant_has_a_pcg():
 
 # seed 900, shrunk: the scatter-add's gradient passes jax's `reshard`, which the PCG ran replicated (an all-gather
 # the plan does not make, which XLA removed: the PCG named 4, 3 compiled); now its operand, placed
-A_JAX_RESHARD = Program(mesh=(('x', 2), ('y', 4)), steps=(Step(kind='input', args=(), attrs=(), shape=(16, 12, 1), dtype='float32'), Step(kind='hint', args=(0,), attrs=(('how', 'shard'), ('spec', (None, ('y',), None))), shape=(16, 12, 1), dtype='float32'), Step(kind='input', args=(), attrs=(), shape=(3, 16, 12, 1), dtype='float32'), Step(kind='scan', args=(1, 2), attrs=(('inner', None),), shape=(3, 16, 12, 1), dtype='float32'), Step(kind='input', args=(), attrs=(), shape=(1, 1, 11, 1), dtype='float32'), Step(kind='update_slice', args=(3, 4), attrs=(('start', (0, 2, 1, 0)),), shape=(3, 16, 12, 1), dtype='float32'), Step(kind='scatter_add', args=(5, 2), attrs=(('dim', 3), ('indices', (0,))), shape=(3, 16, 12, 1), dtype='float32'), Step(kind='input', args=(), attrs=(), shape=(3, 16, 12, 1), dtype='float32'), Step(kind='where', args=(3, 7), attrs=(), shape=(3, 16, 12, 1), dtype='float32')), outputs=(6,), step_mode=False, const_cotangents=False)
+A_JAX_RESHARD = Program(mesh=(("x", 2), ("y", 4)), steps=(
+    Step(kind="input", args=(), attrs=(), shape=(16, 12, 1)),
+    Step(kind="hint", args=(0,), attrs=(("how", "shard"), ("spec", (None, ("y",), None))), shape=(16, 12, 1)),
+    Step(kind="input", args=(), attrs=(), shape=(3, 16, 12, 1)),
+    Step(kind="scan", args=(1, 2), attrs=(("inner", None),), shape=(3, 16, 12, 1)),
+    Step(kind="input", args=(), attrs=(), shape=(1, 1, 11, 1)),
+    Step(kind="update_slice", args=(3, 4), attrs=(("start", (0, 2, 1, 0)),), shape=(3, 16, 12, 1)),
+    Step(kind="scatter_add", args=(5, 2), attrs=(("dim", 3), ("indices", (0,))), shape=(3, 16, 12, 1)),
+    Step(kind="input", args=(), attrs=(), shape=(3, 16, 12, 1)),
+    Step(kind="where", args=(3, 7), attrs=(), shape=(3, 16, 12, 1)),
+), outputs=(6,))
 
 
-@pytest.mark.parametrize("prog", [A_JAX_RESHARD, MAX_OF_ONE_VALUE_TWICE, UPDATE_ONE_ROW_OF_A_SPLIT_DIM, MIN_OVER_A_SPLIT_DIM, ONE_GATHER_OVER_A_SIZE_ONE_AXIS,
-                                  GATHER_OUT_OF_BOUNDS_OF_A_SPLIT_DIM, WHOLE_UPDATE_OF_A_GATHERED_VALUE,
-                                  SLICE_OF_THE_OTHER_CONCATENATED_OPERAND],
-                         ids=["a_jax_reshard", "max_of_one_value_twice", "update_one_row_of_a_split_dim", "min_over_a_split_dim",
-                              "one_gather_over_a_size_one_axis", "gather_out_of_bounds_of_a_split_dim",
-                              "whole_update_of_a_gathered_value", "slice_of_the_other_concatenated_operand"])
+REGRESSIONS = {
+    "a_jax_reshard": A_JAX_RESHARD,
+    "max_of_one_value_twice": MAX_OF_ONE_VALUE_TWICE,
+    "update_one_row_of_a_split_dim": UPDATE_ONE_ROW_OF_A_SPLIT_DIM,
+    "min_over_a_split_dim": MIN_OVER_A_SPLIT_DIM,
+    "one_gather_over_a_size_one_axis": ONE_GATHER_OVER_A_SIZE_ONE_AXIS,
+    "gather_out_of_bounds_of_a_split_dim": GATHER_OUT_OF_BOUNDS_OF_A_SPLIT_DIM,
+    "whole_update_of_a_gathered_value": WHOLE_UPDATE_OF_A_GATHERED_VALUE,
+    "slice_of_the_other_concatenated_operand": SLICE_OF_THE_OTHER_CONCATENATED_OPERAND,
+}
+
+
+@pytest.mark.parametrize("prog", list(REGRESSIONS.values()), ids=list(REGRESSIONS))
 def test_pcg_regressions(prog):
     pcg_check.check_pcg(prog)
