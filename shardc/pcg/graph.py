@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from annotations.errors import SourceLine
+from shardc.cost.program import SAME_OPERAND_RULES
 from shardc.pcg.ops import ParallelOp, comm_bytes, group_size
 from shardc.sharding import Sharding, mesh_shape
 
@@ -177,6 +178,14 @@ def _without_unit_axes(op: Any, mesh: Mapping[str, int]) -> Any:
     return dataclasses.replace(op, axes=tuple(a for a in op.axes if mesh[a] > 1))
 
 
+def _one_of_same(primitive: str, ins: Sequence[int]) -> int | None:
+    """The operand an op is to XLA's simplifier when some of its operands are one value
+    (`shardc.cost.program.SAME_OPERAND_RULES`: a select of one case, max/min of one value), else None."""
+    rule = SAME_OPERAND_RULES.get(primitive)
+    dropped = rule(len(ins), lambda i, j: ins[i] == ins[j]) if rule is not None else ()
+    return next((t for i, t in enumerate(ins) if i not in dropped), None) if dropped else None
+
+
 def _is_identity(op: Compute, a: Tensor, r: Tensor) -> bool:
     """Whether `op` (reading `a` first, making `r`) hands its operand on unchanged."""
     if (a.shape, a.dtype, a.sharding) != (r.shape, r.dtype, r.sharding):
@@ -280,6 +289,9 @@ class PCG:
                     or not n.is_parallel and len(n.inputs) >= 1 and len(n.outputs) == 1 \
                     and _is_identity(n.op, self.tensors[n.inputs[0]], self.tensors[n.outputs[0]]):
                 same[n.outputs[0]] = ins[0]  # (a collective over axes of size 1 moves nothing)
+                continue
+            if not n.is_parallel and (kept := _one_of_same(n.op.primitive, ins)) is not None:
+                same[n.outputs[0]] = kept  # (`select(p, x, x)`, `max(x, x)`: x, to XLA's simplifier)
                 continue
             made = tuple((self.tensors[t].shape, str(self.tensors[t].dtype), _physical(self.tensors[t].sharding, m))
                          for t in n.outputs)

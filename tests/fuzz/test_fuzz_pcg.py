@@ -123,7 +123,18 @@ A_JAX_RESHARD = Program(mesh=(("x", 2), ("y", 4)), steps=(
 ), outputs=(6,))
 
 
+A_SELECT_OF_ONE_VALUE = Program(mesh=(("x", 4), ("y", 2)), steps=(  # seed 1000, cut down
+    Step(kind="input", args=(), attrs=(), shape=(1, 8)),
+    Step(kind="hint", args=(0,), attrs=(("how", "shard"), ("spec", ("?", ("y",)))), shape=(1, 8)),
+    Step(kind="concat", args=(0, 1), attrs=(("dim", 1),), shape=(1, 16)),
+    # where(p, x, x) is x to XLA: its all-gather is the concatenate's (the PCG named two)
+    Step(kind="where", args=(0, 1), attrs=(), shape=(1, 8)),
+    Step(kind="slice", args=(3,), attrs=(("start", (0, 4)), ("limit", (1, 7)), ("strides", (1, 2))), shape=(1, 2)),
+), outputs=(2, 4))
+
+
 REGRESSIONS = {
+    "a_select_of_one_value": A_SELECT_OF_ONE_VALUE,
     "a_jax_reshard": A_JAX_RESHARD,
     "max_of_one_value_twice": MAX_OF_ONE_VALUE_TWICE,
     "update_one_row_of_a_split_dim": UPDATE_ONE_ROW_OF_A_SPLIT_DIM,
