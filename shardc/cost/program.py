@@ -1228,7 +1228,7 @@ def _propagate_constants(graph: Graph, through: frozenset[int], demoted: set[int
     constant = [graph.values[v].is_const for v in range(len(graph.values))]
     unread_pairs: set[tuple[int, int]] = set()
     once = {r for r, n in graph.region_trips.items() if n == 1}  # (loops of one trip: XLA inlines them)
-    carried: set[int] = set()  # values a one-trip loop's tie or slice wrote already
+    carried: set[int] = set()  # values a one-trip loop's tie or slice, or a constant-index cond's result tie, wrote
     mixed: set[int] = set()
     folds: set[int] = set()  # values of a constant-index cond's branch that XLA folds once it inlines it
     for op in graph.ops:

@@ -275,9 +275,10 @@ class PCG:
 
     @functools.cached_property
     def _same_values(self) -> dict[int, int]:
-        """Per tensor, the first tensor XLA computes it as (its CSE: the same op on the same values; and
-        through the ops its simplifier removes: a pad of nothing, a reshape, convert or copy changing neither
-        shape nor dtype). Regions are not merged."""
+        """Per tensor, the first tensor XLA computes it as (its CSE: the same op on the same values, operands of
+        a commutative op in any order; and through what its simplifier removes: a pad of nothing, a reshape,
+        convert or copy changing neither shape nor dtype, a select of one value, a collective over axes of size
+        1). Regions are not merged."""
         same: dict[int, int] = {}
         first: dict[tuple[Any, ...], Node] = {}
         m = self.mesh_sizes

@@ -126,7 +126,7 @@ def _index(axes: Sequence[str]) -> Any:
 
 def _fills(mode: Any) -> bool:
     """Whether a gather/scatter `mode` fills (drops) out of bounds rows; otherwise it clamps them."""
-    return mode == jax.lax.GatherScatterMode.FILL_OR_DROP or str(mode).endswith("FILL_OR_DROP")
+    return "FILL_OR_DROP" in str(mode)  # (as `shardc.cost.windows.gather_window` reads it)
 
 
 def _fill_value(fill: Any, dtype: Any) -> Any:
@@ -197,12 +197,13 @@ def _run_scatter(node: Any, args: list[Any], ins: list[Any], outs: list[Any], me
     dn = node.params["dimension_numbers"]
     local = ins[0].local_shape(mesh)
     mask = None
+    fills = _fills(node.params.get("mode"))
     for d, axes in enumerate(ins[0].sharding.dims):
         if not axes or not _scattered_row_dim(node, d):
             continue
         # rows split over `axes`: indices shifted to this device's rows, updates of the other rows zeroed
         k = list(dn.scatter_dims_to_operand_dims).index(d)
-        g = idx[..., k] if _fills(node.params.get("mode")) else jnp.clip(idx[..., k], 0, ins[0].shape[d] - 1)
+        g = idx[..., k] if fills else jnp.clip(idx[..., k], 0, ins[0].shape[d] - 1)
         i = g - (_index(axes) * local[d]).astype(idx.dtype)
         ok = (i >= 0) & (i < local[d])
         mask = ok if mask is None else mask & ok

@@ -998,6 +998,17 @@ def _ieee_reference_agrees(reference: Callable, args: Any, got: Any, ref: Any) -
     return True
 
 
+def xla_semantics_difference(reference: Callable, args: Any, got: Any, ref: Any, hlo: Callable[[], str]) -> str | None:
+    """Why `got` (a sharded run compiled to the HLO text `hlo()` returns) differs from the unsharded `ref` by
+    XLA's doing rather than shardc's — its simplifier's non-IEEE folds (`NON_IEEE_SIMPLIFIER`), XLA:CPU's
+    NaN-dropping max/min all-reduce (`NAN_DROPPING_ALL_REDUCE`) — or None."""
+    if _ieee_reference_agrees(reference, args, got, ref):
+        return NON_IEEE_SIMPLIFIER[1]
+    if nan_dropped(got, ref) and max_min_all_reduces(hlo()):
+        return NAN_DROPPING_ALL_REDUCE
+    return None
+
+
 def _compare(reference: Callable, args: Any, got: Any, info: Any, what: str,
              sharded64: Callable | None = None) -> tuple[bool, str | None]:
     """Assert shardc's `got` equals the unsharded reference on `args`: within float32 tolerance, or no
@@ -1010,12 +1021,8 @@ def _compare(reference: Callable, args: Any, got: Any, info: Any, what: str,
     except FuzzFailure:
         if _as_accurate_as_unsharded(reference, args, got, ref, sharded64):
             return True, None
-        upstream = _known_xla_bug(info, jax.tree.leaves(args), got, ref)
-        if upstream is None and _ieee_reference_agrees(reference, args, got, ref):
-            upstream = NON_IEEE_SIMPLIFIER[1]
-        if upstream is None and nan_dropped(got, ref) \
-                and max_min_all_reduces(info.jitted.lower(*jax.tree.leaves(args)).compile().as_text()):
-            upstream = NAN_DROPPING_ALL_REDUCE
+        upstream = _known_xla_bug(info, jax.tree.leaves(args), got, ref) or xla_semantics_difference(
+            reference, args, got, ref, lambda: info.jitted.lower(*jax.tree.leaves(args)).compile().as_text())
         if upstream is None:
             raise
         return False, upstream

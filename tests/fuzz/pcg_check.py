@@ -9,6 +9,7 @@ runs the same lowering for the PCG it chooses (`shardc.pcg.choice.jit_pcg`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 from typing import Any
 
@@ -52,11 +53,7 @@ def _random_rewrite(pcg: Any, rng: random.Random, rules: list[Any], last: str | 
     order = [r for r in rules if last is None or r.name != _reverse(last)]
     rng.shuffle(order)
     for rule in order:
-        matches = []
-        for m in find_matches(pcg, rule):
-            matches.append(m)
-            if len(matches) >= 4:
-                break
+        matches = list(itertools.islice(find_matches(pcg, rule), 4))
         if not matches or not verify_rule(rule).proved:  # (proved when it first matches, as `optimize` does)
             continue
         rng.shuffle(matches)
@@ -78,12 +75,9 @@ def _check_results(reference: Any, args: Any, got: Any, what: str, hlo: str) -> 
         fuzzlib._results_close(got, ref, what)
         return False
     except fuzzlib.FuzzFailure:
-        if fuzzlib._as_accurate_as_unsharded(reference, args, got, ref):
+        if fuzzlib._as_accurate_as_unsharded(reference, args, got, ref) \
+                or fuzzlib.xla_semantics_difference(reference, args, got, ref, lambda: hlo) is not None:
             return True
-        if fuzzlib._ieee_reference_agrees(reference, args, got, ref):  # (`fuzzlib.NON_IEEE_SIMPLIFIER`)
-            return True
-        if fuzzlib.nan_dropped(got, ref) and fuzzlib.max_min_all_reduces(hlo):
-            return True  # (`fuzzlib.NAN_DROPPING_ALL_REDUCE`)
         raise
 
 
