@@ -295,12 +295,16 @@ class MemoryModel:
                                                      for d, axes in zip(v.shape, s.dims))
         return n
 
-    def _sliced_last(self, kid: int, end: int, ends: dict[int, int] | None = None) -> bool:
+    def _sliced_last(self, kid: int, end: int, ends: dict[int, int] | None = None,
+                     asked: frozenset[int] = frozenset()) -> bool:
         """Whether every read of key `kid` at position `end` is a local slice of its own (a dynamic-slice fusion,
         not fused into the op reading it) that a collective reads next: the slice is made before the
         collective's result exists, so `kid`'s buffer is free by then (the model makes both at one position). A
         free op reading it (a hint) passes the question on to its result's readers. `ends`: reader -> `_read_end`
-        of `kid` known already (`_last_read`'s)."""
+        of `kid` known already (`_last_read`'s). `asked`: the keys whose question this one is part of (the ties of
+        nested loops' carries pass a buffer around a cycle: a key asked again adds no reader of its own)."""
+        if kid in asked:
+            return True
         rs = self.readers.get(kid)
         if not rs or not self._slots:
             return False
@@ -314,7 +318,7 @@ class MemoryModel:
                 if kid not in t.deps:
                     continue
                 if self._passes_on(slot, i):
-                    if not all(self._sliced_last(o, end) for o in t.outs):
+                    if not all(self._sliced_last(o, end, asked=asked | {kid}) for o in t.outs):
                         return False
                 elif self._fused_slice(slot, i) or not self._local_slice(slot, i) or not self._feeds_collective(slot, i):
                     return False

@@ -146,31 +146,33 @@ def _emit(pcg: PCG, emit: _Emitter, args: list[int], region: str, path: tuple[in
     return [val(t) for t in pcg.outputs]
 
 
-def _tie(emit: _Emitter, a: int, layout: Sharding, region: str) -> int:
+def _tie(emit: _Emitter, a: int, layout: Sharding, region: str, at: str = "", into: int | None = None) -> int:
+    """A `tie` from value `a` to a new value in `layout` (or to value `into`), as the graph builder joins a
+    region's values (`shardc.ir.build`: `at` "in" for an outer value entering a loop, "out" for a loop's result,
+    "arg" for a branch's or a loop condition's parameter, "" for a carry across iterations or a branch's
+    result), so the program analysis reads the simulated PCG's loops as it reads the plan's."""
     v = emit.graph.values[a]
-    b = emit.value(v.shape, v.dtype, layout, v.name)
-    rule, axes = _dims_rule([layout, layout], [v.shape, v.shape], 1, frozenset(), emit)
-    emit.op("tie", [a], [b], {}, rule, axes, region)
+    b = into if into is not None else emit.value(v.shape, v.dtype, layout, v.name)
+    rule, axes = _dims_rule([emit.shardings[b]] * 2, [v.shape, v.shape], 1, frozenset(), emit)
+    emit.op("tie", [a], [b], {"at": at} if at else {}, rule, axes, region)
     return b
 
 
 def _emit_region(pcg: PCG, n: Node, emit: _Emitter, ins: list[int], region: str, path: tuple[int, ...]) -> list[int]:
+    """A region node's bodies inlined as `shardc.ir.build` inlines a loop or a cond (the same ties, trip counts
+    and branch indices), with its boundary values in the PCG's layouts."""
     op: Region = n.op
     here = f"{region}/{op.primitive}{len(emit.graph.ops)}"
     lay = [pcg.tensors[t].sharding for t in n.outputs]
     if op.primitive == "scan":
         nc, nk = op.params["num_consts"], op.params["num_carry"]
         body = op.bodies[0]
-        # the trip count, for the simulator (a scan with no scanned operand would otherwise run once)
-        mark = emit.value((op.trips,), "float32", Sharding(((),)), "trips", const=True)
-        inner = emit.value((), "float32", Sharding(()), "trip")
-        rule, axes = _stack_rule(Sharding(((),)), (), op.trips, operand=True)
-        emit.op("scan_slice", [mark], [inner], {}, rule, axes, here)
+        emit.graph.region_trips[here] = int(op.trips)
         body_args = []
         for i, (a, t) in enumerate(zip(ins, body.inputs)):
             s = body.tensors[t].sharding
             if i < nc + nk:
-                body_args.append(_tie(emit, a, s, here))
+                body_args.append(_tie(emit, a, s, here, "in"))
             else:
                 v = emit.value(body.tensors[t].shape, body.tensors[t].dtype, s, body.tensors[t].name)
                 rule, axes = _stack_rule(emit.shardings[a], body.tensors[t].shape, op.trips, operand=True)
@@ -180,7 +182,9 @@ def _emit_region(pcg: PCG, n: Node, emit: _Emitter, ins: list[int], region: str,
         res = []
         for i, (o, s) in enumerate(zip(outs, lay)):
             if i < nk:
-                res.append(_tie(emit, o, s, here))
+                carry = body_args[nc + i]
+                _tie(emit, o, s, here, into=carry)  # the carry across iterations
+                res.append(_tie(emit, carry, s, here, "out"))
             else:
                 v = emit.graph.values[o]
                 r = emit.value((op.trips,) + v.shape, v.dtype, s, v.name)
@@ -189,28 +193,40 @@ def _emit_region(pcg: PCG, n: Node, emit: _Emitter, ins: list[int], region: str,
                 res.append(r)
         return res
     if op.primitive == "while":
-        cn = op.params["cond_nconsts"]
+        cn, bn = op.params["cond_nconsts"], op.params["body_nconsts"]
         cond, body = op.bodies
-        cargs = [_tie(emit, a, emit.shardings[a], here) for a in ins[:cn] + ins[-len(lay):]]
-        _emit(cond, emit, cargs, here, path + (n.id, 0))
-        bargs = [_tie(emit, a, emit.shardings[a], here) for a in ins[cn:]]
-        outs = _emit(body, emit, bargs, here, path + (n.id, 1))
-        return [_tie(emit, o, s, here) for o, s in zip(outs, lay)]
+        cond_consts, body_consts, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
+        b_consts = [_tie(emit, a, s, here, "in") for a, s in zip(body_consts, _in_layouts(body)[:bn])]
+        c_consts = [_tie(emit, a, s, here, "in") for a, s in zip(cond_consts, _in_layouts(cond)[:cn])]
+        b_carry, c_carry, res = [], [], []
+        for a, sb, sc, s in zip(init, _in_layouts(body)[bn:], _in_layouts(cond)[cn:], lay):
+            bc = _tie(emit, a, sb, here, "in")
+            c_carry.append(_tie(emit, bc, sc, here, "arg"))
+            res.append(_tie(emit, bc, s, here, "out"))
+            b_carry.append(bc)
+        _emit(cond, emit, c_consts + c_carry, here, path + (n.id, 0))
+        outs = _emit(body, emit, b_consts + b_carry, here, path + (n.id, 1))
+        for o, bc in zip(outs, b_carry):
+            _tie(emit, o, emit.shardings[bc], here, into=bc)  # the carry across iterations
+        return res
     if op.primitive == "cond":
         res: list[int] | None = None
         for b, body in enumerate(op.bodies):
-            tag = f"{here}.{b}"
-            args = [_tie(emit, a, emit.shardings[a], tag) for a in ins[1:]]
+            tag = f"{region}/cond{len(emit.graph.ops)}.{b}"
+            emit.graph.region_reads[tag] = (ins[0],)
+            args = [_tie(emit, a, s, tag, "arg") for a, s in zip(ins[1:], _in_layouts(body))]
             outs = _emit(body, emit, args, tag, path + (n.id, b))
             if res is None:
                 res = [_tie(emit, o, s, tag) for o, s in zip(outs, lay)]
             else:  # the other branches write the same results
                 for o, r in zip(outs, res):
-                    v = emit.graph.values[o]
-                    rule, axes = _dims_rule([emit.shardings[r]] * 2, [v.shape] * 2, 1, frozenset(), emit)
-                    emit.op("tie", [o], [r], {}, rule, axes, tag)
+                    _tie(emit, o, emit.shardings[r], tag, into=r)
         return res or []
     raise NotImplementedError(op.primitive)  # pragma: no cover
+
+
+def _in_layouts(body: PCG) -> list[Sharding]:
+    return [body.tensors[t].sharding for t in body.inputs]
 
 
 def pcg_plan(pcg: PCG) -> tuple[Plan, dict[int, tuple[tuple[int, ...], int]]]:

@@ -111,3 +111,58 @@ def test_topology_changes_the_verdict(mesh):
     assert [s.rule for s in optimize(pcg, topology="h100-sxm-8").steps] == ["reduce_scatter"]
     no_rs = dataclasses.replace(Topology.preset("h100-sxm-8"), reduce_scatter=False)
     assert optimize(pcg, [rule("reduce_scatter")], topology=no_rs).steps == ()
+
+
+def _simulated_alike(f, mesh, *args):
+    """The plan of f (its hints) and its PCG (fused collectives, as the loop builds it), simulated."""
+    from shardc.sim import as_topology, simulate
+
+    c = shardc.auto(f, mesh=mesh, search=False).compiled_info(*args)
+    topo = as_topology("h100-sxm-8")
+    pcg = build_pcg(c.plan, c.closed_jaxpr, fuse=True, reduce_scatter=topo.reduce_scatter)
+    return simulate(c.plan, topo), simulate_pcg(pcg, topo).result
+
+
+def test_a_loops_carry_runs_every_trip_in_the_pcg_as_in_its_plan(mesh):
+    """The gradient of a scan whose initial carry is a constant: the backward scan's carry (the gradient of the
+    carry) is computed every trip though its final value is read by no one. The simulated PCG inlines the loop as
+    the graph builder does (the carry tied back across iterations, ties at "in"/"out"), so the carry's dot is
+    priced as in the plan; before, the PCG had no back edge and priced that dot as dead (the zoo LSTM's PCG
+    simulated 7.2% faster than its plan)."""
+    def f(w, xs):
+        def loss(w):
+            def cell(h, x):
+                h = jnp.tanh(h @ w + x)
+                return h, h
+
+            _, hs = jax.lax.scan(cell, jnp.zeros((8, 64)), split(xs, 1, "data"))
+            return jnp.sum(hs ** 2)
+
+        return jax.grad(loss)(w)
+
+    k = jax.random.split(jax.random.key(0))
+    args = (jax.random.normal(k[0], (64, 64)) / 8, jax.random.normal(k[1], (5, 8, 64)))
+    plan_sim, pcg_sim = _simulated_alike(f, mesh, *args)
+    assert pcg_sim.flops == pytest.approx(plan_sim.flops, rel=1e-9)
+    assert pcg_sim.step_time == pytest.approx(plan_sim.step_time, rel=1e-6)
+    assert pcg_sim.payload == plan_sim.payload
+
+
+def test_nested_loops_carries_are_simulated_and_searched(mesh):
+    """A fori_loop inside a scan, both carrying h: the ties of the two loops' carries pass one buffer around a
+    cycle, which the memory model followed without end (a RecursionError from `shardc.auto(search=True)` on this
+    program). Its plan and its PCG now simulate alike."""
+    def f(x, ws):
+        def outer(h, w):
+            h = jax.lax.fori_loop(0, 2, lambda i, a: jnp.sin(a @ split(w, 0, "model")), h)
+            return h, None
+
+        return jax.lax.scan(outer, split(x, 0, "data"), ws)[0]
+
+    k = jax.random.split(jax.random.key(2), 2)
+    args = (jax.random.normal(k[0], (8, 32)), jax.random.normal(k[1], (2, 32, 32)) / 6)
+    plan = shardc.auto(f, mesh=mesh, search=True, budget_s=1).plan(*args)
+    assert plan.cost.step_time > 0
+    plan_sim, pcg_sim = _simulated_alike(f, mesh, *args)
+    assert pcg_sim.step_time == pytest.approx(plan_sim.step_time, rel=1e-6)
+    assert pcg_sim.peak_memory == plan_sim.peak_memory
