@@ -795,17 +795,17 @@ def _preset_state(graph: Graph, live: Sequence[bool], canon: Sequence[int], cons
     it). What makes these buffers reads nothing computed, so the breadth-first schedule runs it first."""
     init = {op.outputs[0]: op.inputs[0] for op in graph.ops
             if op.primitive == "tie" and op.params.get("at") == "in" and live[op.id]}
-    users: dict[int, list[Any]] = collections.defaultdict(list)
+    consumers: list[list[int]] = [[] for _ in graph.values]
     for op in graph.ops:
         if live[op.id]:
             for v in op.inputs:
-                users[canon[v]].append(op)
+                consumers[canon[v]].append(op.id)
     out: set[int] = set()
     for op in graph.ops:
         if not live[op.id]:
             continue
         if op.primitive in SCATTERS and not op.region and constant[canon[op.inputs[0]]] \
-                and not constant[canon[op.outputs[0]]] and not _scatter_into_sum(graph, op, canon, users):
+                and not constant[canon[op.outputs[0]]] and not _scatter_into_sum(graph, op, canon, consumers):
             out.add(canon[op.outputs[0]])
         if op.region.count("/") != 1:
             continue
@@ -818,11 +818,12 @@ def _preset_state(graph: Graph, live: Sequence[bool], canon: Sequence[int], cons
     return frozenset(out)
 
 
-def _scatter_into_sum(graph: Graph, op: Any, canon: Sequence[int], users: Mapping[int, list[Any]]) -> bool:
+def _scatter_into_sum(graph: Graph, op: Any, canon: Sequence[int], consumers: list[list[int]]) -> bool:
     """Whether XLA's algebraic simplifier turns add(scatter-add(zeros, i, u), x) into scatter-add(x, i, u): the
-    scatter's only reader adds a value of its shape to it (a softmax cross-entropy's gradient)."""
+    scatter's only reader adds a value of its shape to it (a softmax cross-entropy's gradient). (`consumers`: the
+    live ops reading each canonical value; a PCG's collectives are looked through, as a plan's reshards are.)"""
     c = canon[op.outputs[0]]
-    readers = users.get(c, [])
+    readers = [graph.ops[u] for u in _readers(graph, consumers, canon, c)]
     return (op.primitive in ("scatter-add", "scatter_add") and len(readers) == 1
             and readers[0].primitive in ("add", "add_any")
             and all(graph.values[v].shape == graph.values[c].shape for v in readers[0].inputs))
@@ -1189,7 +1190,7 @@ def _cse(graph: Graph) -> tuple[tuple[int, ...], tuple[bool, ...], tuple[Any, ..
     duplicate = [False] * len(graph.ops)
     seen: dict[Any, int] = {}
     for op in graph.ops:
-        if op.primitive in _NOT_MERGED or op.primitive in ("shardc_hint", "sharding_constraint", PCG_COLLECTIVE):
+        if op.primitive in _NOT_MERGED or op.primitive in ("shardc_hint", "sharding_constraint"):
             continue
         ins = tuple(canon[v] for v in op.inputs)
         lits = tuple((graph.values[v].shape, str(graph.values[v].dtype), graph.values[v].name)
@@ -1331,8 +1332,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                 and (not expensive(op, graph, backend, constant) or len(users) == 1))
     for op in graph.ops:  # a scatter-add the simplifier moves into the sum reading it writes that sum's buffer
         if live[op.id] and op.primitive in SCATTERS and op.outputs and canon[op.outputs[0]] not in outputs \
-                and _scatter_into_sum(graph, op, canon, {c: [graph.ops[u] for u in consumers[c]]
-                                                          for c in (canon[op.outputs[0]],)}):
+                and _scatter_into_sum(graph, op, canon, consumers):
             fused[canon[op.outputs[0]]] = True
     # A bitcast transpose fused into its readers already costs what they read of the dot's buffer. One read
     # only by dots (GEMMs reading the dot's buffer in its order) is free: no buffer of its own. Any other

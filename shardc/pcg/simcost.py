@@ -137,7 +137,9 @@ def _emit(pcg: PCG, emit: _Emitter, args: list[int], region: str, path: tuple[in
         if n.is_parallel:  # makes its input's layout; the plan wants its output's: one reshard
             src = tin[0].sharding
             rule, axes = _dims_rule([src, src], [tin[0].shape, tout[0].shape], 1, src.partial, emit)
-            emit.op(PCG_COLLECTIVE, ins, outs, {}, rule, axes, region, (path, n.id))
+            # (its params name the parallel op: XLA's CSE merges the same collective of the same value, as
+            # `PCG.collectives()` counts it once)
+            emit.op(PCG_COLLECTIVE, ins, outs, {"parallel": str(n.op)}, rule, axes, region, (path, n.id))
         else:
             partial = frozenset().union(*(t.sharding.partial for t in tout)) if tout else frozenset()
             rule, axes = _dims_rule([t.sharding for t in tin + tout], [t.shape for t in tin + tout], len(tin),

@@ -200,6 +200,15 @@ def apply_step(step: Step, vals: Sequence[Any], mesh: tuple[tuple[str, int], ...
     if k == "fori":
         inner = step.attr("inner")
         return lax.fori_loop(0, step.attr("n"), lambda i, c: _maybe_hint(0.9 * c + 0.1 * jnp.sin(c), inner), a[0])
+    if k == "nested_loop":  # a fori_loop inside a scan, both carrying c; the inner body reads a loop-invariant w
+        inner = step.attr("inner")
+
+        def cell(c: Any, x: Any) -> tuple[Any, Any]:
+            c = lax.fori_loop(0, step.attr("n"), lambda i, h: _maybe_hint(0.5 * h + 0.5 * jnp.tanh(h @ a[2]), inner),
+                              c + x)
+            return c, c
+
+        return lax.scan(cell, a[0], a[1])[1]
     if k == "cond":  # both branches hint their result alike (differently is a ShardingError: test_bad_inputs)
         inner = step.attr("inner")
         return lax.cond(jnp.sum(a[0]) > 0, lambda v: _maybe_hint(jnp.tanh(v), inner),
@@ -658,6 +667,16 @@ class _Gen:
         sa = self.shape(a)
         return self.add("fori", (a,), sa, n=self.pick([1, 2, 3]), inner=self.inner_spec(sa))
 
+    def nested_loop(self) -> int | None:
+        a = self.operand(lambda s: 1 <= len(s) < MAX_RANK)
+        sa = self.shape(a)
+        t = self.pick([2, 3])
+        if t * math.prod(sa) > MAX_ELEMS:
+            return None
+        xs = self.operand_of_shape((t,) + sa)
+        w = self.operand_of_shape((sa[-1], sa[-1]))
+        return self.add("nested_loop", (a, xs, w), (t,) + sa, n=self.pick([1, 2]), inner=self.inner_spec(sa))
+
     def jit_chain(self) -> int:
         a = self.operand(lambda s: len(s) >= 1)
         return self.add("jit_chain", (a,), self.shape(a), inner=self.inner_spec(self.shape(a)))
@@ -684,7 +703,7 @@ def _tuplify(x: Any) -> Any:
 OPS = ("einsum", "einsum", "unary", "binary", "reshape", "reshape", "transpose", "reduce", "broadcast",
        "concat", "slice_", "gather", "pad", "rev", "cumsum", "dynamic_slice", "hint", "hint", "hint", "hint")
 # Beyond the issue's list: scatters, selects, sorts, argmax and control flow (regions joined by ties).
-EXTRA_OPS = ("scatter_add", "update_slice", "where", "sort", "argmax", "scan", "fori", "cond",
+EXTRA_OPS = ("scatter_add", "update_slice", "where", "sort", "argmax", "scan", "fori", "cond", "nested_loop",
              "jit_chain", "remat_chain", "vmap_hint")
 
 
@@ -1028,14 +1047,23 @@ def _compare(reference: Callable, args: Any, got: Any, info: Any, what: str,
         return False, upstream
 
 
-def check_program(prog: Program, seed: int = 0, strict_collectives: bool = True) -> Outcome:
+# The search's budget per program with `check_program(search=True)` (seconds on the reference machine, turned
+# into a count of plans: the same plan on a busy machine).
+SEARCH_BUDGET_S = 0.5
+
+
+def check_program(prog: Program, seed: int = 0, strict_collectives: bool = True, search: bool = False) -> Outcome:
     """Run `prog` unsharded and under shardc and assert the properties in the module docstring
-    (a collective difference is raised when `strict_collectives`, else recorded in the outcome)."""
+    (a collective difference is raised when `strict_collectives`, else recorded in the outcome). `search`: the
+    plan is the strategy search's on the program's mesh (`search=True`, a small budget) instead of the hints'
+    — layouts no hint asks for, lowered and compiled; the float64 run of the sharded program that settles
+    ill-conditioned results is not made then (another dtype is another search)."""
     fun = program_function(prog)
     reference = program_function(prog, reference=True)
     args = make_args(prog, seed)
     mesh = shardc.make_mesh(dict(prog.mesh))
-    auto = shardc.auto(fun, mesh=mesh, search=False)
+    auto = shardc.auto(fun, mesh=mesh, search=True, budget_s=SEARCH_BUDGET_S, seed=seed) if search else \
+        shardc.auto(fun, mesh=mesh, search=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         info = auto.compiled_info(*args)
@@ -1045,7 +1073,7 @@ def check_program(prog: Program, seed: int = 0, strict_collectives: bool = True)
                           + "; ".join(str(w.message) for w in caught))
     got = auto(*args)
     flat = jax.tree.leaves(args)
-    sharded64 = shardc.auto(fun, mesh=mesh, search=False)  # (traced afresh for float64 arguments)
+    sharded64 = None if search else shardc.auto(fun, mesh=mesh, search=False)  # (traced afresh for float64)
     rounding, upstream = _compare(reference, args, got, info, "result", sharded64)
     with xla_log() as log:
         compiled = info.jitted.lower(*flat).compile()
