@@ -1,7 +1,7 @@
 """Fuzz soak: many more generated programs than CI runs, failures recorded and shrunk.
 
     python bench/fuzz.py [--minutes 30] [--seed 0] [--jobs 1] [--chunk 100] [--max-ops 12]
-                         [--const-cotangents] [--pcg] [--out bench/fuzz_failures.jsonl] [--write]
+                         [--const-cotangents] [--pcg | --search] [--out bench/fuzz_failures.jsonl] [--write]
 
 Programs come from `tests/fuzz/fuzzlib.programs` (hypothesis) and are checked by
 `fuzzlib.check_program` (sharded == unsharded forward and gradients, compiled shardings == plan,
@@ -9,7 +9,8 @@ hints placed as hinted, no conservative fallback, and the compiled collectives e
 by kind and byte for byte, with no involuntary rematerialization — a program that is right but differs
 there counts as "collectives", not "fail"). With `--pcg` they are checked by `pcg_check.check_pcg` instead:
 the plan's PCG, random proved rewrites applied, run through its `shard_map` lowering, must equal the unsharded
-program with the collectives the PCG names (the substitution engine under the fuzzer). Work runs in child processes of `--chunk` programs
+program with the collectives the PCG names (the substitution engine under the fuzzer). With `--search` the plan
+checked is the strategy search's on the program's mesh (`check_program(search=True)`), not the hints'. Work runs in child processes of `--chunk` programs
 each (seeds `--seed`, `--seed`+1, ...; `--jobs` of them at once), so a crash inside XLA ends one chunk, not
 the soak: the program that was running is recorded as a crash and re-run alone to see whether it
 reproduces. No chunk starts after `--minutes`; the ones running then finish. A chunk that runs past
@@ -49,25 +50,26 @@ def _error_kind(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
-def _check(prog: object, pcg: bool, strict: bool) -> dict:
-    """Check one program: the plan's (`fuzzlib.check_program`) or, with `pcg`, the substitution engine's
-    (`pcg_check.check_pcg`: random proved rewrites of the plan's PCG, run through its shard_map lowering).
-    Returns the record's fields; raises on a failure."""
+def _check(prog: object, mode: str, strict: bool) -> dict:
+    """Check one program: its hints' plan (`fuzzlib.check_program`), the substitution engine's (mode "pcg":
+    `pcg_check.check_pcg`, random proved rewrites of the plan's PCG, run through its shard_map lowering) or the
+    strategy search's plan (mode "search": `check_program(search=True)`). Returns the record's fields; raises on
+    a failure."""
     import fuzzlib
 
-    if pcg:
+    if mode == "pcg":
         import pcg_check
 
         o = pcg_check.check_pcg(prog)
         return dict(kind="ok", error=None, rewrites=list(o.rewrites), unsupported=o.unsupported,
                     collectives=o.collectives, merged=o.merged, rounding=o.rounding)
-    o = fuzzlib.check_program(prog, strict_collectives=strict)
+    o = fuzzlib.check_program(prog, strict_collectives=strict, search=mode == "search")
     kind = "upstream" if o.upstream_bug else "collectives" if o.collectives_differ else "ok"
     return dict(kind=kind, error=o.upstream_bug or o.collectives_differ, hints=o.hints_checked, reshards=o.reshards,
                 sharded=o.sharded_values, values=o.values, rounding=o.rounding)
 
 
-def child_chunk(seed: int, count: int, max_ops: int, const_cotangents: bool, pcg: bool, progress: str,
+def child_chunk(seed: int, count: int, max_ops: int, const_cotangents: bool, mode: str, progress: str,
                 results: str) -> None:
     """Check `count` programs drawn with hypothesis seed `seed`; one JSON line per program in `results`."""
     _setup_child()
@@ -91,7 +93,7 @@ def child_chunk(seed: int, count: int, max_ops: int, const_cotangents: bool, pcg
         t0 = time.perf_counter()
         rec = {"seed": seed, "program": repr(prog)}
         try:
-            rec.update(_check(prog, pcg, strict=False))
+            rec.update(_check(prog, mode, strict=False))
         except Exception as e:  # noqa: BLE001 - every failure is recorded
             rec.update(kind="fail", error=_error_kind(e))
         rec["seconds"] = round(time.perf_counter() - t0, 3)
@@ -101,7 +103,7 @@ def child_chunk(seed: int, count: int, max_ops: int, const_cotangents: bool, pcg
     run()
 
 
-def child_one(program: str, results: str, shrink: bool, pcg: bool) -> None:
+def child_one(program: str, results: str, shrink: bool, mode: str) -> None:
     """Re-run one program (a crash candidate, or a failure to shrink); one JSON line in `results`."""
     _setup_child()
     import warnings
@@ -113,7 +115,7 @@ def child_one(program: str, results: str, shrink: bool, pcg: bool) -> None:
     prog = eval(program)  # noqa: S307 - our own repr
     rec: dict = {"program": program}
     try:
-        _check(prog, pcg, strict=True)
+        _check(prog, mode, strict=True)
         rec.update(kind="ok")
     except Exception as e:  # noqa: BLE001
         rec.update(kind="fail", error=_error_kind(e))
@@ -122,7 +124,7 @@ def child_one(program: str, results: str, shrink: bool, pcg: bool) -> None:
 
             def fails(q: fuzzlib.Program) -> bool:
                 try:
-                    _check(q, pcg, strict=True)
+                    _check(q, mode, strict=True)
                     return False
                 except Exception as e2:  # noqa: BLE001
                     return _error_kind(e2).split(":")[0] == first
@@ -176,7 +178,7 @@ def _run_chunks(args: argparse.Namespace, work: str) -> tuple[list[str], list[di
         while time.time() < deadline and len(running) < args.jobs:
             results, progress = (os.path.join(work, f"{kind}-{seed}") for kind in ("results.jsonl", "progress.txt"))
             child = subprocess.Popen(_command(["--child-chunk", str(seed), str(args.chunk), str(args.max_ops),
-                                               str(int(args.const_cotangents)), str(int(args.pcg)), progress,
+                                               str(int(args.const_cotangents)), _mode(args), progress,
                                                results]),
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             running.append((child, seed, results, progress, time.time()))
@@ -196,7 +198,7 @@ def _run_chunks(args: argparse.Namespace, work: str) -> tuple[list[str], list[di
             done = len(_read_lines(results))
             if rc != 0 and os.path.exists(progress):
                 crashed = open(progress).read()
-                rc2 = _spawn(["--child-one", crashed, os.path.join(work, "again.jsonl"), "0", str(int(args.pcg))],
+                rc2 = _spawn(["--child-one", crashed, os.path.join(work, "again.jsonl"), "0", _mode(args)],
                              timeout=CHUNK_TIMEOUT_S)
                 what = "hung" if rc == HUNG else f"died (exit {rc})"
                 crashes.append({"kind": "crash", "seed": s, "program": crashed, "returncode": rc, "reproduces": rc2 != 0,
@@ -204,6 +206,10 @@ def _run_chunks(args: argparse.Namespace, work: str) -> tuple[list[str], list[di
             total = sum(len(_read_lines(f)) for f in results_files)
             print(f"chunk (seed {s}): {done} programs, exit {rc}, {total} total, {time.time() - t0:.0f} s", flush=True)
     return results_files, crashes
+
+
+def _mode(args: argparse.Namespace) -> str:
+    return "pcg" if args.pcg else "search" if args.search else "plan"
 
 
 def soak(args: argparse.Namespace) -> None:
@@ -224,7 +230,7 @@ def soak(args: argparse.Namespace) -> None:
         if r["kind"] == "collectives":
             shrunk_per_quantity[quantity] += 1
         if r["kind"] == "fail" or (r["kind"] == "collectives" and shrunk_per_quantity[quantity] <= SHRINK_PER_QUANTITY):
-            _spawn(["--child-one", r["program"], shrink_dir, "1", str(int(args.pcg))], timeout=1800)
+            _spawn(["--child-one", r["program"], shrink_dir, "1", _mode(args)], timeout=1800)
             last = (_read_lines(shrink_dir) or [{}])[-1]
             r = {**r, "shrunk": last.get("shrunk"), "pseudo": last.get("pseudo")}
         else:
@@ -257,7 +263,7 @@ def soak(args: argparse.Namespace) -> None:
         lines = "\n".join(f"- {n} x {e}" for e, n in errors.most_common()) or "- none"
         write_section("fuzz", f"`python bench/fuzz.py --minutes {args.minutes} --seed {args.seed} --jobs {args.jobs} --max-ops "
                       f"{args.max_ops}{' --const-cotangents' if args.const_cotangents else ''}"
-                      f"{' --pcg' if args.pcg else ''}` "
+                      f"{'' if _mode(args) == 'plan' else ' --' + _mode(args)}` "
                       f"({os.cpu_count()} cores; each program checked sharded vs unsharded, forward and "
                       f"gradients, compiled shardings vs plan, hints, compiled collectives vs plan).\n\n" + "\n".join(summary)
                       + "\n\nFailures (shrunk programs in `bench/fuzz_failures.jsonl`):\n\n" + lines + "\n")
@@ -265,11 +271,11 @@ def soak(args: argparse.Namespace) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child-chunk":
-        s, n, m, c, pcg, progress, results = sys.argv[2:9]
-        child_chunk(int(s), int(n), int(m), bool(int(c)), bool(int(pcg)), progress, results)
+        s, n, m, c, mode, progress, results = sys.argv[2:9]
+        child_chunk(int(s), int(n), int(m), bool(int(c)), mode, progress, results)
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--child-one":
-        child_one(sys.argv[2], sys.argv[3], bool(int(sys.argv[4])), bool(int(sys.argv[5])))
+        child_one(sys.argv[2], sys.argv[3], bool(int(sys.argv[4])), sys.argv[5])
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=30)
@@ -279,9 +285,13 @@ def main() -> None:
     ap.add_argument("--max-ops", type=int, default=12)
     ap.add_argument("--const-cotangents", action="store_true",
                     help="close over the gradient's output cotangents as constants (XLA folds them)")
-    ap.add_argument("--pcg", action="store_true",
-                    help="check the substitution engine instead: random proved rewrites of each plan's PCG, run "
-                         "through its shard_map lowering (tests/fuzz/pcg_check.py)")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--pcg", action="store_true",
+                       help="check the substitution engine instead: random proved rewrites of each plan's PCG, run "
+                            "through its shard_map lowering (tests/fuzz/pcg_check.py)")
+    which.add_argument("--search", action="store_true",
+                       help="check the strategy search's plan of each program (search=True on its mesh, a small "
+                            "budget) instead of its hints' plan")
     ap.add_argument("--out", default=os.path.join(HERE, "fuzz_failures.jsonl"))
     ap.add_argument("--write", action="store_true")
     soak(ap.parse_args())

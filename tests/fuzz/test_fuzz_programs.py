@@ -31,3 +31,16 @@ def _run_bucket(bucket: int) -> None:
 @pytest.mark.parametrize("bucket", range(BUCKETS))
 def test_random_programs_shard_like_unsharded(bucket):
     _run_bucket(bucket)
+
+
+SEARCH_PROGRAMS = 20
+
+
+def test_searched_plans_of_random_programs_shard_like_unsharded():
+    """The same checks on the strategy search's plans (`check_program(search=True)`: layouts no hint asks for, and
+    the search's own simulations of them — a fori_loop inside a scan crashed the memory model only there).
+    `python bench/fuzz.py --search` soaks."""
+    seen: list[fuzzlib.Outcome] = fuzzlib.check_seeded(20300, SEARCH_PROGRAMS,
+                                                       lambda prog: fuzzlib.check_program(prog, search=True))
+    assert len(seen) >= SEARCH_PROGRAMS, f"only {len(seen)} programs ran"
+    assert sum(o.sharded_values for o in seen) > 0
