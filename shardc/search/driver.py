@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 import jax
 
 from annotations.errors import ShardingError
+from shardc.distributed import plan_digest
 from shardc.gc_pause import paused_gc
 from shardc.plan import Plan, abstract_mesh
 from shardc.propagate import Seed
@@ -240,6 +241,7 @@ def _search(problem: Problem, meshes: Sequence[Mapping[str, int]], pool: MeshPoo
     cands: list[Candidate] = []
     smallest_peak = math.inf
     searched: Candidate | None = None
+    rewritten: dict[bytes, Any] = {}  # plan digest -> the PCG choice made for that plan
 
     def consider(rec: Considered, index: int, plan: Plan | None = None, name: str | None = None,
                  score: Score | None = None) -> None:
@@ -314,6 +316,7 @@ def _search(problem: Problem, meshes: Sequence[Mapping[str, int]], pool: MeshPoo
             if problem.pcg and rec.score.feasible:  # this mesh's best, its PCG rewritten with proved rules
                 try:
                     plan = _with_pcg(problem, pool.call(i, "plan", rec.plan_id))
+                    rewritten[plan_digest(plan)] = plan.pcg
                 except ShardingError:  # (a PCG the rewriting cannot build: the plan competes as it is)
                     plan = None
             consider(rec, i, plan)
@@ -329,6 +332,8 @@ def _search(problem: Problem, meshes: Sequence[Mapping[str, int]], pool: MeshPoo
         raise NoPlanFits(smallest_peak, limit)
     if plan is None:
         plan = pool.call_on(process, "plan", rec.plan_id)
+    if plan.pcg is None and rewritten:  # a baseline or the hints with a searched plan's layouts: its rewriting
+        plan = dataclasses.replace(plan, pcg=rewritten.get(plan_digest(plan)))
     groups = () if method == "baselines" else \
         pool.call(index, "groups", index, rec.point, dataclasses.replace(plan, pcg=None), score.time)  # (the layouts)
     report = SearchReport(chosen, cands, tried, pool.evaluations(scored), time.perf_counter() - t0, method_name,
