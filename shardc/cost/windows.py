@@ -63,8 +63,8 @@ def _scalar_constant(graph: Graph, v: int) -> int | None:
 def gather_window(graph: Graph, op: Any) -> list[tuple[int, int]] | None | str:
     """Per operand dim, the [start, limit) a gather reads when its indices fold to one index (XLA makes it a
     dynamic slice at constant starts, then a slice): clamped into the operand as XLA clamps them, or
-    `OUT_OF_BOUNDS` when a fill-or-drop gather's index lies out of bounds (its result is the fill value); None
-    for other gathers."""
+    `OUT_OF_BOUNDS` when a fill-or-drop gather's index lies out of bounds (its result is the fill value; with
+    several constant indices, when every one does); None for other gathers."""
     if op.primitive != "gather" or len(op.inputs) != 2:
         return None
     numbers, sizes = op.params["dimension_numbers"], op.params["slice_sizes"]
@@ -72,9 +72,15 @@ def gather_window(graph: Graph, op: Any) -> list[tuple[int, int]] | None | str:
         return None
     indices = constant_array(graph, op.inputs[1])
     index_map = tuple(numbers.start_index_map)
-    if indices is None or indices.size != len(index_map):
+    if indices is None or not index_map or indices.size % len(index_map):
         return None
-    shape, starts = graph.values[op.inputs[0]].shape, [0] * len(sizes)
+    shape = graph.values[op.inputs[0]].shape
+    if indices.size != len(index_map):  # several indices: XLA folds the gather when every one is out of bounds
+        fill = "FILL_OR_DROP" in str(op.params.get("mode")) and all(
+            any(i < 0 or i + sizes[d] > shape[d] for d, i in zip(index_map, row))
+            for row in indices.reshape(-1, len(index_map)).tolist())
+        return OUT_OF_BOUNDS if fill else None
+    starts = [0] * len(sizes)
     for d, i in zip(index_map, indices.reshape(-1).tolist()):
         starts[d] = int(i)
     if "FILL_OR_DROP" in str(op.params.get("mode")) \
@@ -242,8 +248,10 @@ def _read_windows(graph: Graph) -> tuple[Box | None, ...]:
     for op in reversed(graph.ops):
         rule = WINDOW_RULES.get(op.primitive)
         reads = rule(graph, op, [boxes[canon[v]] for v in op.outputs]) if rule is not None else None
-        if reads is None:
-            reads = [_full(graph.values[v].shape) for v in op.inputs]
+        if reads is None:  # (read whole: the union with anything read before is the whole)
+            for v in op.inputs:
+                boxes[canon[v]] = _full(graph.values[v].shape)
+            continue
         for v, box in zip(op.inputs, reads):
             boxes[canon[v]] = _union(boxes[canon[v]], box)
     return tuple(boxes[canon[v]] for v in range(len(boxes)))

@@ -1466,3 +1466,36 @@ def test_a_nan_dropped_by_xla_cpus_max_all_reduce_is_not_shardcs():
     maxima, which XLA:CPU's runtime does without the NaN (`test_xla_cpu_all_reduce_max_drops_nan`); the fuzzer
     attributes such a result to it (`fuzzlib.NAN_DROPPING_ALL_REDUCE`), not to shardc."""
     assert fuzzlib.check_program(MAX_OF_A_SPLIT_NAN).upstream_bug == fuzzlib.NAN_DROPPING_ALL_REDUCE
+
+
+# Programs whose plan by the strategy search (`check_program(search=True)`, `bench/fuzz.py --search`) compiled to
+# other collectives than the plan's, shrunk (each failed before its fix).
+GATHER_OF_OUT_OF_BOUNDS_ROWS = Program(mesh=(("x", 8),), steps=(  # seed 133013
+    Step(kind="input", args=(), attrs=(), shape=(8,)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 0), ("axes", "x")), shape=(8,)),
+    # rows 8 and 8 of 8: both out of bounds, so XLA folds the gather to its fill; the search gathered on the
+    # local pieces and all-reduced the (constant) result
+    Step(kind="gather", args=(1,), attrs=(("dim", 0), ("indices", ((8,), (8,)))), shape=(2, 1)),
+    Step(kind="concat", args=(2, 2), attrs=(("dim", 0),), shape=(4, 1)),
+    Step(kind="input", args=(), attrs=(("high", 1),), shape=(2,), dtype="int32"),
+    Step(kind="gather", args=(3, 4), attrs=(("dim", 1),), shape=(4, 2)),
+    Step(kind="input", args=(), attrs=(), shape=(4, 2, 4)),
+    Step(kind="einsum", args=(5, 6), attrs=(("spec", "ab,cba->c"),), shape=(4,)),
+), outputs=(7,))
+
+
+@pytest.mark.parametrize("prog", [GATHER_OF_OUT_OF_BOUNDS_ROWS], ids=["gather_of_out_of_bounds_rows"])
+def test_searched_plans_compiled_collectives_are_the_plans(prog):
+    fuzzlib.check_program(prog, search=True)
+
+
+def test_a_gather_of_several_out_of_bounds_rows_folds_to_its_fill():
+    """What the search's plan above needs, whatever it chooses: a fill-or-drop gather whose constant indices are
+    all out of bounds is a constant (its fill), as one out-of-bounds index was."""
+    from shardc.cost.program import folds_to_constant
+
+    prog = GATHER_OF_OUT_OF_BOUNDS_ROWS
+    fun, args = fuzzlib.program_function(prog), fuzzlib.make_args(prog, 0)
+    graph = shardc.auto(fun, mesh=shardc.make_mesh(dict(prog.mesh)), search=False).plan(*args).graph
+    gathers = [op for op in graph.ops if op.primitive == "gather"]
+    assert [folds_to_constant(graph, op) for op in gathers] == [True, False]  # (the second's indices are inputs)
