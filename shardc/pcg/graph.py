@@ -171,6 +171,20 @@ def _physical(s: Sharding, mesh: Mapping[str, int]) -> Sharding:
 
 
 _COMMUTATIVE = frozenset({"add", "add_any", "mul", "max", "min", "and", "or", "xor", "eq", "ne"})
+_REARRANGING = frozenset({"reshape", "transpose"})  # (the same elements, in another order)
+_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or"})
+
+
+def _loop_invariant_operands(region: "Region", body: int) -> list[tuple[int, int]]:
+    """(body input index, region operand index) of the operands a loop's body `body` reads unchanged on every
+    iteration: a scan's constants, a while loop's condition or body constants (a cond: none)."""
+    p = region.params
+    if region.primitive == "scan":
+        return [(i, i) for i in range(p["num_consts"])]
+    if region.primitive == "while":
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        return [(i, i) for i in range(cn)] if body == 0 else [(i, cn + i) for i in range(bn)]
+    return []
 
 
 def _without_unit_axes(op: Any, mesh: Mapping[str, int]) -> Any:
@@ -260,32 +274,62 @@ class PCG:
     def collectives(self) -> collections.Counter:
         """How many of each HLO collective the lowered program has (local slices not counted); a loop or
         branch body counts once, as its HLO computation holds it once. Two nodes of one parallel op on one
-        value (a rewrite pushing a combine into both operands of `x + x`) are one: XLA's CSE merges them."""
+        value (a rewrite pushing a combine into both operands of `x + x`) are one: XLA's CSE merges them; and
+        so are a collective of a loop-invariant value (a loop's constant operand, or made from such operands
+        only) and the same collective of that value anywhere else, loops' bodies included: XLA's loop-invariant
+        code motion takes it out of its loops first."""
         c: collections.Counter = collections.Counter()
-        seen: set[tuple[Any, int]] = set()
+        self._count_collectives(c, set(), {})
+        return c
+
+    def _count_collectives(self, c: collections.Counter, seen: set, hoisted: Mapping[int, Any]) -> None:
+        """`collectives()` of this PCG, into `c`; `seen`: the keys of the collectives counted anywhere;
+        `hoisted`: per input of this (body) PCG that is loop-invariant, the key of the value outside the loops."""
+        m = self.mesh_sizes
+        same = self._same_values
+        key_of = dict(hoisted)  # tensor -> what XLA computes it as outside the loops (invariant tensors only)
+        for n in self.nodes:  # (what only invariant tensors make is invariant too)
+            ins = [same.get(t, t) for t in n.inputs]
+            if not n.is_region and ins and all(t in key_of for t in ins):
+                op = _without_unit_axes(n.op, m) if n.is_parallel else n.op
+                for k, t in enumerate(n.outputs):
+                    key_of.setdefault(same.get(t, t), (op, tuple(key_of[u] for u in ins), k))
+        here = lambda t: key_of.get(same.get(t, t), (id(self), same.get(t, t)))  # noqa: E731
         for n in self.parallel_nodes():
-            key = (_without_unit_axes(n.op, self.mesh_sizes), self._same_values.get(n.inputs[0], n.inputs[0]))
+            key = (_without_unit_axes(n.op, m), here(n.inputs[0]))
             if n.op.collective not in ("none", "slice") and self._moves(n) and key not in seen:
                 seen.add(key)
                 c[n.op.collective] += 1
         for n in self.region_nodes():
-            for body in n.op.bodies:
-                c.update(body.collectives())
-        return c
+            for b, body in enumerate(n.op.bodies):
+                body._count_collectives(c, seen, {body.inputs[i]: here(n.inputs[j])
+                                                  for i, j in _loop_invariant_operands(n.op, b)})
 
     @functools.cached_property
     def _same_values(self) -> dict[int, int]:
         """Per tensor, the first tensor XLA computes it as (its CSE: the same op on the same values, operands of
         a commutative op in any order; and through what its simplifier removes: a pad of nothing, a reshape,
         convert or copy changing neither shape nor dtype, a select of one value, a collective over axes of size
-        1). Regions are not merged."""
+        1); a reduction over every dim of a reshape or transpose of x is that reduction of x). Regions are not
+        merged."""
         same: dict[int, int] = {}
         first: dict[tuple[Any, ...], Node] = {}
+        rearranged: dict[int, int] = {}  # tensor -> what a chain of reshapes/transposes makes it of
         m = self.mesh_sizes
         for n in self.nodes:
             if n.is_region:
                 continue
             ins = tuple(same.get(t, t) for t in n.inputs)
+            if not n.is_parallel and n.op.primitive in _REARRANGING and len(ins) == 1:
+                rearranged[n.outputs[0]] = rearranged.get(ins[0], ins[0])
+            if not n.is_parallel and n.op.primitive in _REDUCTIONS and len(ins) == 1 and len(n.outputs) == 1 \
+                    and not self.tensors[n.outputs[0]].shape:  # (XLA's simplifier: reduce(reshape(x)) -> reduce(x))
+                key = ((n.op.primitive, "every dim"), (rearranged.get(ins[0], ins[0]),),
+                       _physical(self.tensors[n.outputs[0]].sharding, m))
+                m1 = first.setdefault(key, n)
+                if m1.outputs[0] != n.outputs[0]:
+                    same[n.outputs[0]] = same.get(m1.outputs[0], m1.outputs[0])
+                continue
             if n.is_parallel and not self._moves(n) \
                     or not n.is_parallel and len(n.inputs) >= 1 and len(n.outputs) == 1 \
                     and _is_identity(n.op, self.tensors[n.inputs[0]], self.tensors[n.outputs[0]]):
