@@ -1381,7 +1381,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     lengths = _loop_lengths(graph)
     trips, reshard_trips = _trips(graph, lengths)
     hoisted = _invariant_trips(graph, canon, lengths)
-    reshard_trips = _hoisted_pcg_collectives(graph, canon, hoisted, reshard_trips)
+    reshard_trips = _hoisted_reshards(graph, canon, hoisted, reshard_trips)
     # Loop state: values a region's ties carry to the next iteration or out of it.
     carried = frozenset(c for op in graph.ops if op.primitive == "tie" and outer_region(op) and live[op.id]
                         for c in (canon[op.inputs[0]],)
@@ -1497,15 +1497,19 @@ def _invariant_trips(graph: Graph, canon: Sequence[int], lengths: Mapping[str, i
     return out
 
 
-def _hoisted_pcg_collectives(graph: Graph, canon: Sequence[int], hoisted: dict[int, tuple[int, int]],
-                             reshard_trips: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
-    """A PCG collective of a loop-invariant value is invariant too, and XLA's loop-invariant code motion takes it
-    out of the loop as it takes a plan's reshard of such a value (`_invariant_trips`): its result joins `hoisted`
-    and its own reshard (its collective) runs as often as the value's. (Plans have no PCG collectives.)"""
+def _hoisted_reshards(graph: Graph, canon: Sequence[int], hoisted: dict[int, tuple[int, int]],
+                      reshard_trips: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """The reshards of ops that only pass a loop-invariant value on, which XLA's loop-invariant code motion takes
+    out of the loops as it takes the readers' (`_invariant_trips`): a `tie` taking such a value into an inner loop
+    (its reshard runs outside the inner loop, and outside every enclosing loop the value is invariant in) and a PCG
+    collective of such a value (whose result is invariant too: it joins `hoisted`). Each runs as often as the
+    value's reshards."""
     out = list(reshard_trips)
     for op in graph.ops:
-        if op.primitive == PCG_COLLECTIVE and (h := hoisted.get(canon[op.inputs[0]])) is not None:
-            hoisted.setdefault(canon[op.outputs[0]], h)
+        passes_on = op.primitive == PCG_COLLECTIVE or op.primitive == "tie" and op.params.get("at") == "in"
+        if passes_on and (h := hoisted.get(canon[op.inputs[0]])) is not None:
+            if op.primitive == PCG_COLLECTIVE:
+                hoisted.setdefault(canon[op.outputs[0]], h)
             out[op.id] = (min(out[op.id][0], h[0]), min(out[op.id][1], h[0]))
     return tuple(out)
 
