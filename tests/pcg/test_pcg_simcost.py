@@ -148,26 +148,6 @@ def test_a_loops_carry_runs_every_trip_in_the_pcg_as_in_its_plan(mesh):
     assert pcg_sim.payload == plan_sim.payload
 
 
-def test_nested_loops_carries_are_simulated_and_searched(mesh):
-    """A fori_loop inside a scan, both carrying h: the ties of the two loops' carries pass one buffer around a
-    cycle, which the memory model followed without end (a RecursionError from `shardc.auto(search=True)` on this
-    program). Its plan and its PCG now simulate alike."""
-    def f(x, ws):
-        def outer(h, w):
-            h = jax.lax.fori_loop(0, 2, lambda i, a: jnp.sin(a @ split(w, 0, "model")), h)
-            return h, None
-
-        return jax.lax.scan(outer, split(x, 0, "data"), ws)[0]
-
-    k = jax.random.split(jax.random.key(2), 2)
-    args = (jax.random.normal(k[0], (8, 32)), jax.random.normal(k[1], (2, 32, 32)) / 6)
-    plan = shardc.auto(f, mesh=mesh, search=True, budget_s=1).plan(*args)
-    assert plan.cost.step_time > 0
-    plan_sim, pcg_sim = _simulated_alike(f, mesh, *args)
-    assert pcg_sim.step_time == pytest.approx(plan_sim.step_time, rel=1e-6)
-    assert pcg_sim.peak_memory == plan_sim.peak_memory
-
-
 def test_the_same_collective_of_one_value_computed_twice_is_priced_once(mesh):
     """Two `tanh`s of one value (XLA's CSE keeps one), each gathered whole: the plan prices one all-gather, and so
     does the PCG (its two Combine nodes were two all-gathers, as `PCG.collectives()` already counted once; the
