@@ -779,6 +779,9 @@ def _check_rules(rules: Any) -> Any:
     return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules)
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep  # (shardc's own frames, for `_internal_errors`)
+
+
 @contextlib.contextmanager
 def _internal_errors(phase: str, fun: Callable) -> Any:
     """An unexpected exception inside one of shardc's passes becomes a ShardingError that says which
@@ -792,7 +795,11 @@ def _internal_errors(phase: str, fun: Callable) -> Any:
         if os.environ.get("SHARDC_DEBUG"):
             raise
         frames = traceback.extract_tb(e.__traceback__)
-        at = f" at {SourceLine(frames[-1].filename, frames[-1].lineno, frames[-1].name)}" if frames else ""
+        line = lambda f: SourceLine(f.filename, f.lineno, f.name)  # noqa: E731
+        ours = [f for f in frames if os.path.abspath(f.filename).startswith(_PACKAGE_DIR)]
+        at = f" at {line((ours or frames)[-1])}" if frames else ""
+        if ours and ours[-1] is not frames[-1]:  # (raised in a library shardc called: say both)
+            at += f" (raised in {line(frames[-1])})"
         err = ShardingError(f"shardc failed while {phase} {_describe(fun)}: internal {type(e).__name__}{at}: {e}. "
                             f"This is a bug in shardc, not in your program; please report it "
                             f"(SHARDC_DEBUG=1 shows the full traceback)")

@@ -86,3 +86,14 @@ def test_auto_function_called_inside_another_is_inlined():
     hints = [op.params["spec"].describe() for op in outer.plan(x).graph.ops if op.primitive == "shardc_hint"]
     assert hints == ["split[data | ?]", "split[? | model]"]
     np.testing.assert_allclose(np.asarray(jax.grad(lambda v: inner(v).sum())(x)), 2.0)
+
+
+def test_an_error_raised_in_a_library_names_the_shardc_line_that_called_it(monkeypatch):
+    """A library shardc calls raising (numpy here) is reported at shardc's own line, the library's after it (the
+    message of a crash in a zoo run named only a numpy file, cut to `at /` by the table)."""
+    monkeypatch.delenv("SHARDC_DEBUG", raising=False)
+    monkeypatch.setattr(auto_mod, "propagate", lambda *a, **k: np.reshape(np.arange(3), (2, 2)))
+    with pytest.raises(shardc.ShardingError) as info:
+        shardc.auto(step, mesh=MESH, search=False).plan(jnp.ones((8, 4)))
+    msg = str(info.value)
+    assert "internal ValueError at shardc/auto.py:" in msg and "(raised in " in msg and "numpy" in msg, msg
