@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from annotations.errors import ShardingError
 
@@ -32,7 +32,9 @@ def is_multiprocess() -> bool:
     return jax.process_count() > 1
 
 
-def _mesh_text(mesh: Mesh) -> str:
+def _mesh_text(mesh: Mesh | AbstractMesh) -> str:
+    if isinstance(mesh, AbstractMesh):  # (a plan for more devices than this host has: a shape, no devices)
+        return f"{tuple(mesh.axis_names)} {tuple(mesh.axis_sizes)} abstract"
     ids = [int(d.id) for d in mesh.devices.flat]
     return f"{tuple(mesh.axis_names)} {tuple(mesh.devices.shape)} {ids}"
 

@@ -2,6 +2,7 @@
 PCG rewritten with proved rules runs when the simulator says it is faster — its compiled collectives are
 the PCG's and its results those of jax.jit(step) — and plan.explain() lists the rewrites."""
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -167,3 +168,16 @@ def test_a_plan_the_search_rewrote_is_not_rewritten_again(monkeypatch):
     assert plan.search.chosen.name in ("hints", "fsdp", "megatron", "data parallel")  # (not a searched plan)
     assert plan_digest(plan) in digests and plan.pcg is not None
     assert len(digests) == len(set(digests)), "a plan was rewritten twice"
+
+
+def test_pcg_rewriting_of_a_plan_for_more_devices_than_the_host(monkeypatch, args):
+    """`plan_for` on 64 GPUs (a mesh shape without devices) with pcg=True: the rewritten plans are told apart by
+    their digests, which took the mesh's devices (a ValueError from the gpt48 zoo row on h100-sxm-8x8)."""
+    import shardc.pcg.choice as choice_mod
+    from shardc.distributed import plan_digest
+
+    real = choice_mod.choose_pcg
+    monkeypatch.setattr(choice_mod, "choose_pcg", lambda plan, *a, **k: real(plan, *a, **{**k, "max_evaluations": 4}))
+    plan = shardc.plan_for(two_branch, *args, topology="h100-sxm-8x8", pcg=True, budget_s=0.5)
+    assert math.prod(plan.mesh_sizes.values()) == 64 and len(plan_digest(plan)) == 32
+    assert plan.pcg is not None  # (its rewriting, made by the search or for the plan chosen)
