@@ -279,12 +279,14 @@ class PCG:
         only) and the same collective of that value anywhere else, loops' bodies included: XLA's loop-invariant
         code motion takes it out of its loops first."""
         c: collections.Counter = collections.Counter()
-        self._count_collectives(c, set(), {})
+        self._count_collectives(c, set(), {}, ())
         return c
 
-    def _count_collectives(self, c: collections.Counter, seen: set, hoisted: Mapping[int, Any]) -> None:
+    def _count_collectives(self, c: collections.Counter, seen: set, hoisted: Mapping[int, Any],
+                           scope: tuple[int, ...]) -> None:
         """`collectives()` of this PCG, into `c`; `seen`: the keys of the collectives counted anywhere;
-        `hoisted`: per input of this (body) PCG that is loop-invariant, the key of the value outside the loops."""
+        `hoisted`: per input of this (body) PCG that is loop-invariant, the key of the value outside the loops;
+        `scope`: where this PCG is (region node ids and body indices from the top)."""
         m = self.mesh_sizes
         same = self._same_values
         key_of = dict(hoisted)  # tensor -> what XLA computes it as outside the loops (invariant tensors only)
@@ -294,7 +296,7 @@ class PCG:
                 op = _without_unit_axes(n.op, m) if n.is_parallel else n.op
                 for k, t in enumerate(n.outputs):
                     key_of.setdefault(same.get(t, t), (op, tuple(key_of[u] for u in ins), k))
-        here = lambda t: key_of.get(same.get(t, t), (id(self), same.get(t, t)))  # noqa: E731
+        here = lambda t: key_of.get(same.get(t, t), (scope, same.get(t, t)))  # noqa: E731
         for n in self.parallel_nodes():
             key = (_without_unit_axes(n.op, m), here(n.inputs[0]))
             if n.op.collective not in ("none", "slice") and self._moves(n) and key not in seen:
@@ -303,7 +305,7 @@ class PCG:
         for n in self.region_nodes():
             for b, body in enumerate(n.op.bodies):
                 body._count_collectives(c, seen, {body.inputs[i]: here(n.inputs[j])
-                                                  for i, j in _loop_invariant_operands(n.op, b)})
+                                                  for i, j in _loop_invariant_operands(n.op, b)}, scope + (n.id, b))
 
     @functools.cached_property
     def _same_values(self) -> dict[int, int]:
