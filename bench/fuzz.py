@@ -1,7 +1,7 @@
 """Fuzz soak: many more generated programs than CI runs, failures recorded and shrunk.
 
     python bench/fuzz.py [--minutes 30] [--seed 0] [--jobs 1] [--chunk 100] [--max-ops 12]
-                         [--const-cotangents] [--pcg | --search] [--out bench/fuzz_failures.jsonl] [--write]
+                         [--const-cotangents] [--pcg] [--search] [--out bench/fuzz_failures.jsonl] [--write]
 
 Programs come from `tests/fuzz/fuzzlib.programs` (hypothesis) and are checked by
 `fuzzlib.check_program` (sharded == unsharded forward and gradients, compiled shardings == plan,
@@ -10,7 +10,8 @@ by kind and byte for byte, with no involuntary rematerialization — a program t
 there counts as "collectives", not "fail"). With `--pcg` they are checked by `pcg_check.check_pcg` instead:
 the plan's PCG, random proved rewrites applied, run through its `shard_map` lowering, must equal the unsharded
 program with the collectives the PCG names (the substitution engine under the fuzzer). With `--search` the plan
-checked is the strategy search's on the program's mesh (`check_program(search=True)`), not the hints'. Work runs in child processes of `--chunk` programs
+checked is the strategy search's on the program's mesh (`check_program(search=True)`), not the hints' (with
+`--pcg` too: the searched plan's PCG). Work runs in child processes of `--chunk` programs
 each (seeds `--seed`, `--seed`+1, ...; `--jobs` of them at once), so a crash inside XLA ends one chunk, not
 the soak: the program that was running is recorded as a crash and re-run alone to see whether it
 reproduces. No chunk starts after `--minutes`; the ones running then finish. A chunk that runs past
@@ -52,15 +53,15 @@ def _error_kind(e: BaseException) -> str:
 
 def _check(prog: object, mode: str, strict: bool) -> dict:
     """Check one program: its hints' plan (`fuzzlib.check_program`), the substitution engine's (mode "pcg":
-    `pcg_check.check_pcg`, random proved rewrites of the plan's PCG, run through its shard_map lowering) or the
-    strategy search's plan (mode "search": `check_program(search=True)`). Returns the record's fields; raises on
-    a failure."""
+    `pcg_check.check_pcg`, random proved rewrites of the plan's PCG, run through its shard_map lowering; "pcg+search":
+    of the searched plan's PCG) or the strategy search's plan (mode "search": `check_program(search=True)`).
+    Returns the record's fields; raises on a failure."""
     import fuzzlib
 
-    if mode == "pcg":
+    if mode.startswith("pcg"):
         import pcg_check
 
-        o = pcg_check.check_pcg(prog)
+        o = pcg_check.check_pcg(prog, search=mode == "pcg+search")
         return dict(kind="ok", error=None, rewrites=list(o.rewrites), unsupported=o.unsupported,
                     collectives=o.collectives, merged=o.merged, rounding=o.rounding)
     o = fuzzlib.check_program(prog, strict_collectives=strict, search=mode == "search")
@@ -209,7 +210,7 @@ def _run_chunks(args: argparse.Namespace, work: str) -> tuple[list[str], list[di
 
 
 def _mode(args: argparse.Namespace) -> str:
-    return "pcg" if args.pcg else "search" if args.search else "plan"
+    return ("pcg+search" if args.search else "pcg") if args.pcg else "search" if args.search else "plan"
 
 
 def soak(args: argparse.Namespace) -> None:
@@ -263,7 +264,7 @@ def soak(args: argparse.Namespace) -> None:
         lines = "\n".join(f"- {n} x {e}" for e, n in errors.most_common()) or "- none"
         write_section("fuzz", f"`python bench/fuzz.py --minutes {args.minutes} --seed {args.seed} --jobs {args.jobs} --max-ops "
                       f"{args.max_ops}{' --const-cotangents' if args.const_cotangents else ''}"
-                      f"{'' if _mode(args) == 'plan' else ' --' + _mode(args)}` "
+                      f"{' --pcg' if args.pcg else ''}{' --search' if args.search else ''}` "
                       f"({os.cpu_count()} cores; each program checked sharded vs unsharded, forward and "
                       f"gradients, compiled shardings vs plan, hints, compiled collectives vs plan).\n\n" + "\n".join(summary)
                       + "\n\nFailures (shrunk programs in `bench/fuzz_failures.jsonl`):\n\n" + lines + "\n")
@@ -285,13 +286,12 @@ def main() -> None:
     ap.add_argument("--max-ops", type=int, default=12)
     ap.add_argument("--const-cotangents", action="store_true",
                     help="close over the gradient's output cotangents as constants (XLA folds them)")
-    which = ap.add_mutually_exclusive_group()
-    which.add_argument("--pcg", action="store_true",
-                       help="check the substitution engine instead: random proved rewrites of each plan's PCG, run "
-                            "through its shard_map lowering (tests/fuzz/pcg_check.py)")
-    which.add_argument("--search", action="store_true",
-                       help="check the strategy search's plan of each program (search=True on its mesh, a small "
-                            "budget) instead of its hints' plan")
+    ap.add_argument("--pcg", action="store_true",
+                    help="check the substitution engine instead: random proved rewrites of each plan's PCG, run "
+                         "through its shard_map lowering (tests/fuzz/pcg_check.py)")
+    ap.add_argument("--search", action="store_true",
+                    help="the plan checked (or made a PCG, with --pcg) is the strategy search's (search=True on the "
+                         "program's mesh, a small budget), not its hints'")
     ap.add_argument("--out", default=os.path.join(HERE, "fuzz_failures.jsonl"))
     ap.add_argument("--write", action="store_true")
     soak(ap.parse_args())

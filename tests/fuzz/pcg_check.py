@@ -81,8 +81,9 @@ def _check_results(reference: Any, args: Any, got: Any, what: str, hlo: str) -> 
         raise
 
 
-def check_pcg(prog: fuzzlib.Program, seed: int = 0, rewrites: int = 3) -> PCGOutcome:
-    """Plan `prog` (its hints, no search), build its PCG (`fuse` drawn at random), apply up to `rewrites`
+def check_pcg(prog: fuzzlib.Program, seed: int = 0, rewrites: int = 3, search: bool = False) -> PCGOutcome:
+    """Plan `prog` (its hints, no search; with `search`, the strategy search's plan on its mesh, as
+    `fuzzlib.check_program(search=True)`), build its PCG (`fuse` drawn at random), apply up to `rewrites`
     random proved rewrites, and assert that the PCG's lowering (as `shardc.auto(pcg=True)` runs a chosen
     PCG) equals the unsharded program and compiles to the collectives the PCG names, kind by kind (after
     rewrites: to no more than it names)."""
@@ -91,7 +92,9 @@ def check_pcg(prog: fuzzlib.Program, seed: int = 0, rewrites: int = 3) -> PCGOut
     reference = fuzzlib.program_function(prog, reference=True)
     args = fuzzlib.make_args(prog, seed)
     mesh = shardc.make_mesh(dict(prog.mesh))
-    info = shardc.auto(fun, mesh=mesh, search=False).compiled_info(*args)
+    auto = shardc.auto(fun, mesh=mesh, search=True, budget_s=fuzzlib.SEARCH_BUDGET_S, seed=seed) if search else \
+        shardc.auto(fun, mesh=mesh, search=False)
+    info = auto.compiled_info(*args)
     try:
         pcg = build_pcg(info.plan, info.closed_jaxpr, fuse=rng.random() < 0.5)
     except ShardingError as e:

@@ -28,6 +28,14 @@ def test_rewritten_pcgs_compute_the_unsharded_values(bucket):
     _run_bucket(bucket)
 
 
+def test_rewritten_pcgs_of_searched_plans_compute_the_unsharded_values():
+    """The same on the strategy search's plans (`check_pcg(search=True)`: layouts no hint asks for)."""
+    draws = itertools.count()
+    seen = fuzzlib.check_seeded(31100, 10, lambda prog: pcg_check.check_pcg(prog, seed=next(draws), search=True),
+                                max_ops=12)
+    assert len(seen) >= 10 and sum(1 for o in seen if o.rewrites) >= 2
+
+
 # Programs the engine's fuzzing found wrong, shrunk (each failed before its fix).
 UPDATE_ONE_ROW_OF_A_SPLIT_DIM = Program(mesh=(("x", 2), ("y", 4)), steps=(
     Step(kind="input", args=(), attrs=(), shape=(8, 4, 8)),
