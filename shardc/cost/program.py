@@ -1483,10 +1483,12 @@ def _invariant_trips(graph: Graph, canon: Sequence[int], lengths: Mapping[str, i
     canonical value outside every loop it is invariant in that it comes from. XLA's
     loop-invariant code motion moves a collective whose operand is invariant out of the loop (the FSDP
     all-gather of a weight an LSTM cell reads every step runs once, not once per step; out of every enclosing
-    loop in which the value is invariant too)."""
+    loop in which the value is invariant too). A PCG collective's result of such a value is invariant too."""
     replaced = {v for op in graph.ops if op.primitive == "tie" and not op.params.get("at") for v in op.outputs}
     out: dict[int, tuple[int, int]] = {}
     for op in graph.ops:  # (an outer loop's ties come before its body's: nested invariants see theirs)
+        if op.primitive == PCG_COLLECTIVE and canon[op.inputs[0]] in out:
+            out.setdefault(canon[op.outputs[0]], out[canon[op.inputs[0]]])
         if op.primitive != "tie" or op.params.get("at") != "in":
             continue
         inner = op.outputs[0]
@@ -1497,19 +1499,16 @@ def _invariant_trips(graph: Graph, canon: Sequence[int], lengths: Mapping[str, i
     return out
 
 
-def _hoisted_reshards(graph: Graph, canon: Sequence[int], hoisted: dict[int, tuple[int, int]],
+def _hoisted_reshards(graph: Graph, canon: Sequence[int], hoisted: Mapping[int, tuple[int, int]],
                       reshard_trips: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
     """The reshards of ops that only pass a loop-invariant value on, which XLA's loop-invariant code motion takes
     out of the loops as it takes the readers' (`_invariant_trips`): a `tie` taking such a value into an inner loop
     (its reshard runs outside the inner loop, and outside every enclosing loop the value is invariant in) and a PCG
-    collective of such a value (whose result is invariant too: it joins `hoisted`). Each runs as often as the
-    value's reshards."""
+    collective of such a value. Each runs as often as the value's reshards."""
     out = list(reshard_trips)
     for op in graph.ops:
         passes_on = op.primitive == PCG_COLLECTIVE or op.primitive == "tie" and op.params.get("at") == "in"
         if passes_on and (h := hoisted.get(canon[op.inputs[0]])) is not None:
-            if op.primitive == PCG_COLLECTIVE:
-                hoisted.setdefault(canon[op.outputs[0]], h)
             out[op.id] = (min(out[op.id][0], h[0]), min(out[op.id][1], h[0]))
     return tuple(out)
 

@@ -72,20 +72,19 @@ def gather_window(graph: Graph, op: Any) -> list[tuple[int, int]] | None | str:
         return None
     indices = constant_array(graph, op.inputs[1])
     index_map = tuple(numbers.start_index_map)
-    if indices is None or not index_map or indices.size % len(index_map):
+    n = len(index_map)
+    if indices is None or (indices.size % n if n else indices.size):
         return None
     shape = graph.values[op.inputs[0]].shape
-    if indices.size != len(index_map):  # several indices: XLA folds the gather when every one is out of bounds
-        fill = "FILL_OR_DROP" in str(op.params.get("mode")) and all(
-            any(i < 0 or i + sizes[d] > shape[d] for d, i in zip(index_map, row))
-            for row in indices.reshape(-1, len(index_map)).tolist())
-        return OUT_OF_BOUNDS if fill else None
+    rows = indices.reshape(-1, n).tolist() if n else [[]]
+    outside = lambda row: any(i < 0 or i + sizes[d] > shape[d] for d, i in zip(index_map, row))  # noqa: E731
+    if "FILL_OR_DROP" in str(op.params.get("mode")) and all(map(outside, rows)):
+        return OUT_OF_BOUNDS  # (XLA folds a gather whose every index is out of bounds to its fill)
+    if len(rows) != 1:
+        return None
     starts = [0] * len(sizes)
-    for d, i in zip(index_map, indices.reshape(-1).tolist()):
+    for d, i in zip(index_map, rows[0]):
         starts[d] = int(i)
-    if "FILL_OR_DROP" in str(op.params.get("mode")) \
-            and any(s < 0 or s + k > n for s, k, n in zip(starts, sizes, shape)):
-        return OUT_OF_BOUNDS
     return _clamped(starts, sizes, shape)
 
 
