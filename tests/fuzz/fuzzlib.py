@@ -1052,6 +1052,14 @@ def _compare(reference: Callable, args: Any, got: Any, info: Any, what: str,
 SEARCH_BUDGET_S = 0.5
 
 
+def planned(fun: Callable, mesh: Any, seed: int = 0, search: bool = False) -> Any:
+    """`shardc.auto` of a generated program on its mesh: its hints' plan, or with `search` the strategy search's
+    (budget `SEARCH_BUDGET_S`, `seed`)."""
+    if search:
+        return shardc.auto(fun, mesh=mesh, search=True, budget_s=SEARCH_BUDGET_S, seed=seed)
+    return shardc.auto(fun, mesh=mesh, search=False)
+
+
 def check_program(prog: Program, seed: int = 0, strict_collectives: bool = True, search: bool = False) -> Outcome:
     """Run `prog` unsharded and under shardc and assert the properties in the module docstring
     (a collective difference is raised when `strict_collectives`, else recorded in the outcome). `search`: the
@@ -1062,8 +1070,7 @@ def check_program(prog: Program, seed: int = 0, strict_collectives: bool = True,
     reference = program_function(prog, reference=True)
     args = make_args(prog, seed)
     mesh = shardc.make_mesh(dict(prog.mesh))
-    auto = shardc.auto(fun, mesh=mesh, search=True, budget_s=SEARCH_BUDGET_S, seed=seed) if search else \
-        shardc.auto(fun, mesh=mesh, search=False)
+    auto = planned(fun, mesh, seed, search)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         info = auto.compiled_info(*args)

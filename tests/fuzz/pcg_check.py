@@ -92,9 +92,7 @@ def check_pcg(prog: fuzzlib.Program, seed: int = 0, rewrites: int = 3, search: b
     reference = fuzzlib.program_function(prog, reference=True)
     args = fuzzlib.make_args(prog, seed)
     mesh = shardc.make_mesh(dict(prog.mesh))
-    auto = shardc.auto(fun, mesh=mesh, search=True, budget_s=fuzzlib.SEARCH_BUDGET_S, seed=seed) if search else \
-        shardc.auto(fun, mesh=mesh, search=False)
-    info = auto.compiled_info(*args)
+    info = fuzzlib.planned(fun, mesh, seed, search).compiled_info(*args)
     try:
         pcg = build_pcg(info.plan, info.closed_jaxpr, fuse=rng.random() < 0.5)
     except ShardingError as e:
@@ -112,9 +110,10 @@ def check_pcg(prog: fuzzlib.Program, seed: int = 0, rewrites: int = 3, search: b
     compiled = jitted.lower(*flat).compile()
     got = compiled(*flat)
     # (the PCG's outputs are the plan's flat outputs; the reference's leaves in the same order)
-    rounding = _check_results(reference, args, got, f"PCG after {applied or 'no rewrite'}", compiled.as_text())
+    hlo = compiled.as_text()
+    rounding = _check_results(reference, args, got, f"PCG after {applied or 'no rewrite'}", hlo)
     want = {k: v for k, v in pcg.collectives().items() if v}
-    have = {k: v for k, v in hlo_collectives(compiled.as_text()).items() if v}
+    have = {k: v for k, v in hlo_collectives(hlo).items() if v}
     # Unrewritten, the PCG is the plan: its collectives exactly. Rewritten, a rewrite may compute one value
     # twice in two algebraically equal ways (a sum of a broadcast beside a dot), which XLA's simplifier then
     # merges with their collectives: the PCG over-counts (prices more than runs), but the compiled program
