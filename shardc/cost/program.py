@@ -147,9 +147,9 @@ class ProgramInfo:
     post: tuple[int, ...] = ()  # per op: its position in XLA's post order of the program (the combiners' walk)
     eager: bool = False  # reshards run as soon as their operand exists (XLA:CPU's breadth-first schedule)
     reshard_trips: tuple[tuple[int, int], ...] = ()  # per op: runs of its operands' and its results' reshards
-    hoisted: Mapping[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # loop-invariant body
-    # values: (runs of their reshards, the value outside the loops they come from); XLA's loop-invariant code
-    # motion moves those reshards out of the loop (`_invariant_trips`)
+    hoisted: Mapping[int, tuple[int, int, int]] = dataclasses.field(default_factory=dict)  # loop-invariant body
+    # values: (runs of their reshards, the value outside the loops they come from, runs out of the innermost
+    # loop only); XLA's loop-invariant code motion moves those reshards out of the loop (`_invariant_trips`)
     unread: frozenset[tuple[int, int]] = frozenset()  # (op, operand index) XLA does not read (`unread_operands`)
     through: frozenset[int] = frozenset()  # ops XLA replaces by their operands (`passes_through`): no work, no buffer
     copies: tuple[tuple[int, ...], ...] = ()  # per op (XLA:CPU): operands its dot decomposition copies (`dot_copies`)
@@ -1477,15 +1477,18 @@ def _runs(lengths: Mapping[str, int], region: str) -> int:
     return n
 
 
-def _invariant_trips(graph: Graph, canon: Sequence[int], lengths: Mapping[str, int]) -> dict[int, tuple[int, int]]:
+def _invariant_trips(graph: Graph, canon: Sequence[int], lengths: Mapping[str, int]
+                     ) -> dict[int, tuple[int, int, int]]:
     """Per canonical loop-invariant value of a loop body (a value entering the loop that no iteration
-    replaces: a scan's or while's constant operand, not its carry): how often its reshards run, and the
-    canonical value outside every loop it is invariant in that it comes from. XLA's
-    loop-invariant code motion moves a collective whose operand is invariant out of the loop (the FSDP
-    all-gather of a weight an LSTM cell reads every step runs once, not once per step; out of every enclosing
-    loop in which the value is invariant too). A PCG collective's result of such a value is invariant too."""
+    replaces: a scan's or while's constant operand, not its carry): how often its reshards run, the
+    canonical value outside every loop it is invariant in that it comes from, and how often they run when
+    taken out of the innermost of those loops only. XLA's loop-invariant code motion moves a collective
+    whose operand is invariant out of the loop (the FSDP all-gather of a weight an LSTM cell reads every step
+    runs once, not once per step; out of every enclosing loop in which the value is invariant too, but for
+    the reshards `sim.tasks.leaves_one_loop_only` names). A PCG collective's result of such a value is
+    invariant too."""
     replaced = {v for op in graph.ops if op.primitive == "tie" and not op.params.get("at") for v in op.outputs}
-    out: dict[int, tuple[int, int]] = {}
+    out: dict[int, tuple[int, int, int]] = {}
     for op in graph.ops:  # (an outer loop's ties come before its body's: nested invariants see theirs)
         if op.primitive == PCG_COLLECTIVE and canon[op.inputs[0]] in out:
             out.setdefault(canon[op.outputs[0]], out[canon[op.inputs[0]]])
@@ -1494,12 +1497,13 @@ def _invariant_trips(graph: Graph, canon: Sequence[int], lengths: Mapping[str, i
         inner = op.outputs[0]
         if inner in replaced:
             continue
-        source = canon[op.inputs[0]]
-        out[canon[inner]] = out.get(source, (_runs(lengths, op.region.rsplit("/", 1)[0]), source))
+        source, here = canon[op.inputs[0]], _runs(lengths, op.region.rsplit("/", 1)[0])
+        runs, origin = out[source][:2] if source in out else (here, source)
+        out[canon[inner]] = (runs, origin, here)
     return out
 
 
-def _hoisted_reshards(graph: Graph, canon: Sequence[int], hoisted: Mapping[int, tuple[int, int]],
+def _hoisted_reshards(graph: Graph, canon: Sequence[int], hoisted: Mapping[int, tuple[int, int, int]],
                       reshard_trips: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
     """The reshards of ops that only pass a loop-invariant value on, which XLA's loop-invariant code motion takes
     out of the loops as it takes the readers' (`_invariant_trips`): a `tie` taking such a value into an inner loop

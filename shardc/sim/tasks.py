@@ -54,6 +54,27 @@ Key = tuple[int, Sharding, int]
 HOME, MADE, EXIT = 0, 1, 2  # (HOME as `shardc.cost.dropped.HOME`)
 
 
+def leaves_one_loop_only(steps: Sequence[tuple[Sharding, tuple]], src: Sharding, shape: Sequence[int],
+                         itemsize: int, mesh: Mapping[str, int]) -> bool:
+    """Whether XLA's loop-invariant code motion takes reshard `steps` (from `src`) of a value invariant in
+    nested loops, made in the innermost loop's body, out of that loop only: its first collective is a
+    collective-permute of a smaller piece than the value's local one, which XLA slices first at offsets
+    computed from the partition id. One pass of the motion takes those offsets out of the outer loop too, as
+    new loop state, while it brings the slice and the permute into the outer body; the next pass no longer
+    sees the offsets as invariant (it only takes the loop state the body's root passes on as it is), so the
+    permute runs once per outer trip. (An all-gather, or a permute of the whole piece, reads the value alone
+    and leaves every loop it is invariant in.)"""
+    for layout, collectives in steps:
+        if collectives:
+            first = collectives[0]
+            local = itemsize
+            for n in src.local_shape(shape, mesh):
+                local *= n
+            return first.kind == "collective-permute" and first.bytes < local
+        src = layout
+    return False
+
+
 def reads_after_loop(op: Any) -> bool:
     """Whether `op` is a loop's exit tie: it reads the loop's carry as the loop leaves it."""
     return op.primitive == "tie" and op.params.get("at") == "out"
@@ -644,7 +665,10 @@ class TaskBuilder:
             steps = self.path(home[1], s, v, (), self.bc_start.get((op_id, i), frozenset()))
             n = self.resume(c, steps, keys, origin)
             src = (c, steps[n - 1][0], origin) if n else home
-            runs = min(trips_in, info.hoisted.get(c, (trips_in,))[0])  # (a loop-invariant value's: out of the loop)
+            runs = trips_in
+            if (h := info.hoisted.get(c)) is not None:  # a loop-invariant value's: out of the loop(s)
+                one = leaves_one_loop_only(steps[n:], src[1], g.values[v].shape, self._itemsize[v], self.mesh)
+                runs = min(trips_in, h[2] if one else h[0])
             chained = self.chain(slot, src, steps[n:], v, op_id, runs, None if origin == HOME else origin)
             return [made(k) for k in chained][-1]
 

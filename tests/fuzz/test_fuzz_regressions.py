@@ -1500,8 +1500,27 @@ A_MATRIX_INTO_AN_INNER_LOOP = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps
 ), outputs=(8,))
 
 
-@pytest.mark.parametrize("prog", [GATHER_OF_OUT_OF_BOUNDS_ROWS, A_MATRIX_INTO_AN_INNER_LOOP],
-                         ids=["gather_of_out_of_bounds_rows", "a_matrix_into_an_inner_loop"])
+A_PERMUTE_IN_AN_INNER_LOOP = Program(mesh=(("x", 2), ("y", 2), ("z", 2)), steps=(  # seed 133001, shrunk
+    Step(kind="input", args=(), attrs=(("meta", (None, ("x", "y"), None)),), shape=(1, 4, 4)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 2), ("axes", 4)), shape=(1, 4, 4)),
+    Step(kind="input", args=(), attrs=(), shape=(2, 1, 4, 4)),
+    Step(kind="input", args=(), attrs=(), shape=(4, 4)),
+    # the inner body reads the matrix as [x+y, z] where it is [y+z, -] (the hint below): XLA slices it over z
+    # and permutes it once per outer trip, taken out of the inner loop only (the plan counted it once: 120 bytes
+    # of collective-permute against 128)
+    Step(kind="nested_loop", args=(1, 2, 3), attrs=(("n", 2), ("inner", (None, ("y", "x"), ("z",)))),
+         shape=(2, 1, 4, 4)),
+    Step(kind="reshape", args=(3,), attrs=(), shape=(16,)),
+    Step(kind="input", args=(), attrs=(), shape=(16,)),
+    Step(kind="where", args=(5, 6), attrs=(), shape=(16,)),
+    Step(kind="remat_chain", args=(7,), attrs=(("inner", (("y", "z"),)),), shape=(16,)),
+), outputs=(4,))
+
+
+@pytest.mark.parametrize("prog", [GATHER_OF_OUT_OF_BOUNDS_ROWS, A_MATRIX_INTO_AN_INNER_LOOP,
+                                  A_PERMUTE_IN_AN_INNER_LOOP],
+                         ids=["gather_of_out_of_bounds_rows", "a_matrix_into_an_inner_loop",
+                              "a_permute_in_an_inner_loop"])
 def test_searched_plans_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog, search=True)
 

@@ -1,0 +1,65 @@
+"""Reshards of a value invariant in nested loops run where XLA's loop-invariant code motion leaves them: out of
+every loop for a collective that reads the value alone, out of the innermost loop only for a collective-permute
+of a piece XLA first slices at device-dependent offsets (`shardc.sim.tasks.leaves_one_loop_only`). A matrix `w`
+is read inside a `fori_loop` nested in a `scan` in another layout than it enters in; the simulated bytes of each
+collective kind must equal the compiled program's."""
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import shardc
+from shardc.check import compare, xla_log
+from shardc.cost.reshard_path import reshard_steps
+from shardc.sharding import Sharding
+from shardc.sim.tasks import leaves_one_loop_only
+
+MESH = {"x": 2, "y": 2, "z": 2}
+
+# (w's layout where it enters the loops, its layout inside the inner loop, the permute slices first)
+PAIRS = [
+    ((("y", "z"), ()), (("x", "y"), ("z",)), True),  # the fuzzer's (seed 133001): slice over z, then permute
+    ((("x",), ("y",)), (("x", "y"), ("z",)), True),
+    (((), ("x",)), ((), ("y", "x")), True),
+    ((("y", "z"), ()), (("x", "z"), ()), False),  # the whole piece moves
+    (((), ("x",)), ((), ("z",)), False),
+]
+
+
+def _spec(layout):
+    return tuple(axes if axes else None for axes in layout)
+
+
+def _program(src, dst):
+    def step(w, xs):
+        w = shardc.shard(w, _spec(src))
+
+        def cell(c, x):
+            def inner(i, h):
+                return shardc.shard(0.5 * h + jnp.tanh(h * shardc.shard(w, _spec(dst))), _spec(dst))
+
+            c = lax.fori_loop(0, 2, inner, c + x)
+            return c, c
+
+        return lax.scan(cell, jnp.zeros_like(w), xs)[1]
+
+    return step
+
+
+@pytest.mark.parametrize("src,dst,sliced", PAIRS, ids=[f"{s}->{d}" for s, d, _ in PAIRS])
+def test_an_invariant_reshard_in_nested_loops_runs_as_compiled(src, dst, sliced):
+    mesh = shardc.make_mesh(MESH)
+    args = (jnp.ones((8, 8), jnp.float32), jnp.ones((3, 8, 8), jnp.float32))
+    auto = shardc.auto(_program(src, dst), mesh=mesh, search=False)
+    info = auto.compiled_info(*args)
+    plan = info.plan
+    with xla_log() as log:
+        compiled = info.jitted.lower(*args).compile()
+    rows = {r.quantity: r for r in compare(plan, compiled, log).rows}
+    permute = rows["collective-permute bytes"]
+    assert permute.compiled > 0  # (the pair is one XLA moves with a permute)
+    for quantity, row in rows.items():
+        if quantity.endswith(" bytes") and quantity != "peak memory bytes":
+            assert row.predicted == row.compiled, (quantity, row.predicted, row.compiled)
+    steps = reshard_steps(Sharding(src), Sharding(dst), (8, 8), 4, MESH)
+    assert leaves_one_loop_only(steps, Sharding(src), (8, 8), 4, MESH) is sliced
