@@ -303,25 +303,55 @@ class PCG:
                 seen.add(key)
                 c[n.op.collective] += 1
         for n in self.region_nodes():
+            if self.duplicate(n):
+                continue
             for b, body in enumerate(n.op.bodies):
                 body._count_collectives(c, seen, {body.inputs[i]: here(n.inputs[j])
                                                   for i, j in _loop_invariant_operands(n.op, b)}, scope + (n.id, b))
+
+    def same_values(self) -> dict[int, int]:
+        """Per tensor XLA computes as an earlier one, that one (see `_same_values`)."""
+        return self._same_values
+
+    def physical_op(self, n: Node) -> Any:
+        """Parallel node `n`'s op over its mesh axes of size > 1 only (what it does on the devices)."""
+        return _without_unit_axes(n.op, self.mesh_sizes)
+
+    def duplicate(self, n: Node) -> bool:
+        """Whether region node `n` computes what an earlier one does (`_same_values`): XLA keeps only that one,
+        and the lowering runs only that one."""
+        same = self._same_values
+        return bool(n.outputs) and all(t in same for t in n.outputs)
 
     @functools.cached_property
     def _same_values(self) -> dict[int, int]:
         """Per tensor, the first tensor XLA computes it as (its CSE: the same op on the same values, operands of
         a commutative op in any order; and through what its simplifier removes: a pad of nothing, a reshape,
         convert or copy changing neither shape nor dtype, a select of one value, a collective over axes of size
-        1); a reduction over every dim of a reshape or transpose of x is that reduction of x). Regions are not
-        merged."""
+        1); a reduction over every dim of a reshape or transpose of x is that reduction of x); a constant of the
+        value and layout of an earlier one; and a loop or branch with the same bodies (`structure`) as an
+        earlier one, on the same values."""
         same: dict[int, int] = {}
         first: dict[tuple[Any, ...], Node] = {}
         rearranged: dict[int, int] = {}  # tensor -> what a chain of reshapes/transposes makes it of
         m = self.mesh_sizes
+        equal: dict[tuple[Any, ...], int] = {}  # (constants of one value and layout are one to XLA's CSE)
+        for t, value in self.consts.items():
+            a = np.asarray(value)
+            u = equal.setdefault((a.dtype.str, a.shape, a.tobytes(), _physical(self.tensors[t].sharding, m)), t)
+            if u != t:
+                same[t] = u
         for n in self.nodes:
-            if n.is_region:
-                continue
             ins = tuple(same.get(t, t) for t in n.inputs)
+            if n.is_region:  # (two loops computing the same on the same values: XLA's CSE keeps one)
+                made = tuple((self.tensors[t].shape, str(self.tensors[t].dtype), _physical(self.tensors[t].sharding, m))
+                             for t in n.outputs)
+                key = ("region", n.op.primitive, n.op.bkey, tuple(b.structure for b in n.op.bodies), ins, made)
+                m1 = first.setdefault(key, n)
+                for t, u in zip(n.outputs, m1.outputs):
+                    if t != u:
+                        same[t] = same.get(u, u)
+                continue
             if not n.is_parallel and n.op.primitive in _REARRANGING and len(ins) == 1:
                 rearranged[n.outputs[0]] = rearranged.get(ins[0], ins[0])
             if not n.is_parallel and n.op.primitive in _REDUCTIONS and len(ins) == 1 and len(n.outputs) == 1 \
@@ -372,6 +402,20 @@ class PCG:
         m = self.mesh_sizes
         own = sum(comm_bytes(n.op, self.tensors[n.inputs[0]].local_bytes(m), m) for n in self.parallel_nodes())
         return own + sum(n.op.trips * sum(b.comm_bytes() for b in n.op.bodies) for n in self.region_nodes())
+
+    @functools.cached_property
+    def structure(self) -> str:
+        """`key` with the constants' values, nested bodies' included: two PCGs of one `structure` compute the
+        same function of their inputs (`key` names a constant by its position only)."""
+        h = hashlib.sha1(self.key().encode())
+        for value in self.consts.values():
+            a = np.asarray(value)
+            h.update(repr((a.dtype.str, a.shape)).encode())
+            h.update(a.tobytes())
+        for n in self.region_nodes():
+            for body in n.op.bodies:
+                h.update(body.structure.encode())
+        return h.hexdigest()
 
     def key(self) -> str:
         """A structural hash (same nodes on same tensors -> same key), for deduplicating rewrites."""

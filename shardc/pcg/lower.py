@@ -237,15 +237,24 @@ def pcg_function(pcg: PCG, *, strict: bool = True) -> Callable[..., list[Any]]:
     operand passes an optimization barrier, so XLA keeps exactly the collectives the PCG names (it
     would otherwise merge all-gathers of values it can prove equal, or fold ones of constants)."""
     mesh = pcg.mesh_sizes
+    same = pcg.same_values()
 
     def body(*args: Any) -> list[Any]:
         env: dict[int, Any] = dict(zip(pcg.inputs, args))
         for t, value in pcg.consts.items():
             tensor = pcg.tensors[t]
             env[t] = local_slice(jnp.asarray(value, dtype=tensor.dtype), tensor.sharding, mesh)
+        moved: dict[tuple[Any, int], Any] = {}  # (parallel op, the value it moves) -> its result
         for node in pcg.nodes:
+            if node.is_region and pcg.duplicate(node):  # (computed by an earlier loop or branch)
+                env.update((t, env[same[t]]) for t in node.outputs)
+                continue
             vals = [env[t] for t in node.inputs]
             if isinstance(node.op, ParallelOp):
+                once = (pcg.physical_op(node), same.get(node.inputs[0], node.inputs[0]))
+                if once in moved:  # the same collective of the same value: made once (as the PCG counts it)
+                    env[node.outputs[0]] = moved[once]
+                    continue
                 x = vals[0]
                 if strict and node.op.collective not in ("none", "slice") and group_size(node.op.axes, mesh) > 1:
                     x = jax.lax.optimization_barrier(x)
@@ -253,6 +262,7 @@ def pcg_function(pcg: PCG, *, strict: bool = True) -> Callable[..., list[Any]]:
                     outs = [_shuffle(node.op, x, pcg.tensors[node.inputs[0]].shape, mesh)]
                 else:
                     outs = [_parallel(node.op, x, mesh)]
+                moved[once] = outs[0]
             elif isinstance(node.op, Region):
                 outs = _region(node.op, vals, strict)
             else:

@@ -4,6 +4,7 @@ must compute what the unsharded program computes with the collectives the PCG na
 Fixed seeds: every run draws the same programs. `python bench/fuzz.py --pcg` is the long soak."""
 import itertools
 
+import jax
 import pytest
 
 import fuzzlib
@@ -169,8 +170,18 @@ A_LOOP_INVARIANT_GATHERED_IN_TWO_LOOPS = Program(mesh=(("x", 2), ("y", 1), ("z",
     Step(kind="nested_loop", args=(3, 4, 3), attrs=(("n", 2), ("inner", (("x",), None))), shape=(3, 4, 4)),
 ), outputs=(5,))
 
+TWO_LOOPS_OF_ONE_INPUT = Program(mesh=(("x", 2), ("y", 2), ("z", 2)), steps=(  # seed 1440 (--pcg --search)
+    Step(kind="input", args=(), attrs=(), shape=(4,)),
+    # two fori_loops of one input, different only by a hint: in the PCG (no hint ops) they are one loop on one
+    # value, which XLA's CSE keeps once, merging the all-gathers of their results (the PCG named 6, XLA made 5)
+    Step(kind="fori", args=(0,), attrs=(("n", 2), ("inner", (("y",),))), shape=(4,)),
+    Step(kind="hint", args=(1,), attrs=(("how", "shard"), ("spec", (("z", "x"),))), shape=(4,)),
+    Step(kind="fori", args=(0,), attrs=(("n", 2), ("inner", None)), shape=(4,)),
+), outputs=(2, 3))
+
 
 REGRESSIONS = {
+    "two_loops_of_one_input": TWO_LOOPS_OF_ONE_INPUT,
     "sums_of_a_value_and_of_its_reshape": SUMS_OF_A_VALUE_AND_OF_ITS_RESHAPE,
     "a_loop_invariant_gathered_in_two_loops": A_LOOP_INVARIANT_GATHERED_IN_TWO_LOOPS,
     "a_select_of_one_value": A_SELECT_OF_ONE_VALUE,
@@ -204,3 +215,24 @@ def test_a_loop_invariant_collective_is_priced_out_of_its_loops():
     pcg = build_pcg(info.plan, info.closed_jaxpr, fuse=True)
     plan_sim, pcg_sim = simulate(info.plan, "h100-sxm-8"), simulate_pcg(pcg, "h100-sxm-8").result
     assert plan_sim.payload.get("all-gather", 0) > 0 and pcg_sim.payload == plan_sim.payload
+
+
+def test_a_loop_computed_twice_runs_once():
+    """The PCG of `TWO_LOOPS_OF_ONE_INPUT` has the same loop twice on the same values (the two forward loops): the
+    lowering runs it once (a duplicate region's results are the first's) and the same collective of one value
+    once within a body (inside a loop, XLA's CSE cannot merge two collective-permutes whose slices' offsets its
+    loop-invariant code motion made two loop-state values), so the compiled program has the collectives the PCG
+    names, with or without fused parallel ops."""
+    from shardc.pcg import build_pcg, hlo_collectives
+    from shardc.pcg.choice import jit_pcg
+
+    prog = TWO_LOOPS_OF_ONE_INPUT
+    fun, args = fuzzlib.program_function(prog), fuzzlib.make_args(prog, 0)
+    info = shardc.auto(fun, mesh=shardc.make_mesh(dict(prog.mesh)), search=False).compiled_info(*args)
+    for fuse in (False, True):
+        pcg = build_pcg(info.plan, info.closed_jaxpr, fuse=fuse)
+        regions = pcg.region_nodes()
+        assert sum(pcg.duplicate(n) for n in regions) == 1
+        hlo = jit_pcg(info.plan, pcg).lower(*jax.tree.leaves(args)).compile().as_text()
+        assert hlo.count(" while(") == len(regions) - 1
+        assert hlo_collectives(hlo) == pcg.collectives()
