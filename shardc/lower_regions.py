@@ -46,21 +46,40 @@ def _tie(w: Any, x: Any, op: Any) -> Any:
         return w.result_side(w.operand_side(x, op), op)
 
 
+def _carry(w: Any, x: Any, op: Any) -> Any:
+    """`x` through tie `op` of a loop's boundary or carry (`_tie`), but a compile-time constant (the carry of a
+    one-trip loop XLA folds once it inlines the loop) stays whole, as constants do outside loops
+    (`Lowering.apply_op`): XLA partitions the loop before it folds it, so a constant carry split at the boundary
+    would be all-gathered in the body for the ops that make its values whole. (A branch's ties keep their
+    layouts: a constant-index cond's branch values are not constants to the plan.)"""
+    if _constant(w, x, op.outputs[0]):
+        with w.scope(op.id):
+            return w.whole(x)
+    return _tie(w, x, op)
+
+
+def _constant(w: Any, x: Any, vid: int) -> bool:
+    """Whether `x` (value `vid`) is a compile-time constant array (kept whole: `_carry`)."""
+    return bool(w.info.constant[vid]) and bool(getattr(x, "shape", ()))
+
+
 def _leave(w: Any, x: Any, op: Any) -> Any:
     """A loop's final carry `x` through its out tie `op`, constrained first to the carry's planned layout (the
     loop state's). A reshard right after the loop alone would not do: XLA's propagation gives the loop state
     the layout its results' users want when that is more split than its init and body (a constraint on the
     loop's result, [y] where the carry is [-], makes the loop state [y] and every iteration all-gathers it
     for the body; seed 93004)."""
+    if _constant(w, x, op.inputs[0]):
+        return _carry(w, x, op)
     with w.scope(op.id):
         x = w.as_planned(x, op.inputs[0])
     return _tie(w, x, op)
 
 
 def _param(w: Any, x: Any, op: Any) -> Any:
-    """A body parameter entering through tie `op` (already in its planned layout: `_tie` ran outside)."""
+    """A body parameter entering through tie `op` (already in its planned layout, or whole: `_carry` ran outside)."""
     with w.scope(op.id):
-        return w.as_planned(x, op.outputs[0])
+        return w.whole(x) if _constant(w, x, op.outputs[0]) else w.as_planned(x, op.outputs[0])
 
 
 def _operand(w: Any, x: Any, op: Any) -> Any:
@@ -81,7 +100,7 @@ def _scan(w: Any, eqn: Any, invals: list[Any], region: str) -> list[Any]:
     in_ops = [w.take("tie", "scan_slice") for _ in invals]
     # consts and the carry's initial value: in the body's layout; a scanned array: as its slice needs it
     # (scanned dim whole) — before the loop
-    outer = [_tie(w, x, op) if i < nc + nk else _operand(w, x, op) for i, (x, op) in enumerate(zip(invals, in_ops))]
+    outer = [_carry(w, x, op) if i < nc + nk else _operand(w, x, op) for i, (x, op) in enumerate(zip(invals, in_ops))]
     start = w.next_op
     n_out = len(eqn.outvars)
     boundary: list[Any] = []
@@ -94,7 +113,8 @@ def _scan(w: Any, eqn: Any, invals: list[Any], region: str) -> list[Any]:
         outs = w.walk(body.jaxpr, consts, vals, here)
         boundary[:] = w.graph.ops[w.next_op:w.next_op + nk + n_out]  # per carry: across, out; per y: stack
         # a new carry: to the carry's layout (across the iteration); a y: as its stacked array needs it
-        return [_tie(w, o, boundary[2 * i]) if i < nk else _operand(w, o, boundary[nk + i]) for i, o in enumerate(outs)]
+        return [_carry(w, o, boundary[2 * i]) if i < nk else _operand(w, o, boundary[nk + i])
+                for i, o in enumerate(outs)]
 
     new_body = _trace(w, run_body, _consts_avals(body) + list(body.in_avals))
     w.next_op = boundary[-1].id + 1  # past the body and its boundary ops
@@ -113,9 +133,9 @@ def _while(w: Any, eqn: Any, invals: list[Any], region: str) -> list[Any]:
     const_ops = [w.take("tie") for _ in range(bn + cn)]  # the body's constants, then the condition's
     body_const_ops, cond_const_ops = const_ops[:bn], const_ops[bn:]
     carry_ops = [(w.take("tie"), w.take("tie"), w.take("tie")) for _ in init]  # init->body, body->cond, body->out
-    cond_consts = [_tie(w, x, op) for x, op in zip(cond_consts, cond_const_ops)]
-    body_consts = [_tie(w, x, op) for x, op in zip(body_consts, body_const_ops)]
-    init = [_tie(w, x, ops[0]) for x, ops in zip(init, carry_ops)]
+    cond_consts = [_carry(w, x, op) for x, op in zip(cond_consts, cond_const_ops)]
+    body_consts = [_carry(w, x, op) for x, op in zip(body_consts, body_const_ops)]
+    init = [_carry(w, x, ops[0]) for x, ops in zip(init, carry_ops)]
 
     cond_start = w.next_op
     ends: dict[str, int] = {}
@@ -124,7 +144,7 @@ def _while(w: Any, eqn: Any, invals: list[Any], region: str) -> list[Any]:
         w.next_op = cond_start
         own, rest = args[:len(cond.consts)], args[len(cond.consts):]
         consts = [_param(w, a, op) for a, op in zip(rest[:cn], cond_const_ops)]
-        carry = [_tie(w, a, ops[1]) for a, ops in zip(rest[cn:], carry_ops)]
+        carry = [_carry(w, a, ops[1]) for a, ops in zip(rest[cn:], carry_ops)]
         out = w.walk(cond.jaxpr, own, consts + carry, here)
         ends["cond"] = w.next_op
         return out
@@ -140,7 +160,7 @@ def _while(w: Any, eqn: Any, invals: list[Any], region: str) -> list[Any]:
         outs = w.walk(body.jaxpr, own, consts + carry, here)
         ends["body"] = w.next_op
         back = w.graph.ops[w.next_op:w.next_op + len(outs)]  # the ties of each new carry to the body's
-        return [_tie(w, o, op) for o, op in zip(outs, back)]
+        return [_carry(w, o, op) for o, op in zip(outs, back)]
 
     new_body = _trace(w, run_body, _consts_avals(body) + list(body.in_avals))
     w.next_op = ends["body"]

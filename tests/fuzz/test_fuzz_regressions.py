@@ -1517,10 +1517,24 @@ A_PERMUTE_IN_AN_INNER_LOOP = Program(mesh=(("x", 2), ("y", 2), ("z", 2)), steps=
 ), outputs=(4,))
 
 
+A_CONSTANT_THROUGH_A_ONE_TRIP_LOOP = Program(mesh=(("x", 8),), steps=(  # seed 133003, shrunk
+    Step(kind="input", args=(), attrs=(("meta", (None, None, "x")),), shape=(1, 1, 8)),
+    Step(kind="input", args=(), attrs=(), shape=(1,)),
+    Step(kind="input", args=(), attrs=(), shape=(1, 1, 8)),
+    Step(kind="where", args=(0, 2), attrs=(), shape=(1, 1, 8)),
+    Step(kind="argmax", args=(0,), attrs=(("dim", 0),), shape=(1, 8)),  # over a dim of one: zeros, a constant
+    # a one-trip loop carrying it, split over x: XLA partitions the loop before it inlines and folds it, and
+    # the body's values, constants to the plan, were made whole there: an all-gather the plan did not list
+    Step(kind="fori", args=(4,), attrs=(("n", 1), ("inner", None)), shape=(1, 8)),
+    Step(kind="einsum", args=(5, 5), attrs=(("spec", "ab,ab->b"),), shape=(8,)),
+    Step(kind="einsum", args=(6, 1), attrs=(("spec", "a,b->a"),), shape=(8,)),
+), outputs=(7,))
+
+
 @pytest.mark.parametrize("prog", [GATHER_OF_OUT_OF_BOUNDS_ROWS, A_MATRIX_INTO_AN_INNER_LOOP,
-                                  A_PERMUTE_IN_AN_INNER_LOOP],
+                                  A_PERMUTE_IN_AN_INNER_LOOP, A_CONSTANT_THROUGH_A_ONE_TRIP_LOOP],
                          ids=["gather_of_out_of_bounds_rows", "a_matrix_into_an_inner_loop",
-                              "a_permute_in_an_inner_loop"])
+                              "a_permute_in_an_inner_loop", "a_constant_through_a_one_trip_loop"])
 def test_searched_plans_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog, search=True)
 
