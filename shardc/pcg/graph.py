@@ -320,8 +320,10 @@ class PCG:
     def duplicate(self, n: Node) -> bool:
         """Whether region node `n` computes what an earlier one does (`_same_values`): XLA keeps only that one,
         and the lowering runs only that one."""
+        if not n.outputs or sum(1 for m in self.nodes if m.is_region) < 2:
+            return False
         same = self._same_values
-        return bool(n.outputs) and all(t in same for t in n.outputs)
+        return all(t in same for t in n.outputs)
 
     @functools.cached_property
     def _same_values(self) -> dict[int, int]:

@@ -177,16 +177,46 @@ def _fewer_collectives_first(rule: Rule) -> tuple[int, int]:
     return rhs - lhs, 0 if lhs or rhs else 1
 
 
-def _screened(pcg: PCG, rules: list[Rule], refuted: set[str]) -> Iterator[tuple[tuple[int, int], Rule, Match, PCG]]:
-    """The rewrites of `_candidates`, rules that leave fewer collectives first (`_fewer_collectives_first`, a
-    static key: no candidate is built or simulated to order them), each with its position in rule order
-    (rule index, match index). Every candidate is still simulated and a tie between equal simulated costs
-    still goes to the first in rule order, so the result is the same; under a simulation budget the rewrites
-    that can remove collectives are simulated before, say, a hundred reorderings of compute ops."""
+def _screened(pcg: PCG, rules: list[Rule], refuted: set[str]) -> Iterator[tuple[tuple[int, int], Rule, Match]]:
+    """The matches of every usable proved rule, not yet applied: rules that leave fewer collectives first
+    (`_fewer_collectives_first`, a static key: no candidate is built or simulated to order them), each with
+    its position in rule order (rule index, match index). A tie between equal simulated costs goes to the
+    first in rule order; under a simulation budget the rewrites that can remove collectives are simulated
+    before, say, a hundred reorderings of compute ops."""
     order = sorted(range(len(rules)), key=lambda i: (_fewer_collectives_first(rules[i]), i))
     for i in order:
-        for j, (rule, m, new) in enumerate(_candidates(pcg, [rules[i]], refuted)):
-            yield (i, j), rule, m, new
+        rule = rules[i]
+        if rule.text in refuted:
+            continue
+        matches = find_matches(pcg, rule)
+        first = next(matches, None)
+        if first is None:
+            continue
+        if not verify_rule(rule).proved:  # an unproved rule is never applied
+            refuted.add(rule.text)
+            continue
+        for j, m in enumerate(itertools.chain([first], matches)):
+            yield (i, j), rule, m
+
+
+def local_form(pcg: PCG, m: Match) -> tuple[Any, ...]:
+    """What a rewrite of match `m` changes, up to where in the program it is: its rule, and the matched nodes'
+    operators with their operands' and results' shapes and layouts, in program order. The matches of one
+    rule at the same place of each of a model's repeated layers have one local form."""
+    def tensors(ts: Sequence[int]) -> tuple[Any, ...]:
+        return tuple((pcg.tensors[t].shape, str(pcg.tensors[t].dtype), pcg.tensors[t].sharding) for t in ts)
+
+    nodes = tuple((_operator_form(n.op), tensors(n.inputs), tensors(n.outputs))
+                  for n in pcg.nodes if n.id in m.nodes)
+    return (m.rule.name, tuple(sorted(m.params.items(), key=lambda kv: kv[0])) if m.params else (), m.axes,
+            m.axes_b, nodes)
+
+
+def _operator_form(op: Any) -> Any:
+    """An operator up to the source line it came from (a parallel op or region is its own form)."""
+    if isinstance(op, Region) or getattr(op, "parallel", False) or not hasattr(op, "params"):
+        return op
+    return (op.primitive, repr(sorted((k, repr(v)) for k, v in op.params.items())))
 
 
 def _same_match(pcg: PCG, rule: Rule, m: Match) -> Match | None:
@@ -196,6 +226,54 @@ def _same_match(pcg: PCG, rule: Rule, m: Match) -> Match | None:
         if again.roots == m.roots and again.tensors == m.tensors and again.params == m.params:
             return again
     return None
+
+
+def _by_form(pcg: PCG, matches: Sequence[tuple[float, Any, Rule, Match]]) -> list[list[tuple[Rule, Match]]]:
+    """`matches` (on `pcg`) grouped by local form (`local_form`), in order of each form's first match."""
+    groups: dict[tuple[Any, ...], list[tuple[Rule, Match]]] = {}
+    for _, _, rule, m in matches:
+        groups.setdefault(local_form(pcg, m), []).append((rule, m))
+    return list(groups.values())
+
+
+def _apply_alike(pcg: PCG, cost: float, alike: list[tuple[Rule, Match]], cost_fn: CostFn
+                 ) -> Iterator[tuple[Step, PCG] | None]:
+    """The rewrites `alike` (matches made on an earlier PCG, of one local form) applied to `pcg` where they
+    still match: all of them, simulated once, if that makes the cost go down; else one at a time, each kept
+    if the cost goes down, stopping at the first that does not pay. Yields each kept step with the PCG after
+    it as soon as it is kept (a simulation budget running out keeps those), and None for each simulation."""
+    if len(alike) > 1:
+        trial, done = pcg, []
+        for rule, m in alike:
+            again = _same_match(trial, rule, m)
+            if again is None:
+                continue
+            try:
+                trial = apply_match(trial, again)
+            except RewriteError:
+                continue
+            done.append(again)
+        if done:
+            yield None
+            c = cost_fn(trial)
+            if c < cost * (1 - 1e-12):
+                more = f" (and {len(done) - 1} more alike)" if len(done) > 1 else ""
+                yield Step(done[0].rule.name, str(done[0]) + more, cost, c, describe_match(pcg, done[0]) + more), trial
+                return
+    for rule, m in alike:
+        again = _same_match(pcg, rule, m)
+        if again is None:
+            continue
+        try:
+            new = apply_match(pcg, again)
+        except RewriteError:
+            continue
+        yield None
+        c = cost_fn(new)
+        if not c < cost * (1 - 1e-12):
+            return
+        yield Step(rule.name, str(again), cost, c, describe_match(pcg, again)), new
+        pcg, cost = new, c
 
 
 def _near(pcg: PCG, new_from: int) -> set[int]:
@@ -280,14 +358,25 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
         better: list[tuple[float, int, Rule, Match]] = []  # rewrites that pay (the others are applied again below)
         best: tuple[float, int, PCG] | None = None  # the cheapest of them, the first on a tie: its PCG alone is kept
         near: list[tuple[float, int, PCG, Step]] = []  # rewrites within alpha of the current cost, the beam cheapest
+        tried: dict[tuple[Any, ...], float] = {}  # local form -> the simulated cost of its first match
         try:
-            for i, rule, m, new in _screened(current, rules, refuted):
+            for i, rule, m in _screened(current, rules, refuted):
+                form = local_form(current, m)
+                if form in tried:  # (another repeated layer's match: the first stands for it)
+                    c = tried[form]
+                    if c < cost * (1 - 1e-12):
+                        better.append((c, i, rule, m))  # (applied and simulated below if it still matches)
+                    continue
+                try:
+                    new = apply_match(current, m)
+                except RewriteError:
+                    continue
                 candidates += 1
                 k = new.key()
                 if k in seen:
                     continue
                 seen.add(k)
-                c = cost_fn(new)
+                c = tried[form] = cost_fn(new)
                 if c < cost * (1 - 1e-12):
                     better.append((c, i, rule, m))
                     if best is None or (c, i) < best[:2]:
@@ -304,27 +393,23 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
             raise
         if better:
             better.sort(key=lambda e: e[:2])
+            base = current
             c, _, rule, m = better[0]
             new = best[2]
             steps.append(Step(rule.name, str(m), cost, c, describe_match(current, m)))
             cost, current = c, new
             state.update(current=current, cost=cost, candidates=candidates)
-            # the other rewrites that paid, where they still apply, each kept if the cost still goes down
-            for _, _, rule, m in better[1:]:
-                again = _same_match(current, rule, m)
-                if again is None:
-                    continue
-                try:
-                    new = apply_match(current, again)
-                except RewriteError:
-                    continue
-                candidates += 1
-                c = cost_fn(new)
-                if c < cost * (1 - 1e-12):
-                    steps.append(Step(rule.name, str(again), cost, c, describe_match(current, again)))
-                    cost, current = c, new
+            # the other rewrites that paid, where they still apply: those of one local form (a repeated
+            # layer's) together, then one at a time; each kept if the cost still goes down
+            for alike in _by_form(base, better[1:]):
+                for kept in _apply_alike(current, cost, alike, cost_fn):
+                    if kept is None:  # (a simulation)
+                        candidates += 1
+                        continue
+                    steps.append(kept[0])
+                    cost, current = kept[0].cost_after, kept[1]
                     state.update(current=current, cost=cost, candidates=candidates)
-                    seen.add(new.key())
+                    seen.add(current.key())
             continue
         near = [(c, p, st) for c, _, p, st in sorted(near, key=lambda e: e[:2])]
         found, n = _lookahead(current, cost, near, rules, cost_fn, search, refuted, seen)

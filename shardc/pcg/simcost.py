@@ -124,11 +124,10 @@ def _emit(pcg: PCG, emit: _Emitter, args: list[int], region: str, path: tuple[in
                                  const=t in pcg.consts)
         return vals[t]
 
-    same = pcg.same_values()
     for n in pcg.nodes:
         if isinstance(n.op, Region) and pcg.duplicate(n):  # (the lowering runs the earlier one only)
             for t in n.outputs:
-                vals[t] = val(same[t])
+                vals[t] = val(pcg.same_values()[t])
             continue
         ins = [val(t) for t in n.inputs]
         if isinstance(n.op, Region):

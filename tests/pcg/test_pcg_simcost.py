@@ -188,3 +188,32 @@ def test_a_scatter_add_summed_after_its_all_reduce_is_priced_as_in_its_plan(mesh
 
     assert scatter_time(pcg_sim) == scatter_time(plan_sim) > 0
     assert pcg_sim.step_time == pytest.approx(plan_sim.step_time, rel=0.005)
+
+
+def test_a_rewrite_of_repeated_layers_is_simulated_once_per_form(mesh):
+    """Four layers alike (the same ops on values of the same shapes and layouts): the rewriting prices one
+    match of a local form (`local_form`) for all four, then applies the other three together and keeps them if
+    that pays too: 3 cost evaluations where one per match and one per follow-up made 8, and the same result."""
+    def f(xs, w):
+        return [split(replicate(jnp.tanh(x)) @ w, 0, "model") for x in xs]
+
+    k = jax.random.split(jax.random.key(1), 5)
+    xs, w = [jax.random.normal(k[i], (512, 512)) for i in range(4)], jax.random.normal(k[4], (512, 64))
+    pcg = pcg_of(f, mesh, xs, w)
+    assert len(list(find_matches(pcg, rule("partition_ew1")))) == 4
+    calls = []
+
+    def counted(p):
+        calls.append(p)
+        return bytes_moved(p)
+
+    res = optimize(pcg, [rule("partition_ew1")], cost_fn=counted)
+    assert len(calls) == 3  # the PCG, the first match's rewrite, the other three's together
+    assert [s.rule for s in res.steps] == ["partition_ew1", "partition_ew1"] and "(and 2 more alike)" in res.steps[1].where
+    one_at_a_time = pcg
+    for _ in range(4):
+        one_at_a_time = apply_match(one_at_a_time, next(find_matches(one_at_a_time, rule("partition_ew1"))))
+    assert res.cost == bytes_moved(one_at_a_time) < bytes_moved(pcg)
+    out = lower_pcg(res.pcg)(*xs, w)
+    for got, want in zip(out, f(xs, w)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
