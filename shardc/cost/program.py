@@ -1498,6 +1498,8 @@ def _invariant_trips(graph: Graph, canon: Sequence[int], lengths: Mapping[str, i
         if inner in replaced:
             continue
         source, here = canon[op.inputs[0]], _runs(lengths, op.region.rsplit("/", 1)[0])
+        if source in out and lengths.get(op.region) == 1:  # (XLA inlines a one-trip loop: its body is the outer's)
+            here = out[source][2]
         runs, origin = out[source][:2] if source in out else (here, source)
         out[canon[inner]] = (runs, origin, here)
     return out
