@@ -13,13 +13,12 @@ applied.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from typing import Any, Iterable, Iterator, Sequence
 
 from shardc.pcg.costs import CostFn
 from shardc.pcg.generate import ac_form
-from shardc.pcg.graph import PCG, Region
+from shardc.pcg.graph import PCG, Compute, Region
 from shardc.pcg.lang import OPS, Rule, term_ops
 from shardc.pcg.library import all_rules
 from shardc.pcg.match import Match, RewriteError, apply_match, find_matches
@@ -154,19 +153,28 @@ def _candidates(pcg: PCG, rules: list[Rule], refuted: set[str], new_from: int | 
     rewrite, see `_near`)."""
     fresh = None if new_from is None else _near(pcg, new_from)
     for rule in rules:
-        if rule.text in refuted:
-            continue
-        matches = find_matches(pcg, rule)
-        if fresh is not None:
-            matches = (m for m in matches if m.nodes & fresh)
-        first = next(matches, None)
-        if first is None:
-            continue
-        if not verify_rule(rule).proved:  # an unproved rule is never applied
-            refuted.add(rule.text)
-            continue
-        for m, new in _applied(pcg, itertools.chain([first], matches)):
+        matches = _proved_matches(pcg, rule, refuted, fresh)
+        for m, new in _applied(pcg, matches):
             yield rule, m, new
+
+
+def _proved_matches(pcg: PCG, rule: Rule, refuted: set[str], near: set[int] | None = None) -> Iterator[Match]:
+    """The matches of `rule` on `pcg` (touching nodes `near` when given), if the rule is proved: it is
+    verified with Z3 when it first matches (`verify_rule` caches verdicts), and an unproved rule joins
+    `refuted` and is never applied."""
+    if rule.text in refuted:
+        return
+    matches = find_matches(pcg, rule)
+    if near is not None:
+        matches = (m for m in matches if m.nodes & near)
+    first = next(matches, None)
+    if first is None:
+        return
+    if not verify_rule(rule).proved:
+        refuted.add(rule.text)
+        return
+    yield first
+    yield from matches
 
 
 def _fewer_collectives_first(rule: Rule) -> tuple[int, int]:
@@ -185,18 +193,8 @@ def _screened(pcg: PCG, rules: list[Rule], refuted: set[str]) -> Iterator[tuple[
     before, say, a hundred reorderings of compute ops."""
     order = sorted(range(len(rules)), key=lambda i: (_fewer_collectives_first(rules[i]), i))
     for i in order:
-        rule = rules[i]
-        if rule.text in refuted:
-            continue
-        matches = find_matches(pcg, rule)
-        first = next(matches, None)
-        if first is None:
-            continue
-        if not verify_rule(rule).proved:  # an unproved rule is never applied
-            refuted.add(rule.text)
-            continue
-        for j, m in enumerate(itertools.chain([first], matches)):
-            yield (i, j), rule, m
+        for j, m in enumerate(_proved_matches(pcg, rules[i], refuted)):
+            yield (i, j), rules[i], m
 
 
 def local_form(pcg: PCG, m: Match) -> tuple[Any, ...]:
@@ -214,7 +212,7 @@ def local_form(pcg: PCG, m: Match) -> tuple[Any, ...]:
 
 def _operator_form(op: Any) -> Any:
     """An operator up to the source line it came from (a parallel op or region is its own form)."""
-    if isinstance(op, Region) or getattr(op, "parallel", False) or not hasattr(op, "params"):
+    if not isinstance(op, Compute):
         return op
     return (op.primitive, repr(sorted((k, repr(v)) for k, v in op.params.items())))
 
