@@ -112,7 +112,9 @@ def role_mixes(graph: Graph, seed_sets: Mapping[str, Sequence[Seed]]) -> list[tu
     tied = graph.carried()
 
     def key_of(seeds: list[Seed]) -> tuple:
-        return tuple(sorted((s.value, s.dims, s.priority) for s in seeds))
+        # (a dim a seed leaves open is None: ordered before any axes, so seeds of one value compare)
+        return tuple(sorted((s.value, tuple(() if d is None else (tuple(d),) for d in s.dims), s.priority)
+                            for s in seeds))
 
     out: list[tuple[str, list[Seed]]] = []
     seen: set[tuple] = {key_of(sa) for sa in seed_sets.values()}
