@@ -243,14 +243,9 @@ def _apply_alike(pcg: PCG, cost: float, alike: list[tuple[Rule, Match]], cost_fn
     if len(alike) > 1:
         trial, done = pcg, []
         for rule, m in alike:
-            again = _same_match(trial, rule, m)
-            if again is None:
-                continue
-            try:
-                trial = apply_match(trial, again)
-            except RewriteError:
-                continue
-            done.append(again)
+            if (hit := _reapplied(trial, rule, m)) is not None:
+                done.append(hit[0])
+                trial = hit[1]
         if done:
             yield None
             c = cost_fn(trial)
@@ -259,19 +254,26 @@ def _apply_alike(pcg: PCG, cost: float, alike: list[tuple[Rule, Match]], cost_fn
                 yield Step(done[0].rule.name, str(done[0]) + more, cost, c, describe_match(pcg, done[0]) + more), trial
                 return
     for rule, m in alike:
-        again = _same_match(pcg, rule, m)
-        if again is None:
+        if (hit := _reapplied(pcg, rule, m)) is None:
             continue
-        try:
-            new = apply_match(pcg, again)
-        except RewriteError:
-            continue
+        again, new = hit
         yield None
         c = cost_fn(new)
         if not c < cost * (1 - 1e-12):
             return
         yield Step(rule.name, str(again), cost, c, describe_match(pcg, again)), new
         pcg, cost = new, c
+
+
+def _reapplied(pcg: PCG, rule: Rule, m: Match) -> tuple[Match, PCG] | None:
+    """Match `m` (made on an earlier PCG) found again on `pcg` and applied, or None where it no longer applies."""
+    again = _same_match(pcg, rule, m)
+    if again is None:
+        return None
+    try:
+        return again, apply_match(pcg, again)
+    except RewriteError:
+        return None
 
 
 def _near(pcg: PCG, new_from: int) -> set[int]:
