@@ -214,7 +214,7 @@ def _operator_form(op: Any) -> Any:
     """An operator up to the source line it came from (a parallel op or region is its own form)."""
     if not isinstance(op, Compute):
         return op
-    return (op.primitive, repr(sorted((k, repr(v)) for k, v in op.params.items())))
+    return op.primitive, op.pkey
 
 
 def _same_match(pcg: PCG, rule: Rule, m: Match) -> Match | None:
