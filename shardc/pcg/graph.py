@@ -200,6 +200,19 @@ def _one_of_same(primitive: str, ins: Sequence[int]) -> int | None:
     return next((t for i, t in enumerate(ins) if i not in dropped), None) if dropped else None
 
 
+def _reduced_root(t: int, primitive: str, rearranged: Mapping[int, int],
+                  partial: Mapping[int, tuple[str, int]]) -> int:
+    """What a reduction `primitive` over every dim of tensor `t` reduces, to XLA's simplifier: through reshapes
+    and transposes (the same elements) and earlier reductions of the same kind over some dims (a sum of partial
+    sums is one sum)."""
+    while True:
+        t = rearranged.get(t, t)
+        p = partial.get(t)
+        if p is None or p[0] != primitive:
+            return t
+        t = p[1]
+
+
 def _is_identity(op: Compute, a: Tensor, r: Tensor) -> bool:
     """Whether `op` (reading `a` first, making `r`) hands its operand on unchanged."""
     if (a.shape, a.dtype, a.sharding) != (r.shape, r.dtype, r.sharding):
@@ -330,12 +343,14 @@ class PCG:
         """Per tensor, the first tensor XLA computes it as (its CSE: the same op on the same values, operands of
         a commutative op in any order; and through what its simplifier removes: a pad of nothing, a reshape,
         convert or copy changing neither shape nor dtype, a select of one value, a collective over axes of size
-        1); a reduction over every dim of a reshape or transpose of x is that reduction of x); a constant of the
+        1); a reduction over every dim of a reshape or transpose of x, or of the same reduction of x over some
+        dims, is that reduction of x); a constant of the
         value and layout of an earlier one; and a loop or branch with the same bodies (`structure`) as an
         earlier one, on the same values."""
         same: dict[int, int] = {}
         first: dict[tuple[Any, ...], Node] = {}
         rearranged: dict[int, int] = {}  # tensor -> what a chain of reshapes/transposes makes it of
+        partial: dict[int, tuple[str, int]] = {}  # tensor -> (the reduction over some dims making it, of what)
         m = self.mesh_sizes
         equal: dict[tuple[Any, ...], int] = {}  # (constants of one value and layout are one to XLA's CSE)
         for t, value in self.consts.items():
@@ -356,9 +371,12 @@ class PCG:
                 continue
             if not n.is_parallel and n.op.primitive in _REARRANGING and len(ins) == 1:
                 rearranged[n.outputs[0]] = rearranged.get(ins[0], ins[0])
-            if not n.is_parallel and n.op.primitive in _REDUCTIONS and len(ins) == 1 and len(n.outputs) == 1 \
-                    and not self.tensors[n.outputs[0]].shape:  # (XLA's simplifier: reduce(reshape(x)) -> reduce(x))
-                key = ((n.op.primitive, "every dim"), (rearranged.get(ins[0], ins[0]),),
+            reduction = not n.is_parallel and n.op.primitive in _REDUCTIONS and len(ins) == 1 and len(n.outputs) == 1
+            if reduction and self.tensors[n.outputs[0]].shape:  # (a reduction over some dims: see below)
+                partial[n.outputs[0]] = (n.op.primitive, _reduced_root(ins[0], n.op.primitive, rearranged, partial))
+            if reduction and not self.tensors[n.outputs[0]].shape:
+                # (XLA's simplifier: reduce(reshape(x)) -> reduce(x), and reduce(reduce(x)) -> one reduce of x)
+                key = ((n.op.primitive, "every dim"), (_reduced_root(ins[0], n.op.primitive, rearranged, partial),),
                        _physical(self.tensors[n.outputs[0]].sharding, m))
                 m1 = first.setdefault(key, n)
                 if m1.outputs[0] != n.outputs[0]:

@@ -179,9 +179,24 @@ TWO_LOOPS_OF_ONE_INPUT = Program(mesh=(("x", 2), ("y", 2), ("z", 2)), steps=(  #
     Step(kind="fori", args=(0,), attrs=(("n", 2), ("inner", None)), shape=(4,)),
 ), outputs=(2, 3))
 
+A_SUM_OF_PARTIAL_SUMS = Program(mesh=(("x", 4), ("y", 2)), steps=(  # seed 1610, shrunk
+    Step(kind="input", args=(), attrs=(("meta", ("y", None)),), shape=(6, 3)),
+    Step(kind="input", args=(), attrs=(), shape=(8, 8, 4)),
+    Step(kind="hint", args=(1,), attrs=(("how", "split"), ("dim", 0), ("axes", ("y",))), shape=(8, 8, 4)),
+    Step(kind="input", args=(), attrs=(), shape=(3, 3)),
+    # the sum of every element, and the sum of the row sums (the einsum sums them): XLA's simplifier makes them
+    # one sum, whose all-reduce over y is one (the PCG named two)
+    Step(kind="reduce", args=(0,), attrs=(("fn", "sum"), ("dims", (0, 1))), shape=()),
+    Step(kind="reduce", args=(0,), attrs=(("fn", "sum"), ("dims", (1,))), shape=(6,)),
+    Step(kind="input", args=(), attrs=(), shape=(1,)),
+    Step(kind="binary", args=(5, 6), attrs=(("fn", "sub"),), shape=(6,)),
+    Step(kind="einsum", args=(3, 5), attrs=(("spec", "ab,c->ab"),), shape=(3, 3)),
+), outputs=(4, 8))
+
 
 REGRESSIONS = {
     "two_loops_of_one_input": TWO_LOOPS_OF_ONE_INPUT,
+    "a_sum_of_partial_sums": A_SUM_OF_PARTIAL_SUMS,
     "sums_of_a_value_and_of_its_reshape": SUMS_OF_A_VALUE_AND_OF_ITS_RESHAPE,
     "a_loop_invariant_gathered_in_two_loops": A_LOOP_INVARIANT_GATHERED_IN_TWO_LOOPS,
     "a_select_of_one_value": A_SELECT_OF_ONE_VALUE,
