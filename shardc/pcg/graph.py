@@ -333,10 +333,15 @@ class PCG:
     def duplicate(self, n: Node) -> bool:
         """Whether region node `n` computes what an earlier one does (`_same_values`): XLA keeps only that one,
         and the lowering runs only that one."""
-        if not n.outputs or sum(1 for m in self.nodes if m.is_region) < 2:
-            return False
+        return n.id in self._duplicate_regions
+
+    @functools.cached_property
+    def _duplicate_regions(self) -> frozenset[int]:
+        regions = self.region_nodes()
+        if len(regions) < 2:  # (no region to be a copy of: `_same_values` need not run)
+            return frozenset()
         same = self._same_values
-        return all(t in same for t in n.outputs)
+        return frozenset(n.id for n in regions if n.outputs and all(t in same for t in n.outputs))
 
     @functools.cached_property
     def _same_values(self) -> dict[int, int]:
@@ -344,9 +349,8 @@ class PCG:
         a commutative op in any order; and through what its simplifier removes: a pad of nothing, a reshape,
         convert or copy changing neither shape nor dtype, a select of one value, a collective over axes of size
         1); a reduction over every dim of a reshape or transpose of x, or of the same reduction of x over some
-        dims, is that reduction of x); a constant of the
-        value and layout of an earlier one; and a loop or branch with the same bodies (`structure`) as an
-        earlier one, on the same values."""
+        dims, is that reduction of x); a constant of the value and layout of an earlier one; and a loop or branch
+        with the same bodies (`structure`) as an earlier one, on the same values."""
         same: dict[int, int] = {}
         first: dict[tuple[Any, ...], Node] = {}
         rearranged: dict[int, int] = {}  # tensor -> what a chain of reshapes/transposes makes it of
@@ -360,15 +364,6 @@ class PCG:
                 same[t] = u
         for n in self.nodes:
             ins = tuple(same.get(t, t) for t in n.inputs)
-            if n.is_region:  # (two loops computing the same on the same values: XLA's CSE keeps one)
-                made = tuple((self.tensors[t].shape, str(self.tensors[t].dtype), _physical(self.tensors[t].sharding, m))
-                             for t in n.outputs)
-                key = ("region", n.op.primitive, n.op.bkey, tuple(b.structure for b in n.op.bodies), ins, made)
-                m1 = first.setdefault(key, n)
-                for t, u in zip(n.outputs, m1.outputs):
-                    if t != u:
-                        same[t] = same.get(u, u)
-                continue
             if not n.is_parallel and n.op.primitive in _REARRANGING and len(ins) == 1:
                 rearranged[n.outputs[0]] = rearranged.get(ins[0], ins[0])
             reduction = not n.is_parallel and n.op.primitive in _REDUCTIONS and len(ins) == 1 and len(n.outputs) == 1
@@ -393,6 +388,8 @@ class PCG:
             made = tuple((self.tensors[t].shape, str(self.tensors[t].dtype), _physical(self.tensors[t].sharding, m))
                          for t in n.outputs)
             op = _without_unit_axes(n.op, m) if n.is_parallel else n.op
+            if n.is_region:  # (two loops of the same bodies on the same values: XLA's CSE keeps one)
+                op = (n.op.primitive, n.op.bkey, tuple(b.structure for b in n.op.bodies))
             if not n.is_parallel and n.op.primitive in _COMMUTATIVE:
                 ins = tuple(sorted(ins))  # (XLA's CSE takes b * a for a * b)
             m1 = first.setdefault((op, ins, made), n)
