@@ -34,6 +34,7 @@ import functools
 import math
 from typing import Any, Callable, Mapping, Sequence
 
+from shardc.cost import splats
 from shardc.cost.aliases import ALIASES, HINTS  # (ALIASES' results have no buffer of their own, `fused`, yet what
 # reads one reads its operand's buffer, unless the operand itself is fused)
 from shardc.cost.estimator import params_key
@@ -1225,8 +1226,10 @@ def _propagate_constants(graph: Graph, through: frozenset[int], demoted: set[int
                          ) -> tuple[list[bool], set[tuple[int, int]], set[int]]:
     """Per value, whether it is a compile-time constant (one pass in program order), the (op, operand) pairs
     XLA's simplifier drops, and the one-trip loops' carries first written a constant and then not (`demoted`:
-    carries taken for non-constants from the start)."""
+    carries taken for non-constants from the start). A cond's branch index is a constant to XLA only when its
+    simplifier folds it to a literal (`shardc.cost.splats`: not through a pad, a cumsum, a dot)."""
     constant = [graph.values[v].is_const for v in range(len(graph.values))]
+    forms = [splats.literal_form(graph, v) for v in range(len(graph.values))]
     unread_pairs: set[tuple[int, int]] = set()
     once = {r for r, n in graph.region_trips.items() if n == 1}  # (loops of one trip: XLA inlines them)
     carried: set[int] = set()  # values a one-trip loop's tie or slice, or a constant-index cond's result tie, wrote
@@ -1237,27 +1240,35 @@ def _propagate_constants(graph: Graph, through: frozenset[int], demoted: set[int
         # operand is that constant; in a loop or branch body too: XLA folds them there)
         unread = unread_operands(graph, op)
         unread_pairs.update((op.id, i) for i in unread)
-        if (op.inputs and all(constant[v] for i, v in enumerate(op.inputs) if i not in unread)
-                or folds_to_constant(graph, op)) and op.primitive not in _NOT_MERGED:
+        read = [i for i in range(len(op.inputs)) if i not in unread]
+        source = folds_to_constant(graph, op)
+        if (op.inputs and all(constant[op.inputs[i]] for i in read) or source) and op.primitive not in _NOT_MERGED:
             for v in op.outputs:
                 constant[v] = True
+                forms[v] = splats.form_of_result(graph, op, forms, read, source)
         elif op.id in through:  # (result k is operand k: a constant where that operand is one)
             for v, u in zip(op.outputs, op.inputs):
-                constant[v] = constant[u]
-        elif _constant_branch(graph, op, constant):
-            # XLA inlines a cond whose branch index is a constant and folds the branch taken when it computes
-            # from constants only; the branch's own values stay what they are to the plan (their layouts run in
-            # the branch before the fold), the cond's result is a constant when every branch's is
+                constant[v], forms[v] = constant[u], forms[u]
+        elif _constant_branch(graph, op, constant, forms):
+            # XLA inlines a cond whose branch index it folds to a literal and folds the branch taken when that
+            # computes from constants only; the branch's own values stay what they are to the plan (their layouts
+            # run in the branch before the fold), the cond's result is a constant when every branch's is one XLA
+            # folds (a sharding constraint gathering any other is a collective: the cond inlines after partitioning)
             folded = [constant[v] or v in folds for v in op.inputs]
             if op.primitive != "tie":
                 if all(folded) and op.primitive not in _NOT_MERGED:
                     folds.update(op.outputs)
+                    for v in op.outputs:
+                        forms[v] = splats.form_of_result(graph, op, forms, read, source)
             elif op.params.get("at") == "arg":
                 if folded[0]:
                     folds.update(op.outputs)
+                    forms[op.outputs[0]] = forms[op.inputs[0]]
             else:
                 for v in op.outputs:
-                    constant[v] = folded[0] and (v not in carried or constant[v])
+                    taken = folded[0] and splats.folded(forms[op.inputs[0]])
+                    constant[v] = taken and (v not in carried or constant[v])
+                    forms[v] = max(forms[op.inputs[0]], forms[v]) if v in carried else forms[op.inputs[0]]
                     carried.add(v)
         elif op.region in once and op.primitive in _NOT_MERGED and len(op.inputs) == 1:
             # XLA's while-loop simplifier inlines a loop of one trip, and constants fold through it: a carry is
@@ -1266,16 +1277,18 @@ def _propagate_constants(graph: Graph, through: frozenset[int], demoted: set[int
             for v in op.outputs:
                 was = constant[v] if v in carried else None
                 constant[v] = constant[op.inputs[0]] and v not in demoted and (v not in carried or constant[v])
+                written = max(forms[op.inputs[0]], forms[v]) if v in carried else forms[op.inputs[0]]
+                forms[v] = written if constant[v] else splats.Form.OTHER
                 if was and not constant[v]:
                     mixed.add(v)
                 carried.add(v)
     return constant, unread_pairs, mixed
 
 
-def _constant_branch(graph: Graph, op: Any, constant: Sequence[bool]) -> bool:
-    """Whether `op` is in a branch of a cond whose branch index is a constant (`Graph.region_reads`)."""
+def _constant_branch(graph: Graph, op: Any, constant: Sequence[bool], forms: Sequence[splats.Form]) -> bool:
+    """Whether `op` is in a branch of a cond whose branch index XLA folds to a literal (`Graph.region_reads`)."""
     index = graph.region_reads.get(op.region, ())
-    return len(index) == 1 and constant[index[0]]
+    return len(index) == 1 and constant[index[0]] and splats.folded(forms[index[0]])
 
 
 def _readers(graph: Graph, consumers: list[list[int]], canon: Sequence[int], v: int) -> list[int]:

@@ -1565,3 +1565,43 @@ def test_a_gather_of_several_out_of_bounds_rows_folds_to_its_fill():
     graph = shardc.auto(fun, mesh=shardc.make_mesh(dict(prog.mesh)), search=False).plan(*args).graph
     gathers = [op for op in graph.ops if op.primitive == "gather"]
     assert [folds_to_constant(graph, op) for op in gathers] == [True, False]  # (the second's indices are inputs)
+
+
+def _cond_on_zeros(between: Step | None, hint: Step | None, hint_after: bool = False) -> Program:
+    """input (16, 16, 1) -> [hint] -> argmax over its dim of one (zeros) -> [hint] -> [`between`] -> a cond
+    whose index is `sum(v) > 0` -> sin: the cond's index and result are constants XLA folds or not by what
+    `between` is (`shardc.cost.splats`)."""
+    steps = [Step(kind="input", args=(), attrs=(), shape=(16, 16, 1))]
+    if hint is not None and not hint_after:
+        steps.append(dataclasses.replace(hint, args=(0,)))
+    steps.append(Step(kind="argmax", args=(len(steps) - 1,), attrs=(("dim", 2),), shape=(16, 16)))
+    if hint is not None and hint_after:
+        steps.append(dataclasses.replace(hint, args=(len(steps) - 1,), shape=(16, 16)))
+    if between is not None:
+        steps.append(dataclasses.replace(between, args=(len(steps) - 1,) * len(between.args)))
+    shape = steps[-1].shape
+    steps.append(Step(kind="cond", args=(len(steps) - 1,), attrs=(("inner", None),), shape=shape))
+    steps.append(Step(kind="unary", args=(len(steps) - 1,), attrs=(("fn", "sin"),), shape=shape))
+    return Program(mesh=(("x", 4), ("y", 2)), steps=tuple(steps), outputs=(len(steps) - 1,))
+
+
+_SPLIT_Y1 = Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 1), ("axes", ("y",))), shape=(16, 16, 1))
+_SPLIT_X0 = Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 0), ("axes", ("x",))), shape=(16, 16, 1))
+COND_ON_ZEROS = {  # seed 136008's family: the model took the index for a constant, XLA kept the conditional
+    "padded": _cond_on_zeros(Step(kind="pad", args=(0,), attrs=(("config", ((1, 0, 0), (0, 0, 0))),),
+                                  shape=(17, 16)), _SPLIT_Y1),
+    "concatenated": _cond_on_zeros(Step(kind="concat", args=(0, 0), attrs=(("dim", 0),), shape=(32, 16)),
+                                   _SPLIT_Y1),  # (folded, but its result is no broadcast: gathered)
+    "cumulative_sum": _cond_on_zeros(Step(kind="cumsum", args=(0,), attrs=(("dim", 1),), shape=(16, 16)), _SPLIT_X0),
+    "cumulative_sum_hinted_after": _cond_on_zeros(Step(kind="cumsum", args=(0,), attrs=(("dim", 1),),
+                                                       shape=(16, 16)), _SPLIT_X0, hint_after=True),
+    # folded to a broadcast, as before: XLA simplifies a sort or a gather of a broadcast
+    "sorted": _cond_on_zeros(Step(kind="sort", args=(0,), attrs=(("dim", 1),), shape=(16, 16)), _SPLIT_X0),
+    "gathered": _cond_on_zeros(Step(kind="gather", args=(0,), attrs=(("dim", 0), ("indices", (1, 3))),
+                                    shape=(2, 16)), _SPLIT_Y1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COND_ON_ZEROS))
+def test_a_cond_index_is_constant_only_where_xla_folds_it(name):
+    fuzzlib.check_program(COND_ON_ZEROS[name])
