@@ -203,25 +203,56 @@ def _final(pcg: PCG, rule: Rule, st: _State) -> dict[str, Any] | None:
     return env
 
 
-def _roots(pcg: PCG, rule: Rule, i: int, st: _State, chosen: tuple[int, ...]
+def _roots(pcg: PCG, rule: Rule, i: int, st: _State, chosen: tuple[int, ...], allowed: frozenset[int] | None
            ) -> Iterator[tuple[_State, tuple[int, ...]]]:
-    """Bindings of the rule's left-hand terms i, i+1, ... at distinct root tensors, extending `st`. (A module
-    function, not a recursive closure: that would be a reference cycle keeping `pcg` alive until a cyclic
-    collection, which the search pauses.)"""
+    """Bindings of the rule's left-hand terms i, i+1, ... at distinct root tensors, extending `st`; with
+    `allowed`, at least one root is in it (the last term's root when no earlier one is). (A module function,
+    not a recursive closure: that would be a reference cycle keeping `pcg` alive until a cyclic collection,
+    which the search pauses.)"""
     if i == len(rule.lhs):
         yield st, chosen
         return
-    for tid in _candidates(pcg, rule.lhs[i]):
+    tids = _candidates(pcg, rule.lhs[i])
+    if allowed is not None and i == len(rule.lhs) - 1 and not allowed.intersection(chosen):
+        tids = [t for t in tids if t in allowed]
+    for tid in tids:
         if tid in chosen:
             continue
         for nxt in _match(pcg, rule.lhs[i], tid, st):
-            yield from _roots(pcg, rule, i + 1, nxt, chosen + (tid,))
+            yield from _roots(pcg, rule, i + 1, nxt, chosen + (tid,), allowed)
 
 
-def find_matches(pcg: PCG, rule: Rule) -> Iterator[Match]:
-    """Every occurrence of the rule's left-hand side in the PCG."""
+def term_depth(term: Term) -> int:
+    """Operators on the longest path from `term`'s root to a variable."""
+    return 0 if isinstance(term, Var) else 1 + max((term_depth(a) for a in term.args), default=0)
+
+
+def roots_near(pcg: PCG, nodes: set[int], depth: int) -> frozenset[int]:
+    """The tensors at which a left-hand term of at most `depth` operators can match a node of `nodes`: the
+    results of those nodes and of their readers, and theirs, up to `depth - 1` readers on."""
+    by_id = {n.id: n for n in pcg.nodes}
+    frontier = [by_id[i] for i in nodes if i in by_id]
+    seen = {n.id for n in frontier}
+    out: set[int] = set()
+    for step in range(depth):
+        nxt = []
+        for n in frontier:
+            out.update(n.outputs)
+            if step + 1 < depth:
+                for t in n.outputs:
+                    for u in pcg.users(t):
+                        if u.id not in seen:
+                            seen.add(u.id)
+                            nxt.append(u)
+        frontier = nxt
+    return frozenset(out)
+
+
+def find_matches(pcg: PCG, rule: Rule, near: frozenset[int] | None = None) -> Iterator[Match]:
+    """Every occurrence of the rule's left-hand side in the PCG; with `near` (`roots_near` of some nodes, at
+    least the rule's depth): those with a root in it, a superset of those matching one of the nodes."""
     seen: set[tuple] = set()
-    for st, chosen in _roots(pcg, rule, 0, _State({}, {}, None, frozenset()), ()):
+    for st, chosen in _roots(pcg, rule, 0, _State({}, {}, None, frozenset()), (), near):
         env = _final(pcg, rule, st)
         if env is None:
             continue

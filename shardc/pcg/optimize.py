@@ -21,7 +21,7 @@ from shardc.pcg.generate import ac_form
 from shardc.pcg.graph import PCG, Compute, Region
 from shardc.pcg.lang import OPS, Rule, term_ops
 from shardc.pcg.library import all_rules
-from shardc.pcg.match import Match, RewriteError, apply_match, find_matches
+from shardc.pcg.match import Match, RewriteError, apply_match, find_matches, roots_near, term_depth
 from shardc.pcg.simcost import DEFAULT_TOPOLOGY, SimCost
 from shardc.pcg.verify import verify_rule
 
@@ -152,21 +152,30 @@ def _candidates(pcg: PCG, rules: list[Rule], refuted: set[str], new_from: int | 
     """Every applicable rewrite of `pcg` by a proved rule (with `new_from`: only matches near the last
     rewrite, see `_near`)."""
     fresh = None if new_from is None else _near(pcg, new_from)
+    roots: dict[int, frozenset[int]] = {}  # (per left-hand depth: the tensors a match of a fresh node roots at)
     for rule in rules:
-        matches = _proved_matches(pcg, rule, refuted, fresh)
+        matches = _proved_matches(pcg, rule, refuted, fresh, roots)
         for m, new in _applied(pcg, matches):
             yield rule, m, new
 
 
-def _proved_matches(pcg: PCG, rule: Rule, refuted: set[str], near: set[int] | None = None) -> Iterator[Match]:
-    """The matches of `rule` on `pcg` (touching nodes `near` when given), if the rule is proved: it is
-    verified with Z3 when it first matches (`verify_rule` caches verdicts), and an unproved rule joins
-    `refuted` and is never applied."""
+def _proved_matches(pcg: PCG, rule: Rule, refuted: set[str], near: set[int] | None = None,
+                    roots: dict[int, frozenset[int]] | None = None) -> Iterator[Match]:
+    """The matches of `rule` on `pcg` (touching nodes `near` when given: only roots that can reach them are
+    tried, `roots_near`, memoised in `roots` per left-hand depth), if the rule is proved: it is verified with
+    Z3 when it first matches (`verify_rule` caches verdicts), and an unproved rule joins `refuted` and is
+    never applied."""
     if rule.text in refuted:
         return
-    matches = find_matches(pcg, rule)
-    if near is not None:
-        matches = (m for m in matches if m.nodes & near)
+    if near is None:
+        matches = find_matches(pcg, rule)
+    else:
+        depth = max(term_depth(t) for t in rule.lhs)
+        if roots is None:
+            roots = {}
+        if depth not in roots:
+            roots[depth] = roots_near(pcg, near, depth)
+        matches = (m for m in find_matches(pcg, rule, roots[depth]) if m.nodes & near)
     first = next(matches, None)
     if first is None:
         return
@@ -220,7 +229,7 @@ def _operator_form(op: Any) -> Any:
 def _same_match(pcg: PCG, rule: Rule, m: Match) -> Match | None:
     """The match of `rule` on `pcg` binding the same tensors at the same roots as `m` (made on an earlier
     PCG), if it is still there."""
-    for again in find_matches(pcg, rule):
+    for again in find_matches(pcg, rule, frozenset(m.roots)):
         if again.roots == m.roots and again.tensors == m.tensors and again.params == m.params:
             return again
     return None

@@ -255,3 +255,38 @@ def test_typed_prng_key_input(mesh):
     out, hlo = run(res.pcg, *args)
     close(out[0], f(*args))
     assert hlo == res.pcg.collectives()
+
+
+def test_matches_near_some_nodes_are_those_the_whole_graph_has_there(mesh):
+    """The rewriting's follow-up matching tries only roots that can reach the nodes a rewrite made
+    (`roots_near`): on a Transformer step's PCG, fused and not, for every rule of the library and generated
+    ones, and node sets of one node and of a chain's neighbourhood, its matches are exactly the whole graph's
+    matches touching those nodes (a root restricted too far, or a multi-root rule's other root, would lose some)."""
+    from shardc.pcg.library import all_rules
+    from shardc.pcg.match import roots_near, term_depth
+
+    model = Block()
+    x = jax.random.normal(jax.random.key(1), (4, 8, 32))
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def loss(params, x):
+        return jnp.mean(model.apply({"params": params}, x) ** 2)
+
+    step = jax.value_and_grad(loss)
+    rng = np.random.default_rng(0)
+    found = 0
+    for fuse in (False, True):
+        pcg = pcg_of(step, mesh, params, x, fuse=fuse)
+        ids = [n.id for n in pcg.nodes]
+        picks = [{int(i)} for i in rng.choice(ids, 12, replace=False)]
+        picks += [{int(i) for i in rng.choice(ids, 5, replace=False)} for _ in range(4)]
+        whole = {r.text: list(find_matches(pcg, r)) for r in all_rules()}
+        for near in picks:
+            for r in all_rules():
+                depth = max(term_depth(t) for t in r.lhs)
+                want = sorted(repr((m.roots, sorted(m.tensors.items()))) for m in whole[r.text] if m.nodes & near)
+                got = sorted(repr((m.roots, sorted(m.tensors.items())))
+                             for m in find_matches(pcg, r, roots_near(pcg, near, depth)) if m.nodes & near)
+                assert got == want, (r.name, near)
+                found += len(want)
+    assert found > 20  # (the node sets do meet matches)
