@@ -313,11 +313,11 @@ def _search(problem: Problem, meshes: Sequence[Mapping[str, int]], pool: MeshPoo
         if res.final is not None:
             rec = res.final
             plan = None
-            if problem.pcg and rec.score.feasible:  # this mesh's best, its PCG rewritten with proved rules
-                try:
-                    plan = _with_pcg(problem, pool.call(i, "plan", rec.plan_id))
+            if problem.pcg and rec.score.feasible:  # this mesh's best, its PCG rewritten (`MeshWork.search`)
+                plan = pool.call(i, "plan", rec.plan_id)
+                if plan.pcg is not None:
                     rewritten[plan_digest(plan)] = plan.pcg
-                except ShardingError:  # (a PCG the rewriting cannot build: the plan competes as it is)
+                else:
                     plan = None
             consider(rec, i, plan)
             if plan is not None and plan.pcg is not None and plan.pcg.chosen:
@@ -350,16 +350,6 @@ _HINTS_PLANNED = {
     "hints (collectives)": "the hints with each op's layout chosen by its collectives' time, without XLA:CPU's "
                            "relayout copies",
 }
-
-
-def _with_pcg(problem: Problem, plan: Plan) -> Plan:
-    """`plan` with the choice of its PCG rewritten by proved rules (`shardc.pcg.choice.choose_pcg`, under the
-    problem's simulator and memory limit; `plan.pcg.chosen` when the rewritten PCG is faster)."""
-    from shardc.pcg import choice
-
-    return dataclasses.replace(plan, pcg=choice.choose_pcg(plan, problem.program, problem.topology,
-                                                           donated=problem.donated,
-                                                           memory_limit=problem.memory_limit))
 
 
 @functools.wraps(_search_plan)

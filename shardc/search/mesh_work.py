@@ -266,9 +266,12 @@ class MeshWork:
         extra = tuple(seeds_for(ev.space, a, user))
         try:
             plan = ev.plan(a)
-            out.final = searched(plan, ev.score_plan(plan)[0], extra, a)
+            score = ev.score_plan(plan)[0]
         except ShardingError:
-            pass
+            return out
+        if problem.pcg and score.feasible:  # this mesh's best, its PCG rewritten with proved rules (here: the
+            plan = with_pcg(problem, plan)  # meshes' rewritings run at once where they are searched at once)
+        out.final = searched(plan, score, extra, a)
         return out
 
     def groups(self, index: int, point: Assignment | None, plan: Plan, time: float) -> tuple[GroupNote, ...]:
@@ -276,6 +279,20 @@ class MeshWork:
         st = self._states[index]
         return compare_groups(st.ev, point if point is not None else project_plan(st.ev.space, plan), plan, time,
                               st.base_choices)
+
+
+def with_pcg(problem: Problem, plan: Plan) -> Plan:
+    """`plan` with the choice of its PCG rewritten by proved rules (`shardc.pcg.choice.choose_pcg`, under the
+    problem's simulator and memory limit; `plan.pcg.chosen` when the rewritten PCG is faster); the plan as it
+    is when the rewriting cannot build its PCG (a ShardingError: the plan competes as it is)."""
+    from shardc.pcg import choice
+
+    try:
+        return dataclasses.replace(plan, pcg=choice.choose_pcg(plan, problem.program, problem.topology,
+                                                               donated=problem.donated,
+                                                               memory_limit=problem.memory_limit))
+    except ShardingError:
+        return plan
 
 
 def _other_layout_costs(problem: Problem) -> tuple[str, ...]:

@@ -8,7 +8,9 @@ A `MeshPool` gives the meshes round-robin to this process and to `workers - 1` f
 report and every count are the same with one worker or several. A child scores its meshes as soon as it starts
 and keeps each mesh's evaluator, so the phase 2 search of a mesh, its final plan and its group comparisons run
 where it was scored; the searched meshes run at once (their plan shares are fixed before either starts), and
-when one process scored two of them an idle one scores the second again and searches it.
+when one process scored two of them an idle one scores the second again and searches it. With `pcg=True` the
+rewriting of a searched mesh's best plan runs there too (`MeshWork.search`), and its PCG comes back with the
+JAX primitives and equation parameters its operators hold sent as references (`primitives_and_params`).
 
 Only pure-Python work runs in a child: the user's hints are resolved and the meshes made in this process before
 it forks, and no child is forked when the simulator would time ops on this host (the measured `cpu-host`
@@ -98,6 +100,33 @@ def read_exactly(read: Callable[[int], bytes], size: int) -> bytes | None:
 
 _MISSING = object()
 Job = tuple[int, Mapping[str, int], Any, list]  # mesh index, sizes, mesh, the user's seeds on it
+
+
+def primitives_and_params(program: Any) -> list[Any]:
+    """Objects a rewritten PCG's operators hold that pickle by value badly or not at all, and that both
+    processes hold since the fork: every JAX primitive defined in an imported module (a rule may build any
+    `lax` op) and the parameter values of the traced program's equations, sub-programs' included (jaxprs,
+    functions of custom derivatives)."""
+    from jax.extend.core import Jaxpr, Primitive
+
+    out: list[Any] = [o for m in list(sys.modules.values()) for o in list(getattr(m, "__dict__", {}).values())
+                      if isinstance(o, Primitive)]
+    stack = [getattr(program, "jaxpr", program)] if program is not None else []
+    seen: set[int] = set()
+    while stack:
+        jaxpr = stack.pop()
+        if id(jaxpr) in seen:
+            continue
+        seen.add(id(jaxpr))
+        for eqn in jaxpr.eqns:
+            out.append(eqn.primitive)
+            for value in eqn.params.values():
+                for v in value if isinstance(value, (tuple, list)) else (value,):
+                    out.append(v)
+                    inner = getattr(v, "jaxpr", v)
+                    if isinstance(inner, Jaxpr):
+                        stack.append(inner)
+    return out
 
 
 class _Channel:
@@ -258,7 +287,7 @@ class MeshPool:
             self._owner.update((j[0], (k + (not here_first)) % workers) for k, j in enumerate(jobs))
         work = self.work
         shared = [work.problem, work.problem.graph, work.problem.program, work.problem.topology, *self._meshes,
-                  *(j[2] for j in jobs)]
+                  *(j[2] for j in jobs), *primitives_and_params(work.problem.program)]
         shared = [o for o in shared if o is not None]
         try:
             for k in range(1, workers):
