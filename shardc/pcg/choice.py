@@ -22,7 +22,7 @@ from typing import Any, Sequence
 from shardc.pcg.build import build_pcg
 from shardc.pcg.graph import PCG
 from shardc.pcg.optimize import Optimized, Step, optimize
-from shardc.pcg.simcost import SimCost, simulate_pcg
+from shardc.pcg.simcost import SimCost
 
 __all__ = ["PCGChoice", "choose_pcg", "jit_pcg", "DEFAULT_EVALUATIONS"]
 
@@ -88,12 +88,11 @@ def choose_pcg(plan: Any, closed_jaxpr: Any, topology: Any, *, donated: Sequence
     res: Optimized = optimize(pcg, rules, cost_fn=cost, max_evaluations=max_evaluations)
     pcg_time = cost(pcg)
     best = res.pcg
-    result = simulate_pcg(best, topo, estimator=cost.estimator, donated=donated).result
-    peak = float(result.peak_memory)
+    _, peak, comm = cost.measures(best)  # (simulated by the rewriting already)
     chosen = bool(res.steps) and res.cost < plan_time * (1 - 1e-9) and res.cost < pcg_time * (1 - 1e-9) \
         and peak <= limit
-    return PCGChoice(best, plan_time, pcg_time, res.cost, peak, float(sum(result.comm_bytes.values())), limit,
-                     res.steps, cost.simulations, time.perf_counter() - t0, chosen)
+    return PCGChoice(best, plan_time, pcg_time, res.cost, peak, comm, limit, res.steps, cost.simulations,
+                     time.perf_counter() - t0, chosen)
 
 
 def jit_pcg(plan: Any, pcg: PCG, donate: Sequence[int] = ()) -> Any:

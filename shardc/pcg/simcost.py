@@ -298,18 +298,23 @@ class SimCost:
         self.donated = tuple(donated)
         # memory_limit: bytes per device; a PCG whose simulated peak is above it costs infinity (never kept)
         self.memory_limit = memory_limit
-        self._memo: dict[str, float] = {}
+        self._memo: dict[str, tuple[float, float, float]] = {}  # PCG key -> (cost, peak, comm bytes)
         self.simulations = 0
 
     def __call__(self, pcg: PCG) -> float:
+        return self.measures(pcg)[0]
+
+    def measures(self, pcg: PCG) -> tuple[float, float, float]:
+        """The PCG's cost (its simulated step, infinity over the memory limit), simulated peak memory per device
+        and communication per device (bytes): simulated once per PCG key."""
         k = pcg.key() + repr([(pcg.tensors[t].shape, str(pcg.tensors[t].dtype)) for t in pcg.inputs])
         hit = self._memo.get(k)
         if hit is None:
             res = simulate_pcg(pcg, self.topology, estimator=self.estimator, donated=self.donated).result
-            hit = res.step_time
+            cost = res.step_time
             if self.memory_limit is not None and res.peak_memory > self.memory_limit:
-                hit = float("inf")
-            self._memo[k] = hit
+                cost = float("inf")
+            hit = self._memo[k] = (cost, float(res.peak_memory), float(sum(res.comm_bytes.values())))
             self.simulations += 1
         return hit
 
