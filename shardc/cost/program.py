@@ -1019,8 +1019,8 @@ def unread_if_same(op: Any, same: Callable[[int, int], bool]) -> tuple[int, ...]
 
 def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:
     """Operands of `op` XLA's algebraic simplifier drops: a dynamic_update_slice whose update covers its
-    whole operand is the update; a select whose cases are one value is that value (`where(p, x, x)`: the
-    predicate is not read), and so are max and min of one value (`SAME_OPERAND_RULES`); a scatter-add of zeros
+    whole operand is the update; a select whose cases are one value (or all zeros, `is_zeros`: one broadcast
+    once XLA's CSE merges them) is that value (`where(p, x, x)`: the predicate is not read), and so are max and min of one value (`SAME_OPERAND_RULES`); a scatter-add of zeros
     (`is_zeros`: the gradient of a gather whose result's cotangent is zero) is its operand; an op folded to a
     constant whatever its operands reads none of them; a slice of nothing but a pad's padding reads nothing
     (`reads_only_padding`); a concatenate's or pad's operand no slice of its result reads is not read
@@ -1032,7 +1032,8 @@ def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:
     if op.primitive == "dynamic_update_slice" and len(op.inputs) > 1 \
             and graph.values[op.inputs[1]].shape == graph.values[op.inputs[0]].shape:
         return (0,)
-    same = unread_if_same(op, lambda i, j: op.inputs[i] == op.inputs[j])
+    same = unread_if_same(op, lambda i, j: op.inputs[i] == op.inputs[j]
+                          or is_zeros(graph, op.inputs[i]) and is_zeros(graph, op.inputs[j]))
     if same:
         return same
     if reads_only_padding(graph, op):

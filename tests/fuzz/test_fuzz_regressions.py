@@ -1605,3 +1605,21 @@ COND_ON_ZEROS = {  # seed 136008's family: the model took the index for a consta
 @pytest.mark.parametrize("name", sorted(COND_ON_ZEROS))
 def test_a_cond_index_is_constant_only_where_xla_folds_it(name):
     fuzzlib.check_program(COND_ON_ZEROS[name])
+
+
+SELECT_OF_TWO_ZEROS = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(  # seed 138016
+    Step(kind="input", args=(), attrs=(), shape=(8, 1, 16)),
+    Step(kind="input", args=(), attrs=(), shape=(2, 8, 1, 16)),
+    Step(kind="scan", args=(0, 1), attrs=(("inner", ("?", ("y",), ("x",))),), shape=(2, 8, 1, 16)),
+    Step(kind="input", args=(), attrs=(), shape=(2, 16, 1, 8)),
+    Step(kind="einsum", args=(2, 3), attrs=(("spec", "abcd,adcb->c"),), shape=(1,)),  # partial sums over x
+    Step(kind="where", args=(4, 4), attrs=(), shape=(1,)),
+    Step(kind="input", args=(), attrs=(), shape=(1,)),
+    # overwritten whole: the where's cotangent selects between two zeros, which XLA merges into one, so the
+    # predicate (and the all-reduce of the sums it compares) is not read
+    Step(kind="update_slice", args=(5, 6), attrs=(("start", (0,)),), shape=(1,)),
+), outputs=(7,))
+
+
+def test_a_select_between_two_zeros_reads_no_predicate():
+    fuzzlib.check_program(SELECT_OF_TWO_ZEROS)
