@@ -1499,7 +1499,8 @@ def _invariant_trips(graph: Graph, canon: Sequence[int], lengths: Mapping[str, i
     taken out of the innermost of those loops only. XLA's loop-invariant code motion moves a collective
     whose operand is invariant out of the loop (the FSDP all-gather of a weight an LSTM cell reads every step
     runs once, not once per step; out of every enclosing loop in which the value is invariant too, but for
-    the reshards `sim.tasks.leaves_one_loop_only` names). A PCG collective's result of such a value is
+    the reshards `sim.tasks.leaves_one_loop_only` names, which leave the innermost loop only, and the next one
+    out too when that is a one-trip loop or a reversed scan). A PCG collective's result of such a value is
     invariant too."""
     replaced = {v for op in graph.ops if op.primitive == "tie" and not op.params.get("at") for v in op.outputs}
     out: dict[int, tuple[int, int, int]] = {}
@@ -1511,8 +1512,12 @@ def _invariant_trips(graph: Graph, canon: Sequence[int], lengths: Mapping[str, i
         inner = op.outputs[0]
         if inner in replaced:
             continue
-        source, here = canon[op.inputs[0]], _runs(lengths, op.region.rsplit("/", 1)[0])
-        if source in out and lengths.get(op.region) == 1:  # (XLA inlines a one-trip loop: its body is the outer's)
+        outer = op.region.rsplit("/", 1)[0]
+        source, here = canon[op.inputs[0]], _runs(lengths, outer)
+        if source in out and (lengths.get(op.region) == 1 or outer in graph.region_reversed):
+            # (XLA inlines a one-trip loop: its body is the outer's; a reversed outer scan's index arithmetic
+            # gives its loop-invariant code motion more to hoist, and the loop state it rebuilds for that passes
+            # the slice's offsets on unchanged: the slice leaves that loop too)
             here = out[source][2]
         runs, origin = out[source][:2] if source in out else (here, source)
         out[canon[inner]] = (runs, origin, here)

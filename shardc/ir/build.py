@@ -170,6 +170,8 @@ class _Builder:
         length = p["length"]
         here = f"{region}/scan{len(self.g.ops)}"
         self.g.region_trips[here] = int(length)
+        if p.get("reverse"):
+            self.g.region_reversed.add(here)
         inner_jaxpr, _ = self.closed(body)
         body_in = [self.new_value(v.aval) for v in inner_jaxpr.invars]
         for i, vid in enumerate(body_in):

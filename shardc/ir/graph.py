@@ -134,6 +134,9 @@ class Graph:
     # iterations of each scan region (a scan with no scanned operand or result, e.g. a fori_loop with
     # static bounds, has no scan_slice/scan_stack op to read its length from)
     region_trips: dict[str, int] = dataclasses.field(default_factory=dict)
+    # scan regions that run their iterations in reverse (`reverse=True`, as the transpose of a scan is): their
+    # body computes its index as `length - 1 - i`, which XLA's loop-invariant code motion rewrites
+    region_reversed: set[str] = dataclasses.field(default_factory=set)
 
     def analysis(self, name: str, compute: Callable[[], _T]) -> _T:
         """`compute()`, once per graph: a plan-independent analysis cached on the graph under `name`."""

@@ -174,6 +174,8 @@ def _emit_region(pcg: PCG, n: Node, emit: _Emitter, ins: list[int], region: str,
         nc, nk = op.params["num_consts"], op.params["num_carry"]
         body = op.bodies[0]
         emit.graph.region_trips[here] = int(op.trips)
+        if op.params.get("reverse"):
+            emit.graph.region_reversed.add(here)
         body_args = []
         for i, (a, t) in enumerate(zip(ins, body.inputs)):
             s = body.tensors[t].sharding

@@ -1623,3 +1623,23 @@ SELECT_OF_TWO_ZEROS = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(  # se
 
 def test_a_select_between_two_zeros_reads_no_predicate():
     fuzzlib.check_program(SELECT_OF_TWO_ZEROS)
+
+
+A_PERMUTE_IN_A_REVERSED_OUTER_LOOP = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(  # seed 136018, shrunk
+    Step(kind="input", args=(), attrs=(), shape=(8, 1, 8)),
+    Step(kind="input", args=(), attrs=(), shape=(3, 1, 4)),
+    Step(kind="update_slice", args=(0, 1), attrs=(("start", (0, 0, 0)),), shape=(8, 1, 8)),
+    Step(kind="input", args=(), attrs=(), shape=(8, 1, 4, 2)),
+    Step(kind="input", args=(), attrs=(), shape=(2, 8, 1, 8)),
+    Step(kind="input", args=(), attrs=(("meta", ("x", "y")),), shape=(8, 8)),
+    # the matrix is permuted (sliced first) for the dot in the inner loop: once per outer trip in the forward
+    # loops, once in all in the backward ones, whose outer scan is reversed
+    Step(kind="nested_loop", args=(2, 4, 5), attrs=(("n", 2), ("inner", (("x",), None, ("z",)))),
+         shape=(2, 8, 1, 8)),
+    Step(kind="input", args=(), attrs=(), shape=(8, 1, 1, 2)),
+    Step(kind="scatter_add", args=(3, 7), attrs=(("dim", 2), ("indices", (3,))), shape=(8, 1, 4, 2)),
+), outputs=(6,))
+
+
+def test_a_permute_in_the_backward_nested_loops_leaves_both():
+    fuzzlib.check_program(A_PERMUTE_IN_A_REVERSED_OUTER_LOOP)

@@ -1,7 +1,8 @@
 """Reshards of a value invariant in nested loops run where XLA's loop-invariant code motion leaves them: out of
 every loop for a collective that reads the value alone, out of the innermost loop only for a collective-permute
 of a piece XLA first slices at device-dependent offsets (`shardc.sim.tasks.leaves_one_loop_only`), unless
-that loop has one trip (XLA inlines it). A matrix `w` is read inside a `fori_loop` nested in a `scan` in another
+that loop has one trip (XLA inlines it) or the outer loop is a reversed scan (its index arithmetic is hoisted,
+and the loop state rebuilt for that passes the offsets on unchanged). A matrix `w` is read inside a `fori_loop` nested in a `scan` in another
 layout than it enters in; the simulated bytes of each collective kind must equal the compiled program's."""
 import jax.numpy as jnp
 import pytest
@@ -29,7 +30,7 @@ def _spec(layout):
     return tuple(axes if axes else None for axes in layout)
 
 
-def _program(src, dst, trips=2):
+def _program(src, dst, trips=2, reverse=False):
     def step(w, xs):
         w = shardc.shard(w, _spec(src))
 
@@ -40,20 +41,26 @@ def _program(src, dst, trips=2):
             c = lax.fori_loop(0, trips, inner, c + x)
             return c, c
 
-        return lax.scan(cell, jnp.zeros_like(w), xs)[1]
+        return lax.scan(cell, jnp.zeros_like(w), xs, reverse=reverse)[1]
 
     return step
 
 
-CASES = [(s, d, sliced, 2) for s, d, sliced in PAIRS] + [(*PAIRS[0][:2], True, 1)]  # (a one-trip inner loop, which
-# XLA inlines: the permute is in the outer body with its offsets and leaves it; the fuzzer's seed 135013)
+CASES = [(s, d, sliced, 2, False) for s, d, sliced in PAIRS] + [
+    (*PAIRS[0][:2], True, 1, False),  # a one-trip inner loop, which XLA inlines: the permute is in the outer body
+    # with its offsets and leaves it (the fuzzer's seed 135013)
+    (*PAIRS[0][:2], True, 2, True),  # a reversed outer scan (a scan's transpose is one): XLA hoists its index
+    (*PAIRS[1][:2], True, 2, True),  # arithmetic, and the loop state it rebuilds for that lets the permute leave
+    (*PAIRS[3][:2], False, 2, True),  # the outer loop too (the fuzzer's seed 136018, in the backward pass)
+]
 
 
-@pytest.mark.parametrize("src,dst,sliced,trips", CASES, ids=[f"{s}->{d}, {n} trips" for s, d, _, n in CASES])
-def test_an_invariant_reshard_in_nested_loops_runs_as_compiled(src, dst, sliced, trips):
+@pytest.mark.parametrize("src,dst,sliced,trips,reverse", CASES,
+                         ids=[f"{s}->{d}, {n} trips{', reversed' if r else ''}" for s, d, _, n, r in CASES])
+def test_an_invariant_reshard_in_nested_loops_runs_as_compiled(src, dst, sliced, trips, reverse):
     mesh = shardc.make_mesh(MESH)
     args = (jnp.ones((8, 8), jnp.float32), jnp.ones((3, 8, 8), jnp.float32))
-    auto = shardc.auto(_program(src, dst, trips), mesh=mesh, search=False)
+    auto = shardc.auto(_program(src, dst, trips, reverse), mesh=mesh, search=False)
     info = auto.compiled_info(*args)
     plan = info.plan
     with xla_log() as log:
