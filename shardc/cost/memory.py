@@ -122,6 +122,7 @@ class MemoryModel:
         self.shares: dict[int, tuple[tuple[int, frozenset[int]], ...]] = {}  # op -> its results' in-place pairs
         self._slots: Sequence[Any] = ()  # the simulation's slots (the last full or delta run's)
         self._donated_to: list[tuple[int, int]] = []  # (donated input, the output written into it), canonical
+        self._donated_outputs: frozenset[int] = frozenset()  # canonical outputs written into donated inputs
         self._io_donated: tuple[int, ...] | None = None  # the donated inputs `io` last computed for
         self._io_ids: frozenset[int] | None = None  # (`_io_values`)
         self._unused: frozenset[int] | None = None  # (`_unused_inputs`)
@@ -186,7 +187,10 @@ class MemoryModel:
                     end = max(end, self._read_end(k, r, pos))
         lo, hi = self.bounds.get(kid, (-1, -1))
         order = self.order
-        lo, hi = 2 * order[lo] + 1 if lo >= 0 else -1, 2 * order[hi] + 1 if hi >= 0 else -1  # merged all-reduces
+        # merged all-reduces: a member's operand lives until the merged all-reduce, its result from there; XLA writes
+        # the result over the operand (the two never live at once) unless it flows into a donated input's buffer
+        in_place = hi >= 0 and self._reduced_in_place(c)
+        lo, hi = 2 * order[lo] + 1 if lo >= 0 else -1, 2 * order[hi] + 1 - in_place if hi >= 0 else -1
         start = max(owner[1], lo)
         if end > start and self._sliced_last(kid, end, ends):
             end -= 1
@@ -200,6 +204,16 @@ class MemoryModel:
         self.diff[start] += b
         self.diff[end + 1] -= b
         self.ends_at.setdefault(end, set()).add(kid)
+
+    def _reduced_in_place(self, c: int) -> bool:
+        """Whether XLA:CPU's all-reduce of value `c` (a merged all-reduce's member) writes its result into the
+        operand's buffer: it does unless an output computed from it is written into a donated input's buffer
+        (measured on SGD and Adam steps of an MLP, data-parallel and Megatron: with no input donated each
+        gradient's all-reduce is in place, and each donated weight adds one gradient-sized temporary)."""
+        if not self._donated_outputs:
+            return True
+        desc = descendants(self.graph, self.info.canon)[c]
+        return not any(desc >> o & 1 for o in self._donated_outputs)
 
     def _own_task(self, op_id: int) -> Any | None:
         """The task of op `op_id`'s slot that is the op itself (None: it has none, or no simulation ran)."""
@@ -843,6 +857,7 @@ class MemoryModel:
         self.bounds = dict(bounds or {})
         self._slots = slots
         self._set_merged(groups)
+        self._set_donated(plan, donated)
         self._planned = plan.shardings
         self._placing = None
         self.diff[:] = 0
@@ -886,6 +901,8 @@ class MemoryModel:
         self._planned = plan.shardings
         self._slots = slots
         self._set_merged(groups)
+        if self._set_donated(plan, donated):  # (which all-reduces are in place changed: their operands' buffers too)
+            touched.update(k for k, (_, hi) in self.bounds.items() if hi >= 0)
         if bounds is not None:
             before, after = bounds
             touched.update(k for k in set(before) | set(after) if before.get(k) != after.get(k))
@@ -1010,25 +1027,12 @@ class MemoryModel:
         self.args = sum(nbytes(v) for v in g.inputs if v not in unused)
         # A tuple of outputs also holds its table of pointers (8 bytes each), as XLA counts it.
         self.outs = sum(nbytes(v) for v in g.outputs) + (8 * len(g.outputs) if len(g.outputs) > 1 else 0)
-        alias = 0
-        aliased: set[int] = set()
-        self._donated_to = []
-        free = [g.inputs[i] for i in donated if i < len(g.inputs) and g.inputs[i] not in unused]
+        pairs = self._alias_pairs(plan, donated)
+        aliased = {v for _, v in pairs}
+        alias = sum(nbytes(v) for v in aliased)
+        self._donated_to = [(self.info.canon[u], self.info.canon[v]) for u, v in pairs]
         inputs = set(g.inputs)
-        fresh = []
-        for v in g.outputs:
-            val = g.values[v]
-            for j, u in enumerate(free):
-                w = g.values[u]
-                if w.shape == val.shape and w.dtype == val.dtype and plan.shardings[u] == plan.shardings[v]:
-                    alias += nbytes(v)
-                    aliased.add(v)
-                    free.pop(j)
-                    self._donated_to.append((self.info.canon[u], self.info.canon[v]))
-                    break
-            else:
-                if v not in inputs:
-                    fresh.append(nbytes(v))
+        fresh = [nbytes(v) for v in g.outputs if v not in aliased and v not in inputs]
         self.alias = alias
         self.fresh_outs = tuple(fresh)
         canon = self.info.canon
@@ -1165,6 +1169,29 @@ class MemoryModel:
         for a, e, b, p in copies:  # a temporary; placed in an input's allocation, none ( `reused` took it off)
             live[a:e + 1] += b
         return live
+
+    def _alias_pairs(self, plan: Any, donated: Sequence[int]) -> list[tuple[int, int]]:
+        """(donated input, output written into its buffer) value ids: each output takes the first donated input
+        left of its shape, dtype and layout (an input the compiled program prunes takes none)."""
+        g, unused = self.graph, self._unused_inputs()
+        free = [g.inputs[i] for i in donated if i < len(g.inputs) and g.inputs[i] not in unused]
+        pairs = []
+        for v in g.outputs:
+            val = g.values[v]
+            for j, u in enumerate(free):
+                w = g.values[u]
+                if w.shape == val.shape and w.dtype == val.dtype and plan.shardings[u] == plan.shardings[v]:
+                    pairs.append((u, v))
+                    free.pop(j)
+                    break
+        return pairs
+
+    def _set_donated(self, plan: Any, donated: Sequence[int]) -> bool:
+        """Record the canonical outputs written into donated inputs' buffers; whether they changed."""
+        new = frozenset(self.info.canon[v] for _, v in self._alias_pairs(plan, donated)) if donated else frozenset()
+        changed = new != self._donated_outputs
+        self._donated_outputs = new
+        return changed
 
     def _set_merged(self, groups: Sequence[Any]) -> None:
         """Per merged all-reduce of `groups`, the bitmasks of its members and of their descendants (kept while

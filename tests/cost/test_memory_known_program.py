@@ -1,4 +1,5 @@
 """Memory of a known program, by hand; and the gradient all-reduces XLA merges keep every gradient alive."""
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -69,3 +70,23 @@ def test_memory_of_plans_differs_as_expected():
     assert shd.peak_memory < rep.peak_memory
     assert shd.comm_bytes == {"all-reduce": 4}  # the scalar sum of partial sums
     assert shd.flops == pytest.approx(rep.flops / 8, rel=0.05)
+
+
+@pytest.mark.parametrize("donate", [(), (0,), (1,), (0, 1)])
+def test_a_gradient_all_reduce_is_in_place_unless_its_weight_is_donated(donate):
+    """XLA:CPU writes a merged gradient all-reduce's result over its operand, unless the weight update computed
+    from it is written into a donated input's buffer: each donated weight keeps one more gradient-sized
+    temporary (SGD on a data-parallel MLP; without donation the model counted both, 16% over)."""
+    mesh = shardc.make_mesh({"data": 8})
+
+    def step(w1, w2, x):
+        def loss(w1, w2):
+            return jnp.mean((jnp.tanh(split(x, 0, "data") @ w1) @ w2) ** 2)
+
+        l, g = jax.value_and_grad(loss, argnums=(0, 1))(w1, w2)
+        return w1 - 0.1 * g[0], w2 - 0.1 * g[1], l
+
+    args = (jnp.ones((128, 512)), jnp.ones((512, 128)), jnp.ones((64, 128)))
+    row = shardc.check(shardc.auto(step, mesh=mesh, donate_argnums=donate, search=False), *args).row(
+        "peak memory bytes")
+    assert abs(row.predicted - row.compiled) <= 0.02 * row.compiled, (row.predicted, row.compiled)
