@@ -858,8 +858,9 @@ def _check_not_deleted(flat: Sequence[Any], plan: Plan, fun: Callable) -> None:
 
 def _tie_carried_state(graph: Graph, in_tree: Any, out_tree: Any, args: Any) -> None:
     """Tie each output leaf that is the next step's version of an input leaf (same subtree structure,
-    same shapes; of several such outputs, the one whose leaves most update the input's) to that input, so
+    same shapes; of several such outputs, the one whose leaves most surely update the input's) to that input, so
     both get one sharding and step 2 does not reshard."""
+    from shardc.cost.flops import ELEMENTWISE
     from shardc.ir.build import _tie_rule
 
     arg_trees = [_unboxed_structure(jax.tree_util.tree_structure(a)) for a in args]
@@ -885,11 +886,15 @@ def _tie_carried_state(graph: Graph, in_tree: Any, out_tree: Any, args: Any) -> 
             b = graph.ops[p].inputs[0]
         return b
 
-    def updates(a: int, b: int) -> bool:
-        """Whether output leaf `b` is input leaf `a` updated: made by an op other than a hint that reads `a`
-        (both maybe through hints). `a` itself re-hinted is not an update of it."""
+    def updates(a: int, b: int) -> int:
+        """How surely output leaf `b` is input leaf `a` updated: 2 when an elementwise op reading `a` makes it
+        (`p - lr * g`, optax's `p + u`), 1 when another op other than a hint reading `a` does (a transpose of it
+        is more likely a metric than the next step's state), 0 otherwise (both maybe through hints; `a` itself
+        re-hinted is not an update of it)."""
         p = graph.values[unhinted(b)].producer
-        return p is not None and bool(({a} | hinted.get(a, set())) & set(graph.ops[p].inputs))
+        if p is None or not ({a} | hinted.get(a, set())) & set(graph.ops[p].inputs):
+            return 0
+        return 2 if graph.ops[p].primitive in ELEMENTWISE else 1
 
     used: set[int] = set()
     for ai, at in enumerate(arg_trees):

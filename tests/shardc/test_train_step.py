@@ -136,6 +136,19 @@ def test_the_updated_params_are_the_carried_state_not_metrics_shaped_like_them(m
     assert len(auto._cache) == 1
 
 
+def test_a_transpose_of_the_params_is_no_update_of_them(mesh):
+    """A step returning (params transposed to the same shape, new_params): the elementwise update is the
+    carried state, not the transpose that reads the params as directly (fuzz soak, seed 139013: the first won,
+    and the hints conflicted on the carried value)."""
+    def step(params, x):
+        view = split(jnp.transpose(params["w"], (2, 1, 0)), 1, "data")
+        return {"w": view}, {"w": params["w"] - 0.1 * jnp.sum(x)}
+
+    params, x = {"w": jnp.ones((4, 6, 4))}, jnp.ones((4,))
+    plan = shardc.plan(shardc.auto(step, mesh=mesh, search=False), params, x)
+    assert plan.graph.carried() == {plan.graph.inputs[0]: plan.graph.outputs[1]}
+
+
 def test_the_input_itself_re_hinted_is_not_its_update(mesh):
     """A step returning (params re-hinted to another layout, new_params): the re-hinted input is not an
     update of the params, the new params are (fuzz soak, seed 60042: step 2 failed with 'conflicting hints
