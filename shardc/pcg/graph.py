@@ -435,7 +435,12 @@ class PCG:
         return h.hexdigest()
 
     def key(self) -> str:
-        """A structural hash (same nodes on same tensors -> same key), for deduplicating rewrites."""
+        """A structural hash (same nodes on same tensors -> same key), for deduplicating rewrites (computed
+        once per PCG: the rewriting asks for it to skip a PCG it has seen and again to memoise its cost)."""
+        return self._key
+
+    @functools.cached_property
+    def _key(self) -> str:
         h = hashlib.sha1()
         names: dict[int, int] = {}
         for t in self.inputs:

@@ -138,6 +138,7 @@ def test_each_searched_mesh_competes_with_its_rewritten_pcg(args, monkeypatch):
         return ch
 
     monkeypatch.setattr(choice_mod, "choose_pcg", boosted)
+    monkeypatch.setenv("SHARDC_SEARCH_WORKERS", "1")  # (a mesh is rewritten where it is searched: counted here)
     af = shardc.auto(two_branch, pcg=True, topology=TOPO, budget_s=1.0)
     plan = af.plan(*args)
     assert plan.search.chosen.name == "search+pcg" and dict(plan.mesh_sizes) == loser and plan.pcg.chosen
@@ -163,6 +164,7 @@ def test_a_plan_the_search_rewrote_is_not_rewritten_again(monkeypatch):
         return real(plan, *a, **{**k, "max_evaluations": 4})
 
     monkeypatch.setattr(choice_mod, "choose_pcg", counted)
+    monkeypatch.setenv("SHARDC_SEARCH_WORKERS", "1")  # (a mesh is rewritten where it is searched: counted here)
     model, tx, params, opt, ids = setup(layers=1, batch=8, seq=16)
     plan = shardc.plan_for(make_train_step(model, tx), params, opt, ids, topology=TOPO, pcg=True, budget_s=1)
     assert plan.search.chosen.name in ("hints", "fsdp", "megatron", "data parallel")  # (not a searched plan)
