@@ -400,9 +400,13 @@ def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], f
     value it reads so is one: where the plan reads it in another layout than it is computed in, the fusion reads
     a reshard's result, a buffer of the result's shape (XLA writes an elementwise result over an all-gather's
     output); where it does not, the value has no buffer to take. Whether the value dies there, and in one layout,
-    is the plan's (`MemoryModel`)."""
+    is the plan's (`MemoryModel`). A dynamic_update_slice writes its result over its operand (a reshard's result
+    the update reads, say: the program's output then holds it)."""
     out: list[tuple[int, ...]] = [()] * len(graph.ops)
     for op in graph.ops:
+        if op.primitive == "dynamic_update_slice" and live[op.id] and not fused[canon[op.outputs[0]]]:
+            out[op.id] = (canon[op.inputs[0]],)  # (XLA updates the operand's buffer in place when it dies there)
+            continue
         if (not live[op.id] or not loop[op.id] or op.primitive not in _ELEMENTWISE_OPS or len(op.outputs) != 1
                 or fused[canon[op.outputs[0]]]):
             continue
