@@ -901,7 +901,7 @@ class MemoryModel:
         self._planned = plan.shardings
         self._slots = slots
         self._set_merged(groups)
-        if self._set_donated(plan, donated):  # (which all-reduces are in place changed: their operands' buffers too)
+        if self._set_donated(plan, donated, values):  # (which all-reduces are in place changed: their operands' too)
             touched.update(k for k, (_, hi) in self.bounds.items() if hi >= 0)
         if bounds is not None:
             before, after = bounds
@@ -1186,8 +1186,12 @@ class MemoryModel:
                     break
         return pairs
 
-    def _set_donated(self, plan: Any, donated: Sequence[int]) -> bool:
-        """Record the canonical outputs written into donated inputs' buffers; whether they changed."""
+    def _set_donated(self, plan: Any, donated: Sequence[int], values: Iterable[int] | None = None) -> bool:
+        """Record the canonical outputs written into donated inputs' buffers; whether they changed (`values`: the
+        values whose layouts changed since the last call, which `io` made; none of the arguments or outputs: the
+        same pairs)."""
+        if values is not None and tuple(donated) == self._io_donated and set(values).isdisjoint(self._io_values()):
+            return False
         new = frozenset(self.info.canon[v] for _, v in self._alias_pairs(plan, donated)) if donated else frozenset()
         changed = new != self._donated_outputs
         self._donated_outputs = new
