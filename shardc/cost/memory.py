@@ -122,6 +122,7 @@ class MemoryModel:
         self.shares: dict[int, tuple[tuple[int, frozenset[int]], ...]] = {}  # op -> its results' in-place pairs
         self._slots: Sequence[Any] = ()  # the simulation's slots (the last full or delta run's)
         self._donated_to: list[tuple[int, int]] = []  # (donated input, the output written into it), canonical
+        self._donated_ids: list[tuple[int, int]] = []  # the same pairs, as value ids (`_set_donated`)
         self._donated_outputs: frozenset[int] = frozenset()  # canonical outputs written into donated inputs
         self._io_donated: tuple[int, ...] | None = None  # the donated inputs `io` last computed for
         self._io_ids: frozenset[int] | None = None  # (`_io_values`)
@@ -1004,7 +1005,8 @@ class MemoryModel:
         return out
 
     def io(self, plan: Any, donated: Sequence[int], values: Iterable[int] | None) -> None:
-        """Arguments, outputs and aliased bytes (recomputed for `values` only, all when None)."""
+        """Arguments, outputs and aliased bytes (recomputed for `values` only, all when None; the outputs written
+        into donated inputs are those `_set_donated` paired for the same call)."""
         g = self.graph
         if values is None:
             self._local.clear()
@@ -1027,10 +1029,8 @@ class MemoryModel:
         self.args = sum(nbytes(v) for v in g.inputs if v not in unused)
         # A tuple of outputs also holds its table of pointers (8 bytes each), as XLA counts it.
         self.outs = sum(nbytes(v) for v in g.outputs) + (8 * len(g.outputs) if len(g.outputs) > 1 else 0)
-        pairs = self._alias_pairs(plan, donated)
-        aliased = {v for _, v in pairs}
+        aliased = {v for _, v in self._donated_ids}  # (paired by `_set_donated`, which runs first)
         alias = sum(nbytes(v) for v in aliased)
-        self._donated_to = [(self.info.canon[u], self.info.canon[v]) for u, v in pairs]
         inputs = set(g.inputs)
         fresh = [nbytes(v) for v in g.outputs if v not in aliased and v not in inputs]
         self.alias = alias
@@ -1187,12 +1187,16 @@ class MemoryModel:
         return pairs
 
     def _set_donated(self, plan: Any, donated: Sequence[int], values: Iterable[int] | None = None) -> bool:
-        """Record the canonical outputs written into donated inputs' buffers; whether they changed (`values`: the
-        values whose layouts changed since the last call, which `io` made; none of the arguments or outputs: the
-        same pairs)."""
+        """Pair the outputs with the donated inputs whose buffers they are written into (`_alias_pairs`; the
+        value ids for `io`, the canonical values in `_donated_to` and `_donated_outputs`); whether the outputs
+        written so changed (`values`: the values whose layouts changed since the last call, which `io` made;
+        none of the arguments or outputs: the same pairs)."""
         if values is not None and tuple(donated) == self._io_donated and set(values).isdisjoint(self._io_values()):
             return False
-        new = frozenset(self.info.canon[v] for _, v in self._alias_pairs(plan, donated)) if donated else frozenset()
+        canon = self.info.canon
+        self._donated_ids = self._alias_pairs(plan, donated)
+        self._donated_to = [(canon[u], canon[v]) for u, v in self._donated_ids]
+        new = frozenset(o for _, o in self._donated_to)
         changed = new != self._donated_outputs
         self._donated_outputs = new
         return changed

@@ -1024,11 +1024,11 @@ def unread_if_same(op: Any, same: Callable[[int, int], bool]) -> tuple[int, ...]
 def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:
     """Operands of `op` XLA's algebraic simplifier drops: a dynamic_update_slice whose update covers its
     whole operand is the update; a select whose cases are one value (or all zeros, `is_zeros`: one broadcast
-    once XLA's CSE merges them) is that value (`where(p, x, x)`: the predicate is not read), and so are max and min of one value (`SAME_OPERAND_RULES`); a scatter-add of zeros
-    (`is_zeros`: the gradient of a gather whose result's cotangent is zero) is its operand; an op folded to a
-    constant whatever its operands reads none of them; a slice of nothing but a pad's padding reads nothing
-    (`reads_only_padding`); a concatenate's or pad's operand no slice of its result reads is not read
-    (`shardc.cost.windows.window_unread`)."""
+    once XLA's CSE merges them) is that value (`where(p, x, x)`: the predicate is not read), and so are max and
+    min of one value (`SAME_OPERAND_RULES`); a scatter-add of zeros (`is_zeros`: the gradient of a gather whose
+    result's cotangent is zero) is its operand; an op folded to a constant whatever its operands reads none of
+    them; a slice of nothing but a pad's padding reads nothing (`reads_only_padding`); a concatenate's or pad's
+    operand no slice of its result reads is not read (`shardc.cost.windows.window_unread`)."""
     if folds_to_constant(graph, op):
         return tuple(range(len(op.inputs)))
     if op.primitive in ("scatter-add", "scatter_add") and len(op.inputs) == 3 and is_zeros(graph, op.inputs[2]):
