@@ -40,6 +40,8 @@ COPIES_EARLY = True
 LATE_AFTER_SLICES = True  # (switch: `_late`)
 # Ops that are no instruction: their readers read what they read.
 _PASS_THROUGH = frozenset({"shardc_hint", "sharding_constraint", "tie", "name", "optimization_barrier"})
+# Ops XLA fuses into the dynamic-slice fusions of their result's local slices (`_into_result_slice`).
+_FUSED_INTO_RESULT_SLICES = frozenset({"dynamic_update_slice"})
 _MIN_REUSE = 1024  # outputs smaller than this (a loss) are not worth looking for values to put in
 
 
@@ -173,7 +175,7 @@ class MemoryModel:
         if o is not None:
             self.out_keys[kid] = o
             return  # counted with the arguments / outputs (other layouts of them are temporaries)
-        b = 0 if owner[2] else self._bytes(kid)
+        b = 0 if owner[2] or self._into_result_slice(kid, owner[0]) else self._bytes(kid)
         if b == 0:
             self._set_operand(kid, owner[1])
             return
@@ -215,6 +217,24 @@ class MemoryModel:
             return True
         desc = descendants(self.graph, self.info.canon)[c]
         return not any(desc >> o & 1 for o in self._donated_outputs)
+
+    def _into_result_slice(self, kid: int, op_id: int) -> bool:
+        """Whether key `kid`, what a dynamic_update_slice's own task makes, is computed only into local slices of it
+        (its reshards to its planned layout, and nothing else reads it): XLA fuses the update into the
+        dynamic-slice fusion making each slice (measured: an update computed replicated and split on its result
+        writes no full-size buffer), so it has none of its own."""
+        if self.graph.ops[op_id].primitive not in _FUSED_INTO_RESULT_SLICES or not self._made_by_op(kid, op_id):
+            return False
+        if set(self.readers.get(kid, ())) != {op_id}:
+            return False
+        slot = self._slots[op_id]
+        readers = [i for i in range(slot.at + 1, len(slot.tasks)) if kid in slot.tasks[i].deps]
+        return bool(readers) and all(self._result_slice(slot, i) for i in readers)
+
+    def _result_slice(self, slot: Any, i: int) -> bool:
+        """Whether task `i` of a slot is a reshard of the op's result without collectives (a local slice of it)."""
+        t = slot.tasks[i]
+        return i > slot.at and t.kind == "join" and bool(t.deps) and all(self.keys.is_value_key[d] for d in t.deps)
 
     def _own_task(self, op_id: int) -> Any | None:
         """The task of op `op_id`'s slot that is the op itself (None: it has none, or no simulation ran)."""
