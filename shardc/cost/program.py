@@ -76,12 +76,37 @@ _CHEAP_F32_GPU = frozenset({"div", "sqrt", "rsqrt", "exp"})
 
 
 def fusible(op: Any, graph: Graph) -> bool:
-    """Whether XLA's loop fusion may take `op` into its readers (`FUSIBLE`), or a bitcast_convert_type between
-    types of one width (XLA's elementwise, cheap bitcast-convert; across widths it adds or drops a dim)."""
+    """Whether XLA's loop fusion may take `op` into its readers (`FUSIBLE`), a dynamic_slice at compile-time
+    constant starts (the simplifier makes it a slice: measured, an elementwise producer is fused into it and no
+    longer materialised; at a start known only at run time it is), or a bitcast_convert_type between types of
+    one width (XLA's elementwise, cheap bitcast-convert; across widths it adds or drops a dim)."""
     if op.primitive in FUSIBLE:
         return True
+    if op.primitive == "dynamic_slice":
+        return slice_window(graph, op) is not None
     return (op.primitive == "bitcast_convert_type" and len(op.inputs) == 1 and len(op.outputs) == 1
             and tuple(graph.values[op.inputs[0]].shape) == tuple(graph.values[op.outputs[0]].shape))
+
+
+# XLA:CPU keeps a concatenate out of every fusion (neither fused into its readers nor its operands into it) when
+# it has more than this many operands, or joins along the minor dim (row-major: the last) at least
+# `_MINOR_CONCAT_DIM_BYTES` along it and `_MINOR_CONCAT_BYTES` in all: a memcpy loop beats a fused one there
+# (CpuInstructionFusion::ShouldFuse).
+_MAX_FUSED_CONCAT_OPERANDS = 8
+_MINOR_CONCAT_DIM_BYTES = 64
+_MINOR_CONCAT_BYTES = 2048
+
+
+def unfused_concatenate(op: Any, graph: Graph, backend: str) -> bool:
+    """Whether `op` is a concatenate XLA's fusion on `backend` leaves unfused (XLA:CPU; from its global shape)."""
+    if op.primitive != "concatenate" or backend != "cpu" or not op.outputs:
+        return False
+    if len(op.inputs) > _MAX_FUSED_CONCAT_OPERANDS:
+        return True
+    out = graph.values[op.outputs[0]]
+    shape, item = tuple(out.shape), int(out.dtype.itemsize) if out.dtype is not None else 4
+    return (len(shape) >= 2 and int(op.params["dimension"]) == len(shape) - 1
+            and shape[-1] * item >= _MINOR_CONCAT_DIM_BYTES and math.prod(shape) * item >= _MINOR_CONCAT_BYTES)
 
 
 # Ops that, when they only add, drop or move unit dims of their local operand (or reduce over unit dims),
@@ -1336,7 +1361,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     # fusions that read the barrier's result (what it slices is read there: `until`)
     loop = _loop_ops(graph, live, library, backend)
     for op in graph.ops:
-        if not fusible(op, graph) or not live[op.id]:
+        if not fusible(op, graph) or not live[op.id] or unfused_concatenate(op, graph, backend):
             continue
         for v in op.outputs:
             users = _readers(graph, consumers, canon, v)
@@ -1346,7 +1371,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
             # reduction outside a library fusion (which reads its operands from memory).
             fused[v] = v in absorbed or (
                 all((fusible(graph.ops[u], graph) or graph.ops[u].primitive in REDUCTIONS) and u not in library
-                    for u in users)
+                    and not unfused_concatenate(graph.ops[u], graph, backend) for u in users)
                 and (not expensive(op, graph, backend, constant) or len(users) == 1))
     for op in graph.ops:  # a scatter-add the simplifier moves into the sum reading it writes that sum's buffer
         if live[op.id] and op.primitive in SCATTERS and op.outputs and canon[op.outputs[0]] not in outputs \
@@ -1473,6 +1498,7 @@ def _loop_ops(graph: Graph, live: Sequence[bool], library: set[int], backend: st
     optimization barriers too, removed before fusion: a local slice a barrier reads is fused into the fusions
     reading the barrier's result)."""
     return tuple(live[op.id] and ((fusible(op, graph) or op.primitive in REDUCTIONS) and op.id not in library
+                                  and not unfused_concatenate(op, graph, backend)
                                   or backend == "cpu" and op.primitive == "optimization_barrier")
                  for op in graph.ops)
 
