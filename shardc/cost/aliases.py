@@ -1,4 +1,5 @@
-"""Primitives that only name their operand: the sharding hints and constraints, a name, a stop_gradient.
+"""Primitives that only name their operand: the sharding hints and constraints, a name, a stop_gradient, a copy
+(jax lowers `copy_p` to its operand).
 
 After partitioning none is an instruction (a hint may be a reshard before it); what reads their result reads
 their operand. Kept apart so that the modules of `shardc.cost` that need the list share one
@@ -9,4 +10,4 @@ from __future__ import annotations
 __all__ = ["ALIASES", "HINTS"]
 
 HINTS = frozenset({"shardc_hint", "sharding_constraint"})
-ALIASES = HINTS | {"name", "stop_gradient"}
+ALIASES = HINTS | {"name", "stop_gradient", "copy", "copy_p"}

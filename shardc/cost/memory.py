@@ -42,6 +42,12 @@ LATE_AFTER_SLICES = True  # (switch: `_late`)
 _PASS_THROUGH = frozenset({"shardc_hint", "sharding_constraint", "tie", "name", "optimization_barrier"})
 # Ops XLA fuses into the dynamic-slice fusions of their result's local slices (`_into_result_slice`).
 _FUSED_INTO_RESULT_SLICES = frozenset({"dynamic_update_slice"})
+# XLA:CPU's threefry loop (a `ProgramInfo.wide` result: two 32-bit words per element) copies each of its two
+# state arrays every iteration (copy insertion: the body reads the old words while it writes the new ones), so
+# two buffers of 4 bytes per element live while the op runs (`state_copies`; measured: jax.random.uniform of
+# N elements is 12 bytes per element of temporaries and an output buffer XLA puts one copy in, a dropout mask 16).
+_STATE_WORD = 4
+_STATE_COPIES = 2
 _MIN_REUSE = 1024  # outputs smaller than this (a loss) are not worth looking for values to put in
 
 
@@ -118,6 +124,7 @@ class MemoryModel:
         self._free_outs: list[tuple[int, int]] = []  # (bytes, value) of outputs not written into donated inputs
         self.ends_at: dict[int, set[int]] = {}  # position -> key ids of buffers whose last position it is
         self.fulls: dict[int, tuple[int, int, int]] = {}  # key id -> the all-reduced buffer it slices (`_set_full`)
+        self.state_copies: dict[int, tuple[int, int]] = {}  # key id -> (position, bytes of each copy) (`_set`)
         self.relayouts: dict[int, tuple[int, int, int]] = {}  # key id -> its gathered layout before the copy (`_set`)
         self._ends: dict[int, int] = {}  # fused value -> where this plan materialises it last (`_value_end`; per run)
         self._walks: dict[int, tuple[int, ...]] | None = None  # value -> fused ops whose `_fused_end` visits it
@@ -164,6 +171,7 @@ class MemoryModel:
                 self.diff[s] -= b
                 self.diff[e + 1] += b
         self.out_keys.pop(kid, None)
+        self.state_copies.pop(kid, None)
         owner = self.owner.get(kid)
         if owner is None:
             return
@@ -175,12 +183,15 @@ class MemoryModel:
         if o is not None:
             self.out_keys[kid] = o
             return  # counted with the arguments / outputs (other layouts of them are temporaries)
-        b = 0 if owner[2] or self._into_result_slice(kid, owner[0]) else self._bytes(kid)
+        b = 0 if owner[2] or self._into_result_slice(kid, owner[0]) or self._written_transposed(kid, owner[0]) \
+            else self._bytes(kid)
         if b == 0:
             self._set_operand(kid, owner[1])
             return
         if c in self.info.wide and self._made_by_op(kid, owner[0]):
-            b = b // self.graph.values[c].dtype.itemsize * self.info.wide[c]
+            elements = b // self.graph.values[c].dtype.itemsize
+            b = elements * self.info.wide[c]
+            self.state_copies[kid] = (owner[1], elements * _STATE_WORD)
         ends: dict[int, int] = {}  # reader -> its read end of `kid` (`_last_read`, `_sliced_last`)
         end = self._last_read(kid, owner[1], ends)
         loop = self.info.loop
@@ -195,6 +206,9 @@ class MemoryModel:
         in_place = hi >= 0 and self._reduced_in_place(c)
         lo, hi = 2 * order[lo] + 1 if lo >= 0 else -1, 2 * order[hi] + 1 - in_place if hi >= 0 else -1
         start = max(owner[1], lo)
+        dot = self._transposed_product(kid, owner[0])
+        if dot is not None:  # (the dot writes it)
+            start = min(start, dot)
         if end > start and self._sliced_last(kid, end, ends):
             end -= 1
         end = max(end, hi, start)
@@ -230,6 +244,31 @@ class MemoryModel:
         slot = self._slots[op_id]
         readers = [i for i in range(slot.at + 1, len(slot.tasks)) if kid in slot.tasks[i].deps]
         return bool(readers) and all(self._result_slice(slot, i) for i in readers)
+
+    def _written_transposed(self, kid: int, op_id: int) -> bool:
+        """Whether key `kid`, what a dot's own task makes, is computed transposed into the result of the transpose
+        reading it (`ProgramInfo.transposed`: the plan reads the product in no other layout, the transpose reads
+        it itself): it has no buffer of its own."""
+        t = self.info.transposed.get(self.keys.key_list[kid][0]) if self.info.transposed else None
+        if t is None or not self._made_by_op(kid, op_id) or set(self.readers.get(kid, ())) != {t}:
+            return False
+        own = self._own_task(t)
+        return own is not None and kid in own.deps
+
+    def _transposed_product(self, kid: int, op_id: int) -> int | None:
+        """Where the dot is that writes key `kid`, a transpose's own result, in its place (`_written_transposed`):
+        its position, or None."""
+        if (not self.info.transposed or self.graph.ops[op_id].primitive != "transpose"
+                or not self._made_by_op(kid, op_id)):
+            return None
+        for d in self._own_task(op_id).deps:
+            if not self.keys.is_value_key[d]:
+                continue
+            c = self.keys.key_list[d][0]
+            dot = self.graph.values[c].producer
+            if self.info.transposed.get(c) == op_id and dot is not None and self._written_transposed(d, dot):
+                return self.owner[d][1]
+        return None
 
     def _result_slice(self, slot: Any, i: int) -> bool:
         """Whether task `i` of a slot is a reshard of the op's result without collectives (a local slice of it)."""
@@ -613,8 +652,8 @@ class MemoryModel:
         """Buffers (first, last position, bytes) an op needs beyond its operands and results where XLA's
         backend makes more of it (XLA:CPU only):
 
-        * an op in a library fusion reads an operand it broadcasts (a size-1 dim against its result's) as a
-          broadcast buffer of the result's shape, made as soon as the operand exists;
+        * the last op of a library fusion reading a broadcast other readers share holds it, a buffer of its
+          result's shape made as soon as the operand exists (`ProgramInfo.broadcasts`);
         * a select-and-scatter (a max pool's gradient) is expanded (SelectAndScatterExpander) into an s32
           iota of the operand's shape per dim (no operands: made at the start), a reduce-window over (operand,
           iotas) giving the value and index per dim of each window (as soon as the operand exists), the
@@ -635,14 +674,11 @@ class MemoryModel:
         keys = [self.keys.key_list[k] for k in task.deps if self.keys.is_value_key[k]]
         at = 2 * self.order[slot.op]
         out: list[tuple[int, int, int]] = []
-        if op.id in self.info.library and op.outputs:
-            shape = self.graph.values[op.outputs[0]].shape
-            sharding = self.keys.key_list[task.outs[0]][1] if task.outs else None
-            for c, s, _ in keys:
-                v = self.graph.values[c]
-                if v.shape != shape and len(v.shape) == len(shape) and sharding is not None:
-                    n = math.prod(self.keys.local_shape(op.outputs[0], sharding))
-                    out.append((min(self._ready[c], at), at, int(v.dtype.itemsize) * n))
+        held = self.info.broadcasts.get(op.id, ()) if self.info.broadcasts else ()
+        if held and task.outs:  # (`ProgramInfo.broadcasts`: a broadcast a library fusion shares with other readers)
+            n = math.prod(self.keys.local_shape(op.outputs[0], self.keys.key_list[task.outs[0]][1]))
+            for c in held:
+                out.append((min(self._ready[c], at), at, int(self.graph.values[c].dtype.itemsize) * n))
         for i in self.info.copies[op.id] if self.info.copies else ():  # the dot decomposition's operand copies
             if COPIES_EARLY and (op.id, i) not in self.info.copy_owner:
                 continue
@@ -891,6 +927,7 @@ class MemoryModel:
         self.ends_at.clear()
         self.fulls.clear()
         self.relayouts.clear()
+        self.state_copies.clear()
         self.shares.clear()
         self._ends.clear()
         for s in slots:
@@ -968,6 +1005,7 @@ class MemoryModel:
             touched.update(self.slice_src.get(k, ()))
         touched |= self._passed_on(touched, slots)
         touched |= self._aliases(touched, slots)
+        touched |= self._transposes_of(touched, slots)
         self._ends.clear()
         for k in touched:
             self._set(k)
@@ -1010,6 +1048,18 @@ class MemoryModel:
                         if flags[o] and keys[o][1] == keys[k][1] and o not in out:
                             out.add(o)
                             todo.append(o)
+        return out
+
+    def _transposes_of(self, touched: Iterable[int], slots: Sequence[Any]) -> set[int]:
+        """The results of the transposes whose dot's results are among `touched` (`_transposed_product`: whether the
+        dot writes them depends on who reads the dot's)."""
+        out: set[int] = set()
+        if not self.info.transposed:
+            return out
+        for k in touched:
+            t = self.info.transposed.get(self.keys.key_list[k][0])
+            if t is not None and slots[t].at < len(slots[t].tasks):
+                out.update(o for o in slots[t].tasks[slots[t].at].outs if self.keys.is_value_key[o])
         return out
 
     def _walking(self, touched: Iterable[int]) -> set[int]:
@@ -1114,6 +1164,7 @@ class MemoryModel:
         ranges = self._buffer_ranges(max(a[1] for a in allocs), biggest, inplace, pairs)
         extra = [(-b, self._copy_post(p), a, e, -1 - p, -1, pairs.get(-1 - p)) for a, e, b, p in copies
                  if b <= biggest]
+        extra += [(-b, post, a, e, i, -1, None) for a, e, b, i, post in self._state_copy_ranges() if b <= biggest]
         if extra:
             ranges = sorted(ranges + extra)  # (largest first, then in XLA's post order of what makes them)
         if not ranges:
@@ -1188,7 +1239,16 @@ class MemoryModel:
             live[pos] -= b
         for a, e, b, p in copies:  # a temporary; placed in an input's allocation, none ( `reused` took it off)
             live[a:e + 1] += b
+        for a, e, b, _, _ in self._state_copy_ranges():  # (the same: `reused` took off those in output buffers)
+            live[a:e + 1] += b
         return live
+
+    def _state_copy_ranges(self) -> list[tuple[int, int, int, int, float]]:
+        """(first, last position, bytes, range id, order) of the copies of threefry loops' states (`state_copies`),
+        as `in_outputs` places them: after the entry computation's values of their size (they are values of the
+        loop's body; measured: an output buffer a value of the step takes is not theirs)."""
+        return [(pos, pos, n, (1 << 40) + _STATE_COPIES * kid + j, float("inf"))
+                for kid, (pos, n) in sorted(self.state_copies.items()) for j in range(_STATE_COPIES)]
 
     def _alias_pairs(self, plan: Any, donated: Sequence[int]) -> list[tuple[int, int]]:
         """(donated input, output written into its buffer) value ids: each output takes the first donated input

@@ -64,7 +64,7 @@ LIBRARY_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 PCG_COLLECTIVE = "pcg_collective"
 # Ops that are not computation at all: hints, constraints, region ties.
 FREE_PRIMITIVES = frozenset({"shardc_hint", "sharding_constraint", "tie", "scan_slice", "scan_stack",
-                             "stop_gradient", "optimization_barrier", "name", PCG_COLLECTIVE})
+                             "optimization_barrier", PCG_COLLECTIVE}) | ALIASES
 _NOT_MERGED = frozenset({"tie", "scan_slice", "scan_stack"})
 # XLA duplicates cheap producers into each consumer, but not expensive ones (InstructionFusion::IsExpensive):
 # transcendentals and floating divides, except sin and cos (and, on XLA:CPU, tan) of real numbers, and abs and
@@ -169,6 +169,10 @@ class ProgramInfo:
     loop: tuple[bool, ...] = ()  # per op: emitted in a loop fusion (reads its operands element by element; a
     # local slice it reads is fused into it)
     library: frozenset[int] = frozenset()  # ops inside a library fusion (XLA:CPU's YNNPACK fusions of reductions)
+    transposed: Mapping[int, int] = dataclasses.field(default_factory=dict)  # (XLA:CPU) canonical dot result -> the
+    # transpose that may have the dot write its result (`transposed_dots`)
+    broadcasts: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # (XLA:CPU) op -> canonical
+    # operands whose broadcast to its result's shape it holds until it runs (`library_broadcasts`)
     backend: str = ""  # the backend whose rules apply ("cpu", "gpu", "tpu"; "": none)
     post: tuple[int, ...] = ()  # per op: its position in XLA's post order of the program (the combiners' walk)
     eager: bool = False  # reshards run as soon as their operand exists (XLA:CPU's breadth-first schedule)
@@ -381,6 +385,66 @@ def dot_bitcasts(graph: Graph, live: Sequence[bool], canon: Sequence[int],
     return frozenset(out)
 
 
+def folded_transposes(graph: Graph, live: Sequence[bool], canon: Sequence[int],
+                      consumers: Sequence[Sequence[int]]) -> frozenset[int]:
+    """Transposes XLA's TransposeFolding removes: every reader is a dot that reads it as a row-column transpose
+    (`TransposeFolding::IsRowColumnTransposeDotOperand`: one contracting dim, every other dim but two a batch dim
+    the transpose leaves in place), which then reads the transpose's operand with swapped dimension numbers
+    (measured on XLA:CPU: `a @ a.T` makes no transposed copy of `a`)."""
+    out = set()
+    outputs = {canon[v] for v in graph.outputs}
+    for op in graph.ops:
+        if op.primitive != "transpose" or not live[op.id]:
+            continue
+        v = canon[op.outputs[0]]
+        if v in outputs or not consumers[v]:
+            continue
+        perm = tuple(op.params["permutation"])
+        if all(_row_column_operand(graph.ops[u], [i for i, w in enumerate(graph.ops[u].inputs) if canon[w] == v], perm)
+               for u in consumers[v]):
+            out.add(op.id)
+    return frozenset(out)
+
+
+def transposed_dots(graph: Graph, live: Sequence[bool], canon: Sequence[int],
+                    consumers: Sequence[Sequence[int]], fused: Sequence[bool]) -> dict[int, int]:
+    """Results of dots XLA's algebraic simplifier may compute transposed (`transpose(dot(a, b)) -> dot(b, a)`), each
+    with its transpose: a dot with one free dim per operand, read only by one transpose that swaps those two and
+    keeps the batch dims in place, and whose result is materialised (not fused into its readers: transposed
+    back, say, which the simplifier cancels). Where the plan reads the product in no other layout (no all-reduce between:
+    the transpose must read the dot itself), the dot writes the transpose's result (`MemoryModel`; measured on
+    XLA:CPU: a weight gradient `x.T @ g` returned as `(g.T @ x).T` makes no buffer of the untransposed product)."""
+    out = {}
+    outputs = {canon[v] for v in graph.outputs}
+    for op in graph.ops:
+        if op.primitive != "transpose" or not live[op.id]:
+            continue
+        src = canon[op.inputs[0]]
+        p = graph.values[src].producer
+        if (p is None or graph.ops[p].primitive != "dot_general" or src in outputs or consumers[src] != [op.id]
+                or fused[canon[op.outputs[0]]]):
+            continue
+        dot = graph.ops[p]
+        (lc, rc), (lb, rb) = dot.params["dimension_numbers"]
+        lhs, rhs = (graph.values[v].rank for v in dot.inputs[:2])
+        rank = len(lb) + 2
+        swap = tuple(range(len(lb))) + (rank - 1, rank - 2)
+        if lhs - len(lc) - len(lb) == 1 and rhs - len(rc) - len(rb) == 1 and tuple(op.params["permutation"]) == swap:
+            out[src] = op.id
+    return out
+
+
+def _row_column_operand(dot: Any, positions: Sequence[int], perm: Sequence[int]) -> bool:
+    """Whether `dot` reads a transpose by `perm` at operand `positions` (0: lhs, 1: rhs) as a row-column transpose."""
+    if dot.primitive != "dot_general" or not positions or any(i > 1 for i in positions):
+        return False
+    contracting, batch = dot.params["dimension_numbers"]
+    for i in positions:
+        if len(contracting[i]) != 1 or len(batch[i]) != len(perm) - 2 or any(perm[d] != d for d in batch[i]):
+            return False
+    return True
+
+
 def _true_rank(shape: Sequence[int]) -> int:
     """The number of dims with more than one element."""
     return sum(d != 1 for d in shape)
@@ -482,13 +546,13 @@ RECOMPUTE_IN_LOOPS = True
 
 def output_aliases(graph: Graph, live: Sequence[bool], canon: Sequence[int],
                    constant: Sequence[bool]) -> tuple[tuple[int, int], ...]:
-    """(canonical value, canonical output) pairs where a chain of hints (`split`, `with_sharding_constraint`) makes
-    a step output of the value: after partitioning a constraint is no instruction, so what computes the value
-    writes the output's buffer when the value is in the output's layout (else the collective the constraint
-    became does)."""
+    """(canonical value, canonical output) pairs where a chain of hints (`split`, `with_sharding_constraint`) or
+    other aliases (a copy, a name) makes a step output of the value: after partitioning a constraint is no
+    instruction, so what computes the value writes the output's buffer when the value is in the output's layout
+    (else the collective the constraint became does)."""
     outputs = {canon[v] for v in graph.outputs}
     made_by = {canon[op.outputs[0]]: op for op in graph.ops
-               if live[op.id] and op.primitive in HINTS and len(op.outputs) == 1 and op.inputs}
+               if live[op.id] and op.primitive in ALIASES and len(op.outputs) == 1 and op.inputs}
     out: dict[int, int] = {}
     for o in sorted(outputs):
         c, seen = o, 0
@@ -521,13 +585,13 @@ def last_copies(graph: Graph, canon: Sequence[int], copies: Sequence[tuple[int, 
 
 
 def _library_fusions(graph: Graph, live: list[bool], canon: list[int], constant: list[bool],
-                     consumers: list[list[int]]) -> tuple[set[int], set[int]]:
+                     consumers: list[list[int]]) -> tuple[set[int], dict[int, int]]:
     """XLA:CPU's library (YNNPACK) fusions of reductions, made before loop fusion: from each floating-point
     reduction up through the elementwise-like ops whose results are read only inside the fusion (XLA's
     LibraryRewriter grows a fusion into an operand when all of the operand's users are in it). Returns the
-    values absorbed and the ops inside the fusions."""
+    values absorbed and, per op inside a fusion, the fusion's reduction."""
     absorbed: set[int] = set()
-    members: set[int] = set()
+    members: dict[int, int] = {}
     for op in reversed(graph.ops):  # from the last reduction up, as XLA starts from the root
         if (not live[op.id] or op.primitive not in LIBRARY_REDUCTIONS or op.id in members
                 or graph.values[op.outputs[0]].dtype.kind != "f"):
@@ -543,8 +607,35 @@ def _library_fusions(graph: Graph, live: list[bool], canon: list[int], constant:
             group.add(p)
             absorbed.add(v)
             stack.extend(canon[u] for u in graph.ops[p].inputs)
-        members |= group
+        members.update((u, op.id) for u in group)
     return absorbed, members
+
+
+def library_broadcasts(graph: Graph, live: Sequence[bool], canon: Sequence[int], groups: Mapping[int, int],
+                       order: Sequence[int]) -> dict[int, tuple[int, ...]]:
+    """XLA:CPU: the broadcasts a library fusion reads from memory. An op broadcasting an operand (a dim of one
+    against its result's) reads a broadcast instruction, one per (operand, shape) after CSE; the library rewriter
+    takes it into a fusion only when all its readers are there, so one a reader outside that fusion (an
+    elementwise op, another reduction's fusion) shares is materialised in the result's shape, as soon as the
+    operand exists, until the last fusion reading it (measured: `sum(x * v[:, None], 1)` makes none, with
+    `x + v[:, None]` beside it one; LayerNorm's scale and statistics in its backward pass). Returns, per op
+    holding such a buffer (the last library op reading it, by `order`), the canonical operands."""
+    readers: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    for op in graph.ops:
+        if not live[op.id] or not op.outputs or op.primitive in FREE_PRIMITIVES:
+            continue
+        shape = tuple(graph.values[op.outputs[0]].shape)
+        for v in set(op.inputs):
+            operand = graph.values[v]
+            if operand.shape != shape and len(operand.shape) == len(shape) and math.prod(operand.shape) > 1:
+                readers.setdefault((canon[v], shape), []).append(op.id)
+    out: dict[int, list[int]] = {}
+    for (c, _), ops in readers.items():
+        fusions = {groups.get(u) for u in ops}
+        library = [u for u in ops if u in groups]
+        if library and len(fusions) > 1:
+            out.setdefault(max(library, key=lambda u: order[u]), []).append(c)
+    return {u: tuple(cs) for u, cs in out.items()}
 
 
 def liveness(graph: Graph, extra: frozenset[tuple[int, int]] = frozenset()) -> tuple[bool, ...]:
@@ -1223,7 +1314,7 @@ def _cse(graph: Graph) -> tuple[tuple[int, ...], tuple[bool, ...], tuple[Any, ..
     for op in graph.ops:
         if op.primitive in _NOT_MERGED or op.primitive in ("shardc_hint", "sharding_constraint"):
             continue
-        ins = tuple(canon[v] for v in op.inputs)
+        ins = tuple(_operand_key(graph, canon, v) for v in op.inputs)
         lits = tuple((graph.values[v].shape, str(graph.values[v].dtype), graph.values[v].name)
                      if graph.values[v].is_const else None for v in op.inputs)
         key = (op.primitive, op.region, pkeys[op.id], ins, lits)
@@ -1235,6 +1326,15 @@ def _cse(graph: Graph) -> tuple[tuple[int, ...], tuple[bool, ...], tuple[Any, ..
         for a, b in zip(op.outputs, graph.ops[first].outputs):
             canon[a] = canon[b]
     return tuple(canon), tuple(duplicate), pkeys
+
+
+def _operand_key(graph: Graph, canon: Sequence[int], v: int) -> Any:
+    """What identifies operand `v` to XLA's CSE: a scalar literal by its value (two `1024.0`s of a mean and of a
+    variance are one constant to XLA), any other value by the one CSE keeps of it."""
+    value = graph.values[v]
+    if value.is_const and value.literal is not None and not value.shape:
+        return "literal", str(value.dtype), type(value.literal).__name__, value.literal
+    return canon[v]
 
 
 def _merge(graph: Graph) -> Merged:
@@ -1355,8 +1455,9 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
             for v in op.outputs:
                 if canon[v] not in outputs and not constant[canon[v]]:
                     fused[canon[v]] = True
-    absorbed, library = (_library_fusions(graph, live, canon, constant, consumers) if backend == "cpu"
-                         else (set(), set()))
+    absorbed, groups = (_library_fusions(graph, live, canon, constant, consumers) if backend == "cpu"
+                        else (set(), {}))
+    library = set(groups)
     # XLA:CPU removes optimization barriers before fusion: a local slice a barrier reads is fused into the
     # fusions that read the barrier's result (what it slices is read there: `until`)
     loop = _loop_ops(graph, live, library, backend)
@@ -1387,6 +1488,10 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                         and consumers[c] and all(graph.ops[u].primitive == "dot_general" for u in consumers[c]))
     for t in bitcast:
         fused[canon[graph.ops[t].outputs[0]]] = True
+    if backend == "cpu":  # (transposes folded into the dots reading them)
+        for t in folded_transposes(graph, live, canon, consumers):
+            fused[canon[graph.ops[t].outputs[0]]] = True
+    wide = wide_results(graph, live, canon, backend)
     order, batch = (_breadth_first(graph, live, canon, constant, fused, consumers) if backend == "cpu"
                     else (list(range(no)), []))
     # A dot decomposition's copy of cheap work is a fusion recomputing it, and the cheap values it is computed
@@ -1435,6 +1540,8 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     return ProgramInfo(tuple(live), tuple(constant), tuple(canon), tuple(duplicate), tuple(fused),
                        tuple(trips), tuple(order), pkeys, until, span=_spans(graph, live, order),
                        carried=carried, loop=loop, library=frozenset(library), backend=backend, preset=preset,
+                       broadcasts=library_broadcasts(graph, live, canon, groups, order) if groups else {},
+                       transposed=transposed_dots(graph, live, canon, consumers, fused) if backend == "cpu" else {},
                        eager=backend == "cpu", reshard_trips=reshard_trips, hoisted=hoisted, unread=cse.unread,
                        through=cse.through,
                        post=tuple(_post_order(graph, canon)),
@@ -1443,7 +1550,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                        recompute=recompute if backend == "cpu" else frozenset(), fusing=fusing, strided=strided,
                        read_fused=reads_fused(graph, canon, fused), batch=tuple(batch),
                        first_reader=_first_readers(graph, live, order, fused, constant, canon, consumers)
-                       if batch else (), wide=wide_results(graph, live, canon, backend), read=read_values(graph))
+                       if batch else (), wide=wide, read=read_values(graph))
 
 
 def reads_fused(graph: Graph, canon: Sequence[int], fused: Sequence[bool]) -> tuple[bool, ...]:
