@@ -411,9 +411,10 @@ def transposed_dots(graph: Graph, live: Sequence[bool], canon: Sequence[int],
     """Results of dots XLA's algebraic simplifier may compute transposed (`transpose(dot(a, b)) -> dot(b, a)`), each
     with its transpose: a dot with one free dim per operand, read only by one transpose that swaps those two and
     keeps the batch dims in place, and whose result is materialised (not fused into its readers: transposed
-    back, say, which the simplifier cancels). Where the plan reads the product in no other layout (no all-reduce between:
-    the transpose must read the dot itself), the dot writes the transpose's result (`MemoryModel`; measured on
-    XLA:CPU: a weight gradient `x.T @ g` returned as `(g.T @ x).T` makes no buffer of the untransposed product)."""
+    back, say, which the simplifier cancels). Where the plan reads the product in no other layout (no
+    all-reduce between: the transpose must read the dot itself), the dot writes the transpose's result
+    (`MemoryModel`; measured on XLA:CPU: a weight gradient `x.T @ g` returned as `(g.T @ x).T` makes no buffer
+    of the untransposed product)."""
     out = {}
     outputs = {canon[v] for v in graph.outputs}
     for op in graph.ops:
@@ -490,11 +491,14 @@ def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], f
     a reshard's result, a buffer of the result's shape (XLA writes an elementwise result over an all-gather's
     output); where it does not, the value has no buffer to take. Whether the value dies there, and in one layout,
     is the plan's (`MemoryModel`). A dynamic_update_slice writes its result over its operand (a reshard's result
-    the update reads, say: the program's output then holds it)."""
+    the update reads, say: the program's output then holds it), and a sort its sorted keys over the keys."""
     out: list[tuple[int, ...]] = [()] * len(graph.ops)
     for op in graph.ops:
         if op.primitive == "dynamic_update_slice" and live[op.id] and not fused[canon[op.outputs[0]]]:
             out[op.id] = (canon[op.inputs[0]],)  # (XLA updates the operand's buffer in place when it dies there)
+            continue
+        if op.primitive == "sort" and live[op.id] and op.inputs and not fused[canon[op.outputs[0]]]:
+            out[op.id] = (canon[op.inputs[0]],)  # (XLA sorts in place: the keys' buffer when it dies there)
             continue
         if (not live[op.id] or not loop[op.id] or op.primitive not in _ELEMENTWISE_OPS or len(op.outputs) != 1
                 or fused[canon[op.outputs[0]]]):
