@@ -31,8 +31,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from shardc.cost.first_fit import FirstFit
-from shardc.cost.program import (SAME_OPERAND_RULES, ProgramInfo, conv_output_copied, derived, descendants,
-                                 gathered_order, outer_region, per_info)
+from shardc.cost.program import (CUMULATIVE, SAME_OPERAND_RULES, ProgramInfo, conv_output_copied, derived,
+                                 descendants, gathered_order, outer_region, per_info, window_levels)
 
 __all__ = ["MemoryModel", "MemoryResult"]
 
@@ -661,6 +661,8 @@ class MemoryModel:
           at the start; the scatter writes its result in place);
         * a dot whose operand is not in a memory order the dot decomposition reads makes a transposed copy of
           it while it runs (`ProgramInfo.copies`);
+        * a cumulative op (a cumsum) over more than 16 elements is computed from reduce-window levels
+          (`window_levels`), made while it runs;
         * a convolution whose operands are not in the order XLA:CPU's convolution reads ([batch, spatial...,
           feature] and [spatial..., in, out]: a backward convolution's) reads transposed copies of them
           (`ProgramInfo.copies`), and one whose result is not in that order writes it in that order first and
@@ -687,6 +689,12 @@ class MemoryModel:
             if s is not None:
                 start = min(self._copy_start(c), at) if COPIES_EARLY else at
                 out.append((start, at, int(self.graph.values[c].dtype.itemsize) * math.prod(self.keys.local_shape(c, s))))
+        if op.primitive in CUMULATIVE and task.outs:  # (the reduce-window levels it is computed from)
+            axis = int(op.params.get("axis", 0))
+            levels = window_levels(int(self.graph.values[op.outputs[0]].shape[axis]))
+            if levels:
+                b = self._value_bytes(task.outs[0])
+                out.append((at, at, b * levels // self.graph.values[op.outputs[0]].shape[axis]))
         if op.primitive == "conv_general_dilated" and task.outs and conv_output_copied(op, self.graph):
             out.append((at, at, self._bytes(task.outs[0])))  # the result in canonical order, before its transpose
         if op.primitive == "select_and_scatter_add" and len(keys) >= 2:
