@@ -109,6 +109,11 @@ def unfused_concatenate(op: Any, graph: Graph, backend: str) -> bool:
             and shape[-1] * item >= _MINOR_CONCAT_DIM_BYTES and math.prod(shape) * item >= _MINOR_CONCAT_BYTES)
 
 
+def fusible_on(op: Any, graph: Graph, backend: str) -> bool:
+    """`fusible`, on `backend`: XLA:CPU leaves some concatenates out of every fusion (`unfused_concatenate`)."""
+    return fusible(op, graph) and not unfused_concatenate(op, graph, backend)
+
+
 # Ops that, when they only add, drop or move unit dims of their local operand (or reduce over unit dims),
 # keep its bytes in order: XLA makes them bitcasts (`ShapeUtil::ReshapeIsBitcast`/`TransposeIsBitcast`, the
 # algebraic simplifier's degenerate-dim rewrites), whatever the layouts.
@@ -1484,7 +1489,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     # fusions that read the barrier's result (what it slices is read there: `until`)
     loop = _loop_ops(graph, live, library, backend)
     for op in graph.ops:
-        if not fusible(op, graph) or not live[op.id] or unfused_concatenate(op, graph, backend):
+        if not fusible_on(op, graph, backend) or not live[op.id]:
             continue
         for v in op.outputs:
             users = _readers(graph, consumers, canon, v)
@@ -1493,8 +1498,8 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
             # Loop fusion takes a value into its readers when every one of them is an elementwise-like op or a
             # reduction outside a library fusion (which reads its operands from memory).
             fused[v] = v in absorbed or (
-                all((fusible(graph.ops[u], graph) or graph.ops[u].primitive in REDUCTIONS) and u not in library
-                    and not unfused_concatenate(graph.ops[u], graph, backend) for u in users)
+                all((fusible_on(graph.ops[u], graph, backend) or graph.ops[u].primitive in REDUCTIONS)
+                    and u not in library for u in users)
                 and (not expensive(op, graph, backend, constant) or len(users) == 1))
     for op in graph.ops:  # a scatter-add the simplifier moves into the sum reading it writes that sum's buffer
         if live[op.id] and op.primitive in SCATTERS and op.outputs and canon[op.outputs[0]] not in outputs \
@@ -1626,8 +1631,8 @@ def _loop_ops(graph: Graph, live: Sequence[bool], library: set[int], backend: st
     """Per op: emitted in a loop fusion (elementwise-like ops and reductions outside library fusions; on XLA:CPU
     optimization barriers too, removed before fusion: a local slice a barrier reads is fused into the fusions
     reading the barrier's result)."""
-    return tuple(live[op.id] and ((fusible(op, graph) or op.primitive in REDUCTIONS) and op.id not in library
-                                  and not unfused_concatenate(op, graph, backend)
+    return tuple(live[op.id] and ((fusible_on(op, graph, backend) or op.primitive in REDUCTIONS)
+                                  and op.id not in library
                                   or backend == "cpu" and op.primitive == "optimization_barrier")
                  for op in graph.ops)
 
