@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
-from shardc.cost.flops import OpCount, count_op
+from shardc.cost.flops import OpCount, count_op, dot_rewrite
 from shardc.cost.topology import Device
 
 __all__ = ["OpKey", "OpCostEstimator", "AnalyticalEstimator", "FakeEstimator", "MATMUL_PRIMITIVES", "params_key",
@@ -99,10 +99,13 @@ class AnalyticalEstimator:
         t = self._memo.get(key)
         if t is not None:
             return t
-        c = self.count(key, params)
+        p = params if params is not None else params_dict(key)
+        c = self.count(key, p)
         dev = self.device
         dtype = key.in_dtypes[0] if key.in_dtypes else (key.out_dtypes[0] if key.out_dtypes else "float32")
-        if key.primitive in MATMUL_PRIMITIVES:
+        matmul = key.primitive in MATMUL_PRIMITIVES and not (
+            key.primitive == "dot_general" and dot_rewrite(p, [len(s) for s in key.in_shapes]))
+        if matmul:
             compute = c.flops / (dev.flops_per_s(dtype) * dev.matmul_efficiency)
         else:
             # Vector units (`Device.vector_peak`: far below the matmul peak on GPUs); a transcendental ~8 FLOPs.

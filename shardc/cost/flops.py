@@ -7,8 +7,8 @@
 * `integer_pow(x, n)`: the multiplies of square-and-multiply (n=2: one; a negative n adds a divide);
 * reductions: (input elements - output elements) applications of the combiner (one FLOP each); on
   XLA:CPU a long reduction becomes a tree (windows of 32, padded), counted as XLA:CPU counts it;
-* dot_general: 2 x result elements x contracted size; convolution: 2 x (output, kernel) positions that
-  read an input element (taps over padding and dilation holes not counted, as XLA counts them);
+* dot_general: 2 x result elements x contracted size (a multiply, or a reduce of one, where XLA rewrites it
+  so: `dot_rewrite`); convolution: 2 x (output, kernel) positions that read an input element (taps over padding and dilation holes not counted, as XLA counts them);
 * data movement (broadcast, reshape, transpose, slice, concatenate, pad, gather, iota, copies): none;
 * scatter-add and friends: one FLOP per update element; sort: n log2 n;
 * pooling (reduce_window_*): window size - 1 per result element; its gradient (select_and_scatter_add) as
@@ -22,7 +22,8 @@ import dataclasses
 import math
 from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["OpCount", "FLOP_RULES", "count_op", "register_flops", "TRANSCENDENTAL", "ELEMENTWISE", "MOVEMENT"]
+__all__ = ["OpCount", "FLOP_RULES", "count_op", "register_flops", "dot_rewrite", "TRANSCENDENTAL", "ELEMENTWISE",
+           "MOVEMENT"]
 
 Shape = tuple[int, ...]
 
@@ -128,11 +129,33 @@ def _cumulative(ins, outs, params, backend: str = "") -> OpCount:
     return OpCount(flops=float(rows * max(n - 1, 0)))
 
 
+def dot_rewrite(params: Mapping[str, Any], ranks: Sequence[int]) -> str | None:
+    """What XLA's algebraic simplifier makes of a dot_general with these params and operand ranks: "multiply" when
+    it contracts no dim (an outer, broadcast or elementwise product: a multiply of broadcasts of its operands,
+    fused like any elementwise op), "reduce" when both operands have batch and contracting dims only (a
+    vector-vector product: a reduce of a multiply), else None (a dot). Measured on XLA:CPU."""
+    dn = params.get("dimension_numbers")
+    if dn is None:
+        return None
+    (lc, rc), (lb, rb) = dn
+    if not lc:
+        return "multiply"
+    if len(ranks) >= 2 and len(lc) + len(lb) == ranks[0] and len(rc) + len(rb) == ranks[1]:
+        return "reduce"
+    return None
+
+
 @register_flops("dot_general")
-def _dot(ins, outs, params) -> OpCount:
-    (lc, _rc), _ = params["dimension_numbers"]
+def _dot(ins, outs, params, backend: str = "") -> OpCount:
+    (lc, _), _ = params["dimension_numbers"]
+    rewrite = dot_rewrite(params, [len(s) for s in ins])
+    if rewrite == "multiply":
+        return OpCount(flops=float(_n(outs[0])))
     k = math.prod(ins[0][d] for d in lc)
-    return OpCount(flops=2.0 * _n(outs[0]) * k)
+    out = _n(outs[0])
+    if rewrite == "reduce":  # (the multiply, then the reduction)
+        return OpCount(flops=float(out * k)) + _reduce([(out * k,)], [(out,)], {}, backend)
+    return OpCount(flops=2.0 * out * k)
 
 
 @register_flops("conv_general_dilated")
@@ -222,4 +245,4 @@ def count_op(primitive: str, ins: Sequence[Shape], outs: Sequence[Shape], params
         return OpCount()
 
 
-_BACKEND_AWARE = {_reduce, _cumulative, _select_and_scatter}
+_BACKEND_AWARE = {_reduce, _cumulative, _select_and_scatter, _dot}

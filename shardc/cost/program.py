@@ -38,7 +38,7 @@ from shardc.cost import splats
 from shardc.cost.aliases import ALIASES, HINTS  # (ALIASES' results have no buffer of their own, `fused`, yet what
 # reads one reads its operand's buffer, unless the operand itself is fused)
 from shardc.cost.estimator import params_key
-from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL
+from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL, dot_rewrite
 from shardc.cost.wide_results import wide_results
 from shardc.cost.windows import OUT_OF_BOUNDS, gather_window, slice_window, window_unread
 from shardc.ir.graph import Graph
@@ -75,12 +75,22 @@ _CHEAP_REAL = {"": frozenset({"sin", "cos"}), "cpu": frozenset({"sin", "cos", "t
 _CHEAP_F32_GPU = frozenset({"div", "sqrt", "rsqrt", "exp"})
 
 
+def rewritten_dot(op: Any, graph: Graph) -> str | None:
+    """For a dot_general XLA's simplifier rewrites (`dot_rewrite`): "multiply" (elementwise, fused like one) or
+    "reduce" (a reduction of a fused multiply); None for any other op. None of the dot rules (operand copies, GEMM
+    layouts, transposed results) apply to such a dot."""
+    if op.primitive != "dot_general":
+        return None
+    return dot_rewrite(op.params, [len(graph.values[v].shape) for v in op.inputs])
+
+
 def fusible(op: Any, graph: Graph) -> bool:
-    """Whether XLA's loop fusion may take `op` into its readers (`FUSIBLE`), a dynamic_slice at compile-time
+    """Whether XLA's loop fusion may take `op` into its readers (`FUSIBLE`), a dot contracting nothing (a multiply
+    to XLA: `rewritten_dot`), a dynamic_slice at compile-time
     constant starts (the simplifier makes it a slice: measured, an elementwise producer is fused into it and no
     longer materialised; at a start known only at run time it is), or a bitcast_convert_type between types of
     one width (XLA's elementwise, cheap bitcast-convert; across widths it adds or drops a dim)."""
-    if op.primitive in FUSIBLE:
+    if op.primitive in FUSIBLE or rewritten_dot(op, graph) == "multiply":
         return True
     if op.primitive == "dynamic_slice":
         return slice_window(graph, op) is not None
@@ -331,7 +341,7 @@ def dot_copies(graph: Graph, live: Sequence[bool], canon: Sequence[int], physica
     into the reshape: a buffer of its own for that dot. Per op: the indices of the operands it copies."""
     out: list[tuple[int, ...]] = [()] * len(graph.ops)
     for op in graph.ops:
-        if op.primitive not in _COPYING or not live[op.id] or len(op.inputs) < 2:
+        if op.primitive not in _COPYING or not live[op.id] or len(op.inputs) < 2 or rewritten_dot(op, graph):
             continue
         copied = []
         for i, wanted in enumerate(_read_orders(op, graph)):
@@ -380,7 +390,8 @@ def dot_bitcasts(graph: Graph, live: Sequence[bool], canon: Sequence[int],
             continue
         src = canon[op.inputs[0]]
         p = graph.values[src].producer
-        if p is None or graph.ops[p].primitive != "dot_general" or len(set(consumers[src])) != 1 or src in outputs:
+        if (p is None or graph.ops[p].primitive != "dot_general" or rewritten_dot(graph.ops[p], graph)
+                or len(set(consumers[src])) != 1 or src in outputs):
             continue
         dot = graph.ops[p]
         (lc, _), (lb, _) = dot.params["dimension_numbers"]
@@ -445,8 +456,8 @@ def transposed_dots(graph: Graph, live: Sequence[bool], canon: Sequence[int],
             continue
         src = canon[op.inputs[0]]
         p = graph.values[src].producer
-        if (p is None or graph.ops[p].primitive != "dot_general" or src in outputs or consumers[src] != [op.id]
-                or fused[canon[op.outputs[0]]]):
+        if (p is None or graph.ops[p].primitive != "dot_general" or rewritten_dot(graph.ops[p], graph)
+                or src in outputs or consumers[src] != [op.id] or fused[canon[op.outputs[0]]]):
             continue
         dot = graph.ops[p]
         (lc, rc), (lb, rb) = dot.params["dimension_numbers"]
@@ -555,7 +566,7 @@ def _reshaped_dot(graph: Graph, c: int) -> bool:
     decomposition's [batch, rows, columns] when a group has several dims of more than one element): an
     instruction of `c`'s shape cannot take that buffer in place (the shapes differ)."""
     p = graph.values[c].producer
-    if p is None or graph.ops[p].primitive != "dot_general":
+    if p is None or graph.ops[p].primitive != "dot_general" or rewritten_dot(graph.ops[p], graph):
         return False
     op = graph.ops[p]
     (lc, rc), (lb, rb) = op.params["dimension_numbers"]
@@ -1498,8 +1509,8 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
             # Loop fusion takes a value into its readers when every one of them is an elementwise-like op or a
             # reduction outside a library fusion (which reads its operands from memory).
             fused[v] = v in absorbed or (
-                all((fusible_on(graph.ops[u], graph, backend) or graph.ops[u].primitive in REDUCTIONS)
-                    and u not in library for u in users)
+                all((fusible_on(graph.ops[u], graph, backend) or graph.ops[u].primitive in REDUCTIONS
+                     or rewritten_dot(graph.ops[u], graph) == "reduce") and u not in library for u in users)
                 and (not expensive(op, graph, backend, constant) or len(users) == 1))
     for op in graph.ops:  # a scatter-add the simplifier moves into the sum reading it writes that sum's buffer
         if live[op.id] and op.primitive in SCATTERS and op.outputs and canon[op.outputs[0]] not in outputs \

@@ -25,7 +25,7 @@ from shardc.cost.flops import count_op
 from shardc.cost.host_ops import default_estimator, relayout_seconds
 from shardc.cost.op_collectives import NONE as NO_COLLECTIVES, OP_COLLECTIVES, OwnCollectives, op_collectives
 from shardc.cost.program import (FREE_PRIMITIVES, ProgramInfo, broadcast_dims, broadcast_transfer, gather_relayouts,
-                                 moves_no_data, per_info, program_info)
+                                 moves_no_data, rewritten_dot, per_info, program_info)
 from shardc.cost.reshard_path import kept_after, reshard_steps
 from shardc.cost.topology import MeshMapping, Topology
 from shardc.cost.wire import wire_itemsize
@@ -804,6 +804,7 @@ class TaskBuilder:
         transposed order): it reads the dot's result as the dot makes it, no collective between them."""
         p = self.graph.values[self.canon(op.inputs[0])].producer
         return (p is not None and self.graph.ops[p].primitive == "dot_general"
+                and not rewritten_dot(self.graph.ops[p], self.graph)
                 and self._reads_dot_as_made(plan, op, need))
 
     def _strided_read(self, op: Any, need: Sharding) -> float:

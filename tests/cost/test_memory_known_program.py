@@ -234,3 +234,35 @@ def test_a_cumulative_op_is_computed_from_reduce_window_levels(name):
     step = shardc.auto(fn, mesh=shardc.make_mesh({"x": 8}), search=False)
     row = shardc.check(step, jnp.ones(shape)).row("peak memory bytes")
     assert abs(row.predicted - row.compiled) <= 0.02 * row.compiled, (row.predicted, row.compiled)
+
+
+_DOTS = {  # einsums XLA's algebraic simplifier turns into a multiply, or a reduce of one
+    "elementwise product": ("ab,ab->ab", (512, 1024), (512, 1024)),
+    "row scaling": ("ab,b->ab", (512, 1024), (1024,)),
+    "outer product": ("a,b->ab", (512,), (1024,)),
+    "batched broadcast product": ("abc,ac->abc", (8, 512, 64), (8, 64)),
+    "row dot products": ("ab,ab->a", (512, 1024), (512, 1024)),
+    "batched row dot products": ("abc,abc->ab", (8, 512, 64), (8, 512, 64)),
+    "a matrix-vector product (stays a dot)": ("ab,b->a", (512, 1024), (1024,)),
+}
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["replicated", "data-parallel"])
+@pytest.mark.parametrize("name", sorted(_DOTS))
+def test_a_dot_contracting_nothing_is_a_fused_multiply(name, parallel):
+    """A dot_general contracting no dim is a multiply to XLA (fused into its readers: the model kept a buffer of the
+    product and priced it as a matmul at 2 FLOPs per element, 1.33-2x over in memory, 1.5x in FLOPs), and one of two
+    vectors a reduce of a fused multiply (its FLOPs the multiply's and the reduction's)."""
+    spec, sa, sb = _DOTS[name]
+
+    def f(x, y):
+        if parallel:
+            x = split(x, 0, "x")
+        return jnp.tanh(jnp.einsum(spec, x, y)) * 2.0
+
+    step = shardc.auto(f, mesh=shardc.make_mesh({"x": 8}), search=False)
+    report = shardc.check(step, jnp.ones(sa), jnp.ones(sb))
+    row = report.row("peak memory bytes")
+    assert abs(row.predicted - row.compiled) <= 0.02 * row.compiled, (row.predicted, row.compiled)
+    flops = report.row("FLOPs")
+    assert flops.predicted == flops.compiled
