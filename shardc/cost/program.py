@@ -622,31 +622,127 @@ def last_copies(graph: Graph, canon: Sequence[int], copies: Sequence[tuple[int, 
     return frozenset(last.values())
 
 
+# XLA:CPU's library (YNNPACK) fusions (`LibraryRewriter` with its YNN matcher; xla/backends/cpu/ynn_support.cc, and
+# measured on jaxlib 0.10's XLA:CPU): a float reduction starts one when it or its operand has at least
+# `_YNN_MIN_ELEMENTS` elements (a smaller one is a loop fusion), and the fusion takes in a producer every reader of
+# which it holds: the elementwise ops YNNPACK has (at that size too), broadcasts, bitcast reshapes, f32 iotas, and
+# dots whose left operand is read row by row (not a transposed read) with more than one row and column.
+_YNN_MIN_ELEMENTS = 4096
+_YNN_ELEMENTWISE = frozenset({
+    "abs", "ceil", "convert_element_type", "cos", "erf", "exp", "expm1", "floor", "log", "log1p", "logistic", "neg",
+    "round", "rsqrt", "sign", "sin", "sqrt", "tanh", "tan",  # (unary)
+    "add", "add_any", "div", "max", "min", "mul", "pow", "sub", "square", "integer_pow"})  # (binary: x**n is a mul)
+_YNN_MOVES = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims"})
+_YNN_DTYPES = frozenset({"float32", "bfloat16", "float64", "int8", "uint8"})
+
+
+def _ynn_sized(graph: Graph, op: Any) -> bool:
+    """YNNPACK's preference: some result or operand of `op` has at least `_YNN_MIN_ELEMENTS` elements (global shapes:
+    a bound on the local ones)."""
+    return any(math.prod(graph.values[v].shape) >= _YNN_MIN_ELEMENTS for v in (*op.outputs, *op.inputs))
+
+
+def _ynn_dot(graph: Graph, op: Any, folded: frozenset[int]) -> bool:
+    """Whether YNNPACK takes dot `op` into a fusion: a float matmul (not one XLA rewrites as a multiply or a reduce)
+    of more than one row and column whose left operand is read row-major: its free dims before its contracting ones,
+    and not a transpose XLA folds into the dot (measured: `x.T @ w` stays a dot of its own, `x @ w.T` is taken in)."""
+    if op.primitive != "dot_general" or rewritten_dot(op, graph) or len(op.inputs) != 2:
+        return False
+    if any(str(graph.values[v].dtype) not in ("float32", "bfloat16", "float64") for v in (*op.inputs, *op.outputs)):
+        return False
+    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+    lhs, rhs = (graph.values[v].shape for v in op.inputs)
+    lfree = [d for d in range(len(lhs)) if d not in lc and d not in lb]
+    rfree = [d for d in range(len(rhs)) if d not in rc and d not in rb]
+    m, n = math.prod(lhs[d] for d in lfree), math.prod(rhs[d] for d in rfree)
+    k = math.prod(lhs[d] for d in lc)
+    if m == 1 or n == 1 or max(m, k, n) < 8:
+        return False
+    p = graph.values[op.inputs[0]].producer
+    return not (p is not None and p in folded) and all(f < c for f in lfree for c in lc)
+
+
+def _no_op_to_xla(graph: Graph, op: Any) -> bool:
+    """Whether XLA's simplifier leaves nothing of `op`: a stop_gradient or copy, a max with -inf or a min with inf
+    (jax's `max(..., initial=-inf)`)."""
+    if op.primitive in ("stop_gradient", *ALIASES):
+        return True
+    if op.primitive not in ("max", "min") or len(op.inputs) != 2:
+        return False
+    bound = -math.inf if op.primitive == "max" else math.inf
+    return any(graph.values[v].literal == bound for v in op.inputs)
+
+
+def _ynn_op(graph: Graph, op: Any, folded: frozenset[int]) -> bool:
+    """Whether a library fusion may take `op` in (see `_YNN_MIN_ELEMENTS`)."""
+    if _no_op_to_xla(graph, op):
+        return True
+    if op.primitive == "dot_general":
+        return _ynn_dot(graph, op, folded)
+    dtypes = {str(graph.values[v].dtype) for v in (*op.inputs, *op.outputs)}
+    if op.primitive in _YNN_MOVES:
+        return dtypes <= _YNN_DTYPES
+    if op.primitive == "iota":
+        return dtypes <= {"float32", "int32"}
+    return op.primitive in _YNN_ELEMENTWISE and dtypes <= _YNN_DTYPES and _ynn_sized(graph, op)
+
+
 def _library_fusions(graph: Graph, live: list[bool], canon: list[int], constant: list[bool],
                      consumers: list[list[int]]) -> tuple[set[int], dict[int, int]]:
-    """XLA:CPU's library (YNNPACK) fusions of reductions, made before loop fusion: from each floating-point
-    reduction up through the elementwise-like ops whose results are read only inside the fusion (XLA's
-    LibraryRewriter grows a fusion into an operand when all of the operand's users are in it). Returns the
-    values absorbed and, per op inside a fusion, the fusion's reduction."""
+    """XLA:CPU's library (YNNPACK) fusions of reductions, made before loop fusion (XLA's LibraryRewriter): from each
+    floating-point reduction of at least `_YNN_MIN_ELEMENTS` elements, the last first, a fusion grows over the ops
+    YNNPACK has (`_ynn_op`): up into an operand when all of the operand's readers are in it, down into the one reader
+    of its result when it has one (not a dot: those made fusions of their own before), again until neither grows it.
+    Returns the values absorbed (computed inside a fusion, no buffer) and, per op inside a fusion, the fusion's
+    reduction."""
     absorbed: set[int] = set()
     members: dict[int, int] = {}
+    folded = folded_transposes(graph, live, canon, consumers)
+    outputs = {canon[v] for v in graph.outputs}  # (the program's result reads them too)
     for op in reversed(graph.ops):  # from the last reduction up, as XLA starts from the root
         if (not live[op.id] or op.primitive not in LIBRARY_REDUCTIONS or op.id in members
-                or graph.values[op.outputs[0]].dtype.kind != "f"):
+                or graph.values[op.outputs[0]].dtype.kind != "f" or not _ynn_sized(graph, op)):
             continue
-        group = {op.id}
-        stack = [canon[v] for v in op.inputs]
-        while stack:
+        group = _library_fusion(graph, op, canon, constant, consumers, members, absorbed, outputs, folded)
+        members.update((u, op.id) for u in group)
+    return absorbed, members
+
+
+def _library_fusion(graph: Graph, start: Any, canon: Sequence[int], constant: Sequence[bool],
+                    consumers: Sequence[Sequence[int]], members: Mapping[int, int], absorbed: set[int],
+                    outputs: set[int], folded: frozenset[int]) -> set[int]:
+    """The ops of the library fusion XLA grows from reduction `start` (see `_library_fusions`); adds the values it
+    computes inside to `absorbed`."""
+    group = {start.id}
+    root = start
+    stack = [canon[v] for v in start.inputs]
+    while True:
+        while stack:  # up: operands read only inside the fusion
             v = stack.pop()
             p = graph.values[v].producer
-            if (p is None or constant[v] or v in absorbed or p in members or p in group
-                    or not fusible(graph.ops[p], graph) or not all(u in group for u in consumers[v])):
+            if (p is None or constant[v] or v in absorbed or v in outputs or p in members or p in group
+                    or not all(u in group for u in consumers[v])):
+                continue
+            o = graph.ops[p]
+            if not (_ynn_op(graph, o, folded) or o.primitive in LIBRARY_REDUCTIONS and _ynn_sized(graph, o)):
+                continue
+            if o.primitive == "dot_general" and o.id > start.id:  # (a dot after the reduction: its own fusion)
                 continue
             group.add(p)
             absorbed.add(v)
-            stack.extend(canon[u] for u in graph.ops[p].inputs)
-        members.update((u, op.id) for u in group)
-    return absorbed, members
+            stack.extend(canon[u] for u in o.inputs)
+        # down: the one reader of the fusion's result
+        out = canon[root.outputs[0]] if len(root.outputs) == 1 else None
+        readers = set(consumers[out]) if out is not None and out not in outputs else set()
+        if len(readers) != 1:
+            return group
+        u = graph.ops[readers.pop()]
+        if u.id in members or u.id in group or u.primitive == "dot_general" or not _ynn_op(graph, u, folded):
+            return group
+        group.add(u.id)
+        absorbed.add(out)
+        root = u
+        stack = [canon[v] for v in u.inputs] + [canon[v] for o in group for v in graph.ops[o].inputs]
 
 
 def library_broadcasts(graph: Graph, live: Sequence[bool], canon: Sequence[int], groups: Mapping[int, int],
@@ -1496,6 +1592,9 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     absorbed, groups = (_library_fusions(graph, live, canon, constant, consumers) if backend == "cpu"
                         else (set(), {}))
     library = set(groups)
+    for v in absorbed:  # (computed inside a library fusion: no buffer, whatever op makes it)
+        fused[v] = True
+    results = {canon[v] for u in groups for v in graph.ops[u].outputs} - absorbed  # (a library fusion's result)
     # XLA:CPU removes optimization barriers before fusion: a local slice a barrier reads is fused into the
     # fusions that read the barrier's result (what it slices is read there: `until`)
     loop = _loop_ops(graph, live, library, backend)
@@ -1504,7 +1603,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
             continue
         for v in op.outputs:
             users = _readers(graph, consumers, canon, v)
-            if v in outputs or not users:
+            if v in outputs or not users or v in results:
                 continue
             # Loop fusion takes a value into its readers when every one of them is an elementwise-like op or a
             # reduction outside a library fusion (which reads its operands from memory).
