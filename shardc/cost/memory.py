@@ -248,12 +248,13 @@ class MemoryModel:
     def _written_transposed(self, kid: int, op_id: int) -> bool:
         """Whether key `kid`, what a dot's own task makes, is computed transposed into the result of the transpose
         reading it (`ProgramInfo.transposed`: the plan reads the product in no other layout, the transpose reads
-        it itself): it has no buffer of its own."""
+        it itself, and its result has a buffer: materialised, or resharded): it has no buffer of its own."""
         t = self.info.transposed.get(self.keys.key_list[kid][0]) if self.info.transposed else None
         if t is None or not self._made_by_op(kid, op_id) or set(self.readers.get(kid, ())) != {t}:
             return False
         own = self._own_task(t)
-        return own is not None and kid in own.deps
+        return own is not None and kid in own.deps and any(
+            self._bytes(k) or self._collective_operand(k) >= 0 and self._computed(k) for k in own.outs)
 
     def _transposed_product(self, kid: int, op_id: int) -> int | None:
         """Where the dot is that writes key `kid`, a transpose's own result, in its place (`_written_transposed`):
@@ -311,6 +312,9 @@ class MemoryModel:
         start, b = (max(made, at - 1) if made <= at else max(at - 1, 0)), self._value_bytes(kid)
         if made <= at and self._read_late(kid):  # (a slice of its own, made where it is, read late: `_late`)
             start = made
+        dot = self._transposed_product(kid, self.owner[kid][0])
+        if dot is not None:  # (the dot writes it)
+            start = min(start, dot)
         self.buffers[kid] = (start, at, b)
         self.diff[start] += b
         self.diff[at + 1] -= b
@@ -1059,15 +1063,21 @@ class MemoryModel:
         return out
 
     def _transposes_of(self, touched: Iterable[int], slots: Sequence[Any]) -> set[int]:
-        """The results of the transposes whose dot's results are among `touched` (`_transposed_product`: whether the
-        dot writes them depends on who reads the dot's)."""
+        """The results of the transposes whose dot's results are among `touched`, and the dot results such a transpose
+        reads where its result is among them (`_written_transposed`, `_transposed_product`: whether the dot writes the
+        transpose's result depends on who reads either)."""
         out: set[int] = set()
         if not self.info.transposed:
             return out
+        flags, transposes = self.keys.is_value_key, set(self.info.transposed.values())
         for k in touched:
-            t = self.info.transposed.get(self.keys.key_list[k][0])
+            c = self.keys.key_list[k][0]
+            t = self.info.transposed.get(c)
             if t is not None and slots[t].at < len(slots[t].tasks):
-                out.update(o for o in slots[t].tasks[slots[t].at].outs if self.keys.is_value_key[o])
+                out.update(o for o in slots[t].tasks[slots[t].at].outs if flags[o])
+            p = self.graph.values[c].producer
+            if p in transposes and slots[p].at < len(slots[p].tasks) and k in slots[p].tasks[slots[p].at].outs:
+                out.update(d for d in slots[p].tasks[slots[p].at].deps if flags[d])
         return out
 
     def _walking(self, touched: Iterable[int]) -> set[int]:

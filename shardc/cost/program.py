@@ -441,14 +441,14 @@ def window_levels(length: int) -> int | None:
 
 
 def transposed_dots(graph: Graph, live: Sequence[bool], canon: Sequence[int],
-                    consumers: Sequence[Sequence[int]], fused: Sequence[bool]) -> dict[int, int]:
+                    consumers: Sequence[Sequence[int]]) -> dict[int, int]:
     """Results of dots XLA's algebraic simplifier may compute transposed (`transpose(dot(a, b)) -> dot(b, a)`), each
     with its transpose: a dot with one free dim per operand, read only by one transpose that swaps those two and
-    keeps the batch dims in place, and whose result is materialised (not fused into its readers: transposed
-    back, say, which the simplifier cancels). Where the plan reads the product in no other layout (no
-    all-reduce between: the transpose must read the dot itself), the dot writes the transpose's result
-    (`MemoryModel`; measured on XLA:CPU: a weight gradient `x.T @ g` returned as `(g.T @ x).T` makes no buffer
-    of the untransposed product)."""
+    keeps the batch dims in place, and not read by a transpose or a dot (which cancel or fold it). Where the plan
+    reads the product in no other layout (no all-reduce between: the transpose must read the dot itself) and the
+    transposed result has a buffer (materialised, or fused into its readers but resharded first), the dot writes
+    it (`MemoryModel`; measured on XLA:CPU: a weight gradient `x.T @ g` returned as `(g.T @ x).T` makes no buffer
+    of the untransposed product, nor does one Adam reads in another layout: a Megatron MLP, 19% over)."""
     out = {}
     outputs = {canon[v] for v in graph.outputs}
     for op in graph.ops:
@@ -457,7 +457,9 @@ def transposed_dots(graph: Graph, live: Sequence[bool], canon: Sequence[int],
         src = canon[op.inputs[0]]
         p = graph.values[src].producer
         if (p is None or graph.ops[p].primitive != "dot_general" or rewritten_dot(graph.ops[p], graph)
-                or src in outputs or consumers[src] != [op.id] or fused[canon[op.outputs[0]]]):
+                or src in outputs or consumers[src] != [op.id]
+                or any(graph.ops[u].primitive in ("transpose", "dot_general")
+                       for u in consumers[canon[op.outputs[0]]])):
             continue
         dot = graph.ops[p]
         (lc, rc), (lb, rb) = dot.params["dimension_numbers"]
@@ -513,7 +515,7 @@ _ELEMENTWISE_OPS = frozenset(ELEMENTWISE) | frozenset(TRANSCENDENTAL) | {"intege
 
 def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], fused: Sequence[bool],
                      loop: Sequence[bool], recompute: frozenset[tuple[int, int]] = frozenset(),
-                     limit: int = 64) -> tuple[tuple[int, ...], ...]:
+                     transposed: Mapping[int, int] | None = None, limit: int = 64) -> tuple[tuple[int, ...], ...]:
     """Per op, the materialised values whose buffer XLA may give the op's result: XLA's buffer assignment lets an
     instruction's result take the buffer of an operand that dies there when they have one shape
     (HloDataflowAnalysis::CanShareOperandBufferWithUser); for a loop fusion, when everything the fusion computes
@@ -524,8 +526,10 @@ def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], f
     value it reads so is one: where the plan reads it in another layout than it is computed in, the fusion reads
     a reshard's result, a buffer of the result's shape (XLA writes an elementwise result over an all-gather's
     output); where it does not, the value has no buffer to take. Whether the value dies there, and in one layout,
-    is the plan's (`MemoryModel`). A dynamic_update_slice writes its result over its operand (a reshard's result
-    the update reads, say: the program's output then holds it), and a sort its sorted keys over the keys."""
+    is the plan's (`MemoryModel`). A fused transpose a dot may write (`transposed`: dot result -> transpose) is read
+    as that dot's buffer, the transposed product. A dynamic_update_slice writes its result over its operand (a
+    reshard's result the update reads, say: the program's output then holds it), and a sort its sorted keys over
+    the keys."""
     out: list[tuple[int, ...]] = [()] * len(graph.ops)
     for op in graph.ops:
         if op.primitive == "dynamic_update_slice" and live[op.id] and not fused[canon[op.outputs[0]]]:
@@ -551,6 +555,10 @@ def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], f
                 good = elementwise and v.shape == res.shape and v.dtype == res.dtype
                 (ok if good else bad).add(c)
                 p = v.producer
+                if (fused[c] and p is not None and transposed and graph.ops[p].primitive == "transpose"
+                        and transposed.get(canon[graph.ops[p].inputs[0]]) == p):
+                    (ok if good else bad).add(canon[graph.ops[p].inputs[0]])  # (the dot's buffer, transposed)
+                    continue
                 if (fused[c] or (o.id, c) in recompute) and p is not None:
                     stack.append((graph.ops[p], good and graph.ops[p].primitive in _ELEMENTWISE_OPS))
                     if not fused[c]:
@@ -1673,12 +1681,13 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                         if graph.values[c].producer is not None
                         and outer_region(graph.ops[graph.values[c].producer]) == outer_region(op))
     preset = _preset_state(graph, live, canon, constant, carried) if backend == "cpu" else frozenset()
-    inplace = inplace_operands(graph, live, canon, fused, loop, recompute) if backend == "cpu" else ()
+    transposed = transposed_dots(graph, live, canon, consumers) if backend == "cpu" else {}
+    inplace = inplace_operands(graph, live, canon, fused, loop, recompute, transposed) if backend == "cpu" else ()
     return ProgramInfo(tuple(live), tuple(constant), tuple(canon), tuple(duplicate), tuple(fused),
                        tuple(trips), tuple(order), pkeys, until, span=_spans(graph, live, order),
                        carried=carried, loop=loop, library=frozenset(library), backend=backend, preset=preset,
                        broadcasts=library_broadcasts(graph, live, canon, groups, order) if groups else {},
-                       transposed=transposed_dots(graph, live, canon, consumers, fused) if backend == "cpu" else {},
+                       transposed=transposed,
                        eager=backend == "cpu", reshard_trips=reshard_trips, hoisted=hoisted, unread=cse.unread,
                        through=cse.through,
                        post=tuple(_post_order(graph, canon)),
