@@ -25,7 +25,7 @@ from shardc.cost.flops import count_op
 from shardc.cost.host_ops import default_estimator, relayout_seconds
 from shardc.cost.op_collectives import NONE as NO_COLLECTIVES, OP_COLLECTIVES, OwnCollectives, op_collectives
 from shardc.cost.program import (FREE_PRIMITIVES, ProgramInfo, broadcast_dims, broadcast_transfer, gather_relayouts,
-                                 moves_no_data, rewritten_dot, per_info, program_info)
+                                 moves_no_data, per_info, program_info, rewritten_dot)
 from shardc.cost.reshard_path import kept_after, reshard_steps
 from shardc.cost.topology import MeshMapping, Topology
 from shardc.cost.wire import wire_itemsize
