@@ -32,7 +32,7 @@ import collections
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from shardc.cost import splats
 from shardc.cost.aliases import ALIASES, HINTS  # (ALIASES' results have no buffer of their own, `fused`, yet what
@@ -377,6 +377,21 @@ def _gemm_layout(perm: Sequence[int], batch: int, rows: int) -> bool:
     return not (0 in present and len(present) > 1 and order[-1] == 0)
 
 
+def _dot_transposes(graph: Graph, live: Sequence[bool], canon: Sequence[int],
+                    consumers: Sequence[Sequence[int]]) -> Iterator[tuple[Any, Any]]:
+    """(transpose, dot) pairs: each live transpose whose operand is the result of a dot XLA keeps a dot (not
+    `rewritten_dot`) that no other op reads and the program does not return."""
+    outputs = {canon[v] for v in graph.outputs}  # (the program's result tuple reads them too)
+    for op in graph.ops:
+        if op.primitive != "transpose" or not live[op.id]:
+            continue
+        src = canon[op.inputs[0]]
+        p = graph.values[src].producer
+        if (p is not None and graph.ops[p].primitive == "dot_general" and not rewritten_dot(graph.ops[p], graph)
+                and consumers[src] == [op.id] and src not in outputs):
+            yield op, graph.ops[p]
+
+
 def dot_bitcasts(graph: Graph, live: Sequence[bool], canon: Sequence[int],
                  consumers: Sequence[Sequence[int]]) -> frozenset[int]:
     """XLA:GPU: transposes that layout assignment makes bitcasts. `GpuLayoutAssignment::AddBackendConstraints`
@@ -384,16 +399,7 @@ def dot_bitcasts(graph: Graph, live: Sequence[bool], canon: Sequence[int],
     the transpose a bitcast when a GEMM can write that layout (`_gemm_layout`): the dot's result is written in
     the transposed order and the transpose moves nothing."""
     out = set()
-    outputs = {canon[v] for v in graph.outputs}  # (the program's result tuple reads them too)
-    for op in graph.ops:
-        if op.primitive != "transpose" or not live[op.id]:
-            continue
-        src = canon[op.inputs[0]]
-        p = graph.values[src].producer
-        if (p is None or graph.ops[p].primitive != "dot_general" or rewritten_dot(graph.ops[p], graph)
-                or len(set(consumers[src])) != 1 or src in outputs):
-            continue
-        dot = graph.ops[p]
+    for op, dot in _dot_transposes(graph, live, canon, consumers):
         (lc, _), (lb, _) = dot.params["dimension_numbers"]
         rows = graph.values[dot.inputs[0]].rank - len(lc) - len(lb)
         if _gemm_layout(tuple(op.params["permutation"]), len(lb), rows):
@@ -450,24 +456,15 @@ def transposed_dots(graph: Graph, live: Sequence[bool], canon: Sequence[int],
     it (`MemoryModel`; measured on XLA:CPU: a weight gradient `x.T @ g` returned as `(g.T @ x).T` makes no buffer
     of the untransposed product, nor does one resharded for Adam: the zoo MLP's Megatron plan kept 512 KiB more)."""
     out = {}
-    outputs = {canon[v] for v in graph.outputs}
-    for op in graph.ops:
-        if op.primitive != "transpose" or not live[op.id]:
+    for op, dot in _dot_transposes(graph, live, canon, consumers):
+        if any(graph.ops[u].primitive in ("transpose", "dot_general") for u in consumers[canon[op.outputs[0]]]):
             continue
-        src = canon[op.inputs[0]]
-        p = graph.values[src].producer
-        if (p is None or graph.ops[p].primitive != "dot_general" or rewritten_dot(graph.ops[p], graph)
-                or src in outputs or consumers[src] != [op.id]
-                or any(graph.ops[u].primitive in ("transpose", "dot_general")
-                       for u in consumers[canon[op.outputs[0]]])):
-            continue
-        dot = graph.ops[p]
         (lc, rc), (lb, rb) = dot.params["dimension_numbers"]
         lhs, rhs = (graph.values[v].rank for v in dot.inputs[:2])
         rank = len(lb) + 2
         swap = tuple(range(len(lb))) + (rank - 1, rank - 2)
         if lhs - len(lc) - len(lb) == 1 and rhs - len(rc) - len(rb) == 1 and tuple(op.params["permutation"]) == swap:
-            out[src] = op.id
+            out[canon[op.inputs[0]]] = op.id
     return out
 
 
@@ -673,7 +670,7 @@ def _ynn_dot(graph: Graph, op: Any, folded: frozenset[int]) -> bool:
 def _no_op_to_xla(graph: Graph, op: Any) -> bool:
     """Whether XLA's simplifier leaves nothing of `op`: a stop_gradient or copy, a max with -inf or a min with inf
     (jax's `max(..., initial=-inf)`)."""
-    if op.primitive in ("stop_gradient", *ALIASES):
+    if op.primitive in ALIASES:
         return True
     if op.primitive not in ("max", "min") or len(op.inputs) != 2:
         return False
@@ -696,16 +693,15 @@ def _ynn_op(graph: Graph, op: Any, folded: frozenset[int]) -> bool:
 
 
 def _library_fusions(graph: Graph, live: list[bool], canon: list[int], constant: list[bool],
-                     consumers: list[list[int]]) -> tuple[set[int], dict[int, int]]:
+                     consumers: list[list[int]], folded: frozenset[int]) -> tuple[set[int], dict[int, int]]:
     """XLA:CPU's library (YNNPACK) fusions of reductions, made before loop fusion (XLA's LibraryRewriter): from each
     floating-point reduction of at least `_YNN_MIN_ELEMENTS` elements, the last first, a fusion grows over the ops
     YNNPACK has (`_ynn_op`): up into an operand when all of the operand's readers are in it, down into the one reader
     of its result when it has one (not a dot: those made fusions of their own before), again until neither grows it.
     Returns the values absorbed (computed inside a fusion, no buffer) and, per op inside a fusion, the fusion's
-    reduction."""
+    reduction. `folded`: the transposes XLA folds into the dots reading them (`folded_transposes`)."""
     absorbed: set[int] = set()
     members: dict[int, int] = {}
-    folded = folded_transposes(graph, live, canon, consumers)
     outputs = {canon[v] for v in graph.outputs}  # (the program's result reads them too)
     for op in reversed(graph.ops):  # from the last reduction up, as XLA starts from the root
         if (not live[op.id] or op.primitive not in LIBRARY_REDUCTIONS or op.id in members
@@ -1597,7 +1593,8 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
             for v in op.outputs:
                 if canon[v] not in outputs and not constant[canon[v]]:
                     fused[canon[v]] = True
-    absorbed, groups = (_library_fusions(graph, live, canon, constant, consumers) if backend == "cpu"
+    folded = folded_transposes(graph, live, canon, consumers) if backend == "cpu" else frozenset()
+    absorbed, groups = (_library_fusions(graph, live, canon, constant, consumers, folded) if backend == "cpu"
                         else (set(), {}))
     library = set(groups)
     for v in absorbed:  # (computed inside a library fusion: no buffer, whatever op makes it)
@@ -1633,9 +1630,8 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                         and consumers[c] and all(graph.ops[u].primitive == "dot_general" for u in consumers[c]))
     for t in bitcast:
         fused[canon[graph.ops[t].outputs[0]]] = True
-    if backend == "cpu":  # (transposes folded into the dots reading them)
-        for t in folded_transposes(graph, live, canon, consumers):
-            fused[canon[graph.ops[t].outputs[0]]] = True
+    for t in folded:  # (XLA:CPU: transposes folded into the dots reading them)
+        fused[canon[graph.ops[t].outputs[0]]] = True
     wide = wide_results(graph, live, canon, backend)
     order, batch = (_breadth_first(graph, live, canon, constant, fused, consumers) if backend == "cpu"
                     else (list(range(no)), []))
