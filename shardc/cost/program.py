@@ -66,6 +66,11 @@ PCG_COLLECTIVE = "pcg_collective"
 FREE_PRIMITIVES = frozenset({"shardc_hint", "sharding_constraint", "tie", "scan_slice", "scan_stack",
                              "optimization_barrier", PCG_COLLECTIVE}) | ALIASES
 _NOT_MERGED = frozenset({"tie", "scan_slice", "scan_stack"})
+# Ops XLA computes at run time even from constant operands: jax lowers the threefry hash to a loop (XLA:CPU) or
+# to elementwise work on an iota, and XLA's constant folding evaluates neither (measured: `jax.random.uniform`,
+# `split`, `fold_in` of `jax.random.key(0)` compile to a while loop), so a dropout mask drawn with a literal seed
+# is a buffer of the step like any other.
+_RUN_TIME = frozenset({"random_bits", "random_split", "random_fold_in", "threefry2x32"})
 # XLA duplicates cheap producers into each consumer, but not expensive ones (InstructionFusion::IsExpensive):
 # transcendentals and floating divides, except sin and cos (and, on XLA:CPU, tan) of real numbers, and abs and
 # sign, which are cheap unless complex. XLA:GPU also counts f32/f16 divides, sqrt, rsqrt and exp as cheap.
@@ -1510,7 +1515,8 @@ def _propagate_constants(graph: Graph, through: frozenset[int], demoted: set[int
         unread_pairs.update((op.id, i) for i in unread)
         read = [i for i in range(len(op.inputs)) if i not in unread]
         source = folds_to_constant(graph, op)
-        if (op.inputs and all(constant[op.inputs[i]] for i in read) or source) and op.primitive not in _NOT_MERGED:
+        if (op.inputs and all(constant[op.inputs[i]] for i in read) or source) and op.primitive not in _NOT_MERGED \
+                and op.primitive not in _RUN_TIME:
             for v in op.outputs:
                 constant[v] = True
                 forms[v] = splats.form_of_result(graph, op, forms, read, source)
@@ -1524,7 +1530,7 @@ def _propagate_constants(graph: Graph, through: frozenset[int], demoted: set[int
             # folds (a sharding constraint gathering any other is a collective: the cond inlines after partitioning)
             folded = [constant[v] or v in folds for v in op.inputs]
             if op.primitive != "tie":
-                if all(folded) and op.primitive not in _NOT_MERGED:
+                if all(folded) and op.primitive not in _NOT_MERGED | _RUN_TIME:
                     folds.update(op.outputs)
                     for v in op.outputs:
                         forms[v] = splats.form_of_result(graph, op, forms, read, source)
