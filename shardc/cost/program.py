@@ -1622,19 +1622,28 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     # XLA:CPU removes optimization barriers before fusion: a local slice a barrier reads is fused into the
     # fusions that read the barrier's result (what it slices is read there: `until`)
     loop = _loop_ops(graph, live, library, backend)
-    for op in graph.ops:
+    # op -> the op whose fusion computes it, where all of its results are fused into one (XLA's loop fusion
+    # walks consumers before producers: an op whose readers are all in one fusion by then has one user)
+    root: dict[int, int] = {}
+    for op in reversed(graph.ops):
         if not fusible_on(op, graph, backend) or not live[op.id]:
             continue
+        roots: set[int] = set()
         for v in op.outputs:
             users = _readers(graph, consumers, canon, v)
+            roots.update(root.get(u, u) for u in users)
             if v in outputs or not users or v in results:
                 continue
             # Loop fusion takes a value into its readers when every one of them is an elementwise-like op or a
-            # reduction outside a library fusion (which reads its operands from memory).
+            # reduction outside a library fusion (which reads its operands from memory); an expensive value
+            # only into one fusion (XLA duplicates cheap producers, not expensive ones).
+            one = len({root.get(u, u) for u in users}) == 1 and all(graph.ops[u].region == op.region for u in users)
             fused[v] = v in absorbed or (
                 all((fusible_on(graph.ops[u], graph, backend) or graph.ops[u].primitive in REDUCTIONS
                      or rewritten_dot(graph.ops[u], graph) == "reduce") and u not in library for u in users)
-                and (not expensive(op, graph, backend, constant) or len(users) == 1))
+                and (not expensive(op, graph, backend, constant) or len(users) == 1 or one))
+        if len(roots) == 1 and op.outputs and all(fused[canon[v]] for v in op.outputs):
+            root[op.id] = roots.pop()
     for op in graph.ops:  # a scatter-add the simplifier moves into the sum reading it writes that sum's buffer
         if live[op.id] and op.primitive in SCATTERS and op.outputs and canon[op.outputs[0]] not in outputs \
                 and _scatter_into_sum(graph, op, canon, consumers):
