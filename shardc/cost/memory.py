@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from shardc.cost.first_fit import FirstFit
-from shardc.cost.program import (CUMULATIVE, SAME_OPERAND_RULES, ProgramInfo, conv_output_copied, derived,
+from shardc.cost.program import (CUMULATIVE, SAME_OPERAND_RULES, SCATTERS, ProgramInfo, conv_output_copied, derived,
                                  descendants, gathered_order, outer_region, per_info, window_levels)
 
 __all__ = ["MemoryModel", "MemoryResult"]
@@ -312,6 +312,9 @@ class MemoryModel:
         start, b = (max(made, at - 1) if made <= at else max(at - 1, 0)), self._value_bytes(kid)
         if made <= at and self._read_late(kid):  # (a slice of its own, made where it is, read late: `_late`)
             start = made
+        if self._scatter_into_constant(self.owner[kid][0]) and self._made_by_op(kid, self.owner[kid][0]):
+            start = 0  # (a scatter XLA would move into the sum reading it but for this collective between them: it
+            # writes into a broadcast of its constant operand, made at the start, `ProgramInfo.preset`)
         dot = self._transposed_product(kid, self.owner[kid][0])
         if dot is not None:  # (the dot writes it)
             start = min(start, dot)
@@ -319,6 +322,12 @@ class MemoryModel:
         self.diff[start] += b
         self.diff[at + 1] -= b
         self.ends_at.setdefault(at, set()).add(kid)
+
+    def _scatter_into_constant(self, op_id: int) -> bool:
+        """Whether op `op_id` is a top-level scatter into a compile-time constant operand."""
+        op, info = self.graph.ops[op_id], self.info
+        return (op.primitive in SCATTERS and not op.region and bool(op.inputs)
+                and info.constant[info.canon[op.inputs[0]]])
 
     def _computed(self, kid: int, depth: int = 0) -> bool:
         """Whether fused value key `kid` is computed (an op's fused result, or a local slice) rather than another
@@ -349,6 +358,12 @@ class MemoryModel:
                 continue
             for i, t in enumerate(slot.tasks[:slot.at]):
                 if kid in t.deps and (t.collective or t.kind == "compute" and self._feeds_collective(slot, i)):
+                    last = max(last, self._position(slot, i, kid, read=True, late=self._late(slot)[i]))
+        owner = self.owner.get(kid)
+        slot = self._slots[owner[0]] if owner is not None and self._slots else None
+        if slot is not None:  # (the reshard of the op's own result to its planned layout)
+            for i in range(slot.at + 1, len(slot.tasks)):
+                if kid in slot.tasks[i].deps and slot.tasks[i].collective:
                     last = max(last, self._position(slot, i, kid, read=True, late=self._late(slot)[i]))
         return last
 

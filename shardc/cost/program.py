@@ -517,7 +517,8 @@ _ELEMENTWISE_OPS = frozenset(ELEMENTWISE) | frozenset(TRANSCENDENTAL) | {"intege
 
 def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], fused: Sequence[bool],
                      loop: Sequence[bool], recompute: frozenset[tuple[int, int]] = frozenset(),
-                     transposed: Mapping[int, int] | None = None, limit: int = 64) -> tuple[tuple[int, ...], ...]:
+                     transposed: Mapping[int, int] | None = None, limit: int = 64,
+                     consumers: Sequence[Sequence[int]] | None = None) -> tuple[tuple[int, ...], ...]:
     """Per op, the materialised values whose buffer XLA may give the op's result: XLA's buffer assignment lets an
     instruction's result take the buffer of an operand that dies there when they have one shape
     (HloDataflowAnalysis::CanShareOperandBufferWithUser); for a loop fusion, when everything the fusion computes
@@ -529,7 +530,9 @@ def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], f
     a reshard's result, a buffer of the result's shape (XLA writes an elementwise result over an all-gather's
     output); where it does not, the value has no buffer to take. Whether the value dies there, and in one layout,
     is the plan's (`MemoryModel`). A fused transpose a dot may write (`transposed`: dot result -> transpose) is read
-    as that dot's buffer, the transposed product. A dynamic_update_slice writes its result over its operand (a
+    as that dot's buffer, the transposed product. A result only dots read, each with some group of its dims
+    collapsed (`_read_collapsed`), is written in the collapsed shape (the dot decomposition's bitcast is the
+    fusion's root): it takes no operand's buffer. A dynamic_update_slice writes its result over its operand (a
     reshard's result the update reads, say: the program's output then holds it), and a sort its sorted keys over
     the keys."""
     out: list[tuple[int, ...]] = [()] * len(graph.ops)
@@ -542,6 +545,8 @@ def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], f
             continue
         if (not live[op.id] or not loop[op.id] or op.primitive not in _ELEMENTWISE_OPS or len(op.outputs) != 1
                 or fused[canon[op.outputs[0]]]):
+            continue
+        if consumers is not None and _read_collapsed(graph, canon, consumers, canon[op.outputs[0]]):
             continue
         res = graph.values[op.outputs[0]]
         ok: set[int] = set()
@@ -569,6 +574,28 @@ def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], f
             continue  # too large a fusion to tell
         out[op.id] = tuple(sorted(c for c in ok - bad - recomputed if not _reshaped_dot(graph, c)))
     return tuple(out)
+
+
+def _read_collapsed(graph: Graph, canon: Sequence[int], consumers: Sequence[Sequence[int]], c: int) -> bool:
+    """Whether value `c` is read by dots only, each reading it with a group of its dims (batch, contracting or
+    free) holding more than one dim of more than one element: the dot decomposition reshapes it ([batch, rows,
+    contracting] / [batch, contracting, columns]) by a bitcast XLA fuses into what computes it."""
+    users = consumers[c]
+    if not users:
+        return False
+    for u in users:
+        op = graph.ops[u]
+        if op.primitive != "dot_general" or rewritten_dot(op, graph):
+            return False
+        (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+        for i, (contract, batch) in enumerate(((lc, lb), (rc, rb))):
+            if canon[op.inputs[i]] != c:
+                continue
+            shape = graph.values[op.inputs[i]].shape
+            free = [d for d in range(len(shape)) if d not in contract and d not in batch]
+            if not any(sum(shape[d] != 1 for d in dims) > 1 for dims in (batch, contract, free)):
+                return False
+    return True
 
 
 def _reshaped_dot(graph: Graph, c: int) -> bool:
@@ -1706,7 +1733,8 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                         and outer_region(graph.ops[graph.values[c].producer]) == outer_region(op))
     preset = _preset_state(graph, live, canon, constant, carried) if backend == "cpu" else frozenset()
     transposed = transposed_dots(graph, live, canon, consumers) if backend == "cpu" else {}
-    inplace = inplace_operands(graph, live, canon, fused, loop, recompute, transposed) if backend == "cpu" else ()
+    inplace = (inplace_operands(graph, live, canon, fused, loop, recompute, transposed, consumers=consumers)
+               if backend == "cpu" else ())
     return ProgramInfo(tuple(live), tuple(constant), tuple(canon), tuple(duplicate), tuple(fused),
                        tuple(trips), tuple(order), pkeys, until, span=_spans(graph, live, order),
                        carried=carried, loop=loop, library=frozenset(library), backend=backend, preset=preset,

@@ -772,3 +772,36 @@ def test_a_sort_along_a_dim_of_one_is_its_operand():
     report = shardc.check(shardc.auto(step, mesh=mesh, search=False), jnp.ones((4096, 1)))
     flops = report.row("FLOPs")
     assert flops.compiled > 0 and flops.ok, report
+
+
+class TiedEmbeddingLm(nn.Module):
+    """An embedding whose table also makes the logits (`nn.Embed.attend`), with a LayerNorm between."""
+
+    @nn.compact
+    def __call__(self, ids):
+        embed = nn.Embed(1024, 256)
+        return embed.attend(nn.LayerNorm()(embed(ids)))
+
+
+@pytest.mark.parametrize("data_parallel", [False, True])
+def test_peak_memory_of_a_tied_embedding_train_step(data_parallel):
+    """A tied embedding's gradient is the scatter-add of its lookup plus the logits' weight gradient. Data-parallel,
+    the plan all-reduces the scatter's partial sums before the add, so XLA cannot move the scatter into the sum:
+    it scatters into zeros made at the program's start (the model had that buffer from the all-reduce only). And
+    the softmax gradient, read only by the two dots that collapse its batch and sequence dims, is computed in the
+    collapsed shape, so it takes the buffer of no operand (the model wrote it over the exponentials, which XLA
+    keeps for the transposed copy). 19% and 28% under before."""
+    model = TiedEmbeddingLm()
+    ids = jnp.arange(8 * 128).reshape(8, 128) % 1024
+    params = model.init(jax.random.key(0), ids)
+
+    def step(p, ids):
+        def loss(p):
+            return -jnp.mean(jax.nn.log_softmax(model.apply(p, split(ids, 0, "x") if data_parallel else ids))[..., 0])
+
+        value, g = jax.value_and_grad(loss)(p)
+        return value, jax.tree.map(lambda a, b: a - 0.01 * b, p, g)
+
+    row = shardc.check(shardc.auto(step, mesh=shardc.make_mesh({"x": 8}), search=False), params, ids) \
+        .row("peak memory bytes")
+    assert abs(row.predicted - row.compiled) <= 0.02 * row.compiled, (row.predicted, row.compiled)
