@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding
 from annotations.primitive import hint_p
 from shardc.ir.build import REGION_PRIMITIVES, call_jaxpr
 from shardc.ir.jaxpr_env import JaxprEnv, open_jaxpr
-from shardc.cost.program import SCATTERS, folds_to_constant, pad_of, program_info, reads_only_padding
+from shardc.cost.program import BOUND_THROUGH, SCATTERS, folds_to_constant, pad_of, program_info, reads_only_padding
 from shardc.cost.windows import window_unread
 from shardc.cost.reshard_path import reshard_steps
 from shardc.plan import Plan, lowers_reduce_scatter, planned_apart, require_devices
@@ -227,7 +227,8 @@ class Lowering:
             if self.info.constant[op.outputs[0]] and hasattr(invals[0], "shape") and invals[0].shape:
                 return [self.whole(invals[0])]
             return [self.as_planned(invals[0], op.outputs[0])]
-        outs = self.passed_through(op, read, invals) if op.id in self.info.through else self.bind(eqn, invals, op.id)
+        through = op.id in self.info.through and op.primitive not in BOUND_THROUGH
+        outs = self.passed_through(op, read, invals) if through else self.bind(eqn, invals, op.id)
         made = self.made_dims(op.id)
         for i, (var, vid) in enumerate(zip(eqn.outvars, op.outputs)):
             if isinstance(var, jcore.DropVar) or not hasattr(outs[i], "shape") \

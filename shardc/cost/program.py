@@ -45,7 +45,7 @@ from shardc.ir.graph import Graph
 
 __all__ = ["ProgramInfo", "program_info", "per_info", "descendants", "Merged", "merged", "liveness", "unread_operands",
            "unread_if_same", "read_values",
-           "SAME_OPERAND_RULES", "PASS_THROUGH_RULES", "passes_through", "ALIASES", "reads_only_padding", "pad_of",
+           "SAME_OPERAND_RULES", "PASS_THROUGH_RULES", "BOUND_THROUGH", "passes_through", "splat_literal", "ALIASES", "reads_only_padding", "pad_of",
            "broadcast_dims", "broadcast_transfer", "derived", "fusing_readers",
            "FUSIBLE", "FREE_PRIMITIVES", "PCG_COLLECTIVE"]
 
@@ -337,13 +337,16 @@ _COPYING = frozenset({"dot_general", "conv_general_dilated"})
 
 
 def dot_copies(graph: Graph, live: Sequence[bool], canon: Sequence[int], physical: Mapping[int, tuple[int, ...]],
-               cheap: frozenset[int] = frozenset()) -> tuple[tuple[int, ...], ...]:
+               cheap: frozenset[int] = frozenset(), library: frozenset[int] = frozenset()
+               ) -> tuple[tuple[int, ...], ...]:
     """XLA:CPU's dot decomposition transposes a dot's operand into an order it reads (`_dot_orders`), and its
     convolution canonicalization a convolution's (`_conv_orders`): a copy of the operand unless its buffer
     already has that memory order (`physical_orders`). The dot decomposition also reshapes an
     operand with several batch, free or contracting dims into one of each; that reshape is a bitcast unless
     the operand is computed by a cheap elementwise op (`cheap`: canonical values), which fusion duplicates
-    into the reshape: a buffer of its own for that dot. Per op: the indices of the operands it copies."""
+    into the reshape: a buffer of its own for that dot — but for a dot inside a library fusion (`library`: op
+    ids), which takes the reshape in and reads the operand's buffer. Per op: the indices of the operands it
+    copies."""
     out: list[tuple[int, ...]] = [()] * len(graph.ops)
     for op in graph.ops:
         if op.primitive not in _COPYING or not live[op.id] or len(op.inputs) < 2 or rewritten_dot(op, graph):
@@ -354,7 +357,7 @@ def dot_copies(graph: Graph, live: Sequence[bool], canon: Sequence[int], physica
             shape = graph.values[c].shape
             if tuple(d for d in physical.get(c, range(len(shape))) if shape[d] != 1) not in wanted:
                 copied.append(i)
-            elif c in cheap and op.primitive == "dot_general":
+            elif c in cheap and op.primitive == "dot_general" and op.id not in library:
                 (lc, rc), (lb, rb) = op.params["dimension_numbers"]
                 contract, batch = (lc, lb) if i == 0 else (rc, rb)
                 free = [d for d in range(len(shape)) if d not in contract and d not in batch]
@@ -1242,16 +1245,52 @@ def _sorts_one(graph: Graph, op: Any) -> bool:
     return not shape or math.prod(shape) == 0 or shape[op.params.get("dimension", len(shape) - 1)] <= 1
 
 
+# The identity element of a binary op: `x op e` is `x` (XLA's simplifier: A + 0, A - 0, A * 1, A / 1 => A).
+_IDENTITY_ELEMENT = {"add": 0, "add_any": 0, "sub": 0, "mul": 1, "div": 1}
+
+
+def _by_identity(graph: Graph, op: Any) -> bool:
+    """`x op e` with `e` a splat of the op's identity element (`splat_literal`) and `x` of the result's shape and
+    dtype: `x` (Flax's RMSNorm subtracts a mean of zeros). (`e op x` is `x` to XLA too; not modelled: the result
+    would be operand 1.)"""
+    if len(op.inputs) != 2 or len(op.outputs) != 1:
+        return False
+    x, out = graph.values[op.inputs[0]], graph.values[op.outputs[0]]
+    e = splat_literal(graph, op.inputs[1])
+    return (e is not None and e == _IDENTITY_ELEMENT[op.primitive] and tuple(x.shape) == tuple(out.shape)
+            and x.dtype == out.dtype)
+
+
 # Ops XLA's algebraic simplifier replaces by their operands whatever their shardings (result k is operand k's
-# value): per primitive, whether this op is one. Run after SPMD partitioning: the op's reshards run, but it
-# computes nothing, makes no buffer, and what it makes of a constant is that constant.
-PASS_THROUGH_RULES: dict[str, Callable[[Graph, Any], bool]] = {"sort": _sorts_one}
+# value; further operands are not read): per primitive, whether this op is one. Run after SPMD partitioning: the
+# op's reshards run, but it computes nothing, makes no buffer, and what it makes of a constant is that constant.
+PASS_THROUGH_RULES: dict[str, Callable[[Graph, Any], bool]] = {
+    "sort": _sorts_one, **{p: _by_identity for p in _IDENTITY_ELEMENT}}
+# Of those, the ones the lowering still binds: XLA drops them itself, and dropping them before it changes its
+# fusions (measured: a layer norm's gradient with a scale of ones, 25% more temporaries when the lowering
+# dropped the multiplies). The others (a sort) are their operands in the lowering too (`Lowering.passed_through`).
+BOUND_THROUGH = frozenset(_IDENTITY_ELEMENT)
 
 
 def passes_through(graph: Graph, op: Any) -> bool:
     """Whether XLA's simplifier replaces `op` by its operands (`PASS_THROUGH_RULES`)."""
     rule = PASS_THROUGH_RULES.get(op.primitive)
-    return rule is not None and len(op.inputs) == len(op.outputs) > 0 and rule(graph, op)
+    return rule is not None and 0 < len(op.outputs) <= len(op.inputs) and rule(graph, op)
+
+
+def splat_literal(graph: Graph, v: int) -> Any | None:
+    """The scalar literal value `v` holds in every element at compile time (a broadcast of a literal, through ops
+    that keep their operand's value, not into a loop's carry: `joined_values`), or None."""
+    joined = joined_values(graph)
+    for _ in range(64):  # (chains of broadcasts, hints and converts; bounded)
+        p = graph.values[v].producer
+        if p is None:
+            return graph.values[v].literal
+        op = graph.ops[p]
+        if v in joined or not op.inputs or not (op.primitive == "broadcast_in_dim" or op.primitive in _SAME_VALUE):
+            return None
+        v = op.inputs[0]
+    return None
 
 
 def joined_values(graph: Graph) -> frozenset[int]:
@@ -1277,7 +1316,7 @@ def is_zeros(graph: Graph, v: int) -> bool:
             return False
         op = graph.ops[p]
         if op.primitive == "broadcast_in_dim" and op.inputs:
-            return graph.values[op.inputs[0]].literal == 0
+            return splat_literal(graph, op.inputs[0]) == 0
         if op.primitive == "iota":
             return folds_to_constant(graph, op)  # (zeros along a dim of size 1)
         if op.primitive == "dynamic_update_slice" and len(op.inputs) > 1 \
@@ -1702,7 +1741,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                           and not expensive(graph.ops[p], graph, backend, constant) and not constant[c]
                           and duplicable(graph, graph.ops[p], canon, constant)
                           and not any(_moved_scatter(graph, canon, fused, u) for u in graph.ops[p].inputs))
-        copies = dot_copies(graph, live, canon, physical_orders(graph, canon), cheap)
+        copies = dot_copies(graph, live, canon, physical_orders(graph, canon), cheap, frozenset(library))
         copied = {canon[op.inputs[i]] for op in graph.ops for i in copies[op.id]} & cheap
 
         def into_copy(u: int, depth: int = 0) -> bool:

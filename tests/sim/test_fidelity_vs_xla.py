@@ -805,3 +805,45 @@ def test_peak_memory_of_a_tied_embedding_train_step(data_parallel):
     row = shardc.check(shardc.auto(step, mesh=shardc.make_mesh({"x": 8}), search=False), params, ids) \
         .row("peak memory bytes")
     assert abs(row.predicted - row.compiled) <= 0.02 * row.compiled, (row.predicted, row.compiled)
+
+
+class RmsDense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(x.shape[-1])(nn.RMSNorm()(x))
+
+
+@pytest.mark.parametrize("data_parallel", [False, True])
+def test_peak_memory_of_an_rmsnorm_train_step(data_parallel):
+    """Flax's RMSNorm subtracts a mean of zeros, which XLA's simplifier drops (`x - 0` is `x`: no buffer), and the
+    scale's gradient is a library fusion holding the input gradient's matmul, which reads its operands as they are
+    (no transposed copy of the output gradient). 27% and 20% over before."""
+    model = RmsDense()
+    x = jnp.ones((8, 128, 256))
+    params = model.init(jax.random.key(0), x)
+
+    def step(p, x):
+        value, g = jax.value_and_grad(lambda p: jnp.mean(model.apply(p, split(x, 0, "x") if data_parallel else x)
+                                                         ** 2))(p)
+        return value, jax.tree.map(lambda a, b: a - 0.01 * b, p, g)
+
+    row = shardc.check(shardc.auto(step, mesh=shardc.make_mesh({"x": 8}), search=False), params, x) \
+        .row("peak memory bytes")
+    assert abs(row.predicted - row.compiled) <= 0.02 * row.compiled, (row.predicted, row.compiled)
+
+
+@pytest.mark.parametrize("expr", ["x - 0", "x + 0", "x * 1", "x / 1"])
+def test_an_op_with_its_identity_element_is_its_operand(expr):
+    """XLA's algebraic simplifier replaces `x - 0`, `x + 0`, `x * 1`, `x / 1` (a splat of the literal, through
+    broadcasts) by `x`: no work, no buffer, the result is `x`'s (`PASS_THROUGH_RULES`); `x * 2` is work."""
+    from shardc.cost.program import program_info
+    from shardc.ir.build import build_graph
+
+    op, e = expr.split()[1], float(expr.split()[2])
+    fn = {"-": jnp.subtract, "+": jnp.add, "*": jnp.multiply, "/": jnp.divide}[op]
+    closed = jax.make_jaxpr(lambda x: (fn(jnp.tanh(x), jnp.full(x.shape, e)), fn(jnp.tanh(x), jnp.full(x.shape, 2.0))))(
+        jnp.ones((4, 8)))
+    graph = build_graph(closed)
+    info = program_info(graph, "cpu")
+    binary = [o for o in graph.ops if o.primitive in ("sub", "add", "mul", "div")]
+    assert [o.id in info.through for o in binary] == [True, False]
