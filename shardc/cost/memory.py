@@ -137,6 +137,7 @@ class MemoryModel:
         self._io_ids: frozenset[int] | None = None  # (`_io_values`)
         self._unused: frozenset[int] | None = None  # (`_unused_inputs`)
         self._merged: list[tuple[int, int]] = []  # per merged all-reduce: (bitmask of members, of their descendants)
+        self._merged_dsts: list[tuple[int, ...]] = []  # per merged all-reduce: the key ids of its members' results
         self._merged_of: Sequence[Any] | None = None  # the groups `_merged` is of
         self.order = info.order  # op -> its position in the compiled program's schedule
         self._op_at = [0] * self.n  # position -> op
@@ -1185,6 +1186,13 @@ class MemoryModel:
         for kid, o in self.out_keys.items():
             p = self.owner[kid][1]
             made[o] = min(made.get(o, p), p)
+        for (_, desc), dsts in zip(self._merged, self._merged_dsts):
+            # (an output computed from a merged all-reduce's result is made after it, whatever its op's order: an
+            # optimizer update reading a gradient the combiner merged with the last one)
+            at = max((self.buffers[d][0] for d in dsts if d in self.buffers), default=-1)
+            for o in made:
+                if desc >> self.info.canon[o] & 1:
+                    made[o] = max(made[o], at)
         end = 2 * self.n
         into = dict(self._donated_to)
         allocs = [(b, made.get(v, end), v, -1) for b, v in self._free_outs]  # (size, made, output, own input)
@@ -1195,6 +1203,9 @@ class MemoryModel:
         inplace = self._into_outputs(allocs)
         biggest = max(a[0] for a in allocs)
         ranges = self._buffer_ranges(max(a[1] for a in allocs), biggest, inplace, pairs)
+        if self._merged_dsts:  # (a merged all-reduce's results are elements of its tuple: XLA keeps them apart)
+            results = {d for dsts in self._merged_dsts for d in dsts}
+            ranges = [r for r in ranges if r[4] not in results]
         extra = [(-b, self._copy_post(p), a, e, -1 - p, -1, pairs.get(-1 - p)) for a, e, b, p in copies
                  if b <= biggest]
         extra += [(-b, post, a, e, i, -1, None) for a, e, b, i, post in self._state_copy_ranges() if b <= biggest]
@@ -1321,10 +1332,11 @@ class MemoryModel:
             return
         self._merged_of = groups
         desc = descendants(self.graph, self.info.canon) if groups else ()
-        self._merged = []
+        self._merged, self._merged_dsts = [], []
         for g in groups:
             members = [self.keys.key_list[self._slots[s].ars[e].src][0] for s, e in g.members]
             self._merged.append((sum(1 << c for c in set(members)), _union(desc[c] for c in members)))
+            self._merged_dsts.append(tuple(self._slots[s].ars[e].dst for s, e in g.members))
 
     def _orders_before(self, op: int, o: int) -> bool:
         """Whether XLA's dependency order puts op `op` before the making of value `o`: `o` is computed from its

@@ -847,3 +847,44 @@ def test_an_op_with_its_identity_element_is_its_operand(expr):
     info = program_info(graph, "cpu")
     binary = [o for o in graph.ops if o.primitive in ("sub", "add", "mul", "div")]
     assert [o.id in info.through for o in binary] == [True, False]
+
+
+class GluMlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        d = x.shape[-1]
+        return nn.Dense(d)(nn.silu(nn.Dense(2 * d)(x)) * nn.Dense(2 * d)(x))
+
+
+class PreNormBlock(nn.Module):
+    """A pre-LayerNorm Transformer block: fused-QKV self-attention and a GELU MLP, each with a residual."""
+
+    @nn.compact
+    def __call__(self, x):
+        b, t, d = x.shape
+        qkv = nn.Dense(3 * d)(nn.LayerNorm()(x)).reshape(b, t, 3, 8, d // 8)
+        s = jnp.einsum("bqhd,bkhd->bhqk", qkv[:, :, 0], qkv[:, :, 1]) / np.sqrt(d // 8)
+        o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), qkv[:, :, 2]).reshape(b, t, d)
+        h = x + nn.Dense(d)(o)
+        return h + nn.Dense(d)(nn.gelu(nn.Dense(4 * d)(nn.LayerNorm()(h))))
+
+
+@pytest.mark.parametrize("name,bound", [("glu", 0.02), ("block", 0.1)])
+def test_peak_memory_of_data_parallel_steps_with_merged_gradient_all_reduces(name, bound):
+    """Data-parallel, XLA merges the gradients' all-reduces into one, after the last gradient, and the optimizer
+    updates read its results: they run after it whatever their order in the program, so each weight's output
+    buffer is free until then and XLA keeps that weight's partial gradient there; the merged all-reduce's
+    results (elements of its tuple) are temporaries. The model made the outputs at the updates' program order:
+    the partial gradients were temporaries (the block 24% over; the GLU MLP 5.5% under once they were placed,
+    with the results in the outputs too)."""
+    model = GluMlp() if name == "glu" else PreNormBlock()
+    x = jnp.ones((8, 128, 256))
+    params = model.init(jax.random.key(0), x)
+
+    def step(p, x):
+        value, g = jax.value_and_grad(lambda p: jnp.mean(model.apply(p, split(x, 0, "x")) ** 2))(p)
+        return value, jax.tree.map(lambda a, b: a - 0.01 * b, p, g)
+
+    row = shardc.check(shardc.auto(step, mesh=shardc.make_mesh({"x": 8}), search=False), params, x) \
+        .row("peak memory bytes")
+    assert abs(row.predicted - row.compiled) <= bound * row.compiled, (row.predicted, row.compiled)
