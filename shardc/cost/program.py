@@ -45,7 +45,8 @@ from shardc.ir.graph import Graph
 
 __all__ = ["ProgramInfo", "program_info", "per_info", "descendants", "Merged", "merged", "liveness", "unread_operands",
            "unread_if_same", "read_values",
-           "SAME_OPERAND_RULES", "PASS_THROUGH_RULES", "BOUND_THROUGH", "passes_through", "splat_literal", "ALIASES", "reads_only_padding", "pad_of",
+           "SAME_OPERAND_RULES", "PASS_THROUGH_RULES", "BOUND_THROUGH", "passes_through", "splat_literal", "ALIASES",
+           "reads_only_padding", "pad_of",
            "broadcast_dims", "broadcast_transfer", "derived", "fusing_readers",
            "FUSIBLE", "FREE_PRIMITIVES", "PCG_COLLECTIVE"]
 
@@ -1697,13 +1698,14 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
         roots: set[int] = set()
         for v in op.outputs:
             users = _readers(graph, consumers, canon, v)
-            roots.update(root.get(u, u) for u in users)
+            into = {root.get(u, u) for u in users}
+            roots |= into
             if v in outputs or not users or v in results:
                 continue
             # Loop fusion takes a value into its readers when every one of them is an elementwise-like op or a
             # reduction outside a library fusion (which reads its operands from memory); an expensive value
             # only into one fusion (XLA duplicates cheap producers, not expensive ones).
-            one = len({root.get(u, u) for u in users}) == 1 and all(graph.ops[u].region == op.region for u in users)
+            one = len(into) == 1 and all(graph.ops[u].region == op.region for u in users)
             fused[v] = v in absorbed or (
                 all((fusible_on(graph.ops[u], graph, backend) or graph.ops[u].primitive in REDUCTIONS
                      or rewritten_dot(graph.ops[u], graph) == "reduce") and u not in library for u in users)
