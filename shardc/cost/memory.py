@@ -31,8 +31,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from shardc.cost.first_fit import FirstFit
-from shardc.cost.program import (CUMULATIVE, SAME_OPERAND_RULES, SCATTERS, ProgramInfo, conv_output_copied, derived,
-                                 descendants, gathered_order, outer_region, per_info, window_levels)
+from shardc.cost.program import (CUMULATIVE, SAME_OPERAND_RULES, ProgramInfo, conv_output_copied, derived,
+                                 descendants, gathered_order, outer_region, per_info, scatter_into_constant,
+                                 window_levels)
 
 __all__ = ["MemoryModel", "MemoryResult"]
 
@@ -138,6 +139,7 @@ class MemoryModel:
         self._unused: frozenset[int] | None = None  # (`_unused_inputs`)
         self._merged: list[tuple[int, int]] = []  # per merged all-reduce: (bitmask of members, of their descendants)
         self._merged_dsts: list[tuple[int, ...]] = []  # per merged all-reduce: the key ids of its members' results
+        self._merged_results: frozenset[int] = frozenset()  # all of those
         self._merged_of: Sequence[Any] | None = None  # the groups `_merged` is of
         self.order = info.order  # op -> its position in the compiled program's schedule
         self._op_at = [0] * self.n  # position -> op
@@ -313,7 +315,8 @@ class MemoryModel:
         start, b = (max(made, at - 1) if made <= at else max(at - 1, 0)), self._value_bytes(kid)
         if made <= at and self._read_late(kid):  # (a slice of its own, made where it is, read late: `_late`)
             start = made
-        if self._scatter_into_constant(self.owner[kid][0]) and self._made_by_op(kid, self.owner[kid][0]):
+        op = self.graph.ops[self.owner[kid][0]]
+        if scatter_into_constant(op, self.info.canon, self.info.constant) and self._made_by_op(kid, op.id):
             start = 0  # (a scatter XLA would move into the sum reading it but for this collective between them: it
             # writes into a broadcast of its constant operand, made at the start, `ProgramInfo.preset`)
         dot = self._transposed_product(kid, self.owner[kid][0])
@@ -323,12 +326,6 @@ class MemoryModel:
         self.diff[start] += b
         self.diff[at + 1] -= b
         self.ends_at.setdefault(at, set()).add(kid)
-
-    def _scatter_into_constant(self, op_id: int) -> bool:
-        """Whether op `op_id` is a top-level scatter into a compile-time constant operand."""
-        op, info = self.graph.ops[op_id], self.info
-        return (op.primitive in SCATTERS and not op.region and bool(op.inputs)
-                and info.constant[info.canon[op.inputs[0]]])
 
     def _computed(self, kid: int, depth: int = 0) -> bool:
         """Whether fused value key `kid` is computed (an op's fused result, or a local slice) rather than another
@@ -1203,9 +1200,8 @@ class MemoryModel:
         inplace = self._into_outputs(allocs)
         biggest = max(a[0] for a in allocs)
         ranges = self._buffer_ranges(max(a[1] for a in allocs), biggest, inplace, pairs)
-        if self._merged_dsts:  # (a merged all-reduce's results are elements of its tuple: XLA keeps them apart)
-            results = {d for dsts in self._merged_dsts for d in dsts}
-            ranges = [r for r in ranges if r[4] not in results]
+        if self._merged_results:  # (a merged all-reduce's results are elements of its tuple: XLA keeps them apart)
+            ranges = [r for r in ranges if r[4] not in self._merged_results]
         extra = [(-b, self._copy_post(p), a, e, -1 - p, -1, pairs.get(-1 - p)) for a, e, b, p in copies
                  if b <= biggest]
         extra += [(-b, post, a, e, i, -1, None) for a, e, b, i, post in self._state_copy_ranges() if b <= biggest]
@@ -1337,6 +1333,7 @@ class MemoryModel:
             members = [self.keys.key_list[self._slots[s].ars[e].src][0] for s, e in g.members]
             self._merged.append((sum(1 << c for c in set(members)), _union(desc[c] for c in members)))
             self._merged_dsts.append(tuple(self._slots[s].ars[e].dst for s, e in g.members))
+        self._merged_results = frozenset(d for dsts in self._merged_dsts for d in dsts)
 
     def _orders_before(self, op: int, o: int) -> bool:
         """Whether XLA's dependency order puts op `op` before the making of value `o`: `o` is computed from its

@@ -46,7 +46,7 @@ from shardc.ir.graph import Graph
 __all__ = ["ProgramInfo", "program_info", "per_info", "descendants", "Merged", "merged", "liveness", "unread_operands",
            "unread_if_same", "read_values",
            "SAME_OPERAND_RULES", "PASS_THROUGH_RULES", "BOUND_THROUGH", "passes_through", "splat_literal", "ALIASES",
-           "reads_only_padding", "pad_of",
+           "reads_only_padding", "pad_of", "scatter_into_constant",
            "broadcast_dims", "broadcast_transfer", "derived", "fusing_readers",
            "FUSIBLE", "FREE_PRIMITIVES", "PCG_COLLECTIVE"]
 
@@ -358,14 +358,20 @@ def dot_copies(graph: Graph, live: Sequence[bool], canon: Sequence[int], physica
             shape = graph.values[c].shape
             if tuple(d for d in physical.get(c, range(len(shape))) if shape[d] != 1) not in wanted:
                 copied.append(i)
-            elif c in cheap and op.primitive == "dot_general" and op.id not in library:
-                (lc, rc), (lb, rb) = op.params["dimension_numbers"]
-                contract, batch = (lc, lb) if i == 0 else (rc, rb)
-                free = [d for d in range(len(shape)) if d not in contract and d not in batch]
-                if any(sum(shape[d] != 1 for d in dims) > 1 for dims in (contract, batch, free)):
-                    copied.append(i)
+            elif c in cheap and op.primitive == "dot_general" and op.id not in library and _collapses(graph, op, i):
+                copied.append(i)
         out[op.id] = tuple(copied)
     return tuple(out)
+
+
+def _collapses(graph: Graph, dot: Any, i: int) -> bool:
+    """Whether the dot decomposition reshapes operand `i` of dot_general `dot`: one of its dim groups (batch,
+    contracting, free) holds more than one dim of more than one element."""
+    (lc, rc), (lb, rb) = dot.params["dimension_numbers"]
+    contract, batch = (lc, lb) if i == 0 else (rc, rb)
+    shape = graph.values[dot.inputs[i]].shape
+    free = [d for d in range(len(shape)) if d not in contract and d not in batch]
+    return any(sum(shape[d] != 1 for d in dims) > 1 for dims in (contract, batch, free))
 
 
 def _gemm_layout(perm: Sequence[int], batch: int, rows: int) -> bool:
@@ -584,22 +590,10 @@ def _read_collapsed(graph: Graph, canon: Sequence[int], consumers: Sequence[Sequ
     """Whether value `c` is read by dots only, each reading it with a group of its dims (batch, contracting or
     free) holding more than one dim of more than one element: the dot decomposition reshapes it ([batch, rows,
     contracting] / [batch, contracting, columns]) by a bitcast XLA fuses into what computes it."""
-    users = consumers[c]
-    if not users:
-        return False
-    for u in users:
-        op = graph.ops[u]
-        if op.primitive != "dot_general" or rewritten_dot(op, graph):
-            return False
-        (lc, rc), (lb, rb) = op.params["dimension_numbers"]
-        for i, (contract, batch) in enumerate(((lc, lb), (rc, rb))):
-            if canon[op.inputs[i]] != c:
-                continue
-            shape = graph.values[op.inputs[i]].shape
-            free = [d for d in range(len(shape)) if d not in contract and d not in batch]
-            if not any(sum(shape[d] != 1 for d in dims) > 1 for dims in (batch, contract, free)):
-                return False
-    return True
+    users = [graph.ops[u] for u in consumers[c]]
+    return bool(users) and all(
+        op.primitive == "dot_general" and not rewritten_dot(op, graph)
+        and all(_collapses(graph, op, i) for i in range(2) if canon[op.inputs[i]] == c) for op in users)
 
 
 def _reshaped_dot(graph: Graph, c: int) -> bool:
@@ -1114,7 +1108,7 @@ def _preset_state(graph: Graph, live: Sequence[bool], canon: Sequence[int], cons
     for op in graph.ops:
         if not live[op.id]:
             continue
-        if op.primitive in SCATTERS and not op.region and constant[canon[op.inputs[0]]] \
+        if scatter_into_constant(op, canon, constant) \
                 and not constant[canon[op.outputs[0]]] and not _scatter_into_sum(graph, op, canon, consumers):
             out.add(canon[op.outputs[0]])
         if op.region.count("/") != 1:
@@ -1126,6 +1120,12 @@ def _preset_state(graph: Graph, live: Sequence[bool], canon: Sequence[int], cons
             if start is not None and constant[canon[start]]:
                 out.add(canon[op.inputs[0]])
     return frozenset(out)
+
+
+def scatter_into_constant(op: Any, canon: Sequence[int], constant: Sequence[bool]) -> bool:
+    """Whether `op` is a top-level scatter into a compile-time constant operand: XLA makes a broadcast of the
+    constant at the program's start and scatters into it in place."""
+    return op.primitive in SCATTERS and not op.region and bool(op.inputs) and constant[canon[op.inputs[0]]]
 
 
 def _scatter_into_sum(graph: Graph, op: Any, canon: Sequence[int], consumers: list[list[int]]) -> bool:
