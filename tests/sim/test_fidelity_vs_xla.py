@@ -832,6 +832,29 @@ def test_peak_memory_of_an_rmsnorm_train_step(data_parallel):
     assert abs(row.predicted - row.compiled) <= 0.02 * row.compiled, (row.predicted, row.compiled)
 
 
+class GeluMlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(4 * x.shape[-1])(x)))
+
+
+def test_peak_memory_of_a_gelu_mlp_train_step():
+    """The output gradient both the input- and the weight-gradient matmuls read (each through a copy) is duplicated
+    by XLA into a fusion per reader, made consumers first: the input gradient's matmul runs first, while the hidden
+    activation the weight gradient reads is still live. 17% under before."""
+    model = GeluMlp()
+    x = jnp.ones((8, 128, 256))
+    params = model.init(jax.random.key(0), x)
+
+    def step(p, x):
+        value, g = jax.value_and_grad(lambda p: jnp.mean(model.apply(p, x) ** 2))(p)
+        return value, jax.tree.map(lambda a, b: a - 0.01 * b, p, g)
+
+    row = shardc.check(shardc.auto(step, mesh=shardc.make_mesh({"x": 8}), search=False), params, x) \
+        .row("peak memory bytes")
+    assert abs(row.predicted - row.compiled) <= 0.02 * row.compiled, (row.predicted, row.compiled)
+
+
 @pytest.mark.parametrize("expr", ["x - 0", "x + 0", "x * 1", "x / 1"])
 def test_an_op_with_its_identity_element_is_its_operand(expr):
     """XLA's algebraic simplifier replaces `x - 0`, `x + 0`, `x * 1`, `x / 1` (a splat of the literal, through
