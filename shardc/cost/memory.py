@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -49,6 +50,7 @@ _FUSED_INTO_RESULT_SLICES = frozenset({"dynamic_update_slice"})
 # N elements is 12 bytes per element of temporaries and an output buffer XLA puts one copy in, a dropout mask 16).
 _STATE_WORD = 4
 _STATE_COPIES = 2
+_COLOCATED = -math.inf  # (`FirstFit` order of a buffer colocated with an output: before the others of its size)
 _MIN_REUSE = 1024  # outputs smaller than this (a loss) are not worth looking for values to put in
 
 
@@ -97,6 +99,7 @@ class MemoryModel:
         self.graph = graph
         self.info = info
         self._first_fit = FirstFit()  # (in_outputs' placement, replayed from the previous call's)
+        self._colocated_keys: set[int] = set()  # key ids colocated with an output (`_colocated`)
         self._placing: tuple | None = None  # (limit, biggest, in place, pairs) `_buffer_ranges` last sorted for
         self._range_of: dict[int, tuple] = {}  # key id -> its range there
         self._sorted_ranges: list[tuple] = []
@@ -866,6 +869,8 @@ class MemoryModel:
         iteration, and writes its stacked outputs and the values it carries into buffers that exist from its first."""
         op = slot.op
         first, last = self.info.span[op]
+        if first != last and read and self._enters_loop_buffer(op, self.keys.key_list[kid][0]):
+            return 2 * self.order[first]  # (read once, entering the loop: its state's buffer is made from it)
         hoisted = self.info.hoisted.get(self.keys.key_list[kid][0])
         if first != last and hoisted is not None and hoisted[0] < self.info.trips[op]:
             # a loop-invariant value: XLA moves its reshards out of the loop (made before it: as soon as the
@@ -892,6 +897,27 @@ class MemoryModel:
         if not read and i == slot.at and self.keys.key_list[kid][0] in self.info.preset:
             return 0  # written in place into a buffer made at the start (`ProgramInfo.preset`)
         return 2 * self.order[op] + (i > slot.at)
+
+    def _enters_loop_buffer(self, op_id: int, c: int) -> bool:
+        """Whether op `op_id` reads canonical value `c` only as the initial state of a loop it is in (through an
+        `at="in"` tie), a state the loop keeps in a buffer of its own (`ProgramInfo.loop_buffer`): the body reads
+        that buffer, so `c` is read once, entering the loop."""
+        op = self.graph.ops[op_id]
+        regions = self._loop_inits.get(c)
+        if not regions or not any(op.region == r or op.region.startswith(r + "/") for r in regions):
+            return False
+        return op.primitive == "tie" or c not in {self.info.canon[v] for v in op.inputs}
+
+    @functools.cached_property
+    def _loop_inits(self) -> dict[int, tuple[str, ...]]:
+        """Canonical initial value -> the regions of the loops whose buffered state it initialises."""
+        out: dict[int, tuple[str, ...]] = {}
+        for op in self.graph.ops:
+            if (op.primitive == "tie" and op.params.get("at") == "in"
+                    and self.info.canon[op.outputs[0]] in self.info.loop_buffer):
+                c = self.info.canon[op.inputs[0]]
+                out[c] = out.get(c, ()) + (op.region,)
+        return out
 
     def _reads_of(self, slot: Any, late: Sequence[bool]) -> tuple[dict[int, int], dict[int, int]]:
         """The last position a slot reads each key at, and, for the keys its reads of which `until` extends, its
@@ -1190,6 +1216,9 @@ class MemoryModel:
             for o in made:
                 if desc >> self.info.canon[o] & 1:
                     made[o] = max(made[o], at)
+        loops = self._loop_outputs()
+        for j, o in loops.items():  # (the loop's result is made when the loop ends)
+            made[o] = max(made[o], self.buffers[j][1])
         end = 2 * self.n
         into = dict(self._donated_to)
         allocs = [(b, made.get(v, end), v, -1) for b, v in self._free_outs]  # (size, made, output, own input)
@@ -1197,7 +1226,8 @@ class MemoryModel:
         if not allocs:
             return None, set()
         allocs.sort(key=lambda x: x[0])
-        inplace = self._into_outputs(allocs)
+        self._colocated_keys = set()
+        inplace = self._into_outputs(allocs, self._colocated(loops, pairs))
         biggest = max(a[0] for a in allocs)
         ranges = self._buffer_ranges(max(a[1] for a in allocs), biggest, inplace, pairs)
         if self._merged_results:  # (a merged all-reduce's results are elements of its tuple: XLA keeps them apart)
@@ -1245,15 +1275,49 @@ class MemoryModel:
         s, e, b = buf
         if not ((e < limit or k in inplace) and b <= biggest):
             return None
-        return -b, self.info.post[self.owner[k][0]], s, e, k, inplace.get(k, -1), pairs.get(k)
+        # (XLA assigns colocated buffers first, each to its output's allocation: `_admitting`)
+        post = _COLOCATED if k in self._colocated_keys else self.info.post[self.owner[k][0]]
+        return -b, post, s, e, k, inplace.get(k, -1), pairs.get(k)
 
-    def _into_outputs(self, allocs: Sequence[tuple[int, int, int, int]]) -> dict[int, int]:
+    def _loop_outputs(self) -> dict[int, int]:
+        """Key id of a loop's buffer -> the output that is the loop's result in that layout (`ProgramInfo.loop_buffer`:
+        XLA colocates a while loop's buffer with its result, here an output's allocation)."""
+        if not self.info.loop_buffer:
+            return {}
+        by_value = {(self.keys.key_list[k][0], self.keys.key_list[k][1]): k for k in self.buffers}
+        out: dict[int, int] = {}
+        for k, o in self.out_keys.items():
+            body = self.info.loop_buffer.get(self.info.canon[o])
+            j = by_value.get((body, self.keys.key_list[k][1])) if body is not None else None
+            if j is not None and j not in out:
+                out[j] = o
+        return out
+
+    def _colocated(self, loops: Mapping[int, int], pairs: Mapping[int, int]) -> dict[int, int]:
+        """`loops` (`_loop_outputs`), and the initial value each of those loops' buffers is written over entering
+        the loop (`pairs`): key id -> the output whose allocation holds it (XLA colocates a while loop's operand,
+        buffer and result)."""
+        out = dict(loops)
+        for j, o in loops.items():
+            init = pairs.get(j)
+            if init is not None and init not in out and self.buffers[init][2] == self.buffers[j][2]:
+                out[init] = o
+        return out
+
+    def _into_outputs(self, allocs: Sequence[tuple[int, int, int, int]], colocated: Mapping[int, int]
+                      ) -> dict[int, int]:
         """Key id -> the allocation (index in `allocs`: (size, made, output, own input)) whose output is written
         over its buffer in place: the key dies where the output is made, by an op that may write its result
-        over it (`_shares_of`), with the output's layout and size."""
+        over it (`_shares_of`), with the output's layout and size; or it is colocated with the output (`colocated`:
+        key id -> output, `_colocated`; those are noted in `_colocated_keys`)."""
         index = {o: i for i, (_, _, o, _) in enumerate(allocs)}
         keys = self.keys.key_list
         out: dict[int, int] = {}
+        for j, o in colocated.items():  # (the output is the buffer the loop keeps it in)
+            i = index.get(o)
+            if i is not None and self.buffers[j][2] == allocs[i][0]:
+                out[j] = i
+                self._colocated_keys.add(j)
         for pairs in self.shares.values():
             for k, cands in pairs:
                 i = index.get(self.out_keys.get(k, -1))
@@ -1434,7 +1498,9 @@ def _admitting(allocs: Sequence[tuple[int, int, int, int]]) -> Callable[[tuple],
     left, right = bisect.bisect_left, bisect.bisect_right
 
     def admits(r: tuple) -> int:
-        neg_b, _, _, e, k, mine, _ = r
+        neg_b, post, _, e, k, mine, _ = r
+        if post == _COLOCATED:
+            return 1 << mine
         ok = after[right(made_at, e)] | (1 << mine if mine >= 0 else 0)
         fits = left(sizes, -neg_b)
         ok = ok >> fits << fits

@@ -130,6 +130,13 @@ def fusible_on(op: Any, graph: Graph, backend: str) -> bool:
     return fusible(op, graph) and not unfused_concatenate(op, graph, backend)
 
 
+def _fused_into_readers(op: Any, backend: str) -> bool:
+    """Whether XLA:CPU's loop fusion takes `op`'s result into its readers though it fuses nothing into `op`: a
+    dynamic_slice at a start known only at run time (a loop body's `x[i]`; CanBeLoopFused, measured: the slice
+    is read inside its reader's fusion, no buffer)."""
+    return backend == "cpu" and op.primitive == "dynamic_slice"
+
+
 # Ops that, when they only add, drop or move unit dims of their local operand (or reduce over unit dims),
 # keep its bytes in order: XLA makes them bitcasts (`ShapeUtil::ReshapeIsBitcast`/`TransposeIsBitcast`, the
 # algebraic simplifier's degenerate-dim rewrites), whatever the layouts.
@@ -208,6 +215,7 @@ class ProgramInfo:
     copy_owner: frozenset[tuple[int, int]] = frozenset()  # (op, operand) whose copy is counted (`last_copies`)
     cheap: frozenset[int] = frozenset()  # (XLA:CPU) canonical values of cheap elementwise work fusion recomputes
     inplace: tuple[tuple[int, ...], ...] = ()  # per op (XLA:CPU): canonical values it may write its result over
+    loop_buffer: Mapping[int, int] = dataclasses.field(default_factory=dict)  # loop state/result -> its buffer's value
     out_alias: tuple[tuple[int, int], ...] = ()  # (value, output) pairs: a hint makes the output of the value
     recompute: frozenset[tuple[int, int]] = frozenset()  # (op, canonical cheap value it recomputes, not reads)
     fusing: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # fused canonical value (or
@@ -525,10 +533,45 @@ def duplicable(graph: Graph, op: Any, canon: Sequence[int], constant: Sequence[b
 _ELEMENTWISE_OPS = frozenset(ELEMENTWISE) | frozenset(TRANSCENDENTAL) | {"integer_pow"}
 
 
+def loop_buffers(graph: Graph, live: Sequence[bool], canon: Sequence[int], fused: Sequence[bool]) -> dict[int, int]:
+    """Canonical value of a loop's state or result -> the canonical body value whose buffer holds it: XLA keeps a
+    while loop's state in one buffer, which the body's new state (a carry `tie`'s operand) is written into and the
+    loop's result (an `at="out"` tie of the state) is. Only where that body value is materialised with the state's
+    shape and dtype."""
+    state: dict[int, int] = {}
+    for op in graph.ops:
+        if op.primitive == "tie" and op.region.startswith("/") and "at" not in op.params and live[op.id]:
+            body, s = canon[op.inputs[0]], canon[op.outputs[0]]
+            vb, vs = graph.values[body], graph.values[s]
+            if not fused[body] and vb.shape == vs.shape and vb.dtype == vs.dtype:
+                state[s] = body
+    out = dict(state)
+    for op in graph.ops:
+        if op.primitive == "tie" and op.params.get("at") == "out" and canon[op.inputs[0]] in state:
+            out[canon[op.outputs[0]]] = state[canon[op.inputs[0]]]
+    return out
+
+
+def _with_loop_inits(graph: Graph, canon: Sequence[int], fused: Sequence[bool], loops: Mapping[int, int],
+                     inplace: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    """`inplace` with each loop's initial state added to what the op making its body's new state may write over:
+    the loop's buffer is the initial value's when that value dies entering the loop (XLA colocates a while loop's
+    operand, body and result)."""
+    out = list(inplace)
+    for op in graph.ops:
+        if op.primitive == "tie" and op.params.get("at") == "in":
+            init, body = canon[op.inputs[0]], loops.get(canon[op.outputs[0]])
+            p = graph.values[body].producer if body is not None else None
+            if p is not None and not fused[init] and init not in out[p]:
+                out[p] = out[p] + (init,)
+    return tuple(out)
+
+
 def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], fused: Sequence[bool],
                      loop: Sequence[bool], recompute: frozenset[tuple[int, int]] = frozenset(),
                      transposed: Mapping[int, int] | None = None, limit: int = 64,
-                     consumers: Sequence[Sequence[int]] | None = None) -> tuple[tuple[int, ...], ...]:
+                     consumers: Sequence[Sequence[int]] | None = None, loops: Mapping[int, int] | None = None
+                     ) -> tuple[tuple[int, ...], ...]:
     """Per op, the materialised values whose buffer XLA may give the op's result: XLA's buffer assignment lets an
     instruction's result take the buffer of an operand that dies there when they have one shape
     (HloDataflowAnalysis::CanShareOperandBufferWithUser); for a loop fusion, when everything the fusion computes
@@ -544,7 +587,7 @@ def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], f
     collapsed (`_read_collapsed`), is written in the collapsed shape (the dot decomposition's bitcast is the
     fusion's root): it takes no operand's buffer. A dynamic_update_slice writes its result over its operand (a
     reshard's result the update reads, say: the program's output then holds it), and a sort its sorted keys over
-    the keys."""
+    the keys. A loop's result or state it reads is the buffer the loop keeps it in (`loops`: `loop_buffers`)."""
     out: list[tuple[int, ...]] = [()] * len(graph.ops)
     for op in graph.ops:
         if op.primitive == "dynamic_update_slice" and live[op.id] and not fused[canon[op.outputs[0]]]:
@@ -575,6 +618,9 @@ def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], f
                 if (fused[c] and p is not None and transposed and graph.ops[p].primitive == "transpose"
                         and transposed.get(canon[graph.ops[p].inputs[0]]) == p):
                     (ok if good else bad).add(canon[graph.ops[p].inputs[0]])  # (the dot's buffer, transposed)
+                    continue
+                if loops and fused[c] and c in loops:
+                    (ok if good else bad).add(loops[c])  # (the loop's buffer)
                     continue
                 if (fused[c] or (o.id, c) in recompute) and p is not None:
                     stack.append((graph.ops[p], good and graph.ops[p].primitive in _ELEMENTWISE_OPS))
@@ -1706,7 +1752,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     # walks consumers before producers: an op whose readers are all in one fusion by then has one user)
     root: dict[int, int] = {}
     for op in reversed(graph.ops):
-        if not fusible_on(op, graph, backend) or not live[op.id]:
+        if not (fusible_on(op, graph, backend) or _fused_into_readers(op, backend)) or not live[op.id]:
             continue
         roots: set[int] = set()
         for v in op.outputs:
@@ -1775,6 +1821,10 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                 dup[c] = fusing
     fusing = fusing_readers(graph, live, canon, fused, consumers, dup)
     until = _fused_reads(graph, live, canon, fused, fusing, order, dup)
+    loops = loop_buffers(graph, live, canon, fused) if backend == "cpu" else {}
+    if loops:  # (a loop's initial state is read entering it: the loop's buffer holds what is computed from it)
+        until = tuple(() if op.primitive == "tie" and op.params.get("at") == "in" and canon[op.outputs[0]] in loops
+                      else until[op.id] for op in graph.ops)
     recompute = frozenset((u, c) for c, us in dup.items() for u in us)
 
     strided = strided_readers(graph, live, canon, fused, consumers, loop) if backend == "cpu" else {}
@@ -1789,8 +1839,10 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                         and outer_region(graph.ops[graph.values[c].producer]) == outer_region(op))
     preset = _preset_state(graph, live, canon, constant, carried) if backend == "cpu" else frozenset()
     transposed = transposed_dots(graph, live, canon, consumers) if backend == "cpu" else {}
-    inplace = (inplace_operands(graph, live, canon, fused, loop, recompute, transposed, consumers=consumers)
-               if backend == "cpu" else ())
+    inplace = (inplace_operands(graph, live, canon, fused, loop, recompute, transposed, consumers=consumers,
+                                loops=loops) if backend == "cpu" else ())
+    if loops:
+        inplace = _with_loop_inits(graph, canon, fused, loops, inplace)
     return ProgramInfo(tuple(live), tuple(constant), tuple(canon), tuple(duplicate), tuple(fused),
                        tuple(trips), tuple(order), pkeys, until, span=_spans(graph, live, order),
                        carried=carried, loop=loop, library=frozenset(library), backend=backend, preset=preset,
@@ -1800,7 +1852,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                        through=cse.through,
                        post=tuple(post),
                        copies=copies, copy_owner=last_copies(graph, canon, copies, order), cheap=cheap,
-                       bitcast=bitcast, inplace=inplace, out_alias=output_aliases(graph, live, canon, constant),
+                       bitcast=bitcast, inplace=inplace, loop_buffer=loops, out_alias=output_aliases(graph, live, canon, constant),
                        recompute=recompute if backend == "cpu" else frozenset(), fusing=fusing, strided=strided,
                        read_fused=reads_fused(graph, canon, fused), batch=tuple(batch),
                        first_reader=_first_readers(graph, live, order, fused, constant, canon, consumers)

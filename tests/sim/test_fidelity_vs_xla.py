@@ -855,6 +855,36 @@ def test_peak_memory_of_a_gelu_mlp_train_step():
     assert abs(row.predicted - row.compiled) <= 0.02 * row.compiled, (row.predicted, row.compiled)
 
 
+def _sin_loop(n: int, init: jax.Array) -> jax.Array:
+    return jax.lax.fori_loop(0, n, lambda i, c: 0.9 * c + 0.1 * jnp.sin(c), init)
+
+
+LOOP_PROGRAMS = {
+    "result is the output": lambda x: _sin_loop(2, x),
+    "one trip": lambda x: 2.0 * _sin_loop(1, x),
+    "output computed in place from the result": lambda x: jnp.tanh(_sin_loop(2, x)),
+    "initial value computed": lambda x: 2.0 * _sin_loop(2, jnp.cos(x)),
+    "while loop": lambda x: jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (jnp.sin(c[0]), c[1] + 1), (x, 0))[0],
+    "accumulator of slices": lambda x: jax.lax.fori_loop(0, 4, lambda i, c: c + jnp.tanh(x[i]),
+                                                         jnp.zeros_like(x[0])),
+    "two carries": lambda x: jax.lax.fori_loop(0, 4, lambda i, c: (c[0] + jnp.tanh(x[i]), c[1] * 0.5 + x[i]),
+                                               (jnp.zeros_like(x[0]), x[0])),
+    "scan carry": lambda x: jax.lax.scan(lambda c, r: (c * 0.5 + r, jnp.sin(c)), x[0], x)[0],
+}
+
+
+@pytest.mark.parametrize("name", list(LOOP_PROGRAMS))
+def test_peak_memory_of_a_loop_whose_state_is_an_output(name):
+    """XLA keeps a while loop's state in one buffer, colocated with its initial value (when that dies entering the
+    loop) and with its result: where the result is an output, or an output is computed in place from it, the state
+    lives in the output's allocation, no temporary. A run-time `x[i]` in the body is fused into its reader. 1.1-2x
+    over before."""
+    fn = LOOP_PROGRAMS[name]
+    x = jnp.ones((8, 256, 256))
+    row = shardc.check(shardc.auto(fn, mesh=shardc.make_mesh({"x": 8}), search=False), x).row("peak memory bytes")
+    assert abs(row.predicted - row.compiled) <= 0.02 * row.compiled, (row.predicted, row.compiled)
+
+
 @pytest.mark.parametrize("expr", ["x - 0", "x + 0", "x * 1", "x / 1"])
 def test_an_op_with_its_identity_element_is_its_operand(expr):
     """XLA's algebraic simplifier replaces `x - 0`, `x + 0`, `x * 1`, `x / 1` (a splat of the literal, through
