@@ -99,7 +99,7 @@ class MemoryModel:
         self.graph = graph
         self.info = info
         self._first_fit = FirstFit()  # (in_outputs' placement, replayed from the previous call's)
-        self._colocated_keys: set[int] = set()  # key ids colocated with an output (`_colocated`)
+        self._colocated_keys: set[int] = set()  # key ids colocated with an output (`_into_outputs`)
         self._placing: tuple | None = None  # (limit, biggest, in place, pairs) `_buffer_ranges` last sorted for
         self._range_of: dict[int, tuple] = {}  # key id -> its range there
         self._sorted_ranges: list[tuple] = []
@@ -232,7 +232,12 @@ class MemoryModel:
         """Whether XLA:CPU's all-reduce of value `c` (a merged all-reduce's member) writes its result into the
         operand's buffer: it does unless an output computed from it is written into a donated input's buffer
         (measured on SGD and Adam steps of an MLP, data-parallel and Megatron: with no input donated each
-        gradient's all-reduce is in place, and each donated weight adds one gradient-sized temporary)."""
+        gradient's all-reduce is in place, and each donated weight adds one gradient-sized temporary). Inside a loop
+        body it is not (measured: the merged all-reduce of a data-parallel gradient accumulation, and of a scanned
+        model's backward loop, has its operands and its results live at once)."""
+        p = self.graph.values[c].producer
+        if p is not None and self.graph.ops[p].region.startswith("/"):
+            return False
         if not self._donated_outputs:
             return True
         desc = descendants(self.graph, self.info.canon)[c]
@@ -1227,7 +1232,7 @@ class MemoryModel:
             return None, set()
         allocs.sort(key=lambda x: x[0])
         self._colocated_keys = set()
-        inplace = self._into_outputs(allocs, self._colocated(loops, pairs))
+        inplace = self._into_outputs(allocs, loops, pairs)
         biggest = max(a[0] for a in allocs)
         ranges = self._buffer_ranges(max(a[1] for a in allocs), biggest, inplace, pairs)
         if self._merged_results:  # (a merged all-reduce's results are elements of its tuple: XLA keeps them apart)
@@ -1284,7 +1289,8 @@ class MemoryModel:
         XLA colocates a while loop's buffer with its result, here an output's allocation)."""
         if not self.info.loop_buffer:
             return {}
-        by_value = {(self.keys.key_list[k][0], self.keys.key_list[k][1]): k for k in self.buffers}
+        by_value = {(self.keys.key_list[k][0], self.keys.key_list[k][1]): k for k in self.buffers
+                    if self._made_by_op(k, self.owner[k][0])}  # (the body's own buffer, not a reshard of it)
         out: dict[int, int] = {}
         for k, o in self.out_keys.items():
             body = self.info.loop_buffer.get(self.info.canon[o])
@@ -1293,33 +1299,23 @@ class MemoryModel:
                 out[j] = o
         return out
 
-    def _colocated(self, loops: Mapping[int, int], pairs: Mapping[int, int]) -> dict[int, int]:
-        """`loops` (`_loop_outputs`), and the initial value each of those loops' buffers is written over entering
-        the loop (`pairs`): key id -> the output whose allocation holds it (XLA colocates a while loop's operand,
-        buffer and result)."""
-        out = dict(loops)
-        for j, o in loops.items():
-            init = pairs.get(j)
-            if init is not None and init not in out and self.buffers[init][2] == self.buffers[j][2]:
-                out[init] = o
-        return out
-
-    def _into_outputs(self, allocs: Sequence[tuple[int, int, int, int]], colocated: Mapping[int, int]
-                      ) -> dict[int, int]:
+    def _into_outputs(self, allocs: Sequence[tuple[int, int, int, int]], loops: Mapping[int, int],
+                      pairs: Mapping[int, int]) -> dict[int, int]:
         """Key id -> the allocation (index in `allocs`: (size, made, output, own input)) whose output is written
         over its buffer in place: the key dies where the output is made, by an op that may write its result
-        over it (`_shares_of`), with the output's layout and size; or it is colocated with the output (`colocated`:
-        key id -> output, `_colocated`; those are noted in `_colocated_keys`)."""
+        over it (`_shares_of`), with the output's layout and size; or it is a loop's buffer that is the output
+        (`loops`: key id -> output, `_loop_outputs`). XLA colocates a while loop's operand, buffer and result, and
+        assigns such a set before other values: a loop's buffer in an output's allocation holds the loop's initial
+        value too where the buffer is written over it (`pairs`); those keys are noted in `_colocated_keys`."""
         index = {o: i for i, (_, _, o, _) in enumerate(allocs)}
         keys = self.keys.key_list
         out: dict[int, int] = {}
-        for j, o in colocated.items():  # (the output is the buffer the loop keeps it in)
+        for j, o in loops.items():
             i = index.get(o)
             if i is not None and self.buffers[j][2] == allocs[i][0]:
                 out[j] = i
-                self._colocated_keys.add(j)
-        for pairs in self.shares.values():
-            for k, cands in pairs:
+        for shares in self.shares.values():
+            for k, cands in shares:
                 i = index.get(self.out_keys.get(k, -1))
                 if i is None:
                     continue
@@ -1329,6 +1325,14 @@ class MemoryModel:
                             and keys[j][1] == keys[k][1]):
                         out[j] = i
                         break
+        bodies = set(self.info.loop_buffer.values())
+        for j, i in list(out.items()):
+            if keys[j][0] in bodies and self._made_by_op(j, self.graph.values[keys[j][0]].producer):
+                self._colocated_keys.add(j)
+                init = pairs.get(j)
+                if init is not None and init not in out and self.buffers[init][2] == self.buffers[j][2]:
+                    out[init] = i
+                    self._colocated_keys.add(init)
         return out
 
     def live(self) -> np.ndarray:

@@ -885,6 +885,61 @@ def test_peak_memory_of_a_loop_whose_state_is_an_output(name):
     assert abs(row.predicted - row.compiled) <= 0.02 * row.compiled, (row.predicted, row.compiled)
 
 
+class PreNormMlpBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return x + GeluMlp()(nn.LayerNorm()(x)), None
+
+
+class ScannedBlocks(nn.Module):
+    """Four pre-norm MLP blocks under `nn.scan` (the MaxText way to write a deep model)."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.scan(PreNormMlpBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=4)()(x, None)[0]
+
+
+def _accumulating_step(model: nn.Module, loop: str, data_parallel: bool):
+    """SGD on gradients accumulated over the leading dim of the batch (4 micro-batches) by `fori_loop` or `scan`."""
+    def loss(p, x):
+        return jnp.mean(model.apply(p, x) ** 2)
+
+    def step(p, xs):
+        xs = split(xs, 1, "x") if data_parallel else xs
+        zeros = jax.tree.map(jnp.zeros_like, p)
+        if loop == "fori":
+            g = jax.lax.fori_loop(0, 4, lambda i, acc: jax.tree.map(jnp.add, acc, jax.grad(loss)(p, xs[i])), zeros)
+        else:
+            g = jax.lax.scan(lambda acc, x: (jax.tree.map(jnp.add, acc, jax.grad(loss)(p, x)), None), zeros, xs)[0]
+        return jax.tree.map(lambda a, b: a - 0.01 * b / 4, p, g)
+
+    return step
+
+
+@pytest.mark.parametrize("data_parallel", [False, True])
+@pytest.mark.parametrize("program", ["accumulate by fori_loop", "accumulate by scan", "scanned blocks"])
+def test_peak_memory_of_loop_bodies_scheduled_breadth_first(program, data_parallel):
+    """XLA schedules a loop body as it does the program, breadth first (its input gradient's matmul before its weight
+    gradient's, an accumulator's add as soon as its gradient exists); a gradient accumulator is the loop's buffer,
+    in the allocation of the parameter it updates in place; a merged all-reduce flowing into a loop's state has its
+    operands and results live at once. Scanned blocks were 13% over, the replicated scan accumulation 6% under."""
+    if program == "scanned blocks":
+        model, x = ScannedBlocks(), jnp.ones((8, 128, 256))
+        params = model.init(jax.random.key(0), x)
+
+        def step(p, x):
+            x = split(x, 0, "x") if data_parallel else x
+            value, g = jax.value_and_grad(lambda p: jnp.mean(model.apply(p, x) ** 2))(p)
+            return value, jax.tree.map(lambda a, b: a - 0.01 * b, p, g)
+    else:
+        model, x = GeluMlp(), jnp.ones((4, 8, 64, 256))
+        params = model.init(jax.random.key(0), x[0])
+        step = _accumulating_step(model, program.split()[-1].replace("_loop", ""), data_parallel)
+    row = shardc.check(shardc.auto(step, mesh=shardc.make_mesh({"x": 8}), search=False), params, x) \
+        .row("peak memory bytes")
+    assert abs(row.predicted - row.compiled) <= 0.04 * row.compiled, (row.predicted, row.compiled)
+
+
 @pytest.mark.parametrize("expr", ["x - 0", "x + 0", "x * 1", "x / 1"])
 def test_an_op_with_its_identity_element_is_its_operand(expr):
     """XLA's algebraic simplifier replaces `x - 0`, `x + 0`, `x * 1`, `x / 1` (a splat of the literal, through
