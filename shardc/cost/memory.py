@@ -100,6 +100,7 @@ class MemoryModel:
         self.info = info
         self._first_fit = FirstFit()  # (in_outputs' placement, replayed from the previous call's)
         self._colocated_keys: set[int] = set()  # key ids colocated with an output (`_into_outputs`)
+        self._region_spans: dict[str, tuple[int, int]] = {}  # (`_region_span`)
         self._placing: tuple | None = None  # (limit, biggest, in place, pairs) `_buffer_ranges` last sorted for
         self._range_of: dict[int, tuple] = {}  # key id -> its range there
         self._sorted_ranges: list[tuple] = []
@@ -190,7 +191,7 @@ class MemoryModel:
             self.out_keys[kid] = o
             return  # counted with the arguments / outputs (other layouts of them are temporaries)
         b = 0 if owner[2] or self._into_result_slice(kid, owner[0]) or self._written_transposed(kid, owner[0]) \
-            else self._bytes(kid)
+            or (c in self.info.nested_buffers and self._made_by_op(kid, owner[0])) else self._bytes(kid)
         if b == 0:
             self._set_operand(kid, owner[1])
             return
@@ -876,6 +877,11 @@ class MemoryModel:
         first, last = self.info.span[op]
         if first != last and read and self._enters_loop_buffer(op, self.keys.key_list[kid][0]):
             return 2 * self.order[first]  # (read once, entering the loop: its state's buffer is made from it)
+        c = self.keys.key_list[kid][0]
+        if first != last and c in self.info.hoisted_work:
+            # (computed before its loop by loop-invariant code motion, a loop operand: alive through the loop)
+            lo, hi = self._region_span(self.graph.ops[self.graph.values[c].producer].region)
+            return 2 * self.order[hi] + 1 if read else 2 * self.order[lo]
         hoisted = self.info.hoisted.get(self.keys.key_list[kid][0])
         if first != last and hoisted is not None and hoisted[0] < self.info.trips[op]:
             # a loop-invariant value: XLA moves its reshards out of the loop (made before it: as soon as the
@@ -902,6 +908,16 @@ class MemoryModel:
         if not read and i == slot.at and self.keys.key_list[kid][0] in self.info.preset:
             return 0  # written in place into a buffer made at the start (`ProgramInfo.preset`)
         return 2 * self.order[op] + (i > slot.at)
+
+    def _region_span(self, region: str) -> tuple[int, int]:
+        """The first and last live op of loop or branch region `region` (nested ones in it included), in `order`."""
+        span = self._region_spans.get(region)
+        if span is None:
+            ops = [op.id for op in self.graph.ops if self.info.live[op.id]
+                   and (op.region == region or op.region.startswith(region + "/"))]
+            span = self._region_spans[region] = (min(ops, key=self.order.__getitem__),
+                                                  max(ops, key=self.order.__getitem__))
+        return span
 
     def _enters_loop_buffer(self, op_id: int, c: int) -> bool:
         """Whether op `op_id` reads canonical value `c` only as the initial state of a loop it is in (through an
@@ -1169,7 +1185,16 @@ class MemoryModel:
         self.fresh_outs = tuple(fresh)
         canon = self.info.canon
         self._free_outs = sorted((nbytes(v), canon[v]) for v in set(g.outputs) - aliased
-                                 if canon[v] not in self._inputs and nbytes(v) >= _MIN_REUSE)
+                                 if canon[v] not in self._inputs and (nbytes(v) >= _MIN_REUSE or self._holds_loop(v)))
+
+    def _holds_loop(self, v: int) -> bool:
+        """Whether output `v` is a loop's result, or is computed in place from one: its allocation is the loop's
+        buffer whatever its size (colocated, not reused: `_into_outputs`)."""
+        c = self.info.canon[v]
+        p = self.graph.values[c].producer
+        bodies = set(self.info.loop_buffer.values())
+        return c in self.info.loop_buffer or (p is not None and bool(self.info.inplace)
+                                              and any(b in bodies for b in self.info.inplace[p]))
 
     def _unused_inputs(self) -> frozenset[int]:
         """The arguments nothing computing an output reads: `jax.jit` (keep_unused=False) prunes them from the

@@ -130,11 +130,57 @@ def fusible_on(op: Any, graph: Graph, backend: str) -> bool:
     return fusible(op, graph) and not unfused_concatenate(op, graph, backend)
 
 
-def _fused_into_readers(op: Any, backend: str) -> bool:
+def _fused_into_readers(op: Any, backend: str, invariant: Collection[int] = frozenset()) -> bool:
     """Whether XLA:CPU's loop fusion takes `op`'s result into its readers though it fuses nothing into `op`: a
     dynamic_slice at a start known only at run time (a loop body's `x[i]`; CanBeLoopFused, measured: the slice
-    is read inside its reader's fusion, no buffer)."""
-    return backend == "cpu" and op.primitive == "dynamic_slice"
+    is read inside its reader's fusion, no buffer) — unless it is invariant in its loop (`invariant`: value ids;
+    loop-invariant code motion takes it out, a loop operand: an outer loop's `x[i]` read in an inner loop)."""
+    return backend == "cpu" and op.primitive == "dynamic_slice" and not any(v in invariant for v in op.outputs)
+
+
+def _loop_invariant(graph: Graph, canon: Sequence[int], constant: Sequence[bool], entering: Collection[int]
+                    ) -> frozenset[int]:
+    """Canonical values computed inside a loop body from values invariant in it only (`entering`: what enters a
+    loop unchanged by its iterations, `_invariant_trips`'s keys; compile-time constants)."""
+    out = set(entering)
+    for op in graph.ops:  # (program order: operands first)
+        if op.region.startswith("/") and op.primitive != "tie" and op.inputs and op.outputs \
+                and all(canon[v] in out or constant[canon[v]] for v in op.inputs):
+            out.update(canon[v] for v in op.outputs)
+    return frozenset(out)
+
+
+# Ops XLA's loop-invariant code motion does not take out of a loop for their own sake (NotWorthHoistingIndividually):
+# moving data or making it, they are cheaper recomputed than carried; they leave with work that reads them.
+_NOT_WORTH_HOISTING = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "slice",
+                                 "rev", "iota", "convert_element_type", "copy", "copy_p"}) | FREE_PRIMITIVES
+
+
+def hoisted_work(graph: Graph, live: Sequence[bool], canon: Sequence[int], consumers: Sequence[Sequence[int]],
+                 invariant: Collection[int], entering: Collection[int]) -> frozenset[int]:
+    """Canonical values a loop body computes from loop-invariant values only (`invariant`, `_loop_invariant`; not
+    those entering the loop, `entering`) that work of the body reads: XLA's loop-invariant code motion computes
+    them before the loop, and the loop carries them as operands — materialised, alive through the loop. Moving
+    data (`_NOT_WORTH_HOISTING`) is not hoisted for its own sake: it is the work it moves that is materialised."""
+    def read_by_varying(c: int, depth: int = 0) -> bool:
+        """Whether work that is not invariant reads `c`, directly or through data movement."""
+        for u in consumers[c]:
+            op = graph.ops[u]
+            outs = [canon[w] for w in op.outputs]
+            if any(w not in invariant for w in outs):
+                return True
+            if op.primitive in _NOT_WORTH_HOISTING and depth < 8 and any(read_by_varying(w, depth + 1) for w in outs):
+                return True
+        return False
+
+    out = set()
+    for op in graph.ops:  # (in a loop's body: a branch is no loop)
+        if live[op.id] and op.region.rsplit("/", 1)[-1].startswith(("scan", "while")) and op.outputs \
+                and op.primitive not in _NOT_WORTH_HOISTING:
+            c = canon[op.outputs[0]]
+            if c in invariant and c not in entering and read_by_varying(c):
+                out.add(c)
+    return frozenset(out)
 
 
 # Ops that, when they only add, drop or move unit dims of their local operand (or reduce over unit dims),
@@ -216,6 +262,8 @@ class ProgramInfo:
     cheap: frozenset[int] = frozenset()  # (XLA:CPU) canonical values of cheap elementwise work fusion recomputes
     inplace: tuple[tuple[int, ...], ...] = ()  # per op (XLA:CPU): canonical values it may write its result over
     loop_buffer: Mapping[int, int] = dataclasses.field(default_factory=dict)  # loop state/result -> its buffer's value
+    nested_buffers: frozenset[int] = frozenset()  # inner loops' body values in their enclosing loop's buffer
+    hoisted_work: frozenset[int] = frozenset()  # (XLA:CPU) invariant body values computed before their loop
     out_alias: tuple[tuple[int, int], ...] = ()  # (value, output) pairs: a hint makes the output of the value
     recompute: frozenset[tuple[int, int]] = frozenset()  # (op, canonical cheap value it recomputes, not reads)
     fusing: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # fused canonical value (or
@@ -536,20 +584,41 @@ _ELEMENTWISE_OPS = frozenset(ELEMENTWISE) | frozenset(TRANSCENDENTAL) | {"intege
 def loop_buffers(graph: Graph, live: Sequence[bool], canon: Sequence[int], fused: Sequence[bool]) -> dict[int, int]:
     """Canonical value of a loop's state or result -> the canonical body value whose buffer holds it: XLA keeps a
     while loop's state in one buffer, which the body's new state (a carry `tie`'s operand) is written into and the
-    loop's result (an `at="out"` tie of the state) is. Only where that body value is materialised with the state's
-    shape and dtype."""
-    state: dict[int, int] = {}
+    loop's result (an `at="out"` tie of the state) is — an inner loop's buffer where that new state is the inner
+    loop's result. Only where the body value is materialised with the state's shape and dtype."""
+    carries = [(canon[op.inputs[0]], canon[op.outputs[0]]) for op in graph.ops
+               if op.primitive == "tie" and op.region.startswith("/") and "at" not in op.params and live[op.id]
+               and graph.values[op.inputs[0]].shape == graph.values[op.outputs[0]].shape
+               and graph.values[op.inputs[0]].dtype == graph.values[op.outputs[0]].dtype]
+    results = [(canon[op.inputs[0]], canon[op.outputs[0]]) for op in graph.ops
+               if op.primitive == "tie" and op.params.get("at") == "out"]
+    out = {s: body for body, s in carries if not fused[body]}
+    while True:  # (a state whose new value is an inner loop's result is that loop's buffer)
+        size = len(out)
+        out.update({r: out[s] for s, r in results if s in out and r not in out})
+        out.update({s: out[body] for body, s in carries if body in out and s not in out})
+        if len(out) == size:
+            return out
+
+
+def nested_loop_buffers(graph: Graph, canon: Sequence[int], consumers: Sequence[Sequence[int]],
+                        loops: Mapping[int, int], inplace: Sequence[tuple[int, ...]]) -> frozenset[int]:
+    """Canonical body values of inner loops whose buffer is the enclosing loop's: the inner loop starts from the
+    outer loop's state, which nothing else in the body reads, and the outer body's new state is written over the
+    inner loop's result — XLA colocates the two loops' operands, states and results (a `fori_loop` in a `scan`)."""
+    out = set()
     for op in graph.ops:
-        if op.primitive == "tie" and op.region.startswith("/") and "at" not in op.params and live[op.id]:
-            body, s = canon[op.inputs[0]], canon[op.outputs[0]]
-            vb, vs = graph.values[body], graph.values[s]
-            if not fused[body] and vb.shape == vs.shape and vb.dtype == vs.dtype:
-                state[s] = body
-    out = dict(state)
-    for op in graph.ops:
-        if op.primitive == "tie" and op.params.get("at") == "out" and canon[op.inputs[0]] in state:
-            out[canon[op.outputs[0]]] = state[canon[op.inputs[0]]]
-    return out
+        if op.primitive != "tie" or op.params.get("at") != "in":
+            continue
+        init, inner = canon[op.inputs[0]], loops.get(canon[op.outputs[0]])
+        outer = loops.get(init)
+        if inner is None or outer is None or outer == inner:
+            continue
+        readers = [u for u in consumers[init] if not (graph.ops[u].primitive == "tie" and graph.ops[u].params.get("at") == "out")]
+        p = graph.values[outer].producer
+        if readers == [op.id] and p is not None and inner in inplace[p]:
+            out.add(inner)
+    return frozenset(out)
 
 
 def _with_loop_inits(graph: Graph, canon: Sequence[int], fused: Sequence[bool], loops: Mapping[int, int],
@@ -1784,8 +1853,11 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     # op -> the op whose fusion computes it, where all of its results are fused into one (XLA's loop fusion
     # walks consumers before producers: an op whose readers are all in one fusion by then has one user)
     root: dict[int, int] = {}
+    lengths = _loop_lengths(graph)
+    hoisted = _invariant_trips(graph, canon, lengths)
+    invariant = _loop_invariant(graph, canon, constant, hoisted) if backend == "cpu" and hoisted else frozenset()
     for op in reversed(graph.ops):
-        if not (fusible_on(op, graph, backend) or _fused_into_readers(op, backend)) or not live[op.id]:
+        if not (fusible_on(op, graph, backend) or _fused_into_readers(op, backend, invariant)) or not live[op.id]:
             continue
         roots: set[int] = set()
         for v in op.outputs:
@@ -1820,6 +1892,9 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
         fused[canon[graph.ops[t].outputs[0]]] = True
     for t in folded:  # (XLA:CPU: transposes folded into the dots reading them)
         fused[canon[graph.ops[t].outputs[0]]] = True
+    hoisted_values = hoisted_work(graph, live, canon, consumers, invariant, hoisted) if invariant else frozenset()
+    for c in hoisted_values:
+        fused[c] = False
     wide = wide_results(graph, live, canon, backend)
     # A dot decomposition's copy of cheap work is a fusion recomputing it, and the cheap values it is computed
     # from even where they are also materialised (XLA duplicates cheap producers into each consumer fusing
@@ -1861,9 +1936,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     recompute = frozenset((u, c) for c, us in dup.items() for u in us)
 
     strided = strided_readers(graph, live, canon, fused, consumers, loop) if backend == "cpu" else {}
-    lengths = _loop_lengths(graph)
     trips, reshard_trips = _trips(graph, lengths)
-    hoisted = _invariant_trips(graph, canon, lengths)
     reshard_trips = _hoisted_reshards(graph, canon, hoisted, reshard_trips)
     # Loop state: values a region's ties carry to the next iteration or out of it.
     carried = frozenset(c for op in graph.ops if op.primitive == "tie" and outer_region(op) and live[op.id]
@@ -1876,6 +1949,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                                 loops=loops) if backend == "cpu" else ())
     if loops:
         inplace = _with_loop_inits(graph, canon, fused, loops, inplace)
+    nested = nested_loop_buffers(graph, canon, consumers, loops, inplace) if loops else frozenset()
     return ProgramInfo(tuple(live), tuple(constant), tuple(canon), tuple(duplicate), tuple(fused),
                        tuple(trips), tuple(order), pkeys, until, span=_spans(graph, live, order),
                        carried=carried, loop=loop, library=frozenset(library), backend=backend, preset=preset,
@@ -1885,7 +1959,8 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                        through=cse.through,
                        post=tuple(post),
                        copies=copies, copy_owner=last_copies(graph, canon, copies, order), cheap=cheap,
-                       bitcast=bitcast, inplace=inplace, loop_buffer=loops, out_alias=output_aliases(graph, live, canon, constant),
+                       bitcast=bitcast, inplace=inplace, loop_buffer=loops, nested_buffers=nested,
+                       hoisted_work=hoisted_values, out_alias=output_aliases(graph, live, canon, constant),
                        recompute=recompute if backend == "cpu" else frozenset(), fusing=fusing, strided=strided,
                        read_fused=reads_fused(graph, canon, fused), batch=tuple(batch),
                        first_reader=_first_readers(graph, live, order, fused, constant, canon, consumers)

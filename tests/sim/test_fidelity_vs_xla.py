@@ -870,6 +870,11 @@ LOOP_PROGRAMS = {
     "two carries": lambda x: jax.lax.fori_loop(0, 4, lambda i, c: (c[0] + jnp.tanh(x[i]), c[1] * 0.5 + x[i]),
                                                (jnp.zeros_like(x[0]), x[0])),
     "scan carry": lambda x: jax.lax.scan(lambda c, r: (c * 0.5 + r, jnp.sin(c)), x[0], x)[0],
+    "nested loops": lambda x: jax.lax.fori_loop(0, 3, lambda i, c: _sin_loop(2, c) + 1.0, x[0]),
+    "a loop in a scan": lambda x: jax.lax.scan(
+        lambda c, r: (jax.lax.fori_loop(0, 2, lambda j, h: 0.5 * h + 0.5 * jnp.tanh(h @ x[0]), c + r), None), x[0], x)[0],
+    "an outer slice read in an inner loop": lambda x: 2.0 * jax.lax.fori_loop(
+        0, 3, lambda i, c: jax.lax.fori_loop(0, 2, lambda j, d: jnp.sin(d) * 0.9 + x[i], c), x[0]),
 }
 
 
@@ -877,12 +882,40 @@ LOOP_PROGRAMS = {
 def test_peak_memory_of_a_loop_whose_state_is_an_output(name):
     """XLA keeps a while loop's state in one buffer, colocated with its initial value (when that dies entering the
     loop) and with its result: where the result is an output, or an output is computed in place from it, the state
-    lives in the output's allocation, no temporary. A run-time `x[i]` in the body is fused into its reader. 1.1-2x
-    over before."""
+    lives in the output's allocation, no temporary; an inner loop started from the outer loop's state, whose result
+    is the outer loop's next state, shares the outer loop's buffer. A run-time `x[i]` in the body is fused into its
+    reader, unless it is invariant in its loop (hoisted out of an inner loop: a loop operand). 1.1-2x over
+    before."""
     fn = LOOP_PROGRAMS[name]
     x = jnp.ones((8, 256, 256))
     row = shardc.check(shardc.auto(fn, mesh=shardc.make_mesh({"x": 8}), search=False), x).row("peak memory bytes")
     assert abs(row.predicted - row.compiled) <= 0.02 * row.compiled, (row.predicted, row.compiled)
+
+
+INVARIANT_WORK = {
+    "scan": lambda x: jax.lax.scan(lambda c, r: (c * 0.5 + r * jnp.tanh(x[0]), None), x[1], x)[0],
+    "fori_loop": lambda x: jax.lax.fori_loop(0, 3, lambda i, c: c + jnp.tanh(x[0] * 2), jnp.cos(x[1])),
+}
+
+
+@pytest.mark.parametrize("loop", list(INVARIANT_WORK))
+def test_peak_memory_of_loop_invariant_work(loop):
+    """Work a loop body computes from loop-invariant values only (`tanh(w)` of a constant operand) is computed before
+    the loop by XLA's loop-invariant code motion and carried as a loop operand: a buffer alive through the loop
+    (10% under before, the model fusing it into its reader)."""
+    row = shardc.check(shardc.auto(INVARIANT_WORK[loop], mesh=shardc.make_mesh({"x": 8}), search=False),
+                       jnp.ones((8, 256, 256))).row("peak memory bytes")
+    assert abs(row.predicted - row.compiled) <= 0.02 * row.compiled, (row.predicted, row.compiled)
+
+
+@pytest.mark.parametrize("shape", [(3,), (3, 5)])
+def test_peak_memory_of_a_loop_result_of_a_few_bytes(shape):
+    """An output that is a loop's result (XLA inlines a one-trip loop, here computed in place from it) is the
+    loop's buffer however small: colocated, not a temporary placed in a free output (1.5x over before)."""
+    fn = LOOP_PROGRAMS["one trip"]
+    row = shardc.check(shardc.auto(fn, mesh=shardc.make_mesh({"x": 8}), search=False), jnp.ones(shape)) \
+        .row("peak memory bytes")
+    assert row.predicted == row.compiled, (row.predicted, row.compiled)
 
 
 class PreNormMlpBlock(nn.Module):
