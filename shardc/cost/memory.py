@@ -237,7 +237,7 @@ class MemoryModel:
         body it is not (measured: the merged all-reduce of a data-parallel gradient accumulation, and of a scanned
         model's backward loop, has its operands and its results live at once)."""
         p = self.graph.values[c].producer
-        if p is not None and self.graph.ops[p].region.startswith("/"):
+        if p is not None and any(r.startswith(("scan", "while")) for r in self.graph.ops[p].region.split("/")):
             return False
         if not self._donated_outputs:
             return True
@@ -875,14 +875,14 @@ class MemoryModel:
         iteration, and writes its stacked outputs and the values it carries into buffers that exist from its first."""
         op = slot.op
         first, last = self.info.span[op]
-        if first != last and read and self._enters_loop_buffer(op, self.keys.key_list[kid][0]):
-            return 2 * self.order[first]  # (read once, entering the loop: its state's buffer is made from it)
         c = self.keys.key_list[kid][0]
+        if first != last and read and self._enters_loop_buffer(op, c):
+            return 2 * self.order[first]  # (read once, entering the loop: its state's buffer is made from it)
         if first != last and c in self.info.hoisted_work:
             # (computed before its loop by loop-invariant code motion, a loop operand: alive through the loop)
             lo, hi = self._region_span(self.graph.ops[self.graph.values[c].producer].region)
             return 2 * self.order[hi] + 1 if read else 2 * self.order[lo]
-        hoisted = self.info.hoisted.get(self.keys.key_list[kid][0])
+        hoisted = self.info.hoisted.get(c)
         if first != last and hoisted is not None and hoisted[0] < self.info.trips[op]:
             # a loop-invariant value: XLA moves its reshards out of the loop (made before it: as soon as the
             # value outside exists under an eager schedule), and their results live through it

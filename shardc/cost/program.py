@@ -138,13 +138,23 @@ def _fused_into_readers(op: Any, backend: str, invariant: Collection[int] = froz
     return backend == "cpu" and op.primitive == "dynamic_slice" and not any(v in invariant for v in op.outputs)
 
 
+def _in_loop_body(op: Any) -> bool:
+    """Whether `op`'s innermost region is a loop's body (not a branch)."""
+    return op.region.rsplit("/", 1)[-1].startswith(("scan", "while"))
+
+
+def _is_loop_result(op: Any) -> bool:
+    """Whether `op` is a loop's result leaving it (an `at="out"` tie)."""
+    return op.primitive == "tie" and op.params.get("at") == "out"
+
+
 def _loop_invariant(graph: Graph, canon: Sequence[int], constant: Sequence[bool], entering: Collection[int]
                     ) -> frozenset[int]:
     """Canonical values computed inside a loop body from values invariant in it only (`entering`: what enters a
     loop unchanged by its iterations, `_invariant_trips`'s keys; compile-time constants)."""
     out = set(entering)
-    for op in graph.ops:  # (program order: operands first)
-        if op.region.startswith("/") and op.primitive != "tie" and op.inputs and op.outputs \
+    for op in graph.ops:  # (program order: operands first; a branch is no loop)
+        if _in_loop_body(op) and op.primitive != "tie" and op.inputs and op.outputs \
                 and all(canon[v] in out or constant[canon[v]] for v in op.inputs):
             out.update(canon[v] for v in op.outputs)
     return frozenset(out)
@@ -174,9 +184,8 @@ def hoisted_work(graph: Graph, live: Sequence[bool], canon: Sequence[int], consu
         return False
 
     out = set()
-    for op in graph.ops:  # (in a loop's body: a branch is no loop)
-        if live[op.id] and op.region.rsplit("/", 1)[-1].startswith(("scan", "while")) and op.outputs \
-                and op.primitive not in _NOT_WORTH_HOISTING:
+    for op in graph.ops:
+        if live[op.id] and _in_loop_body(op) and op.outputs and op.primitive not in _NOT_WORTH_HOISTING:
             c = canon[op.outputs[0]]
             if c in invariant and c not in entering and read_by_varying(c):
                 out.add(c)
@@ -590,8 +599,7 @@ def loop_buffers(graph: Graph, live: Sequence[bool], canon: Sequence[int], fused
                if op.primitive == "tie" and op.region.startswith("/") and "at" not in op.params and live[op.id]
                and graph.values[op.inputs[0]].shape == graph.values[op.outputs[0]].shape
                and graph.values[op.inputs[0]].dtype == graph.values[op.outputs[0]].dtype]
-    results = [(canon[op.inputs[0]], canon[op.outputs[0]]) for op in graph.ops
-               if op.primitive == "tie" and op.params.get("at") == "out"]
+    results = [(canon[op.inputs[0]], canon[op.outputs[0]]) for op in graph.ops if _is_loop_result(op)]
     out = {s: body for body, s in carries if not fused[body]}
     while True:  # (a state whose new value is an inner loop's result is that loop's buffer)
         size = len(out)
@@ -614,7 +622,7 @@ def nested_loop_buffers(graph: Graph, canon: Sequence[int], consumers: Sequence[
         outer = loops.get(init)
         if inner is None or outer is None or outer == inner:
             continue
-        readers = [u for u in consumers[init] if not (graph.ops[u].primitive == "tie" and graph.ops[u].params.get("at") == "out")]
+        readers = [u for u in consumers[init] if not _is_loop_result(graph.ops[u])]
         p = graph.values[outer].producer
         if readers == [op.id] and p is not None and inner in inplace[p]:
             out.add(inner)
@@ -1045,7 +1053,7 @@ def _queued_units(graph: Graph, ops: Sequence[int], depth: int, canon: list[int]
     named by its first op's id, or any other op — its ops in the order they run (a region's body scheduled
     likewise), and per queued unit, in schedule order, the units that ran with it (inlined) and those it queued."""
     # (a loop's results — its `at="out"` ties — exist once the loop has run: after the rest of its body)
-    results = [i for i in ops if depth > 1 and graph.ops[i].primitive == "tie" and graph.ops[i].params.get("at") == "out"]
+    results = [i for i in ops if depth > 1 and _is_loop_result(graph.ops[i])]
     if results:
         ops = [i for i in ops if i not in set(results)]
     unit: dict[int, int] = {}
@@ -1077,8 +1085,8 @@ def _queued_units(graph: Graph, ops: Sequence[int], depth: int, canon: list[int]
         if len(body) != 1 or len(graph.ops[u].outputs) != 1 or len(succs[u]) < 2:
             continue
         c = canon[graph.ops[u].outputs[0]]
-        if USERS_AFTER_CONSTRAINT and graph.ops[u].primitive == "dot_general" and not rewritten_dot(graph.ops[u], graph) \
-                and u not in inline and not any(w in inline for w in succs[u]):
+        matmul = graph.ops[u].primitive == "dot_general" and not rewritten_dot(graph.ops[u], graph)
+        if USERS_AFTER_CONSTRAINT and matmul and u not in inline and not any(w in inline for w in succs[u]):
             succs[u] = succs[u][-1:] + succs[u][:-1]  # (see `_breadth_first`: the readers' order XLA's users keep)
         elif COPIED_READERS_REVERSED and c in copied and not fused[c]:
             succs[u] = sorted(succs[u], key=lambda w: -post[w])  # (`_breadth_first`: fusions made consumers first)

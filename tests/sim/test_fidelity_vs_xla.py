@@ -872,7 +872,8 @@ LOOP_PROGRAMS = {
     "scan carry": lambda x: jax.lax.scan(lambda c, r: (c * 0.5 + r, jnp.sin(c)), x[0], x)[0],
     "nested loops": lambda x: jax.lax.fori_loop(0, 3, lambda i, c: _sin_loop(2, c) + 1.0, x[0]),
     "a loop in a scan": lambda x: jax.lax.scan(
-        lambda c, r: (jax.lax.fori_loop(0, 2, lambda j, h: 0.5 * h + 0.5 * jnp.tanh(h @ x[0]), c + r), None), x[0], x)[0],
+        lambda c, r: (jax.lax.fori_loop(0, 2, lambda j, h: 0.5 * h + 0.5 * jnp.tanh(h @ x[0]), c + r), None),
+        x[0], x)[0],
     "an outer slice read in an inner loop": lambda x: 2.0 * jax.lax.fori_loop(
         0, 3, lambda i, c: jax.lax.fori_loop(0, 2, lambda j, d: jnp.sin(d) * 0.9 + x[i], c), x[0]),
 }
@@ -929,7 +930,8 @@ class ScannedBlocks(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        return nn.scan(PreNormMlpBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=4)()(x, None)[0]
+        blocks = nn.scan(PreNormMlpBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=4)
+        return blocks()(x, None)[0]
 
 
 def _accumulating_step(model: nn.Module, loop: str, data_parallel: bool):
