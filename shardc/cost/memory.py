@@ -33,8 +33,8 @@ import numpy as np
 
 from shardc.cost.first_fit import FirstFit
 from shardc.cost.program import (CUMULATIVE, SAME_OPERAND_RULES, ProgramInfo, conv_output_copied, derived,
-                                 descendants, gathered_order, outer_region, per_info, scatter_into_constant,
-                                 window_levels)
+                                 descendants, gathered_order, loop_entry, outer_region, per_info,
+                                 scatter_into_constant, window_levels)
 
 __all__ = ["MemoryModel", "MemoryResult"]
 
@@ -934,8 +934,7 @@ class MemoryModel:
         """Canonical initial value -> the regions of the loops whose buffered state it initialises."""
         out: dict[int, tuple[str, ...]] = {}
         for op in self.graph.ops:
-            if (op.primitive == "tie" and op.params.get("at") == "in"
-                    and self.info.canon[op.outputs[0]] in self.info.loop_buffer):
+            if loop_entry(op) and self.info.canon[op.outputs[0]] in self.info.loop_buffer:
                 c = self.info.canon[op.inputs[0]]
                 out[c] = out.get(c, ()) + (op.region,)
         return out

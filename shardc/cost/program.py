@@ -46,7 +46,7 @@ from shardc.ir.graph import Graph
 __all__ = ["ProgramInfo", "program_info", "per_info", "descendants", "Merged", "merged", "liveness", "unread_operands",
            "unread_if_same", "read_values",
            "SAME_OPERAND_RULES", "PASS_THROUGH_RULES", "BOUND_THROUGH", "passes_through", "splat_literal", "ALIASES",
-           "reads_only_padding", "pad_of", "scatter_into_constant",
+           "reads_only_padding", "pad_of", "scatter_into_constant", "loop_entry", "loop_exit",
            "broadcast_dims", "broadcast_transfer", "derived", "fusing_readers",
            "FUSIBLE", "FREE_PRIMITIVES", "PCG_COLLECTIVE"]
 
@@ -143,8 +143,13 @@ def _in_loop_body(op: Any) -> bool:
     return op.region.rsplit("/", 1)[-1].startswith(("scan", "while"))
 
 
-def _is_loop_result(op: Any) -> bool:
-    """Whether `op` is a loop's result leaving it (an `at="out"` tie)."""
+def loop_entry(op: Any) -> bool:
+    """Whether `op` is a loop's entry tie: it takes a value into the loop (its initial state or a constant)."""
+    return op.primitive == "tie" and op.params.get("at") == "in"
+
+
+def loop_exit(op: Any) -> bool:
+    """Whether `op` is a loop's exit tie: it reads the loop's carry as the loop leaves it (the loop's result)."""
     return op.primitive == "tie" and op.params.get("at") == "out"
 
 
@@ -599,7 +604,7 @@ def loop_buffers(graph: Graph, live: Sequence[bool], canon: Sequence[int], fused
                if op.primitive == "tie" and op.region.startswith("/") and "at" not in op.params and live[op.id]
                and graph.values[op.inputs[0]].shape == graph.values[op.outputs[0]].shape
                and graph.values[op.inputs[0]].dtype == graph.values[op.outputs[0]].dtype]
-    results = [(canon[op.inputs[0]], canon[op.outputs[0]]) for op in graph.ops if _is_loop_result(op)]
+    results = [(canon[op.inputs[0]], canon[op.outputs[0]]) for op in graph.ops if loop_exit(op)]
     out = {s: body for body, s in carries if not fused[body]}
     while True:  # (a state whose new value is an inner loop's result is that loop's buffer)
         size = len(out)
@@ -616,13 +621,13 @@ def nested_loop_buffers(graph: Graph, canon: Sequence[int], consumers: Sequence[
     inner loop's result — XLA colocates the two loops' operands, states and results (a `fori_loop` in a `scan`)."""
     out = set()
     for op in graph.ops:
-        if op.primitive != "tie" or op.params.get("at") != "in":
+        if not loop_entry(op):
             continue
         init, inner = canon[op.inputs[0]], loops.get(canon[op.outputs[0]])
         outer = loops.get(init)
         if inner is None or outer is None or outer == inner:
             continue
-        readers = [u for u in consumers[init] if not _is_loop_result(graph.ops[u])]
+        readers = [u for u in consumers[init] if not loop_exit(graph.ops[u])]
         p = graph.values[outer].producer
         if readers == [op.id] and p is not None and inner in inplace[p]:
             out.add(inner)
@@ -636,7 +641,7 @@ def _with_loop_inits(graph: Graph, canon: Sequence[int], fused: Sequence[bool], 
     operand, body and result)."""
     out = list(inplace)
     for op in graph.ops:
-        if op.primitive == "tie" and op.params.get("at") == "in":
+        if loop_entry(op):
             init, body = canon[op.inputs[0]], loops.get(canon[op.outputs[0]])
             p = graph.values[body].producer if body is not None else None
             if p is not None and not fused[init] and init not in out[p]:
@@ -1053,9 +1058,10 @@ def _queued_units(graph: Graph, ops: Sequence[int], depth: int, canon: list[int]
     named by its first op's id, or any other op — its ops in the order they run (a region's body scheduled
     likewise), and per queued unit, in schedule order, the units that ran with it (inlined) and those it queued."""
     # (a loop's results — its `at="out"` ties — exist once the loop has run: after the rest of its body)
-    results = [i for i in ops if depth > 1 and _is_loop_result(graph.ops[i])]
+    results = [i for i in ops if depth > 1 and loop_exit(graph.ops[i])]
     if results:
-        ops = [i for i in ops if i not in set(results)]
+        leaving = set(results)
+        ops = [i for i in ops if i not in leaving]
     unit: dict[int, int] = {}
     first: dict[str, int] = {}
     for i in ops:
@@ -1265,7 +1271,7 @@ def _preset_state(graph: Graph, live: Sequence[bool], canon: Sequence[int], cons
     and the results of top-level scatters into a constant operand (the scatter writes into a broadcast of
     it). What makes these buffers reads nothing computed, so the breadth-first schedule runs it first."""
     init = {op.outputs[0]: op.inputs[0] for op in graph.ops
-            if op.primitive == "tie" and op.params.get("at") == "in" and live[op.id]}
+            if loop_entry(op) and live[op.id]}
     consumers: list[list[int]] = [[] for _ in graph.values]
     for op in graph.ops:
         if live[op.id]:
@@ -1939,8 +1945,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     until = _fused_reads(graph, live, canon, fused, fusing, order, dup)
     loops = loop_buffers(graph, live, canon, fused) if backend == "cpu" else {}
     if loops:  # (a loop's initial state is read entering it: the loop's buffer holds what is computed from it)
-        until = tuple(() if op.primitive == "tie" and op.params.get("at") == "in" and canon[op.outputs[0]] in loops
-                      else until[op.id] for op in graph.ops)
+        until = tuple(() if loop_entry(op) and canon[op.outputs[0]] in loops else until[op.id] for op in graph.ops)
     recompute = frozenset((u, c) for c, us in dup.items() for u in us)
 
     strided = strided_readers(graph, live, canon, fused, consumers, loop) if backend == "cpu" else {}
@@ -2066,7 +2071,7 @@ def _invariant_trips(graph: Graph, canon: Sequence[int], lengths: Mapping[str, i
     for op in graph.ops:  # (an outer loop's ties come before its body's: nested invariants see theirs)
         if op.primitive == PCG_COLLECTIVE and canon[op.inputs[0]] in out:
             out.setdefault(canon[op.outputs[0]], out[canon[op.inputs[0]]])
-        if op.primitive != "tie" or op.params.get("at") != "in":
+        if not loop_entry(op):
             continue
         inner = op.outputs[0]
         if inner in replaced:
@@ -2091,7 +2096,7 @@ def _hoisted_reshards(graph: Graph, canon: Sequence[int], hoisted: Mapping[int, 
     collective of such a value. Each runs as often as the value's reshards."""
     out = list(reshard_trips)
     for op in graph.ops:
-        passes_on = op.primitive == PCG_COLLECTIVE or op.primitive == "tie" and op.params.get("at") == "in"
+        passes_on = op.primitive == PCG_COLLECTIVE or loop_entry(op)
         if passes_on and (h := hoisted.get(canon[op.inputs[0]])) is not None:
             out[op.id] = (min(out[op.id][0], h[0]), min(out[op.id][1], h[0]))
     return tuple(out)

@@ -25,7 +25,7 @@ from shardc.cost.flops import count_op
 from shardc.cost.host_ops import default_estimator, relayout_seconds
 from shardc.cost.op_collectives import NONE as NO_COLLECTIVES, OP_COLLECTIVES, OwnCollectives, op_collectives
 from shardc.cost.program import (FREE_PRIMITIVES, ProgramInfo, broadcast_dims, broadcast_transfer, gather_relayouts,
-                                 moves_no_data, per_info, program_info, rewritten_dot)
+                                 loop_exit, moves_no_data, per_info, program_info, rewritten_dot)
 from shardc.cost.reshard_path import kept_after, reshard_steps
 from shardc.cost.topology import MeshMapping, Topology
 from shardc.cost.wire import wire_itemsize
@@ -73,11 +73,6 @@ def leaves_one_loop_only(steps: Sequence[tuple[Sharding, tuple]], src: Sharding,
             return first.kind == "collective-permute" and first.bytes < local
         src = layout
     return False
-
-
-def reads_after_loop(op: Any) -> bool:
-    """Whether `op` is a loop's exit tie: it reads the loop's carry as the loop leaves it."""
-    return op.primitive == "tie" and op.params.get("at") == "out"
 
 
 @dataclasses.dataclass(slots=True)
@@ -470,7 +465,7 @@ class TaskBuilder:
         the read reshards it after a loop (EXIT) or inside a cond branch it was not made in."""
         if need is planned or need == planned:
             return HOME
-        if reads_after_loop(op):
+        if loop_exit(op):
             return EXIT
         if self._scopes is None:
             self._scopes = branch_scopes(self.graph)
