@@ -266,19 +266,22 @@ class PCG:
     def region_nodes(self) -> list[Node]:
         return [n for n in self.nodes if n.is_region]
 
-    def uneven(self) -> str | None:
+    def uneven(self, since: int = 0) -> str | None:
         """A tensor some node reads or makes that is split into unequal pieces (XLA pads the last; a
-        `shard_map` has equal ones), described; None when there is none (in region bodies neither)."""
+        `shard_map` has equal ones), described; None when there is none (in region bodies neither).
+        `since`: only tensors numbered from there on (those a rewrite of an even PCG added; its bodies too)."""
         m = self.mesh_sizes
         for n in self.nodes:
             for tid in (*n.inputs, *n.outputs):
+                if tid < since:
+                    continue
                 t = self.tensors[tid]
                 for d, axes in enumerate(t.sharding.dims):
                     k = math.prod(m[a] for a in axes)
                     if d < len(t.shape) and t.shape[d] % k:
                         return (f"{t.name or f'%{tid}'} dim {d} (size {t.shape[d]}) split {k} ways over "
                                 f"{tuple(axes)}")
-            for body in (n.op.bodies if n.is_region else ()):
+            for body in (n.op.bodies if n.is_region and not since else ()):
                 if (inner := body.uneven()) is not None:
                     return inner
         return None

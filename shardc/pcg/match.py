@@ -327,7 +327,7 @@ def apply_match(pcg: PCG, m: Match, *, require_proof: bool = True) -> PCG:
         new = b.finish(pcg.inputs, outputs)
     except ValueError as e:  # a cycle: the replacement feeds on what it replaces
         raise RewriteError(str(e)) from None
-    if (uneven := new.uneven()) is not None:
+    if (uneven := new.uneven(since=len(pcg.tensors))) is not None:  # (`pcg` is even: only new tensors)
         raise RewriteError(f"{rule.name}: {uneven} (a shard_map needs equal pieces)")
     return new
 

@@ -194,16 +194,33 @@ def _fewer_collectives_first(rule: Rule) -> tuple[int, int]:
     return rhs - lhs, 0 if lhs or rhs else 1
 
 
-def _screened(pcg: PCG, rules: list[Rule], refuted: set[str]) -> Iterator[tuple[tuple[int, int], Rule, Match]]:
+def _screened(pcg: PCG, rules: list[Rule], refuted: set[str], idle: tuple[frozenset[int], PCG] | None = None,
+              unmatched: set[int] | None = None) -> Iterator[tuple[tuple[int, int], Rule, Match]]:
     """The matches of every usable proved rule, not yet applied: rules that leave fewer collectives first
     (`_fewer_collectives_first`, a static key: no candidate is built or simulated to order them), each with
     its position in rule order (rule index, match index). A tie between equal simulated costs goes to the
     first in rule order; under a simulation budget the rewrites that can remove collectives are simulated
-    before, say, a hundred reorderings of compute ops."""
+    before, say, a hundred reorderings of compute ops.
+
+    `idle`: (the rules that matched nothing on an earlier PCG, that PCG). Matching reads no node's readers,
+    so a match of such a rule here involves a node the rewrites since then built or rewired (`_rewired`): it is
+    looked for only there, and found in the same order as a search of the whole PCG would.
+    `unmatched` collects the indices of the rules that match nothing here (for the next pass's `idle`)."""
     order = sorted(range(len(rules)), key=lambda i: (_fewer_collectives_first(rules[i]), i))
+    near: set[int] | None = None
+    roots: dict[int, frozenset[int]] = {}
     for i in order:
-        for j, m in enumerate(_proved_matches(pcg, rules[i], refuted)):
+        if idle is not None and i in idle[0]:
+            if near is None:
+                near = _rewired(idle[1], pcg)
+            matches = _proved_matches(pcg, rules[i], refuted, near, roots)
+        else:
+            matches = _proved_matches(pcg, rules[i], refuted)
+        j = -1
+        for j, m in enumerate(matches):
             yield (i, j), rules[i], m
+        if j < 0 and unmatched is not None:
+            unmatched.add(i)
 
 
 def local_form(pcg: PCG, m: Match) -> tuple[Any, ...]:
@@ -285,6 +302,14 @@ def _reapplied(pcg: PCG, rule: Rule, m: Match) -> tuple[Match, PCG] | None:
         return None
 
 
+def _rewired(before: PCG, after: PCG) -> set[int]:
+    """The nodes of `after` that `before` has not with the same operator and operands: those rewrites since
+    built, and those reading a replaced result (a rule whose right side is one of its variables rewires its
+    readers to a tensor `before` has already)."""
+    was = {n.outputs: (id(n.op), n.inputs) for n in before.nodes}
+    return {n.id for n in after.nodes if was.get(n.outputs) != (id(n.op), n.inputs)}
+
+
 def _near(pcg: PCG, new_from: int) -> set[int]:
     """Nodes near the last rewrite: those making tensors numbered `new_from` or above (what it built),
     their readers, and the producers of the readers' other operands (a sibling chain that can now be
@@ -363,13 +388,16 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
     current, cost, steps, candidates = _optimize_bodies(current, rules, cost_fn, cost, max_steps, refuted, search)
     state.update(current=current, cost=cost, steps=steps, candidates=candidates)
     seen = {current.key()}
+    idle: tuple[frozenset[int], PCG] | None = None  # (`_screened`: rules that matched nothing on the last pass)
     for _ in range(max_steps):
         better: list[tuple[float, int, Rule, Match]] = []  # rewrites that pay (the others are applied again below)
         best: tuple[float, int, PCG] | None = None  # the cheapest of them, the first on a tie: its PCG alone is kept
         near: list[tuple[float, int, PCG, Step]] = []  # rewrites within alpha of the current cost, the beam cheapest
         tried: dict[tuple[Any, ...], float] = {}  # local form -> the simulated cost of its first match
+        unmatched: set[int] = set()
+        screened = current
         try:
-            for i, rule, m in _screened(current, rules, refuted):
+            for i, rule, m in _screened(current, rules, refuted, idle, unmatched):
                 form = local_form(current, m)
                 if form in tried:  # (another repeated layer's match: the first stands for it)
                     c = tried[form]
@@ -400,6 +428,7 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
                 steps.append(Step(rule.name, str(m), cost, c, describe_match(current, m)))
                 state.update(current=best[2], cost=c, candidates=candidates)
             raise
+        idle = (frozenset(unmatched), screened)
         if better:
             better.sort(key=lambda e: e[:2])
             base = current
