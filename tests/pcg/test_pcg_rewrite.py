@@ -290,3 +290,29 @@ def test_matches_near_some_nodes_are_those_the_whole_graph_has_there(mesh):
                 assert got == want, (r.name, near)
                 found += len(want)
     assert found > 20  # (the node sets do meet matches)
+
+
+def test_screening_after_rewrites_finds_every_match(mesh):
+    """A pass looks for the rules that matched nothing before only where the rewrites since then changed the PCG
+    (`optimize._screened` with `idle`): after each rewrite of a chain of identities — one whose right side is a
+    variable rewires its readers to a tensor the PCG had already — it yields the same matches, in the same
+    order, as matching the whole PCG."""
+    from shardc.pcg.optimize import _screened, usable_rules
+
+    def f(x):
+        return split(replicate(split(replicate(x), 0, "model")), 1, "model")
+
+    pcg = pcg_of(f, mesh, jnp.ones((64, 64)))
+    rules = usable_rules(library_rules())
+    steps = 0
+    while True:
+        unmatched: set[int] = set()
+        full = [(i, m.roots, m.tensors) for i, _, m in _screened(pcg, rules, set(), None, unmatched)]
+        if not full or steps == 4:
+            break
+        _, rule, m = next(iter(_screened(pcg, rules, set())))
+        new = apply_match(pcg, m)
+        near = [(i, m.roots, m.tensors) for i, _, m in _screened(new, rules, set(), (frozenset(unmatched), pcg))]
+        assert near == [(i, m.roots, m.tensors) for i, _, m in _screened(new, rules, set())]
+        pcg, steps = new, steps + 1
+    assert steps == 2  # partition_combine (rewiring a combine's reader to its operand), then combine_partition
