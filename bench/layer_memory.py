@@ -2,13 +2,13 @@
 
 The zoo models of `bench/fidelity.py` run at a scale where most per-device buffers are a few hundred KiB. Here
 each common layer (flax.linen's own Dense, LayerNorm, RMSNorm, Embed, Dropout; attention written as a Flax
-user writes it) takes a batch of 8 x 128 tokens of width 256, so that replicated its activations are 1-4 MiB per
-device, above XLA:CPU's L2-sized thresholds, and data parallel (the batch split over 8 devices) they are 8x
-smaller. The step is `jax.value_and_grad` of a squared-output loss and an SGD update; `shardc.check` compares the
+user writes it) takes batches of 8 and 16 sequences of 128 tokens of width 256, so that replicated its
+activations are 1-8 MiB per device, above XLA:CPU's L2-sized thresholds, and data parallel (the batch split over
+8 devices) they are 8x smaller. The step is `jax.value_and_grad` of a squared-output loss and an SGD update; `shardc.check` compares the
 plan's simulated peak memory per device with `memory_analysis()` (argument + output + temp - alias) of the
 program shardc compiles.
 
-    python -m bench.layer_memory [--layers glu,attention] [--write]
+    python -m bench.layer_memory [--layers "gated mlp,attention"] [--batches 8,16] [--write]
 
 A row is within bounds when memory is within 10% (issue 15's bound). What XLA does in the rows outside is in
 docs/simulator.md ("What is not modelled, or not yet checked").
@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import shardc  # noqa: E402
 
 MEMORY_BOUND = 0.10
-BATCH, SEQ, WIDTH, VOCAB = 8, 128, 256, 1024
+SEQ, WIDTH, VOCAB = 128, 256, 1024
 
 
 class Attention(nn.Module):
@@ -125,27 +125,30 @@ def train_step(model: nn.Module, ids: bool, data_parallel: bool) -> Callable:
     return step
 
 
-def measure(name: str) -> list[tuple[str, str, float, float]]:
-    """(layer, plan, predicted, compiled peak memory bytes per device) for the replicated and the
-    data-parallel step."""
+Row = tuple[str, int, str, float, float]  # (layer, batch, plan, predicted, compiled peak memory bytes per device)
+
+
+def measure(name: str, batch: int) -> list[Row]:
+    """The replicated and the data-parallel step of layer `name` on `batch` sequences."""
     make, ids = LAYERS[name]
     model = make()
-    x = (jnp.arange(BATCH * SEQ).reshape(BATCH, SEQ) % VOCAB) if ids else jnp.ones((BATCH, SEQ, WIDTH))
+    x = (jnp.arange(batch * SEQ).reshape(batch, SEQ) % VOCAB) if ids else jnp.ones((batch, SEQ, WIDTH))
     params = model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
     mesh = shardc.make_mesh({"x": 8})
     rows = []
     for data_parallel in (False, True):
         step = shardc.auto(train_step(model, ids, data_parallel), mesh=mesh, search=False)
         row = shardc.check(step, params, x, jax.random.key(2)).row("peak memory bytes")
-        rows.append((name, "data parallel" if data_parallel else "replicated", row.predicted, row.compiled))
+        rows.append((name, batch, "data parallel" if data_parallel else "replicated", row.predicted, row.compiled))
     return rows
 
 
-def table(rows: list[tuple[str, str, float, float]]) -> str:
-    lines = ["| layer | plan | memory MiB predicted / compiled | error | within 10% |", "| --- | --- | --- | --- | --- |"]
-    for name, plan, p, c in rows:
+def table(rows: list[Row]) -> str:
+    lines = ["| layer | batch | plan | memory MiB predicted / compiled | error | within 10% |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name, batch, plan, p, c in rows:
         err = p / c - 1
-        lines.append(f"| {name} | {plan} | {p / 2**20:.2f} / {c / 2**20:.2f} | {100 * err:+.1f}% | "
+        lines.append(f"| {name} | {batch} x {SEQ} | {plan} | {p / 2**20:.2f} / {c / 2**20:.2f} | {100 * err:+.1f}% | "
                      f"{'yes' if abs(err) <= MEMORY_BOUND else '**no**'} |")
     return "\n".join(lines)
 
@@ -153,6 +156,7 @@ def table(rows: list[tuple[str, str, float, float]]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", default=",".join(LAYERS), help="comma-separated names of LAYERS")
+    ap.add_argument("--batches", default="8,16", help="comma-separated batch sizes (sequences of 128 tokens)")
     ap.add_argument("--write", action="store_true", help="put the table in docs/benchmarks.md")
     o = ap.parse_args()
     unknown = [n for n in o.layers.split(",") if n not in LAYERS]
@@ -161,10 +165,11 @@ def main() -> None:
     t0 = time.perf_counter()
     rows = []
     for name in o.layers.split(","):
-        got = measure(name)
-        rows += got
-        for _, plan, p, c in got:
-            print(f"{name:24s} {plan:14s} {p / c:6.3f} ({p:,.0f} / {c:,.0f})", flush=True)
+        for batch in map(int, o.batches.split(",")):
+            got = measure(name, batch)
+            rows += got
+            for _, _, plan, p, c in got:
+                print(f"{name:24s} {batch:3d} {plan:14s} {p / c:6.3f} ({p:,.0f} / {c:,.0f})", flush=True)
     text = table(rows)
     inside = sum(abs(p / c - 1) <= MEMORY_BOUND for *_, p, c in rows)
     print(text)
@@ -173,7 +178,7 @@ def main() -> None:
         from bench.propagate import write_section
 
         write_section("layer_memory", f"`python -m bench.layer_memory` (8 CPU devices, jax {jax.__version__}; "
-                      f"{BATCH} x {SEQ} tokens of width {WIDTH}; peak memory per device, `shardc.check` against "
+                      f"sequences of {SEQ} tokens of width {WIDTH}; peak memory per device, `shardc.check` against "
                       "`memory_analysis()`): **" f"{inside} of {len(rows)} within 10%**.\n\n" + text + "\n")
 
 

@@ -909,6 +909,13 @@ def _library_fusion(graph: Graph, start: Any, canon: Sequence[int], constant: Se
         stack = [canon[v] for v in u.inputs] + [canon[v] for m in group for v in graph.ops[m].inputs]
 
 
+def _divides_by(op: Any, v: int) -> bool:
+    """Whether `op` divides by value `v` (and reads it only there): XLA:CPU gives such a divisor a broadcast of its
+    own, shared with no other reader (measured: `x / s` and `sum(g / s * x)` with `s` of shape (..., 1), in either
+    role, make no buffer of the broadcast; `x * s` beside the same reduction does)."""
+    return op.primitive == "div" and len(op.inputs) == 2 and op.inputs[1] == v and op.inputs[0] != v
+
+
 def library_broadcasts(graph: Graph, live: Sequence[bool], canon: Sequence[int], groups: Mapping[int, int],
                        order: Sequence[int]) -> dict[int, tuple[int, ...]]:
     """XLA:CPU: the broadcasts a library fusion reads from memory. An op broadcasting an operand (a dim of one
@@ -925,7 +932,8 @@ def library_broadcasts(graph: Graph, live: Sequence[bool], canon: Sequence[int],
         shape = tuple(graph.values[op.outputs[0]].shape)
         for v in set(op.inputs):
             operand = graph.values[v]
-            if operand.shape != shape and len(operand.shape) == len(shape) and math.prod(operand.shape) > 1:
+            if operand.shape != shape and len(operand.shape) == len(shape) and math.prod(operand.shape) > 1 \
+                    and not _divides_by(op, v):
                 readers.setdefault((canon[v], shape), []).append(op.id)
     out: dict[int, list[int]] = {}
     for (c, _), ops in readers.items():
