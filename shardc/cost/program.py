@@ -923,8 +923,9 @@ def library_broadcasts(graph: Graph, live: Sequence[bool], canon: Sequence[int],
     takes it into a fusion only when all its readers are there, so one a reader outside that fusion (an
     elementwise op, another reduction's fusion) shares is materialised in the result's shape, as soon as the
     operand exists, until the last fusion reading it (measured: `sum(x * v[:, None], 1)` makes none, with
-    `x + v[:, None]` beside it one; LayerNorm's scale and statistics in its backward pass). Returns, per op
-    holding such a buffer (the last library op reading it, by `order`), the canonical operands."""
+    `x + v[:, None]` beside it one; LayerNorm's scale and statistics in its backward pass). A reader dividing by
+    the operand has a broadcast of its own (`_divides_by`: softmax's sums). Returns, per op holding such a buffer
+    (the last library op reading it, by `order`), the canonical operands."""
     readers: dict[tuple[int, tuple[int, ...]], list[int]] = {}
     for op in graph.ops:
         if not live[op.id] or not op.outputs or op.primitive in FREE_PRIMITIVES:
