@@ -413,7 +413,7 @@ def dot_copies(graph: Graph, live: Sequence[bool], canon: Sequence[int], physica
     """XLA:CPU's dot decomposition transposes a dot's operand into an order it reads (`_dot_orders`), and its
     convolution canonicalization a convolution's (`_conv_orders`): a copy of the operand unless its buffer
     already has that memory order (`physical_orders`). The dot decomposition also reshapes an
-    operand with several batch, free or contracting dims into one of each; that reshape is a bitcast unless
+    operand with several free or contracting dims into one of each (`_collapses`); that reshape is a bitcast unless
     the operand is computed by a cheap elementwise op (`cheap`: canonical values), which fusion duplicates
     into the reshape: a buffer of its own for that dot — but for a dot inside a library fusion (`library`: op
     ids), which takes the reshape in and reads the operand's buffer. Per op: the indices of the operands it
@@ -435,13 +435,14 @@ def dot_copies(graph: Graph, live: Sequence[bool], canon: Sequence[int], physica
 
 
 def _collapses(graph: Graph, dot: Any, i: int) -> bool:
-    """Whether the dot decomposition reshapes operand `i` of dot_general `dot`: one of its dim groups (batch,
-    contracting, free) holds more than one dim of more than one element."""
+    """Whether the dot decomposition reshapes operand `i` of dot_general `dot`: its contracting or its free dims
+    hold more than one dim of more than one element (XLA:CPU's matmuls take several batch dims as they are:
+    measured on attention's [b, h, q, k] operands, b of 2 and 16)."""
     (lc, rc), (lb, rb) = dot.params["dimension_numbers"]
     contract, batch = (lc, lb) if i == 0 else (rc, rb)
     shape = graph.values[dot.inputs[i]].shape
     free = [d for d in range(len(shape)) if d not in contract and d not in batch]
-    return any(sum(shape[d] != 1 for d in dims) > 1 for dims in (contract, batch, free))
+    return any(sum(shape[d] != 1 for d in dims) > 1 for dims in (contract, free))
 
 
 def _gemm_layout(perm: Sequence[int], batch: int, rows: int) -> bool:
@@ -715,9 +716,9 @@ def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], f
 
 
 def _read_collapsed(graph: Graph, canon: Sequence[int], consumers: Sequence[Sequence[int]], c: int) -> bool:
-    """Whether value `c` is read by dots only, each reading it with a group of its dims (batch, contracting or
-    free) holding more than one dim of more than one element: the dot decomposition reshapes it ([batch, rows,
-    contracting] / [batch, contracting, columns]) by a bitcast XLA fuses into what computes it."""
+    """Whether value `c` is read by dots only, each reading it with its contracting or free dims several of more
+    than one element (`_collapses`): the dot decomposition reshapes it ([batch..., rows, contracting] /
+    [batch..., contracting, columns]) by a bitcast XLA fuses into what computes it."""
     users = [graph.ops[u] for u in consumers[c]]
     return bool(users) and all(
         op.primitive == "dot_general" and not rewritten_dot(op, graph)
@@ -726,7 +727,7 @@ def _read_collapsed(graph: Graph, canon: Sequence[int], consumers: Sequence[Sequ
 
 def _reshaped_dot(graph: Graph, c: int) -> bool:
     """Whether value `c` is the result of a dot that XLA computes in another shape and bitcasts (the dot
-    decomposition's [batch, rows, columns] when a group has several dims of more than one element): an
+    decomposition's [batch..., rows, columns] when its free dims are several of more than one element): an
     instruction of `c`'s shape cannot take that buffer in place (the shapes differ)."""
     p = graph.values[c].producer
     if p is None or graph.ops[p].primitive != "dot_general" or rewritten_dot(graph.ops[p], graph):
@@ -734,8 +735,8 @@ def _reshaped_dot(graph: Graph, c: int) -> bool:
     op = graph.ops[p]
     (lc, rc), (lb, rb) = op.params["dimension_numbers"]
     lhs, rhs = (graph.values[v].shape for v in op.inputs[:2])
-    groups = [(lhs, lb)] + [(shape, [d for d in range(len(shape)) if d not in contract and d not in batch])
-                            for shape, contract, batch in ((lhs, lc, lb), (rhs, rc, rb))]
+    groups = [(shape, [d for d in range(len(shape)) if d not in contract and d not in batch])
+              for shape, contract, batch in ((lhs, lc, lb), (rhs, rc, rb))]
     return any(sum(shape[d] != 1 for d in dims) > 1 for shape, dims in groups)
 
 
@@ -919,29 +920,37 @@ def _divides_by(op: Any, v: int) -> bool:
 def library_broadcasts(graph: Graph, live: Sequence[bool], canon: Sequence[int], groups: Mapping[int, int],
                        order: Sequence[int]) -> dict[int, tuple[int, ...]]:
     """XLA:CPU: the broadcasts a library fusion reads from memory. An op broadcasting an operand (a dim of one
-    against its result's) reads a broadcast instruction, one per (operand, shape) after CSE; the library rewriter
-    takes it into a fusion only when all its readers are there, so one a reader outside that fusion (an
-    elementwise op, another reduction's fusion) shares is materialised in the result's shape, as soon as the
-    operand exists, until the last fusion reading it (measured: `sum(x * v[:, None], 1)` makes none, with
-    `x + v[:, None]` beside it one; LayerNorm's scale and statistics in its backward pass). A reader dividing by
-    the operand has a broadcast of its own (`_divides_by`: softmax's sums). Returns, per op holding such a buffer
-    (the last library op reading it, by `order`), the canonical operands."""
-    readers: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    against its result's, or a scalar) reads a broadcast instruction, one per (operand, shape) after CSE (a scalar
+    literal's by its value); the library rewriter takes it into a fusion only when all its readers are there, so
+    one a reader outside that fusion (an elementwise op, another reduction's fusion) shares is materialised in
+    the result's shape, as soon as the operand exists, until the last fusion reading it (measured: `sum(x * v[:,
+    None], 1)` makes none, with `x + v[:, None]` beside it one; LayerNorm's scale and statistics in its backward
+    pass; attention's 1/sqrt(d) read by the scores' fusion and the gradient's). A reader dividing by a non-scalar
+    operand has a broadcast of its own (`_divides_by`: softmax's sums). Returns, per op holding such a buffer (the
+    last library op reading it, by `order`), the canonical operands."""
+    readers: dict[tuple[Any, tuple[int, ...]], list[int]] = {}
+    first: dict[Any, int] = {}  # (a broadcast's key -> the operand named for it)
     for op in graph.ops:
         if not live[op.id] or not op.outputs or op.primitive in FREE_PRIMITIVES:
             continue
         shape = tuple(graph.values[op.outputs[0]].shape)
         for v in set(op.inputs):
             operand = graph.values[v]
-            if operand.shape != shape and len(operand.shape) == len(shape) and math.prod(operand.shape) > 1 \
-                    and not _divides_by(op, v):
-                readers.setdefault((canon[v], shape), []).append(op.id)
+            if operand.shape or not shape:
+                if operand.shape == shape or len(operand.shape) != len(shape) or math.prod(operand.shape) <= 1 \
+                        or _divides_by(op, v):
+                    continue
+                key: Any = canon[v]
+            else:  # (a scalar: literals of one value are one constant to XLA)
+                key = canon[v] if operand.literal is None else ("literal", operand.literal, str(operand.dtype))
+            first.setdefault(key, canon[v])
+            readers.setdefault((key, shape), []).append(op.id)
     out: dict[int, list[int]] = {}
-    for (c, _), ops in readers.items():
+    for (key, _), ops in readers.items():
         fusions = {groups.get(u) for u in ops}
         library = [u for u in ops if u in groups]
         if library and len(fusions) > 1:
-            out.setdefault(max(library, key=lambda u: order[u]), []).append(c)
+            out.setdefault(max(library, key=lambda u: order[u]), []).append(first[key])
     return {u: tuple(cs) for u, cs in out.items()}
 
 
