@@ -33,7 +33,7 @@ import numpy as np
 
 from shardc.cost.first_fit import FirstFit
 from shardc.cost.program import (CUMULATIVE, SAME_OPERAND_RULES, ProgramInfo, conv_output_copied, derived,
-                                 descendants, gathered_order, loop_entry, outer_region, per_info,
+                                 descendants, gathered_order, is_loop_region, loop_entry, outer_region, per_info,
                                  scatter_into_constant, window_levels)
 
 __all__ = ["MemoryModel", "MemoryResult"]
@@ -101,6 +101,7 @@ class MemoryModel:
         self._first_fit = FirstFit()  # (in_outputs' placement, replayed from the previous call's)
         self._colocated_keys: set[int] = set()  # key ids colocated with an output (`_into_outputs`)
         self._region_spans: dict[str, tuple[int, int]] = {}  # (`_region_span`)
+        self._loop_bodies = frozenset(info.loop_buffer.values())  # (the values holding loops' state: `_holds_loop`)
         self._placing: tuple | None = None  # (limit, biggest, in place, pairs) `_buffer_ranges` last sorted for
         self._range_of: dict[int, tuple] = {}  # key id -> its range there
         self._sorted_ranges: list[tuple] = []
@@ -237,7 +238,7 @@ class MemoryModel:
         body it is not (measured: the merged all-reduce of a data-parallel gradient accumulation, and of a scanned
         model's backward loop, has its operands and its results live at once)."""
         p = self.graph.values[c].producer
-        if p is not None and any(r.startswith(("scan", "while")) for r in self.graph.ops[p].region.split("/")):
+        if p is not None and any(is_loop_region(r) for r in self.graph.ops[p].region.split("/")):
             return False
         if not self._donated_outputs:
             return True
@@ -1191,9 +1192,8 @@ class MemoryModel:
         buffer whatever its size (colocated, not reused: `_into_outputs`)."""
         c = self.info.canon[v]
         p = self.graph.values[c].producer
-        bodies = set(self.info.loop_buffer.values())
         return c in self.info.loop_buffer or (p is not None and bool(self.info.inplace)
-                                              and any(b in bodies for b in self.info.inplace[p]))
+                                              and any(b in self._loop_bodies for b in self.info.inplace[p]))
 
     def _unused_inputs(self) -> frozenset[int]:
         """The arguments nothing computing an output reads: `jax.jit` (keep_unused=False) prunes them from the

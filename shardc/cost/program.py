@@ -46,7 +46,7 @@ from shardc.ir.graph import Graph
 __all__ = ["ProgramInfo", "program_info", "per_info", "descendants", "Merged", "merged", "liveness", "unread_operands",
            "unread_if_same", "read_values",
            "SAME_OPERAND_RULES", "PASS_THROUGH_RULES", "BOUND_THROUGH", "passes_through", "splat_literal", "ALIASES",
-           "reads_only_padding", "pad_of", "scatter_into_constant", "loop_entry", "loop_exit",
+           "reads_only_padding", "pad_of", "scatter_into_constant", "loop_entry", "loop_exit", "is_loop_region",
            "broadcast_dims", "broadcast_transfer", "derived", "fusing_readers",
            "FUSIBLE", "FREE_PRIMITIVES", "PCG_COLLECTIVE"]
 
@@ -138,9 +138,14 @@ def _fused_into_readers(op: Any, backend: str, invariant: Collection[int] = froz
     return backend == "cpu" and op.primitive == "dynamic_slice" and not any(v in invariant for v in op.outputs)
 
 
+def is_loop_region(name: str) -> bool:
+    """Whether a region path component names a loop's body (a scan or while loop; not a cond branch)."""
+    return name.startswith(("scan", "while"))
+
+
 def _in_loop_body(op: Any) -> bool:
     """Whether `op`'s innermost region is a loop's body (not a branch)."""
-    return op.region.rsplit("/", 1)[-1].startswith(("scan", "while"))
+    return is_loop_region(op.region.rsplit("/", 1)[-1])
 
 
 def loop_entry(op: Any) -> bool:
@@ -936,13 +941,15 @@ def library_broadcasts(graph: Graph, live: Sequence[bool], canon: Sequence[int],
         shape = tuple(graph.values[op.outputs[0]].shape)
         for v in set(op.inputs):
             operand = graph.values[v]
-            if operand.shape or not shape:
-                if operand.shape == shape or len(operand.shape) != len(shape) or math.prod(operand.shape) <= 1 \
-                        or _divides_by(op, v):
+            if not operand.shape:  # (a scalar: literals of one value are one constant to XLA)
+                if not shape:
                     continue
-                key: Any = canon[v]
-            else:  # (a scalar: literals of one value are one constant to XLA)
-                key = canon[v] if operand.literal is None else ("literal", operand.literal, str(operand.dtype))
+                key: Any = canon[v] if operand.literal is None else ("literal", operand.literal, str(operand.dtype))
+            elif operand.shape != shape and len(operand.shape) == len(shape) and math.prod(operand.shape) > 1 \
+                    and not _divides_by(op, v):
+                key = canon[v]
+            else:
+                continue
             first.setdefault(key, canon[v])
             readers.setdefault((key, shape), []).append(op.id)
     out: dict[int, list[int]] = {}

@@ -970,13 +970,13 @@ def test_peak_memory_of_batched_matmuls_reading_one_value(name, batch):
 
 
 # a scalar read by a library fusion (a matmul, a row max) and by another fusion of the same shape
+_SCALE = 1 / np.sqrt(32.0)
 SHARED_SCALARS = {
     "a library and a loop fusion": lambda q, k, g: (jnp.exp((s := (q @ k) * _SCALE) - jnp.max(s, -1, keepdims=True)),
                                                     g * _SCALE),
     "two library fusions": lambda q, k, g: (jnp.sum((q @ k) * _SCALE, -1), jnp.sum(g * _SCALE * g, -1)),
     "another shape": lambda q, k, g: (jnp.exp((s := (q @ k) * _SCALE) - jnp.max(s, -1, keepdims=True)), q * _SCALE),
 }
-_SCALE = 1 / np.sqrt(32.0)
 
 
 @pytest.mark.parametrize("name", list(SHARED_SCALARS))
