@@ -1102,3 +1102,23 @@ def test_peak_memory_of_data_parallel_steps_with_merged_gradient_all_reduces(nam
     row = shardc.check(shardc.auto(step, mesh=shardc.make_mesh({"x": 8}), search=False), params, x) \
         .row("peak memory bytes")
     assert abs(row.predicted - row.compiled) <= bound * row.compiled, (row.predicted, row.compiled)
+
+
+def _attention_core_gradients(q, k, v):
+    """The gradients of softmax attention's core (no projections) with respect to queries, keys and values."""
+    def loss(q, k, v):
+        p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), -1)
+        return jnp.sum(jnp.einsum("bhqk,bkhd->bqhd", p, v) ** 2)
+    return jax.grad(loss, (0, 1, 2))(q, k, v)
+
+
+@pytest.mark.parametrize("batch", [4, 16])
+def test_peak_memory_of_attention_gradients_reading_the_output_gradient(batch):
+    """Attention's transposed output gradient is read by two matmuls only (the probabilities' gradient, then the
+    values'): XLA runs the last reader first (the users' order a removed sharding constraint leaves,
+    `_breadth_first`), so the values' gradient frees the probabilities before the probabilities' gradient is made
+    (1.048x over before, at 4 to 16 sequences)."""
+    q = k = v = jnp.ones((batch, 128, 8, 32)) * 0.1
+    row = shardc.check(shardc.auto(_attention_core_gradients, mesh=shardc.make_mesh({"x": 8}), search=False),
+                       q, k, v).row("peak memory bytes")
+    assert abs(row.predicted - row.compiled) <= 0.01 * row.compiled, (row.predicted, row.compiled)
