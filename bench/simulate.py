@@ -79,8 +79,9 @@ def main() -> None:
         t0 = time.perf_counter()
         simulate(plan, topo)
         cold.append(time.perf_counter() - t0)
-    sim = simulator_for(plan, topo)
-    check = simulator_for(plan, topo)
+    # (as the search's evaluators simulate: one ProgramInfo for every plan, `shardc.cost.device_shapes`)
+    sim = simulator_for(plan, topo, device_shapes=False)
+    check = simulator_for(plan, topo, device_shapes=False)
     warm = []
     for _ in range(3):
         t0 = time.perf_counter()

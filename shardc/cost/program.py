@@ -442,12 +442,14 @@ def dot_copies(graph: Graph, live: Sequence[bool], canon: Sequence[int], physica
 def _collapses(graph: Graph, dot: Any, i: int) -> bool:
     """Whether the dot decomposition reshapes operand `i` of dot_general `dot`: its contracting or its free dims
     hold more than one dim of more than one element (XLA:CPU's matmuls take several batch dims as they are:
-    measured on attention's [b, h, q, k] operands, b of 2 and 16)."""
+    measured on attention's [b, h, q, k] operands, b of 2 and 16), or it has a dim of one element (the simplifier
+    removes those from a dot: a data-parallel batch of one per device; measured on LayerNorm + Dense and
+    attention steps at one sequence, 17% and 20% under before)."""
     (lc, rc), (lb, rb) = dot.params["dimension_numbers"]
     contract, batch = (lc, lb) if i == 0 else (rc, rb)
     shape = graph.values[dot.inputs[i]].shape
     free = [d for d in range(len(shape)) if d not in contract and d not in batch]
-    return any(sum(shape[d] != 1 for d in dims) > 1 for dims in (contract, free))
+    return 1 in shape or any(sum(shape[d] != 1 for d in dims) > 1 for dims in (contract, free))
 
 
 def _gemm_layout(perm: Sequence[int], batch: int, rows: int) -> bool:

@@ -145,6 +145,12 @@ class Graph:
             cache[name] = compute()
         return cache[name]
 
+    def share_analyses(self, other: "Graph", names: tuple[str, ...]) -> None:
+        """Take `other`'s cached analyses `names` (those it has) as this graph's own."""
+        theirs = other.__dict__.get("_shardc_analyses", {})
+        mine = self.__dict__.setdefault("_shardc_analyses", {})
+        mine.update((n, theirs[n]) for n in names if n in theirs)
+
     def add_value(self, shape: tuple[int, ...], dtype: Any, name: str = "", *, is_const: bool = False,
                   literal: int | float | None = None, array: np.ndarray | None = None) -> int:
         vid = len(self.values)

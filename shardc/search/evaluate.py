@@ -199,7 +199,9 @@ class Evaluator:
         self.topology = as_topology(problem.topology)
         sizes = mesh_shape(mesh)
         mapping = self.topology.map_mesh(sizes)
-        self.sim = Simulator(problem.graph, self.topology, mapping, sizes)
+        # (the graph's own ProgramInfo for every plan: one per plan's per-device shapes costs ~3x the search time;
+        # the chosen plan is simulated with them, `shardc.cost.device_shapes`)
+        self.sim = Simulator(problem.graph, self.topology, mapping, sizes, device_shapes=False)
         self.price = topology_pricer(self.topology, sizes, mapping)
         self.limit = problem.memory_limit if problem.memory_limit is not None else self.topology.device.memory
         self.cache: dict[Assignment, Score] = {}

@@ -46,12 +46,13 @@ def _mapping(topo: Topology, mesh: Mapping[str, int], mapping: Any) -> MeshMappi
     raise ShardingError(f"mapping is a MeshMapping or a mesh-axis order (minor axis last), got {mapping!r}")
 
 
-def simulator_for(plan: Any, topology: Any, *, mapping: Any = None,
-                  estimator: OpCostEstimator | None = None) -> Simulator:
-    """A Simulator for plans of `plan`'s graph and mesh (keep it to delta-simulate variants)."""
+def simulator_for(plan: Any, topology: Any, *, mapping: Any = None, estimator: OpCostEstimator | None = None,
+                  device_shapes: bool = True) -> Simulator:
+    """A Simulator for plans of `plan`'s graph and mesh (keep it to delta-simulate variants; `device_shapes`: see
+    `Simulator`)."""
     topo = as_topology(topology)
     mesh = plan.mesh_sizes
-    return Simulator(plan.graph, topo, _mapping(topo, mesh, mapping), mesh, estimator)
+    return Simulator(plan.graph, topo, _mapping(topo, mesh, mapping), mesh, estimator, device_shapes=device_shapes)
 
 
 def simulate(plan: Any, topology: Any = "cpu-host", *, mapping: Any = None,

@@ -37,6 +37,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from shardc.cost.device_shapes import DeviceShapes, Signature, info_for
 from shardc.cost.estimator import OpCostEstimator
 from shardc.cost.memory import MemoryModel
 from shardc.cost.op_collectives import OP_COLLECTIVES
@@ -316,11 +317,19 @@ class Simulator:
     """Simulates plans of one graph on one topology; `delta(plan)` reuses the previous run."""
 
     def __init__(self, graph: Any, topology: Topology, mapping: MeshMapping, mesh: dict[str, int],
-                 estimator: OpCostEstimator | None = None) -> None:
+                 estimator: OpCostEstimator | None = None, device_shapes: bool = True) -> None:
         self.builder = TaskBuilder(graph, topology, mapping, mesh, estimator)
         self.memory = MemoryModel(graph, self.builder.info, mesh, self.builder)
         self.topology = topology
         self.mapping = mapping
+        self._estimator = estimator
+        # Per signature of per-device shapes (`shardc.cost.device_shapes`): the task builder and memory model of
+        # the ProgramInfo XLA's passes on one device amount to; the current plan's signature, as a dict. Off
+        # (`device_shapes=False`: the graph's own ProgramInfo for every plan) in the search's evaluators.
+        self._shapes = DeviceShapes(graph, mesh) if device_shapes else None
+        self._variants: dict[Signature, tuple[TaskBuilder, MemoryModel]] = {frozenset(): (self.builder, self.memory)}
+        self._signature: Signature = frozenset()
+        self._local: dict[int, tuple[int, ...]] = {}
         self._last: _State | None = None
         self._users_cache: dict[int, list[int]] | None = None
         self._combiner: Combiner | None = None
@@ -331,10 +340,37 @@ class Simulator:
     def graph(self) -> Any:
         return self.builder.graph
 
+    def _use_shapes_of(self, plan: Plan) -> None:
+        """Simulate with the task builder and memory model of `plan`'s per-device shapes (made at their first use)."""
+        if self._shapes is None:
+            return
+        sig = self._shapes.signature(plan.shardings)
+        if sig == self._signature:
+            return
+        variant = self._variants.get(sig)
+        if variant is None:
+            mesh = self._shapes.mesh
+            builder = TaskBuilder(self.graph, self.topology, self.mapping, mesh, self._estimator,
+                                  info=info_for(self.graph, self.topology.backend, sig))
+            variant = self._variants[sig] = (builder, MemoryModel(self.graph, builder.info, mesh, builder))
+        self.builder, self.memory = variant
+        self._signature, self._local = sig, dict(sig)
+        self._last = self._reads = self._combiner = self._users_cache = None
+
+    def _same_shapes(self, plan: Plan, values: set[int]) -> bool:
+        """Whether `plan`, which differs from the last plan simulated in the shardings of `values`, has its
+        per-device shape signature."""
+        if self._shapes is None:
+            return True
+        differing, local, sh = self._shapes.differing, self._local, plan.shardings
+        return all((differing(v, sh[v]) if sh[v] is not None and any(sh[v].dims) else None) == local.get(v)
+                   for v in values)
+
     # -- public --------------------------------------------------------------------------------------
     @gc_paused_long_lived  # (see shardc/gc_pause.py)
     def full(self, plan: Plan, donated: tuple[int, ...] = ()) -> SimResult:
         """Simulate a plan from scratch."""
+        self._use_shapes_of(plan)
         b = self.builder
         keys = b.initial_keys(plan)
         needs = self._needs = plan_needs(plan)
@@ -369,7 +405,7 @@ class Simulator:
         b = self.builder
         needs = plan_needs(plan)
         diff = self._diff(old.plan, plan, needs)
-        if diff is None:
+        if diff is None or not self._same_shapes(plan, diff[0]):
             return self.full(plan, donated)
         bc = b.set_broadcasts(plan, needs, diff)  # ops whose chains start from or make broadcasts differently
         bc = bc | b.set_drops(plan, needs)  # ops whose operands XLA drops, or that it removes, differently

@@ -147,9 +147,10 @@ class TaskBuilder:
     """Builds slots for plans of one graph on one topology/mapping with one estimator."""
 
     def __init__(self, graph: Any, topology: Topology, mapping: MeshMapping, mesh: Mapping[str, int],
-                 estimator: OpCostEstimator | None = None) -> None:
+                 estimator: OpCostEstimator | None = None, info: ProgramInfo | None = None) -> None:
         self.graph = graph
-        self.info: ProgramInfo = program_info(graph, topology.backend)
+        # (`info`: of the plans' per-device shapes, `shardc.cost.device_shapes`; default: of the graph's)
+        self.info: ProgramInfo = info if info is not None else program_info(graph, topology.backend)
         self.topology = topology
         self.mapping = mapping
         self.mesh = dict(mesh)

@@ -66,8 +66,9 @@ def random_sharding(draw, plan, v):
 @given(st.data())
 def test_delta_is_exactly_full(base, data):
     topo = data.draw(st.sampled_from(["h100-sxm-8", "h100-sxm-8x2", "tpu-v5e-8", "cpu-host"]))
-    incremental = simulator_for(base, topo)
-    reference = simulator_for(base, topo)
+    shapes = data.draw(st.booleans())  # (per-device shapes: a change of their signature is a full simulation)
+    incremental = simulator_for(base, topo, device_shapes=shapes)
+    reference = simulator_for(base, topo, device_shapes=shapes)
     plan = base
     incremental.full(plan)
     ops = [op.id for op in plan.graph.ops if op.primitive in ("dot_general", "reduce_sum", "add", "mul")]
@@ -145,7 +146,9 @@ def hinted():
 def test_delta_is_exactly_full_with_cpu_memory_rules(hinted, donating, data):
     plan = data.draw(st.sampled_from([hinted, donating]))
     donated = tuple(getattr(plan, "donated", ()) or ())
-    incremental, reference = simulator_for(plan, "cpu-host"), simulator_for(plan, "cpu-host")
+    shapes = data.draw(st.booleans())
+    incremental = simulator_for(plan, "cpu-host", device_shapes=shapes)
+    reference = simulator_for(plan, "cpu-host", device_shapes=shapes)
     incremental.full(plan, donated)
     ops = [op.id for op in plan.graph.ops if op.primitive in ("dot_general", "mul", "tanh", "add_any")]
     values = [v for op in plan.graph.ops if op.primitive in ("dot_general", "tanh", "mul") for v in op.outputs]
@@ -175,7 +178,7 @@ def test_delta_follows_where_a_plan_materialises_a_fused_value():
 
     plan = shardc.auto(step, mesh=mesh, search=False).plan(jnp.ones((64, 32)), jnp.ones((64, 32)),
                                                             jnp.ones((32, 32)))
-    incremental = simulator_for(plan, "cpu-host")
+    incremental = simulator_for(plan, "cpu-host", device_shapes=False)  # (deltas all: one ProgramInfo)
     incremental.full(plan)
     mul = next(op for op in plan.graph.ops if op.primitive == "mul")
     scaled = [op.outputs[0] for op in plan.graph.ops if op.primitive == "shardc_hint" and op.inputs[0] in mul.outputs]
@@ -186,7 +189,8 @@ def test_delta_follows_where_a_plan_materialises_a_fused_value():
     for target, choice in steps + steps[::-1]:
         plan = with_sharding(plan, target, choice) if isinstance(choice, Sharding) else \
             with_strategy(plan, target, choice)
-        assert same(incremental.delta(plan), simulator_for(plan, "cpu-host").full(plan)), (target, choice)
+        assert same(incremental.delta(plan), simulator_for(plan, "cpu-host", device_shapes=False).full(plan)), \
+            (target, choice)
 
 
 def test_delta_rebinds_a_later_task_whose_operand_another_task_now_makes(hinted):
@@ -195,14 +199,33 @@ def test_delta_rebinds_a_later_task_whose_operand_another_task_now_makes(hinted)
     start did not move had recorded the old task as the one it waited for. The delta kept that slot and its stale
     `binds` (the critical path's links); it now replays a slot bound to a key's former maker."""
     plan = hinted
-    incremental = simulator_for(plan, "cpu-host")
+    incremental = simulator_for(plan, "cpu-host", device_shapes=False)  # (deltas all: one ProgramInfo)
     incremental.full(plan)
     walk = [(22, ((), ("model",))), (2, ((), ())), (4, Sharding((("data",), ("model",))))]  # the example's steps
     assert (plan.graph.ops[22].primitive, plan.graph.ops[2].primitive) == ("mul", "tanh")
     for target, choice in walk:
         plan = with_sharding(plan, target, choice) if isinstance(choice, Sharding) else \
             with_strategy(plan, target, choice)
-        assert same(incremental.delta(plan), simulator_for(plan, "cpu-host").full(plan)), (target, choice)
+        assert same(incremental.delta(plan), simulator_for(plan, "cpu-host", device_shapes=False).full(plan)), \
+            (target, choice)
+
+
+def test_a_delta_to_other_per_device_shapes_is_the_full_simulation_of_them():
+    """A plan whose per-device shapes cross a size rule the last plan's did not (a batch of one per device) is
+    simulated with its own ProgramInfo: the delta gives the full simulation's result, and back."""
+    x = jnp.ones((8, 8, 256))
+
+    def step(x):
+        return jnp.sum(jnp.exp(x - jnp.max(x, -1, keepdims=True)), -1)
+
+    plan = shardc.auto(step, mesh=shardc.make_mesh({"data": 8}), search=False).plan(x)
+    replicated = with_sharding(plan, plan.graph.inputs[0], Sharding(((), (), ())))
+    split_batch = with_sharding(replicated, plan.graph.inputs[0], Sharding((("data",), (), ())))
+    sim = simulator_for(replicated, "cpu-host")
+    first = sim.full(replicated)
+    assert same(sim.delta(split_batch), simulator_for(split_batch, "cpu-host").full(split_batch))
+    assert sim.builder.info is not sim._variants[frozenset()][0].info  # (the split batch's own analysis)
+    assert same(sim.delta(replicated), first)
 
 
 def test_a_simulation_pauses_the_garbage_collector_only_while_it_runs(base, monkeypatch):

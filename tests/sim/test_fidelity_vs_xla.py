@@ -813,7 +813,13 @@ class RmsDense(nn.Module):
         return nn.Dense(x.shape[-1])(nn.RMSNorm()(x))
 
 
-@pytest.mark.parametrize("data_parallel", [False, True])
+_OUTPUT_ALLOCATION = pytest.mark.xfail(strict=True, reason=(
+    "10% under with the per-device analysis (a batch of one per device): the model places the output gradient in "
+    "the weight's output allocation, where XLA places the weight gradient the merged all-reduce reads (its result "
+    "in the temporaries: not in place); docs/simulator.md"))
+
+
+@pytest.mark.parametrize("data_parallel", [False, pytest.param(True, marks=_OUTPUT_ALLOCATION)])
 def test_peak_memory_of_an_rmsnorm_train_step(data_parallel):
     """Flax's RMSNorm subtracts a mean of zeros, which XLA's simplifier drops (`x - 0` is `x`: no buffer), and the
     scale's gradient is a library fusion holding the input gradient's matmul, which reads its operands as they are
