@@ -318,16 +318,19 @@ class Simulator:
 
     def __init__(self, graph: Any, topology: Topology, mapping: MeshMapping, mesh: dict[str, int],
                  estimator: OpCostEstimator | None = None, device_shapes: bool = True) -> None:
-        self.builder = TaskBuilder(graph, topology, mapping, mesh, estimator)
-        self.memory = MemoryModel(graph, self.builder.info, mesh, self.builder)
+        self._graph = graph
         self.topology = topology
         self.mapping = mapping
+        self._mesh = dict(mesh)
         self._estimator = estimator
         # Per signature of per-device shapes (`shardc.cost.device_shapes`): the task builder and memory model of
-        # the ProgramInfo XLA's passes on one device amount to; the current plan's signature, as a dict. Off
-        # (`device_shapes=False`: the graph's own ProgramInfo for every plan) in the search's evaluators.
+        # the ProgramInfo XLA's passes on one device amount to, made at their first use; the current plan's
+        # signature, as a dict. Off (`device_shapes=False`: the graph's own ProgramInfo for every plan) in the
+        # search's evaluators.
         self._shapes = DeviceShapes(graph, mesh) if device_shapes else None
-        self._variants: dict[Signature, tuple[TaskBuilder, MemoryModel]] = {frozenset(): (self.builder, self.memory)}
+        self._variants: dict[Signature, tuple[TaskBuilder, MemoryModel]] = {}
+        self._builder: TaskBuilder | None = None
+        self._memory: MemoryModel | None = None
         self._signature: Signature = frozenset()
         self._local: dict[int, tuple[int, ...]] = {}
         self._last: _State | None = None
@@ -338,22 +341,36 @@ class Simulator:
 
     @property
     def graph(self) -> Any:
-        return self.builder.graph
+        return self._graph
+
+    @property
+    def builder(self) -> TaskBuilder:
+        """The task builder of the last plan's per-device shapes (the graph's own before any plan)."""
+        if self._builder is None:
+            self._switch(frozenset())
+        return self._builder
+
+    @property
+    def memory(self) -> MemoryModel:
+        """The memory model of the last plan's per-device shapes (the graph's own before any plan)."""
+        if self._memory is None:
+            self._switch(frozenset())
+        return self._memory
 
     def _use_shapes_of(self, plan: Plan) -> None:
-        """Simulate with the task builder and memory model of `plan`'s per-device shapes (made at their first use)."""
-        if self._shapes is None:
-            return
-        sig = self._shapes.signature(plan.shardings)
-        if sig == self._signature:
-            return
+        """Simulate with the task builder and memory model of `plan`'s per-device shapes."""
+        sig = self._shapes.signature(plan.shardings) if self._shapes is not None else frozenset()
+        if self._builder is None or sig != self._signature:
+            self._switch(sig)
+
+    def _switch(self, sig: Signature) -> None:
+        """Use the task builder and memory model of signature `sig` (made at their first use)."""
         variant = self._variants.get(sig)
         if variant is None:
-            mesh = self._shapes.mesh
-            builder = TaskBuilder(self.graph, self.topology, self.mapping, mesh, self._estimator,
-                                  info=info_for(self.graph, self.topology.backend, sig))
-            variant = self._variants[sig] = (builder, MemoryModel(self.graph, builder.info, mesh, builder))
-        self.builder, self.memory = variant
+            info = info_for(self._graph, self.topology.backend, sig) if sig else None
+            builder = TaskBuilder(self._graph, self.topology, self.mapping, self._mesh, self._estimator, info=info)
+            variant = self._variants[sig] = (builder, MemoryModel(self._graph, builder.info, self._mesh, builder))
+        self._builder, self._memory = variant
         self._signature, self._local = sig, dict(sig)
         self._last = self._reads = self._combiner = self._users_cache = None
 
