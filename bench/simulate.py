@@ -6,7 +6,9 @@ Full simulation: `shardc.simulate(plan, topology)` from scratch (a new Simulator
 `Simulator.full(plan)` again (warm op-cost and reshard caches). Delta: one random op's strategy is
 changed per step of a random walk (a legal factor->axis assignment of a random dot_general);
 `Simulator.delta(new_plan)` is timed and so is a warm full simulation of the same plan by a second
-Simulator, which the delta must equal. The speedup is full / delta per change, timed twice over the same
+Simulator, which the delta must equal. Both simulators price every plan with the graph's own ProgramInfo, as
+the search's evaluators do (`device_shapes=False`; `shardc.cost.device_shapes`: with per-device shapes, a change of
+their signature is a full simulation). The speedup is full / delta per change, timed twice over the same
 walk: alternating (each delta, then its full: the full's working set evicts the delta simulator's from the
 CPU caches before every delta) and in blocks (10 deltas back to back, as a search calls them, then the full
 simulations of the same 10 plans: both within about a second, so machine load affects them alike). Target
