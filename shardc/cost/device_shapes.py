@@ -48,9 +48,11 @@ class DeviceShapes:
         self._items = [int(v.dtype.itemsize) if v.dtype is not None else 4 for v in graph.values]
         self._memo: dict[tuple[int, Sharding], tuple[int, ...] | None] = {}
 
-    def differing(self, v: int, sharding: Sharding) -> tuple[int, ...] | None:
+    def differing(self, v: int, sharding: Sharding | None) -> tuple[int, ...] | None:
         """Value `v`'s per-device shape under `sharding` when it crosses a size rule its global shape does not
-        (or the other way round); None when the rules read both alike."""
+        (or the other way round); None when the rules read both alike (a value split on no dim among them)."""
+        if sharding is None or not any(sharding.dims):
+            return None
         key = (v, sharding)
         hit = self._memo.get(key, False)
         if hit is not False:
@@ -65,13 +67,8 @@ class DeviceShapes:
 
     def signature(self, shardings: Sequence[Sharding]) -> Signature:
         """The (value, per-device shape) pairs of a plan's values that cross a size rule (see `differing`)."""
-        pairs = []
-        for v, s in enumerate(shardings):
-            if s is not None and any(s.dims):
-                local = self.differing(v, s)
-                if local is not None:
-                    pairs.append((v, local))
-        return frozenset(pairs)
+        differing = self.differing
+        return frozenset((v, local) for v, s in enumerate(shardings) if (local := differing(v, s)) is not None)
 
 
 # The analyses of what XLA does before it partitions the program (CSE, constant folding, dead code, the simplifier's

@@ -380,8 +380,7 @@ class Simulator:
         if self._shapes is None:
             return True
         differing, local, sh = self._shapes.differing, self._local, plan.shardings
-        return all((differing(v, sh[v]) if sh[v] is not None and any(sh[v].dims) else None) == local.get(v)
-                   for v in values)
+        return all(differing(v, sh[v]) == local.get(v) for v in values)
 
     # -- public --------------------------------------------------------------------------------------
     @gc_paused_long_lived  # (see shardc/gc_pause.py)
