@@ -3,7 +3,8 @@
 XLA partitions the program first and runs its fusion, library (YNNPACK) and scheduling passes on the program
 of one device. `ProgramInfo` (`shardc.cost.program`) is computed from a graph's (global) shapes, and several of
 its rules depend on sizes: a dim of one element is no dim to a matmul or a transpose; a reduction or an
-elementwise op of fewer than 4096 elements is no library fusion; a concatenate along a short minor dim is fused.
+elementwise op of fewer than 4096 elements is no library fusion; a reduction over dims of at most 32 elements is
+no tree reduction; a concatenate along a short minor dim is fused.
 A data-parallel plan of 8 sequences over 8 devices has a batch dim of one on each, and one of 16 sequences has
 reductions of 2048 elements where the global ones have 16384.
 
@@ -19,8 +20,8 @@ import dataclasses
 import math
 from typing import Mapping, Sequence
 
-from shardc.cost.program import (_MINOR_CONCAT_BYTES, _MINOR_CONCAT_DIM_BYTES, _YNN_MIN_ELEMENTS, ProgramInfo,
-                                 program_info)
+from shardc.cost.program import (_MINOR_CONCAT_BYTES, _MINOR_CONCAT_DIM_BYTES, _YNN_MIN_ELEMENTS,
+                                 TREE_REDUCTION_WINDOW, ProgramInfo, program_info)
 from shardc.ir.graph import Graph
 from shardc.sharding import Sharding
 
@@ -35,7 +36,8 @@ _SMALL_DOT_DIM = 8
 def _features(shape: Sequence[int], itemsize: int) -> tuple:
     """What the size-dependent rules of `ProgramInfo` read of a value's shape."""
     n = math.prod(shape)
-    return (tuple(d == 1 for d in shape), n >= _YNN_MIN_ELEMENTS, n >= _SMALL_DOT_DIM,
+    return (tuple(d == 1 for d in shape), tuple(d > TREE_REDUCTION_WINDOW for d in shape),
+            n >= _YNN_MIN_ELEMENTS, n >= _SMALL_DOT_DIM,
             n * itemsize >= _MINOR_CONCAT_BYTES, bool(shape) and shape[-1] * itemsize >= _MINOR_CONCAT_DIM_BYTES)
 
 

@@ -32,7 +32,7 @@ import collections
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterator, Mapping, NamedTuple, Sequence
 
 from shardc.cost import splats
 from shardc.cost.aliases import ALIASES, HINTS  # (ALIASES' results have no buffer of their own, `fused`, yet what
@@ -365,17 +365,22 @@ def _dot_orders(op: Any, graph: Graph) -> list[tuple[tuple[int, ...], ...]]:
     """Per operand of dot_general `op`, the memory orders (major to minor, size-1 dims left out) XLA:CPU's dot
     decomposition reads without a copy: [batch, free, contracting] for the left operand, [batch, contracting,
     free] for the right one; with at most one free and one contracting dim, also those two swapped (the
-    matmul library reads a matrix transposed). Another order is transposed into a copy first."""
+    matmul library reads a matrix transposed) — but not where a free or contracting dim has one element: the
+    decomposition collapses those dims into the canonical order, a copy (measured: a data-parallel weight
+    gradient at one sequence per device, [1, s, d] contracting (0, 1), is copied transposed, then a library
+    dot). Another order is transposed into a copy first."""
     (lc, rc), (lb, rb) = op.params["dimension_numbers"]
     out = []
     for i, (contract, batch) in enumerate(((lc, lb), (rc, rb))):
         shape = graph.values[op.inputs[i]].shape
         keep = lambda dims: [d for d in dims if shape[d] != 1]
         b, c = keep(batch), keep(contract)
-        f = keep(d for d in range(len(shape)) if d not in contract and d not in batch)
+        free = [d for d in range(len(shape)) if d not in contract and d not in batch]
+        f = keep(free)
         first, second = (f, c) if i == 0 else (c, f)
         orders = [tuple(b + first + second)]
-        if len(f) <= 1 and len(c) <= 1:
+        unit = any(shape[d] == 1 for d in (*contract, *free))
+        if len(f) <= 1 and len(c) <= 1 and not (unit and UNIT_DIMS_CANONICAL):
             orders.append(tuple(b + second + first))
         out.append(tuple(orders))
     return out
@@ -752,6 +757,11 @@ LOOK_THROUGH_HINTS = True
 HINTED_IN_PROGRAM_ORDER = True
 USERS_AFTER_CONSTRAINT = True  # (switch: `_breadth_first` queues a matmul's readers last first)
 RECOMPUTE_IN_LOOPS = True
+LIBRARY_FUSION_UNITS = True  # (switch: `_breadth_first` queues a library fusion as one instruction)
+_COPY_DEPTH = 8  # (how far up a chain of cheap values a copy's recomputation is followed)
+RECOMPUTED_READS = True  # (switch: `_breadth_first` has a fusion recomputing a cheap value wait for its sources)
+UNIT_DIMS_CANONICAL = True  # (switch: `_dot_orders` takes no swapped order for an operand with a dim of one)
+COPY_UNITS = True  # (switch: `_breadth_first` queues a dot's copy of an operand as an instruction of its own)
 COPIED_READERS_REVERSED = True  # (switch: `_breadth_first` queues a copied cheap value's readers in reverse)
 
 
@@ -807,6 +817,22 @@ _YNN_ELEMENTWISE = frozenset({
     "add", "add_any", "div", "max", "min", "mul", "pow", "sub", "square", "integer_pow"})  # (binary: x**n is a mul)
 _YNN_MOVES = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims"})
 _YNN_DTYPES = frozenset({"float32", "bfloat16", "float64", "int8", "uint8"})
+
+
+# XLA's TreeReductionRewriter (run by XLA:CPU): a reduction with a reduced dim of more than this many elements
+# becomes a reduce-window over windows of this size and a reduction of its result.
+TREE_REDUCTION_WINDOW = 32
+
+
+def tree_reduced(graph: Graph, op: Any) -> bool:
+    """Whether XLA:CPU rewrites reduction `op` (outside a library fusion) into a reduce-window and a reduce: it has
+    one operand and a reduced dim longer than `TREE_REDUCTION_WINDOW`. The reduce-window takes no producer into
+    its fusion: it reads its operand from memory (measured: a data-parallel MLP's bias gradient of 64 x 32
+    elements per device reads the output gradient's buffer, the fusion making which is not duplicated into it)."""
+    if op.primitive not in REDUCTIONS or op.primitive in ("argmax", "argmin") or len(op.inputs) != 1:
+        return False
+    shape = graph.values[op.inputs[0]].shape
+    return any(shape[d] > TREE_REDUCTION_WINDOW for d in op.params.get("axes", ()))
 
 
 def _ynn_sized(graph: Graph, op: Any) -> bool:
@@ -1083,12 +1109,17 @@ def _is_matmul(graph: Graph, i: int) -> bool:
 
 
 def _queued_units(graph: Graph, ops: Sequence[int], depth: int, canon: list[int], constant: list[bool],
-                  fused: list[bool], copied: Collection[int], post: Sequence[int]
+                  fused: list[bool], copied: Collection[int], post: Sequence[int],
+                  library: Mapping[int, int] | None = None,
+                  recomputed: Recomputations | None = None
                   ) -> tuple[dict[int, list[int]], list[tuple[list[int], list[int]]]]:
     """The breadth-first schedule of `ops` (live op ids in program order: the whole program at `depth` 1, else
     the body of a region nested at `depth` - 1; see `_breadth_first`): per unit — a region nested at `depth`,
     named by its first op's id, or any other op — its ops in the order they run (a region's body scheduled
-    likewise), and per queued unit, in schedule order, the units that ran with it (inlined) and those it queued."""
+    likewise), and per queued unit, in schedule order, the units that ran with it (inlined) and those it queued.
+    A library fusion (`library`: op -> its fusion's reduction) is one unit too, its ops in program order. An op
+    recomputing a materialised cheap value waits for what it is computed from (`recomputed.reads`), and a dot's
+    copy of an operand (`recomputed.copies`) is a unit of no ops that the dot waits for (`_add_copy_units`)."""
     # (a loop's results — its `at="out"` ties — exist once the loop has run: after the rest of its body)
     results = [i for i in ops if depth > 1 and loop_exit(graph.ops[i])]
     if results:
@@ -1096,28 +1127,36 @@ def _queued_units(graph: Graph, ops: Sequence[int], depth: int, canon: list[int]
         ops = [i for i in ops if i not in leaving]
     unit: dict[int, int] = {}
     first: dict[str, int] = {}
+    library = library or {}
+    fusion_of: dict[int, int] = {}  # a library fusion's reduction -> its unit (its first op here)
     for i in ops:
         r = _region_at(graph.ops[i].region, depth)
-        unit[i] = first.setdefault(r, i) if r else i
+        if r:
+            unit[i] = first.setdefault(r, i)
+        else:
+            unit[i] = fusion_of.setdefault(library[i], i) if i in library else i
     members: dict[int, list[int]] = {}
     for i in ops:
         members.setdefault(unit[i], []).append(i)
+    fusions = set(fusion_of.values())
     for u, body in members.items():  # (a region's body is scheduled breadth first too)
-        if len(body) > 1:
-            inner, _ = _queued_units(graph, body, depth + 1, canon, constant, fused, copied, post)
+        if len(body) > 1 and u not in fusions:
+            inner, _ = _queued_units(graph, body, depth + 1, canon, constant, fused, copied, post, library,
+                                     recomputed)
             members[u] = [i for w in inner for i in inner[w]]
     preds: dict[int, set[int]] = {u: set() for u in members}
     succs: dict[int, list[int]] = {u: [] for u in members}
+    reads = recomputed.reads if recomputed else {}
     for u, body in members.items():
         for i in body:
-            for v in graph.ops[i].inputs:
-                c = canon[v]
+            instead = reads.get(i, {})
+            for c in (w for v in graph.ops[i].inputs for w in instead.get(canon[v], (canon[v],))):
                 p = graph.values[c].producer
                 if p is None or constant[c] or p not in unit or unit[p] == u or unit[p] in preds[u]:
                     continue
                 preds[u].add(unit[p])
                 succs[unit[p]].append(u)
-    inline = {u for u, body in members.items() if len(body) == 1 and graph.ops[u].outputs
+    inline = {u for u, body in members.items() if len(body) == 1 and u < len(graph.ops) and graph.ops[u].outputs
               and all(fused[canon[v]] or constant[canon[v]] for v in graph.ops[u].outputs)}
     for u, body in members.items():
         if len(body) != 1 or len(graph.ops[u].outputs) != 1 or len(succs[u]) < 2:
@@ -1130,6 +1169,8 @@ def _queued_units(graph: Graph, ops: Sequence[int], depth: int, canon: list[int]
             succs[u] = succs[u][-1:] + succs[u][:-1]  # (see `_breadth_first`: the readers' order XLA's users keep)
         elif COPIED_READERS_REVERSED and c in copied and not fused[c]:
             succs[u] = sorted(succs[u], key=lambda w: -post[w])  # (`_breadth_first`: fusions made consumers first)
+    if recomputed and recomputed.copies:
+        _add_copy_units(graph, canon, unit, members, preds, succs, recomputed.copies, post)
     waiting = {u: len(p) for u, p in preds.items()}
     queue = collections.deque(u for u in sorted(members) if not waiting[u])
     runs: dict[int, list[int]] = {}
@@ -1143,7 +1184,7 @@ def _queued_units(graph: Graph, ops: Sequence[int], depth: int, canon: list[int]
             u = stack.pop()
             ran.append(u)
             runs[u] = members[u]
-            hinted = hinted or graph.ops[u].primitive in ALIASES
+            hinted = hinted or u < len(graph.ops) and graph.ops[u].primitive in ALIASES
             for w in succs[u]:
                 waiting[w] -= 1
                 if not waiting[w]:
@@ -1158,9 +1199,93 @@ def _queued_units(graph: Graph, ops: Sequence[int], depth: int, canon: list[int]
     return runs, groups
 
 
+class Recomputations(NamedTuple):
+    """What fusions recompute instead of reading (XLA duplicates cheap producers into each fusion that can take
+    them, even where the value is materialised for other readers), as the values they are computed from: the
+    first values up the chain of cheap values that are not cheap (constants aside)."""
+
+    reads: dict[int, dict[int, tuple[int, ...]]]  # op -> {cheap value it recomputes: the values it reads instead}
+    # dot -> {materialised value it copies: what the copy reads (the value itself, or what a cheap one is computed from)}
+    copies: dict[int, dict[int, tuple[int, ...]]]
+
+
+def _recomputations(graph: Graph, canon: Sequence[int], constant: Sequence[bool], fused: Sequence[bool],
+                    cheap: frozenset[int], copies: Sequence[Sequence[int]], dup: Mapping[int, Sequence[int]]
+                    ) -> Recomputations:
+    """The recomputations `_queued_units` schedules by: the readers that recompute a materialised cheap value
+    (`dup`), each with the values it is computed from, and the dots' copies of materialised values (`copies`)."""
+    memo: dict[int, tuple[int, ...]] = {}
+
+    def sources(c: int) -> tuple[int, ...]:
+        if c not in memo:
+            found: set[int] = set()
+            stack, seen = [(c, 0)], {c}
+            while stack:
+                w, depth = stack.pop()
+                for x in graph.ops[graph.values[w].producer].inputs:
+                    cx = canon[x]
+                    if constant[cx] or cx in seen:
+                        continue
+                    seen.add(cx)
+                    if cx in cheap and depth < _COPY_DEPTH:
+                        stack.append((cx, depth + 1))
+                    else:
+                        found.add(cx)
+            memo[c] = tuple(sorted(found))
+        return memo[c]
+
+    reads: dict[int, dict[int, tuple[int, ...]]] = {}
+    for c, readers in dup.items():
+        for u in readers:
+            reads.setdefault(u, {})[c] = sources(c)
+    copying: dict[int, dict[int, tuple[int, ...]]] = {}
+    for op in graph.ops:
+        for i in copies[op.id] if copies else ():
+            c = canon[op.inputs[i]]
+            if not fused[c]:
+                copying.setdefault(op.id, {})[c] = sources(c) if c in cheap else (c,)
+    return Recomputations(reads if RECOMPUTED_READS else {}, copying if COPY_UNITS else {})
+
+
+def _add_copy_units(graph: Graph, canon: Sequence[int], unit: Mapping[int, int], members: dict[int, list[int]],
+                    preds: dict[int, set[int]], succs: dict[int, list[int]],
+                    copies: Mapping[int, Mapping[int, tuple[int, ...]]], post: Sequence[int]) -> None:
+    """Give each dot of `members` that copies an operand (`copies`: dot -> {operand: what the copy reads}) a unit
+    of its own for the copy (an id past the ops'), which the dot waits for: XLA's dot decomposition makes the
+    copy an instruction, the dot's operand in place of the value. A copy of a value's buffer takes the dot's
+    place among the value's users; a copy of a materialised cheap value recomputes it, so it waits for what it is
+    computed from instead, and is queued after their other users (the copies' dots consumers first: reverse post
+    order, as fusion makes them)."""
+    n = len(graph.ops)
+    made = 0
+    for dot in sorted((u for u in members if u in copies and members[u] == [u]), key=lambda u: -post[u]):
+        for c, sources in copies[dot].items():
+            own = graph.values[c].producer
+            if own not in unit or unit[own] not in preds[dot]:
+                continue
+            if sum(canon[v] == c or graph.values[canon[v]].producer == own for v in graph.ops[dot].inputs) > 1:
+                continue  # (it reads the value's instruction otherwise too)
+            copy = n + made
+            made += 1
+            members[copy] = []
+            succs[copy] = [dot]
+            at = succs[unit[own]].index(dot)
+            if sources == (c,):
+                preds[copy] = {unit[own]}
+                succs[unit[own]][at] = copy
+            else:
+                preds[copy] = {unit[p] for v in sources for p in (graph.values[v].producer,) if p in unit}
+                for p in preds[copy]:
+                    succs[p].append(copy)
+                del succs[unit[own]][at]
+            preds[dot].discard(unit[own])
+            preds[dot].add(copy)
+
+
 def _breadth_first(graph: Graph, live: list[bool], canon: list[int], constant: list[bool], fused: list[bool],
-                   consumers: list[list[int]], copied: Collection[int] = frozenset(), post: Sequence[int] = ()
-                   ) -> list[int]:
+                   consumers: list[list[int]], copied: Collection[int] = frozenset(), post: Sequence[int] = (),
+                   library: Mapping[int, int] | None = None,
+                   recomputed: Recomputations | None = None) -> list[int]:
     """Per op, its position in XLA:CPU's schedule: breadth first (BFSMemoryScheduler, XLA:CPU's default
     since `xla_cpu_enable_concurrency_optimized_scheduler`): an instruction runs as soon as its operands
     exist, in the order they became ready — so what depends only on the arguments (a parameter's
@@ -1187,7 +1312,7 @@ def _breadth_first(graph: Graph, live: list[bool], canon: list[int], constant: l
     17% under before)."""
     no = len(graph.ops)
     runs, groups = _queued_units(graph, [op.id for op in graph.ops if live[op.id]], 1, canon, constant, fused,
-                                 copied, post)
+                                 copied, post, library, recomputed)
     order = [-1] * no
     pos = 0
     for ran, _ in groups:
@@ -1201,7 +1326,7 @@ def _breadth_first(graph: Graph, live: list[bool], canon: list[int], constant: l
             pos += 1
     batch = list(order)  # per op: the last position of what its unit's group queued (`ProgramInfo.batch`)
     for ran, queued in groups:
-        end = max((min(order[i] for i in runs[w]) for w in queued), default=-1)
+        end = max((min(order[i] for i in runs[w]) for w in queued if runs[w]), default=-1)
         for u in ran:
             for i in runs[u]:
                 batch[i] = max(batch[i], end)
@@ -1963,8 +2088,6 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
         copies = dot_copies(graph, live, canon, physical_orders(graph, canon), cheap, frozenset(library))
         copied = {canon[op.inputs[i]] for op in graph.ops for i in copies[op.id]} & cheap
     post = _post_order(graph, canon)
-    order, batch = (_breadth_first(graph, live, canon, constant, fused, consumers, copied, post) if backend == "cpu"
-                    else (list(range(no)), []))
     if backend == "cpu":
         def into_copy(u: int, depth: int = 0) -> bool:
             """Whether op u's result is copied cheap work, or fused cheap work leading to one."""
@@ -1975,9 +2098,14 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
         for c in cheap:
             if fused[c] or c in outputs:
                 continue
-            fusing = [u for u in consumers[c] if (loop[u] and RECOMPUTE_IN_LOOPS) or into_copy(u)]
+            fusing = [u for u in consumers[c] if (loop[u] and RECOMPUTE_IN_LOOPS and not tree_reduced(graph, graph.ops[u]))
+                      or into_copy(u)]
             if fusing:
                 dup[c] = fusing
+    order, batch = (_breadth_first(graph, live, canon, constant, fused, consumers, copied, post,
+                                   groups if LIBRARY_FUSION_UNITS else None,
+                                   _recomputations(graph, canon, constant, fused, cheap, copies, dup))
+                    if backend == "cpu" else (list(range(no)), []))
     fusing = fusing_readers(graph, live, canon, fused, consumers, dup)
     until = _fused_reads(graph, live, canon, fused, fusing, order, dup)
     loops = loop_buffers(graph, live, canon, fused) if backend == "cpu" else {}
