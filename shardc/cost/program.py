@@ -758,7 +758,7 @@ HINTED_IN_PROGRAM_ORDER = True
 USERS_AFTER_CONSTRAINT = True  # (switch: `_breadth_first` queues a matmul's readers last first)
 RECOMPUTE_IN_LOOPS = True
 LIBRARY_FUSION_UNITS = True  # (switch: `_breadth_first` queues a library fusion as one instruction)
-_COPY_DEPTH = 8  # (how far up a chain of cheap values a copy's recomputation is followed)
+_COPY_DEPTH = 8  # (how far along a chain of cheap values a copy's recomputation is followed)
 RECOMPUTED_READS = True  # (switch: `_breadth_first` has a fusion recomputing a cheap value wait for its sources)
 UNIT_DIMS_CANONICAL = True  # (switch: `_dot_orders` takes no swapped order for an operand with a dim of one)
 COPY_UNITS = True  # (switch: `_breadth_first` queues a dot's copy of an operand as an instruction of its own)
@@ -1156,7 +1156,7 @@ def _queued_units(graph: Graph, ops: Sequence[int], depth: int, canon: list[int]
                     continue
                 preds[u].add(unit[p])
                 succs[unit[p]].append(u)
-    inline = {u for u, body in members.items() if len(body) == 1 and u < len(graph.ops) and graph.ops[u].outputs
+    inline = {u for u, body in members.items() if len(body) == 1 and graph.ops[u].outputs
               and all(fused[canon[v]] or constant[canon[v]] for v in graph.ops[u].outputs)}
     for u, body in members.items():
         if len(body) != 1 or len(graph.ops[u].outputs) != 1 or len(succs[u]) < 2:
@@ -1205,7 +1205,7 @@ class Recomputations(NamedTuple):
     first values up the chain of cheap values that are not cheap (constants aside)."""
 
     reads: dict[int, dict[int, tuple[int, ...]]]  # op -> {cheap value it recomputes: the values it reads instead}
-    # dot -> {materialised value it copies: what the copy reads (the value itself, or what a cheap one is computed from)}
+    # dot -> {materialised value it copies: what the copy reads (the value, or what a cheap one is computed from)}
     copies: dict[int, dict[int, tuple[int, ...]]]
 
 
@@ -2092,14 +2092,14 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
         def into_copy(u: int, depth: int = 0) -> bool:
             """Whether op u's result is copied cheap work, or fused cheap work leading to one."""
             out = canon[graph.ops[u].outputs[0]] if graph.ops[u].outputs else -1
-            return out in copied or (out in cheap and fused[out] and depth < 8
+            return out in copied or (out in cheap and fused[out] and depth < _COPY_DEPTH
                                      and any(into_copy(w, depth + 1) for w in consumers[out]))
 
         for c in cheap:
             if fused[c] or c in outputs:
                 continue
-            fusing = [u for u in consumers[c] if (loop[u] and RECOMPUTE_IN_LOOPS and not tree_reduced(graph, graph.ops[u]))
-                      or into_copy(u)]
+            fusing = [u for u in consumers[c]
+                      if loop[u] and RECOMPUTE_IN_LOOPS and not tree_reduced(graph, graph.ops[u]) or into_copy(u)]
             if fusing:
                 dup[c] = fusing
     order, batch = (_breadth_first(graph, live, canon, constant, fused, consumers, copied, post,
