@@ -3,7 +3,7 @@
 The zoo models of `bench/fidelity.py` run at a scale where most per-device buffers are a few hundred KiB. Here
 each common layer (flax.linen's own Dense, LayerNorm, RMSNorm, Embed, Dropout; attention written as a Flax
 user writes it) takes batches of 8 and 16 sequences of 128 tokens of width 256, so that replicated its
-activations are 1-8 MiB per device, above XLA:CPU's L2-sized thresholds, and data parallel (the batch split over
+activations are 1-8 MiB per device, larger than a CPU's L2 cache, and data parallel (the batch split over
 8 devices) they are 8x smaller. The step is `jax.value_and_grad` of a squared-output loss and an SGD update; `shardc.check` compares the
 plan's simulated peak memory per device with `memory_analysis()` (argument + output + temp - alias) of the
 program shardc compiles.

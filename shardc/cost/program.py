@@ -39,6 +39,7 @@ from shardc.cost.aliases import ALIASES, HINTS  # (ALIASES' results have no buff
 # reads one reads its operand's buffer, unless the operand itself is fused)
 from shardc.cost.estimator import params_key
 from shardc.cost.flops import ELEMENTWISE, TRANSCENDENTAL, dot_rewrite
+from shardc.cost.unfusible import globally_unfusible
 from shardc.cost.wide_results import wide_results
 from shardc.cost.windows import OUT_OF_BOUNDS, gather_window, slice_window, window_unread
 from shardc.ir.graph import Graph
@@ -763,6 +764,7 @@ RECOMPUTED_READS = True  # (switch: `_breadth_first` has a fusion recomputing a 
 UNIT_DIMS_CANONICAL = True  # (switch: `_dot_orders` takes no swapped order for an operand with a dim of one)
 COPY_UNITS = True  # (switch: `_breadth_first` queues a dot's copy of an operand as an instruction of its own)
 COPIED_READERS_REVERSED = True  # (switch: `_breadth_first` queues a copied cheap value's readers in reverse)
+GLOBALLY_UNFUSIBLE = True  # (switch: `_unfusible`: values fusion cannot take in along every path)
 
 
 def output_aliases(graph: Graph, live: Sequence[bool], canon: Sequence[int],
@@ -1995,6 +1997,41 @@ def _readers(graph: Graph, consumers: list[list[int]], canon: Sequence[int], v: 
     return out
 
 
+def _fusion_takes(graph: Graph, backend: str, constant: Sequence[bool], library: Collection[int],
+                  invariant: Collection[int], readers: Callable[[int], Sequence[int]], w: int, u: int) -> bool:
+    """Whether XLA's loop fusion takes value w into op u reading it (its ShouldFuse, as the fusion rules here see
+    it): w's producer and u are fusible outside library fusions, and w is not expensive work u would duplicate."""
+    p, reader = graph.ops[graph.values[w].producer], graph.ops[u]
+    if p.id in library or u in library:
+        return False
+    if not (fusible_on(p, graph, backend) or _fused_into_readers(p, backend, invariant)):
+        return False
+    if not (fusible_on(reader, graph, backend) or reader.primitive in REDUCTIONS
+            or rewritten_dot(reader, graph) == "reduce"):
+        return False
+    return not (expensive(p, graph, backend, constant) and len(readers(w)) > 1)
+
+
+def _unfusible(graph: Graph, live: Sequence[bool], canon: Sequence[int], constant: Sequence[bool],
+               consumers: list[list[int]], library: Collection[int], outputs: Collection[int], backend: str,
+               invariant: Collection[int]) -> frozenset[int]:
+    """XLA:CPU: the elementwise values fusion never takes in though every reader could (`shardc.cost.unfusible`:
+    more than unary, and some reader also reads a value computed from it through an op no fusion takes in)."""
+    if backend != "cpu" or not GLOBALLY_UNFUSIBLE:
+        return frozenset()
+
+    def readers(v: int) -> list[int]:
+        return _readers(graph, consumers, canon, v)
+
+    candidates = [c for c in set(canon) for p in (graph.values[c].producer,)
+                  if p is not None and live[p] and c not in outputs and not constant[c]
+                  and graph.ops[p].primitive in _ARITHMETIC and len(graph.ops[p].outputs) == 1
+                  and len(readers(c)) > 1 and not duplicable(graph, graph.ops[p], canon, constant)]
+    return globally_unfusible(graph, live, canon, candidates, readers,
+                              functools.partial(_fusion_takes, graph, backend, constant, library, invariant, readers),
+                              HINTS if LOOK_THROUGH_HINTS else ())
+
+
 def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     nv, no = len(graph.values), len(graph.ops)
     cse = merged(graph)
@@ -2032,6 +2069,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     lengths = _loop_lengths(graph)
     hoisted = _invariant_trips(graph, canon, lengths)
     invariant = _loop_invariant(graph, canon, constant, hoisted) if backend == "cpu" and hoisted else frozenset()
+    unfusible = _unfusible(graph, live, canon, constant, consumers, library, outputs, backend, invariant)
     for op in reversed(graph.ops):
         if not (fusible_on(op, graph, backend) or _fused_into_readers(op, backend, invariant)) or not live[op.id]:
             continue
@@ -2049,7 +2087,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
             fused[v] = v in absorbed or (
                 all((fusible_on(graph.ops[u], graph, backend) or graph.ops[u].primitive in REDUCTIONS
                      or rewritten_dot(graph.ops[u], graph) == "reduce") and u not in library for u in users)
-                and (not expensive(op, graph, backend, constant) or len(users) == 1 or one))
+                and (not expensive(op, graph, backend, constant) or len(users) == 1 or one) and v not in unfusible)
         if len(roots) == 1 and op.outputs and all(fused[canon[v]] for v in op.outputs):
             root[op.id] = roots.pop()
     for op in graph.ops:  # a scatter-add the simplifier moves into the sum reading it writes that sum's buffer
