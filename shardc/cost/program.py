@@ -595,6 +595,9 @@ def duplicable(graph: Graph, op: Any, canon: Sequence[int], constant: Sequence[b
     def large(v: int) -> bool:
         c = canon[v]
         p = graph.values[c].producer
+        while p is not None and loop_entry(graph.ops[p]):  # (a broadcast made outside the loop is one inside)
+            c = canon[graph.ops[p].inputs[0]]
+            p = graph.values[c].producer
         if constant[c] or p is not None and graph.ops[p].primitive in ("broadcast_in_dim", "iota"):
             return False
         return _true_rank(graph.values[c].shape) >= rank

@@ -31,16 +31,18 @@ def globally_unfusible(graph: Graph, live: Sequence[bool], canon: Sequence[int],
     if not candidates:
         return frozenset()
     bit = {c: 1 << k for k, c in enumerate(sorted(candidates))}
-    ancestors = [0] * len(graph.values)  # per canonical value: the candidates it is computed from (and itself)
+    # per value, at the op producing it (not per canonical value, nor at a loop's back edge: those would link a
+    # loop's body to values after it): the candidates it is computed from, and its own if it is one (or a copy)
+    ancestors = [0] * len(graph.values)
     for op in graph.ops:
         if not live[op.id]:
             continue
         reach = 0
         for v in op.inputs:
-            reach |= ancestors[canon[v]]
+            reach |= ancestors[v]
         for v in op.outputs:
-            c = canon[v]
-            ancestors[c] |= reach | bit.get(c, 0)
+            if graph.values[v].producer == op.id:  # (not a loop's back edge: a carry tie names the state it feeds)
+                ancestors[v] = reach | bit.get(canon[v], 0)
     unfusible: set[int] = set()
     memo: dict[tuple[int, int], bool] = {}
     walk = _Walk(graph, canon, ancestors, unfusible, edge, memo, frozenset(transparent))
@@ -59,11 +61,10 @@ class _Walk:
         self.edge, self.memo, self.transparent = edge, memo, transparent
 
     def source(self, v: int) -> int:
-        """The canonical value `v` stands for, looking through transparent ops (hints)."""
-        c = self.canon[v]
-        while (p := self.graph.values[c].producer) is not None and self.graph.ops[p].primitive in self.transparent:
-            c = self.canon[self.graph.ops[p].inputs[0]]
-        return c
+        """The value `v` stands for, looking through transparent ops (hints)."""
+        while (p := self.graph.values[v].producer) is not None and self.graph.ops[p].primitive in self.transparent:
+            v = self.graph.ops[p].inputs[0]
+        return v
 
     def all_paths(self, c: int, b: int, op_id: int) -> bool:
         """Whether value `c` (bit `b`) can be fused into op `op_id` along every path: each operand of the op computed
@@ -75,10 +76,11 @@ class _Walk:
         self.memo[key] = True  # (a loop's back edge leads here again: the paths already being walked decide)
         ok = True
         for v in self.graph.ops[op_id].inputs:
-            w = self.source(v)
-            if w == c or not self.ancestors[w] & b:
+            r = self.source(v)
+            w = self.canon[r]
+            if w == c or not self.ancestors[r] & b:
                 continue
-            p = self.graph.values[w].producer
+            p = self.graph.values[r].producer
             if w in self.unfusible or p is None or not self.edge(w, op_id) or not self.all_paths(c, b, p):
                 ok = False
                 break

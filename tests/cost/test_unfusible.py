@@ -46,3 +46,24 @@ def test_the_rule_is_a_switch(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(program, "GLOBALLY_UNFUSIBLE", False)
     info, silu = _silu_products(True)
     assert info.fused[silu]
+
+
+def test_a_loop_carry_is_no_path_back_into_the_body():
+    """In a scan body, `a = h * x` is read by `a + h` and `a * 2`, and the next state is computed from both; the
+    state `h` is not computed from `a` within an iteration (XLA reaches across no loop's back edge), so `a` is
+    fused (XLA: one fusion holding `a` and both readers). The back edge's tie names the state it feeds: taken for
+    a path, it made `a` unfusible."""
+    def f(h0, xs):
+        def body(h, x):
+            a = h * x
+            h2 = jnp.tanh((a + h) * (a * 2.0))
+            return h2, h2.sum()
+        return jax.lax.scan(body, h0, xs)
+
+    graph = build_graph(jax.make_jaxpr(f)(jnp.ones((64, 128)), jnp.ones((5, 64, 128))))
+    info = program_info(graph, "cpu")
+    (a,) = [op for op in graph.ops if op.primitive == "mul" and not any(graph.values[v].is_const for v in op.inputs)
+            and len(op.inputs) == 2 and all(len(graph.values[v].shape) == 2 for v in op.inputs)
+            and any(graph.ops[u].primitive == "add" for u in range(len(graph.ops))
+                    if op.outputs[0] in graph.ops[u].inputs)]
+    assert info.fused[info.canon[a.outputs[0]]]
