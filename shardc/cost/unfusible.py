@@ -14,12 +14,13 @@ of the values before it; reachability is a bitset per value over the candidates 
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Collection, Sequence
+from typing import Callable, Collection, Sequence
 
 from shardc.ir.graph import Graph
 
 Readers = Callable[[int], Sequence[int]]  # canonical value -> the ops reading it
 Edge = Callable[[int, int], bool]  # (canonical value, op reading it) -> whether fusion takes the value into the op
+_MAX_DEPTH = 256  # (a path longer than this is taken as fusible: the model's answer without the rule)
 
 
 def globally_unfusible(graph: Graph, live: Sequence[bool], canon: Sequence[int], candidates: Collection[int],
@@ -66,14 +67,15 @@ class _Walk:
             v = self.graph.ops[p].inputs[0]
         return v
 
-    def all_paths(self, c: int, b: int, op_id: int) -> bool:
+    def all_paths(self, c: int, b: int, op_id: int, depth: int = 0) -> bool:
         """Whether value `c` (bit `b`) can be fused into op `op_id` along every path: each operand of the op computed
         from `c` (but `c` itself) is fusible into the op, is not unfusible, and `c` fuses along every path into it."""
         key = (c, op_id)
         known = self.memo.get(key)
         if known is not None:
             return known
-        self.memo[key] = True  # (a loop's back edge leads here again: the paths already being walked decide)
+        if depth > _MAX_DEPTH:
+            return True
         ok = True
         for v in self.graph.ops[op_id].inputs:
             r = self.source(v)
@@ -81,7 +83,7 @@ class _Walk:
             if w == c or not self.ancestors[r] & b:
                 continue
             p = self.graph.values[r].producer
-            if w in self.unfusible or p is None or not self.edge(w, op_id) or not self.all_paths(c, b, p):
+            if w in self.unfusible or p is None or not self.edge(w, op_id) or not self.all_paths(c, b, p, depth + 1):
                 ok = False
                 break
         self.memo[key] = ok
