@@ -877,10 +877,30 @@ def _no_op_to_xla(graph: Graph, op: Any) -> bool:
     return any(graph.values[v].literal == bound for v in op.inputs)
 
 
+def _select_to_xla(graph: Graph, op: Any) -> bool:
+    """Whether XLA's simplifier makes `op` a select: a multiply by a boolean converted to a number (through ops it
+    drops, `passes_through`), `x * convert(p)` being `select(p, x, 0)` — a one-hot target times log-probabilities."""
+    if op.primitive != "mul" or len(op.inputs) != 2:
+        return False
+    for v in op.inputs:
+        for _ in range(16):  # (chains of identities: `onehot * 1 + 0` when a label smoothing of zero is static)
+            p = graph.values[v].producer
+            if p is None or not passes_through(graph, graph.ops[p]):
+                break
+            v = graph.ops[p].inputs[0]
+        p = graph.values[v].producer
+        if p is not None and graph.ops[p].primitive == "convert_element_type" \
+                and graph.values[graph.ops[p].inputs[0]].dtype.kind == "b":
+            return True
+    return False
+
+
 def _ynn_op(graph: Graph, op: Any, folded: frozenset[int]) -> bool:
-    """Whether a library fusion may take `op` in (see `_YNN_MIN_ELEMENTS`)."""
+    """Whether a library fusion may take `op` in (see `_YNN_MIN_ELEMENTS`; a multiply XLA makes a select is none)."""
     if _no_op_to_xla(graph, op):
         return True
+    if _select_to_xla(graph, op):
+        return False
     if op.primitive == "dot_general":
         return _ynn_dot(graph, op, folded)
     dtypes = {str(graph.values[v].dtype) for v in (*op.inputs, *op.outputs)}

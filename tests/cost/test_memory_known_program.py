@@ -336,6 +336,9 @@ _LIBRARY = {  # (x [512, 1024], w [1024, 1024]): what XLA:CPU's YNNPACK fusions 
         jnp.einsum("qhd,khd->hqk", x.reshape(512, 8, 128), (x @ w).reshape(512, 8, 128)) / 11.0, -1),
     "x.T @ w stays a matmul of its own": lambda x, w: jnp.sum(x.T @ x, -1),  # (a transposed left operand)
     "small rows, a loop fusion": lambda x, w: jnp.sum(x.reshape(-1, 32, 32), -1) * 2,  # (under 4096 elements: none)
+    # a one-hot times log-probabilities is a select to XLA, which YNNPACK has not: a loop fusion makes it
+    "one-hot cross-entropy": lambda x, w: -jnp.sum(
+        (jnp.arange(1024) == jnp.argmax(x, -1)[:, None]).astype(jnp.float32) * jax.nn.log_softmax(x @ w, -1), -1),
 }
 
 
