@@ -1,6 +1,7 @@
 """Benchmark: simulated vs measured step time of many plans of three models on the 8 CPU devices.
 
     python bench/sim_vs_measured.py [--repeat 5] [--models transformer,mlp,cnn] [--write]
+    python bench/sim_vs_measured.py --memory     (no timing: each plan's simulated peak memory vs compiled)
 
 Three train steps (Adam) -- a 2-layer Transformer, a 3-layer residual MLP and a small convolutional
 network -- are each planned several ways (data parallel, Megatron, FSDP, mixed, spatial, on several mesh
@@ -273,6 +274,24 @@ def report(rows: list[Measured]) -> tuple[str, str]:
     return summary, table
 
 
+def memory_rows(models: list[str]) -> tuple[str, int]:
+    """`shardc.check`'s peak memory of every plan (simulated against `memory_analysis()` of the program shardc
+    compiles): a markdown table, and how many plans are off by more than 10% (issue 15's memory bound)."""
+    lines = ["| model | plan | memory MiB predicted / compiled | error |", "| --- | --- | --- | --- |"]
+    outside = 0
+    for model in models:
+        case = MODELS[model]
+        for name, mesh_axes, opts in case.plans:
+            f, params, opt, x = build(case, mesh_axes, opts)
+            row = shardc.check(f, params, opt, x).row("peak memory bytes")
+            error = row.predicted / row.compiled - 1
+            outside += abs(error) > 0.10
+            lines.append(f"| {model} | {name} | {row.predicted / 2**20:.2f} / {row.compiled / 2**20:.2f} | "
+                         f"{100 * error:+.1f}%{'' if abs(error) <= 0.10 else ' **outside 10%**'} |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines), outside
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -282,11 +301,18 @@ def main() -> None:
     ap.add_argument("--write", action="store_true", help="record the table in docs/benchmarks.md")
     ap.add_argument("--save", metavar="FILE", help="also write every plan's simulated and measured times as JSON "
                     "(to re-rank the same measurements under another pricing)")
+    ap.add_argument("--memory", action="store_true", help="instead of timing, check every plan's simulated peak "
+                    "memory against the compiled program's (`shardc.check`)")
     args = ap.parse_args()
     models = args.models.split(",")
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         ap.error(f"unknown model(s) {unknown}; choose from {list(MODELS)}")
+    if args.memory:
+        table, outside = memory_rows(models)
+        n = sum(len(MODELS[m].plans) for m in models)
+        print(f"{n - outside} of {n} plans' peak memory within 10%")
+        return
 
     estimator = None
     if args.estimator == "profile":
