@@ -882,13 +882,8 @@ def _select_to_xla(graph: Graph, op: Any) -> bool:
     drops, `passes_through`), `x * convert(p)` being `select(p, x, 0)` — a one-hot target times log-probabilities."""
     if op.primitive != "mul" or len(op.inputs) != 2:
         return False
-    for v in op.inputs:
-        for _ in range(16):  # (chains of identities: `onehot * 1 + 0` when a label smoothing of zero is static)
-            p = graph.values[v].producer
-            if p is None or not passes_through(graph, graph.ops[p]):
-                break
-            v = graph.ops[p].inputs[0]
-        p = graph.values[v].producer
+    for v in op.inputs:  # (through identities: `onehot * 1 + 0` when a label smoothing of zero is static)
+        p = graph.values[passed_to(graph, v)].producer
         if p is not None and graph.ops[p].primitive == "convert_element_type" \
                 and graph.values[graph.ops[p].inputs[0]].dtype.kind == "b":
             return True
@@ -1641,6 +1636,16 @@ def passes_through(graph: Graph, op: Any) -> bool:
     return rule is not None and 0 < len(op.outputs) <= len(op.inputs) and rule(graph, op)
 
 
+def passed_to(graph: Graph, v: int) -> int:
+    """The value `v` is to XLA, through the ops its simplifier replaces by their operands (`passes_through`)."""
+    for _ in range(64):  # (chains of such ops; bounded)
+        p = graph.values[v].producer
+        if p is None or not passes_through(graph, graph.ops[p]):
+            return v
+        v = graph.ops[p].inputs[graph.ops[p].outputs.index(v)]
+    return v
+
+
 def splat_literal(graph: Graph, v: int) -> Any | None:
     """The scalar literal value `v` holds in every element at compile time (a broadcast of a literal, through ops
     that keep their operand's value, not into a loop's carry: `joined_values`), or None."""
@@ -1750,17 +1755,8 @@ def pad_of(graph: Graph, v: int) -> Any | None:
     """The pad op whose result value `v` is, itself or through ops XLA's simplifier replaces by their operands
     (`passes_through`: a sort along a dim of size 1), which it folds before it folds a slice of the pad; None
     when `v` is no pad's result."""
-    for _ in range(64):  # (chains of such ops; bounded)
-        p = graph.values[v].producer
-        if p is None:
-            return None
-        op = graph.ops[p]
-        if op.primitive == "pad":
-            return op
-        if not passes_through(graph, op):
-            return None
-        v = op.inputs[op.outputs.index(v)]
-    return None
+    p = graph.values[passed_to(graph, v)].producer
+    return graph.ops[p] if p is not None and graph.ops[p].primitive == "pad" else None
 
 
 def reads_only_padding(graph: Graph, op: Any) -> bool:
@@ -2024,15 +2020,20 @@ def _fusion_takes(graph: Graph, backend: str, constant: Sequence[bool], library:
                   invariant: Collection[int], readers: Callable[[int], Sequence[int]], w: int, u: int) -> bool:
     """Whether XLA's loop fusion takes value w into op u reading it (its ShouldFuse, as the fusion rules here see
     it): w's producer and u are fusible outside library fusions, and w is not expensive work u would duplicate."""
-    p, reader = graph.ops[graph.values[w].producer], graph.ops[u]
-    if p.id in library or u in library:
+    p = graph.ops[graph.values[w].producer]
+    if p.id in library or not _takes_fusion(graph, u, backend, library):
         return False
     if not (fusible_on(p, graph, backend) or _fused_into_readers(p, backend, invariant)):
         return False
-    if not (fusible_on(reader, graph, backend) or reader.primitive in REDUCTIONS
-            or rewritten_dot(reader, graph) == "reduce"):
-        return False
     return not (expensive(p, graph, backend, constant) and len(readers(w)) > 1)
+
+
+def _takes_fusion(graph: Graph, u: int, backend: str, library: Collection[int]) -> bool:
+    """Whether op `u` takes what it reads into its loop fusion: an elementwise-like op, or a reduction (also a
+    dot XLA makes one) outside a library fusion."""
+    reader = graph.ops[u]
+    return (fusible_on(reader, graph, backend) or reader.primitive in REDUCTIONS
+            or rewritten_dot(reader, graph) == "reduce") and u not in library
 
 
 def _unfusible(graph: Graph, live: Sequence[bool], canon: Sequence[int], constant: Sequence[bool],
@@ -2108,8 +2109,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
             # only into one fusion (XLA duplicates cheap producers, not expensive ones).
             one = len(into) == 1 and all(graph.ops[u].region == op.region for u in users)
             fused[v] = v in absorbed or (
-                all((fusible_on(graph.ops[u], graph, backend) or graph.ops[u].primitive in REDUCTIONS
-                     or rewritten_dot(graph.ops[u], graph) == "reduce") and u not in library for u in users)
+                all(_takes_fusion(graph, u, backend, library) for u in users)
                 and (not expensive(op, graph, backend, constant) or len(users) == 1 or one) and v not in unfusible)
         if len(roots) == 1 and op.outputs and all(fused[canon[v]] for v in op.outputs):
             root[op.id] = roots.pop()
