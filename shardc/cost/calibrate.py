@@ -333,13 +333,33 @@ def _round_robin(runs: dict[Any, Callable[[], Any]], rounds: int) -> dict[Any, f
 
 
 def host_key() -> str:
-    """This host, its devices and jax version (what a measurement made here is valid for)."""
+    """This host, its processor, devices and jax version (what a measurement made here is valid for)."""
     import jax
 
     d = jax.local_devices()[0]
-    raw = (f"{_VERSION}|{platform.node()}|{platform.processor()}|{os.cpu_count()}|{len(jax.local_devices())}|"
+    raw = (f"{_VERSION}|{platform.node()}|{cpu_model()}|{os.cpu_count()}|{len(jax.local_devices())}|"
            f"{jax.device_count()}|{d.platform}|{getattr(d, 'device_kind', '')}|{jax.__version__}")
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_model() -> str:
+    """The processor: vendor, family, model, stepping and name from /proc/cpuinfo where there is one (virtual
+    machines of one host name may run on different processors; `platform.processor()` is empty on Linux)."""
+    fields = ("vendor_id", "cpu family", "model", "stepping", "model name")
+    try:
+        with open("/proc/cpuinfo") as f:
+            found: dict[str, str] = {}
+            for line in f:
+                name, _, value = line.partition(":")
+                name = name.strip()
+                if name in fields and name not in found:
+                    found[name] = value.strip()
+                if not line.strip() and found:
+                    break  # (the first processor's block)
+        return "/".join(found.get(k, "") for k in fields)
+    except OSError:
+        return f"{platform.processor()}/{platform.machine()}"
 
 
 def _agreed(m: dict[str, float]) -> dict[str, float]:

@@ -65,3 +65,14 @@ def test_a_measurement_on_a_busy_machine_warns_and_says_so(tmp_path, monkeypatch
         assert ("load average 40.0" in topo.source) is busy
         with no_busy_warning():  # the cache: the same topology, no second warning
             assert calibrate.cpu_host().to_dict() == topo.to_dict()
+
+
+def test_a_measurement_is_kept_for_the_processor_it_was_made_on(monkeypatch):
+    """Virtual machines of one host name may run on different processors: the cache key names the processor, so a
+    home directory carried to another machine does not price plans with the first machine's speeds."""
+    here = calibrate.host_key()
+    assert calibrate.host_key() == here  # (stable on one machine)
+    if os.path.exists("/proc/cpuinfo"):
+        assert "model name" not in calibrate.cpu_model() and calibrate.cpu_model().count("/") == 4
+    monkeypatch.setattr(calibrate, "cpu_model", lambda: "GenuineIntel/6/143/8/another processor")
+    assert calibrate.host_key() != here
