@@ -25,7 +25,7 @@ from shardc.cost.program import (_MINOR_CONCAT_BYTES, _MINOR_CONCAT_DIM_BYTES, _
 from shardc.ir.graph import Graph
 from shardc.sharding import Sharding
 
-__all__ = ["DeviceShapes", "Signature", "info_for"]
+__all__ = ["DeviceShapes", "Signature", "info_for", "queued_item"]
 
 Signature = frozenset  # of (value id, per-device shape) pairs
 
@@ -79,17 +79,26 @@ _BEFORE_PARTITIONING = ("merged", "cse", "liveness", "read_values", "joined_valu
                         "broadcast_dims", "read_windows")
 
 
-def device_view(graph: Graph, shapes: Mapping[int, tuple[int, ...]]) -> Graph:
-    """`graph` with the values in `shapes` at those shapes (ops, regions and the rest shared), and the graph's own
-    analyses of what XLA does before partitioning."""
+def device_view(graph: Graph, shapes: Mapping[int, tuple[int, ...]],
+                queued: frozenset[tuple[int, int]] = frozenset()) -> Graph:
+    """`graph` with the values in `shapes` at those shapes (ops, regions and the rest shared), the graph's own
+    analyses of what XLA does before partitioning, and a plan's queued reshards (`queued_reshards`)."""
     values = [dataclasses.replace(v, shape=tuple(shapes[v.id])) if v.id in shapes else v for v in graph.values]
     view = dataclasses.replace(graph, values=values)
     view.share_analyses(graph, _BEFORE_PARTITIONING)
+    if queued:
+        view.analysis("queued_reshards", lambda: queued)
     return view
 
 
+def queued_item(op: int, value: int) -> tuple[str, int, int]:
+    """A signature's item for a queued reshard of canonical value `value` read by op `op` (`queued_reshards`)."""
+    return ("queued", op, value)
+
+
 def info_for(graph: Graph, backend: str, signature: Signature) -> ProgramInfo:
-    """The `ProgramInfo` XLA's passes on one device amount to, for plans of `signature` (see the module doc)."""
+    """The `ProgramInfo` XLA's passes on one device amount to, for plans of `signature` (see the module doc): its
+    per-device shapes, and its queued reshards (`queued_item`)."""
     if not signature:
         return program_info(graph, backend)
     cache: dict = graph.analysis("device_infos", dict)
@@ -97,5 +106,7 @@ def info_for(graph: Graph, backend: str, signature: Signature) -> ProgramInfo:
     info = cache.get(key)
     if info is None:
         program_info(graph, backend)  # (computes the analyses the view shares)
-        info = cache[key] = program_info(device_view(graph, dict(signature)), backend)
+        queued = frozenset(item[1:] for item in signature if item[0] == "queued")
+        shapes = {item[0]: item[1] for item in signature if item[0] != "queued"}
+        info = cache[key] = program_info(device_view(graph, shapes, queued), backend)
     return info

@@ -844,10 +844,11 @@ class MemoryModel:
 
     def _late(self, slot: Any) -> Sequence[bool]:
         """Per task of a slot: whether it is one of the operands' reshards that belongs to a collective reading a
-        local slice (one of this slot's reshard, or a layout another slot made, which this chain resumes from), or
-        to what follows it (False for the op's own task and its results' reshards). XLA:CPU's breadth-first
-        schedule queues such a collective when the slice (a dynamic-slice fusion) runs, so it runs after what
-        became ready with the sliced value, not with it (`_position`)."""
+        local slice (one of this slot's reshard, or a layout another slot made, which this chain resumes from) or
+        a copy the schedule queues (`ProgramInfo.queued_at`), or to what follows it (False for the op's own task
+        and its results' reshards). XLA:CPU's breadth-first schedule queues such a collective when the slice (a
+        dynamic-slice fusion) or the copy runs, so it runs after what became ready with the value, not with it
+        (`_position`)."""
         cached = getattr(slot, "memory", None)
         if cached is not None:
             return cached.late
@@ -861,11 +862,20 @@ class MemoryModel:
                 continue
             resumed = any(flags[d] and d not in sliced and planned and keys[d][2] == 0
                           and self.keys.layout(planned[keys[d][0]]) != keys[d][1] for d in t.deps)
+            resumed = resumed or self._queued_copy(slot, i)
             late = bool(t.collective or t.kind == "compute") and resumed or any(d in sliced for d in t.deps)
             if late:
                 sliced.update(t.outs)
             out.append(late)
         return out + [False] * (len(slot.tasks) - len(out))
+
+    def _queued_copy(self, slot: Any, i: int) -> bool:
+        """Whether task `i` of a slot is the copy of an operand into its all-gather's order that the schedule
+        queues as an instruction of its own (`ProgramInfo.queued_at`, `shardc.sim.queued`)."""
+        t = slot.tasks[i]
+        return bool(self.info.queued_at) and t.kind == "compute" and len(t.deps) == 1 \
+            and self.keys.is_value_key[t.deps[0]] and self._feeds_collective(slot, i) \
+            and (slot.op, self.keys.key_list[t.deps[0]][0]) in self.info.queued_at
 
     def _position(self, slot: Any, i: int, kid: int, read: bool = False, late: bool = False) -> int:
         """Where task `i` of a slot reads or makes value key `kid`: with its op (2 * position in the schedule),
@@ -905,7 +915,8 @@ class MemoryModel:
             if not late or not LATE_AFTER_SLICES or not self.info.batch or p is None or not self.info.live[p]:
                 return self._ready[c]
             limit = self.info.first_reader[op] if self.graph.ops[op].primitive in _PASS_THROUGH else self.order[op]
-            return max(self._ready[c], min(2 * self.info.batch[p] + 1, 2 * limit))
+            after = self.info.queued_at.get((op, c), self.info.batch[p])  # (what runs before the collective)
+            return max(self._ready[c], min(2 * after + 1, 2 * limit))
         if not read and i == slot.at and self.keys.key_list[kid][0] in self.info.preset:
             return 0  # written in place into a buffer made at the start (`ProgramInfo.preset`)
         return 2 * self.order[op] + (i > slot.at)

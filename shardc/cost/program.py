@@ -297,6 +297,8 @@ class ProgramInfo:
     # the wider buffer its producer writes (`shardc.cost.wide_results`: XLA:CPU's threefry words)
     read: tuple[bool, ...] = ()  # per canonical value: the compiled program reads it (`read_values`); a result
     # no one reads is not resharded to its planned layout
+    queued_at: Mapping[tuple[int, int], int] = dataclasses.field(default_factory=dict)  # (XLA:CPU) a plan's queued
+    # reshard (op, canonical operand: `queued_reshards`) -> the position of the op run before its collective
 
     def counts(self, op_id: int) -> bool:
         """Whether an op does work in the compiled program."""
@@ -1131,7 +1133,7 @@ def _is_matmul(graph: Graph, i: int) -> bool:
 def _queued_units(graph: Graph, ops: Sequence[int], depth: int, canon: list[int], constant: list[bool],
                   fused: list[bool], copied: Collection[int], post: Sequence[int],
                   library: Mapping[int, int] | None = None,
-                  recomputed: Recomputations | None = None
+                  recomputed: Recomputations | None = None, chains: Mapping[int, tuple[int, int]] | None = None
                   ) -> tuple[dict[int, list[int]], list[tuple[list[int], list[int]]]]:
     """The breadth-first schedule of `ops` (live op ids in program order: the whole program at `depth` 1, else
     the body of a region nested at `depth` - 1; see `_breadth_first`): per unit — a region nested at `depth`,
@@ -1139,7 +1141,9 @@ def _queued_units(graph: Graph, ops: Sequence[int], depth: int, canon: list[int]
     likewise), and per queued unit, in schedule order, the units that ran with it (inlined) and those it queued.
     A library fusion (`library`: op -> its fusion's reduction) is one unit too, its ops in program order. An op
     recomputing a materialised cheap value waits for what it is computed from (`recomputed.reads`), and a dot's
-    copy of an operand (`recomputed.copies`) is a unit of no ops that the dot waits for (`_add_copy_units`)."""
+    copy of an operand (`recomputed.copies`) is a unit of no ops that the dot waits for (`_add_copy_units`), and so
+    are the instructions of a plan's reshard an op waits for (`chains`: unit id -> (op, value), filled here from
+    `graph`'s `queued_reshards`; the whole program's level only: `_add_chain_units`)."""
     # (a loop's results — its `at="out"` ties — exist once the loop has run: after the rest of its body)
     results = [i for i in ops if depth > 1 and loop_exit(graph.ops[i])]
     if results:
@@ -1191,6 +1195,8 @@ def _queued_units(graph: Graph, ops: Sequence[int], depth: int, canon: list[int]
             succs[u] = sorted(succs[u], key=lambda w: -post[w])  # (`_breadth_first`: fusions made consumers first)
     if recomputed and recomputed.copies:
         _add_copy_units(graph, canon, unit, members, preds, succs, recomputed.copies, post)
+    if chains is not None and depth == 1:
+        _add_chain_units(graph, canon, unit, members, preds, succs, chains)
     waiting = {u: len(p) for u, p in preds.items()}
     queue = collections.deque(u for u in sorted(members) if not waiting[u])
     runs: dict[int, list[int]] = {}
@@ -1302,10 +1308,43 @@ def _add_copy_units(graph: Graph, canon: Sequence[int], unit: Mapping[int, int],
             preds[dot].add(copy)
 
 
+# Instructions of a queued reshard (`queued_reshards`): the operand's copy into the all-gather's memory order, the
+# all-gather, the copy back into row-major order.
+_QUEUED_CHAIN = 3
+
+
+def _add_chain_units(graph: Graph, canon: Sequence[int], unit: Mapping[int, int], members: dict[int, list[int]],
+                     preds: dict[int, set[int]], succs: dict[int, list[int]],
+                     chains: dict[int, tuple[int, int]]) -> None:
+    """Put the instructions of each queued reshard (`graph`'s `queued_reshards`: (op, canonical operand)) between
+    the operand's producer and the op, as units of no ops in a chain (ids past the ops' and copies'): the first
+    takes the op's place among the producer's users, the op waits for the last. `chains` gets the id of each
+    chain's collective -> (op, operand)."""
+    base = 2 * len(graph.ops) + 1
+    for op, c in sorted(graph.analysis("queued_reshards", frozenset)):
+        own = graph.values[c].producer
+        if own not in unit or op not in members or members[op] != [op] or unit[own] not in preds[op] \
+                or op not in succs[unit[own]]:
+            continue
+        if sum(canon[v] == c or graph.values[canon[v]].producer == own for v in graph.ops[op].inputs) > 1:
+            continue  # (it reads the producer's instruction otherwise too)
+        ids = [base + len(chains) * _QUEUED_CHAIN + k for k in range(_QUEUED_CHAIN)]
+        chains[ids[1]] = (op, c)
+        at = succs[unit[own]].index(op)
+        succs[unit[own]][at] = ids[0]
+        for k, u in enumerate(ids):
+            members[u] = []
+            preds[u] = {unit[own] if k == 0 else ids[k - 1]}
+            succs[u] = [ids[k + 1] if k + 1 < len(ids) else op]
+        preds[op].discard(unit[own])
+        preds[op].add(ids[-1])
+
+
 def _breadth_first(graph: Graph, live: list[bool], canon: list[int], constant: list[bool], fused: list[bool],
                    consumers: list[list[int]], copied: Collection[int] = frozenset(), post: Sequence[int] = (),
                    library: Mapping[int, int] | None = None,
-                   recomputed: Recomputations | None = None) -> list[int]:
+                   recomputed: Recomputations | None = None
+                   ) -> tuple[list[int], list[int], dict[tuple[int, int], int]]:
     """Per op, its position in XLA:CPU's schedule: breadth first (BFSMemoryScheduler, XLA:CPU's default
     since `xla_cpu_enable_concurrency_optimized_scheduler`): an instruction runs as soon as its operands
     exist, in the order they became ready — so what depends only on the arguments (a parameter's
@@ -1331,12 +1370,16 @@ def _breadth_first(graph: Graph, live: list[bool], canon: list[int], constant: l
     that order: the input gradient's matmul runs before the weight gradient's (measured: a Flax GELU MLP's step,
     17% under before)."""
     no = len(graph.ops)
+    chains: dict[int, tuple[int, int]] = {}
     runs, groups = _queued_units(graph, [op.id for op in graph.ops if live[op.id]], 1, canon, constant, fused,
-                                 copied, post, library, recomputed)
+                                 copied, post, library, recomputed, chains)
     order = [-1] * no
+    queued_at: dict[tuple[int, int], int] = {}  # (op, operand) of a queued reshard -> the op run before its collective
     pos = 0
     for ran, _ in groups:
         for u in ran:
+            if u in chains:
+                queued_at[chains[u]] = pos - 1
             for i in runs[u]:
                 order[i] = pos
                 pos += 1
@@ -1350,7 +1393,7 @@ def _breadth_first(graph: Graph, live: list[bool], canon: list[int], constant: l
         for u in ran:
             for i in runs[u]:
                 batch[i] = max(batch[i], end)
-    return order, batch
+    return order, batch, queued_at
 
 
 def _first_readers(graph: Graph, live: Sequence[bool], order: Sequence[int], fused: Sequence[bool],
@@ -2163,10 +2206,10 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                       if loop[u] and RECOMPUTE_IN_LOOPS and not tree_reduced(graph, graph.ops[u]) or into_copy(u)]
             if fusing:
                 dup[c] = fusing
-    order, batch = (_breadth_first(graph, live, canon, constant, fused, consumers, copied, post,
-                                   groups if LIBRARY_FUSION_UNITS else None,
-                                   _recomputations(graph, canon, constant, fused, cheap, copies, dup))
-                    if backend == "cpu" else (list(range(no)), []))
+    order, batch, queued_at = (_breadth_first(graph, live, canon, constant, fused, consumers, copied, post,
+                                              groups if LIBRARY_FUSION_UNITS else None,
+                                              _recomputations(graph, canon, constant, fused, cheap, copies, dup))
+                               if backend == "cpu" else (list(range(no)), [], {}))
     fusing = fusing_readers(graph, live, canon, fused, consumers, dup)
     until = _fused_reads(graph, live, canon, fused, fusing, order, dup)
     loops = loop_buffers(graph, live, canon, fused) if backend == "cpu" else {}
@@ -2203,7 +2246,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                        recompute=recompute if backend == "cpu" else frozenset(), fusing=fusing, strided=strided,
                        read_fused=reads_fused(graph, canon, fused), batch=tuple(batch),
                        first_reader=_first_readers(graph, live, order, fused, constant, canon, consumers)
-                       if batch else (), wide=wide, read=read_values(graph))
+                       if batch else (), wide=wide, read=read_values(graph), queued_at=queued_at)
 
 
 def reads_fused(graph: Graph, canon: Sequence[int], fused: Sequence[bool]) -> tuple[bool, ...]:

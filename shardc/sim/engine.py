@@ -46,6 +46,7 @@ from shardc.gc_pause import gc_paused_long_lived
 from shardc.plan import Plan
 from shardc.sim.combine import Combiner
 from shardc.sim.result import SimResult
+from shardc.sim import queued as queued_module
 from shardc.sim.tasks import TASKS_PER_SLOT, Slot, TaskBuilder, is_static, plan_needs
 
 __all__ = ["Simulator"]
@@ -328,6 +329,9 @@ class Simulator:
         # signature, as a dict. Off (`device_shapes=False`: the graph's own ProgramInfo for every plan) in the
         # search's evaluators.
         self._shapes = DeviceShapes(graph, mesh) if device_shapes else None
+        # With them, on XLA:CPU, the reshards the breadth-first schedule queues (`shardc.sim.queued`) are part of the
+        # signature.
+        self._queues = device_shapes and queued_module.QUEUED_RESHARDS and topology.backend == "cpu"
         self._variants: dict[Signature, tuple[TaskBuilder, MemoryModel]] = {}
         self._builder: TaskBuilder | None = None
         self._memory: MemoryModel | None = None
@@ -358,10 +362,23 @@ class Simulator:
         return self._memory
 
     def _use_shapes_of(self, plan: Plan) -> None:
-        """Simulate with the task builder and memory model of `plan`'s per-device shapes."""
+        """Simulate with the task builder and memory model of `plan`'s per-device shapes (and the queued reshards of
+        the last plan simulated, which `_queued` checks once the slots are built)."""
         sig = self._shapes.signature(plan.shardings) if self._shapes is not None else frozenset()
+        sig = sig | self._queued_items()
         if self._builder is None or sig != self._signature:
             self._switch(sig)
+
+    def _queued_items(self) -> Signature:
+        return frozenset(item for item in self._signature if item[0] == "queued")
+
+    def _queued(self, slots: Sequence[Slot]) -> Signature | None:
+        """The queued reshards of `slots` when they are not those of the signature in use (None when they are, or
+        when the simulator does not look for them)."""
+        if not self._queues:
+            return None
+        found = queued_module.queued_reshards(slots, self.builder)
+        return None if found == self._queued_items() else found
 
     def _switch(self, sig: Signature) -> None:
         """Use the task builder and memory model of signature `sig` (made at their first use)."""
@@ -371,7 +388,7 @@ class Simulator:
             builder = TaskBuilder(self._graph, self.topology, self.mapping, self._mesh, self._estimator, info=info)
             variant = self._variants[sig] = (builder, MemoryModel(self._graph, builder.info, self._mesh, builder))
         self._builder, self._memory = variant
-        self._signature, self._local = sig, dict(sig)
+        self._signature, self._local = sig, {item[0]: item[1] for item in sig if item[0] != "queued"}
         self._last = self._reads = self._combiner = self._users_cache = None
 
     def _same_shapes(self, plan: Plan, values: set[int]) -> bool:
@@ -387,12 +404,13 @@ class Simulator:
     def full(self, plan: Plan, donated: tuple[int, ...] = ()) -> SimResult:
         """Simulate a plan from scratch."""
         self._use_shapes_of(plan)
-        b = self.builder
-        keys = b.initial_keys(plan)
         needs = self._needs = plan_needs(plan)
-        b.set_broadcasts(plan, needs)
-        b.set_drops(plan, needs)
-        slots = [b.build_slot(plan, i, keys, needs) for i in range(len(self.graph.ops))]
+        keys, slots = self._build(plan, needs)
+        queued = self._queued(slots)
+        if queued is not None:  # (the schedule of this plan's queued reshards: built again with its ProgramInfo)
+            self._switch(frozenset(item for item in self._signature if item[0] != "queued") | queued)
+            keys, slots = self._build(plan, needs)
+        b = self.builder
         b.chain_keys.clear()
         for s in slots:
             self._chained(s, 1)
@@ -410,6 +428,14 @@ class Simulator:
         self._last = state
         self._reads = None
         return self._result(state)
+
+    def _build(self, plan: Plan, needs: dict) -> tuple[dict, list[Slot]]:
+        """The initial keys and every op's slot of `plan`, built by the task builder in use."""
+        b = self.builder
+        keys = b.initial_keys(plan)
+        b.set_broadcasts(plan, needs)
+        b.set_drops(plan, needs)
+        return keys, [b.build_slot(plan, i, keys, needs) for i in range(len(self.graph.ops))]
 
     @gc_paused_long_lived  # (see shardc/gc_pause.py)
     def delta(self, plan: Plan, donated: tuple[int, ...] = ()) -> SimResult:
@@ -458,6 +484,8 @@ class Simulator:
             self._chained(new, 1)
             old.slots[s] = new
             (old.ar_slots.add if new.ars else old.ar_slots.discard)(s)
+        if old_slots and self._queued(old.slots) is not None:
+            return self.full(plan, donated)  # (another schedule)
         old.plan = plan
         # Slots before the first one that changed replay exactly as before (same tasks, same inputs).
         changed = sorted(old_slots)

@@ -1,0 +1,50 @@
+"""Which of a plan's reshards XLA:CPU's breadth-first schedule queues as instructions an op waits for.
+
+An all-gather along a dim that is not the most major one reads a copy of its operand in the gathered order
+(`shardc.cost.program.gather_relayouts`). When other ops read the value too, its producer writes it row-major for
+them and the copy is an instruction of its own: the op reading the gathered value then waits for three
+instructions (copy, all-gather, copy back), each queued when the one before it runs, and runs after what became
+ready meanwhile (a convolution's weight gradient before its input gradient). Such a reshard changes the schedule,
+so it is part of the plan's signature (`shardc.cost.device_shapes.info_for`), whose `ProgramInfo` orders the ops
+with the reshard's instructions as queued units (`program._add_chain_units`).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from shardc.cost.device_shapes import queued_item
+
+__all__ = ["QUEUED_RESHARDS", "queued_reshards"]
+
+QUEUED_RESHARDS = True  # (switch: plans' queued reshards order the schedule of their per-device ProgramInfo)
+
+
+def _gather_copy(tasks: Sequence[Any], i: int, flags: Sequence[bool]) -> bool:
+    """Whether task `i` copies a value (a key of it) into the order of the all-gather that reads it next."""
+    t = tasks[i]
+    return (t.kind == "compute" and len(t.deps) == 1 and flags[t.deps[0]] and i + 1 < len(tasks)
+            and tasks[i + 1].collective == "all-gather" and bool(set(t.outs) & set(tasks[i + 1].deps)))
+
+
+def queued_reshards(slots: Sequence[Any], builder: Any) -> frozenset:
+    """The signature items (`queued_item`) of the reshards in `slots` (built by `builder`) that begin with a copy
+    of their operand into an all-gather's order which is an instruction of its own: the value is materialised
+    by a live op, not cheap work fusion recomputes (`ProgramInfo.cheap`), and read in that layout by other
+    tasks than such copies, so its producer writes it row-major and cannot take the copy in."""
+    flags, keys, graph, info = builder.is_value_key, builder.key_list, builder.graph, builder.info
+    copies: list[tuple[int, int]] = []  # (op, key) of each copy
+    plain: set[int] = set()  # keys read otherwise
+    for slot in slots:
+        tasks = slot.tasks
+        for i, t in enumerate(tasks):
+            if i < slot.at and _gather_copy(tasks, i, flags):
+                copies.append((slot.op, t.deps[0]))
+            else:
+                plain.update(d for d in t.deps if flags[d])
+    out = set()
+    for op, d in copies:
+        c = keys[d][0]
+        p = graph.values[c].producer
+        if d in plain and p is not None and info.live[p] and c not in info.cheap:
+            out.add(queued_item(op, c))
+    return frozenset(out)
