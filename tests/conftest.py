@@ -68,13 +68,3 @@ def pytest_runtest_call(item):
                              f"this test compiled; the first: {remat[0][:600]}")
     return result
 
-
-# The longest tests (tens of seconds each: the MoE example end to end, two-process jobs, the searches of the fresh
-# models and of rematerialization) start first, so that short tests fill both workers at the end (`pytest -n 2`).
-_LONGEST_FIRST = ("tests/moe/test_moe_translate.py", "tests/multihost/test_multihost.py",
-                  "tests/search/test_search_fresh_models.py", "tests/search/test_remat.py")
-
-
-def pytest_collection_modifyitems(session, config, items):
-    rank = {path: i for i, path in enumerate(_LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # (stable: the rest in order)
