@@ -67,4 +67,3 @@ def pytest_runtest_call(item):
         raise AssertionError(f"XLA fell back to involuntary full rematerialization {len(remat)} time(s) while "
                              f"this test compiled; the first: {remat[0][:600]}")
     return result
-

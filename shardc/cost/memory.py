@@ -36,7 +36,7 @@ from shardc.cost.program import (CUMULATIVE, SAME_OPERAND_RULES, ProgramInfo, co
                                  descendants, gathered_order, is_loop_region, loop_entry, outer_region, per_info,
                                  scatter_into_constant, window_levels)
 
-__all__ = ["MemoryModel", "MemoryResult"]
+__all__ = ["MemoryModel", "MemoryResult", "gather_copy"]
 
 COPIES_EARLY = True
 LATE_AFTER_SLICES = True  # (switch: `_late`)
@@ -872,10 +872,8 @@ class MemoryModel:
     def _queued_copy(self, slot: Any, i: int) -> bool:
         """Whether task `i` of a slot is the copy of an operand into its all-gather's order that the schedule
         queues as an instruction of its own (`ProgramInfo.queued_at`, `shardc.sim.queued`)."""
-        t = slot.tasks[i]
-        return bool(self.info.queued_at) and t.kind == "compute" and len(t.deps) == 1 \
-            and self.keys.is_value_key[t.deps[0]] and self._feeds_collective(slot, i) \
-            and (slot.op, self.keys.key_list[t.deps[0]][0]) in self.info.queued_at
+        return bool(self.info.queued_at) and gather_copy(slot, i, self.keys.is_value_key) \
+            and (slot.op, self.keys.key_list[slot.tasks[i].deps[0]][0]) in self.info.queued_at
 
     def _position(self, slot: Any, i: int, kid: int, read: bool = False, late: bool = False) -> int:
         """Where task `i` of a slot reads or makes value key `kid`: with its op (2 * position in the schedule),
@@ -1548,3 +1546,11 @@ def _admitting(allocs: Sequence[tuple[int, int, int, int]]) -> Callable[[tuple],
         return ok
 
     return admits
+
+
+def gather_copy(slot: Any, i: int, is_value_key: Sequence[bool]) -> bool:
+    """Whether task `i` of a slot is one of its operands' reshards copying a value (a key of it) into the memory
+    order of the all-gather that reads the copy next (XLA:CPU: `shardc.cost.program.gather_relayouts`)."""
+    t = slot.tasks[i]
+    return (i < slot.at and t.kind == "compute" and len(t.deps) == 1 and is_value_key[t.deps[0]]
+            and MemoryModel._feeds_collective(slot, i) and slot.tasks[i + 1].collective == "all-gather")

@@ -13,17 +13,11 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from shardc.cost.device_shapes import queued_item
+from shardc.cost.memory import gather_copy
 
 __all__ = ["QUEUED_RESHARDS", "queued_reshards"]
 
 QUEUED_RESHARDS = True  # (switch: plans' queued reshards order the schedule of their per-device ProgramInfo)
-
-
-def _gather_copy(tasks: Sequence[Any], i: int, flags: Sequence[bool]) -> bool:
-    """Whether task `i` copies a value (a key of it) into the order of the all-gather that reads it next."""
-    t = tasks[i]
-    return (t.kind == "compute" and len(t.deps) == 1 and flags[t.deps[0]] and i + 1 < len(tasks)
-            and tasks[i + 1].collective == "all-gather" and bool(set(t.outs) & set(tasks[i + 1].deps)))
 
 
 def queued_reshards(slots: Sequence[Any], builder: Any) -> frozenset:
@@ -35,9 +29,8 @@ def queued_reshards(slots: Sequence[Any], builder: Any) -> frozenset:
     copies: list[tuple[int, int]] = []  # (op, key) of each copy
     plain: set[int] = set()  # keys read otherwise
     for slot in slots:
-        tasks = slot.tasks
-        for i, t in enumerate(tasks):
-            if i < slot.at and _gather_copy(tasks, i, flags):
+        for i, t in enumerate(slot.tasks):
+            if gather_copy(slot, i, flags):
                 copies.append((slot.op, t.deps[0]))
             else:
                 plain.update(d for d in t.deps if flags[d])
