@@ -21,7 +21,9 @@ import math
 from typing import Mapping, Sequence
 
 from shardc.cost.program import (_MINOR_CONCAT_BYTES, _MINOR_CONCAT_DIM_BYTES, _YNN_MIN_ELEMENTS,
-                                 TREE_REDUCTION_WINDOW, ProgramInfo, program_info)
+                                 TREE_REDUCTION_WINDOW, ProgramInfo, broadcast_dims, cse, joined_values, liveness,
+                                 program_info, read_values)
+from shardc.cost.windows import read_windows
 from shardc.ir.graph import Graph
 from shardc.sharding import Sharding
 
@@ -79,6 +81,18 @@ _BEFORE_PARTITIONING = ("merged", "cse", "liveness", "read_values", "joined_valu
                         "broadcast_dims", "read_windows")
 
 
+def before_partitioning(graph: Graph) -> None:
+    """Compute (and cache on `graph`) the analyses of what XLA does before it partitions the program, which a
+    device's view of `graph` shares (`device_view`), without the rest of the graph's own `ProgramInfo`."""
+    liveness(graph)  # (and `merged`, which it reads)
+    cse(graph)
+    read_values(graph)
+    joined_values(graph)
+    broadcast_dims(graph)
+    read_windows(graph)
+    graph.analysis("constant_arrays", dict)  # (filled as the analyses ask; shared, so folded at global shapes)
+
+
 def device_view(graph: Graph, shapes: Mapping[int, tuple[int, ...]],
                 queued: frozenset[tuple[int, int]] = frozenset()) -> Graph:
     """`graph` with the values in `shapes` at those shapes (ops, regions and the rest shared), the graph's own
@@ -105,7 +119,7 @@ def info_for(graph: Graph, backend: str, signature: Signature) -> ProgramInfo:
     key = (backend, signature)
     info = cache.get(key)
     if info is None:
-        program_info(graph, backend)  # (computes the analyses the view shares)
+        before_partitioning(graph)  # (the analyses the view shares)
         queued = frozenset(item[1:] for item in signature if item[0] == "queued")
         shapes = {item[0]: item[1] for item in signature if item[0] != "queued"}
         info = cache[key] = program_info(device_view(graph, shapes, queued), backend)

@@ -132,17 +132,16 @@ def _step_ops(src: Sharding, dst: Sharding, colls: tuple[Collective, ...], shape
             if not _divides(t, shape, mesh):
                 continue
             c = op_collective(op, s, shape, itemsize, mesh)
-            xla = reshard_steps(s, t, shape, itemsize, mesh, reduce_scatter)
             if c is None:
-                if xla != ((t, ()),):
+                if reshard_steps(s, t, shape, itemsize, mesh, reduce_scatter) != ((t, ()),):
                     continue  # XLA would not do this by a local slice
                 rest = left
             else:
-                if xla != ((t, (c,)),):
-                    continue  # XLA would not do this change as this one collective
                 pick = [i for i in left if _same(colls[i], c, exact)]
                 if not pick or (ordered and pick[0] != left[0]):
-                    continue
+                    continue  # (before asking for XLA's path to `t`: most moves make no collective wanted)
+                if reshard_steps(s, t, shape, itemsize, mesh, reduce_scatter) != ((t, (c,)),):
+                    continue  # XLA would not do this change as this one collective
                 rest = tuple(i for i in left if i != pick[0])
             state = (t, rest)
             if state not in seen:
