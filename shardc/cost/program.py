@@ -274,6 +274,8 @@ class ProgramInfo:
     hoisted: Mapping[int, tuple[int, int, int]] = dataclasses.field(default_factory=dict)  # loop-invariant body
     # values: (runs of their reshards, the value outside the loops they come from, runs out of the innermost
     # loop only); XLA's loop-invariant code motion moves those reshards out of the loop (`_invariant_trips`)
+    entered: Mapping[int, int] = dataclasses.field(default_factory=dict)  # loop-invariant value entering a loop
+    # nested in a forward loop -> the enclosing body's value it enters from (`_entered_in_forward_loops`)
     unread: frozenset[tuple[int, int]] = frozenset()  # (op, operand index) XLA does not read (`unread_operands`)
     through: frozenset[int] = frozenset()  # ops XLA replaces by their operands (`passes_through`): no work, no buffer
     copies: tuple[tuple[int, ...], ...] = ()  # per op (XLA:CPU): operands its dot decomposition copies (`dot_copies`)
@@ -2237,7 +2239,8 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                        carried=carried, loop=loop, library=frozenset(library), backend=backend, preset=preset,
                        broadcasts=library_broadcasts(graph, live, canon, groups, order) if groups else {},
                        transposed=transposed,
-                       eager=backend == "cpu", reshard_trips=reshard_trips, hoisted=hoisted, unread=cse.unread,
+                       eager=backend == "cpu", reshard_trips=reshard_trips, hoisted=hoisted,
+                       entered=_entered_in_forward_loops(graph, canon, hoisted, lengths), unread=cse.unread,
                        through=cse.through,
                        post=tuple(post),
                        copies=copies, copy_owner=last_copies(graph, canon, copies, order), cheap=cheap,
@@ -2354,6 +2357,27 @@ def _invariant_trips(graph: Graph, canon: Sequence[int], lengths: Mapping[str, i
             here = out[source][2]
         runs, origin = out[source][:2] if source in out else (here, source)
         out[canon[inner]] = (runs, origin, here)
+    return out
+
+
+def _entered_in_forward_loops(graph: Graph, canon: Sequence[int], hoisted: Mapping[int, tuple[int, int, int]],
+                              lengths: Mapping[str, int]) -> dict[int, int]:
+    """Per canonical loop-invariant value entering a loop of several trips nested in a forward loop of several
+    trips in which the value it enters from is invariant too: that value. XLA's loop-invariant code motion takes a
+    collective making the entering value out of the outer loop, and in the same run moves a collective of it from
+    the inner body into the outer one; the outer loop's state, rebuilt for the first, leaves the second reading a
+    copy of that state which the later runs do not take for invariant, so the second runs once per outer trip
+    (`shardc.sim.tasks.TaskBuilder.entered_by_collective`; measured with an all-gather and a collective-permute
+    entering, an all-to-all inside. A reversed outer scan, whose index arithmetic has the motion rebuild its state
+    again, takes both out; a slice entering, no collective, leaves nothing behind)."""
+    out: dict[int, int] = {}
+    for op in graph.ops:
+        if not loop_entry(op) or lengths.get(op.region, 1) < 2:
+            continue
+        outer = op.region.rsplit("/", 1)[0]
+        inner, source = canon[op.outputs[0]], canon[op.inputs[0]]
+        if lengths.get(outer, 1) > 1 and outer not in graph.region_reversed and inner in hoisted and source in hoisted:
+            out[inner] = source
     return out
 
 

@@ -549,6 +549,8 @@ class Simulator:
         for i in ops:
             op = g.ops[i]
             values.update(canon[v] for v in op.inputs + op.outputs)
+        entered = self.builder.info.entered  # (how a loop-invariant value entered its loop prices its reshards)
+        values.update([c for c, src in entered.items() if src in values])
         slots = set(ops)
         users = self._users()
         for c in values:

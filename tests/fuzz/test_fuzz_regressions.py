@@ -1643,3 +1643,21 @@ A_PERMUTE_IN_A_REVERSED_OUTER_LOOP = Program(mesh=(("x", 2), ("y", 1), ("z", 4))
 
 def test_a_permute_in_the_backward_nested_loops_leaves_both():
     fuzzlib.check_program(A_PERMUTE_IN_A_REVERSED_OUTER_LOOP)
+
+
+A_COLLECTIVE_INTO_AN_INNER_LOOP = Program(mesh=(("x", 4), ("y", 2)), steps=(  # seed 150007, shrunk
+    Step(kind="input", args=(), attrs=(), shape=(4, 12)),
+    Step(kind="input", args=(), attrs=(("meta", (None, None, "x")),), shape=(3, 4, 12)),
+    Step(kind="input", args=(), attrs=(), shape=(12, 12)),
+    # the matrix enters the first loop's inner loop permuted ([y, -] -> [x, -]: out of both loops) and is
+    # all-to-all'd inside it ([x, -] -> [-, x]): XLA takes that out of the inner loop only, once per outer trip
+    Step(kind="nested_loop", args=(0, 1, 2), attrs=(("n", 2), ("inner", ("?", "?"))), shape=(3, 4, 12)),
+    Step(kind="hint", args=(1,), attrs=(("how", "split"), ("dim", 1), ("axes", 4)), shape=(3, 4, 12)),
+    Step(kind="hint", args=(4,), attrs=(("how", "shard"), ("spec", ("?", "?", ("y",)))), shape=(3, 4, 12)),
+    Step(kind="input", args=(), attrs=(), shape=(2, 3, 4, 12)),
+    Step(kind="nested_loop", args=(5, 6, 2), attrs=(("n", 1), ("inner", None)), shape=(2, 3, 4, 12)),
+), outputs=(3, 7), step_mode=True, const_cotangents=True)
+
+
+def test_a_collective_taking_a_matrix_into_an_inner_loop_keeps_the_next_in_the_outer_loop():
+    fuzzlib.check_program(A_COLLECTIVE_INTO_AN_INNER_LOOP)
