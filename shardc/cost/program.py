@@ -276,6 +276,8 @@ class ProgramInfo:
     # loop only); XLA's loop-invariant code motion moves those reshards out of the loop (`_invariant_trips`)
     entered: Mapping[int, int] = dataclasses.field(default_factory=dict)  # loop-invariant value entering a loop
     # nested in a forward loop -> the enclosing body's value it enters from (`_entered_in_forward_loops`)
+    named: Mapping[int, int] = dataclasses.field(default_factory=dict)  # loop-invariant value a hint makes in a
+    # loop body -> the value it names (`_named_invariants`)
     unread: frozenset[tuple[int, int]] = frozenset()  # (op, operand index) XLA does not read (`unread_operands`)
     through: frozenset[int] = frozenset()  # ops XLA replaces by their operands (`passes_through`): no work, no buffer
     copies: tuple[tuple[int, ...], ...] = ()  # per op (XLA:CPU): operands its dot decomposition copies (`dot_copies`)
@@ -2240,7 +2242,8 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                        broadcasts=library_broadcasts(graph, live, canon, groups, order) if groups else {},
                        transposed=transposed,
                        eager=backend == "cpu", reshard_trips=reshard_trips, hoisted=hoisted,
-                       entered=_entered_in_forward_loops(graph, canon, hoisted, lengths), unread=cse.unread,
+                       entered=_entered_in_forward_loops(graph, canon, hoisted, lengths),
+                       named=_named_invariants(graph, canon, hoisted), unread=cse.unread,
                        through=cse.through,
                        post=tuple(post),
                        copies=copies, copy_owner=last_copies(graph, canon, copies, order), cheap=cheap,
@@ -2341,8 +2344,8 @@ def _invariant_trips(graph: Graph, canon: Sequence[int], lengths: Mapping[str, i
     replaced = {v for op in graph.ops if op.primitive == "tie" and not op.params.get("at") for v in op.outputs}
     out: dict[int, tuple[int, int, int]] = {}
     for op in graph.ops:  # (an outer loop's ties come before its body's: nested invariants see theirs)
-        if op.primitive == PCG_COLLECTIVE and canon[op.inputs[0]] in out:
-            out.setdefault(canon[op.outputs[0]], out[canon[op.inputs[0]]])
+        if (op.primitive == PCG_COLLECTIVE or op.primitive in ALIASES) and op.inputs and canon[op.inputs[0]] in out:
+            out.setdefault(canon[op.outputs[0]], out[canon[op.inputs[0]]])  # (a hint of it names it)
         if not loop_entry(op):
             continue
         inner = op.outputs[0]
@@ -2370,6 +2373,7 @@ def _entered_in_forward_loops(graph: Graph, canon: Sequence[int], hoisted: Mappi
     (`shardc.sim.tasks.TaskBuilder.entered_by_collective`; measured with an all-gather and a collective-permute
     entering, an all-to-all inside. A reversed outer scan, whose index arithmetic has the motion rebuild its state
     again, takes both out; a slice entering, no collective, leaves nothing behind)."""
+    named = {canon[op.outputs[0]]: op for op in graph.ops if op.primitive in ALIASES and op.inputs}
     out: dict[int, int] = {}
     for op in graph.ops:
         if not loop_entry(op) or lengths.get(op.region, 1) < 2:
@@ -2377,8 +2381,20 @@ def _entered_in_forward_loops(graph: Graph, canon: Sequence[int], hoisted: Mappi
         outer = op.region.rsplit("/", 1)[0]
         inner, source = canon[op.outputs[0]], canon[op.inputs[0]]
         if lengths.get(outer, 1) > 1 and outer not in graph.region_reversed and inner in hoisted and source in hoisted:
+            while (hint := named.get(source)) is not None and hint.region == outer and canon[hint.inputs[0]] in hoisted:
+                source = canon[hint.inputs[0]]  # (a hint in the outer body reshards it on the way: the same)
             out[inner] = source
     return out
+
+
+def _named_invariants(graph: Graph, canon: Sequence[int], hoisted: Mapping[int, tuple[int, int, int]]
+                      ) -> dict[int, int]:
+    """Per canonical loop-invariant value a hint (or another alias) makes in a loop body: the value it names. A
+    reshard of it runs where the reshard to its layout runs (`shardc.sim.tasks.TaskBuilder.named_after_one_loop`:
+    XLA's loop-invariant code motion cannot take it further out than what it reads)."""
+    return {canon[op.outputs[0]]: canon[op.inputs[0]] for op in graph.ops
+            if op.primitive in ALIASES and op.inputs and op.region and canon[op.outputs[0]] in hoisted
+            and canon[op.inputs[0]] in hoisted and canon[op.outputs[0]] != canon[op.inputs[0]]}
 
 
 def _hoisted_reshards(graph: Graph, canon: Sequence[int], hoisted: Mapping[int, tuple[int, int, int]],

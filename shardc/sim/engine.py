@@ -549,8 +549,8 @@ class Simulator:
         for i in ops:
             op = g.ops[i]
             values.update(canon[v] for v in op.inputs + op.outputs)
-        entered = self.builder.info.entered  # (how a loop-invariant value entered its loop prices its reshards)
-        values.update([c for c, src in entered.items() if src in values])
+        info = self.builder.info  # (how a loop-invariant value entered its loop, or was made, prices its reshards)
+        values.update([c for m in (info.entered, info.named) for c, src in m.items() if src in values])
         slots = set(ops)
         users = self._users()
         for c in values:

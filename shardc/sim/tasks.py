@@ -571,8 +571,9 @@ class TaskBuilder:
                 state.append((need, sh[c], h is not None and h in keys, done, b))
         made_b = tuple(self.bc_made.get((op_id, k), empty) for k in range(len(op.outputs)))
         mk = (tuple(state), plan.strategies[op_id], tuple([sh[v] for v in op.outputs]), made_b)
-        if self.info.entered:  # (how an invariant operand entered its loop: `entered_by_collective`)
-            mk += (tuple(sh[e] for c in canon_in if (e := self.info.entered.get(c)) is not None),)
+        if self.info.entered or self.info.named:  # (how an invariant operand was made: `entered_by_collective`,
+            mk += (tuple(sh[e] for c in canon_in  # `named_after_one_loop`)
+                         for e in (self.info.entered.get(c), self.info.named.get(c)) if e is not None),)
         dropped = self.drops.get(op_id, ())
         if dropped:
             mk += (dropped,)
@@ -594,6 +595,16 @@ class TaskBuilder:
         loop (`ProgramInfo.entered`): the reshards of `c` in the loop then leave that loop only."""
         src = self.info.entered.get(c)
         return src is not None and any(colls for _, colls in self.path(plan.shardings[src], plan.shardings[c], c))
+
+    def named_after_one_loop(self, plan: Plan, c: int) -> bool:
+        """Whether loop-invariant value `c`, a hint's in a loop body (`ProgramInfo.named`), is made by a reshard that
+        leaves the innermost loop only (`leaves_one_loop_only`): its own reshards cannot leave further."""
+        src = self.info.named.get(c)
+        if src is None:
+            return False
+        s = plan.shardings[src]
+        return leaves_one_loop_only(self.path(s, plan.shardings[c], c), s, self.graph.values[c].shape,
+                                    self._itemsize[c], self.mesh)
 
     def _made_layouts(self, op: Any, strat: Any) -> tuple[Sharding, ...]:
         """The layouts an op's strategy makes its results in (partial sums included), memoised over ops of
@@ -672,7 +683,7 @@ class TaskBuilder:
             runs = trips_in
             if (h := info.hoisted.get(c)) is not None:  # a loop-invariant value's: out of the loop(s)
                 one = leaves_one_loop_only(steps[n:], src[1], g.values[v].shape, self._itemsize[v], self.mesh) \
-                    or self.entered_by_collective(plan, c)
+                    or self.entered_by_collective(plan, c) or self.named_after_one_loop(plan, c)
                 runs = min(trips_in, h[2] if one else h[0])
             chained = self.chain(slot, src, steps[n:], v, op_id, runs, None if origin == HOME else origin)
             return [made(k) for k in chained][-1]

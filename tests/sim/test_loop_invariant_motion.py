@@ -73,3 +73,51 @@ def test_an_invariant_reshard_in_nested_loops_runs_as_compiled(src, dst, sliced,
             assert row.predicted == row.compiled, (quantity, row.predicted, row.compiled)
     steps = reshard_steps(Sharding(src), Sharding(dst), (8, 8), 4, MESH)
     assert leaves_one_loop_only(steps, Sharding(src), (8, 8), 4, MESH) is sliced
+
+
+# A matrix hinted inside the loops (a hint of a loop-invariant value is invariant too): w enters the outer loop in
+# one layout, is hinted to a second either in the outer body or in the inner one, and to a third for the dot in the
+# inner one. (where the second hint is, w's three layouts, reversed outer scan, all-to-alls of w compiled)
+_PERMUTE, _GATHER = (("y", None), ("x", None), (None, "x")), (("x", "y"), ("x", None), (None, "x"))
+_SLICE, _NOTHING = ((None, None), ("x", None), (None, "x")), (("x", None), ("x", None), (None, "x"))
+HINTED = [
+    ("outer body", _PERMUTE, False, 3),  # a collective enters the inner loop: the all-to-all stays in the outer one
+    ("outer body", _PERMUTE, True, 1),  # ... unless the outer scan is reversed
+    ("outer body", _GATHER, False, 3),
+    ("outer body", _SLICE, False, 1),  # no collective enters: it leaves both
+    ("inner body", _PERMUTE, False, 3),  # after a permute that leaves the inner loop only, it cannot leave further
+    ("inner body", _PERMUTE, True, 1),
+    ("inner body", _GATHER, False, 1),
+    ("inner body", _NOTHING, False, 1),
+]
+
+
+@pytest.mark.parametrize("where,layouts,reverse,runs", HINTED,
+                         ids=[f"{w}, {ls[0]}->{ls[1]}->{ls[2]}{', reversed' if r else ''}" for w, ls, r, _ in HINTED])
+def test_reshards_of_a_matrix_hinted_in_nested_loops_run_as_compiled(where, layouts, reverse, runs):
+    outer, second, inside = layouts
+
+    def step(h0, xs, w):
+        w = shardc.shard(w, outer)
+
+        def cell(c, x):
+            w1 = shardc.shard(w, second) if where == "outer body" else w
+
+            def body(i, h):
+                wc = shardc.shard(w1 if where == "outer body" else shardc.shard(w1, second), inside)
+                return 0.5 * h + 0.5 * jnp.tanh(h @ wc)
+
+            c = lax.fori_loop(0, 2, body, c + x)
+            return c, c
+
+        return lax.scan(cell, h0, xs, reverse=reverse)[1]
+
+    args = (jnp.ones((4, 12), jnp.float32), jnp.ones((3, 4, 12), jnp.float32), jnp.ones((12, 12), jnp.float32))
+    info = shardc.auto(step, mesh=shardc.make_mesh({"x": 4, "y": 2}), search=False).compiled_info(*args)
+    with xla_log() as log:
+        compiled = info.jitted.lower(*args).compile()
+    rows = {r.quantity: r for r in compare(info.plan, compiled, log).rows}
+    assert rows["all-to-all bytes"].compiled == runs * 12 * 12 * 4 // 4  # (each device's piece of w, per run)
+    for quantity, row in rows.items():
+        if quantity.endswith(" bytes") and quantity != "peak memory bytes":
+            assert row.predicted == row.compiled, (quantity, row.predicted, row.compiled)
