@@ -571,9 +571,10 @@ class TaskBuilder:
                 state.append((need, sh[c], h is not None and h in keys, done, b))
         made_b = tuple(self.bc_made.get((op_id, k), empty) for k in range(len(op.outputs)))
         mk = (tuple(state), plan.strategies[op_id], tuple([sh[v] for v in op.outputs]), made_b)
-        if self.info.entered or self.info.named:  # (how an invariant operand was made: `entered_by_collective`,
-            mk += (tuple(sh[e] for c in canon_in  # `named_after_one_loop`)
-                         for e in (self.info.entered.get(c), self.info.named.get(c)) if e is not None),)
+        if self.info.entered or self.info.named:  # (the layouts a loop-invariant operand was made from decide
+            # where its reshards run: `entered_by_collective`, `named_after_one_loop`)
+            made_from = (e for c in canon_in for e in (self.info.entered.get(c), self.info.named.get(c)))
+            mk += (tuple(sh[e] for e in made_from if e is not None),)
         dropped = self.drops.get(op_id, ())
         if dropped:
             mk += (dropped,)
