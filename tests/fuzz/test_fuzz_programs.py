@@ -1,4 +1,5 @@
-"""Generated-program fuzzing in CI: 8 seeded buckets x 26 random programs (208 in all).
+"""Generated-program fuzzing in CI: 8 seeded buckets x 20 random programs (160 in all; 26 until 2026-12-01,
+cut to keep the suite under 15 minutes: the soaks of `bench/fuzz.py` run thousands).
 
 Each program (fuzzlib.programs: einsums, elementwise chains, reshapes, transposes, reductions,
 broadcasts, concatenates, slices, gathers, scatters, control flow, hints, on a random 1-3 axis mesh
@@ -16,7 +17,7 @@ import pytest
 import fuzzlib
 
 BUCKETS = 8
-PER_BUCKET = 26
+PER_BUCKET = 20
 
 
 def _run_bucket(bucket: int) -> None:
