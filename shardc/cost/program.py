@@ -277,7 +277,7 @@ class ProgramInfo:
     entered: Mapping[int, int] = dataclasses.field(default_factory=dict)  # loop-invariant value entering a loop
     # nested in a forward loop -> the enclosing body's value it enters from (`_entered_in_forward_loops`)
     named: Mapping[int, int] = dataclasses.field(default_factory=dict)  # loop-invariant value a hint makes in a
-    # loop body -> the value it names (`_named_invariants`)
+    # loop body -> the value it names (`_naming_invariants`)
     unread: frozenset[tuple[int, int]] = frozenset()  # (op, operand index) XLA does not read (`unread_operands`)
     through: frozenset[int] = frozenset()  # ops XLA replaces by their operands (`passes_through`): no work, no buffer
     copies: tuple[tuple[int, ...], ...] = ()  # per op (XLA:CPU): operands its dot decomposition copies (`dot_copies`)
@@ -2224,6 +2224,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     strided = strided_readers(graph, live, canon, fused, consumers, loop) if backend == "cpu" else {}
     trips, reshard_trips = _trips(graph, lengths)
     reshard_trips = _hoisted_reshards(graph, canon, hoisted, reshard_trips)
+    naming = _naming_invariants(graph, canon, hoisted)
     # Loop state: values a region's ties carry to the next iteration or out of it.
     carried = frozenset(c for op in graph.ops if op.primitive == "tie" and outer_region(op) and live[op.id]
                         for c in (canon[op.inputs[0]],)
@@ -2242,8 +2243,8 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                        broadcasts=library_broadcasts(graph, live, canon, groups, order) if groups else {},
                        transposed=transposed,
                        eager=backend == "cpu", reshard_trips=reshard_trips, hoisted=hoisted,
-                       entered=_entered_in_forward_loops(graph, canon, hoisted, lengths),
-                       named=_named_invariants(graph, canon, hoisted), unread=cse.unread,
+                       entered=_entered_in_forward_loops(graph, canon, hoisted, lengths, naming),
+                       named={c: canon[op.inputs[0]] for c, op in naming.items()}, unread=cse.unread,
                        through=cse.through,
                        post=tuple(post),
                        copies=copies, copy_owner=last_copies(graph, canon, copies, order), cheap=cheap,
@@ -2364,16 +2365,16 @@ def _invariant_trips(graph: Graph, canon: Sequence[int], lengths: Mapping[str, i
 
 
 def _entered_in_forward_loops(graph: Graph, canon: Sequence[int], hoisted: Mapping[int, tuple[int, int, int]],
-                              lengths: Mapping[str, int]) -> dict[int, int]:
+                              lengths: Mapping[str, int], naming: Mapping[int, Any]) -> dict[int, int]:
     """Per canonical loop-invariant value entering a loop of several trips nested in a forward loop of several
-    trips in which the value it enters from is invariant too: that value. XLA's loop-invariant code motion takes a
-    collective making the entering value out of the outer loop, and in the same run moves a collective of it from
-    the inner body into the outer one; the outer loop's state, rebuilt for the first, leaves the second reading a
-    copy of that state which the later runs do not take for invariant, so the second runs once per outer trip
-    (`shardc.sim.tasks.TaskBuilder.entered_by_collective`; measured with an all-gather and a collective-permute
-    entering, an all-to-all inside. A reversed outer scan, whose index arithmetic has the motion rebuild its state
-    again, takes both out; a slice entering, no collective, leaves nothing behind)."""
-    named = {canon[op.outputs[0]]: op for op in graph.ops if op.primitive in ALIASES and op.inputs}
+    trips in which the value it enters from is invariant too: that value (looked through the hints of the outer
+    body, `naming`). XLA's loop-invariant code motion takes a collective making the entering value out of the outer
+    loop, and in the same run moves a collective of it from the inner body into the outer one; the outer loop's
+    state, rebuilt for the first, leaves the second reading a copy of that state which the later runs do not take
+    for invariant, so the second runs once per outer trip (`shardc.sim.tasks.TaskBuilder.entered_by_collective`;
+    measured with an all-gather and a collective-permute entering, an all-to-all inside. A reversed outer scan,
+    whose index arithmetic has the motion rebuild its state again, takes both out; a slice entering, no
+    collective, leaves nothing behind)."""
     out: dict[int, int] = {}
     for op in graph.ops:
         if not loop_entry(op) or lengths.get(op.region, 1) < 2:
@@ -2381,18 +2382,19 @@ def _entered_in_forward_loops(graph: Graph, canon: Sequence[int], hoisted: Mappi
         outer = op.region.rsplit("/", 1)[0]
         inner, source = canon[op.outputs[0]], canon[op.inputs[0]]
         if lengths.get(outer, 1) > 1 and outer not in graph.region_reversed and inner in hoisted and source in hoisted:
-            while (hint := named.get(source)) is not None and hint.region == outer and canon[hint.inputs[0]] in hoisted:
+            while (hint := naming.get(source)) is not None and hint.region == outer:
                 source = canon[hint.inputs[0]]  # (a hint in the outer body reshards it on the way: the same)
             out[inner] = source
     return out
 
 
-def _named_invariants(graph: Graph, canon: Sequence[int], hoisted: Mapping[int, tuple[int, int, int]]
-                      ) -> dict[int, int]:
-    """Per canonical loop-invariant value a hint (or another alias) makes in a loop body: the value it names. A
-    reshard of it runs where the reshard to its layout runs (`shardc.sim.tasks.TaskBuilder.named_after_one_loop`:
-    XLA's loop-invariant code motion cannot take it further out than what it reads)."""
-    return {canon[op.outputs[0]]: canon[op.inputs[0]] for op in graph.ops
+def _naming_invariants(graph: Graph, canon: Sequence[int], hoisted: Mapping[int, tuple[int, int, int]]
+                       ) -> dict[int, Any]:
+    """Per canonical loop-invariant value a hint (or another alias) makes in a loop body from another one: that op
+    (`ProgramInfo.named`: the value it names). A reshard of it runs where the reshard to its layout runs
+    (`shardc.sim.tasks.TaskBuilder.named_after_one_loop`: XLA's loop-invariant code motion cannot take it further
+    out than what it reads)."""
+    return {canon[op.outputs[0]]: op for op in graph.ops
             if op.primitive in ALIASES and op.inputs and op.region and canon[op.outputs[0]] in hoisted
             and canon[op.inputs[0]] in hoisted and canon[op.outputs[0]] != canon[op.inputs[0]]}
 
