@@ -45,7 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import shardc  # noqa: E402
-from shardc.check import INVOLUNTARY_REMAT, xla_log  # noqa: E402
+from shardc.check import INVOLUNTARY_REMAT, uncached, xla_log  # noqa: E402
 from shardc.cost.hlo import collectives  # noqa: E402
 from shardc.cost.reshard import is_involuntary_remat, reshard_collectives  # noqa: E402
 from shardc.sharding import Sharding  # noqa: E402
@@ -179,7 +179,7 @@ def compile_cases(mesh_sizes: dict[str, int], shape: Sequence[int], cases: Seque
         chunk = cases[start:start + batch]
         avals, shards = _inputs(mesh, shape, chunk)
         outs = [NamedSharding(mesh, _spec(d)) for _, _, d in chunk]
-        with xla_log() as log:
+        with uncached(), xla_log() as log:  # (its warnings: compiled afresh)
             compiled = jax.jit(_reshard_fn(mesh, chunk), in_shardings=shards, out_shardings=outs) \
                 .lower(*avals).compile(compiler_options=COMPILER_OPTIONS)
         remat = _remat_cases(log, chunk)

@@ -16,6 +16,8 @@ The plan is lowered and compiled on the local backend, and per device:
 Bounds: 5% for bytes and FLOPs, 10% for memory. A disagreement means the plan or the cost model is wrong.
 XLA's own warnings while compiling (`[SPMD] Involuntary full rematerialization`: a reshard XLA does by
 replicating the whole tensor, which the plan priced as something cheaper) are captured and listed too.
+The program is compiled afresh, not loaded from jax's persistent compilation cache (`uncached`): a loaded
+program logs no warning.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from shardc.attribute import attribute
 from shardc.cost.hlo import COLLECTIVE_KINDS, collectives
 from shardc.cost.topology import Device, Level, Topology
 
-__all__ = ["check", "compare", "CheckReport", "CheckRow", "compiled_stats", "BOUNDS", "xla_log", "INVOLUNTARY_REMAT"]
+__all__ = ["check", "compare", "CheckReport", "CheckRow", "compiled_stats", "BOUNDS", "xla_log", "uncached", "INVOLUNTARY_REMAT"]
 
 BOUNDS = {"bytes": 0.05, "flops": 0.05, "memory": 0.10}
 INVOLUNTARY_REMAT = "Involuntary full rematerialization"
@@ -187,10 +189,23 @@ def _lowered(plan: Any) -> Any:
 
 
 def _compile(lowered: Any) -> tuple[Any, list[str]]:
-    """The compiled program and XLA's SPMD warnings while compiling it."""
-    with xla_log() as log:
+    """The compiled program and XLA's SPMD warnings while compiling it (compiled afresh: see `uncached`)."""
+    with uncached(), xla_log() as log:
         compiled = lowered.compile()
     return compiled, [line for line in log if "[SPMD]" in line]
+
+
+@contextlib.contextmanager
+def uncached() -> Iterator[None]:
+    """jax's persistent compilation cache off inside the block. A program it holds is loaded, not compiled,
+    so XLA logs none of its warnings: a check under a cache a run filled (`jax_compilation_cache_dir`, as
+    MaxText sets by default) would miss an involuntary rematerialization."""
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
 
 
 def _uncombined_collectives(lowered: Any, plan: Any) -> list[Any]:

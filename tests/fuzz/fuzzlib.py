@@ -39,7 +39,7 @@ import flax.linen as nn
 
 import shardc
 from annotations import UNCONSTRAINED
-from shardc.check import compare, xla_log
+from shardc.check import compare, uncached, xla_log
 from annotations.primitive import resolve_dims
 
 __all__ = ["Step", "Program", "programs", "check_program", "evaluate", "make_args", "describe", "MESHES"]
@@ -1082,7 +1082,7 @@ def check_program(prog: Program, seed: int = 0, strict_collectives: bool = True,
     flat = jax.tree.leaves(args)
     sharded64 = None if search else shardc.auto(fun, mesh=mesh, search=False)  # (traced afresh for float64)
     rounding, upstream = _compare(reference, args, got, info, "result", sharded64)
-    with xla_log() as log:
+    with uncached(), xla_log() as log:  # (its warnings: compiled afresh)
         compiled = info.jitted.lower(*flat).compile()
     differ = collective_difference(plan, compiled, log)
     if differ is not None and strict_collectives:
