@@ -34,6 +34,7 @@ from annotations.errors import ShardingError
 from shardc.attribute import attribute
 from shardc.cost.hlo import COLLECTIVE_KINDS, collectives
 from shardc.cost.topology import Device, Level, Topology
+from shardc.fresh_compile import uncached
 
 __all__ = ["check", "compare", "CheckReport", "CheckRow", "compiled_stats", "BOUNDS", "xla_log", "uncached", "INVOLUNTARY_REMAT"]
 
@@ -189,23 +190,10 @@ def _lowered(plan: Any) -> Any:
 
 
 def _compile(lowered: Any) -> tuple[Any, list[str]]:
-    """The compiled program and XLA's SPMD warnings while compiling it (compiled afresh: see `uncached`)."""
+    """The compiled program and XLA's SPMD warnings while compiling it (compiled afresh: `uncached`)."""
     with uncached(), xla_log() as log:
         compiled = lowered.compile()
     return compiled, [line for line in log if "[SPMD]" in line]
-
-
-@contextlib.contextmanager
-def uncached() -> Iterator[None]:
-    """jax's persistent compilation cache off inside the block. A program it holds is loaded, not compiled,
-    so XLA logs none of its warnings: a check under a cache a run filled (`jax_compilation_cache_dir`, as
-    MaxText sets by default) would miss an involuntary rematerialization."""
-    enabled = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_compilation_cache", enabled)
 
 
 def _uncombined_collectives(lowered: Any, plan: Any) -> list[Any]:

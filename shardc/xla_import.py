@@ -30,6 +30,7 @@ import numpy as np
 
 from shardc.cost.hlo import _balanced, _device_ids
 from shardc.cost.hlo import parse_hlo as parse_hlo_text
+from shardc.fresh_compile import uncached
 from shardc.sharding import Sharding
 
 __all__ = ["HloInstr", "MatchReport", "decode_sharding", "hlo_shardings", "parse_hlo", "match_values",
@@ -396,7 +397,8 @@ def compile_with_dump(jitted: Any, *args: Any, compiler_options: Mapping[str, An
     lowered = jitted.lower(*args, **kwargs)
     with tempfile.TemporaryDirectory(prefix="shardc-xla-") as d:
         opts = {"xla_dump_to": d, "xla_dump_hlo_pass_re": DUMP_PASS_RE, **(compiler_options or {})}
-        compiled = lowered.compile(compiler_options=opts)
+        with uncached():  # (a program loaded from jax's persistent cache is not dumped)
+            compiled = lowered.compile(compiler_options=opts)
         files = glob.glob(os.path.join(d, f"*{_DUMP_SUFFIX}"))
         if not files:
             raise RuntimeError("XLA dumped no module before SPMD partitioning (a single-device program?)")

@@ -67,3 +67,24 @@ def pytest_runtest_call(item):
         raise AssertionError(f"XLA fell back to involuntary full rematerialization {len(remat)} time(s) while "
                              f"this test compiled; the first: {remat[0][:600]}")
     return result
+
+
+@pytest.fixture
+def jax_persistent_cache(tmp_path):
+    """jax's persistent compilation cache in a directory of this test's own, every program written to it (as a
+    user's cache after a first run); as it was again afterwards."""
+    from jax._src import compilation_cache
+
+    options = {"jax_compilation_cache_dir": str(tmp_path / "jax-cache"),
+               "jax_persistent_cache_min_compile_time_secs": 0, "jax_persistent_cache_min_entry_size_bytes": 0,
+               "jax_enable_compilation_cache": True}
+    old = {name: getattr(jax.config, name) for name in options}
+    for name, value in options.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+    try:
+        yield tmp_path / "jax-cache"
+    finally:
+        for name, value in old.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()

@@ -24,6 +24,8 @@ import re
 import tempfile
 from typing import Any
 
+from shardc.fresh_compile import uncached
+
 __all__ = ["Buffer", "PeakBuffers", "xla_peak", "model_peak", "peak_buffers"]
 
 
@@ -173,8 +175,9 @@ def xla_live(lowered: Any, compiler_options: dict[str, Any] | None = None, keep:
     """XLA's temporaries of a lowered program (compiled once more, with dumps; kept in directory `keep` if
     given, else in a temporary one)."""
     with (contextlib.nullcontext(keep) if keep else tempfile.TemporaryDirectory(prefix="shardc-mem-")) as d:
-        compiled = lowered.compile(compiler_options={**(compiler_options or {}), "xla_dump_to": d,
-                                                     "xla_dump_hlo_as_text": True})
+        with uncached():  # (a program loaded from jax's persistent cache is not dumped)
+            compiled = lowered.compile(compiler_options={**(compiler_options or {}), "xla_dump_to": d,
+                                                         "xla_dump_hlo_as_text": True})
         assignment = _read(d, "after_optimizations-buffer-assignment.txt")
         ranges = _read(d, "after_optimizations-live-range.txt")
         hlo = _read(d, "after_optimizations.txt")

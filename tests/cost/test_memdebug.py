@@ -60,3 +60,13 @@ def test_xla_side_counts_loop_carries():
     words = [b for b in at if b.what.startswith("while ")]
     assert len(words) == 2 and all(b.nbytes == 512 * 512 * 4 for b in words)
     assert 0.9 * x.temp_size <= sum(b.nbytes for b in at) <= x.temp_size
+
+
+def test_xla_side_is_read_when_jax_s_persistent_cache_holds_the_program(jax_persistent_cache):
+    """XLA dumps only what it compiles; a program loaded from jax's persistent compilation cache (a user's, after
+    a first run) is compiled afresh for the dumps."""
+    plan = _plan()
+    _lowered(plan).compile(compiler_options(plan))  # (fills the cache)
+    assert any(jax_persistent_cache.iterdir())
+    x = xla_live(_lowered(plan), compiler_options(plan))
+    assert x.temp_size > 0 and x.at(x.peak())

@@ -63,11 +63,9 @@ def test_a_clean_compile_passes():
 
 
 @pytest.mark.involuntary_remat("compiles a program that rematerializes, from jax's persistent cache and afresh")
-def test_a_check_compiles_afresh_what_the_persistent_cache_holds(tmp_path):
+def test_a_check_compiles_afresh_what_the_persistent_cache_holds(jax_persistent_cache):
     """`shardc.check` reads XLA's warnings while compiling; a program loaded from jax's persistent compilation
     cache is not compiled and logs nothing, so the check's compile bypasses that cache."""
-    from jax._src import compilation_cache
-
     from shardc.check import _compile, xla_log
 
     mesh = shardc.make_mesh({"data": 2, "model": 4})
@@ -78,21 +76,13 @@ def test_a_check_compiles_afresh_what_the_persistent_cache_holds(tmp_path):
 
         return jax.jit(f, in_shardings=NamedSharding(mesh, P(None, "data"))).lower(jnp.ones((24, 32)))
 
-    options = {"jax_compilation_cache_dir": str(tmp_path), "jax_persistent_cache_min_compile_time_secs": 0,
-               "jax_persistent_cache_min_entry_size_bytes": 0}
-    old = {name: getattr(jax.config, name) for name in options}
-    try:
-        for name, value in options.items():
-            jax.config.update(name, value)
-        compilation_cache.reset_cache()
-        lowered().compile()  # (fills the cache)
-        assert any(tmp_path.iterdir())
-        with xla_log() as loaded:
-            lowered().compile()
-        assert not any("Involuntary full rematerialization" in line for line in loaded)  # (what a cache hit logs)
-        _, warnings = _compile(lowered())
-        assert any("Involuntary full rematerialization" in line for line in warnings)
-    finally:
-        for name, value in old.items():
-            jax.config.update(name, value)
-        compilation_cache.reset_cache()
+    lowered().compile()  # (fills the cache)
+    assert any(jax_persistent_cache.iterdir())
+    with xla_log() as loaded:
+        lowered().compile()
+    assert not any("Involuntary full rematerialization" in line for line in loaded)  # (what a cache hit logs)
+    _, warnings = _compile(lowered())
+    assert any("Involuntary full rematerialization" in line for line in warnings)
+    with xla_log() as loaded:
+        lowered().compile()
+    assert not any("Involuntary full rematerialization" in line for line in loaded)  # (the cache is on again)
