@@ -3,6 +3,7 @@ operand's buffer. The simulator priced such reads as free (read from registers, 
 a hinted program simulated faster than the same program unhinted at the same layouts."""
 import jax
 import jax.numpy as jnp
+import pytest
 from jax.sharding import PartitionSpec as P
 
 import shardc
@@ -32,3 +33,34 @@ def test_a_hint_does_not_make_its_readers_cheaper():
         times[hinted] = sorted(sl.compute_ps for sl in dots)
         assert len(dots) == 2
     assert times[True] == times[False], times
+
+
+def _matmul_step(looped: bool, trips: int):
+    """h <- tanh(h @ w + x): `trips` times in a scan (w enters the loop unchanged, h is its carry), or once."""
+    def step(w, xs, h0):
+        def body(h, x):
+            h = jnp.tanh(h @ w + x)
+            return h, jnp.sum(h)
+        return jax.lax.scan(body, h0, xs) if looped else body(h0, xs[0])
+    return step
+
+
+def test_an_op_in_a_loop_reads_what_enters_the_loop_from_memory():
+    """What enters a loop, and its carry, are buffers of the loop's state (a while loop's operands); an op in the
+    body reads them from memory. The simulator priced them as read from registers (as a fused producer would
+    be): an in-loop matmul per trip 3.8x cheaper than the same matmul outside the loop on an H100 (a full-size
+    LSTM's), and a plan of that LSTM 3.16 ms of compute cheaper than its own PCG, where a Combine node (a
+    buffer) reads the weight first."""
+    mesh = shardc.make_mesh({"data": 8})
+    d, b, trips = 1024, 64, 6
+    w = jax.random.normal(jax.random.key(1), (d, d))
+    xs, h0 = jnp.ones((trips, b, d)), jnp.zeros((b, d))
+    per_trip = {}
+    for looped in (False, True):
+        af = shardc.auto(_matmul_step(looped, trips), mesh=mesh, in_shardings=(P(), P(None, "data"), P("data")))
+        plan = af.plan(w, xs, h0)
+        result = simulate(plan, "h100-sxm-8")
+        dots = [sl for sl in result.slots if plan.graph.ops[sl.op].primitive == "dot_general"]
+        assert len(dots) == 1 and bool(plan.graph.ops[dots[0].op].region) == looped
+        per_trip[looped] = dots[0].compute_ps / (trips if looped else 1)
+    assert per_trip[True] == pytest.approx(per_trip[False], rel=1e-6), per_trip
