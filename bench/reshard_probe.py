@@ -45,7 +45,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import shardc  # noqa: E402
-from shardc.check import INVOLUNTARY_REMAT, uncached, xla_log  # noqa: E402
+from shardc.check import INVOLUNTARY_REMAT, xla_log  # noqa: E402
+from shardc.fresh_compile import uncached  # noqa: E402
 from shardc.cost.hlo import collectives  # noqa: E402
 from shardc.cost.reshard import is_involuntary_remat, reshard_collectives  # noqa: E402
 from shardc.sharding import Sharding  # noqa: E402

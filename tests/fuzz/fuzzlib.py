@@ -39,7 +39,8 @@ import flax.linen as nn
 
 import shardc
 from annotations import UNCONSTRAINED
-from shardc.check import compare, uncached, xla_log
+from shardc.check import compare, xla_log
+from shardc.fresh_compile import uncached
 from annotations.primitive import resolve_dims
 
 __all__ = ["Step", "Program", "programs", "check_program", "evaluate", "make_args", "describe", "MESHES"]
