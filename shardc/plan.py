@@ -20,7 +20,8 @@ from annotations.errors import ShardingError, SourceLine
 from shardc.cost.collectives import Collective, collectives_time
 from shardc.cost.host_ops import default_estimator, relayout_seconds
 from shardc.cost.dropped import candidates, dead_ops, plan_drops
-from shardc.cost.program import broadcast_dims, gather_relayouts, merged, read_values, unread_operands
+from shardc.cost.program import (broadcast_dims, enters_a_constant, gather_relayouts, merged, read_values,
+                                 unread_operands)
 from shardc.cost.reshard_path import reshard_steps, sent_bytes
 from shardc.cost.wire import wire_itemsize
 from shardc.ir.graph import Graph, Op
@@ -451,7 +452,7 @@ def op_reshard_specs(op: Op, graph: Graph, strat: OpStrategy, shardings: Sequenc
     partial, groups = strat.partial_axes(rule), strat.partial_groups(rule)
     for i, (v, dims) in enumerate(zip(op.outputs, rule.results)):
         val = graph.values[v]
-        if constant[v]:  # folded by XLA: made in the layout wanted
+        if constant[v] or enters_a_constant(op, constant):  # folded by XLA: made in the layout wanted
             continue
         made = strat.tensor_sharding(rule, dims, mesh)
         made = Sharding(made.dims, partial)

@@ -47,7 +47,7 @@ from shardc.ir.graph import Graph
 __all__ = ["ProgramInfo", "program_info", "per_info", "descendants", "Merged", "merged", "liveness", "unread_operands",
            "unread_if_same", "read_values",
            "SAME_OPERAND_RULES", "PASS_THROUGH_RULES", "BOUND_THROUGH", "passes_through", "splat_literal", "ALIASES",
-           "reads_only_padding", "pad_of", "scatter_into_constant", "loop_entry", "loop_exit", "is_loop_region",
+           "reads_only_padding", "pad_of", "scatter_into_constant", "loop_entry", "enters_a_constant", "loop_exit", "is_loop_region",
            "broadcast_dims", "broadcast_transfer", "derived", "fusing_readers",
            "FUSIBLE", "FREE_PRIMITIVES", "PCG_COLLECTIVE"]
 
@@ -152,6 +152,13 @@ def _in_loop_body(op: Any) -> bool:
 def loop_entry(op: Any) -> bool:
     """Whether `op` is a loop's entry tie: it takes a value into the loop (its initial state or a constant)."""
     return op.primitive == "tie" and op.params.get("at") == "in"
+
+
+def enters_a_constant(op: Any, constant: Sequence[bool]) -> bool:
+    """Whether `op` is a loop's entry tie taking a compile-time constant in (`constant`: per value): XLA's
+    partitioner makes the constant in the layout of the loop's state, so the tie's result needs no reshard
+    (a zero-initialised carry hinted in another layout)."""
+    return loop_entry(op) and bool(op.inputs) and constant[op.inputs[0]]
 
 
 def loop_exit(op: Any) -> bool:

@@ -24,8 +24,8 @@ from shardc.cost.estimator import OpCostEstimator, OpKey
 from shardc.cost.flops import count_op
 from shardc.cost.host_ops import default_estimator, relayout_seconds
 from shardc.cost.op_collectives import NONE as NO_COLLECTIVES, OP_COLLECTIVES, OwnCollectives, op_collectives
-from shardc.cost.program import (FREE_PRIMITIVES, ProgramInfo, broadcast_dims, broadcast_transfer, gather_relayouts,
-                                 loop_exit, moves_no_data, per_info, program_info, rewritten_dot)
+from shardc.cost.program import (FREE_PRIMITIVES, ProgramInfo, broadcast_dims, broadcast_transfer, enters_a_constant,
+                                 gather_relayouts, loop_exit, moves_no_data, per_info, program_info, rewritten_dot)
 from shardc.cost.reshard_path import kept_after, reshard_steps
 from shardc.cost.topology import MeshMapping, Topology
 from shardc.cost.wire import wire_itemsize
@@ -731,7 +731,8 @@ class TaskBuilder:
         groups = None  # (the strategy's partial groups: only a result resharded needs them)
         for n, (v, k) in enumerate(zip(op.outputs, out_keys)):
             want = plan.shardings[v]
-            if k[1] != want and info.constant[self.canon(v)]:  # folded by XLA: made in the layout wanted
+            if k[1] != want and (info.constant[self.canon(v)] or enters_a_constant(op, info.constant)):
+                # (folded by XLA: made in the layout wanted)
                 made((k[0], want, HOME))
             elif k[1] != want and info.read[self.canon(v)]:  # (a result no one reads: its constraint is dead)
                 if groups is None:

@@ -1661,3 +1661,26 @@ A_COLLECTIVE_INTO_AN_INNER_LOOP = Program(mesh=(("x", 4), ("y", 2)), steps=(  # 
 
 def test_a_collective_taking_a_matrix_into_an_inner_loop_keeps_the_next_in_the_outer_loop():
     fuzzlib.check_program(A_COLLECTIVE_INTO_AN_INNER_LOOP)
+
+
+A_CONSTANT_INTO_A_LOOP = Program(mesh=(("x", 4), ("y", 2)), steps=(  # seed 152006, shrunk
+    Step(kind="input", args=(), attrs=(), shape=(6,)),
+    Step(kind="input", args=(), attrs=(), shape=(2, 6)),
+    Step(kind="input", args=(), attrs=(), shape=(6, 6)),
+    # the backward loop's carry for v0's gradient starts as zeros, made [y] (as the einsum's gradient reads them)
+    # while the carry is [-]: XLA makes the zeros in the carry's layout, no all-gather
+    Step(kind="nested_loop", args=(0, 1, 2), attrs=(("n", 1), ("inner", None)), shape=(2, 6)),
+    Step(kind="input", args=(), attrs=(("high", 2),), shape=(3,), dtype="int32"),
+    Step(kind="gather", args=(3, 4), attrs=(("dim", 0),), shape=(3, 6)),
+    Step(kind="transpose", args=(5,), attrs=(("perm", (1, 0)),), shape=(6, 3)),
+    Step(kind="input", args=(), attrs=(), shape=(6, 6, 8)),
+    Step(kind="einsum", args=(0, 7), attrs=(("spec", "a,abc->b"),), shape=(6,)),
+    Step(kind="hint", args=(8,), attrs=(("how", "split"), ("dim", 0), ("axes", "y")), shape=(6,)),
+    Step(kind="sort", args=(8,), attrs=(("dim", 0),), shape=(6,)),
+    Step(kind="input", args=(), attrs=(("meta", ("y",)),), shape=(6,)),
+    Step(kind="binary", args=(10, 11), attrs=(("fn", "add"),), shape=(6,)),
+), outputs=(6, 12), step_mode=False, const_cotangents=True)
+
+
+def test_a_constant_entering_a_loop_is_made_in_the_loop_s_layout():
+    fuzzlib.check_program(A_CONSTANT_INTO_A_LOOP)
