@@ -36,7 +36,8 @@ from shardc.cost.hlo import COLLECTIVE_KINDS, collectives
 from shardc.cost.topology import Device, Level, Topology
 from shardc.fresh_compile import uncached
 
-__all__ = ["check", "compare", "CheckReport", "CheckRow", "compiled_stats", "BOUNDS", "xla_log", "uncached", "INVOLUNTARY_REMAT"]
+__all__ = ["check", "compare", "CheckReport", "CheckRow", "compiled_stats", "BOUNDS", "xla_log", "uncached",
+           "INVOLUNTARY_REMAT"]
 
 BOUNDS = {"bytes": 0.05, "flops": 0.05, "memory": 0.10}
 INVOLUNTARY_REMAT = "Involuntary full rematerialization"

@@ -47,7 +47,8 @@ from shardc.ir.graph import Graph
 __all__ = ["ProgramInfo", "program_info", "per_info", "descendants", "Merged", "merged", "liveness", "unread_operands",
            "unread_if_same", "read_values",
            "SAME_OPERAND_RULES", "PASS_THROUGH_RULES", "BOUND_THROUGH", "passes_through", "splat_literal", "ALIASES",
-           "reads_only_padding", "pad_of", "scatter_into_constant", "loop_entry", "enters_a_constant", "loop_exit", "is_loop_region",
+           "reads_only_padding", "pad_of", "scatter_into_constant", "loop_entry", "enters_a_constant", "loop_exit",
+           "is_loop_region",
            "broadcast_dims", "broadcast_transfer", "derived", "fusing_readers",
            "FUSIBLE", "FREE_PRIMITIVES", "PCG_COLLECTIVE"]
 
