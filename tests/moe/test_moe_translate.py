@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
@@ -26,32 +25,15 @@ TINY = [
 # two sequence buckets: two batch shapes, so two programs planned (and kept in OUT/plan.json) in one run; a
 # small search budget (the report still lists every baseline: they are scored before the search proper)
 COMMON = TINY + ["--buckets", "8,24", "--steps", "6", "--search-budget", "1"]
-CACHE_OPTIONS = {"jax_compilation_cache_dir": None, "jax_persistent_cache_min_compile_time_secs": 0,
-                 "jax_persistent_cache_min_entry_size_bytes": 0}
-
-
 @pytest.fixture
-def compilation_cache(tmp_path):
+def compilation_cache(jax_persistent_cache):
     """A persistent compilation cache for this test only (its runs, and its subprocesses', compile the same
-    programs); yields the environment that gives a subprocess the same cache."""
-    try:
-        from jax._src import compilation_cache as cc
-    except ImportError:  # pragma: no cover
-        yield dict(os.environ)
-        return
-    values = dict(CACHE_OPTIONS, jax_compilation_cache_dir=str(tmp_path / "jax-cache"))
-    old = {n: getattr(jax.config, n) for n in values}
-    for n, v in values.items():
-        jax.config.update(n, v)
-    cc.reset_cache()
-    env = dict(os.environ, **{n.upper(): str(v) for n, v in values.items()})
+    programs; `jax_persistent_cache` in tests/conftest.py); yields the environment that gives a subprocess the
+    same cache."""
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(jax_persistent_cache),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    try:
-        yield env
-    finally:
-        for n, v in old.items():
-            jax.config.update(n, v)
-        cc.reset_cache()
+    yield env
 
 
 def test_example_runs_end_to_end_with_the_search_and_resume_is_bit_for_bit(tmp_path, compilation_cache, capsys):
