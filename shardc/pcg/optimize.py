@@ -8,7 +8,8 @@ pass); the search stops when no rewrite pays, even after a lookahead (`Lookahead
 `h100-sxm-8`) unless another `cost_fn` is given. Loop and branch bodies are optimized first, each as a
 PCG of its own (their boundary layouts are fixed), and a new body is kept when the whole PCG's cost
 goes down. A rule is verified with Z3 the first time it matches; an unproved one is dropped, never
-applied.
+applied. A candidate's cost needs to be exact only where it is below the current cost (`priced`: a cost
+function may skip the rest of its work above that bound, as `SimCost` skips the memory model).
 """
 from __future__ import annotations
 
@@ -128,7 +129,7 @@ def _optimize_bodies(pcg: PCG, rules: list[Rule], cost_fn: CostFn, cost: float, 
         if not inner:
             continue
         new = _with_region(pcg, node.id, op.with_bodies(bodies))
-        c = cost_fn(new)
+        c = priced(cost_fn, new, cost)
         if c < cost - 1e-15:
             steps += inner  # their costs are the body's own simulated time
             pcg, cost = new, c
@@ -274,7 +275,7 @@ def _apply_alike(pcg: PCG, cost: float, alike: list[tuple[Rule, Match]], cost_fn
                 trial = hit[1]
         if done:
             yield None
-            c = cost_fn(trial)
+            c = priced(cost_fn, trial, cost)
             if c < cost * (1 - 1e-12):
                 more = f" (and {len(done) - 1} more alike)" if len(done) > 1 else ""
                 yield Step(done[0].rule.name, str(done[0]) + more, cost, c, describe_match(pcg, done[0]) + more), trial
@@ -284,7 +285,7 @@ def _apply_alike(pcg: PCG, cost: float, alike: list[tuple[Rule, Match]], cost_fn
             continue
         again, new = hit
         yield None
-        c = cost_fn(new)
+        c = priced(cost_fn, new, cost)
         if not c < cost * (1 - 1e-12):
             return
         yield Step(rule.name, str(again), cost, c, describe_match(pcg, again)), new
@@ -338,7 +339,7 @@ def _lookahead(base: PCG, cost: float, near: list[tuple[float, PCG, Step]], rule
                 if k in seen:
                     continue
                 seen.add(k)
-                c = cost_fn(new)
+                c = priced(cost_fn, new, cost)  # (exact where it pays; a step of a sequence need not fit in memory)
                 step = Step(rule.name, str(m), path[-1].cost_after, c, describe_match(p, m))
                 if c < cost * (1 - 1e-12):
                     return (path + [step], new), n
@@ -346,6 +347,13 @@ def _lookahead(base: PCG, cost: float, near: list[tuple[float, PCG, Step]], rule
                     nxt.append((c, new, path + [step], len(p.tensors)))
         frontier = sorted(nxt, key=lambda e: e[0])[:search.beam]
     return None, n
+
+
+def priced(cost_fn: CostFn, pcg: PCG, bound: float) -> float:
+    """`cost_fn`'s cost of `pcg`, exact where it is below `bound`, else at least `bound`: a cost function with a
+    `below(pcg, bound)` method may skip what it needs only for cheaper PCGs (`SimCost`: the memory model)."""
+    below = getattr(cost_fn, "below", None)
+    return below(pcg, bound) if below is not None else cost_fn(pcg)
 
 
 class _OutOfBudget(Exception):
@@ -360,10 +368,17 @@ class _Budgeted:
         self.cost_fn, self.limit, self.calls = cost_fn, limit, 0
 
     def __call__(self, pcg: PCG) -> float:
+        self._count()
+        return self.cost_fn(pcg)
+
+    def below(self, pcg: PCG, bound: float) -> float:
+        self._count()
+        return priced(self.cost_fn, pcg, bound)
+
+    def _count(self) -> None:
         if self.calls >= self.limit:
             raise _OutOfBudget
         self.calls += 1
-        return self.cost_fn(pcg)
 
 
 def _descend(pcg: PCG, rules: list[Rule], cost_fn: CostFn, max_steps: int, refuted: set[str],
@@ -413,7 +428,7 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
                 if k in seen:
                     continue
                 seen.add(k)
-                c = tried[form] = cost_fn(new)
+                c = tried[form] = priced(cost_fn, new, cost)
                 if c < cost * (1 - 1e-12):
                     better.append((c, i, rule, m))
                     if best is None or (c, i) < best[:2]:

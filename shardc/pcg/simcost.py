@@ -288,7 +288,12 @@ def simulate_pcg(pcg: PCG, topology: Any = DEFAULT_TOPOLOGY, *, estimator: Any =
 
 
 class SimCost:
-    """`CostFn`: the simulated step time of a PCG in seconds, on one topology (memoised per PCG key)."""
+    """`CostFn`: the simulated step time of a PCG in seconds, on one topology (memoised per PCG key).
+
+    `below(pcg, bound)` is the cost where it is below `bound` and a value at least `bound` otherwise: a rewrite
+    that does not pay needs no memory model (it only says whether a faster PCG fits), so where the step time does
+    not read it (the device charges nothing for fresh memory) the memory model runs only for PCGs faster than
+    `bound`, completing the same simulation."""
 
     def __init__(self, topology: Any = DEFAULT_TOPOLOGY, *, estimator: Any = None, donated: tuple[int, ...] = (),
                  memory_limit: float | None = None) -> None:
@@ -301,24 +306,56 @@ class SimCost:
         # memory_limit: bytes per device; a PCG whose simulated peak is above it costs infinity (never kept)
         self.memory_limit = memory_limit
         self._memo: dict[str, tuple[float, float, float]] = {}  # PCG key -> (cost, peak, comm bytes)
+        self._times: dict[str, float] = {}  # PCG key -> step time, for PCGs simulated without the memory model
+        self._timed: tuple[str, Any, Plan] | None = None  # (key, simulator, plan) of the last of those
         self.simulations = 0
 
     def __call__(self, pcg: PCG) -> float:
         return self.measures(pcg)[0]
 
+    def below(self, pcg: PCG, bound: float) -> float:
+        """The PCG's cost if it is below `bound`, else a value at least `bound` (see the class docstring)."""
+        k = self._key(pcg)
+        hit = self._memo.get(k)
+        if hit is not None:
+            return hit[0]
+        time = self._times.get(k)
+        if time is None and self.topology.device.fresh_memory_cost <= 0:
+            from shardc.sim import simulator_for
+
+            plan, _ = pcg_plan(pcg)
+            sim = simulator_for(plan, self.topology, estimator=self.estimator)
+            time = self._times[k] = sim.step_time_only(plan)
+            self._timed = (k, sim, plan)
+            self.simulations += 1
+        if time is not None and time >= bound:
+            return time
+        return self._measures(pcg, k)[0]
+
     def measures(self, pcg: PCG) -> tuple[float, float, float]:
         """The PCG's cost (its simulated step, infinity over the memory limit), simulated peak memory per device
         and communication per device (bytes): simulated once per PCG key."""
-        k = pcg.key() + repr([(pcg.tensors[t].shape, str(pcg.tensors[t].dtype)) for t in pcg.inputs])
+        return self._measures(pcg, self._key(pcg))
+
+    def _measures(self, pcg: PCG, k: str) -> tuple[float, float, float]:
         hit = self._memo.get(k)
         if hit is None:
-            res = simulate_pcg(pcg, self.topology, estimator=self.estimator, donated=self.donated).result
+            if self._timed is not None and self._timed[0] == k:  # (its timeline is made: the memory model completes it)
+                _, sim, plan = self._timed
+                res = sim.full(plan, self.donated)
+            else:
+                res = simulate_pcg(pcg, self.topology, estimator=self.estimator, donated=self.donated).result
+                self.simulations += 1
+            self._timed = None
             cost = res.step_time
             if self.memory_limit is not None and res.peak_memory > self.memory_limit:
                 cost = float("inf")
             hit = self._memo[k] = (cost, float(res.peak_memory), float(sum(res.comm_bytes.values())))
-            self.simulations += 1
         return hit
+
+    @staticmethod
+    def _key(pcg: PCG) -> str:
+        return pcg.key() + repr([(pcg.tensors[t].shape, str(pcg.tensors[t].dtype)) for t in pcg.inputs])
 
     def __repr__(self) -> str:
         return f"SimCost({self.topology.name})"

@@ -47,7 +47,7 @@ from shardc.plan import Plan
 from shardc.sim.combine import Combiner
 from shardc.sim.result import SimResult
 from shardc.sim import queued as queued_module
-from shardc.sim.tasks import TASKS_PER_SLOT, Slot, TaskBuilder, is_static, plan_needs
+from shardc.sim.tasks import PS, TASKS_PER_SLOT, Slot, TaskBuilder, is_static, plan_needs
 
 __all__ = ["Simulator"]
 
@@ -342,6 +342,7 @@ class Simulator:
         self._combiner: Combiner | None = None
         self._reads: _Reads | None = None  # who reads each key (built by the first delta)
         self._needs: dict | None = None  # plan_needs of the last plan simulated
+        self._timed: _State | None = None  # the timeline of the last plan `step_time_only` simulated
 
     @property
     def graph(self) -> Any:
@@ -402,7 +403,30 @@ class Simulator:
     # -- public --------------------------------------------------------------------------------------
     @gc_paused_long_lived  # (see shardc/gc_pause.py)
     def full(self, plan: Plan, donated: tuple[int, ...] = ()) -> SimResult:
-        """Simulate a plan from scratch."""
+        """Simulate a plan from scratch (from the timeline `step_time_only` made of this plan object, if it was the
+        last simulated)."""
+        timed, self._timed = self._timed, None
+        state = timed if timed is not None and timed.plan is plan else self._timeline(plan)
+        self.memory.full(plan, state.slots, donated,
+                         Combiner.lifetimes(state.slots, state.groups, self.builder.info.order), state.groups)
+        self._last = state
+        self._reads = None
+        return self._result(state)
+
+    @gc_paused_long_lived  # (see shardc/gc_pause.py)
+    def step_time_only(self, plan: Plan) -> float:
+        """`full(plan).step_time` without the memory model: seconds. Only where the step time does not read it (the
+        device charges nothing for fresh memory, `Device.fresh_memory_cost`); a later `delta` starts from scratch."""
+        if self.topology.device.fresh_memory_cost > 0:
+            raise ValueError(f"{self.topology.name}: the step time reads the memory model (fresh memory is charged)")
+        state = self._timeline(plan)
+        self._last = self._reads = None  # (the memory model has not seen this plan)
+        self._timed = state  # (what `full` of this plan completes)
+        return (state.makespan - self._merged_ps(state)) / PS
+
+    def _timeline(self, plan: Plan) -> _State:
+        """The slots and the schedule of `plan`, built from scratch (and its all-reduce groups)."""
+        self._timed = None
         self._use_shapes_of(plan)
         needs = self._needs = plan_needs(plan)
         keys, slots = self._build(plan, needs)
@@ -423,11 +447,7 @@ class Simulator:
         state.ar_slots = {s.op for s in slots if s.ars}
         self._schedule(state, 0)
         state.groups = self._groups(state)
-        self.memory.full(plan, slots, donated, Combiner.lifetimes(slots, state.groups, self.builder.info.order),
-                         state.groups)
-        self._last = state
-        self._reads = None
-        return self._result(state)
+        return state
 
     def _build(self, plan: Plan, needs: dict) -> tuple[dict, list[Slot]]:
         """The initial keys and every op's slot of `plan`, built by the task builder in use."""
@@ -441,7 +461,7 @@ class Simulator:
     def delta(self, plan: Plan, donated: tuple[int, ...] = ()) -> SimResult:
         """Simulate a plan that differs from the previous one in a few ops or values: the same result as
         `full(plan)`, computed from the previous run."""
-        old = self._last
+        old, self._timed = self._last, None
         if old is None or old.plan.graph is not plan.graph:
             return self.full(plan, donated)
         b = self.builder

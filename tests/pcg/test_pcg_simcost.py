@@ -217,3 +217,55 @@ def test_a_rewrite_of_repeated_layers_is_simulated_once_per_form(mesh):
     out = lower_pcg(res.pcg)(*xs, w)
     for got, want in zip(out, f(xs, w)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def _simulated_in_full(topology):
+    """A cost function without `below`: every PCG simulated with its memory model (as before `SimCost.below`)."""
+    return lambda p: simulate_pcg(p, topology).step_time
+
+
+def test_a_rewrite_that_does_not_pay_is_priced_without_the_memory_model(mesh, monkeypatch):
+    """On a device that charges nothing for fresh memory the step time does not read the memory model, which only
+    says whether a faster PCG fits: `SimCost` runs it for the rewrites that pay alone, and the rewriting keeps the
+    same rewrites at the same costs as with every candidate simulated in full."""
+    import shardc.cost.memory as memory
+
+    def f(x, w):
+        return (jnp.tanh(replicate(split(x, 0, "model"))) * 2.0) @ w
+
+    k = jax.random.split(jax.random.key(2), 2)
+    args = (jax.random.normal(k[0], (1024, 512)), jax.random.normal(k[1], (512, 4)))
+    pcg = pcg_of(f, mesh, *args)
+    full = optimize(pcg, cost_fn=_simulated_in_full("h100-sxm-8"))
+    runs = []
+    model_full = memory.MemoryModel.full
+    monkeypatch.setattr(memory.MemoryModel, "full", lambda self, *a, **kw: runs.append(1) or model_full(self, *a, **kw))
+    sim = SimCost("h100-sxm-8")
+    lazy = optimize(pcg, cost_fn=sim)
+    assert [(s.rule, s.cost_before, s.cost_after) for s in lazy.steps] == \
+        [(s.rule, s.cost_before, s.cost_after) for s in full.steps] and len(lazy.steps) == 3
+    assert lazy.cost == full.cost and lazy.pcg.key() == full.pcg.key()
+    # the PCG itself and the sequence's end (whose step pays) are measured in full; the other candidates are not
+    assert 2 <= len(runs) < sim.simulations
+    measured = len(runs)
+    assert sim(lazy.pcg) == lazy.cost and len(runs) == measured  # (measured in full already: memoised)
+
+
+def test_a_faster_pcg_over_the_memory_limit_is_never_kept(mesh):
+    """`SimCost.below(pcg, bound)`: a PCG slower than the bound costs its step time, whatever its memory; one faster
+    than the bound must fit the memory limit, or it costs infinity."""
+    def f(x, w1, w2):
+        h = jax.nn.relu(split(x, 0, "data") @ split(w1, 1, "model"))
+        return split(h @ split(w2, 0, "model"), 1, "model")
+
+    k = jax.random.split(jax.random.key(3), 3)
+    args = (jax.random.normal(k[0], (64, 256)), jax.random.normal(k[1], (256, 512)),
+            jax.random.normal(k[2], (512, 256)))
+    pcg = pcg_of(f, mesh, *args, fuse=True)
+    t = SimCost("h100-sxm-8")(pcg)
+    nothing_fits = SimCost("h100-sxm-8", memory_limit=1.0)
+    assert nothing_fits.below(pcg, t / 2) == t and nothing_fits.simulations == 1
+    assert nothing_fits.below(pcg, 2 * t) == float("inf") and nothing_fits.simulations == 1  # (completed)
+    assert SimCost("h100-sxm-8", memory_limit=1e12).below(pcg, 2 * t) == t
+    assert optimize(pcg, topology="h100-sxm-8").steps  # (a rewrite pays here) ...
+    assert optimize(pcg, cost_fn=nothing_fits).steps == ()  # ... and is not kept when nothing fits

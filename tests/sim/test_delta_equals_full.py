@@ -358,3 +358,19 @@ def test_delta_follows_which_op_makes_a_shared_index_permute():
         assert (target, choice) in operand_steps or got.memory == want.memory, (target, choice)
         seen.add(shared())
     assert seen == {True, False}
+
+
+@pytest.mark.parametrize("topo", ["h100-sxm-8", "tpu-v5e-8"])
+def test_a_timeline_alone_is_the_full_step_time_and_full_completes_it(base, topo):
+    """`step_time_only` (no memory model: these devices charge nothing for fresh memory) is the step time of
+    `full`; `full` of the same plan right after completes that timeline into the result a fresh simulation gives,
+    and a delta from there is exactly full too."""
+    reference = simulator_for(base, topo).full(base, (0, 1))
+    sim = simulator_for(base, topo)
+    assert sim.step_time_only(base) == reference.step_time
+    assert same(sim.full(base, (0, 1)), reference)
+    x = base.graph.inputs[0]
+    other = with_sharding(base, x, Sharding(((),) * len(base.graph.values[x].shape)))  # (replicated)
+    assert same(sim.delta(other, (0, 1)), simulator_for(base, topo).full(other, (0, 1)))
+    with pytest.raises(ValueError, match="fresh memory"):
+        simulator_for(base, "cpu-host").step_time_only(base)
