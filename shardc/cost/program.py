@@ -1029,8 +1029,9 @@ def liveness(graph: Graph, extra: frozenset[tuple[int, int]] = frozenset()) -> t
     (cached without `extra`)."""
     cse = merged(graph)
     if not extra:
-        return graph.analysis("liveness", lambda: tuple(_liveness(graph, cse.canon, cse.duplicate, cse.unread)))
-    return tuple(_liveness(graph, cse.canon, cse.duplicate, cse.unread | extra))
+        return graph.analysis("liveness", lambda: tuple(_liveness(graph, cse.canon, cse.duplicate, cse.unread,
+                                                                 cse.through)))
+    return tuple(_liveness(graph, cse.canon, cse.duplicate, cse.unread | extra, cse.through))
 
 
 def read_values(graph: Graph) -> tuple[bool, ...]:
@@ -1056,10 +1057,11 @@ def read_values(graph: Graph) -> tuple[bool, ...]:
 
 
 def _liveness(graph: Graph, canon: Sequence[int], duplicate: Sequence[bool],
-              unread: frozenset[tuple[int, int]]) -> list[bool]:
+              unread: frozenset[tuple[int, int]], through: frozenset[int] = frozenset()) -> list[bool]:
     """Per op: whether XLA's DCE keeps it (over the CSE-merged program, backwards from the outputs). A loop
     or branch (the ops of one outermost region) is kept whole when a value it makes is read after it —
-    with its branch index (`Graph.region_reads`) — and removed whole otherwise."""
+    with its branch index (`Graph.region_reads`) — and removed whole otherwise. An op XLA's simplifier replaces
+    by its operands (`through`: result k is operand k) needs operand k only where result k is needed."""
     ops = graph.ops
     needed = [False] * len(graph.values)
     for v in graph.outputs:
@@ -1068,7 +1070,10 @@ def _liveness(graph: Graph, canon: Sequence[int], duplicate: Sequence[bool],
 
     def keep(op: Any) -> None:
         live[op.id] = True
+        passed = op.id in through
         for i, v in enumerate(op.inputs):
+            if passed and not (i < len(op.outputs) and needed[canon[op.outputs[i]]]):
+                continue
             if (op.id, i) not in unread:
                 needed[canon[v]] = True
         for v in graph.region_reads.get(op.region, ()):
@@ -1786,14 +1791,11 @@ def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:
     """Operands of `op` XLA's algebraic simplifier drops: a dynamic_update_slice whose update covers its
     whole operand is the update; a select whose cases are one value (or all zeros, `is_zeros`: one broadcast
     once XLA's CSE merges them) is that value (`where(p, x, x)`: the predicate is not read), and so are max and
-    min of one value (`SAME_OPERAND_RULES`); a scatter-add of zeros (`is_zeros`: the gradient of a gather whose
-    result's cotangent is zero) is its operand; an op folded to a constant whatever its operands reads none of
+    min of one value (`SAME_OPERAND_RULES`); an op folded to a constant whatever its operands reads none of
     them; a slice of nothing but a pad's padding reads nothing (`reads_only_padding`); a concatenate's or pad's
     operand no slice of its result reads is not read (`shardc.cost.windows.window_unread`)."""
     if folds_to_constant(graph, op):
         return tuple(range(len(op.inputs)))
-    if op.primitive in ("scatter-add", "scatter_add") and len(op.inputs) == 3 and is_zeros(graph, op.inputs[2]):
-        return (1, 2)
     if op.primitive == "dynamic_update_slice" and len(op.inputs) > 1 \
             and graph.values[op.inputs[1]].shape == graph.values[op.inputs[0]].shape:
         return (0,)

@@ -161,7 +161,13 @@ Fixed in the oracle:
 * seed 102005: a sorted value overwritten whole by a dynamic_update_slice: its cotangent is zeros, and XLA's
   simplifier makes the sort gradient's scatter-add of zeros its operand, so the sort and the reshards
   feeding it are dead (8 B of all-gather planned, none compiled). A scatter-add of zeros reads neither
-  indices nor updates (`shardc.cost.program.is_zeros`) (`sorted_then_overwritten`).
+  indices nor updates (`shardc.cost.program.is_zeros`) (`sorted_then_overwritten`). Corrected by seed 154021:
+  sorted along a dim of 4 split [-, x], XLA keeps the scatter-add of zeros (its indices, the sort's permutation,
+  are no constant) and with it the sort and its operand's all-gather (32 B compiled, none planned). XLA folds
+  a scatter-add of zeros only when all its operands are constants (here the sort along a dim of one is its
+  operands, `passes_through`, and the permutation an iota of zeros); an op it replaces by its operands needs
+  operand k only where result k is needed (`program._liveness`), so that sort's keys are dead
+  (`sorted_along_a_split_dim_then_overwritten`).
 * seed 121010: reduce_min's gradient compares its operand with the minimum reshaped to [1]
   (`eq(b: f32[4], m: f32[1])`, lax broadcasting a size-1 dim); with b a broadcast split [x], the comparison
   is one too (XLA lowers the size-1 operand to a broadcast_in_dim), and XLA resharded it [x] -> [y] by
@@ -814,6 +820,14 @@ CONSTANT_THROUGH_A_CONSTANT_COND = Program(mesh=(("x", 2), ("y", 2), ("z", 2)), 
     Step(kind="dynamic_slice", args=(4,), attrs=(("start", (0, 0)),), shape=(2, 3)),
 ), outputs=(5,))
 
+SORTED_ALONG_A_SPLIT_DIM_THEN_OVERWRITTEN = Program(mesh=(("x", 2), ("y", 4)), steps=(  # seed 154021, shrunk by hand
+    Step(kind="input", args=(), attrs=(), shape=(1, 8)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 1), ("axes", "x")), shape=(1, 8)),
+    Step(kind="sort", args=(1,), attrs=(("dim", 1),), shape=(1, 8)),  # along the split dim: its permutation is real
+    Step(kind="input", args=(), attrs=(), shape=(1, 8)),
+    Step(kind="update_slice", args=(2, 3), attrs=(("start", (0, 0)),), shape=(1, 8)),  # over the whole sorted value
+), outputs=(4,))
+
 
 @pytest.mark.parametrize("prog", [COND_INDEX, DEAD_LOOP, UPDATE_SLICE_SPLIT_DIM, UPDATE_ONE_ROW_OF_SPLIT_DIM,
                                   SCANNED_ARRAY_RESHARD, SCAN_FINAL_CARRY, SUM_OVER_TWO_SPLIT_DIMS,
@@ -833,7 +847,7 @@ CONSTANT_THROUGH_A_CONSTANT_COND = Program(mesh=(("x", 2), ("y", 2), ("z", 2)), 
                                   SLICE_OF_A_CONCATENATED_PADDING, GATHER_OF_ONE_CONCATENATED_OPERAND,
                                   GATHER_OUT_OF_BOUNDS, DUPLICATE_OUTPUT_IN_ITS_OWN_LAYOUT,
                                   DUPLICATE_OUTPUT_BESIDE_A_DEAD_HINT, CONSTANT_INTO_A_ONE_TRIP_CARRY,
-                                  CONSTANT_THROUGH_A_CONSTANT_COND],
+                                  CONSTANT_THROUGH_A_CONSTANT_COND, SORTED_ALONG_A_SPLIT_DIM_THEN_OVERWRITTEN],
                          ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
                               "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
                               "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
@@ -854,7 +868,7 @@ CONSTANT_THROUGH_A_CONSTANT_COND = Program(mesh=(("x", 2), ("y", 2), ("z", 2)), 
                               "slice_of_a_concatenated_padding", "gather_of_one_concatenated_operand",
                               "gather_out_of_bounds", "duplicate_output_in_its_own_layout",
                               "duplicate_output_beside_a_dead_hint", "constant_into_a_one_trip_carry",
-                              "constant_through_a_constant_cond"])
+                              "constant_through_a_constant_cond", "sorted_along_a_split_dim_then_overwritten"])
 def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
 
