@@ -282,15 +282,35 @@ def _replica_groups(attrs: str, n: int) -> list[list[int]] | None:
     mesh = re.match(r"mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}", s)
     if mesh:
         axes = [(a.split("=")[0].strip().strip("'\""), int(a.split("=")[1])) for a in _split_top(mesh.group(1))]
-        names = [a for a, _ in axes]
-        sizes = [k for _, k in axes]
-        ids = _device_ids(mesh.group(2), math.prod(sizes)).reshape(sizes)
-        chosen = [a.strip().strip("'\"") for a in mesh.group(3).split(",") if a.strip()]
-        keep = [names.index(a) for a in chosen if a in names]
-        rest = [i for i in range(len(sizes)) if i not in keep]
-        ids = ids.transpose(rest + keep).reshape(-1, math.prod(sizes[i] for i in keep) if keep else 1)
-        return ids.tolist()
+        ids = _device_ids(mesh.group(2), math.prod(k for _, k in axes))
+        return _mesh_groups(ids, axes, [a for a in mesh.group(3).split(",") if a.strip()])
     return None
+
+
+def _mesh_groups(ids: np.ndarray, axes: Sequence[tuple[str, int]], chosen: Sequence[str]) -> list[list[int]]:
+    """The replica groups of a `mesh[...] {...}` spec: devices `ids` (in mesh order) grouped over the `chosen` axes,
+    each a name or a sub-axis `'name':(pre)size` (Shardy's: the part of size `size` of that axis after its major
+    part of size `pre`). An axis is cut into the sub-axes its selections mark, major to minor."""
+    names = [a for a, _ in axes]
+    picked: list[tuple[int, int, int]] = []  # (axis index, from, to): cumulative sizes from the major side
+    for token in chosen:
+        m = re.match(r"\s*['\"]?([^'\":]+)['\"]?\s*(?::\s*\((\d+)\)\s*(\d+))?\s*$", token)
+        if not m or m.group(1) not in names:
+            continue
+        i = names.index(m.group(1))
+        pre, size = (int(m.group(2)), int(m.group(3))) if m.group(2) else (1, axes[i][1])
+        picked.append((i, pre, pre * size))
+    shape: list[int] = []
+    keep: list[int] = []
+    for i, (_, n) in enumerate(axes):
+        cuts = sorted({1, n} | {c for j, a, b in picked if j == i for c in (a, b)})
+        for lo, hi in zip(cuts, cuts[1:]):
+            if any(j == i and a <= lo and hi <= b for j, a, b in picked):
+                keep.append(len(shape))
+            shape.append(hi // lo)
+    rest = [d for d in range(len(shape)) if d not in keep]
+    grid = ids.reshape(shape).transpose(rest + keep)
+    return grid.reshape(-1, math.prod(shape[d] for d in keep) if keep else 1).tolist()
 
 
 def _device_ids(spec: str | None, n: int) -> np.ndarray:

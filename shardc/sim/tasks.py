@@ -58,19 +58,19 @@ def leaves_one_loop_only(steps: Sequence[tuple[Sharding, tuple]], src: Sharding,
                          itemsize: int, mesh: Mapping[str, int]) -> bool:
     """Whether XLA's loop-invariant code motion takes reshard `steps` (from `src`) of a value invariant in
     nested loops, made in the innermost loop's body, out of that loop only: its first collective is a
-    collective-permute of a smaller piece than the value's local one, which XLA slices first at offsets
-    computed from the partition id. One pass of the motion takes those offsets out of the outer loop too, as
-    new loop state, while it brings the slice and the permute into the outer body; the next pass no longer
-    sees the offsets as invariant (it only takes the loop state the body's root passes on as it is), so the
-    permute runs once per outer trip. (An all-gather, or a permute of the whole piece, reads the value alone
-    and leaves every loop it is invariant in.)"""
+    collective-permute or an all-to-all (seed 154017: over a sub-axis) of a smaller piece than the value's local
+    one, which XLA slices first at offsets computed from the partition id. One pass of the motion takes those
+    offsets out of the outer loop too, as new loop state, while it brings the slice and the collective into the
+    outer body; the next pass no longer sees the offsets as invariant (it only takes the loop state the body's
+    root passes on as it is), so the collective runs once per outer trip. (An all-gather, or a collective of
+    the whole piece, reads the value alone and leaves every loop it is invariant in.)"""
     for layout, collectives in steps:
         if collectives:
             first = collectives[0]
             local = itemsize
             for n in src.local_shape(shape, mesh):
                 local *= n
-            return first.kind == "collective-permute" and first.bytes < local
+            return first.kind in ("collective-permute", "all-to-all") and first.bytes < local
         src = layout
     return False
 

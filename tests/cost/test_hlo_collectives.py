@@ -41,6 +41,8 @@ ENTRY %main (a: f32[64], b: f32[64,64], c: f32[16,64], d: f32[4,32]) -> f32[] {
   %ard = f32[16,64]{1,0} all-reduce-done(%ars)
   %rs = f32[4,64]{1,0} reduce-scatter(%c), channel_id=4, replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, dimensions={0}, to_apply=%add
   %a2a = (f32[8,1,32]{2,1,0}, f32[8,1,32]{2,1,0}) all-to-all(%x1, %x2), channel_id=5, replica_groups={{0,4},{1,5},{2,6},{3,7}}
+  %sub = (f32[1,1,1]{2,1,0}, f32[1,1,1]{2,1,0}) all-to-all(%s1, %s2), channel_id=8, replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([2,2,2]T(1,0,2)) {'axis_1':(2)2}
+  %submajor = f32[16,64]{1,0} all-reduce(%c), channel_id=10, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0','axis_1':(1)2}, to_apply=%add
   %cps = (f32[16,64]{1,0}, f32[16,64]{1,0}, u32[], u32[]) collective-permute-start(%c), channel_id=6, source_target_pairs={{0,1},{1,0},{4,5},{5,4}}
   %cpd = f32[16,64]{1,0} collective-permute-done(%cps)
   %as = ((f32[8,128]{1,0}), f32[16,128]{1,0}) async-start(%e), calls=%async_ag
@@ -75,9 +77,15 @@ def test_collectives_of_every_form():
     assert (inner.kind, inner.bytes, inner.count, inner.axes) == ("all-gather", 4096 * 2, 1, ("data",))
     loop = got["ar.loop"]  # inside a while body with a known trip count
     assert (loop.count, loop.total_bytes) == (3, 3 * 4096)
-    assert set(got) == {"combined", "ags", "ars", "rs", "a2a", "cps", "ag.inner", "ar.loop"}
+    # a sub-axis `'name':(pre)size` (Shardy's): the minor half of model, over devices ordered [2,2,2]T(1,0,2)
+    # (mesh rows 0 1 4 5 / 2 3 6 7): groups {0,1}, {4,5}, {2,3}, {6,7}, of two, along model
+    sub = got["sub"]
+    assert (sub.kind, sub.group_size, sub.axes) == ("all-to-all", 2, ("model",))
+    submajor = got["submajor"]  # data and the major half of model: {0,2,4,6} and {1,3,5,7}
+    assert (submajor.group_size, submajor.axes) == (4, ("data", "model"))
+    assert set(got) == {"combined", "ags", "ars", "rs", "a2a", "cps", "ag.inner", "ar.loop", "sub", "submajor"}
 
 
 def test_without_mesh_axes_are_unknown():
     cs = collectives(HLO)
-    assert all(c.axes is None for c in cs) and len(cs) == 8
+    assert all(c.axes is None for c in cs) and len(cs) == 10

@@ -168,6 +168,12 @@ Fixed in the oracle:
   operands, `passes_through`, and the permutation an iota of zeros); an op it replaces by its operands needs
   operand k only where result k is needed (`program._liveness`), so that sort's keys are dead
   (`sorted_along_a_split_dim_then_overwritten`).
+* seed 154017: a value invariant in two nested loops, resharded in the inner body by an all-to-all over half of
+  `y` that reads a slice of the local piece at offsets from the partition id, then a collective-permute: as with a
+  permute of a slice (`leaves_one_loop_only`), XLA's loop-invariant code motion takes it out of the inner loop only,
+  and it runs once per outer trip (8 B of all-to-all planned, 16 compiled). The HLO reader also parsed the group
+  of that all-to-all, written with a sub-axis (`{'axis_1':(2)2}`), as one device
+  (`an_all_to_all_of_a_slice_in_nested_loops`; `tests/cost/test_hlo_collectives.py`).
 * seed 121010: reduce_min's gradient compares its operand with the minimum reshaped to [1]
   (`eq(b: f32[4], m: f32[1])`, lax broadcasting a size-1 dim); with b a broadcast split [x], the comparison
   is one too (XLA lowers the size-1 operand to a broadcast_in_dim), and XLA resharded it [x] -> [y] by
@@ -828,6 +834,15 @@ SORTED_ALONG_A_SPLIT_DIM_THEN_OVERWRITTEN = Program(mesh=(("x", 2), ("y", 4)), s
     Step(kind="update_slice", args=(2, 3), attrs=(("start", (0, 0)),), shape=(1, 8)),  # over the whole sorted value
 ), outputs=(4,))
 
+AN_ALL_TO_ALL_OF_A_SLICE_IN_NESTED_LOOPS = Program(mesh=(("x", 2), ("y", 4)), steps=(  # seed 154017, shrunk by hand
+    Step(kind="input", args=(), attrs=(("meta", (None, "x")),), shape=(8, 4)),
+    Step(kind="input", args=(), attrs=(), shape=(2, 8, 4)),
+    Step(kind="input", args=(), attrs=(), shape=(4, 4)),  # [y, -] (the cond's hint), invariant in both loops
+    Step(kind="nested_loop", args=(0, 1, 2), attrs=(("n", 2), ("inner", ("?", ("y",)))), shape=(2, 8, 4)),
+    Step(kind="einsum", args=(3, 1), attrs=(("spec", "abc,abc->bca"),), shape=(8, 4, 2)),
+    Step(kind="cond", args=(2,), attrs=(("inner", (("y",), None)),), shape=(4, 4)),
+), outputs=(4,))
+
 
 @pytest.mark.parametrize("prog", [COND_INDEX, DEAD_LOOP, UPDATE_SLICE_SPLIT_DIM, UPDATE_ONE_ROW_OF_SPLIT_DIM,
                                   SCANNED_ARRAY_RESHARD, SCAN_FINAL_CARRY, SUM_OVER_TWO_SPLIT_DIMS,
@@ -847,7 +862,8 @@ SORTED_ALONG_A_SPLIT_DIM_THEN_OVERWRITTEN = Program(mesh=(("x", 2), ("y", 4)), s
                                   SLICE_OF_A_CONCATENATED_PADDING, GATHER_OF_ONE_CONCATENATED_OPERAND,
                                   GATHER_OUT_OF_BOUNDS, DUPLICATE_OUTPUT_IN_ITS_OWN_LAYOUT,
                                   DUPLICATE_OUTPUT_BESIDE_A_DEAD_HINT, CONSTANT_INTO_A_ONE_TRIP_CARRY,
-                                  CONSTANT_THROUGH_A_CONSTANT_COND, SORTED_ALONG_A_SPLIT_DIM_THEN_OVERWRITTEN],
+                                  CONSTANT_THROUGH_A_CONSTANT_COND, SORTED_ALONG_A_SPLIT_DIM_THEN_OVERWRITTEN,
+                                  AN_ALL_TO_ALL_OF_A_SLICE_IN_NESTED_LOOPS],
                          ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
                               "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
                               "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
@@ -868,7 +884,8 @@ SORTED_ALONG_A_SPLIT_DIM_THEN_OVERWRITTEN = Program(mesh=(("x", 2), ("y", 4)), s
                               "slice_of_a_concatenated_padding", "gather_of_one_concatenated_operand",
                               "gather_out_of_bounds", "duplicate_output_in_its_own_layout",
                               "duplicate_output_beside_a_dead_hint", "constant_into_a_one_trip_carry",
-                              "constant_through_a_constant_cond", "sorted_along_a_split_dim_then_overwritten"])
+                              "constant_through_a_constant_cond", "sorted_along_a_split_dim_then_overwritten",
+                              "an_all_to_all_of_a_slice_in_nested_loops"])
 def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
 
