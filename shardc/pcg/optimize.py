@@ -111,29 +111,27 @@ def _with_region(pcg: PCG, node_id: int, op: Region) -> PCG:
     return dataclasses.replace(pcg, nodes=nodes)
 
 
-def _optimize_bodies(pcg: PCG, rules: list[Rule], cost_fn: CostFn, cost: float, max_steps: int,
-                     refuted: set[str], search: "Lookahead") -> tuple[PCG, float, list[Step], int]:
+def _optimize_bodies(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, refuted: set[str],
+                     search: "Lookahead") -> None:
     """Optimize every loop/branch body as a PCG of its own; keep a region's new bodies when the whole
-    PCG's cost goes down."""
-    steps: list[Step] = []
-    candidates = 0
-    for node in pcg.region_nodes():
+    PCG's cost goes down. Progress is kept in `state` region by region (a budget running out in a later
+    region keeps the earlier regions' rewrites)."""
+    for node in state["current"].region_nodes():
         op: Region = node.op
         bodies, inner = [], []
         for i, body in enumerate(op.bodies):
             res = _descend(body, rules, cost_fn, max_steps, refuted, search)
-            candidates += res.candidates
+            state["candidates"] += res.candidates
             bodies.append(res.pcg)
             inner += [dataclasses.replace(s, where=f"{op.primitive} %{node.outputs[0] if node.outputs else ''} "
                                                      f"body {i}: {s.where}") for s in res.steps]
         if not inner:
             continue
-        new = _with_region(pcg, node.id, op.with_bodies(bodies))
-        c = priced(cost_fn, new, cost)
-        if c < cost - 1e-15:
-            steps += inner  # their costs are the body's own simulated time
-            pcg, cost = new, c
-    return pcg, cost, steps, candidates
+        new = _with_region(state["current"], node.id, op.with_bodies(bodies))
+        c = priced(cost_fn, new, state["cost"])
+        if c < state["cost"] - 1e-15:
+            # (the steps' costs are the body's own simulated time)
+            state.update(current=new, cost=c, steps=state["steps"] + inner)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -399,9 +397,8 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
              search: Lookahead) -> None:
     """The descent of `_descend`, keeping its progress in `state` (current PCG, cost, steps, candidates)
     so that a budget running out mid-way keeps what was found."""
-    current, cost = state["current"], state["cost"]
-    current, cost, steps, candidates = _optimize_bodies(current, rules, cost_fn, cost, max_steps, refuted, search)
-    state.update(current=current, cost=cost, steps=steps, candidates=candidates)
+    _optimize_bodies(state, rules, cost_fn, max_steps, refuted, search)
+    current, cost, steps, candidates = state["current"], state["cost"], state["steps"], state["candidates"]
     seen = {current.key()}
     idle: tuple[frozenset[int], PCG] | None = None  # (`_screened`: rules that matched nothing on the last pass)
     for _ in range(max_steps):
