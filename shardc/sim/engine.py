@@ -455,6 +455,7 @@ class Simulator:
         keys = b.initial_keys(plan)
         b.set_broadcasts(plan, needs)
         b.set_drops(plan, needs)
+        b.set_gathered(plan, needs)
         return keys, [b.build_slot(plan, i, keys, needs) for i in range(len(self.graph.ops))]
 
     @gc_paused_long_lived  # (see shardc/gc_pause.py)
@@ -471,6 +472,7 @@ class Simulator:
             return self.full(plan, donated)
         bc = b.set_broadcasts(plan, needs, diff)  # ops whose chains start from or make broadcasts differently
         bc = bc | b.set_drops(plan, needs)  # ops whose operands XLA drops, or that it removes, differently
+        bc = bc | b.set_gathered(plan, needs)  # ops reading a value a collective writes, or no longer
         found = self._affected(diff, bc)
         if found is None:
             return self.full(plan, donated)

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
+from shardc.cost.aliases import ALIASES
 from shardc.cost.collectives import collective_fixed, collective_phases
 from shardc.cost.dropped import BranchScopes, branch_scopes, dead_ops, plan_drops
 from shardc.cost.estimator import OpCostEstimator, OpKey
@@ -174,6 +175,7 @@ class TaskBuilder:
         # ops only they read (`shardc.cost.dropped`; `set_drops`)
         self.drops: dict[int, tuple[int, ...]] = {}
         self.dead: frozenset[int] = frozenset()
+        self.gathered: frozenset[int] = frozenset()  # (canonical values a collective writes in the plan: `set_gathered`)
         self._plan_class: list[int] | None = None
         self._made_memo: dict[tuple, tuple[Sharding, ...]] = {}
         self._layout_memo: dict[Sharding, Sharding] = {}
@@ -555,9 +557,11 @@ class TaskBuilder:
         sh = plan.shardings
         key_of = self.key_of
         state = []
+        needs_in = []
         bc_start, empty = self.bc_start, frozenset()
         for i, (v, c) in enumerate(zip(op.inputs, canon_in)):
             need = needs.get((op_id, i), sh[v])
+            needs_in.append(need)
             origin = self.read_origin(op, c, need, sh[c])
             k = key_of.get(self.vkey((c, need, origin)))
             if k is not None and k in keys:
@@ -580,6 +584,7 @@ class TaskBuilder:
             mk += (dropped,)
         if op.primitive in OP_COLLECTIVES:
             mk += (self._shared_made(plan, op, needs, keys),)
+        mk += (self._gathered_reads(plan, op, needs_in),)  # (operands read from a collective's buffer)
         memo = self._slot_memo.setdefault(op_id, {})
         slot = memo.get(mk)
         if slot is None:
@@ -713,7 +718,8 @@ class TaskBuilder:
         if free:
             slot.tasks.append(Task(op.primitive, "join", -1, 0, tuple(deps), outs, op_id))
         else:
-            dur_s, count = self._op_cost(op, need_shardings, [k[1] for k in out_keys])
+            dur_s, count = self._op_cost(op, need_shardings, [k[1] for k in out_keys],
+                                         self._gathered_reads(plan, op, need_shardings))
             if op_id in info.strided and not self._folded_into_dot(plan, op, need_shardings[0]):
                 dur_s += info.strided[op_id] * self._strided_read(op, need_shardings[0])
             dur = int(round(dur_s * trips * PS))
@@ -834,9 +840,69 @@ class TaskBuilder:
         v = op.inputs[0]
         return timed(self.local_shape(v, need), self._dtype[v], tuple(op.params["permutation"]))
 
-    def _op_cost(self, op: Any, ins: list[Sharding], outs: list[Sharding]) -> tuple[float, Any]:
+    def set_gathered(self, plan: Plan, needs: Mapping[tuple[int, int], Sharding]) -> set[int]:
+        """Take the values whose buffer in `plan` a collective writes (`gathered`); returns the ops reading a value
+        whose mark changed. A collective's result is a buffer: an op reading it (or a local slice of it) reads it
+        from memory, though XLA fuses the value's producer into the readers the value reaches without one."""
+        info, sh, canon = self.info, plan.shardings, self.canon
+        marks: set[int] = set()
+        for op in self.graph.ops:
+            if not info.live[op.id] or op.id in self.dead or not op.outputs:
+                continue
+            alias = (op.primitive in ALIASES or op.primitive == "tie") and op.inputs
+            through = alias and self._read_gathered(plan, op.id, 0, op.inputs[0],
+                                                    needs.get((op.id, 0), sh[op.inputs[0]]), marks)
+            groups = None
+            for n, (v, m) in enumerate(zip(op.outputs, self._made_layouts(op, plan.strategies[op.id]))):
+                c = canon(v)
+                if c != v or info.constant[c]:
+                    continue
+                if not through and m != sh[v]:
+                    if groups is None:
+                        groups = plan.strategies[op.id].partial_groups(op.rule)
+                    if not any(colls for _, colls in self.path(m, sh[v], v, groups,
+                                                                 self.bc_made.get((op.id, n), frozenset()))):
+                        continue
+                elif not through:
+                    continue
+                marks.add(c)
+        changed = marks ^ self.gathered
+        self.gathered = frozenset(marks)
+        return {u for c in changed for u in self._reading().get(c, ())}
+
+    def _read_gathered(self, plan: Plan, op_id: int, i: int, v: int, need: Sharding, marks: Collection[int]) -> bool:
+        """Whether operand `i` (value `v`) of op `op_id`, read in layout `need`, is read from a buffer a collective
+        wrote: its value's (`marks`), or the one its own reshard to `need` makes."""
+        c = self.canon(v)
+        if self.info.constant[c] or self.info.constant[v]:
+            return False
+        if c in marks:
+            return True
+        home = plan.shardings[c]
+        return need != home and any(
+            colls for _, colls in self.path(home, need, v, (), self.bc_start.get((op_id, i), frozenset())))
+
+    def _gathered_reads(self, plan: Plan, op: Any, needs: Sequence[Sharding]) -> tuple[bool, ...]:
+        """Per operand of `op` in the layouts `needs`: read from a collective's buffer (`_read_gathered`)."""
+        return tuple(self._read_gathered(plan, op.id, i, v, s, self.gathered)
+                     for i, (v, s) in enumerate(zip(op.inputs, needs)))
+
+    def _reading(self) -> dict[int, tuple[int, ...]]:
+        """Canonical value -> the live ops reading it (per graph and ProgramInfo)."""
+        def compute() -> dict[int, tuple[int, ...]]:
+            out: dict[int, list[int]] = {}
+            for op in self.graph.ops:
+                for v in op.inputs:
+                    out.setdefault(self.info.canon[v], []).append(op.id)
+            return {c: tuple(dict.fromkeys(ops)) for c, ops in out.items()}
+
+        return per_info(self.graph, "reading", self.info, compute)
+
+    def _op_cost(self, op: Any, ins: list[Sharding], outs: list[Sharding], gathered: tuple[bool, ...] = ()
+                 ) -> tuple[float, Any]:
         """Seconds and FLOP count of one op at these layouts, memoised over ops with the same primitive,
-        params, shapes, dtypes and fusion (the layers of a model) and the same local shapes."""
+        params, shapes, dtypes and fusion (the layers of a model) and the same local shapes. `gathered`: per
+        operand, whether it is read from a collective's result (from memory, `_through_collective`)."""
         cls = self._cost_class.get(op.id)
         if cls is None:
             info = self.info
@@ -845,10 +911,10 @@ class TaskBuilder:
                   tuple(self._dtype[v] for v in op.inputs + op.outputs),
                   tuple(read[canon[v]] for v in op.inputs), tuple(fused[canon[v]] for v in op.outputs))
             cls = self._cost_class[op.id] = self._cost_classes.setdefault(ck, len(self._cost_classes))
-        mk = (cls, tuple([s.dims for s in ins]), tuple([s.dims for s in outs]))
+        mk = (cls, tuple([s.dims for s in ins]), tuple([s.dims for s in outs]), gathered)
         hit = self._cost_memo.get(mk)
         if hit is None:
-            key = self._op_key(op, ins, outs)
+            key = self._op_key(op, ins, outs, gathered)
             count = self._count_memo.get(key)
             if count is None:
                 count = self._count_memo[key] = count_op(op.primitive, key.in_shapes, key.out_shapes, op.params,
@@ -858,15 +924,17 @@ class TaskBuilder:
             hit = self._cost_memo[mk] = (0.0 if bitcast else self.estimator.op_time(key, op.params), count)
         return hit
 
-    def _op_key(self, op: Any, ins: list[Sharding], outs: list[Sharding]) -> OpKey:
+    def _op_key(self, op: Any, ins: list[Sharding], outs: list[Sharding], gathered: tuple[bool, ...] = ()) -> OpKey:
         info = self.info
         fused, read = info.fused, info.read_fused
         canon = info.canon
+        gathered = gathered or (False,) * len(op.inputs)
         return OpKey(op.primitive, info.pkeys[op.id],
                      tuple(self.local_shape(v, s) for v, s in zip(op.inputs, ins)),
                      tuple(self.local_shape(v, s) for v, s in zip(op.outputs, outs)),
                      tuple(self._dtype[v] for v in op.inputs), tuple(self._dtype[v] for v in op.outputs),
-                     tuple(read[canon[v]] for v in op.inputs), tuple(fused[canon[v]] for v in op.outputs))
+                     tuple(read[canon[v]] and not g for v, g in zip(op.inputs, gathered)),
+                     tuple(fused[canon[v]] for v in op.outputs))
 
 
 def plan_needs(plan: Plan) -> dict[tuple[int, int], Sharding]:
