@@ -1234,8 +1234,20 @@ CARRIED_REMAT_VIEW = Program(  # seed 70000-range: the view passes through a rem
     outputs=(0, 3), step_mode=True, const_cotangents=False)
 
 
-@pytest.mark.parametrize("prog", [CARRIED_REHINT, CARRIED_VMAP_HINT, CARRIED_REMAT_VIEW],
-                         ids=["rehint", "vmap_hint", "remat_view"])
+# Seed 157017: a train step returning (a forward value of the parameters, hinted to another layout, and the
+# updated parameters), both shaped like the parameters and both elementwise in them: the first was taken for
+# the next step's parameters and its hint conflicted with their metadata. Of equals, the one computed last
+# (the update, after the gradient) is now the next step's.
+CARRIED_FORWARD_VALUE = Program(  # seed 157017, shrunk
+    mesh=(('x', 2), ('y', 2), ('z', 2)),
+    steps=(Step(kind='input', args=(), attrs=(('meta', (None, None, 'x')),), shape=(1, 3, 2), dtype='float32'),
+           Step(kind='remat_chain', args=(0,), attrs=(('inner', ('?', '?', ('z',))),), shape=(1, 3, 2),
+                dtype='float32')),
+    outputs=(1,), step_mode=True, const_cotangents=False)
+
+
+@pytest.mark.parametrize("prog", [CARRIED_REHINT, CARRIED_VMAP_HINT, CARRIED_REMAT_VIEW, CARRIED_FORWARD_VALUE],
+                         ids=["rehint", "vmap_hint", "remat_view", "forward_value"])
 def test_a_re_hinted_parameter_is_not_the_next_steps_parameter(prog):
     out = fuzzlib.check_program(prog)  # step 2 takes step 1's outputs as placed
     assert out.upstream_bug is None and out.hints_checked >= 1
