@@ -896,11 +896,6 @@ def _tie_carried_state(graph: Graph, in_tree: Any, out_tree: Any, args: Any) -> 
             return 0
         return 2 if graph.ops[p].primitive in ELEMENTWISE else 1
 
-    def computed_at(b: int) -> int:
-        """Where in the program output leaf `b` is computed (past its hints; -1 for an input)."""
-        p = graph.values[unhinted(b)].producer
-        return -1 if p is None else p
-
     used: set[int] = set()
     for ai, at in enumerate(arg_trees):
         best: tuple[int, list[tuple[int, int]], int] | None = None
@@ -911,9 +906,9 @@ def _tie_carried_state(graph: Graph, in_tree: Any, out_tree: Any, args: Any) -> 
             if all(graph.values[a].shape == graph.values[b].shape and graph.values[a].dtype == graph.values[b].dtype
                    for a, b in pairs):
                 # of outputs shaped like the argument ((metrics, new_params) both like params), the one that
-                # updates it; of equals, the one computed last (an update follows the gradient; a forward value
-                # of the parameters comes before it)
-                score = (sum(updates(a, b) for a, b in pairs), max(computed_at(b) for _, b in pairs))
+                # updates it; of equals, the one with fewer hinted leaves (a value the step re-laid out for
+                # another use, not the next step's state), then the first
+                score = (sum(updates(a, b) for a, b in pairs), -sum(unhinted(b) != b for _, b in pairs))
                 if best is None or score > best[0]:
                     best = (score, pairs, ci)
         if best is not None:

@@ -1236,8 +1236,8 @@ CARRIED_REMAT_VIEW = Program(  # seed 70000-range: the view passes through a rem
 
 # Seed 157017: a train step returning (a forward value of the parameters, hinted to another layout, and the
 # updated parameters), both shaped like the parameters and both elementwise in them: the first was taken for
-# the next step's parameters and its hint conflicted with their metadata. Of equals, the one computed last
-# (the update, after the gradient) is now the next step's.
+# the next step's parameters and its hint conflicted with their metadata. Of equals, the one with fewer hinted
+# leaves (the plain update, not a value re-laid out for another use) is now the next step's.
 CARRIED_FORWARD_VALUE = Program(  # seed 157017, shrunk
     mesh=(('x', 2), ('y', 2), ('z', 2)),
     steps=(Step(kind='input', args=(), attrs=(('meta', (None, None, 'x')),), shape=(1, 3, 2), dtype='float32'),
