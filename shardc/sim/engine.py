@@ -472,7 +472,7 @@ class Simulator:
             return self.full(plan, donated)
         bc = b.set_broadcasts(plan, needs, diff)  # ops whose chains start from or make broadcasts differently
         bc = bc | b.set_drops(plan, needs)  # ops whose operands XLA drops, or that it removes, differently
-        bc = bc | b.set_gathered(plan, needs)  # ops reading a value a collective writes, or no longer
+        bc = bc | b.set_gathered(plan, needs, diff, bc)  # ops reading a value a collective writes, or no longer
         found = self._affected(diff, bc)
         if found is None:
             return self.full(plan, donated)

@@ -175,7 +175,8 @@ class TaskBuilder:
         # ops only they read (`shardc.cost.dropped`; `set_drops`)
         self.drops: dict[int, tuple[int, ...]] = {}
         self.dead: frozenset[int] = frozenset()
-        self.gathered: frozenset[int] = frozenset()  # (canonical values a collective writes in the plan: `set_gathered`)
+        self.gathered: set[int] = set()  # (canonical values a collective writes in the plan: `set_gathered`)
+        self._gathered_ready = False
         self._plan_class: list[int] | None = None
         self._made_memo: dict[tuple, tuple[Sharding, ...]] = {}
         self._layout_memo: dict[Sharding, Sharding] = {}
@@ -840,35 +841,87 @@ class TaskBuilder:
         v = op.inputs[0]
         return timed(self.local_shape(v, need), self._dtype[v], tuple(op.params["permutation"]))
 
-    def set_gathered(self, plan: Plan, needs: Mapping[tuple[int, int], Sharding]) -> set[int]:
+    def set_gathered(self, plan: Plan, needs: Mapping[tuple[int, int], Sharding],
+                     changed: "tuple[set[int], set[int]] | None" = None, ops: Collection[int] = ()) -> set[int]:
         """Take the values whose buffer in `plan` a collective writes (`gathered`); returns the ops reading a value
         whose mark changed. A collective's result is a buffer: an op reading it (or a local slice of it) reads it
-        from memory, though XLA fuses the value's producer into the readers the value reaches without one."""
-        info, sh, canon = self.info, plan.shardings, self.canon
-        marks: set[int] = set()
-        for op in self.graph.ops:
-            if not info.live[op.id] or op.id in self.dead or not op.outputs:
+        from memory, though XLA fuses the value's producer into the readers the value reaches without one.
+
+        `changed` (as `set_broadcasts` takes it) and `ops` (whose broadcasts or drops changed): only the ops they
+        touch are looked at again, and the aliases of a value whose mark changes (the same result as from
+        scratch)."""
+        marks = self.gathered
+        if changed is None or not self._gathered_ready:
+            marks = set()
+            for op in self.graph.ops:
+                marks |= self._marked_results(plan, needs, op, marks)
+            self._gathered_ready = True
+            diff = marks ^ self.gathered
+            self.gathered = marks
+            return {u for c in diff for u in self._reading().get(c, ())}
+        values, changed_ops = changed
+        graph, canon = self.graph, self.canon
+        heap = list(set(changed_ops) | set(ops))
+        for v in values:
+            if (p := graph.values[v].producer) is not None:
+                heap.append(p)
+            heap.extend(self._alias_readers().get(canon(v), ()))
+        heapq.heapify(heap)
+        out: set[int] = set()
+        done = -1
+        while heap:
+            i = heapq.heappop(heap)
+            if i == done:
                 continue
-            alias = (op.primitive in ALIASES or op.primitive == "tie") and op.inputs
-            through = alias and self._read_gathered(plan, op.id, 0, op.inputs[0],
-                                                    needs.get((op.id, 0), sh[op.inputs[0]]), marks)
-            groups = None
-            for n, (v, m) in enumerate(zip(op.outputs, self._made_layouts(op, plan.strategies[op.id]))):
+            done = i
+            op = graph.ops[i]
+            new = self._marked_results(plan, needs, op, marks)
+            for v in op.outputs:
                 c = canon(v)
-                if c != v or info.constant[c]:
+                if c != v or (c in new) == (c in marks):
                     continue
-                if not through and m != sh[v]:
-                    if groups is None:
-                        groups = plan.strategies[op.id].partial_groups(op.rule)
-                    if not any(colls for _, colls in self.path(m, sh[v], v, groups,
-                                                                 self.bc_made.get((op.id, n), frozenset()))):
-                        continue
-                elif not through:
+                (marks.add if c in new else marks.discard)(c)
+                out.update(self._reading().get(c, ()))
+                for u in self._alias_readers().get(c, ()):
+                    heapq.heappush(heap, u)
+        return out
+
+    def _marked_results(self, plan: Plan, needs: Mapping[tuple[int, int], Sharding], op: Any,
+                        marks: Collection[int]) -> set[int]:
+        """The canonical results of `op` whose buffer a collective writes in `plan`: resharded by one where the op
+        makes them, or (an alias: a hint, a tie) its operand read through one (`_read_gathered`)."""
+        info, sh = self.info, plan.shardings
+        if not info.live[op.id] or op.id in self.dead or not op.outputs:
+            return set()
+        through = op.id in self._alias_readers_ops() and self._read_gathered(
+            plan, op.id, 0, op.inputs[0], needs.get((op.id, 0), sh[op.inputs[0]]), marks)
+        out, groups = set(), None
+        for n, (v, m) in enumerate(zip(op.outputs, self._made_layouts(op, plan.strategies[op.id]))):
+            c = self.canon(v)
+            if c != v or info.constant[c]:
+                continue
+            if not through:
+                if m == sh[v]:
                     continue
-                marks.add(c)
-        changed = marks ^ self.gathered
-        self.gathered = frozenset(marks)
-        return {u for c in changed for u in self._reading().get(c, ())}
+                if groups is None:
+                    groups = plan.strategies[op.id].partial_groups(op.rule)
+                if not any(colls for _, colls in self.path(m, sh[v], v, groups,
+                                                             self.bc_made.get((op.id, n), frozenset()))):
+                    continue
+            out.add(c)
+        return out
+
+    def _alias_readers(self) -> dict[int, tuple[int, ...]]:
+        """Canonical value -> the alias ops (hints, ties) reading it: their results are its buffer."""
+        def compute() -> dict[int, tuple[int, ...]]:
+            aliases = self._alias_readers_ops()
+            return {c: tuple(u for u in ops if u in aliases) for c, ops in self._reading().items()}
+
+        return per_info(self.graph, "alias_readers", self.info, compute)
+
+    def _alias_readers_ops(self) -> frozenset[int]:
+        return per_info(self.graph, "alias_ops", self.info, lambda: frozenset(
+            op.id for op in self.graph.ops if (op.primitive in ALIASES or op.primitive == "tie") and op.inputs))
 
     def _read_gathered(self, plan: Plan, op_id: int, i: int, v: int, need: Sharding, marks: Collection[int]) -> bool:
         """Whether operand `i` (value `v`) of op `op_id`, read in layout `need`, is read from a buffer a collective
