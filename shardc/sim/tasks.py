@@ -15,6 +15,7 @@ simulation do exactly the same arithmetic.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 from typing import Any, Callable, Collection, Mapping, Sequence
 
@@ -558,15 +559,13 @@ class TaskBuilder:
         sh = plan.shardings
         key_of = self.key_of
         state = []
-        needs_in = []
         bc_start, empty = self.bc_start, frozenset()
         for i, (v, c) in enumerate(zip(op.inputs, canon_in)):
             need = needs.get((op_id, i), sh[v])
-            needs_in.append(need)
             origin = self.read_origin(op, c, need, sh[c])
             k = key_of.get(self.vkey((c, need, origin)))
             if k is not None and k in keys:
-                state.append(need)
+                state.append((need, sh[c]))  # (the home layout: whether the read is through a collective)
             elif self.info.constant[c] or self.info.constant[v]:
                 state.append((need, None))
             else:
@@ -585,7 +584,9 @@ class TaskBuilder:
             mk += (dropped,)
         if op.primitive in OP_COLLECTIVES:
             mk += (self._shared_made(plan, op, needs, keys),)
-        mk += (self._gathered_reads(plan, op, needs_in),)  # (operands read from a collective's buffer)
+        marks = self.gathered
+        if marks:  # (operands whose buffer a collective writes: read from memory, `set_gathered`)
+            mk += (tuple([c in marks for c in canon_in]),)
         memo = self._slot_memo.setdefault(op_id, {})
         slot = memo.get(mk)
         if slot is None:
@@ -893,10 +894,13 @@ class TaskBuilder:
         info, sh = self.info, plan.shardings
         if not info.live[op.id] or op.id in self.dead or not op.outputs:
             return set()
-        through = op.id in self._alias_readers_ops() and self._read_gathered(
+        through = op.id in self._alias_ops and self._read_gathered(
             plan, op.id, 0, op.inputs[0], needs.get((op.id, 0), sh[op.inputs[0]]), marks)
+        made = self._made_layouts(op, plan.strategies[op.id])
+        if not through and all(m == sh[v] for v, m in zip(op.outputs, made)):
+            return set()  # (made where they live: no reshard of its own)
         out, groups = set(), None
-        for n, (v, m) in enumerate(zip(op.outputs, self._made_layouts(op, plan.strategies[op.id]))):
+        for n, (v, m) in enumerate(zip(op.outputs, made)):
             c = self.canon(v)
             if c != v or info.constant[c]:
                 continue
@@ -914,14 +918,16 @@ class TaskBuilder:
     def _alias_readers(self) -> dict[int, tuple[int, ...]]:
         """Canonical value -> the alias ops (hints, ties) reading it: their results are its buffer."""
         def compute() -> dict[int, tuple[int, ...]]:
-            aliases = self._alias_readers_ops()
+            aliases = self._alias_ops
             return {c: tuple(u for u in ops if u in aliases) for c, ops in self._reading().items()}
 
         return per_info(self.graph, "alias_readers", self.info, compute)
 
-    def _alias_readers_ops(self) -> frozenset[int]:
-        return per_info(self.graph, "alias_ops", self.info, lambda: frozenset(
-            op.id for op in self.graph.ops if (op.primitive in ALIASES or op.primitive == "tie") and op.inputs))
+    @functools.cached_property
+    def _alias_ops(self) -> frozenset[int]:
+        """The alias ops (hints, ties) of the graph: their results are their operand's buffer."""
+        return frozenset(op.id for op in self.graph.ops if (op.primitive in ALIASES or op.primitive == "tie")
+                         and op.inputs)
 
     def _read_gathered(self, plan: Plan, op_id: int, i: int, v: int, need: Sharding, marks: Collection[int]) -> bool:
         """Whether operand `i` (value `v`) of op `op_id`, read in layout `need`, is read from a buffer a collective
