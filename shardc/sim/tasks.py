@@ -961,7 +961,7 @@ class TaskBuilder:
                  ) -> tuple[float, Any]:
         """Seconds and FLOP count of one op at these layouts, memoised over ops with the same primitive,
         params, shapes, dtypes and fusion (the layers of a model) and the same local shapes. `gathered`: per
-        operand, whether it is read from a collective's result (from memory, `_through_collective`)."""
+        operand, whether it is read from a collective's result (from memory, `_read_gathered`)."""
         cls = self._cost_class.get(op.id)
         if cls is None:
             info = self.info
