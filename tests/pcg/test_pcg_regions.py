@@ -215,7 +215,7 @@ def test_a_budget_running_out_in_a_later_loop_keeps_the_earlier_loops_rewrites(m
     """Two scans whose bodies each gain from a rewrite: with a simulation budget that runs out while the second body
     is rewritten, the first loop's kept rewrite stands (it was priced on the whole PCG and made it faster). Before,
     it was dropped with the second's: the full-size zoo LSTM's two backward scans gained 7% on `tpu-v5e-8` within
-    the default budget, and `choose_pcg` reported "no rewrite paid"."""
+    the default budget (its PCG priced as its plan then was), and `choose_pcg` reported "no rewrite paid"."""
     def f(x, ws, vs):
         def layer(h, w):
             return split(jnp.tanh(h @ split(w, 0, "model")), 1, "model"), None  # (partial sums over model)
