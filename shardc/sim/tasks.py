@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
-from typing import Any, Callable, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 from shardc.cost.aliases import ALIASES
 from shardc.cost.collectives import collective_fixed, collective_phases
@@ -176,8 +176,7 @@ class TaskBuilder:
         # ops only they read (`shardc.cost.dropped`; `set_drops`)
         self.drops: dict[int, tuple[int, ...]] = {}
         self.dead: frozenset[int] = frozenset()
-        self.gathered: set[int] = set()  # (canonical values a collective writes in the plan: `set_gathered`)
-        self._gathered_ready = False
+        self.gathered: set[int] | None = None  # (canonical values a collective writes in the plan: `set_gathered`)
         self._plan_class: list[int] | None = None
         self._made_memo: dict[tuple, tuple[Sharding, ...]] = {}
         self._layout_memo: dict[Sharding, Sharding] = {}
@@ -365,12 +364,7 @@ class TaskBuilder:
         order, rec, home = self._bc_ops, self._bc_rec, self._bc_home
         bc_start, bc_made = self.bc_start, self.bc_made
         out: set[int] = set()
-        done = -1
-        while heap:
-            at = heapq.heappop(heap)
-            if at == done:
-                continue
-            done = at
+        for at in _in_order(heap):
             op_id = order[at]
             new = self._op_broadcasts(op_id, plan, needs, home, at)
             old = rec[at]
@@ -852,12 +846,11 @@ class TaskBuilder:
         touch are looked at again, and the aliases of a value whose mark changes (the same result as from
         scratch)."""
         marks = self.gathered
-        if changed is None or not self._gathered_ready:
+        if changed is None or marks is None:
             marks = set()
             for op in self.graph.ops:
                 marks |= self._marked_results(plan, needs, op, marks)
-            self._gathered_ready = True
-            diff = marks ^ self.gathered
+            diff = marks ^ (self.gathered or set())
             self.gathered = marks
             return {u for c in diff for u in self._reading().get(c, ())}
         values, changed_ops = changed
@@ -869,12 +862,7 @@ class TaskBuilder:
             heap.extend(self._alias_readers().get(canon(v), ()))
         heapq.heapify(heap)
         out: set[int] = set()
-        done = -1
-        while heap:
-            i = heapq.heappop(heap)
-            if i == done:
-                continue
-            done = i
+        for i in _in_order(heap):
             op = graph.ops[i]
             new = self._marked_results(plan, needs, op, marks)
             for v in op.outputs:
@@ -947,7 +935,7 @@ class TaskBuilder:
                      for i, (v, s) in enumerate(zip(op.inputs, needs)))
 
     def _reading(self) -> dict[int, tuple[int, ...]]:
-        """Canonical value -> the live ops reading it (per graph and ProgramInfo)."""
+        """Canonical value -> the ops reading it (per graph and ProgramInfo)."""
         def compute() -> dict[int, tuple[int, ...]]:
             out: dict[int, list[int]] = {}
             for op in self.graph.ops:
@@ -957,7 +945,7 @@ class TaskBuilder:
 
         return per_info(self.graph, "reading", self.info, compute)
 
-    def _op_cost(self, op: Any, ins: list[Sharding], outs: list[Sharding], gathered: tuple[bool, ...] = ()
+    def _op_cost(self, op: Any, ins: list[Sharding], outs: list[Sharding], gathered: tuple[bool, ...]
                  ) -> tuple[float, Any]:
         """Seconds and FLOP count of one op at these layouts, memoised over ops with the same primitive,
         params, shapes, dtypes and fusion (the layers of a model) and the same local shapes. `gathered`: per
@@ -983,17 +971,27 @@ class TaskBuilder:
             hit = self._cost_memo[mk] = (0.0 if bitcast else self.estimator.op_time(key, op.params), count)
         return hit
 
-    def _op_key(self, op: Any, ins: list[Sharding], outs: list[Sharding], gathered: tuple[bool, ...] = ()) -> OpKey:
+    def _op_key(self, op: Any, ins: list[Sharding], outs: list[Sharding], gathered: tuple[bool, ...]) -> OpKey:
         info = self.info
         fused, read = info.fused, info.read_fused
         canon = info.canon
-        gathered = gathered or (False,) * len(op.inputs)
         return OpKey(op.primitive, info.pkeys[op.id],
                      tuple(self.local_shape(v, s) for v, s in zip(op.inputs, ins)),
                      tuple(self.local_shape(v, s) for v, s in zip(op.outputs, outs)),
                      tuple(self._dtype[v] for v in op.inputs), tuple(self._dtype[v] for v in op.outputs),
                      tuple(read[canon[v]] and not g for v, g in zip(op.inputs, gathered)),
                      tuple(fused[canon[v]] for v in op.outputs))
+
+
+def _in_order(heap: list[int]) -> Iterator[int]:
+    """Each index of min-heap `heap` once, smallest first, while the caller may push more (a pass in program
+    order over the ops a change reaches)."""
+    done = -1
+    while heap:
+        at = heapq.heappop(heap)
+        if at != done:
+            done = at
+            yield at
 
 
 def plan_needs(plan: Plan) -> dict[tuple[int, int], Sharding]:
