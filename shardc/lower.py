@@ -35,7 +35,8 @@ from jax.sharding import NamedSharding
 from annotations.primitive import hint_p
 from shardc.ir.build import REGION_PRIMITIVES, call_jaxpr
 from shardc.ir.jaxpr_env import JaxprEnv, open_jaxpr
-from shardc.cost.program import BOUND_THROUGH, SCATTERS, folds_to_constant, pad_of, program_info, reads_only_padding
+from shardc.cost.program import (BOUND_THROUGH, SCATTERS, folds_to_constant, pad_of, program_info, reads_only_padding,
+                                  unread_if_same)
 from shardc.cost.windows import window_unread
 from shardc.cost.reshard_path import reshard_steps
 from shardc.plan import Plan, lowers_reduce_scatter, planned_apart, require_devices
@@ -211,6 +212,7 @@ class Lowering:
         if need:
             invals = [self.reshard(x, v, self.plan.shardings[v], need[i]) if i in need else x
                       for i, (x, v) in enumerate(zip(invals, op.inputs))]
+        invals = self.repeats_as_read(op, invals)
         read = invals  # (the operands in the layouts the op reads them in, constants as they were made)
         invals = self.constants_as_needed(op, invals)
         if folds_to_constant(self.graph, op):  # (its result is a constant whatever it reads: see below)
@@ -241,6 +243,18 @@ class Lowering:
             if made[i] != self.plan.shardings[vid]:
                 outs[i] = self.reshard(outs[i], vid, made[i], self.plan.shardings[vid])
         return outs
+
+    def repeats_as_read(self, op: Any, invals: list[Any]) -> list[Any]:
+        """`invals`, with each operand XLA's simplifier drops because it repeats another (`unread_if_same` of one
+        value: `where(p, x, x)` is x, `max(x, x)` is x) replaced by the operand it repeats, as the op reads that one.
+        The plan reshards only the operand kept; left as traced, a dropped repeat is another instruction than the
+        kept one's reshard, so XLA does not fold the op before partitioning and moves the repeat (and a select's
+        predicate) to the op's layout itself: collectives the plan does not list."""
+        dropped = unread_if_same(op, lambda i, j: op.inputs[i] == op.inputs[j])
+        if not dropped:
+            return invals
+        kept = next(i for i in range(len(invals)) if i not in dropped)
+        return [invals[kept] if i in dropped and op.inputs[i] == op.inputs[kept] else x for i, x in enumerate(invals)]
 
     def passed_through(self, op: Any, read: list[Any], invals: list[Any]) -> list[Any]:
         """The results of an op XLA's simplifier replaces by its operands (`passes_through`: result k is operand

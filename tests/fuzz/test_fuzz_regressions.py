@@ -843,6 +843,21 @@ AN_ALL_TO_ALL_OF_A_SLICE_IN_NESTED_LOOPS = Program(mesh=(("x", 2), ("y", 4)), st
     Step(kind="cond", args=(2,), attrs=(("inner", (("y",), None)),), shape=(4, 4)),
 ), outputs=(4,))
 
+# `where(p, x, x)` is x to XLA's simplifier, so the plan reshards x once for the select's layout and neither the
+# predicate nor the second case; the lowering passed that second case as traced (another instruction than the
+# first's reshard), XLA did not fold the select before partitioning and all-gathered the predicate and the case.
+SELECT_OF_ONE_RESHARDED_VALUE = Program(mesh=(("x", 2), ("y", 4)), steps=(  # seed 157011, shrunk by hand
+    Step(kind="input", args=(), attrs=(), shape=(8, 8)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 1), ("axes", ("y", "x"))), shape=(8, 8)),
+    Step(kind="gather", args=(1,), attrs=(("dim", 0), ("indices", (-6, -2))), shape=(2, 8)),
+    Step(kind="input", args=(), attrs=(), shape=(8, 2, 2)),
+    Step(kind="einsum", args=(2, 3), attrs=(("spec", "ab,bac->acb"),), shape=(2, 2, 8)),
+    Step(kind="pad", args=(4,), attrs=(("config", ((0, 0, 0), (0, 2, 0), (0, 0, 0))),), shape=(2, 4, 8)),
+    Step(kind="where", args=(5, 5), attrs=(), shape=(2, 4, 8)),  # computed [x, y, -], its cases are [-, -, y+x]
+    Step(kind="reshape", args=(6,), attrs=(), shape=(64, 1, 1)),
+    Step(kind="jit_chain", args=(7,), attrs=(("inner", (("x", "y"), "?", None)),), shape=(64, 1, 1)),
+), outputs=(8,))
+
 
 @pytest.mark.parametrize("prog", [COND_INDEX, DEAD_LOOP, UPDATE_SLICE_SPLIT_DIM, UPDATE_ONE_ROW_OF_SPLIT_DIM,
                                   SCANNED_ARRAY_RESHARD, SCAN_FINAL_CARRY, SUM_OVER_TWO_SPLIT_DIMS,
@@ -863,7 +878,7 @@ AN_ALL_TO_ALL_OF_A_SLICE_IN_NESTED_LOOPS = Program(mesh=(("x", 2), ("y", 4)), st
                                   GATHER_OUT_OF_BOUNDS, DUPLICATE_OUTPUT_IN_ITS_OWN_LAYOUT,
                                   DUPLICATE_OUTPUT_BESIDE_A_DEAD_HINT, CONSTANT_INTO_A_ONE_TRIP_CARRY,
                                   CONSTANT_THROUGH_A_CONSTANT_COND, SORTED_ALONG_A_SPLIT_DIM_THEN_OVERWRITTEN,
-                                  AN_ALL_TO_ALL_OF_A_SLICE_IN_NESTED_LOOPS],
+                                  AN_ALL_TO_ALL_OF_A_SLICE_IN_NESTED_LOOPS, SELECT_OF_ONE_RESHARDED_VALUE],
                          ids=["cond_index", "dead_loop", "update_slice_split_dim", "update_one_row_of_split_dim",
                               "scanned_array_reshard", "scan_final_carry", "sum_over_two_split_dims",
                               "duplicate_ops_resharded", "two_step_reshard_twice", "full_update",
@@ -885,7 +900,7 @@ AN_ALL_TO_ALL_OF_A_SLICE_IN_NESTED_LOOPS = Program(mesh=(("x", 2), ("y", 4)), st
                               "gather_out_of_bounds", "duplicate_output_in_its_own_layout",
                               "duplicate_output_beside_a_dead_hint", "constant_into_a_one_trip_carry",
                               "constant_through_a_constant_cond", "sorted_along_a_split_dim_then_overwritten",
-                              "an_all_to_all_of_a_slice_in_nested_loops"])
+                              "an_all_to_all_of_a_slice_in_nested_loops", "select_of_one_resharded_value"])
 def test_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog)  # asserts the compiled collectives equal the plan's, kind by kind
 
