@@ -72,17 +72,19 @@ class PCGChoice:
 
 def choose_pcg(plan: Any, closed_jaxpr: Any, topology: Any, *, donated: Sequence[int] = (),
                memory_limit: float | None = None, max_evaluations: int = DEFAULT_EVALUATIONS,
-               rules: Any = None) -> PCGChoice:
+               rules: Any = None, plan_time: float | None = None) -> PCGChoice:
     """Rewrite `plan`'s PCG with proved rules and say whether the result beats the plan (see the module
     docstring). `topology`: what the plan was priced on; `memory_limit`: bytes per device (default: the
-    topology's device memory)."""
+    topology's device memory); `plan_time`: the plan's simulated step on `topology` with `donated`, when the
+    caller has it (the search's score of the plan), else it is simulated here."""
     from shardc.sim import as_topology, simulate
 
     t0 = time.perf_counter()
     topo = as_topology(topology)
     limit = float(memory_limit) if memory_limit is not None else float(topo.device.memory)
     donated = tuple(donated)
-    plan_time = simulate(plan, topo, donated=donated).step_time
+    if plan_time is None:
+        plan_time = simulate(plan, topo, donated=donated).step_time
     pcg = build_pcg(plan, closed_jaxpr, fuse=True, reduce_scatter=topo.reduce_scatter)
     cost = SimCost(topo, donated=donated, memory_limit=limit)
     res: Optimized = optimize(pcg, rules, cost_fn=cost, max_evaluations=max_evaluations)

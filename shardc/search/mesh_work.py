@@ -270,7 +270,7 @@ class MeshWork:
         except ShardingError:
             return out
         if problem.pcg and score.feasible:  # this mesh's best, its PCG rewritten with proved rules (here: the
-            plan = with_pcg(problem, plan)  # meshes' rewritings run at once where they are searched at once)
+            plan = with_pcg(problem, plan, score.time)  # meshes' rewritings run at once where searched at once)
         out.final = searched(plan, score, extra, a)
         return out
 
@@ -281,16 +281,17 @@ class MeshWork:
                               st.base_choices)
 
 
-def with_pcg(problem: Problem, plan: Plan) -> Plan:
+def with_pcg(problem: Problem, plan: Plan, time: float | None = None) -> Plan:
     """`plan` with the choice of its PCG rewritten by proved rules (`shardc.pcg.choice.choose_pcg`, under the
     problem's simulator and memory limit; `plan.pcg.chosen` when the rewritten PCG is faster); the plan as it
-    is when the rewriting cannot build its PCG (a ShardingError: the plan competes as it is)."""
+    is when the rewriting cannot build its PCG (a ShardingError: the plan competes as it is). `time`: the plan's
+    simulated step as the search scored it (not simulated again)."""
     from shardc.pcg import choice
 
     try:
         return dataclasses.replace(plan, pcg=choice.choose_pcg(plan, problem.program, problem.topology,
                                                                donated=problem.donated,
-                                                               memory_limit=problem.memory_limit))
+                                                               memory_limit=problem.memory_limit, plan_time=time))
     except ShardingError:
         return plan
 

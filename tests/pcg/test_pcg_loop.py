@@ -124,6 +124,8 @@ def test_each_searched_mesh_competes_with_its_rewritten_pcg(args, monkeypatch):
     assert all(report.chosen.score.key <= c.score.key for c in report.baselines)
     if report.chosen.name == "search+pcg":
         assert plan.pcg.chosen and plan.pcg.time == report.chosen.score.time
+    # the plan's time the rewriting weighed is the search's score of it (not simulated again): a fresh simulation's
+    assert plan.pcg is not None and plan.pcg.plan_time == simulate(plan, TOPO, donated=plan.donated).step_time
     plain = shardc.auto(two_branch, topology=TOPO, budget_s=1.0).plan(*args)
     loser = next(c.mesh for c in rewritten if c.mesh != dict(plain.mesh_sizes))
 
