@@ -36,7 +36,7 @@ from annotations.primitive import hint_p
 from shardc.ir.build import REGION_PRIMITIVES, call_jaxpr
 from shardc.ir.jaxpr_env import JaxprEnv, open_jaxpr
 from shardc.cost.program import (BOUND_THROUGH, SCATTERS, folds_to_constant, pad_of, program_info, reads_only_padding,
-                                  unread_if_same)
+                                  unread_repeats)
 from shardc.cost.windows import window_unread
 from shardc.cost.reshard_path import reshard_steps
 from shardc.plan import Plan, lowers_reduce_scatter, planned_apart, require_devices
@@ -245,12 +245,12 @@ class Lowering:
         return outs
 
     def repeats_as_read(self, op: Any, invals: list[Any]) -> list[Any]:
-        """`invals`, with each operand XLA's simplifier drops because it repeats another (`unread_if_same` of one
-        value: `where(p, x, x)` is x, `max(x, x)` is x) replaced by the operand it repeats, as the op reads that one.
+        """`invals`, with each operand XLA's simplifier drops because it repeats another (`unread_repeats`:
+        `where(p, x, x)` is x, `max(x, x)` is x) replaced by the operand it repeats, as the op reads that one.
         The plan reshards only the operand kept; left as traced, a dropped repeat is another instruction than the
         kept one's reshard, so XLA does not fold the op before partitioning and moves the repeat (and a select's
         predicate) to the op's layout itself: collectives the plan does not list."""
-        dropped = unread_if_same(op, lambda i, j: op.inputs[i] == op.inputs[j])
+        dropped = unread_repeats(op)
         if not dropped:
             return invals
         kept = next(i for i in range(len(invals)) if i not in dropped)

@@ -45,7 +45,7 @@ from shardc.cost.windows import OUT_OF_BOUNDS, gather_window, slice_window, wind
 from shardc.ir.graph import Graph
 
 __all__ = ["ProgramInfo", "program_info", "per_info", "descendants", "Merged", "merged", "liveness", "unread_operands",
-           "unread_if_same", "read_values",
+           "unread_if_same", "unread_repeats", "read_values",
            "SAME_OPERAND_RULES", "PASS_THROUGH_RULES", "BOUND_THROUGH", "passes_through", "splat_literal", "ALIASES",
            "reads_only_padding", "pad_of", "scatter_into_constant", "loop_entry", "enters_a_constant", "loop_exit",
            "is_loop_region",
@@ -1785,6 +1785,12 @@ def unread_if_same(op: Any, same: Callable[[int, int], bool]) -> tuple[int, ...]
     (`SAME_OPERAND_RULES`; () for other ops)."""
     rule = SAME_OPERAND_RULES.get(op.primitive)
     return rule(len(op.inputs), same) if rule is not None else ()
+
+
+def unread_repeats(op: Any) -> tuple[int, ...]:
+    """The operands of `op` XLA's simplifier drops because they repeat another as one value (`where(p, x, x)`:
+    the predicate and the second case; `max(x, x)`: the second x). The op is then the first operand left."""
+    return unread_if_same(op, lambda i, j: op.inputs[i] == op.inputs[j])
 
 
 def unread_operands(graph: Graph, op: Any) -> tuple[int, ...]:

@@ -23,7 +23,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from annotations.errors import ShardingError
-from shardc.cost.program import program_info, reads_only_padding, unread_if_same, unread_operands
+from shardc.cost.program import program_info, reads_only_padding, unread_operands, unread_repeats
 from shardc.ir.build import REGION_PRIMITIVES, call_jaxpr
 from shardc.pcg.graph import PCG, Compute, GraphBuilder
 from shardc.pcg.ops import (AllToAll, Combine, CollectivePermute, ParallelOp, Partition, Reduce, ReduceScatter,
@@ -355,7 +355,7 @@ class Walker:
         value (`max(x, x)`) or an op reading only a pad's padding: their values matter. Constants stay (they
         decide a folded op's value)."""
         graph = self.graph
-        if unread_if_same(op, lambda i, j: op.inputs[i] == op.inputs[j]) or reads_only_padding(graph, op):
+        if unread_repeats(op) or reads_only_padding(graph, op):
             return set()
         constant = program_info(graph).constant
         return {i for i in unread_operands(graph, op) if not constant[op.inputs[i]]}
