@@ -105,9 +105,11 @@ def device_view(graph: Graph, shapes: Mapping[int, tuple[int, ...]],
     return view
 
 
-def queued_item(op: int, value: int) -> tuple[str, int, int]:
-    """A signature's item for a queued reshard of canonical value `value` read by op `op` (`queued_reshards`)."""
-    return ("queued", op, value)
+def queued_item(op: int, value: int, instructions: int = 3) -> tuple[str, int, int, int]:
+    """A signature's item for a queued reshard of canonical value `value` read by op `op` (`queued_reshards`), of
+    `instructions` queued one after another, the collective second (3: copy, all-gather, copy back; 2: a local
+    slice, then the collective reading it)."""
+    return ("queued", op, value, instructions)
 
 
 def info_for(graph: Graph, backend: str, signature: Signature) -> ProgramInfo:

@@ -725,7 +725,9 @@ def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], f
             for u in o.inputs:
                 c = canon[u]
                 v = graph.values[c]
-                good = elementwise and v.shape == res.shape and v.dtype == res.dtype
+                # (a hint or constraint is no instruction: what it names is its operand, whose shape a device's
+                # view may give per device where the alias's is global)
+                good = elementwise and (o.primitive in ALIASES or v.shape == res.shape and v.dtype == res.dtype)
                 (ok if good else bad).add(c)
                 p = v.producer
                 if (fused[c] and p is not None and transposed and graph.ops[p].primitive == "transpose"
@@ -736,7 +738,8 @@ def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], f
                     (ok if good else bad).add(loops[c])  # (the loop's buffer)
                     continue
                 if (fused[c] or (o.id, c) in recompute) and p is not None:
-                    stack.append((graph.ops[p], good and graph.ops[p].primitive in _ELEMENTWISE_OPS))
+                    q = graph.ops[p].primitive
+                    stack.append((graph.ops[p], good and (q in _ELEMENTWISE_OPS or q in ALIASES)))
                     if not fused[c]:
                         recomputed.add(c)
         if stack:
@@ -1325,27 +1328,27 @@ def _add_copy_units(graph: Graph, canon: Sequence[int], unit: Mapping[int, int],
             preds[dot].add(copy)
 
 
-# Instructions of a queued reshard (`queued_reshards`): the operand's copy into the all-gather's memory order, the
-# all-gather, the copy back into row-major order.
+# The most instructions of a queued reshard (`queued_reshards`): the operand's copy into the all-gather's memory
+# order, the all-gather, the copy back into row-major order (a local slice and its collective are two).
 _QUEUED_CHAIN = 3
 
 
 def _add_chain_units(graph: Graph, canon: Sequence[int], unit: Mapping[int, int], members: dict[int, list[int]],
                      preds: dict[int, set[int]], succs: dict[int, list[int]],
                      chains: dict[int, tuple[int, int]]) -> None:
-    """Put the instructions of each queued reshard (`graph`'s `queued_reshards`: (op, canonical operand)) between
-    the operand's producer and the op, as units of no ops in a chain (ids past the ops' and copies'): the first
-    takes the op's place among the producer's users, the op waits for the last. `chains` gets the id of each
-    chain's collective -> (op, operand)."""
+    """Put the instructions of each queued reshard (`graph`'s `queued_reshards`: (op, canonical operand, number of
+    instructions)) between the operand's producer and the op, as units of no ops in a chain (ids past the ops' and
+    copies'): the first takes the op's place among the producer's users, the op waits for the last. `chains` gets
+    the id of each chain's collective (its second instruction) -> (op, operand)."""
     base = 2 * len(graph.ops) + 1
-    for op, c in sorted(graph.analysis("queued_reshards", frozenset)):
+    for op, c, n in sorted(graph.analysis("queued_reshards", frozenset)):
         own = graph.values[c].producer
         if own not in unit or op not in members or members[op] != [op] or unit[own] not in preds[op] \
                 or op not in succs[unit[own]]:
             continue
         if sum(canon[v] == c or graph.values[canon[v]].producer == own for v in graph.ops[op].inputs) > 1:
             continue  # (it reads the producer's instruction otherwise too)
-        ids = [base + len(chains) * _QUEUED_CHAIN + k for k in range(_QUEUED_CHAIN)]
+        ids = [base + len(chains) * _QUEUED_CHAIN + k for k in range(n)]
         chains[ids[1]] = (op, c)
         at = succs[unit[own]].index(op)
         succs[unit[own]][at] = ids[0]
