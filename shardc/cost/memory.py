@@ -36,7 +36,7 @@ from shardc.cost.program import (CUMULATIVE, SAME_OPERAND_RULES, ProgramInfo, co
                                  descendants, gathered_order, is_loop_region, loop_entry, outer_region, per_info,
                                  scatter_into_constant, window_levels)
 
-__all__ = ["MemoryModel", "MemoryResult", "gather_copy"]
+__all__ = ["MemoryModel", "MemoryResult", "gather_copy", "local_slice"]
 
 COPIES_EARLY = True
 LATE_AFTER_SLICES = True  # (switch: `_late`)
@@ -833,9 +833,7 @@ class MemoryModel:
         return nxt is not None and bool(nxt.collective) and bool(set(slot.tasks[i].outs) & set(nxt.deps))
 
     def _local_slice(self, slot: Any, i: int) -> bool:
-        """Whether task `i` of a slot is an operand's reshard without collectives (a local slice of it)."""
-        t = slot.tasks[i]
-        return i < slot.at and t.kind == "join" and bool(t.deps) and all(self.keys.is_value_key[d] for d in t.deps)
+        return local_slice(slot, i, self.keys.is_value_key)
 
     def _fused_slice(self, slot: Any, i: int) -> bool:
         """Whether task `i` of a slot is a reshard without collectives (a local slice of its operand) that XLA
@@ -1546,6 +1544,12 @@ def _admitting(allocs: Sequence[tuple[int, int, int, int]]) -> Callable[[tuple],
         return ok
 
     return admits
+
+
+def local_slice(slot: Any, i: int, is_value_key: Sequence[bool]) -> bool:
+    """Whether task `i` of a slot is an operand's reshard without collectives (a local slice of a value's key)."""
+    t = slot.tasks[i]
+    return i < slot.at and t.kind == "join" and bool(t.deps) and all(is_value_key[d] for d in t.deps)
 
 
 def gather_copy(slot: Any, i: int, is_value_key: Sequence[bool]) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from shardc.cost.device_shapes import queued_item
-from shardc.cost.memory import gather_copy
+from shardc.cost.memory import gather_copy, local_slice
 
 __all__ = ["QUEUED_RESHARDS", "queued_reshards"]
 
@@ -63,8 +63,8 @@ def _sliced_collectives(slots: Sequence[Any], builder: Any) -> frozenset:
     for slot in slots:
         made: set[int] = set()  # keys the slot's earlier tasks made
         sliced: dict[int, int] = {}  # a local slice's result -> the canonical value it slices
-        for t in slot.tasks[:slot.at]:
-            if t.kind == "join" and t.deps and all(flags[d] for d in t.deps) and not made.intersection(t.deps):
+        for i, t in enumerate(slot.tasks[:slot.at]):
+            if local_slice(slot, i, flags) and not made.intersection(t.deps):
                 c = keys[t.deps[0]][0]
                 p = graph.values[c].producer
                 if p is not None and info.live[p] and c not in info.cheap:
