@@ -2392,10 +2392,10 @@ def _entered_in_forward_loops(graph: Graph, canon: Sequence[int], hoisted: Mappi
     body, `naming`). XLA's loop-invariant code motion takes a collective making the entering value out of the outer
     loop, and in the same run moves a collective of it from the inner body into the outer one; the outer loop's
     state, rebuilt for the first, leaves the second reading a copy of that state which the later runs do not take
-    for invariant, so the second runs once per outer trip (`shardc.sim.tasks.TaskBuilder.entered_by_collective`;
+    for invariant, so the second runs once per outer trip (`shardc.sim.tasks.TaskBuilder.entering_collectives`;
     measured with an all-gather and a collective-permute entering, an all-to-all inside. A reversed outer scan,
     whose index arithmetic has the motion rebuild its state again, takes both out; a slice entering, no
-    collective, leaves nothing behind)."""
+    collective, leaves nothing behind; nor does an all-to-all entering, seed 160010)."""
     out: dict[int, int] = {}
     for op in graph.ops:
         if not loop_entry(op) or lengths.get(op.region, 1) < 2:

@@ -570,7 +570,7 @@ class TaskBuilder:
         made_b = tuple(self.bc_made.get((op_id, k), empty) for k in range(len(op.outputs)))
         mk = (tuple(state), plan.strategies[op_id], tuple([sh[v] for v in op.outputs]), made_b)
         if self.info.entered or self.info.named:  # (the layouts a loop-invariant operand was made from decide
-            # where its reshards run: `entered_by_collective`, `named_after_one_loop`)
+            # where its reshards run: `entering_collectives`, `named_after_one_loop`)
             made_from = (e for c in canon_in for e in (self.info.entered.get(c), self.info.named.get(c)))
             mk += (tuple(sh[e] for e in made_from if e is not None),)
         dropped = self.drops.get(op_id, ())
@@ -592,11 +592,17 @@ class TaskBuilder:
                 keys[i] = op_id
         return slot
 
-    def entered_by_collective(self, plan: Plan, c: int) -> bool:
-        """Whether loop-invariant value `c` entered its loop through a collective XLA takes out of the enclosing
-        loop (`ProgramInfo.entered`): the reshards of `c` in the loop then leave that loop only."""
+    def entering_collectives(self, plan: Plan, c: int) -> tuple[str, ...]:
+        """The kinds of the collectives of the reshard taking loop-invariant value `c` into its loop from the
+        enclosing forward loop's body (`ProgramInfo.entered`; () when none). XLA's loop-invariant code motion takes
+        that reshard out of the enclosing loop. When it has no all-to-all, the reshards of `c` in the loop then leave
+        that loop only (an all-gather or a collective-permute entering, seed 150007); when it has one, they leave
+        every loop, like the entering reshard (seed 160010; measured with an all-to-all, a collective-permute and an
+        all-gather inside, each leaving the outer loop too, `leaves_one_loop_only`'s slices included)."""
         src = self.info.entered.get(c)
-        return src is not None and any(colls for _, colls in self.path(plan.shardings[src], plan.shardings[c], c))
+        if src is None:
+            return ()
+        return tuple(k.kind for _, colls in self.path(plan.shardings[src], plan.shardings[c], c) for k in colls)
 
     def named_after_one_loop(self, plan: Plan, c: int) -> bool:
         """Whether loop-invariant value `c`, a hint's in a loop body (`ProgramInfo.named`), is made by a reshard that
@@ -684,8 +690,10 @@ class TaskBuilder:
             src = (c, steps[n - 1][0], origin) if n else home
             runs = trips_in
             if (h := info.hoisted.get(c)) is not None:  # a loop-invariant value's: out of the loop(s)
-                one = leaves_one_loop_only(steps[n:], src[1], g.values[v].shape, self._itemsize[v], self.mesh) \
-                    or self.entered_by_collective(plan, c) or self.named_after_one_loop(plan, c)
+                entering = self.entering_collectives(plan, c)
+                one = "all-to-all" not in entering and (
+                    bool(entering) or self.named_after_one_loop(plan, c)
+                    or leaves_one_loop_only(steps[n:], src[1], g.values[v].shape, self._itemsize[v], self.mesh))
                 runs = min(trips_in, h[2] if one else h[0])
             chained = self.chain(slot, src, steps[n:], v, op_id, runs, None if origin == HOME else origin)
             return [made(k) for k in chained][-1]

@@ -1742,3 +1742,18 @@ A_CONSTANT_INTO_A_LOOP = Program(mesh=(("x", 4), ("y", 2)), steps=(  # seed 1520
 
 def test_a_constant_entering_a_loop_is_made_in_the_loop_s_layout():
     fuzzlib.check_program(A_CONSTANT_INTO_A_LOOP)
+
+
+AN_ALL_TO_ALL_INTO_AN_INNER_LOOP = Program(mesh=(("x", 2), ("y", 2), ("z", 2)), steps=(  # seed 160010, shrunk
+    Step(kind="input", args=(), attrs=(), shape=(3, 3)),
+    Step(kind="dynamic_slice", args=(0,), attrs=(("start", (1, 0)),), shape=(2, 2)),
+    Step(kind="cumsum", args=(1,), attrs=(("dim", 0),), shape=(2, 2)),
+    Step(kind="input", args=(), attrs=(), shape=(3, 2, 2)),
+    # the slice enters the inner loop all-to-all'd ([-, x] -> [x, -]) and goes back for the dot ([x, -] -> [-, x]):
+    # after an all-to-all entering, XLA takes the inner all-to-all out of both loops (not once per outer trip)
+    Step(kind="nested_loop", args=(2, 3, 1), attrs=(("n", 2), ("inner", (("z",), ("x",)))), shape=(3, 2, 2)),
+), outputs=(4,), step_mode=False, const_cotangents=False)
+
+
+def test_an_all_to_all_taking_a_matrix_into_an_inner_loop_lets_the_next_leave_both_loops():
+    fuzzlib.check_program(AN_ALL_TO_ALL_INTO_AN_INNER_LOOP)

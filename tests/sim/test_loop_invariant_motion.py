@@ -121,3 +121,42 @@ def test_reshards_of_a_matrix_hinted_in_nested_loops_run_as_compiled(where, layo
     for quantity, row in rows.items():
         if quantity.endswith(" bytes") and quantity != "peak memory bytes":
             assert row.predicted == row.compiled, (quantity, row.predicted, row.compiled)
+
+
+# A matrix entering the inner loop through an all-to-all (hinted [-, x] -> [x, -] in the forward outer body): XLA takes
+# the all-to-all out of both loops, and the reshard inside the inner body with it, whichever collective it has (the
+# fuzzer's seed 160010; after a permute or an all-gather entering, the inner reshard runs once per outer trip).
+# (the inner body's layout of w, the collective of its reshard)
+AFTER_AN_ALL_TO_ALL = [
+    ((None, "x"), "all-to-all"),  # back to the outer layout
+    (("y", "x"), "collective-permute"),  # a slice, then a permute of the smaller piece (`leaves_one_loop_only`)
+    ((None, None), "all-gather"),
+]
+
+
+@pytest.mark.parametrize("inside,kind", AFTER_AN_ALL_TO_ALL, ids=[f"[x, -]->{s}" for s, _ in AFTER_AN_ALL_TO_ALL])
+def test_reshards_of_a_matrix_entering_through_an_all_to_all_leave_both_loops(inside, kind):
+    def step(h0, xs, w):
+        w = shardc.shard(w, (None, "x"))
+
+        def cell(c, x):
+            w1 = shardc.shard(w, ("x", None))  # the all-to-all entering the inner loop
+
+            def body(i, h):
+                return 0.5 * h + 0.5 * jnp.tanh(h @ shardc.shard(w1, inside))
+
+            c = lax.fori_loop(0, 2, body, c + x)
+            return c, c
+
+        return lax.scan(cell, h0, xs)[1]
+
+    args = (jnp.ones((4, 12), jnp.float32), jnp.ones((3, 4, 12), jnp.float32), jnp.ones((12, 12), jnp.float32))
+    info = shardc.auto(step, mesh=shardc.make_mesh({"x": 4, "y": 2}), search=False).compiled_info(*args)
+    with xla_log() as log:
+        compiled = info.jitted.lower(*args).compile()
+    report = compare(info.plan, compiled, log)
+    rows = {r.quantity: r for r in report.rows}
+    assert rows[f"{kind} bytes"].compiled > 0
+    for quantity, row in rows.items():
+        if quantity.endswith(" bytes") and quantity != "peak memory bytes":
+            assert row.predicted == row.compiled, (quantity, row.predicted, row.compiled)
