@@ -9,7 +9,11 @@ pass); the search stops when no rewrite pays, even after a lookahead (`Lookahead
 PCG of its own (their boundary layouts are fixed), and a new body is kept when the whole PCG's cost
 goes down. A rule is verified with Z3 the first time it matches; an unproved one is dropped, never
 applied. A candidate's cost needs to be exact only where it is below the current cost (`priced`: a cost
-function may skip the rest of its work above that bound, as `SimCost` skips the memory model).
+function may skip the rest of its work above that bound, as `SimCost` skips the memory model). A cost function
+with a `local_gain` (`SimCost` on a large PCG) screens candidates by their neighbourhood alone
+(`shardc.pcg.local_screen`): only those whose neighbourhood gets faster are priced in full, the largest gain
+first, and a rewrite is kept only on its full price (`_verified`; a lookahead sequence's steps are priced in full
+once it pays, `_priced_steps`).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from shardc.pcg.generate import ac_form
 from shardc.pcg.graph import PCG, Compute, Region
 from shardc.pcg.lang import OPS, Rule, term_ops
 from shardc.pcg.library import all_rules
+from shardc.pcg.local_screen import rewired
 from shardc.pcg.match import Match, RewriteError, apply_match, find_matches, roots_near, term_depth
 from shardc.pcg.simcost import DEFAULT_TOPOLOGY, SimCost
 from shardc.pcg.verify import verify_rule
@@ -302,11 +307,8 @@ def _reapplied(pcg: PCG, rule: Rule, m: Match) -> tuple[Match, PCG] | None:
 
 
 def _rewired(before: PCG, after: PCG) -> set[int]:
-    """The nodes of `after` that `before` has not with the same operator and operands: those rewrites since
-    built, and those reading a replaced result (a rule whose right side is one of its variables rewires its
-    readers to a tensor `before` has already)."""
-    was = {n.outputs: (id(n.op), n.inputs) for n in before.nodes}
-    return {n.id for n in after.nodes if was.get(n.outputs) != (id(n.op), n.inputs)}
+    """The ids of the nodes of `after` that `before` has not with the same operator and operands (`rewired`)."""
+    return {n.id for n in rewired(before, after)}
 
 
 def _near(pcg: PCG, new_from: int) -> set[int]:
@@ -324,27 +326,47 @@ def _near(pcg: PCG, new_from: int) -> set[int]:
     return near
 
 
-def _lookahead(base: PCG, cost: float, near: list[tuple[float, PCG, Step]], rules: list[Rule], cost_fn: CostFn,
+def _lookahead(base: PCG, cost: float, near: list[tuple[float, PCG, Step, bool]], rules: list[Rule], cost_fn: CostFn,
                search: Lookahead, refuted: set[str], seen: set[str]) -> tuple[tuple[list[Step], PCG] | None, int]:
-    frontier = [(c, p, [s], len(base.tensors)) for c, p, s in sorted(near, key=lambda e: e[0])[:search.beam]]
+    """The first sequence of rewrites from `near` (each within `search.alpha` of `cost`) that pays, as steps with
+    their PCG at the end; a step screened by its neighbourhood alone (`_estimated`) is priced in full where the
+    sequence would pay, and the steps of a sequence found are priced in full. Also the count of candidates."""
+    # (cost, PCG, steps, the PCG's first new tensor, per step its PCG and whether its cost is a simulation's)
+    frontier = [(c, p, [s], len(base.tensors), [(p, exact)])
+                for c, p, s, exact in sorted(near, key=lambda e: e[0])[:search.beam]]
     n = 0
     for _ in range(search.depth - 1):
         nxt = []
-        for _, p, path, new_from in frontier:
+        for _, p, path, new_from, trail in frontier:
             for rule, m, new in _candidates(p, rules, refuted, new_from):
                 n += 1
                 k = new.key()
                 if k in seen:
                     continue
                 seen.add(k)
-                c = priced(cost_fn, new, cost)  # (exact where it pays; a step of a sequence need not fit in memory)
+                c = _estimated(cost_fn, p, new, m, path[-1].cost_after)
+                exact = c is None or c < cost * (1 - SCREEN_MARGIN)
+                if exact:  # (exact where it pays; a step of a sequence need not fit in memory)
+                    c = priced(cost_fn, new, cost)
                 step = Step(rule.name, str(m), path[-1].cost_after, c, describe_match(p, m))
-                if c < cost * (1 - 1e-12):
-                    return (path + [step], new), n
+                if exact and c < cost * (1 - 1e-12):
+                    return (_priced_steps(path + [step], trail, cost_fn), new), n
                 if c <= cost * search.alpha:
-                    nxt.append((c, new, path + [step], len(p.tensors)))
+                    nxt.append((c, new, path + [step], len(p.tensors), trail + [(new, exact)]))
         frontier = sorted(nxt, key=lambda e: e[0])[:search.beam]
     return None, n
+
+
+def _priced_steps(path: list[Step], trail: list[tuple[PCG, bool]], cost_fn: CostFn) -> list[Step]:
+    """`path`'s steps with the costs of those screened by their neighbourhood alone simulated in full, as every
+    kept step's is (`trail`: per step but the last, its PCG and whether its cost is a simulation's; the last's is)."""
+    out: list[Step] = []
+    for i, step in enumerate(path):
+        exact = i == len(trail) or trail[i][1]
+        after = step.cost_after if exact else cost_fn(trail[i][0])
+        out.append(dataclasses.replace(step, cost_before=out[-1].cost_after if out else step.cost_before,
+                                       cost_after=after))
+    return out
 
 
 def priced(cost_fn: CostFn, pcg: PCG, bound: float) -> float:
@@ -352,6 +374,45 @@ def priced(cost_fn: CostFn, pcg: PCG, bound: float) -> float:
     `below(pcg, bound)` method may skip what it needs only for cheaper PCGs (`SimCost`: the memory model)."""
     below = getattr(cost_fn, "below", None)
     return below(pcg, bound) if below is not None else cost_fn(pcg)
+
+
+SCREEN_MARGIN = 1e-4  # a lookahead step's neighbourhood must gain this fraction of the step to be priced in full
+VERIFIED_PER_PASS = 3  # rewrites whose neighbourhood gains, priced in full per pass (the largest gains) at most
+
+
+def _estimated(cost_fn: CostFn, before: PCG, after: PCG, m: Match, cost: float) -> float | None:
+    """The cost of `after` (rewritten from `before`, of cost `cost`, at match `m`) as its neighbourhood's gain
+    says (`shardc.pcg.local_screen`, through the cost function's `local_gain`), or None where the cost function
+    does not screen (a small PCG, a match on a loop: priced in full)."""
+    local_gain = getattr(cost_fn, "local_gain", None)
+    gain = None if local_gain is None else local_gain(before, after, m.nodes)
+    return None if gain is None else cost - gain
+
+
+def _verified(estimated: list[tuple[float, int, PCG, Rule, Match]], best: tuple[float, int, PCG, Rule, Match] | None,
+              better: list[tuple[float, int, Rule, Match]], pcg: PCG, cost: float, cost_fn: CostFn
+              ) -> tuple[tuple[float, int, PCG, Rule, Match] | None, list[tuple[float, int, Rule, Match]]]:
+    """The pass's best rewrite and the rewrites that pay, once those that pay by their neighbourhood alone
+    (`estimated`) are priced in full, the largest local gain first, until one pays (at most `VERIFIED_PER_PASS`):
+    it is the best unless one priced in full from the start is cheaper. The local forms of those that do not pay
+    leave `better`; when none does, every estimated one does (the later ones gain less where they are)."""
+    if not estimated:
+        return best, better
+    failed: set[tuple[Any, ...]] = set()
+    found = None
+    for c_est, i, new, rule, m in sorted(estimated, key=lambda e: e[:2])[:VERIFIED_PER_PASS]:
+        c = priced(cost_fn, new, cost)
+        if c < cost * (1 - 1e-12):
+            found = (c, i, new, rule, m)
+            break
+        failed.add(local_form(pcg, m))
+    if found is None:
+        guessed = {local_form(pcg, e[4]) for e in estimated}
+        return best, [e for e in better if local_form(pcg, e[3]) not in guessed]
+    if best is None or found[:2] < best[:2]:
+        best = found
+    kept = [e for e in better if local_form(pcg, e[3]) not in failed]
+    return best, [(found[0], *e[1:]) if e[3] is found[4] else e for e in kept]
 
 
 class _OutOfBudget(Exception):
@@ -372,6 +433,12 @@ class _Budgeted:
     def below(self, pcg: PCG, bound: float) -> float:
         self._count()
         return priced(self.cost_fn, pcg, bound)
+
+    def local_gain(self, before: PCG, after: PCG, match_nodes: Any) -> float | None:
+        """The wrapped cost function's screening (`_estimated`), not counted: a neighbourhood is no simulation
+        of the program."""
+        local_gain = getattr(self.cost_fn, "local_gain", None)
+        return None if local_gain is None else local_gain(before, after, match_nodes)
 
     def _count(self) -> None:
         if self.calls >= self.limit:
@@ -403,17 +470,19 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
     idle: tuple[frozenset[int], PCG] | None = None  # (`_screened`: rules that matched nothing on the last pass)
     for _ in range(max_steps):
         better: list[tuple[float, int, Rule, Match]] = []  # rewrites that pay (the others are applied again below)
-        best: tuple[float, int, PCG] | None = None  # the cheapest of them, the first on a tie: its PCG alone is kept
-        near: list[tuple[float, int, PCG, Step]] = []  # rewrites within alpha of the current cost, the beam cheapest
-        tried: dict[tuple[Any, ...], float] = {}  # local form -> the simulated cost of its first match
+        best: tuple[float, int, PCG, Rule, Match] | None = None  # the cheapest, first on a tie: its PCG alone is kept
+        estimated: list[tuple[float, int, PCG, Rule, Match]] = []  # those that pay by their neighbourhood alone
+        near: list[tuple[float, int, PCG, Step, bool]] = []  # rewrites within alpha of the cost (the beam cheapest),
+        # each with whether its cost is a simulation's
+        tried: dict[tuple[Any, ...], tuple[float, bool]] = {}  # local form -> its first match's (cost, pays)
         unmatched: set[int] = set()
         screened = current
         try:
             for i, rule, m in _screened(current, rules, refuted, idle, unmatched):
                 form = local_form(current, m)
                 if form in tried:  # (another repeated layer's match: the first stands for it)
-                    c = tried[form]
-                    if c < cost * (1 - 1e-12):
+                    c, pays = tried[form]
+                    if pays:
                         better.append((c, i, rule, m))  # (applied and simulated below if it still matches)
                     continue
                 try:
@@ -425,33 +494,42 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
                 if k in seen:
                     continue
                 seen.add(k)
-                c = tried[form] = priced(cost_fn, new, cost)
-                if c < cost * (1 - 1e-12):
+                estimate = _estimated(cost_fn, current, new, m, cost)
+                if estimate is not None:  # (a large PCG: priced in full below only if its neighbourhood gains)
+                    c, pays = estimate, estimate < cost * (1 - 1e-12)
+                    if pays:
+                        estimated.append((c, i, new, rule, m))
+                else:
+                    c = priced(cost_fn, new, cost)
+                    pays = c < cost * (1 - 1e-12)
+                    if pays and (best is None or (c, i) < best[:2]):
+                        best = (c, i, new, rule, m)
+                tried[form] = (c, pays)
+                if pays:
                     better.append((c, i, rule, m))
-                    if best is None or (c, i) < best[:2]:
-                        best = (c, i, new)
                 elif c <= cost * search.alpha:
-                    near.append((c, i, new, Step(rule.name, str(m), cost, c, describe_match(current, m))))
+                    near.append((c, i, new, Step(rule.name, str(m), cost, c, describe_match(current, m)),
+                                 estimate is None))
                     if len(near) > 2 * search.beam:  # (what `_lookahead` reads: ties in rule order)
                         near = sorted(near, key=lambda e: e[:2])[:search.beam]
+            best, better = _verified(estimated, best, better, current, cost, cost_fn)
         except _OutOfBudget:  # the budget ran out mid-pass: the best rewrite that paid so far stands
             if best is not None:
-                c, _, rule, m = min(better, key=lambda e: e[:2])
+                c, _, new, rule, m = best
                 steps.append(Step(rule.name, str(m), cost, c, describe_match(current, m)))
-                state.update(current=best[2], cost=c, candidates=candidates)
+                state.update(current=new, cost=c, candidates=candidates)
             raise
         idle = (frozenset(unmatched), screened)
-        if better:
+        if best is not None:
             better.sort(key=lambda e: e[:2])
             base = current
-            c, _, rule, m = better[0]
-            new = best[2]
+            c, _, new, rule, m = best
             steps.append(Step(rule.name, str(m), cost, c, describe_match(current, m)))
             cost, current = c, new
             state.update(current=current, cost=cost, candidates=candidates)
             # the other rewrites that paid, where they still apply: those of one local form (a repeated
             # layer's) together, then one at a time; each kept if the cost still goes down
-            for alike in _by_form(base, better[1:]):
+            for alike in _by_form(base, [e for e in better if e[3] is not m]):
                 for kept in _apply_alike(current, cost, alike, cost_fn):
                     if kept is None:  # (a simulation)
                         candidates += 1
@@ -461,7 +539,7 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
                     state.update(current=current, cost=cost, candidates=candidates)
                     seen.add(current.key())
             continue
-        near = [(c, p, st) for c, _, p, st in sorted(near, key=lambda e: e[:2])]
+        near = [(c, p, st, exact) for c, _, p, st, exact in sorted(near, key=lambda e: e[:2])]
         found, n = _lookahead(current, cost, near, rules, cost_fn, search, refuted, seen)
         candidates += n
         if found is None:

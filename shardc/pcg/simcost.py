@@ -15,25 +15,28 @@ PCG tensor's layout — and simulated as it is:
 * a region node's bodies are inlined with the region tags and `tie` / `scan_slice` / `scan_stack`
   boundary ops the graph builder uses, so the simulator runs a scan body `length` times.
 
-`SimCost(topology)` is a `CostFn` (seconds per step, memoised by the PCG's structural key);
+`SimCost(topology)` is a `CostFn` (seconds per step, memoised by the PCG's structural key; on a PCG of
+`SCREEN_FROM_NODES` nodes or more it also screens a rewrite by its neighbourhood alone, `local_gain`);
 `simulate_pcg(pcg, topology)` returns the `PCGSimulation` (the `SimResult` and which op is which node).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from shardc.cost.program import PCG_COLLECTIVE
 from shardc.ir.graph import Graph, Op
 from shardc.pcg.graph import PCG, Node, Region
+from shardc.pcg.local_screen import local_gain
 from shardc.pcg.ops import group_size
 from shardc.plan import OpStrategy, Plan
 from shardc.rules.core import FactorKind, FactorRule
 from shardc.sharding import Sharding
 
-__all__ = ["SimCost", "PCGSimulation", "simulate_pcg", "pcg_plan", "DEFAULT_TOPOLOGY"]
+__all__ = ["SimCost", "PCGSimulation", "simulate_pcg", "pcg_plan", "DEFAULT_TOPOLOGY", "SCREEN_FROM_NODES"]
 
 DEFAULT_TOPOLOGY = "h100-sxm-8"
+SCREEN_FROM_NODES = 1000  # a full simulation of a PCG this large is ~0.2 s; its neighbourhoods' are a few ms
 
 
 @dataclasses.dataclass
@@ -296,7 +299,7 @@ class SimCost:
     `bound`, completing the same simulation."""
 
     def __init__(self, topology: Any = DEFAULT_TOPOLOGY, *, estimator: Any = None, donated: tuple[int, ...] = (),
-                 memory_limit: float | None = None) -> None:
+                 memory_limit: float | None = None, screen_from: int | None = SCREEN_FROM_NODES) -> None:
         from shardc.sim import as_topology
         from shardc.cost.host_ops import default_estimator
 
@@ -309,6 +312,9 @@ class SimCost:
         self._times: dict[str, float] = {}  # PCG key -> step time, for PCGs simulated without the memory model
         self._timed: tuple[str, Any, Plan] | None = None  # (key, simulator, plan) of the last of those
         self.simulations = 0
+        # screen_from: the node count from which `local_gain` prices a rewrite's neighbourhood (None: never)
+        self.screen_from = screen_from
+        self.local_simulations = 0
 
     def __call__(self, pcg: PCG) -> float:
         return self.measures(pcg)[0]
@@ -331,6 +337,20 @@ class SimCost:
         if time is not None and time >= bound:
             return time
         return self._measures(pcg, k)[0]
+
+    def local_gain(self, before: PCG, after: PCG, match_nodes: Collection[int]) -> float | None:
+        """The step time a rewrite of nodes `match_nodes` of `before` into `after` saves in its neighbourhood
+        (`shardc.pcg.local_screen`), for PCGs of `screen_from` nodes or more; None otherwise (price it whole)."""
+        if self.screen_from is None or len(before.nodes) < self.screen_from:
+            return None
+        return local_gain(before, after, match_nodes, self._local_step_time)
+
+    def _local_step_time(self, part: PCG) -> float:
+        from shardc.sim import simulator_for
+
+        plan, _ = pcg_plan(part)
+        self.local_simulations += 1
+        return simulator_for(plan, self.topology, estimator=self.estimator).step_time_only(plan)
 
     def measures(self, pcg: PCG) -> tuple[float, float, float]:
         """The PCG's cost (its simulated step, infinity over the memory limit), simulated peak memory per device
