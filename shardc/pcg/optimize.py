@@ -400,7 +400,7 @@ def _verified(estimated: list[tuple[float, int, PCG, Rule, Match]], best: tuple[
         return best, better
     failed: set[tuple[Any, ...]] = set()
     found = None
-    for c_est, i, new, rule, m in sorted(estimated, key=lambda e: e[:2])[:VERIFIED_PER_PASS]:
+    for _, i, new, rule, m in sorted(estimated, key=lambda e: e[:2])[:VERIFIED_PER_PASS]:
         c = priced(cost_fn, new, cost)
         if c < cost * (1 - 1e-12):
             found = (c, i, new, rule, m)
