@@ -26,7 +26,8 @@ def _two_layers(x, w1, w2):
 @pytest.fixture(scope="module")
 def layers_pcg(mesh):
     k = jax.random.split(jax.random.key(3), 3)
-    args = (jax.random.normal(k[0], (64, 256)), jax.random.normal(k[1], (256, 512)), jax.random.normal(k[2], (512, 256)))
+    args = (jax.random.normal(k[0], (64, 256)), jax.random.normal(k[1], (256, 512)),
+            jax.random.normal(k[2], (512, 256)))
     return build_pcg(shardc.plan(_two_layers, *args, mesh=mesh, search=False))
 
 
@@ -56,7 +57,8 @@ def test_the_local_gain_of_a_collective_fused_has_the_sign_of_the_full_one(layer
     local = local_gain(pcg, new, m.nodes, lambda p: simulate_pcg(p).step_time)
     assert full > 0 and local > 0  # (an all-reduce and a slice become a reduce-scatter: faster on a GPU)
     assert sim.local_gain(pcg, new, m.nodes) is None  # a PCG this small is priced whole ...
-    assert SimCost("h100-sxm-8", screen_from=0).local_gain(pcg, new, m.nodes) == pytest.approx(local)  # ... unless asked
+    screened = SimCost("h100-sxm-8", screen_from=0)
+    assert screened.local_gain(pcg, new, m.nodes) == pytest.approx(local)  # ... unless asked
 
 
 def _screened_and_full(pcg):
@@ -85,7 +87,8 @@ def test_screening_finds_the_lookahead_sequence_and_prices_its_steps_in_full(mes
     ws = [jax.random.normal(k[3 + i], (256, 4)) for i in range(3)]
     pcg = pcg_of(f, mesh, xs, ws)
     full, full_cost, screened, screened_cost = _screened_and_full(pcg)
-    assert [s.rule for s in full.steps] == [s.rule for s in screened.steps] == ["combine_ew1", "combine_ew1", "combine_dot"]
+    assert [s.rule for s in full.steps] == [s.rule for s in screened.steps] \
+        == ["combine_ew1", "combine_ew1", "combine_dot"]
     assert screened.pcg.key() == full.pcg.key() and screened.cost == full.cost
     assert screened_cost.simulations < full_cost.simulations
     # (the layer it starts in may differ) each step's costs are the simulated step times of the PCGs around it
