@@ -474,15 +474,15 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
         estimated: list[tuple[float, int, PCG, Rule, Match]] = []  # those that pay by their neighbourhood alone
         near: list[tuple[float, int, PCG, Step, bool]] = []  # rewrites within alpha of the cost (the beam cheapest),
         # each with whether its cost is a simulation's
-        tried: dict[tuple[Any, ...], tuple[float, bool]] = {}  # local form -> its first match's (cost, pays)
+        tried: dict[tuple[Any, ...], float] = {}  # local form -> its first match's cost (simulated or estimated)
         unmatched: set[int] = set()
         screened = current
         try:
             for i, rule, m in _screened(current, rules, refuted, idle, unmatched):
                 form = local_form(current, m)
                 if form in tried:  # (another repeated layer's match: the first stands for it)
-                    c, pays = tried[form]
-                    if pays:
+                    c = tried[form]
+                    if c < cost * (1 - 1e-12):
                         better.append((c, i, rule, m))  # (applied and simulated below if it still matches)
                     continue
                 try:
@@ -494,19 +494,14 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
                 if k in seen:
                     continue
                 seen.add(k)
-                estimate = _estimated(cost_fn, current, new, m, cost)
-                if estimate is not None:  # (a large PCG: priced in full below only if its neighbourhood gains)
-                    c, pays = estimate, estimate < cost * (1 - 1e-12)
-                    if pays:
-                        estimated.append((c, i, new, rule, m))
-                else:
-                    c = priced(cost_fn, new, cost)
-                    pays = c < cost * (1 - 1e-12)
-                    if pays and (best is None or (c, i) < best[:2]):
-                        best = (c, i, new, rule, m)
-                tried[form] = (c, pays)
-                if pays:
+                estimate = _estimated(cost_fn, current, new, m, cost)  # (a large PCG: its neighbourhood's gain)
+                c = tried[form] = estimate if estimate is not None else priced(cost_fn, new, cost)
+                if c < cost * (1 - 1e-12):
                     better.append((c, i, rule, m))
+                    if estimate is not None:  # (priced in full below, `_verified`)
+                        estimated.append((c, i, new, rule, m))
+                    elif best is None or (c, i) < best[:2]:
+                        best = (c, i, new, rule, m)
                 elif c <= cost * search.alpha:
                     near.append((c, i, new, Step(rule.name, str(m), cost, c, describe_match(current, m)),
                                  estimate is None))
