@@ -19,6 +19,7 @@ import dataclasses
 import time
 from typing import Any, Sequence
 
+from shardc.gc_pause import paused_gc
 from shardc.pcg.build import build_pcg
 from shardc.pcg.graph import PCG
 from shardc.pcg.optimize import Optimized, Step, optimize
@@ -87,7 +88,8 @@ def choose_pcg(plan: Any, closed_jaxpr: Any, topology: Any, *, donated: Sequence
         plan_time = simulate(plan, topo, donated=donated).step_time
     pcg = build_pcg(plan, closed_jaxpr, fuse=True, reduce_scatter=topo.reduce_scatter)
     cost = SimCost(topo, donated=donated, memory_limit=limit)
-    res: Optimized = optimize(pcg, rules, cost_fn=cost, max_evaluations=max_evaluations)
+    with paused_gc():  # (many short-lived PCGs over a large live heap: shardc/gc_pause.py; the search pauses it too)
+        res: Optimized = optimize(pcg, rules, cost_fn=cost, max_evaluations=max_evaluations)
     pcg_time = cost(pcg)
     best = res.pcg
     _, peak, comm = cost.measures(best)  # (simulated by the rewriting already)

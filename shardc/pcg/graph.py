@@ -451,10 +451,11 @@ class PCG:
         for t in self.consts:
             names.setdefault(t, len(names))
         for n in self.nodes:
-            h.update(repr((n.op, tuple(names.get(t, -1) for t in n.inputs))).encode())
+            h.update(_text(n.op, repr).encode())
+            h.update(repr(tuple(names.get(t, -1) for t in n.inputs)).encode())
             for t in n.outputs:
                 names[t] = len(names)
-                h.update(str(self.tensors[t].sharding).encode())
+                h.update(_text(self.tensors[t].sharding, str).encode())
         h.update(repr(tuple(names.get(t, -1) for t in self.outputs)).encode())
         return h.hexdigest()
 
@@ -469,6 +470,21 @@ class PCG:
                 lines.extend("    " + ln for ln in [f"body {i}:"] + str(body).splitlines())
         lines.append("  return " + ", ".join(f"%{t}" for t in self.outputs))
         return "\n".join(lines)
+
+
+_TEXTS: dict[int, tuple[Any, str]] = {}  # id(object) -> (the object, kept alive so its id is not reused; its text)
+_TEXTS_KEPT = 200_000
+
+
+def _text(x: Any, render: Any) -> str:
+    """`render(x)`, memoised per object: a rewrite's PCG shares all but a few operators and layouts with the
+    PCG it came from, so a key of each candidate renders only what is new."""
+    hit = _TEXTS.get(id(x))
+    if hit is None or hit[0] is not x:
+        if len(_TEXTS) >= _TEXTS_KEPT:
+            _TEXTS.clear()
+        hit = _TEXTS[id(x)] = (x, render(x))
+    return hit[1]
 
 
 class GraphBuilder:

@@ -154,12 +154,11 @@ def _match_args(pcg: PCG, terms: tuple[Term, ...], tids: list[int], st: _State) 
 
 
 _KIND_INDEX: "weakref.WeakKeyDictionary[PCG, dict[str, list[int]]]" = weakref.WeakKeyDictionary()
+_TERM_ROOTS: "weakref.WeakKeyDictionary[PCG, dict[Term, list[int]]]" = weakref.WeakKeyDictionary()
 
 
-def _candidates(pcg: PCG, term: Term) -> list[int]:
-    """Tensors made by a node that could be `term`'s op."""
-    if isinstance(term, Var):
-        return []
+def _kind_index(pcg: PCG) -> dict[str, list[int]]:
+    """Per rule op, the tensors made by a one-output node that could be it, in program order."""
     index = _KIND_INDEX.get(pcg)
     if index is None:
         index = {}
@@ -168,7 +167,33 @@ def _candidates(pcg: PCG, term: Term) -> list[int]:
                 for k in node_kinds(n):
                     index.setdefault(k, []).append(n.outputs[0])
         _KIND_INDEX[pcg] = index
-    return index.get(term.op, [])
+    return index
+
+
+def _candidates(pcg: PCG, term: Term) -> list[int]:
+    """Tensors at which `term` can match, in program order: made by a node that could be its op and, when
+    an argument is itself an op, reading a tensor where that argument can match (anchored at the argument
+    with the fewest: `ew1(combine(x))` is looked for at the readers of combines, not at every elementwise op).
+    A matched node's arguments are among its inputs, so this drops no match."""
+    if isinstance(term, Var):
+        return []
+    memo = _TERM_ROOTS.setdefault(pcg, {})
+    if term in memo:
+        return memo[term]
+    own = _kind_index(pcg).get(term.op, [])
+    for arg in sorted((a for a in term.args if not isinstance(a, Var)), key=lambda a: len(_candidates(pcg, a))):
+        below = _candidates(pcg, arg)
+        if len(below) >= len(own):
+            break
+        own = _read_from(pcg, below, own)
+    memo[term] = own
+    return own
+
+
+def _read_from(pcg: PCG, tensors: list[int], tids: list[int]) -> list[int]:
+    """Those of `tids` (in their order) made by a node reading one of `tensors`."""
+    read = {u.outputs[0] for t in tensors for u in pcg.users(t) if len(u.outputs) == 1}
+    return [t for t in tids if t in read]
 
 
 def _final(pcg: PCG, rule: Rule, st: _State) -> dict[str, Any] | None:
@@ -213,6 +238,10 @@ def _roots(pcg: PCG, rule: Rule, i: int, st: _State, chosen: tuple[int, ...], al
         yield st, chosen
         return
     tids = _candidates(pcg, rule.lhs[i])
+    term = rule.lhs[i]
+    bound = [st.tensors[a.name] for a in getattr(term, "args", ()) if isinstance(a, Var) and a.name in st.tensors]
+    if bound:  # (a later root reading a tensor an earlier one bound: only that tensor's readers)
+        tids = _read_from(pcg, bound[:1], tids)
     if allowed is not None and i == len(rule.lhs) - 1 and not allowed.intersection(chosen):
         tids = [t for t in tids if t in allowed]
     for tid in tids:
