@@ -491,12 +491,13 @@ class GraphBuilder:
     """Mutable construction of a PCG: add tensors and nodes, then `finish()` (topological order and
     dead-node removal)."""
 
-    def __init__(self, mesh: Mesh, tensors: Iterable[Tensor] = (), consts: Mapping[int, Any] | None = None) -> None:
+    def __init__(self, mesh: Mesh, tensors: Iterable[Tensor] = (), consts: Mapping[int, Any] | None = None, *,
+                 first_node_id: int = 0) -> None:
         self.mesh = mesh
         self.tensors: list[Tensor] = list(tensors)
         self.nodes: list[tuple[float, Node]] = []
         self.consts: dict[int, Any] = dict(consts or {})
-        self._next_node = 0
+        self._next_node = first_node_id  # (new nodes' ids; `keep_node` nodes keep theirs, below it)
 
     @property
     def mesh_sizes(self) -> dict[str, int]:
@@ -520,6 +521,11 @@ class GraphBuilder:
         self._next_node += 1
         self.nodes.append((float(len(self.nodes)) if order is None else order, node))
         return node
+
+    def keep_node(self, node: Node, order: float) -> None:
+        """Add a node of another PCG of these tensors as it is, id included (its id must be below
+        `first_node_id`)."""
+        self.nodes.append((order, node))
 
     def parallel(self, op: ParallelOp, tid: int, *, cause: str = "", order: float | None = None) -> int:
         """Apply a parallel op to tensor `tid`; returns the new tensor."""

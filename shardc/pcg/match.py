@@ -336,7 +336,7 @@ def apply_match(pcg: PCG, m: Match, *, require_proof: bool = True) -> PCG:
     rule = m.rule
     if require_proof and not is_proved(rule):
         raise UnprovedRuleError(f"rule {rule.name} is not proved; run shardc.pcg.verify_rule on it first")
-    b = GraphBuilder(pcg.mesh, pcg.tensors, pcg.consts)
+    b = GraphBuilder(pcg.mesh, pcg.tensors, pcg.consts, first_node_id=1 + max((n.id for n in pcg.nodes), default=-1))
     pos = {n.id: i for i, n in enumerate(pcg.nodes)}
     anchor = max(pos[i] for i in m.nodes) + 0.5
     cause = f"rule {rule.name}"
@@ -349,8 +349,11 @@ def apply_match(pcg: PCG, m: Match, *, require_proof: bool = True) -> PCG:
             raise RewriteError(f"{rule.name}: %{old} {a.shape} {a.dtype} {a.sharding} would become "
                                f"{c.shape} {c.dtype} {c.sharding}")
         replace[old] = new
-    for i, n in enumerate(pcg.nodes):
-        b.add_node(n.op, [replace.get(t, t) for t in n.inputs], n.outputs, cause=n.cause, order=float(i))
+    rerouted = {u.id for t in replace for u in pcg.users(t)}
+    for i, n in enumerate(pcg.nodes):  # (the other nodes as they are, with their ids)
+        if n.id in rerouted:
+            n = dataclasses.replace(n, inputs=tuple(replace.get(t, t) for t in n.inputs))
+        b.keep_node(n, float(i))
     outputs = [replace.get(t, t) for t in pcg.outputs]
     try:
         new = b.finish(pcg.inputs, outputs)
