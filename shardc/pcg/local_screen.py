@@ -19,7 +19,7 @@ __all__ = ["RADIUS", "neighbourhood", "sub_pcg", "local_gain", "rewired"]
 
 RADIUS = 3  # producer/reader links around a match (on the 12-layer GPT, 3 orders its rewrites as full simulation)
 
-NodeKey = tuple[int, ...]  # a node by the tensors it makes: stable across rewrites (node ids are renumbered)
+NodeKey = tuple[int, ...]  # a node by the tensors it makes: the same in the PCGs before and after a rewrite
 
 
 def neighbourhood(pcg: PCG, nodes: Collection[int], radius: int = RADIUS) -> set[NodeKey]:
@@ -75,8 +75,8 @@ def local_gain(before: PCG, after: PCG, match_nodes: Collection[int], step_time:
 
 
 def rewired(before: PCG, after: PCG) -> list[Node]:
-    """The nodes of `after` that `before` has not with the same operator and operands: those rewrites since
-    built, and those reading a replaced result (a rule whose right side is one of its variables rewires its
-    readers to a tensor `before` has already)."""
-    was = {n.outputs: (id(n.op), n.inputs) for n in before.nodes}
-    return [n for n in after.nodes if was.get(n.outputs) != (id(n.op), n.inputs)]
+    """The nodes of `after` that `before` has not: those rewrites since built, and those reading a replaced result
+    (a rule whose right side is one of its variables rewires its readers to a tensor `before` has already). By
+    object: a rewrite (`apply_match`) keeps the node objects it leaves as they are and makes new ones for the rest."""
+    was = {id(n) for n in before.nodes}
+    return [n for n in after.nodes if id(n) not in was]
