@@ -59,21 +59,22 @@ HOME, MADE, EXIT = 0, 1, 2  # (HOME as `shardc.cost.dropped.HOME`)
 def leaves_one_loop_only(steps: Sequence[tuple[Sharding, tuple]], src: Sharding, shape: Sequence[int],
                          itemsize: int, mesh: Mapping[str, int]) -> bool:
     """Whether XLA's loop-invariant code motion takes reshard `steps` (from `src`) of a value invariant in
-    nested loops, made in the innermost loop's body, out of that loop only: its first collective is a
-    collective-permute or an all-to-all (seed 154017: over a sub-axis) of a smaller piece than the value's local
-    one, which XLA slices first at offsets computed from the partition id. One pass of the motion takes those
-    offsets out of the outer loop too, as new loop state, while it brings the slice and the collective into the
-    outer body; the next pass no longer sees the offsets as invariant (it only takes the loop state the body's
-    root passes on as it is), so the collective runs once per outer trip. (An all-gather, or a collective of
-    the whole piece, reads the value alone and leaves every loop it is invariant in.)"""
-    for layout, collectives in steps:
+    nested loops, made in the innermost loop's body, out of that loop only: its first collective reads a smaller
+    piece than the value's local one, which XLA slices first at offsets computed from the partition id (a
+    collective-permute or an all-to-all of part of the piece, seed 154017: over a sub-axis; or an all-gather after
+    a step that only slices, seed 163006: [y+x, -] -> [x, z] -> [-, z]). One pass of the motion takes those offsets
+    out of the outer loop too, as new loop state, while it brings the slice and the collective into the outer
+    body; the next pass no longer sees the offsets as invariant (it only takes the loop state the body's root
+    passes on as it is), so the collective runs once per outer trip. (A collective of the whole piece reads the
+    value alone and leaves every loop it is invariant in.)"""
+    local = itemsize
+    for n in src.local_shape(shape, mesh):
+        local *= n
+    for _, collectives in steps:
         if collectives:
             first = collectives[0]
-            local = itemsize
-            for n in src.local_shape(shape, mesh):
-                local *= n
-            return first.kind in ("collective-permute", "all-to-all") and first.bytes < local
-        src = layout
+            read = first.bytes // first.group_size(dict(mesh)) if first.kind == "all-gather" else first.bytes
+            return first.kind in ("collective-permute", "all-to-all", "all-gather") and read < local
     return False
 
 

@@ -1757,3 +1757,18 @@ AN_ALL_TO_ALL_INTO_AN_INNER_LOOP = Program(mesh=(("x", 2), ("y", 2), ("z", 2)), 
 
 def test_an_all_to_all_taking_a_matrix_into_an_inner_loop_lets_the_next_leave_both_loops():
     fuzzlib.check_program(AN_ALL_TO_ALL_INTO_AN_INNER_LOOP)
+
+
+A_SLICED_ALL_GATHER_IN_NESTED_LOOPS = Program(mesh=(("x", 2), ("y", 1), ("z", 4)), steps=(  # seed 163006, shrunk
+    Step(kind="input", args=(), attrs=(), shape=(4,)),
+    Step(kind="hint", args=(0,), attrs=(("how", "shard"), ("spec", (("y", "x"),))), shape=(4,)),
+    Step(kind="input", args=(), attrs=(), shape=(3, 4)),
+    # the matrix [y+x, -] is read in the inner loop as [-, z]: XLA slices it over z (offsets from the partition id)
+    # and all-gathers the piece over x, out of the inner loop only (once per outer trip, not once in all)
+    Step(kind="input", args=(), attrs=(), shape=(4, 4)),
+    Step(kind="nested_loop", args=(1, 2, 3), attrs=(("n", 2), ("inner", (("y", "z"),))), shape=(3, 4)),
+), outputs=(4,), step_mode=False, const_cotangents=False)
+
+
+def test_an_all_gather_of_a_slice_of_a_matrix_leaves_the_inner_loop_only():
+    fuzzlib.check_program(A_SLICED_ALL_GATHER_IN_NESTED_LOOPS)
