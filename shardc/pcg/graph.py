@@ -472,19 +472,31 @@ class PCG:
         return "\n".join(lines)
 
 
-_TEXTS: dict[int, tuple[Any, str]] = {}  # id(object) -> (the object, kept alive so its id is not reused; its text)
-_TEXTS_KEPT = 200_000
+class ObjectMemo:
+    """Values computed from objects, memoised per object (by identity; the object is kept alive so that its id
+    is not reused): a rewrite's PCG shares all but a few operators and layouts with the PCG it came from, so
+    what is derived from each (its text for a key, the rule ops it can be) is computed once for all of them."""
+
+    def __init__(self, kept: int = 200_000) -> None:
+        self._table: dict[int, tuple[Any, Any]] = {}
+        self._kept = kept
+
+    def get(self, x: Any, compute: Any) -> Any:
+        """`compute(x)`, memoised for object `x`."""
+        hit = self._table.get(id(x))
+        if hit is None or hit[0] is not x:
+            if len(self._table) >= self._kept:
+                self._table.clear()
+            hit = self._table[id(x)] = (x, compute(x))
+        return hit[1]
+
+
+_TEXTS = ObjectMemo()
 
 
 def _text(x: Any, render: Any) -> str:
-    """`render(x)`, memoised per object: a rewrite's PCG shares all but a few operators and layouts with the
-    PCG it came from, so a key of each candidate renders only what is new."""
-    hit = _TEXTS.get(id(x))
-    if hit is None or hit[0] is not x:
-        if len(_TEXTS) >= _TEXTS_KEPT:
-            _TEXTS.clear()
-        hit = _TEXTS[id(x)] = (x, render(x))
-    return hit[1]
+    """`render(x)` (an operator's or a layout's text), memoised per object."""
+    return _TEXTS.get(x, render)
 
 
 class GraphBuilder:

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 from annotations.errors import ShardingError
 from shardc.pcg.bind import RewriteError, build_compute, build_parallel, match_node, node_kinds
-from shardc.pcg.graph import PCG, GraphBuilder
+from shardc.pcg.graph import PCG, GraphBuilder, ObjectMemo
 from shardc.pcg.lang import OPS, PVar, Rule, Term, Var, eval_param
 from shardc.pcg.ops import Axes, group_size
 from shardc.pcg.verify import is_proved
@@ -155,6 +155,7 @@ def _match_args(pcg: PCG, terms: tuple[Term, ...], tids: list[int], st: _State) 
 
 _KIND_INDEX: "weakref.WeakKeyDictionary[PCG, dict[str, list[int]]]" = weakref.WeakKeyDictionary()
 _TERM_ROOTS: "weakref.WeakKeyDictionary[PCG, dict[Term, list[int]]]" = weakref.WeakKeyDictionary()
+_OP_KINDS = ObjectMemo()
 
 
 def _kind_index(pcg: PCG) -> dict[str, list[int]]:
@@ -164,7 +165,7 @@ def _kind_index(pcg: PCG) -> dict[str, list[int]]:
         index = {}
         for n in pcg.nodes:
             if len(n.outputs) == 1:
-                for k in node_kinds(n):
+                for k in _OP_KINDS.get(n.op, lambda _, n=n: node_kinds(n)):  # (a node's kinds are its operator's)
                     index.setdefault(k, []).append(n.outputs[0])
         _KIND_INDEX[pcg] = index
     return index
