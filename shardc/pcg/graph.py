@@ -444,20 +444,21 @@ class PCG:
 
     @functools.cached_property
     def _key(self) -> str:
-        h = hashlib.sha1()
         names: dict[int, int] = {}
         for t in self.inputs:
             names[t] = len(names)
         for t in self.consts:
             names.setdefault(t, len(names))
+        parts: list[str] = []
+        text, name, tensors = _TEXTS.get, names.get, self.tensors
         for n in self.nodes:
-            h.update(_text(n.op, repr).encode())
-            h.update(repr(tuple(names.get(t, -1) for t in n.inputs)).encode())
+            parts.append(text(n.op, repr))
+            parts.append(",".join([str(name(t, -1)) for t in n.inputs]))
             for t in n.outputs:
                 names[t] = len(names)
-                h.update(_text(self.tensors[t].sharding, str).encode())
-        h.update(repr(tuple(names.get(t, -1) for t in self.outputs)).encode())
-        return h.hexdigest()
+                parts.append(text(tensors[t].sharding, str))
+        parts.append(",".join([str(name(t, -1)) for t in self.outputs]))
+        return hashlib.sha1("\n".join(parts).encode()).hexdigest()
 
     def __str__(self) -> str:
         lines = [f"PCG on mesh {self.mesh_sizes}: {len(self.nodes)} nodes, "
@@ -491,12 +492,7 @@ class ObjectMemo:
         return hit[1]
 
 
-_TEXTS = ObjectMemo()
-
-
-def _text(x: Any, render: Any) -> str:
-    """`render(x)` (an operator's or a layout's text), memoised per object."""
-    return _TEXTS.get(x, render)
+_TEXTS = ObjectMemo()  # operator and layout texts of PCG keys
 
 
 class GraphBuilder:
