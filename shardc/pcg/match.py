@@ -238,8 +238,8 @@ def _roots(pcg: PCG, rule: Rule, i: int, st: _State, chosen: tuple[int, ...], al
     if i == len(rule.lhs):
         yield st, chosen
         return
-    tids = _candidates(pcg, rule.lhs[i])
     term = rule.lhs[i]
+    tids = _candidates(pcg, term)
     bound = [st.tensors[a.name] for a in getattr(term, "args", ()) if isinstance(a, Var) and a.name in st.tensors]
     if bound:  # (a later root reading a tensor an earlier one bound: only that tensor's readers)
         tids = _read_from(pcg, bound[:1], tids)
