@@ -1,9 +1,10 @@
 """Reshards of a value invariant in nested loops run where XLA's loop-invariant code motion leaves them: out of
 every loop for a collective that reads the value alone, out of the innermost loop only for a collective-permute
-or all-gather of a piece XLA first slices at device-dependent offsets (`shardc.sim.tasks.leaves_one_loop_only`), unless
-that loop has one trip (XLA inlines it) or the outer loop is a reversed scan (its index arithmetic is hoisted,
-and the loop state rebuilt for that passes the offsets on unchanged). A matrix `w` is read inside a `fori_loop` nested in a `scan` in another
-layout than it enters in; the simulated bytes of each collective kind must equal the compiled program's."""
+or all-gather of a piece XLA first slices at device-dependent offsets (`shardc.sim.tasks.leaves_one_loop_only`),
+unless that loop has one trip (XLA inlines it) or the outer loop is a reversed scan (its index arithmetic is
+hoisted, and the loop state rebuilt for that passes the offsets on unchanged). A matrix `w` is read inside a
+`fori_loop` nested in a `scan` in another layout than it enters in; the simulated bytes of each collective kind
+must equal the compiled program's."""
 import jax.numpy as jnp
 import pytest
 from jax import lax
@@ -23,7 +24,7 @@ PAIRS = [
     (((), ("x",)), ((), ("y", "x")), True),
     ((("y", "z"), ()), (("x", "z"), ()), False),  # the whole piece moves
     (((), ("x",)), ((), ("z",)), False),
-    ((("y", "x"), ()), ((), ("z",)), True),  # a slice over z alone, then an all-gather of the smaller piece (seed 163006)
+    ((("y", "x"), ()), ((), ("z",)), True),  # a slice over z alone, then an all-gather of the piece (seed 163006)
     ((("x",), ()), (("x",), ("z",)), False),  # a slice alone: no collective
     ((("x",), ("z",)), ((), ("z",)), False),  # an all-gather of the whole piece
 ]
