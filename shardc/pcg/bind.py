@@ -22,7 +22,7 @@ from shardc.pcg.ops import (AllToAll, Axes, Combine, CollectivePermute, Parallel
 from shardc.rules.elementwise import BINARY_ELEMENTWISE, NARY_ELEMENTWISE, UNARY_ELEMENTWISE
 from shardc.sharding import Sharding
 
-__all__ = ["RewriteError", "FnRef", "match_node", "build_parallel", "build_compute", "node_kinds"]
+__all__ = ["RewriteError", "FnRef", "match_node", "build_parallel", "build_compute", "op_kinds"]
 
 
 class RewriteError(Exception):
@@ -196,9 +196,8 @@ def match_node(pcg: PCG, node: Node, name: str, parallel: bool) -> Matched | Non
     return _compute(pcg, node, name)
 
 
-def node_kinds(node: Node) -> set[str]:
-    """Rule ops a node could be (a cheap prefilter for matching)."""
-    op = node.op
+def op_kinds(op: Any) -> set[str]:
+    """Rule ops a node of operator `op` could be (a cheap prefilter for matching)."""
     if isinstance(op, ParallelOp):
         return {op.kind}
     p = op.primitive

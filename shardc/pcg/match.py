@@ -13,7 +13,7 @@ import weakref
 from typing import Any, Iterator
 
 from annotations.errors import ShardingError
-from shardc.pcg.bind import RewriteError, build_compute, build_parallel, match_node, node_kinds
+from shardc.pcg.bind import RewriteError, build_compute, build_parallel, match_node, op_kinds
 from shardc.pcg.graph import PCG, GraphBuilder, ObjectMemo
 from shardc.pcg.lang import OPS, PVar, Rule, Term, Var, eval_param
 from shardc.pcg.ops import Axes, group_size
@@ -165,7 +165,7 @@ def _kind_index(pcg: PCG) -> dict[str, list[int]]:
         index = {}
         for n in pcg.nodes:
             if len(n.outputs) == 1:
-                for k in _OP_KINDS.get(n.op, lambda _, n=n: node_kinds(n)):  # (a node's kinds are its operator's)
+                for k in _OP_KINDS.get(n.op, op_kinds):
                     index.setdefault(k, []).append(n.outputs[0])
         _KIND_INDEX[pcg] = index
     return index
@@ -182,8 +182,7 @@ def _candidates(pcg: PCG, term: Term) -> list[int]:
     if term in memo:
         return memo[term]
     own = _kind_index(pcg).get(term.op, [])
-    for arg in sorted((a for a in term.args if not isinstance(a, Var)), key=lambda a: len(_candidates(pcg, a))):
-        below = _candidates(pcg, arg)
+    for below in sorted((_candidates(pcg, a) for a in term.args if not isinstance(a, Var)), key=len):
         if len(below) >= len(own):
             break
         own = _read_from(pcg, below, own)
