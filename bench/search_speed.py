@@ -3,6 +3,7 @@
     python bench/search_speed.py [--layers 12] [--write]
     python bench/search_speed.py --pipeline [--layers 12] [--topology h100-sxm-8x8 ...]
     python bench/search_speed.py --workers 3 [--scan]
+    python bench/search_speed.py --pcg 2 [--topology h100-sxm-8]
 
 For each target — 8 devices on `h100-sxm-8` and 64 devices on `h100-sxm-8x8` (more than this host has:
 the plan is made on a mesh shape without devices, `shardc.plan_for`) — it plans with `search=True` and
@@ -14,6 +15,11 @@ as MCMC proposes). `--write` records the table in docs/benchmarks.md. Targets (i
 `--workers ROUNDS` plans each target with one process (`SHARDC_SEARCH_WORKERS=1`) and with the default
 workers (`shardc.search.workers`), alternately, and prints the medians, the speedup and whether every run chose
 the same plan (`--scan`: the LM with its blocks as one `nn.scan`, as `--pipeline` plans it).
+
+`--pcg ROUNDS` plans each target with `pcg=False` and `pcg=True` (the searched meshes' best plans rewritten by
+the proved rules, issue 18), alternately, and prints the medians, the rewriting's extra time as a ratio of the
+same run's plain planning, whether every run chose the same layouts, and what the rewriting found. Target
+(issue 18): planning with `pcg=True` within the search's targets.
 
 `--pipeline` plans the same LM with its blocks as one `nn.scan` (`bench.gpt.ScanGPT`, the form shardc cuts
 into stages) with the pipeline dimension on (`shardc.plan_for(..., pipeline=True)`: the unpipelined search,
@@ -199,6 +205,36 @@ def workers_rows(step, args: tuple, rounds: int) -> list[str]:
     return rows
 
 
+def pcg_rows(step, args: tuple, rounds: int, topologies: list[str] | None = None) -> list[str]:
+    """Per target (those named in `topologies`, when given): the plan made with `pcg=False` and with `pcg=True`
+    (issue 18: each searched mesh's best plan rewritten by the proved rules), alternately `rounds` times in this
+    process with the default workers (medians), the extra time as a ratio of the same run's plain planning (the
+    machine's speed drifts), CPU seconds with the forked workers', and what the rewriting chose."""
+    rows = []
+    for topology, devices, target in TARGETS:
+        if topologies and topology not in topologies:
+            continue
+        runs: dict[bool, list[dict]] = {False: [], True: []}
+        for _ in range(rounds):
+            for pcg in runs:
+                cpu = _cpu_with_children()
+                t0 = time.perf_counter()
+                plan = shardc.auto(step, search=True, pcg=pcg, topology=topology, devices=devices).plan(*args)
+                runs[pcg].append({"total": time.perf_counter() - t0, "cpu": _cpu_with_children() - cpu, "plan": plan})
+        plain, rewritten = ({k: statistics.median(r[k] for r in rs) for k in ("total", "cpu")} for rs in runs.values())
+        same = len({repr((r["plan"].mesh_sizes, r["plan"].shardings, r["plan"].strategies, r["plan"].reshards))
+                    for rs in runs.values() for r in rs}) == 1  # (the layouts; the rewritten PCG comes on top)
+        ch = runs[True][-1]["plan"].pcg
+        what = "no rewrite paid" if ch is None or not ch.steps else \
+            f"{len(ch.steps)} rewrites, {ch.gain:.3f}x{' (runs)' if ch.chosen else ''}"
+        rows.append(f"| {devices} / `{topology}` | {plain['total']:.1f} ({plain['cpu']:.1f}) "
+                    f"| {rewritten['total']:.1f} ({rewritten['cpu']:.1f}) (≤ {target:.0f}) "
+                    f"| +{rewritten['total'] - plain['total']:.1f} ({rewritten['total'] / plain['total']:.2f}x) "
+                    f"| {'yes' if same else 'NO'} | {what} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def _decisions(plan, report) -> str:
     import hashlib
 
@@ -212,10 +248,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--pipeline", action="store_true", help="plan with the pipeline dimension on (issue 16)")
-    ap.add_argument("--topology", action="append", help="with --pipeline: only this target (repeatable)")
+    ap.add_argument("--topology", action="append", help="with --pipeline or --pcg: only this target (repeatable)")
     ap.add_argument("--workers", type=int, metavar="ROUNDS",
                     help="plan with one process and with the default workers, alternately ROUNDS times")
     ap.add_argument("--scan", action="store_true", help="with --workers: the LM's blocks as one nn.scan")
+    ap.add_argument("--pcg", type=int, metavar="ROUNDS",
+                    help="plan with pcg=False and pcg=True (issue 18), alternately ROUNDS times")
     ap.add_argument("--row-only", action="store_true", help=argparse.SUPPRESS)  # (a row's own process)
     args = ap.parse_args()
     if args.pipeline:
@@ -241,6 +279,13 @@ def main() -> None:
         params = _unbox(params)
         opt_state = tx.init(params)
     step = make_train_step(model, tx)
+    if args.pcg:
+        print("| devices / topology | pcg=False: total (CPU) | pcg=True: total (CPU) (target) | extra | same layouts "
+              "| the chosen mesh's rewriting |\n|---|---|---|---|---|---|")
+        pcg_rows(step, (params, opt_state, ids), args.pcg, args.topology)
+        print(f"(seconds, medians of {args.pcg}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
+              "at the end)")
+        return
     if args.workers:
         print("| devices / topology | one process: search / total | workers: search / total (target) | speedup "
               "| same plan |\n|---|---|---|---|---|")

@@ -153,22 +153,48 @@ def _match_args(pcg: PCG, terms: tuple[Term, ...], tids: list[int], st: _State) 
         yield from _match_args(pcg, terms[1:], tids[1:], nxt)
 
 
-_KIND_INDEX: "weakref.WeakKeyDictionary[PCG, dict[str, list[int]]]" = weakref.WeakKeyDictionary()
+_KIND_INDEX: "weakref.WeakKeyDictionary[PCG, _KindIndex]" = weakref.WeakKeyDictionary()
 _TERM_ROOTS: "weakref.WeakKeyDictionary[PCG, dict[Term, list[int]]]" = weakref.WeakKeyDictionary()
 _OP_KINDS = ObjectMemo()
 
 
-def _kind_index(pcg: PCG) -> dict[str, list[int]]:
-    """Per rule op, the tensors made by a one-output node that could be it, in program order."""
+@dataclasses.dataclass(frozen=True)
+class _KindIndex:
+    """Per rule op, the tensors made by a one-output node that could be it, in program order (`by_kind`); per such
+    tensor, its position in that order and the rule ops its node could be (`of_tensor`)."""
+
+    by_kind: dict[str, list[int]]
+    of_tensor: dict[int, tuple[int, set[str]]]
+
+
+def _kinds(pcg: PCG) -> _KindIndex:
     index = _KIND_INDEX.get(pcg)
     if index is None:
-        index = {}
-        for n in pcg.nodes:
+        by_kind: dict[str, list[int]] = {}
+        of_tensor: dict[int, tuple[int, set[str]]] = {}
+        for pos, n in enumerate(pcg.nodes):
             if len(n.outputs) == 1:
-                for k in _OP_KINDS.get(n.op, op_kinds):
-                    index.setdefault(k, []).append(n.outputs[0])
-        _KIND_INDEX[pcg] = index
+                kinds = _OP_KINDS.get(n.op, op_kinds)
+                of_tensor[n.outputs[0]] = (pos, kinds)
+                for k in kinds:
+                    by_kind.setdefault(k, []).append(n.outputs[0])
+        index = _KIND_INDEX[pcg] = _KindIndex(by_kind, of_tensor)
     return index
+
+
+def _kind_index(pcg: PCG) -> dict[str, list[int]]:
+    """Per rule op, the tensors made by a one-output node that could be it, in program order."""
+    return _kinds(pcg).by_kind
+
+
+def _candidates_in(pcg: PCG, term: Term, allowed: frozenset[int]) -> list[int]:
+    """Those of the tensors `allowed` made by a node that could be `term`'s op, in program order: where a match's
+    root must be one of a few tensors (near the last rewrite), those are tried as they are, unanchored."""
+    if isinstance(term, Var):
+        return []
+    of = _kinds(pcg).of_tensor
+    found = [(hit[0], t) for t in allowed if (hit := of.get(t)) is not None and term.op in hit[1]]
+    return [t for _, t in sorted(found)]
 
 
 def _candidates(pcg: PCG, term: Term) -> list[int]:
@@ -238,12 +264,13 @@ def _roots(pcg: PCG, rule: Rule, i: int, st: _State, chosen: tuple[int, ...], al
         yield st, chosen
         return
     term = rule.lhs[i]
-    tids = _candidates(pcg, term)
+    if allowed is not None and i == len(rule.lhs) - 1 and not allowed.intersection(chosen):
+        tids = _candidates_in(pcg, term, allowed)  # (the root must be one of `allowed`)
+    else:
+        tids = _candidates(pcg, term)
     bound = [st.tensors[a.name] for a in getattr(term, "args", ()) if isinstance(a, Var) and a.name in st.tensors]
     if bound:  # (a later root reading a tensor an earlier one bound: only that tensor's readers)
         tids = _read_from(pcg, bound[:1], tids)
-    if allowed is not None and i == len(rule.lhs) - 1 and not allowed.intersection(chosen):
-        tids = [t for t in tids if t in allowed]
     for tid in tids:
         if tid in chosen:
             continue

@@ -376,6 +376,10 @@ def priced(cost_fn: CostFn, pcg: PCG, bound: float) -> float:
     return below(pcg, bound) if below is not None else cost_fn(pcg)
 
 
+# A pass's best rewrite: (cost, position in rule order, the PCG after it, rule, match, the matches applied: the
+# match's own first, then those of its local form applied with it, `_form_trials`).
+Best = tuple[float, tuple[int, int], PCG, Rule, Match, list[Match]]
+
 SCREEN_MARGIN = 1e-4  # a lookahead step's neighbourhood must gain this fraction of the step to be priced in full
 VERIFIED_PER_PASS = 3  # rewrites whose neighbourhood gains, priced in full per pass (the largest gains) at most
 
@@ -389,23 +393,29 @@ def _estimated(cost_fn: CostFn, before: PCG, after: PCG, m: Match, cost: float) 
     return None if gain is None else cost - gain
 
 
-def _verified(estimated: list[tuple[float, int, PCG, Rule, Match]], best: tuple[float, int, PCG, Rule, Match] | None,
+def _verified(estimated: list[tuple[float, int, PCG, Rule, Match]], best: Best | None,
               better: list[tuple[float, int, Rule, Match]], pcg: PCG, cost: float, cost_fn: CostFn
-              ) -> tuple[tuple[float, int, PCG, Rule, Match] | None, list[tuple[float, int, Rule, Match]]]:
+              ) -> tuple[Best | None, list[tuple[float, int, Rule, Match]]]:
     """The pass's best rewrite and the rewrites that pay, once those that pay by their neighbourhood alone
     (`estimated`) are priced in full, the largest local gain first, until one pays (at most `VERIFIED_PER_PASS`):
-    it is the best unless one priced in full from the start is cheaper. The local forms of those that do not pay
-    leave `better`; when none does, every estimated one does (the later ones gain less where they are)."""
+    it is the best unless one priced in full from the start is cheaper. A rewrite whose local form other matches
+    share (a repeated layer's) is priced first with all of them applied (`_form_trials`: one simulation where one
+    per form and then one for the rest would be spent), alone if that does not pay. The local forms of those that
+    do not pay leave `better`; when none does, every estimated one does (the later ones gain less where they are)."""
     if not estimated:
         return best, better
     failed: set[tuple[Any, ...]] = set()
     found = None
     for _, i, new, rule, m in sorted(estimated, key=lambda e: e[:2])[:VERIFIED_PER_PASS]:
-        c = priced(cost_fn, new, cost)
-        if c < cost * (1 - 1e-12):
-            found = (c, i, new, rule, m)
+        form = local_form(pcg, m)
+        for trial, applied in _form_trials(pcg, new, m, [e for e in better if local_form(pcg, e[3]) == form]):
+            c = priced(cost_fn, trial, cost)
+            if c < cost * (1 - 1e-12):
+                found = (c, i, trial, rule, m, applied)
+                break
+        if found is not None:
             break
-        failed.add(local_form(pcg, m))
+        failed.add(form)
     if found is None:
         guessed = {local_form(pcg, e[4]) for e in estimated}
         return best, [e for e in better if local_form(pcg, e[3]) not in guessed]
@@ -413,6 +423,21 @@ def _verified(estimated: list[tuple[float, int, PCG, Rule, Match]], best: tuple[
         best = found
     kept = [e for e in better if local_form(pcg, e[3]) not in failed]
     return best, [(found[0], *e[1:]) if e[3] is found[4] else e for e in kept]
+
+
+def _form_trials(pcg: PCG, new: PCG, m: Match, alike: list[tuple[float, int, Rule, Match]]
+                 ) -> Iterator[tuple[PCG, list[Match]]]:
+    """What `_verified` prices of rewrite `m` (`new`: `pcg` rewritten there), whose local form the matches `alike`
+    (`better`'s, in order; `m`'s own among them) share: `new` with the others applied where they still apply, when
+    some do, then `new` alone; each with the matches applied."""
+    trial, applied = new, [m]
+    for _, _, rule, other in sorted(alike, key=lambda e: e[:2]):
+        if other is not m and (hit := _reapplied(trial, rule, other)) is not None:
+            applied.append(hit[0])
+            trial = hit[1]
+    if len(applied) > 1:
+        yield trial, applied
+    yield new, [m]
 
 
 class _OutOfBudget(Exception):
@@ -446,6 +471,13 @@ class _Budgeted:
         self.calls += 1
 
 
+def _best_step(pcg: PCG, cost: float, best: Best) -> Step:
+    """The step of a pass's best rewrite (`Best`) of `pcg`, of cost `cost` before it."""
+    c, _, _, rule, m, applied = best
+    more = f" (and {len(applied) - 1} more alike)" if len(applied) > 1 else ""
+    return Step(rule.name, str(m) + more, cost, c, describe_match(pcg, m) + more)
+
+
 def _descend(pcg: PCG, rules: list[Rule], cost_fn: CostFn, max_steps: int, refuted: set[str],
              search: Lookahead = Lookahead()) -> Optimized:
     t0 = time.perf_counter()
@@ -470,7 +502,7 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
     idle: tuple[frozenset[int], PCG] | None = None  # (`_screened`: rules that matched nothing on the last pass)
     for _ in range(max_steps):
         better: list[tuple[float, int, Rule, Match]] = []  # rewrites that pay (the others are applied again below)
-        best: tuple[float, int, PCG, Rule, Match] | None = None  # the cheapest, first on a tie: its PCG alone is kept
+        best: Best | None = None  # the cheapest, first on a tie: its PCG alone is kept
         estimated: list[tuple[float, int, PCG, Rule, Match]] = []  # those that pay by their neighbourhood alone
         near: list[tuple[float, int, PCG, Step, bool]] = []  # rewrites within alpha of the cost (the beam cheapest),
         # each with whether its cost is a simulation's
@@ -501,7 +533,7 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
                     if estimate is not None:  # (priced in full below, `_verified`)
                         estimated.append((c, i, new, rule, m))
                     elif best is None or (c, i) < best[:2]:
-                        best = (c, i, new, rule, m)
+                        best = (c, i, new, rule, m, [m])
                 elif c <= cost * search.alpha:
                     near.append((c, i, new, Step(rule.name, str(m), cost, c, describe_match(current, m)),
                                  estimate is None))
@@ -510,21 +542,22 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
             best, better = _verified(estimated, best, better, current, cost, cost_fn)
         except _OutOfBudget:  # the budget ran out mid-pass: the best rewrite that paid so far stands
             if best is not None:
-                c, _, new, rule, m = best
-                steps.append(Step(rule.name, str(m), cost, c, describe_match(current, m)))
-                state.update(current=new, cost=c, candidates=candidates)
+                steps.append(_best_step(current, cost, best))
+                state.update(current=best[2], cost=best[0], candidates=candidates)
             raise
         idle = (frozenset(unmatched), screened)
         if best is not None:
             better.sort(key=lambda e: e[:2])
             base = current
-            c, _, new, rule, m = best
-            steps.append(Step(rule.name, str(m), cost, c, describe_match(current, m)))
-            cost, current = c, new
+            steps.append(_best_step(current, cost, best))
+            cost, current = best[0], best[2]
             state.update(current=current, cost=cost, candidates=candidates)
             # the other rewrites that paid, where they still apply: those of one local form (a repeated
-            # layer's) together, then one at a time; each kept if the cost still goes down
-            for alike in _by_form(base, [e for e in better if e[3] is not m]):
+            # layer's) together, then one at a time; each kept if the cost still goes down (those of the best's
+            # form were applied with it when it was priced so, `_form_trials`)
+            form = local_form(base, best[4]) if len(best[5]) > 1 else None
+            rest = [e for e in better if e[3] is not best[4] and (form is None or local_form(base, e[3]) != form)]
+            for alike in _by_form(base, rest):
                 for kept in _apply_alike(current, cost, alike, cost_fn):
                     if kept is None:  # (a simulation)
                         candidates += 1

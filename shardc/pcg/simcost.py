@@ -315,6 +315,7 @@ class SimCost:
         # screen_from: the node count from which `local_gain` prices a rewrite's neighbourhood (None: never)
         self.screen_from = screen_from
         self.local_simulations = 0
+        self._local_times: dict[str, float] = {}  # neighbourhood key -> step time (`_local_step_time`)
 
     def __call__(self, pcg: PCG) -> float:
         return self.measures(pcg)[0]
@@ -346,11 +347,17 @@ class SimCost:
         return local_gain(before, after, match_nodes, self._local_step_time)
 
     def _local_step_time(self, part: PCG) -> float:
+        """The simulated step time of a neighbourhood cut out of a PCG, memoised per part key (a later pass and the
+        lookahead cut out the same neighbourhoods again where the rewrites since left them as they were)."""
         from shardc.sim import simulator_for
 
-        plan, _ = pcg_plan(part)
-        self.local_simulations += 1
-        return simulator_for(plan, self.topology, estimator=self.estimator).step_time_only(plan)
+        k = self._key(part)
+        time = self._local_times.get(k)
+        if time is None:
+            plan, _ = pcg_plan(part)
+            self.local_simulations += 1
+            time = self._local_times[k] = simulator_for(plan, self.topology, estimator=self.estimator).step_time_only(plan)
+        return time
 
     def measures(self, pcg: PCG) -> tuple[float, float, float]:
         """The PCG's cost (its simulated step, infinity over the memory limit), simulated peak memory per device

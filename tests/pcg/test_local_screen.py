@@ -96,3 +96,22 @@ def test_screening_finds_the_lookahead_sequence_and_prices_its_steps_in_full(mes
     costs = [screened.initial_cost] + [s.cost_after for s in screened.steps]
     assert [s.cost_before for s in screened.steps] == costs[:-1] and set(costs) <= simulated
     assert costs[-1] < costs[0]
+
+
+def test_a_screened_rewrite_of_repeated_layers_is_verified_with_all_its_layers(mesh):
+    """Four layers alike: the screened rewriting prices the reduce-scatter in all four at once (one full simulation
+    besides the PCG's own, where the first layer's and then the other three's took two), to the PCG the unscreened
+    rewriting reaches."""
+    def f(xs, w1s, w2s):
+        return [split(jax.nn.relu(split(x, 0, "data") @ split(w1, 1, "model")) @ split(w2, 0, "model"), 1, "model")
+                for x, w1, w2 in zip(xs, w1s, w2s)]
+
+    k = jax.random.split(jax.random.key(3), 12)
+    xs = [jax.random.normal(k[i], (64, 256)) for i in range(4)]
+    w1s = [jax.random.normal(k[4 + i], (256, 512)) for i in range(4)]
+    w2s = [jax.random.normal(k[8 + i], (512, 256)) for i in range(4)]
+    full, full_cost, screened, screened_cost = _screened_and_full(pcg_of(f, mesh, xs, w1s, w2s))
+    assert [(s.rule, "(and 3 more alike)" in s.where) for s in screened.steps] == [("reduce_scatter", True)]
+    assert screened_cost.simulations == 2 < full_cost.simulations
+    assert screened.cost == full.cost < full.initial_cost == screened.steps[0].cost_before
+    assert screened.steps[0].cost_after == screened.cost

@@ -32,3 +32,24 @@ def test_anchored_roots_find_what_a_scan_of_every_node_finds(monkeypatch):
     assert len({m[0] for m in anchored}) >= 5  # rules of several kinds match (collectives moved, dots fused, ...)
     assert any(m[0].startswith("fuse_dots") for m in anchored)  # a two-root rule (q, k, v read one input)
     assert len(narrowed) >= 20  # the anchoring leaves out roots for many rules' terms
+
+
+def test_matches_near_some_nodes_are_those_of_the_whole_pcg_rooted_there():
+    """Where the root must be near the last rewrite (`find_matches(..., near)`, as the lookahead and a later pass
+    look), the roots tried are the few near tensors of the root's kind (`_candidates_in`): the matches are those of
+    the whole PCG with a root among them, in the same order."""
+    step, args = _step_and_args(64, 4, 8)
+    c = shardc.auto(step, mesh=shardc.make_mesh({"data": 2, "model": 4}), search=False).compiled_info(*args)
+    pcg = build_pcg(c.plan, c.closed_jaxpr, fuse=True)
+    rules = usable_rules(all_rules())
+    everywhere = {r.name: [m for m in find_matches(pcg, r)] for r in rules}
+    checked = 0
+    seeds = [{min(m.nodes)} for ms in everywhere.values() for m in ms[:2]]  # (a node of a match, then any three)
+    seeds += [{n.id for n in pcg.nodes[start:start + 3]} for start in range(0, len(pcg.nodes), 37)]
+    for ids in seeds:
+        for r in rules:
+            near = match_module.roots_near(pcg, ids, max(match_module.term_depth(t) for t in r.lhs))
+            got = [(m.roots, m.tensors) for m in find_matches(pcg, r, near)]
+            assert got == [(m.roots, m.tensors) for m in everywhere[r.name] if set(m.roots) & near], r.name
+            checked += len(got)
+    assert checked >= 20
