@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from annotations.errors import ShardingError
 from shardc.pcg.bind import RewriteError, build_compute, build_parallel, match_node, op_kinds
@@ -19,7 +19,8 @@ from shardc.pcg.lang import OPS, PVar, Rule, Term, Var, eval_param
 from shardc.pcg.ops import Axes, group_size
 from shardc.pcg.verify import is_proved
 
-__all__ = ["Match", "find_matches", "apply_match", "UnprovedRuleError", "RewriteError", "rewrites"]
+__all__ = ["Match", "find_matches", "apply_match", "apply_matches", "independent", "UnprovedRuleError", "RewriteError",
+           "rewrites"]
 
 
 class UnprovedRuleError(RuntimeError):
@@ -360,34 +361,58 @@ class _RhsBuilder:
 def apply_match(pcg: PCG, m: Match, *, require_proof: bool = True) -> PCG:
     """The PCG with the match replaced by the rule's right-hand side (RewriteError if it cannot be
     built here). Refuses rules that `verify_rule` has not proved."""
-    rule = m.rule
-    if require_proof and not is_proved(rule):
-        raise UnprovedRuleError(f"rule {rule.name} is not proved; run shardc.pcg.verify_rule on it first")
+    return apply_matches(pcg, [m], require_proof=require_proof)
+
+
+def independent(matches: Sequence[Match]) -> bool:
+    """Whether `matches` (made on one PCG) rewrite disjoint nodes and none binds a tensor another replaces: applied
+    together (`apply_matches`), they make the PCG that applying them one after another does."""
+    nodes: set[int] = set()
+    roots: set[int] = set()
+    bound: set[int] = set()
+    for m in matches:
+        if nodes & m.nodes or roots & set(m.tensors.values()) or bound & set(m.roots):
+            return False
+        nodes |= m.nodes
+        roots |= set(m.roots)
+        bound |= set(m.tensors.values())
+    return True
+
+
+def apply_matches(pcg: PCG, matches: Sequence[Match], *, require_proof: bool = True) -> PCG:
+    """The PCG with each of `matches` (made on `pcg`, `independent`) replaced by its rule's right-hand side, in one
+    pass over the nodes (RewriteError if one cannot be built here). Refuses rules `verify_rule` has not proved."""
+    for m in matches:
+        if require_proof and not is_proved(m.rule):
+            raise UnprovedRuleError(f"rule {m.rule.name} is not proved; run shardc.pcg.verify_rule on it first")
+    if len(matches) > 1 and not independent(matches):
+        raise ValueError("apply_matches: the matches overlap; apply them one after another")
     b = GraphBuilder(pcg.mesh, pcg.tensors, pcg.consts, first_node_id=1 + max((n.id for n in pcg.nodes), default=-1))
     pos = {n.id: i for i, n in enumerate(pcg.nodes)}
-    anchor = max(pos[i] for i in m.nodes) + 0.5
-    cause = f"rule {rule.name}"
-    rhs = _RhsBuilder(pcg, m, b, anchor, cause)
-    new_roots = [rhs.build(t) for t in rule.rhs]
     replace: dict[int, int] = {}
-    for old, new in zip(m.roots, new_roots):
-        a, c = pcg.tensors[old], b.tensors[new]
-        if (a.shape, a.dtype, a.sharding) != (c.shape, c.dtype, c.sharding):
-            raise RewriteError(f"{rule.name}: %{old} {a.shape} {a.dtype} {a.sharding} would become "
-                               f"{c.shape} {c.dtype} {c.sharding}")
-        replace[old] = new
+    for m in matches:
+        rule = m.rule
+        rhs = _RhsBuilder(pcg, m, b, max(pos[i] for i in m.nodes) + 0.5, f"rule {rule.name}")
+        new_roots = [rhs.build(t) for t in rule.rhs]
+        for old, new in zip(m.roots, new_roots):
+            a, c = pcg.tensors[old], b.tensors[new]
+            if (a.shape, a.dtype, a.sharding) != (c.shape, c.dtype, c.sharding):
+                raise RewriteError(f"{rule.name}: %{old} {a.shape} {a.dtype} {a.sharding} would become "
+                                   f"{c.shape} {c.dtype} {c.sharding}")
+            replace[old] = new
     rerouted = {u.id for t in replace for u in pcg.users(t)}
     for i, n in enumerate(pcg.nodes):  # (the other nodes as they are, with their ids)
         if n.id in rerouted:
             n = dataclasses.replace(n, inputs=tuple(replace.get(t, t) for t in n.inputs))
         b.keep_node(n, float(i))
     outputs = [replace.get(t, t) for t in pcg.outputs]
+    names = "+".join(dict.fromkeys(m.rule.name for m in matches))
     try:
         new = b.finish(pcg.inputs, outputs)
     except ValueError as e:  # a cycle: the replacement feeds on what it replaces
         raise RewriteError(str(e)) from None
     if (uneven := new.uneven(since=len(pcg.tensors))) is not None:  # (`pcg` is even: only new tensors)
-        raise RewriteError(f"{rule.name}: {uneven} (a shard_map needs equal pieces)")
+        raise RewriteError(f"{names}: {uneven} (a shard_map needs equal pieces)")
     return new
 
 

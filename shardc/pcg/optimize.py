@@ -27,7 +27,8 @@ from shardc.pcg.graph import PCG, Compute, Region
 from shardc.pcg.lang import OPS, Rule, term_ops
 from shardc.pcg.library import all_rules
 from shardc.pcg.local_screen import rewired
-from shardc.pcg.match import Match, RewriteError, apply_match, find_matches, roots_near, term_depth
+from shardc.pcg.match import (Match, RewriteError, apply_match, apply_matches, find_matches, independent,
+                              roots_near, term_depth)
 from shardc.pcg.simcost import DEFAULT_TOPOLOGY, SimCost
 from shardc.pcg.verify import verify_rule
 
@@ -271,11 +272,8 @@ def _apply_alike(pcg: PCG, cost: float, alike: list[tuple[Rule, Match]], cost_fn
     if the cost goes down, stopping at the first that does not pay. Yields each kept step with the PCG after
     it as soon as it is kept (a simulation budget running out keeps those), and None for each simulation."""
     if len(alike) > 1:
-        trial, done = pcg, []
-        for rule, m in alike:
-            if (hit := _reapplied(trial, rule, m)) is not None:
-                done.append(hit[0])
-                trial = hit[1]
+        found = [again for rule, m in alike if (again := _same_match(pcg, rule, m)) is not None]
+        trial, done = _together(pcg, found) if found else (pcg, [])
         if done:
             yield None
             c = priced(cost_fn, trial, cost)
@@ -293,6 +291,22 @@ def _apply_alike(pcg: PCG, cost: float, alike: list[tuple[Rule, Match]], cost_fn
             return
         yield Step(rule.name, str(again), cost, c, describe_match(pcg, again)), new
         pcg, cost = new, c
+
+
+def _together(pcg: PCG, matches: list[Match]) -> tuple[PCG, list[Match]]:
+    """`pcg` with `matches` (made on it) applied, and the matches applied: in one pass over the nodes where they are
+    `independent` (a repeated layer's), else one after another where each still applies."""
+    if len(matches) > 1 and independent(matches):
+        try:
+            return apply_matches(pcg, matches), list(matches)
+        except RewriteError:
+            pass
+    trial, applied = pcg, []
+    for m in matches:
+        if (hit := _reapplied(trial, m.rule, m)) is not None:
+            applied.append(hit[0])
+            trial = hit[1]
+    return trial, applied
 
 
 def _reapplied(pcg: PCG, rule: Rule, m: Match) -> tuple[Match, PCG] | None:
@@ -428,15 +442,13 @@ def _verified(estimated: list[tuple[float, int, PCG, Rule, Match]], best: Best |
 def _form_trials(pcg: PCG, new: PCG, m: Match, alike: list[tuple[float, int, Rule, Match]]
                  ) -> Iterator[tuple[PCG, list[Match]]]:
     """What `_verified` prices of rewrite `m` (`new`: `pcg` rewritten there), whose local form the matches `alike`
-    (`better`'s, in order; `m`'s own among them) share: `new` with the others applied where they still apply, when
-    some do, then `new` alone; each with the matches applied."""
-    trial, applied = new, [m]
-    for _, _, rule, other in sorted(alike, key=lambda e: e[:2]):
-        if other is not m and (hit := _reapplied(trial, rule, other)) is not None:
-            applied.append(hit[0])
-            trial = hit[1]
-    if len(applied) > 1:
-        yield trial, applied
+    (`better`'s, in order; `m`'s own among them) share: `pcg` with `m` and the others applied (`_together`), when
+    some of the others apply, then `new` alone; each with the matches applied."""
+    others = [other for _, _, _, other in sorted(alike, key=lambda e: e[:2]) if other is not m]
+    if others:
+        trial, applied = _together(pcg, [m] + others)
+        if len(applied) > 1:
+            yield trial, applied
     yield new, [m]
 
 

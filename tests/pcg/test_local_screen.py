@@ -8,7 +8,7 @@ import shardc
 from shardc import replicate, split
 from shardc.pcg import build_pcg, optimize
 from shardc.pcg.local_screen import local_gain, neighbourhood, sub_pcg
-from shardc.pcg.match import apply_match, find_matches
+from shardc.pcg.match import apply_match, apply_matches, find_matches, independent
 from shardc.pcg.simcost import SimCost, simulate_pcg
 from tests.pcg.test_pcg_simcost import pcg_of, rule
 
@@ -98,20 +98,40 @@ def test_screening_finds_the_lookahead_sequence_and_prices_its_steps_in_full(mes
     assert costs[-1] < costs[0]
 
 
+def _repeated_layers_pcg(mesh, layers, seed):
+    """The PCG of `layers` two-layer MLPs alike (`_two_layers` on their own inputs and weights)."""
+    k = jax.random.split(jax.random.key(seed), 3 * layers)
+    xs = [jax.random.normal(k[i], (64, 256)) for i in range(layers)]
+    w1s = [jax.random.normal(k[layers + i], (256, 512)) for i in range(layers)]
+    w2s = [jax.random.normal(k[2 * layers + i], (512, 256)) for i in range(layers)]
+    return pcg_of(lambda xs, w1s, w2s: [_two_layers(*a) for a in zip(xs, w1s, w2s)], mesh, xs, w1s, w2s)
+
+
 def test_a_screened_rewrite_of_repeated_layers_is_verified_with_all_its_layers(mesh):
     """Four layers alike: the screened rewriting prices the reduce-scatter in all four at once (one full simulation
     besides the PCG's own, where the first layer's and then the other three's took two), to the PCG the unscreened
     rewriting reaches."""
-    def f(xs, w1s, w2s):
-        return [split(jax.nn.relu(split(x, 0, "data") @ split(w1, 1, "model")) @ split(w2, 0, "model"), 1, "model")
-                for x, w1, w2 in zip(xs, w1s, w2s)]
-
-    k = jax.random.split(jax.random.key(3), 12)
-    xs = [jax.random.normal(k[i], (64, 256)) for i in range(4)]
-    w1s = [jax.random.normal(k[4 + i], (256, 512)) for i in range(4)]
-    w2s = [jax.random.normal(k[8 + i], (512, 256)) for i in range(4)]
-    full, full_cost, screened, screened_cost = _screened_and_full(pcg_of(f, mesh, xs, w1s, w2s))
+    full, full_cost, screened, screened_cost = _screened_and_full(_repeated_layers_pcg(mesh, 4, seed=3))
     assert [(s.rule, "(and 3 more alike)" in s.where) for s in screened.steps] == [("reduce_scatter", True)]
     assert screened_cost.simulations == 2 < full_cost.simulations
     assert screened.cost == full.cost < full.initial_cost == screened.steps[0].cost_before
     assert screened.steps[0].cost_after == screened.cost
+
+
+def test_independent_matches_applied_together_make_the_pcg_of_one_after_another(mesh):
+    """`apply_matches`: a repeated layer's matches rewritten in one pass over the nodes, key for key the PCG that
+    applying them one at a time (re-found on each PCG between) makes; overlapping matches are not `independent`."""
+    pcg = _repeated_layers_pcg(mesh, 3, seed=4)
+    ms = list(find_matches(pcg, rule("reduce_scatter")))
+    assert len(ms) == 3 and independent(ms)
+    one_by_one = pcg
+    for m in ms:
+        again = next(a for a in find_matches(one_by_one, rule("reduce_scatter"), frozenset(m.roots))
+                     if a.roots == m.roots)
+        one_by_one = apply_match(one_by_one, again)
+    together = apply_matches(pcg, ms)
+    assert together.key() == one_by_one.key() != pcg.key()
+    assert SimCost("h100-sxm-8")(together) == SimCost("h100-sxm-8")(one_by_one)
+    assert not independent([ms[0], ms[0]])
+    with pytest.raises(ValueError, match="overlap"):
+        apply_matches(pcg, [ms[1], ms[1]])
