@@ -406,12 +406,12 @@ def apply_matches(pcg: PCG, matches: Sequence[Match], *, require_proof: bool = T
             n = dataclasses.replace(n, inputs=tuple(replace.get(t, t) for t in n.inputs))
         b.keep_node(n, float(i))
     outputs = [replace.get(t, t) for t in pcg.outputs]
-    names = "+".join(dict.fromkeys(m.rule.name for m in matches))
     try:
         new = b.finish(pcg.inputs, outputs)
     except ValueError as e:  # a cycle: the replacement feeds on what it replaces
         raise RewriteError(str(e)) from None
     if (uneven := new.uneven(since=len(pcg.tensors))) is not None:  # (`pcg` is even: only new tensors)
+        names = "+".join(dict.fromkeys(m.rule.name for m in matches))
         raise RewriteError(f"{names}: {uneven} (a shard_map needs equal pieces)")
     return new
 

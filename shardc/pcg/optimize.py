@@ -257,12 +257,13 @@ def _same_match(pcg: PCG, rule: Rule, m: Match) -> Match | None:
     return None
 
 
-def _by_form(pcg: PCG, matches: Sequence[tuple[float, Any, Rule, Match]]) -> list[list[tuple[Rule, Match]]]:
+def _by_form(pcg: PCG, matches: Sequence[tuple[float, Any, Rule, Match]]
+             ) -> dict[tuple[Any, ...], list[tuple[Rule, Match]]]:
     """`matches` (on `pcg`) grouped by local form (`local_form`), in order of each form's first match."""
     groups: dict[tuple[Any, ...], list[tuple[Rule, Match]]] = {}
     for _, _, rule, m in matches:
         groups.setdefault(local_form(pcg, m), []).append((rule, m))
-    return list(groups.values())
+    return groups
 
 
 def _apply_alike(pcg: PCG, cost: float, alike: list[tuple[Rule, Match]], cost_fn: CostFn
@@ -420,9 +421,10 @@ def _verified(estimated: list[tuple[float, int, PCG, Rule, Match]], best: Best |
         return best, better
     failed: set[tuple[Any, ...]] = set()
     found = None
+    form_of = {id(e[3]): local_form(pcg, e[3]) for e in better}  # (each match's local form, computed once)
     for _, i, new, rule, m in sorted(estimated, key=lambda e: e[:2])[:VERIFIED_PER_PASS]:
-        form = local_form(pcg, m)
-        for trial, applied in _form_trials(pcg, new, m, [e for e in better if local_form(pcg, e[3]) == form]):
+        form = form_of[id(m)]
+        for trial, applied in _form_trials(pcg, new, m, [e for e in better if form_of[id(e[3])] == form]):
             c = priced(cost_fn, trial, cost)
             if c < cost * (1 - 1e-12):
                 found = (c, i, trial, rule, m, applied)
@@ -431,11 +433,11 @@ def _verified(estimated: list[tuple[float, int, PCG, Rule, Match]], best: Best |
             break
         failed.add(form)
     if found is None:
-        guessed = {local_form(pcg, e[4]) for e in estimated}
-        return best, [e for e in better if local_form(pcg, e[3]) not in guessed]
+        guessed = {form_of[id(e[4])] for e in estimated}
+        return best, [e for e in better if form_of[id(e[3])] not in guessed]
     if best is None or found[:2] < best[:2]:
         best = found
-    kept = [e for e in better if local_form(pcg, e[3]) not in failed]
+    kept = [e for e in better if form_of[id(e[3])] not in failed]
     return best, [(found[0], *e[1:]) if e[3] is found[4] else e for e in kept]
 
 
@@ -567,9 +569,10 @@ def _rewrite(state: dict, rules: list[Rule], cost_fn: CostFn, max_steps: int, re
             # the other rewrites that paid, where they still apply: those of one local form (a repeated
             # layer's) together, then one at a time; each kept if the cost still goes down (those of the best's
             # form were applied with it when it was priced so, `_form_trials`)
-            form = local_form(base, best[4]) if len(best[5]) > 1 else None
-            rest = [e for e in better if e[3] is not best[4] and (form is None or local_form(base, e[3]) != form)]
-            for alike in _by_form(base, rest):
+            done = local_form(base, best[4]) if len(best[5]) > 1 else None
+            for form, alike in _by_form(base, [e for e in better if e[3] is not best[4]]).items():
+                if form == done:
+                    continue
                 for kept in _apply_alike(current, cost, alike, cost_fn):
                     if kept is None:  # (a simulation)
                         candidates += 1

@@ -356,7 +356,8 @@ class SimCost:
         if time is None:
             plan, _ = pcg_plan(part)
             self.local_simulations += 1
-            time = self._local_times[k] = simulator_for(plan, self.topology, estimator=self.estimator).step_time_only(plan)
+            sim = simulator_for(plan, self.topology, estimator=self.estimator)
+            time = self._local_times[k] = sim.step_time_only(plan)
         return time
 
     def measures(self, pcg: PCG) -> tuple[float, float, float]:
