@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import hashlib
 import math
+import weakref
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -266,12 +267,13 @@ class PCG:
     def region_nodes(self) -> list[Node]:
         return [n for n in self.nodes if n.is_region]
 
-    def uneven(self, since: int = 0) -> str | None:
+    def uneven(self, since: int = 0, nodes: Sequence[Node] | None = None) -> str | None:
         """A tensor some node reads or makes that is split into unequal pieces (XLA pads the last; a
         `shard_map` has equal ones), described; None when there is none (in region bodies neither).
-        `since`: only tensors numbered from there on (those a rewrite of an even PCG added; its bodies too)."""
+        `since`: only tensors numbered from there on (those a rewrite of an even PCG added; its bodies too);
+        `nodes`: only those of the nodes (in order), when they are all that read or make such tensors."""
         m = self.mesh_sizes
-        for n in self.nodes:
+        for n in self.nodes if nodes is None else nodes:
             for tid in (*n.inputs, *n.outputs):
                 if tid < since:
                     continue
@@ -493,6 +495,19 @@ class ObjectMemo:
 
 
 _TEXTS = ObjectMemo()  # operator and layout texts of PCG keys
+_CLEAN: "weakref.WeakSet[PCG]" = weakref.WeakSet()  # PCGs in topological order with no dead node (`finish`'s)
+
+
+def is_clean(pcg: PCG) -> bool:
+    """Whether `pcg` is known to be in topological order with no dead node (made by `GraphBuilder.finish` or
+    `shardc.pcg.splice`): a rewrite of it may be spliced into its node list."""
+    return pcg in _CLEAN
+
+
+def mark_clean(pcg: PCG) -> PCG:
+    """Record that `pcg` is in topological order with no dead node."""
+    _CLEAN.add(pcg)
+    return pcg
 
 
 class GraphBuilder:
@@ -547,7 +562,8 @@ class GraphBuilder:
         nodes = _dead_code(nodes, set(outputs))
         live = {t for n in nodes for t in n.inputs} | set(outputs)
         consts = {t: v for t, v in self.consts.items() if t in live}
-        return PCG(self.mesh, tuple(self.tensors), tuple(nodes), tuple(inputs), tuple(outputs), consts)
+        pcg = PCG(self.mesh, tuple(self.tensors), tuple(nodes), tuple(inputs), tuple(outputs), consts)
+        return mark_clean(pcg)  # (a rewrite of it may be spliced into its node list: shardc.pcg.splice)
 
 
 def _toposort(nodes: list[Node], available: set[int]) -> list[Node]:

@@ -14,9 +14,10 @@ from typing import Any, Iterator, Sequence
 
 from annotations.errors import ShardingError
 from shardc.pcg.bind import RewriteError, build_compute, build_parallel, match_node, op_kinds
-from shardc.pcg.graph import PCG, GraphBuilder, ObjectMemo
+from shardc.pcg.graph import PCG, GraphBuilder, ObjectMemo, is_clean
 from shardc.pcg.lang import OPS, PVar, Rule, Term, Var, eval_param
 from shardc.pcg.ops import Axes, group_size
+from shardc.pcg.splice import splice
 from shardc.pcg.verify import is_proved
 
 __all__ = ["Match", "find_matches", "apply_match", "apply_matches", "independent", "UnprovedRuleError", "RewriteError",
@@ -400,17 +401,22 @@ def apply_matches(pcg: PCG, matches: Sequence[Match], *, require_proof: bool = T
                 raise RewriteError(f"{rule.name}: %{old} {a.shape} {a.dtype} {a.sharding} would become "
                                    f"{c.shape} {c.dtype} {c.sharding}")
             replace[old] = new
-    rerouted = {u.id for t in replace for u in pcg.users(t)}
-    for i, n in enumerate(pcg.nodes):  # (the other nodes as they are, with their ids)
-        if n.id in rerouted:
-            n = dataclasses.replace(n, inputs=tuple(replace.get(t, t) for t in n.inputs))
-        b.keep_node(n, float(i))
     outputs = [replace.get(t, t) for t in pcg.outputs]
-    try:
-        new = b.finish(pcg.inputs, outputs)
-    except ValueError as e:  # a cycle: the replacement feeds on what it replaces
-        raise RewriteError(str(e)) from None
-    if (uneven := new.uneven(since=len(pcg.tensors))) is not None:  # (`pcg` is even: only new tensors)
+    spliced = splice(pcg, b.nodes, b.tensors, b.consts, replace, outputs) if is_clean(pcg) else None
+    if spliced is not None:
+        new, touched = spliced
+    else:
+        touched = None
+        rerouted = {u.id for t in replace for u in pcg.users(t)}
+        for i, n in enumerate(pcg.nodes):  # (the other nodes as they are, with their ids)
+            if n.id in rerouted:
+                n = dataclasses.replace(n, inputs=tuple(replace.get(t, t) for t in n.inputs))
+            b.keep_node(n, float(i))
+        try:
+            new = b.finish(pcg.inputs, outputs)
+        except ValueError as e:  # a cycle: the replacement feeds on what it replaces
+            raise RewriteError(str(e)) from None
+    if (uneven := new.uneven(since=len(pcg.tensors), nodes=touched)) is not None:  # (`pcg` is even: new tensors)
         names = "+".join(dict.fromkeys(m.rule.name for m in matches))
         raise RewriteError(f"{names}: {uneven} (a shard_map needs equal pieces)")
     return new
