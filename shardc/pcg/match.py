@@ -15,13 +15,13 @@ from typing import Any, Iterator, Sequence
 from annotations.errors import ShardingError
 from shardc.pcg.bind import RewriteError, build_compute, build_parallel, match_node, op_kinds
 from shardc.pcg.graph import PCG, GraphBuilder, ObjectMemo, is_clean
-from shardc.pcg.lang import OPS, PVar, Rule, Term, Var, eval_param
+from shardc.pcg.lang import OPS, PVar, Rule, Term, Var, eval_param, term_ops
 from shardc.pcg.ops import Axes, group_size
 from shardc.pcg.splice import splice
 from shardc.pcg.verify import is_proved
 
-__all__ = ["Match", "find_matches", "apply_match", "apply_matches", "independent", "UnprovedRuleError", "RewriteError",
-           "rewrites"]
+__all__ = ["Match", "find_matches", "apply_match", "apply_matches", "independent", "node_kinds", "lhs_ops",
+           "UnprovedRuleError", "RewriteError", "rewrites"]
 
 
 class UnprovedRuleError(RuntimeError):
@@ -182,6 +182,27 @@ def _kinds(pcg: PCG) -> _KindIndex:
                     by_kind.setdefault(k, []).append(n.outputs[0])
         index = _KIND_INDEX[pcg] = _KindIndex(by_kind, of_tensor)
     return index
+
+
+def node_kinds(pcg: PCG, ids: set[int]) -> frozenset[str]:
+    """The rule ops the one-output nodes `ids` could be (`op_kinds`: a node `match_node` matches as an op is one of
+    them): a rule none of whose left-hand ops is among them has no match touching those nodes."""
+    kinds: set[str] = set()
+    for n in pcg.nodes:
+        if n.id in ids and len(n.outputs) == 1:
+            kinds |= _OP_KINDS.get(n.op, op_kinds)
+    return frozenset(kinds)
+
+
+def lhs_ops(rule: Rule) -> frozenset[str]:
+    """The ops of `rule`'s left-hand side (memoised per rule)."""
+    hit = _LHS_OPS.get(rule.text)
+    if hit is None:
+        hit = _LHS_OPS[rule.text] = frozenset(a.op for t in rule.lhs for a in term_ops(t))
+    return hit
+
+
+_LHS_OPS: dict[str, frozenset[str]] = {}
 
 
 def _kind_index(pcg: PCG) -> dict[str, list[int]]:

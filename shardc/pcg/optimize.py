@@ -27,8 +27,8 @@ from shardc.pcg.graph import PCG, Compute, Region
 from shardc.pcg.lang import OPS, Rule, term_ops
 from shardc.pcg.library import all_rules
 from shardc.pcg.local_screen import rewired
-from shardc.pcg.match import (Match, RewriteError, apply_match, apply_matches, find_matches, independent,
-                              roots_near, term_depth)
+from shardc.pcg.match import (Match, RewriteError, apply_match, apply_matches, find_matches, independent, lhs_ops,
+                              node_kinds, roots_near, term_depth)
 from shardc.pcg.simcost import DEFAULT_TOPOLOGY, SimCost
 from shardc.pcg.verify import verify_rule
 
@@ -157,8 +157,11 @@ def _candidates(pcg: PCG, rules: list[Rule], refuted: set[str], new_from: int | 
     """Every applicable rewrite of `pcg` by a proved rule (with `new_from`: only matches near the last
     rewrite, see `_near`)."""
     fresh = None if new_from is None else _near(pcg, new_from)
+    kinds = None if fresh is None else node_kinds(pcg, fresh)
     roots: dict[int, frozenset[int]] = {}  # (per left-hand depth: the tensors a match of a fresh node roots at)
     for rule in rules:
+        if kinds is not None and not lhs_ops(rule) & kinds:
+            continue  # (no left-hand op can be a fresh node)
         matches = _proved_matches(pcg, rule, refuted, fresh, roots)
         for m, new in _applied(pcg, matches):
             yield rule, m, new
@@ -213,11 +216,17 @@ def _screened(pcg: PCG, rules: list[Rule], refuted: set[str], idle: tuple[frozen
     `unmatched` collects the indices of the rules that match nothing here (for the next pass's `idle`)."""
     order = sorted(range(len(rules)), key=lambda i: (_fewer_collectives_first(rules[i]), i))
     near: set[int] | None = None
+    kinds: frozenset[str] = frozenset()
     roots: dict[int, frozenset[int]] = {}
     for i in order:
         if idle is not None and i in idle[0]:
             if near is None:
                 near = _rewired(idle[1], pcg)
+                kinds = node_kinds(pcg, near)
+            if not lhs_ops(rules[i]) & kinds:  # (no left-hand op can be a rewired node: it matches nothing still)
+                if unmatched is not None:
+                    unmatched.add(i)
+                continue
             matches = _proved_matches(pcg, rules[i], refuted, near, roots)
         else:
             matches = _proved_matches(pcg, rules[i], refuted)

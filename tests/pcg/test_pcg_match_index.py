@@ -53,3 +53,24 @@ def test_matches_near_some_nodes_are_those_of_the_whole_pcg_rooted_there():
             assert got == [(m.roots, m.tensors) for m in everywhere[r.name] if set(m.roots) & near], r.name
             checked += len(got)
     assert checked >= 20
+
+
+def test_a_rule_left_out_near_some_nodes_has_no_match_touching_them():
+    """A rule none of whose left-hand ops the nodes near a rewrite could be (`node_kinds`, `lhs_ops`) is not looked
+    for there (the lookahead, a later pass): every match touching some nodes is of a rule that is kept for them."""
+    step, args = _step_and_args(64, 4, 8)
+    c = shardc.auto(step, mesh=shardc.make_mesh({"data": 2, "model": 4}), search=False).compiled_info(*args)
+    pcg = build_pcg(c.plan, c.closed_jaxpr, fuse=True)
+    rules = usable_rules(all_rules())
+    matches = [(r, m) for r in rules for m in find_matches(pcg, r)]
+    left_out = touched = 0
+    for start in range(0, len(pcg.nodes), 5):
+        ids = {n.id for n in pcg.nodes[start:start + 4]}
+        kinds = match_module.node_kinds(pcg, ids)
+        kept = {r.name for r in rules if match_module.lhs_ops(r) & kinds}
+        left_out += len(rules) - len(kept)
+        for r, m in matches:
+            if m.nodes & ids:
+                assert r.name in kept, (r.name, sorted(ids))
+                touched += 1
+    assert touched >= 30 and left_out > 10 * len(range(0, len(pcg.nodes), 5))  # (most rules are left out somewhere)
