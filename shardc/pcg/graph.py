@@ -188,6 +188,40 @@ def _loop_invariant_operands(region: "Region", body: int) -> list[tuple[int, int
     return []
 
 
+def _region_reads(region: "Region", outs: Sequence[int], operands: int) -> tuple[set[int], list[set[int]]]:
+    """When results `outs` (positions) of a region are read: the positions of its operands it reads, and per body
+    the positions of the body's results needed (a loop's carries to a fixpoint: a carry the body or the condition
+    reads is needed on every trip). Conservative (everything) for a region of another primitive."""
+    p, bodies = region.params, region.bodies
+    if region.primitive == "scan":
+        consts, carries = p["num_consts"], p["num_carry"]
+        give = set(outs)
+        while True:
+            _, reads, _ = bodies[0].live(give)
+            more = {i - consts for i in reads if consts <= i < consts + carries} - give
+            if not more:
+                return reads, [give]
+            give |= more
+    if region.primitive == "while":
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        _, cond_reads, _ = bodies[0].live([0])
+        give = set(outs) | {i - cn for i in cond_reads if i >= cn}
+        while True:
+            _, body_reads, _ = bodies[1].live(give)
+            more = {i - bn for i in body_reads if i >= bn} - give
+            if not more:
+                break
+            give |= more
+        reads = {i for i in cond_reads if i < cn} | {cn + i for i in body_reads if i < bn} | {cn + bn + k for k in give}
+        return reads, [{0}, give]
+    if region.primitive == "cond":
+        reads = {0}  # (the branch index)
+        for body in bodies:
+            reads |= {1 + i for i in body.live(outs)[1]}
+        return reads, [set(outs) for _ in bodies]
+    return set(range(operands)), [set(range(len(b.outputs))) for b in bodies]
+
+
 def _without_unit_axes(op: Any, mesh: Mapping[str, int]) -> Any:
     """Parallel op `op` over its axes of size > 1 only (what it does on the devices)."""
     return dataclasses.replace(op, axes=tuple(a for a in op.axes if mesh[a] > 1))
@@ -297,14 +331,40 @@ class PCG:
         only) and the same collective of that value anywhere else, loops' bodies included: XLA's loop-invariant
         code motion takes it out of its loops first."""
         c: collections.Counter = collections.Counter()
-        self._count_collectives(c, set(), {}, ())
+        self._count_collectives(c, set(), {}, (), range(len(self.outputs)))
         return c
 
+    def live(self, read: Iterable[int]) -> tuple[set[int], set[int], dict[int, list[set[int]]]]:
+        """What the program computes when only outputs `read` (positions) are read: the ids of the nodes it runs,
+        the positions of the inputs it reads, and per region node run the results each body must give. A loop none
+        of whose results is read is not run (JAX's dead-code elimination drops it from the lowering, and XLA what
+        only dead results need); a loop's carry is needed where a needed result or the loop itself reads it."""
+        same = self._same_values
+        needed = {self.outputs[i] for i in read}
+        run: set[int] = set()
+        bodies_give: dict[int, list[set[int]]] = {}
+        for n in reversed(self.nodes):
+            outs = [k for k, t in enumerate(n.outputs) if t in needed]
+            if not outs:
+                continue
+            if n.is_region and self.duplicate(n):  # (the lowering reads the earlier region's results instead)
+                needed.update(same.get(n.outputs[k], n.outputs[k]) for k in outs)
+                continue
+            run.add(n.id)
+            if n.is_region:
+                reads, bodies_give[n.id] = _region_reads(n.op, outs, len(n.inputs))
+                needed.update(n.inputs[i] for i in reads)
+            else:
+                needed.update(n.inputs)
+        return run, {i for i, t in enumerate(self.inputs) if t in needed}, bodies_give
+
     def _count_collectives(self, c: collections.Counter, seen: set, hoisted: Mapping[int, Any],
-                           scope: tuple[int, ...]) -> None:
+                           scope: tuple[int, ...], read: Iterable[int]) -> None:
         """`collectives()` of this PCG, into `c`; `seen`: the keys of the collectives counted anywhere;
         `hoisted`: per input of this (body) PCG that is loop-invariant, the key of the value outside the loops;
-        `scope`: where this PCG is (region node ids and body indices from the top)."""
+        `scope`: where this PCG is (region node ids and body indices from the top); `read`: the positions of the
+        outputs read (what no read output needs is not run, `live`)."""
+        run, _, bodies_give = self.live(read)
         m = self.mesh_sizes
         same = self._same_values
         key_of = dict(hoisted)  # tensor -> what XLA computes it as outside the loops (invariant tensors only)
@@ -317,15 +377,16 @@ class PCG:
         here = lambda t: key_of.get(same.get(t, t), (scope, same.get(t, t)))  # noqa: E731
         for n in self.parallel_nodes():
             key = (_without_unit_axes(n.op, m), here(n.inputs[0]))
-            if n.op.collective not in ("none", "slice") and self._moves(n) and key not in seen:
+            if n.id in run and n.op.collective not in ("none", "slice") and self._moves(n) and key not in seen:
                 seen.add(key)
                 c[n.op.collective] += 1
         for n in self.region_nodes():
-            if self.duplicate(n):
+            if self.duplicate(n) or n.id not in run:
                 continue
             for b, body in enumerate(n.op.bodies):
                 body._count_collectives(c, seen, {body.inputs[i]: here(n.inputs[j])
-                                                  for i, j in _loop_invariant_operands(n.op, b)}, scope + (n.id, b))
+                                                  for i, j in _loop_invariant_operands(n.op, b)}, scope + (n.id, b),
+                                        bodies_give[n.id][b])
 
     def same_values(self) -> dict[int, int]:
         """Per tensor XLA computes as an earlier one, that one (see `_same_values`)."""

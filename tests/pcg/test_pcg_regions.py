@@ -239,3 +239,31 @@ def test_a_budget_running_out_in_a_later_loop_keeps_the_earlier_loops_rewrites(m
         assert bool(first) == (budget >= 4), (budget, part)
         assert part.cost == (sim(part.pcg) if part.steps else part.initial_cost)
     check(full.pcg, f, args)
+
+
+def test_what_a_loop_runs_is_what_its_read_results_need(mesh):
+    """`PCG.live`: in a scan whose carry `b` reads carry `a`, reading `b` needs both carries, reading `a` only `a`; a
+    carry no read result needs (`c`, whose update is a dot of operands split over `model`) is not computed, and its
+    all-gathers are not counted (JAX's dead-code elimination drops it from the lowering: the compiled program has
+    none)."""
+    def f(x, y, z, w):
+        def body(carry, _):
+            a, b, c = carry
+            return (a + 1.0, b * split(a, 0, "data"), split(c, 1, "model") @ split(w, 0, "model")), None
+
+        (a, b, _), _ = jax.lax.scan(body, (x, y, z), None, length=3)
+        return a, b
+
+    k = jax.random.split(jax.random.key(5), 4)
+    args = tuple(jax.random.normal(k[i], (8, 8)) for i in range(4))
+    pcg = pcg_of(f, mesh, *args)
+    (loop,) = pcg.region_nodes()
+    body = loop.op.bodies[0]
+    assert sum(body.collectives().values()) >= 2  # (the body alone, every result read: c's update gathers)
+    run, _, give = pcg.live([1])  # (b alone)
+    assert loop.id in run and give[loop.id] == [{0, 1}]
+    run, _, give = pcg.live([0])  # (a alone: b's update is not computed)
+    assert give[loop.id] == [{0}] and len(body.live([0])[0]) < len(body.live([0, 1])[0])
+    assert pcg.live([]) == (set(), set(), {})
+    assert sum(pcg.collectives().values()) == 0
+    check(pcg, f, args)  # (the compiled program has the collectives counted)
