@@ -22,6 +22,31 @@ __all__ = ["splice"]
 Place = tuple[float, int]  # where a node lands in the merged list: (old index or new anchor, creation order)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Places:
+    """Where the old nodes (index i at (i, -1)) and the added ones (anchor, creation order) land in the merged list,
+    and which node makes each tensor there."""
+
+    pcg: PCG
+    pos: Mapping[int, int]  # old node id -> its index
+    place: Mapping[int, Place]  # added node id -> its place
+    made_by: Mapping[int, Node]  # tensor an added node makes -> that node
+
+    def of(self, n: Node) -> Place:
+        return self.place.get(n.id, (float(self.pos.get(n.id, -1)), -1))
+
+    def maker(self, t: int) -> Node | None:
+        """The node making tensor `t` (an added one first), None for an input or a constant."""
+        n = self.made_by.get(t)
+        if n is None and (p := self.pcg.producer(t)) is not None:
+            n = p[0]
+        return n
+
+    def made_at(self, t: int) -> Place:
+        n = self.maker(t)
+        return (-1.0, 0) if n is None else self.of(n)
+
+
 def splice(pcg: PCG, added: Sequence[tuple[float, Node]], tensors: Sequence[Tensor], consts: Mapping[int, Any],
            replace: Mapping[int, int], outputs: Sequence[int]) -> tuple[PCG, list[Node]] | None:
     """The PCG `GraphBuilder.finish` makes of clean `pcg`'s nodes (old node i at order i) and the `added` (order,
@@ -30,16 +55,8 @@ def splice(pcg: PCG, added: Sequence[tuple[float, Node]], tensors: Sequence[Tens
     tensors); None where that list is not in topological order as it stands."""
     pos = {n.id: i for i, n in enumerate(pcg.nodes)}
     added = sorted(added, key=lambda p: p[0])  # (stable: a right-hand side's nodes in the order it made them)
-    place: dict[int, Place] = {n.id: (o, k) for k, (o, n) in enumerate(added)}
-    made_by = {t: n for _, n in added for t in n.outputs}
-
-    def made_at(t: int) -> Place:
-        n = made_by.get(t)
-        if n is not None:
-            return place[n.id]
-        p = pcg.producer(t)
-        return (-1.0, 0) if p is None else (float(pos[p[0].id]), -1)
-
+    at = _Places(pcg, pos, {n.id: (o, k) for k, (o, n) in enumerate(added)},
+                 {t: n for _, n in added for t in n.outputs})
     rerouted: dict[int, Node] = {}
     gained: dict[int, list[Node]] = {}  # a replacement -> the rerouted readers now reading it
     replacements = set(replace.values())
@@ -48,14 +65,13 @@ def splice(pcg: PCG, added: Sequence[tuple[float, Node]], tensors: Sequence[Tens
             if u.id not in rerouted:
                 rerouted[u.id] = dataclasses.replace(u, inputs=tuple(replace.get(i, i) for i in u.inputs))
     for u in rerouted.values():
-        at = (float(pos[u.id]), -1)
         for i in dict.fromkeys(u.inputs):
-            if made_at(i) >= at:
+            if at.made_at(i) >= at.of(u):
                 return None  # (it would read a tensor made after it: `finish` reorders)
             if i in replacements:
                 gained.setdefault(i, []).append(u)
     for _, n in added:
-        if any(made_at(i) >= place[n.id] for i in n.inputs):
+        if any(at.made_at(i) >= at.of(n) for i in n.inputs):
             return None
     new_readers: dict[int, list[Node]] = {}
     for _, n in added:
@@ -68,7 +84,7 @@ def splice(pcg: PCG, added: Sequence[tuple[float, Node]], tensors: Sequence[Tens
         return (*old, *gained.get(t, ()), *new_readers.get(t, ()))
 
     losing = [p[0] for t in replace if (p := pcg.producer(t)) is not None]  # (the only old nodes losing readers)
-    dead = _dead(pcg, [n for _, n in added] + losing, place, pos, made_by, out, readers)
+    dead = _dead(at, [n for _, n in added] + losing, out, readers)
     nodes: list[Node] = []
     touched: list[Node] = []  # (the new and rerouted nodes, in order: the only ones reading or making new tensors)
     k = 0
@@ -91,20 +107,18 @@ def splice(pcg: PCG, added: Sequence[tuple[float, Node]], tensors: Sequence[Tens
     kept_consts = {t: v for t, v in consts.items()
                    if t not in losing_consts or t in out or any(r.id not in dead for r in readers(t))}
     new = PCG(pcg.mesh, tuple(tensors), tuple(nodes), pcg.inputs, tuple(outputs), kept_consts)
-    _seed_maps(pcg, new, gone, rerouted, [n for _, n in added if n.id not in dead], place, pos, readers, dead)
+    _seed_maps(at, new, gone, rerouted, [n for _, n in added if n.id not in dead], readers, dead)
     return mark_clean(new), touched
 
 
-def _seed_maps(pcg: PCG, new: PCG, gone: list[Node], rerouted: Mapping[int, Node], fresh: list[Node],
-               place: Mapping[int, Place], pos: Mapping[int, int], readers: Any, dead: set[int]) -> None:
-    """Give `new` its readers and producers maps (`PCG.users`, `PCG.producer`): `pcg`'s, where it has them, with the
-    splice's changes (`gone`: the old nodes removed, `fresh`: the new nodes kept), instead of a pass over the nodes."""
+def _seed_maps(at: _Places, new: PCG, gone: list[Node], rerouted: Mapping[int, Node], fresh: list[Node],
+               readers: Any, dead: set[int]) -> None:
+    """Give `new` its readers and producers maps (`PCG.users`, `PCG.producer`): the parent's, where it has them, with
+    the splice's changes (`gone`: the old nodes removed, `fresh`: the new nodes kept), instead of a pass over the
+    nodes."""
+    pcg, pos = at.pcg, at.pos
     if "_users" not in pcg.__dict__ or "_producers" not in pcg.__dict__:
         return
-
-    def at(n: Node) -> Place:
-        return place.get(n.id, (float(pos.get(n.id, -1)), -1))
-
     producers = dict(pcg.__dict__["_producers"])
     for n in gone:
         for t in n.outputs:
@@ -119,20 +133,19 @@ def _seed_maps(pcg: PCG, new: PCG, gone: list[Node], rerouted: Mapping[int, Node
     for t in changed:
         live = {r.id: rerouted.get(r.id, r) for r in readers(t) if r.id not in dead}
         if live:
-            users[t] = sorted(live.values(), key=at)
+            users[t] = sorted(live.values(), key=at.of)
         else:
             users.pop(t, None)
     new.__dict__["_users"] = users
     new.__dict__["_producers"] = producers
 
 
-def _dead(pcg: PCG, start: Sequence[Node], place: Mapping[int, Place], pos: Mapping[int, int],
-          made_by: Mapping[int, Node], out: set[int], readers: Any) -> set[int]:
+def _dead(at: _Places, start: Sequence[Node], out: set[int], readers: Any) -> set[int]:
     """The ids of the nodes no output needs any more, looked for from `start` (the new nodes and those making a
     replaced tensor) back through their producers, the latest first (so each node's readers are settled before
     it): a node is dead when no output is its and every reader of its results is dead."""
     def entry(n: Node) -> tuple[float, int, int, Node]:
-        o, k = place.get(n.id, (float(pos.get(n.id, -1)), -1))
+        o, k = at.of(n)
         return -o, -k, n.id, n
 
     heap = [entry(n) for n in start]
@@ -148,9 +161,7 @@ def _dead(pcg: PCG, start: Sequence[Node], place: Mapping[int, Place], pos: Mapp
             continue
         dead.add(nid)
         for t in dict.fromkeys(n.inputs):
-            p = made_by.get(t)
-            if p is None and (q := pcg.producer(t)) is not None:
-                p = q[0]
+            p = at.maker(t)
             if p is not None and p.id not in done:
                 heapq.heappush(heap, entry(p))
     return dead
