@@ -45,7 +45,7 @@ LOCAL_PRIMITIVES = frozenset(UNARY_ELEMENTWISE + BINARY_ELEMENTWISE + NARY_ELEME
     "dot_general", "transpose", "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "convert_element_type",
     "reduce_sum", "reduce_max", "reduce_min", "iota", "select_n", "concatenate", "slice", "pad", "rev", "split",
     "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "argmax", "argmin", "sort", "top_k",
-    "copy", "copy_p", "stop_gradient", "optimization_barrier", "name",
+    "copy", "copy_p", "stop_gradient", "optimization_barrier", "name", "bitcast_convert_type",
 })
 # Ops whose results are their operands' values, placed: hints, jax's own constraints and moves (`reshard`,
 # `device_put`, `layout_constraint`). In the PCG a result is its operand resharded to its planned layout (bound

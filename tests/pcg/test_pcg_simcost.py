@@ -165,6 +165,29 @@ def test_the_same_collective_of_one_value_computed_twice_is_priced_once(mesh):
     assert pcg_sim.step_time == pytest.approx(plan_sim.step_time, rel=1e-6)
 
 
+def test_a_bitcast_of_a_split_value_runs_on_its_pieces_as_in_its_plan(mesh):
+    """Dropout's mask (flax `nn.Dropout`: random bits, shifted, bitcast to floats) on a value split over `model`: a
+    same-width `bitcast_convert_type` maps each element alone, so the PCG bitcasts the local pieces as the plan does.
+    Before, the PCG gathered the value whole for the bitcast and split it again (an all-gather the plan does not
+    make: flax's lm1b train step's PCG simulated 1.5% slower than its plan)."""
+    def f(x, w):
+        h = split(x @ w, 1, "model")
+        bits = jax.lax.bitcast_convert_type(h, jnp.uint32)
+        m = jax.lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
+        return (h * m) @ w.T
+
+    k = jax.random.split(jax.random.key(5))
+    args = (jax.random.normal(k[0], (64, 128)), jax.random.normal(k[1], (128, 256)))
+    plan_sim, pcg_sim = _simulated_alike(f, mesh, *args)
+    assert pcg_sim.payload == plan_sim.payload and "all-gather" not in pcg_sim.payload
+    assert pcg_sim.step_time == pytest.approx(plan_sim.step_time, rel=1e-6)
+    c = shardc.auto(f, mesh=mesh, search=False).compiled_info(*args)
+    pcg = build_pcg(c.plan, c.closed_jaxpr, fuse=True)
+    fn = lower_pcg(pcg)
+    np.testing.assert_allclose(np.asarray(fn(*args)[0]), np.asarray(f(*args)), rtol=1e-5, atol=1e-4)
+    assert hlo_collectives(fn.lower(*args).compile().as_text()) == pcg.collectives()
+
+
 def test_a_scatter_add_summed_after_its_all_reduce_is_priced_as_in_its_plan(mesh):
     """The gradient of an embedding table looked up with ids split over `data` and also read elsewhere: a
     scatter-add of partial sums, all-reduced, then added to the other gradient (XLA's simplifier writes the
