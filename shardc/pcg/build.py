@@ -29,6 +29,7 @@ from shardc.pcg.graph import PCG, Compute, GraphBuilder
 from shardc.pcg.ops import (AllToAll, Combine, CollectivePermute, ParallelOp, Partition, Reduce, ReduceScatter,
                             ReduceScatterDims, group_size)
 from shardc.pcg.local_ops import LOCAL_CHECKS, is_local
+from shardc.pcg.split_index import INDEX_REDUCTIONS, split_index_reduction
 from shardc.pcg.reshard import xla_ops
 from shardc.plan import Plan, lowers_reduce_scatter
 from shardc.rules.core import SELF_COMBINED
@@ -298,6 +299,13 @@ class Scope:
                 self.vmap[v] = self.reshard(t, plan.shardings[v], f"{op.primitive} of {graph.values[v].name}")
             return
         strat, rule = plan.strategies[op.id], op.rule
+        if op.primitive in INDEX_REDUCTIONS and not op.conservative and _layouts_agree(rule, strat, sizes):
+            out = split_index_reduction(self, op, eqn, ins[0], strat.factor_axes)  # (None: its dim is whole)
+            if out is not None:
+                v = op.outputs[0]
+                self.vmap[v] = self.reshard(out, plan.shardings[v], ctx.causes.get((v, None)) or
+                                            f"{graph.values[v].name} is {plan.shardings[v]}")
+                return
         partial = strat.partial_axes(rule)
         local = _is_local(op, strat, partial, sizes)
         args = []
