@@ -33,7 +33,7 @@ CALL_PRIMITIVES = {
 REGION_PRIMITIVES = ("scan", "while", "cond")
 
 
-def _scalar(val: Any) -> int | float | None:
+def scalar_literal(val: Any) -> int | float | None:
     """A literal's value when it is a scalar number (else None)."""
     if isinstance(val, bool) or getattr(val, "shape", ()) != ():
         return None
@@ -87,7 +87,7 @@ class _Builder:
 
     def read(self, env: dict, atom: Any) -> int:
         if isinstance(atom, jcore.Literal):
-            value = _scalar(atom.val)  # (named by it: printing the numpy value itself costs ~90 us a literal)
+            value = scalar_literal(atom.val)  # (named by it: printing the numpy value itself costs ~90 us a literal)
             name = "literal" if value is None else f"literal {value!r}"[:40]
             return self.new_value(atom.aval, name, is_const=True, literal=value)
         return env[atom]

@@ -24,7 +24,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Collection, Mapping
 
+import numpy as np
+
 from shardc.cost.program import PCG_COLLECTIVE
+from shardc.ir.build import scalar_literal
+from shardc.ir.folding import small_integer_array
 from shardc.ir.graph import Graph, Op
 from shardc.pcg.graph import PCG, Node, Region
 from shardc.pcg.local_screen import local_gain
@@ -49,8 +53,16 @@ class _Emitter:
     strategies: list[OpStrategy] = dataclasses.field(default_factory=list)
     origin: dict[int, tuple[tuple[int, ...], int]] = dataclasses.field(default_factory=dict)  # op -> (path, node)
 
-    def value(self, shape: tuple[int, ...], dtype: Any, layout: Sharding, name: str, *, const: bool = False) -> int:
-        v = self.graph.add_value(shape, dtype, name, is_const=const)
+    def value(self, shape: tuple[int, ...], dtype: Any, layout: Sharding, name: str, *, const: Any = None) -> int:
+        """A value of the graph; `const`: a constant's value (None: a computed one). A scalar is a literal and
+        a small integer array is kept, as the graph builder keeps them (the program analysis folds what XLA folds:
+        a dynamic slice at literal starts, a splat of an op's identity, literals CSE merges)."""
+        if const is None:
+            v = self.graph.add_value(shape, dtype, name)
+        else:
+            v = self.graph.add_value(shape, dtype, name, is_const=True,
+                                     literal=scalar_literal(const) if not shape else None,
+                                     array=small_integer_array(np.asarray(const)) if shape else None)
         self.shardings.append(layout)
         return v
 
@@ -124,7 +136,7 @@ def _emit(pcg: PCG, emit: _Emitter, args: list[int], region: str, path: tuple[in
         if t not in vals:
             tensor = pcg.tensors[t]
             vals[t] = emit.value(tensor.shape, tensor.dtype, tensor.sharding, tensor.name or f"%{t}",
-                                 const=t in pcg.consts)
+                                 const=pcg.consts.get(t))
         return vals[t]
 
     for n in pcg.nodes:
