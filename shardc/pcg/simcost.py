@@ -369,7 +369,9 @@ class SimCost:
             plan, _ = pcg_plan(part)
             self.local_simulations += 1
             sim = simulator_for(plan, self.topology, estimator=self.estimator)
-            time = self._local_times[k] = sim.step_time_only(plan)
+            # (where fresh memory is charged the step time reads the memory model: simulated with it)
+            time = self._local_times[k] = sim.step_time_only(plan) if self.topology.device.fresh_memory_cost <= 0 \
+                else sim.full(plan).step_time
         return time
 
     def measures(self, pcg: PCG) -> tuple[float, float, float]:

@@ -135,3 +135,20 @@ def test_independent_matches_applied_together_make_the_pcg_of_one_after_another(
     assert not independent([ms[0], ms[0]])
     with pytest.raises(ValueError, match="overlap"):
         apply_matches(pcg, [ms[1], ms[1]])
+
+
+def test_a_neighbourhood_is_priced_on_a_device_that_charges_fresh_memory(layers_pcg):
+    """`cpu-host` (what `shardc.auto(pcg=True)` prices on for CPU devices) charges fresh memory, so a step time
+    reads the memory model: a neighbourhood is simulated with it. Before, the screening asked the simulator for the
+    step time alone and stopped with an internal error (flax lm1b's train step on the 8 CPU devices)."""
+    from shardc.sim import as_topology
+
+    assert as_topology("cpu-host").device.fresh_memory_cost > 0
+    pcg = layers_pcg
+    m = next(find_matches(pcg, rule("reduce_scatter")))
+    new = apply_match(pcg, m)
+    whole = lambda p: simulate_pcg(p, "cpu-host").step_time  # noqa: E731
+    screened = SimCost("cpu-host", screen_from=0)
+    assert screened.local_gain(pcg, new, m.nodes) == pytest.approx(local_gain(pcg, new, m.nodes, whole))
+    full, screened_run = optimize(pcg, cost_fn=SimCost("cpu-host", screen_from=None)), optimize(pcg, cost_fn=screened)
+    assert screened_run.cost == full.cost and screened_run.pcg.key() == full.pcg.key()
