@@ -9,14 +9,16 @@ its simulated cost and its `shard_map` lowering move exactly what the planner an
 The ops of a step are found by a small breadth-first search over shardings: every op must be one XLA would
 do with exactly one collective of that kind, mesh axes and payload (or, for a Partition, none), and
 together they must make the step's collectives, in XLA's order when possible. A collective no parallel op
-can make (XLA gathers part of an axis, or moves tiles to devices no named layout has) leaves the step to
-`naive`: the caller's per-axes-group decomposition, whose collectives then differ from XLA's (counted by
-`tests/pcg/test_pcg_reshard.py`, none on the 2x4 mesh).
+can make (XLA gathers or exchanges among part of an axis, or moves tiles to devices no named layout has) makes
+the step the ops moving the fewest bytes, each still one XLA collective (`_cheapest_ops`; 6 pairs on the 2x4
+mesh, `tests/pcg/test_pcg_reshard.py`); only where none reach the step's layout is it left to `naive`, the
+caller's per-axes-group decomposition.
 """
 from __future__ import annotations
 
 import collections
 import functools
+import heapq
 import itertools
 from typing import Callable, Iterator, Mapping, Sequence
 
@@ -150,6 +152,39 @@ def _step_ops(src: Sharding, dst: Sharding, colls: tuple[Collective, ...], shape
     return None
 
 
+def _cheapest_ops(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, mesh: Mapping[str, int],
+                  reduce_scatter: bool, max_ops: int = 5) -> list[ParallelOp] | None:
+    """The parallel ops from `src` to `dst` moving the fewest bytes per device (then the fewest collectives), each
+    one XLA collective of its kind or a local slice; None if none of at most `max_ops` ops do. For a step XLA makes
+    with collectives among part of an axis (an all-to-all within pairs of a 4-device axis, then a permute), which
+    no op on named axes is: its cost stays near XLA's, where gathering the value whole and slicing it again
+    (`naive`) moves all of it."""
+    heap: list = [((0, 0, 0), 0, src, [])]
+    best = {src: (0, 0, 0)}
+    tie = itertools.count(1)
+    while heap:
+        cost, _, s, path = heapq.heappop(heap)
+        if s == dst:
+            return path
+        if cost > best.get(s, cost) or len(path) >= max_ops:
+            continue
+        for op in _moves(s, mesh):
+            try:
+                t = op.apply(s)
+            except Exception:  # noqa: BLE001 - an op this layout does not admit
+                continue
+            if not _divides(t, shape, mesh):
+                continue
+            c = op_collective(op, s, shape, itemsize, mesh)
+            if reshard_steps(s, t, shape, itemsize, mesh, reduce_scatter) != ((t, () if c is None else (c,)),):
+                continue  # XLA would not make this change as this op
+            new = (cost[0] + (c.bytes if c is not None else 0), cost[1] + (c is not None), cost[2] + 1)
+            if new < best.get(t, (float("inf"),)):
+                best[t] = new
+                heapq.heappush(heap, (new, next(tie), t, path + [op]))
+    return None
+
+
 @functools.lru_cache(maxsize=1 << 14)
 def _xla_ops(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int,
              mesh_items: tuple[tuple[str, int], ...], reduce_scatter: bool
@@ -163,6 +198,8 @@ def _xla_ops(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int
             ops = _step_ops(cur, layout, colls, shape, itemsize, mesh, reduce_scatter, ordered, exact)
             if ops is not None:
                 break
+        if ops is None:  # (XLA's collectives are among part of an axis: the fewest bytes named ops move)
+            ops = _cheapest_ops(cur, layout, shape, itemsize, mesh, reduce_scatter)
         out.append((cur, layout, None if ops is None else tuple(ops)))
         cur = layout
     return tuple(out)

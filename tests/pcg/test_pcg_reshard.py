@@ -155,3 +155,31 @@ def test_two_dim_reduce_scatter_lowers_to_one_collective():
     y = f(jax.device_put(x, Sharding(((), ())).named(mesh)))[0]
     np.testing.assert_allclose(np.asarray(y), x, rtol=1e-6)
     assert y.sharding.is_equivalent_to(dst.named(mesh), 2)
+
+
+def test_an_exchange_xla_makes_among_part_of_an_axis_is_not_a_gather():
+    """Two axes swapping dims ([-, tensor, fsdp] -> [-, fsdp, tensor] on fsdp=4 x tensor=2, flax lm1b's attention
+    under the searched plan): XLA makes it an all-to-all within pairs of fsdp's devices and a permute, which no op
+    on named axes is. The PCG makes it the ops moving the fewest bytes, each one XLA collective: three all-to-alls
+    (1.5x XLA's bytes). Before, it gathered the value whole and sliced it again (two all-gathers, 3.5x)."""
+    mesh_shape = {"fsdp": 4, "tensor": 2}
+    src, dst, shape = Sharding(((), ("tensor",), ("fsdp",))), Sharding(((), ("fsdp",), ("tensor",))), (8, 16, 32)
+    ops = reshard_ops(src, dst, mesh_shape, fuse=True, shape=shape, reduce_scatter=False)
+    cur, colls = _chain(src, ops, shape, mesh_shape)
+    xla = sum(c.bytes for _, cs in reshard_steps(src, dst, shape, 4, mesh_shape, False) for c in cs)
+    assert cur == dst and {c.kind for c in colls} == {"all-to-all"}
+    assert sum(c.bytes for c in colls) <= 1.5 * xla
+    mesh = shardc.make_mesh(mesh_shape)
+    b = GraphBuilder(mesh)
+    t = x_in = b.add_tensor(shape, np.float32, src, "x")
+    for op in ops:
+        t = b.parallel(op, t)
+    f = lower_pcg(b.finish([x_in], [t]))
+    x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    arg = jax.device_put(x, src.named(mesh))
+    got = collections.Counter((c.kind, c.bytes) for c in collectives(f.lower(arg).compile().as_text(),
+                                                                     list(mesh_shape.items())))
+    assert got == collections.Counter((c.kind, c.bytes) for c in colls)
+    (out,) = f(arg)
+    np.testing.assert_array_equal(np.asarray(out), x)
+    assert out.sharding.is_equivalent_to(dst.named(mesh), 3)
