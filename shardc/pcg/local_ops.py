@@ -16,17 +16,21 @@ own per-device program:
   of is written where it lands by XLA; on local pieces each device would write it: not local);
 * `conv_general_dilated` without feature or batch groups: batch, input and output feature dims split
   (spatial dims need halos: not local);
-* pooling (`reduce_window_*`, `select_and_scatter_add`): dims outside the window (batch, channels) split.
+* pooling (`reduce_window_*`, `select_and_scatter_add`): dims outside the window (batch, channels) split;
+* `random_bits` of one key (dropout's masks): any result dims split, each device hashing the indices of its
+  own elements as JAX's partitionable threefry does (else the whole array drawn and its piece sliced).
 
 `is_local(op, strat, sizes)` says whether a strategy is one of these; `RUNNERS` holds the per-device
 programs `shardc.pcg.lower` runs instead of binding the primitive on the local pieces.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.extend.random import threefry2x32_p
 
 from shardc.rules.core import FactorKind
 
@@ -93,11 +97,17 @@ def _conv_local(op: Any, strat: Any) -> bool:
     return all(op.rule.kinds[f] in (PT, RED) for f in _sharded(strat))
 
 
+def _random_bits_local(op: Any, strat: Any) -> bool:
+    """Random bits of one key (a key array of shape ()), any dims of the result split: each device computes its
+    piece (`_run_random_bits`), as XLA partitions JAX's threefry."""
+    return not op.rule.operands[0] and all(op.rule.kinds[f] is PT for f in _sharded(strat))
+
+
 LOCAL_CHECKS: dict[str, Callable[[Any, Any], bool]] = {
     "gather": _gather_local,
     "scatter-add": _scatter_local, "scatter_add": _scatter_local,
     "dynamic_slice": _pass_through_only, "dynamic_update_slice": _update_slice_local,
-    "conv_general_dilated": _conv_local,
+    "conv_general_dilated": _conv_local, "random_bits": _random_bits_local,
     # pooling (and its gradient) with the split dims outside the window (batch, channels)
     "reduce_window_max": _pass_through_only, "reduce_window_min": _pass_through_only,
     "reduce_window_sum": _pass_through_only, "select_and_scatter_add": _pass_through_only,
@@ -227,7 +237,36 @@ def _run_conv(node: Any, args: list[Any], ins: list[Any], outs: list[Any], mesh:
     return [node.prim.bind(*args, **p)]
 
 
+def _run_random_bits(node: Any, args: list[Any], ins: list[Any], outs: list[Any], mesh: Mapping[str, int]
+                     ) -> list[Any]:
+    """This device's piece of `random_bits(key, shape)`. JAX's partitionable threefry (`jax_threefry_partitionable`,
+    the default) hashes each element's index in the whole array with the key, so a piece is the hash of its
+    elements' indices: computed here for those alone. Another key implementation, that flag off, or an array of
+    2**32 elements or more: the whole array is drawn and this device's piece sliced out (the same bits)."""
+    (key,), p, out = args, node.params, outs[0]
+    shape, local = tuple(p["shape"]), tuple(out.local_shape(mesh))
+    starts = [_index(axes) * n if axes else 0 for axes, n in zip(out.sharding.dims, local)]
+    if not (jax.config.jax_threefry_partitionable and str(jax.random.key_impl(key)) == "threefry2x32"
+            and math.prod(shape) < 2 ** 32):
+        whole = node.prim.bind(key, **p)
+        return [jax.lax.dynamic_slice(whole, [jnp.asarray(s, jnp.uint32) for s in starts], local)]
+    index = jnp.zeros(local, jnp.uint32)
+    stride = 1
+    for d in reversed(range(len(shape))):  # (the element's index in the whole array, row-major)
+        at = jax.lax.broadcasted_iota(jnp.uint32, local, d) + jnp.asarray(starts[d], jnp.uint32)
+        index = index + at * jnp.uint32(stride)
+        stride *= shape[d]
+    k = jax.random.key_data(key)
+    bits1, bits2 = threefry2x32_p.bind(k[0], k[1], jnp.zeros(local, jnp.uint32), index)
+    width = p["bit_width"]
+    if width == 64:
+        hi, lo = (jax.lax.convert_element_type(b, jnp.uint64) for b in (bits1, bits2))
+        return [jax.lax.shift_left(hi, jnp.asarray(32, jnp.uint64)) | lo]
+    bits = bits1 ^ bits2
+    return [bits if width == 32 else jax.lax.convert_element_type(bits, {8: jnp.uint8, 16: jnp.uint16}[width])]
+
+
 RUNNERS: dict[str, Runner] = {
     "gather": _run_gather, "scatter-add": _run_scatter, "scatter_add": _run_scatter,
-    "dynamic_slice": _run_dynamic_slice, "conv_general_dilated": _run_conv,
+    "dynamic_slice": _run_dynamic_slice, "conv_general_dilated": _run_conv, "random_bits": _run_random_bits,
 }

@@ -120,3 +120,31 @@ def test_vocab_split_embedding_gradient_scatters_locally(mesh):
     fn = lower_pcg(pcg)
     np.testing.assert_allclose(fn(*flat)[0], jax.jit(f)(table, ids, g), rtol=1e-6, atol=1e-6)
     assert hlo_collectives(fn.lower(*flat).compile().as_text()) == pcg.collectives()
+
+
+def test_random_bits_split_are_drawn_by_pieces_equal_to_the_whole(mesh):
+    """Dropout's mask and random bytes of a 3-D shape, split over both mesh axes and over one: each device draws
+    its own piece (JAX's partitionable threefry: the hash of each element's index), bit for bit those of the
+    whole array, with the plan's FLOPs. Before, the PCG drew the whole array on every device and sliced
+    it (8x the FLOPs and the memory: flax lm1b's step on CPU devices priced 14 ms more)."""
+    def f(key, x, w):
+        h = split(split(x, 0, "data") @ w, 1, "model")
+        keep = jax.random.bernoulli(key, 0.9, h.shape)
+        u = jax.random.bits(jax.random.fold_in(key, 1), (h.shape[0], 4, h.shape[1] // 4), jnp.uint8)
+        return jnp.where(keep, h / 0.9, 0.0) @ w.T, split(u, 2, "model"), split(keep, 1, "model")
+
+    args = (jax.random.key(3), jax.random.normal(jax.random.key(1), (64, 32)),
+            jax.random.normal(jax.random.key(2), (32, 128)))
+    c = shardc.auto(f, mesh=mesh, search=False).compiled_info(*args)
+    topo = as_topology("h100-sxm-8")
+    pcg = build_pcg(c.plan, c.closed_jaxpr, fuse=True, reduce_scatter=topo.reduce_scatter)
+    assert [tuple(map(bool, pcg.tensors[n.outputs[0]].sharding.dims)) for n in pcg.nodes
+            if isinstance(n.op, Compute) and n.op.primitive == "random_bits"] == [(True, True), (False, False, True)]
+    plan_sim, pcg_sim = simulate(c.plan, topo), simulate_pcg(pcg, topo).result
+    assert pcg_sim.flops == plan_sim.flops
+    g = lower_pcg(pcg)
+    got, want = g(*args), f(*args)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-3)
+    for a, b in zip(got[1:], want[1:]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert hlo_collectives(g.lower(*args).compile().as_text()) == pcg.collectives()
