@@ -12,7 +12,9 @@ checkout of google/flax, unmodified. Their `train_step` (TransformerLM, dropout,
   `utils.setup_initial_state` (`nn.logical_to_mesh_sharding` of the logical axis rules);
 * `@shardc.auto` with the same `in_shardings` / `out_shardings` and `rules=config.logical_axis_rules`;
 * `@shardc.auto` with nothing but the static and donated arguments (the state arrives committed to the
-  authors' mesh).
+  authors' mesh);
+* with `--pcg`, also `@shardc.auto(pcg=True)` bare: the searched meshes' plans rewritten by the proved rules
+  (issue 18); its `shardc.check` column says what the rewriting chose.
 
 Reported: loss and metrics after 3 steps, the largest parameter difference from `jax.jit` (AdamW turns a
 rounding-level sign flip of a near-zero gradient into a move of up to 2 lr per step), the compiled collectives,
@@ -97,7 +99,7 @@ def collectives(hlo: str) -> dict[str, int]:
             for k in KINDS}
 
 
-def run_mesh(mods: tuple, ici: tuple[int, int, int], rounds: int) -> dict[str, Any]:
+def run_mesh(mods: tuple, ici: tuple[int, int, int], rounds: int, pcg: bool = False) -> dict[str, Any]:
     train, models, utils, default = mods
     cfg = default.get_config()
     cfg.update(vocab_size=2048, per_device_batch_size=4, max_target_length=128, num_layers=2, qkv_dim=256,
@@ -128,6 +130,9 @@ def run_mesh(mods: tuple, ici: tuple[int, int, int], rounds: int) -> dict[str, A
             rules=cfg.logical_axis_rules),
         "@shardc.auto, bare": shardc.auto(train.train_step, static_argnums=(2, 3, 4), donate_argnums=0),
     }
+    if pcg:
+        steps["@shardc.auto(pcg=True), bare"] = shardc.auto(train.train_step, static_argnums=(2, 3, 4),
+                                                            donate_argnums=0, pcg=True)
     out: dict[str, Any] = {"mesh": dict(mesh.shape), "rows": {}}
     states = {}
     for name, f in steps.items():
@@ -141,6 +146,11 @@ def run_mesh(mods: tuple, ici: tuple[int, int, int], rounds: int) -> dict[str, A
             row["plan mesh"] = dict(plan.mesh_sizes)
             row["simulated"] = shardc.simulate(plan, shardc.Topology.preset("cpu-host")).step_time
             row["check"] = shardc.check(plan).summary()  # the plan is what runs: compiled vs simulated
+            if plan.pcg is not None:  # (what the rewriting chose; its collectives are the compiled ones below)
+                ch = plan.pcg
+                row["check"] = (f"rewritten PCG runs: {len(ch.steps)} rewrites, {ch.gain:.3f}x" if ch.chosen else
+                                f"plan runs ({len(ch.steps)} rewrites kept, PCG {ch.time * 1e6:.0f} us, plan "
+                                f"{ch.plan_time * 1e6:.0f} us); " + row["check"])
         row["collectives"] = collectives(f.lower(s, *args).compile().as_text())
         row["times"] = []
         states[name] = s
@@ -186,13 +196,14 @@ def main() -> None:
                     help="ici data,fsdp,tensor parallelism of each run, colon-separated")
     ap.add_argument("--rounds", type=int, default=8, help="timed steps per variant, round robin")
     ap.add_argument("--write", action="store_true", help="record the table in docs/benchmarks.md")
+    ap.add_argument("--pcg", action="store_true", help="also @shardc.auto(pcg=True) bare (issue 18)")
     args = ap.parse_args()
     mods = import_example(args.flax)
     results = []
     for spec in args.meshes.split(":"):
         ici = tuple(int(x) for x in spec.split(","))
         print(f"mesh data,fsdp,tensor = {ici}", flush=True)
-        results.append(run_mesh(mods, ici, args.rounds))
+        results.append(run_mesh(mods, ici, args.rounds, args.pcg))
     text = table(results)
     print(text)
     if args.write:
@@ -201,7 +212,7 @@ def main() -> None:
         commit = subprocess.run(["git", "-C", args.flax, "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip() or "?"
         write_section("upstream_lm1b", f"`python -m bench.upstream_lm1b --flax <google/flax checkout> --rounds "
-                      f"{args.rounds}` (google/flax at {commit}, its `examples/lm1b` train step unmodified, shrunk "
+                      f"{args.rounds}{' --pcg' if args.pcg else ''}` (google/flax at {commit}, its `examples/lm1b` train step unmodified, shrunk "
                       f"config; {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end, jax "
                       f"{jax.__version__}). AdamW at lr {results[0]['lr']:.1e}: a parameter difference up to "
                       f"{6 * results[0]['lr']:.1e} after 3 steps is a rounding-level sign flip of a near-zero "
