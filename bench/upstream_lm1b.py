@@ -149,8 +149,8 @@ def run_mesh(mods: tuple, ici: tuple[int, int, int], rounds: int, pcg: bool = Fa
             if plan.pcg is not None:  # (what the rewriting chose; its collectives are the compiled ones below)
                 ch = plan.pcg
                 row["check"] = (f"rewritten PCG runs: {len(ch.steps)} rewrites, {ch.gain:.3f}x" if ch.chosen else
-                                f"plan runs ({len(ch.steps)} rewrites kept, PCG {ch.time * 1e6:.0f} us, plan "
-                                f"{ch.plan_time * 1e6:.0f} us); " + row["check"])
+                                f"plan runs ({len(ch.steps)} rewrites kept, PCG {ch.time * 1e3:.0f} ms, plan "
+                                f"{ch.plan_time * 1e3:.0f} ms); " + row["check"])
         row["collectives"] = collectives(f.lower(s, *args).compile().as_text())
         row["times"] = []
         states[name] = s
