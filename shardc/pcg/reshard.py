@@ -114,6 +114,19 @@ def _same(a: Collective, b: Collective, exact: bool) -> bool:
     return a == b if exact else (a.kind, a.bytes) == (b.kind, b.bytes)
 
 
+def _applied_moves(s: Sharding, shape: tuple[int, ...], itemsize: int, mesh: Mapping[str, int]
+                   ) -> Iterator[tuple[ParallelOp, Sharding, Collective | None]]:
+    """Each parallel op `_moves` offers on `s` that admits it and leaves pieces that divide `shape`, with the
+    layout it makes and its collective (None for a local slice)."""
+    for op in _moves(s, mesh):
+        try:
+            t = op.apply(s)
+        except Exception:  # noqa: BLE001 - an op this layout does not admit
+            continue
+        if _divides(t, shape, mesh):
+            yield op, t, op_collective(op, s, shape, itemsize, mesh)
+
+
 def _step_ops(src: Sharding, dst: Sharding, colls: tuple[Collective, ...], shape: tuple[int, ...], itemsize: int,
               mesh: Mapping[str, int], reduce_scatter: bool, ordered: bool, exact: bool) -> list[ParallelOp] | None:
     """The fewest parallel ops from `src` to `dst` whose collectives are `colls` (in their order when
@@ -126,14 +139,7 @@ def _step_ops(src: Sharding, dst: Sharding, colls: tuple[Collective, ...], shape
         (s, left), path = queue.popleft()
         if s == dst and not left:
             return path
-        for op in _moves(s, mesh):
-            try:
-                t = op.apply(s)
-            except Exception:  # noqa: BLE001 - an op this layout does not admit
-                continue
-            if not _divides(t, shape, mesh):
-                continue
-            c = op_collective(op, s, shape, itemsize, mesh)
+        for op, t, c in _applied_moves(s, shape, itemsize, mesh):
             if c is None:
                 if reshard_steps(s, t, shape, itemsize, mesh, reduce_scatter) != ((t, ()),):
                     continue  # XLA would not do this by a local slice
@@ -168,14 +174,7 @@ def _cheapest_ops(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize
             return path
         if cost > best.get(s, cost) or len(path) >= max_ops:
             continue
-        for op in _moves(s, mesh):
-            try:
-                t = op.apply(s)
-            except Exception:  # noqa: BLE001 - an op this layout does not admit
-                continue
-            if not _divides(t, shape, mesh):
-                continue
-            c = op_collective(op, s, shape, itemsize, mesh)
+        for op, t, c in _applied_moves(s, shape, itemsize, mesh):
             if reshard_steps(s, t, shape, itemsize, mesh, reduce_scatter) != ((t, () if c is None else (c,)),):
                 continue  # XLA would not make this change as this op
             new = (cost[0] + (c.bytes if c is not None else 0), cost[1] + (c is not None), cost[2] + 1)
