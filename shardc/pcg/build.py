@@ -29,8 +29,8 @@ from shardc.pcg.graph import PCG, Compute, GraphBuilder
 from shardc.pcg.ops import (AllToAll, Combine, CollectivePermute, ParallelOp, Partition, Reduce, ReduceScatter,
                             ReduceScatterDims, group_size)
 from shardc.pcg.local_ops import LOCAL_CHECKS, is_local
-from shardc.pcg.split_index import INDEX_REDUCTIONS, split_index_reduction
 from shardc.pcg.reshard import xla_ops
+from shardc.pcg.split_index import INDEX_REDUCTIONS, split_index_reduction
 from shardc.plan import Plan, lowers_reduce_scatter
 from shardc.rules.core import SELF_COMBINED
 from shardc.rules.elementwise import BINARY_ELEMENTWISE, NARY_ELEMENTWISE, UNARY_ELEMENTWISE
