@@ -282,5 +282,13 @@ def lower_pcg(pcg: PCG, *, jit: bool = True, strict: bool = True) -> Callable[..
             raise ShardingError(f"PCG input/output {pcg.tensors[t].name} holds partial sums ({s}); reduce it first")
     in_specs = tuple(pcg.tensors[t].sharding.spec() for t in pcg.inputs)
     out_specs = [pcg.tensors[t].sharding.spec() for t in pcg.outputs]
-    f = jax.shard_map(pcg_function(pcg, strict=strict), mesh=pcg.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    mapped = jax.shard_map(pcg_function(pcg, strict=strict), mesh=pcg.mesh, in_specs=in_specs, out_specs=out_specs,
+                           check_vma=False)
+
+    def f(*args: Any) -> list[Any]:
+        # under the PCG's (Auto) mesh, also when called under a `jax.set_mesh` of Explicit axes (flax's NNX
+        # examples run their train step so): shard_map wants the context mesh to be its own
+        with jax.sharding.use_abstract_mesh(pcg.mesh.abstract_mesh):
+            return mapped(*args)
+
     return jax.jit(f) if jit else f

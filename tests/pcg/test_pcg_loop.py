@@ -185,3 +185,25 @@ def test_pcg_rewriting_of_a_plan_for_more_devices_than_the_host(monkeypatch, arg
     plan = shardc.plan_for(two_branch, *args, topology="h100-sxm-8x8", pcg=True, budget_s=0.5)
     assert math.prod(plan.mesh_sizes.values()) == 64 and len(plan_digest(plan)) == 32
     assert plan.pcg is not None  # (its rewriting, made by the search or for the plan chosen)
+
+
+def test_a_chosen_pcg_runs_under_a_set_mesh_of_explicit_axes():
+    """Flax's NNX examples call their train step under `jax.set_mesh` of a mesh with Explicit axes; a chosen PCG's
+    `shard_map` lowering is traced there too and runs on its own mesh, as the plan's lowering does. Before, JAX
+    refused the call (the context mesh must be the shard_map's): `shardc.auto(pcg=True)` on flax's Gemma example."""
+    from jax.sharding import AxisType
+
+    from shardc.pcg import lower_pcg
+
+    def f(x, w1, w2):
+        h = jax.nn.relu(split(x, 0, "data") @ split(w1, 1, "model"))
+        return split(h @ split(w2, 0, "model"), 1, "model")
+
+    k = jax.random.split(jax.random.key(3), 3)
+    args = (jax.random.normal(k[0], (64, 256)), jax.random.normal(k[1], (256, 512)),
+            jax.random.normal(k[2], (512, 256)))
+    pcg = build_pcg(shardc.plan(f, *args, mesh=shardc.make_mesh({"data": 2, "model": 4}), search=False))
+    explicit = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:8])
+    with jax.set_mesh(explicit):
+        (got,) = lower_pcg(pcg)(*args)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(f(*args)), rtol=1e-4, atol=1e-3)
