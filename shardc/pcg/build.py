@@ -30,7 +30,7 @@ from shardc.pcg.ops import (AllToAll, Combine, CollectivePermute, ParallelOp, Pa
                             ReduceScatterDims, group_size)
 from shardc.pcg.local_ops import LOCAL_CHECKS, is_local
 from shardc.pcg.reshard import xla_ops
-from shardc.pcg.split_index import INDEX_REDUCTIONS, split_index_reduction
+from shardc.pcg.split_index import INDEX_REDUCTIONS, split_axes, split_index_reduction
 from shardc.plan import Plan, lowers_reduce_scatter
 from shardc.rules.core import SELF_COMBINED
 from shardc.rules.elementwise import BINARY_ELEMENTWISE, NARY_ELEMENTWISE, UNARY_ELEMENTWISE
@@ -299,15 +299,10 @@ class Scope:
                 self.vmap[v] = self.reshard(t, plan.shardings[v], f"{op.primitive} of {graph.values[v].name}")
             return
         strat, rule = plan.strategies[op.id], op.rule
-        if op.primitive in INDEX_REDUCTIONS and not op.conservative and _layouts_agree(rule, strat, sizes):
-            out = split_index_reduction(self, op, eqn, ins[0], strat.factor_axes)  # (None: its dim is whole)
-            if out is not None:
-                v = op.outputs[0]
-                self.vmap[v] = self.reshard(out, plan.shardings[v], ctx.causes.get((v, None)) or
-                                            f"{graph.values[v].name} is {plan.shardings[v]}")
-                return
+        pieces = split_axes(op, eqn, strat, sizes, b.tensors[ins[0]].shape) \
+            if op.primitive in INDEX_REDUCTIONS and not op.conservative and _layouts_agree(rule, strat, sizes) else None
         partial = strat.partial_axes(rule)
-        local = _is_local(op, strat, partial, sizes)
+        local = pieces is not None or _is_local(op, strat, partial, sizes)
         args = []
         unread = ctx.unread(op)
         for i, (v, t, dims) in enumerate(zip(op.inputs, ins, rule.operands)):
@@ -321,9 +316,22 @@ class Scope:
                 continue
             cause = ctx.causes.get((v, op.id)) or f"{op.primitive} needs {graph.values[v].name} as {need}"
             args.append(self.reshard(t, need, cause))
+        if pieces is not None:  # (an argmax over a split dim: by pieces, `shardc.pcg.split_index`)
+            outs = [split_index_reduction(self, op, eqn, args[0], pieces)]
+        else:
+            outs = self._compute(op, eqn, args, strat, partial, local)
+        for v, t in zip(op.outputs, outs):
+            cause = ctx.causes.get((v, None)) or f"{graph.values[v].name} is {plan.shardings[v]}"
+            self.vmap[v] = self.reshard(t, plan.shardings[v], cause)
+
+    def _compute(self, op: Any, eqn: Any, args: list[int], strat: Any, partial: frozenset[str], local: bool
+                 ) -> list[int]:
+        """The compute node of plan op `op` on tensors `args` (on local pieces, or `local` False: whole), its
+        results in the layouts its strategy makes."""
+        b, rule, sizes = self.b, op.rule, self.ctx.sizes
         outs = []
         for v, dims in zip(op.outputs, rule.results):
-            val = graph.values[v]
+            val = self.ctx.graph.values[v]
             made = Sharding(strat.tensor_sharding(rule, dims, sizes).dims, partial) if local \
                 else Sharding(((),) * val.rank)
             outs.append(b.add_tensor(val.shape, val.dtype, made, val.name, rule.reduce_op))
@@ -332,9 +340,7 @@ class Scope:
         if op.primitive in REMATERIALIZE and all(b.tensors[a].rank == 0 and not b.tensors[a].sharding.partial
                                                  for a in args) and not partial:
             self.made_by[outs[0]] = (compute, args)
-        for v, t in zip(op.outputs, outs):
-            cause = ctx.causes.get((v, None)) or f"{graph.values[v].name} is {plan.shardings[v]}"
-            self.vmap[v] = self.reshard(t, plan.shardings[v], cause)
+        return outs
 
     def outer(self, v: int | None, const: Any) -> int:
         """The tensor of a region operand: graph value `v`, or a literal made a constant here."""

@@ -18,7 +18,7 @@ them as any others.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -26,33 +26,34 @@ import numpy as np
 from shardc.pcg.graph import Compute
 from shardc.sharding import Sharding
 
-__all__ = ["INDEX_REDUCTIONS", "split_index_reduction"]
+__all__ = ["INDEX_REDUCTIONS", "split_axes", "split_index_reduction"]
 
 # argmax / argmin -> the reduction giving each piece's best value
 INDEX_REDUCTIONS = {"argmax": jax.lax.reduce_max_p, "argmin": jax.lax.reduce_min_p}
 
 
-def split_index_reduction(scope: Any, op: Any, eqn: Any, operand: int, factor_axes: Sequence[Sequence[str]]
-                          ) -> int | None:
-    """The result tensor of plan op `op` (an argmax/argmin, jaxpr equation `eqn`) computed from the PCG tensor
-    `operand` by pieces, when its strategy (`factor_axes`, per factor its mesh axes) splits the reduced dim into
-    equal pieces; None otherwise (the caller runs it on the whole operand). The result is in the layout the
-    strategy gives it (the reduced dim's axes dropped)."""
-    rule, sizes, b = op.rule, scope.ctx.sizes, scope.b
+def split_axes(op: Any, eqn: Any, strat: Any, sizes: Mapping[str, int], shape: Sequence[int]
+               ) -> tuple[str, ...] | None:
+    """The mesh axes plan op `op` (an argmax/argmin, jaxpr equation `eqn`, on an operand of `shape`) splits its
+    reduced dim over under strategy `strat`, when they cut it into equal pieces; None otherwise (it runs on the
+    whole operand)."""
     (dim,) = eqn.params["axes"]
-    factors = rule.operands[0][dim]
-    if len(factors) != 1 or not factor_axes[factors[0]]:
+    factors = op.rule.operands[0][dim]
+    if len(factors) != 1 or not strat.factor_axes[factors[0]]:
         return None
-    axes = tuple(factor_axes[factors[0]])
-    pieces = math.prod(sizes[a] for a in axes)
-    shape = b.tensors[operand].shape
-    if shape[dim] % pieces:
-        return None
-    strat = scope.ctx.plan.strategies[op.id]
-    need = strat.tensor_sharding(rule, rule.operands[0], sizes)
-    operand = scope.reshard(operand, need, f"{op.primitive} needs {b.tensors[operand].name or 'its operand'} as {need}")
-    dims, dtype, index = need.dims, b.tensors[operand].dtype, eqn.params["index_dtype"]
-    name = b.tensors[operand].name
+    axes = tuple(strat.factor_axes[factors[0]])
+    return None if shape[dim] % math.prod(sizes[a] for a in axes) else axes
+
+
+def split_index_reduction(scope: Any, op: Any, eqn: Any, operand: int, axes: tuple[str, ...]) -> int:
+    """The result tensor of plan op `op` (an argmax/argmin, jaxpr equation `eqn`) computed by pieces from the PCG
+    tensor `operand`, laid out as the op's strategy needs it (its reduced dim split over `axes`, `split_axes`). The
+    result is in the layout the strategy gives it (the reduced dim dropped)."""
+    b = scope.b
+    (dim,) = eqn.params["axes"]
+    pieces = math.prod(scope.ctx.sizes[a] for a in axes)
+    shape, dims = b.tensors[operand].shape, b.tensors[operand].sharding.dims
+    dtype, index, name = b.tensors[operand].dtype, eqn.params["index_dtype"], b.tensors[operand].name
 
     def node(prim: Any, params: dict, args: list[int], shape: Sequence[int], dtype: Any, dims: Sequence[Any],
              what: str) -> int:
