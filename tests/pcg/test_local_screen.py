@@ -10,7 +10,7 @@ from shardc.pcg import build_pcg, optimize
 from shardc.pcg.local_screen import local_gain, neighbourhood, sub_pcg
 from shardc.pcg.match import apply_match, apply_matches, find_matches, independent
 from shardc.pcg.simcost import SimCost, simulate_pcg
-from tests.pcg.test_pcg_simcost import pcg_of, rule
+from tests.pcg.test_pcg_simcost import pcg_of, rule, two_layers, two_layers_args
 
 
 @pytest.fixture(scope="module")
@@ -18,17 +18,9 @@ def mesh():
     return shardc.make_mesh({"data": 2, "model": 4})
 
 
-def _two_layers(x, w1, w2):
-    h = jax.nn.relu(split(x, 0, "data") @ split(w1, 1, "model"))
-    return split(h @ split(w2, 0, "model"), 1, "model")
-
-
 @pytest.fixture(scope="module")
 def layers_pcg(mesh):
-    k = jax.random.split(jax.random.key(3), 3)
-    args = (jax.random.normal(k[0], (64, 256)), jax.random.normal(k[1], (256, 512)),
-            jax.random.normal(k[2], (512, 256)))
-    return build_pcg(shardc.plan(_two_layers, *args, mesh=mesh, search=False))
+    return build_pcg(shardc.plan(two_layers, *two_layers_args(), mesh=mesh, search=False))
 
 
 def test_a_neighbourhood_cut_out_keeps_its_boundary(layers_pcg):
@@ -99,12 +91,12 @@ def test_screening_finds_the_lookahead_sequence_and_prices_its_steps_in_full(mes
 
 
 def _repeated_layers_pcg(mesh, layers, seed):
-    """The PCG of `layers` two-layer MLPs alike (`_two_layers` on their own inputs and weights)."""
+    """The PCG of `layers` two-layer MLPs alike (`two_layers` on their own inputs and weights)."""
     k = jax.random.split(jax.random.key(seed), 3 * layers)
     xs = [jax.random.normal(k[i], (64, 256)) for i in range(layers)]
     w1s = [jax.random.normal(k[layers + i], (256, 512)) for i in range(layers)]
     w2s = [jax.random.normal(k[2 * layers + i], (512, 256)) for i in range(layers)]
-    return pcg_of(lambda xs, w1s, w2s: [_two_layers(*a) for a in zip(xs, w1s, w2s)], mesh, xs, w1s, w2s)
+    return pcg_of(lambda xs, w1s, w2s: [two_layers(*a) for a in zip(xs, w1s, w2s)], mesh, xs, w1s, w2s)
 
 
 def test_a_screened_rewrite_of_repeated_layers_is_verified_with_all_its_layers(mesh):

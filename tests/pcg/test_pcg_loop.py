@@ -194,16 +194,11 @@ def test_a_chosen_pcg_runs_under_a_set_mesh_of_explicit_axes():
     from jax.sharding import AxisType
 
     from shardc.pcg import lower_pcg
+    from tests.pcg.test_pcg_simcost import two_layers, two_layers_args
 
-    def f(x, w1, w2):
-        h = jax.nn.relu(split(x, 0, "data") @ split(w1, 1, "model"))
-        return split(h @ split(w2, 0, "model"), 1, "model")
-
-    k = jax.random.split(jax.random.key(3), 3)
-    args = (jax.random.normal(k[0], (64, 256)), jax.random.normal(k[1], (256, 512)),
-            jax.random.normal(k[2], (512, 256)))
-    pcg = build_pcg(shardc.plan(f, *args, mesh=shardc.make_mesh({"data": 2, "model": 4}), search=False))
+    args = two_layers_args()
+    pcg = build_pcg(shardc.plan(two_layers, *args, mesh=shardc.make_mesh({"data": 2, "model": 4}), search=False))
     explicit = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:8])
     with jax.set_mesh(explicit):
         (got,) = lower_pcg(pcg)(*args)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(f(*args)), rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(two_layers(*args)), rtol=1e-4, atol=1e-3)

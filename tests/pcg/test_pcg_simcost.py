@@ -27,6 +27,18 @@ def pcg_of(f, mesh, *args, fuse=False):
     return build_pcg(c.plan, c.closed_jaxpr, fuse=fuse)
 
 
+def two_layers(x, w1, w2):
+    """Two dense layers, the hidden dim split over `model` (Megatron's pairing), the batch over `data`."""
+    h = jax.nn.relu(split(x, 0, "data") @ split(w1, 1, "model"))
+    return split(h @ split(w2, 0, "model"), 1, "model")
+
+
+def two_layers_args():
+    k = jax.random.split(jax.random.key(3), 3)
+    return (jax.random.normal(k[0], (64, 256)), jax.random.normal(k[1], (256, 512)),
+            jax.random.normal(k[2], (512, 256)))
+
+
 def rule(name):
     r = next(r for r in library_rules() if r.name == name)
     assert verify_rule(r).proved
@@ -294,14 +306,7 @@ def test_a_rewrite_that_does_not_pay_is_priced_without_the_memory_model(mesh, mo
 def test_a_faster_pcg_over_the_memory_limit_is_never_kept(mesh):
     """`SimCost.below(pcg, bound)`: a PCG slower than the bound costs its step time, whatever its memory; one faster
     than the bound must fit the memory limit, or it costs infinity."""
-    def f(x, w1, w2):
-        h = jax.nn.relu(split(x, 0, "data") @ split(w1, 1, "model"))
-        return split(h @ split(w2, 0, "model"), 1, "model")
-
-    k = jax.random.split(jax.random.key(3), 3)
-    args = (jax.random.normal(k[0], (64, 256)), jax.random.normal(k[1], (256, 512)),
-            jax.random.normal(k[2], (512, 256)))
-    pcg = pcg_of(f, mesh, *args, fuse=True)
+    pcg = pcg_of(two_layers, mesh, *two_layers_args(), fuse=True)
     t = SimCost("h100-sxm-8")(pcg)
     nothing_fits = SimCost("h100-sxm-8", memory_limit=1.0)
     assert nothing_fits.below(pcg, t / 2) == t and nothing_fits.simulations == 1
