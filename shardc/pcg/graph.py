@@ -60,9 +60,14 @@ def _dtype(dtype: Any) -> Any:
     return np.dtype(dtype)
 
 
+# JAX's sharding-in-types annotations of an op's result: the lowering drops them (a PCG's ops run on local
+# pieces inside `shard_map`), so two ops that differ only there are one op (to the PCG's key and XLA's CSE alike)
+SHARDING_PARAMS = ("sharding", "out_sharding")
+
+
 def _param_key(params: Mapping[str, Any]) -> str:
     try:
-        text = repr(sorted(params.items(), key=lambda kv: kv[0]))
+        text = repr(sorted(((k, v) for k, v in params.items() if k not in SHARDING_PARAMS), key=lambda kv: kv[0]))
     except Exception:  # pragma: no cover - exotic params
         text = str(id(params))
     return hashlib.sha1(text.encode()).hexdigest()[:12]

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from annotations.errors import ShardingError
-from shardc.pcg.graph import PCG, Compute, Node, Region, Tensor
+from shardc.pcg.graph import PCG, SHARDING_PARAMS, Compute, Node, Region, Tensor
 from shardc.pcg.local_ops import RUNNERS
 from shardc.pcg.ops import (AllToAll, Combine, CollectivePermute, ParallelOp, Partition, Reduce, ReduceScatter,
                             ReduceScatterDims, Replicate, Shuffle, group_size)
@@ -175,10 +175,7 @@ def _compute(node: Node, op: Compute, args: list[Any], pcg: PCG) -> list[Any]:
         params = op.params
     else:
         params = LOCALIZE.get(op.primitive, lambda n, i, o, m: dict(n.params))(op, ins, outs, mesh)
-        if "sharding" in params:
-            params["sharding"] = None
-        if "out_sharding" in params:
-            params["out_sharding"] = None
+        params.update((k, None) for k in SHARDING_PARAMS if k in params)
         res = op.prim.bind(*args, **params)
         res = list(res) if op.prim.multiple_results else [res]
     if op.primitive == "iota":

@@ -281,3 +281,22 @@ A_LOOP_NOTHING_READS = Program(mesh=(('x', 2), ('y', 1), ('z', 4)), steps=(
 
 def test_a_loop_no_result_of_which_is_read_has_no_collective():
     pcg_check.check_pcg(A_LOOP_NOTHING_READS, search=True)
+
+
+# Fuzz seed 4701 (`bench/fuzz.py --pcg --search`, 2026-12-03), shrunk: the gradient sums one value over dim 0 twice,
+# once through a reshape that changes nothing; JAX gives the second `reduce_sum` an `out_sharding` annotation the
+# first lacks. XLA computes one sum and all-reduces it once; the PCG keyed the two ops apart by that annotation (its
+# lowering drops it) and named one all-reduce more than ran (three named, two compiled).
+SUMS_APART_BY_A_SHARDING_ANNOTATION = Program(mesh=(('x', 2), ('y', 2), ('z', 2)), steps=(
+    Step(kind='input', args=(), attrs=(('meta', (None, ('z', 'x'), 'y')),), shape=(1, 16, 16), dtype='float32'),
+    Step(kind='einsum', args=(0, 0), attrs=(('spec', 'abc,abc->c'),), shape=(16,), dtype='float32'),
+    Step(kind='hint', args=(1,), attrs=(('how', 'shard'), ('spec', (('y',),))), shape=(16,), dtype='float32'),
+    Step(kind='broadcast', args=(2,), attrs=(('pos', 0),), shape=(4, 16), dtype='float32'),
+    Step(kind='binary', args=(3, 1), attrs=(('fn', 'add'),), shape=(4, 16), dtype='float32'),
+    Step(kind='input', args=(), attrs=(), shape=(4, 1), dtype='float32'),
+    Step(kind='scatter_add', args=(4, 5), attrs=(('dim', 1), ('indices', (4,))), shape=(4, 16), dtype='float32')),
+    outputs=(6, 2), step_mode=False, const_cotangents=False)
+
+
+def test_ops_apart_only_by_a_sharding_annotation_are_one():
+    pcg_check.check_pcg(SUMS_APART_BY_A_SHARDING_ANNOTATION, seed=4701, search=True)
