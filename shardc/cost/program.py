@@ -683,15 +683,18 @@ def _with_loop_inits(graph: Graph, canon: Sequence[int], fused: Sequence[bool], 
 def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], fused: Sequence[bool],
                      loop: Sequence[bool], recompute: frozenset[tuple[int, int]] = frozenset(),
                      transposed: Mapping[int, int] | None = None, limit: int = 64,
-                     consumers: Sequence[Sequence[int]] | None = None, loops: Mapping[int, int] | None = None
-                     ) -> tuple[tuple[int, ...], ...]:
+                     consumers: Sequence[Sequence[int]] | None = None, loops: Mapping[int, int] | None = None,
+                     absorbed: Collection[int] = frozenset()) -> tuple[tuple[int, ...], ...]:
     """Per op, the materialised values whose buffer XLA may give the op's result: XLA's buffer assignment lets an
     instruction's result take the buffer of an operand that dies there when they have one shape
     (HloDataflowAnalysis::CanShareOperandBufferWithUser); for a loop fusion, when everything the fusion computes
     from that operand is elementwise (`AreTransitiveUsesElementwiseOrTuple`). So: an elementwise op emitted in a
     loop fusion, and the values of its result's shape and dtype it reads directly or through fused elementwise
     producers of that shape only (a value also read through a fused broadcast, reshape or reduction is not one);
-    cheap work the fusion recomputes (`recompute`) is not one (the fusion does not read its buffer). A fused
+    cheap work the fusion recomputes (`recompute`) is not one (the fusion does not read its buffer), and the walk
+    stops at a value computed inside a library fusion (`absorbed`): what recomputes from it reads that fusion's
+    result, not the values the fusion read (a shift `x - max` recomputed from the max a `reduce_max` library
+    fusion made reads x elementwise; the reduction reading x is not the fusion's). A fused
     value it reads so is one: where the plan reads it in another layout than it is computed in, the fusion reads
     a reshard's result, a buffer of the result's shape (XLA writes an elementwise result over an all-gather's
     output); where it does not, the value has no buffer to take. Whether the value dies there, and in one layout,
@@ -737,7 +740,7 @@ def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], f
                 if loops and fused[c] and c in loops:
                     (ok if good else bad).add(loops[c])  # (the loop's buffer)
                     continue
-                if (fused[c] or (o.id, c) in recompute) and p is not None:
+                if (fused[c] or (o.id, c) in recompute) and p is not None and c not in absorbed:
                     q = graph.ops[p].primitive
                     stack.append((graph.ops[p], good and (q in _ELEMENTWISE_OPS or q in ALIASES)))
                     if not fused[c]:
@@ -2252,7 +2255,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     preset = _preset_state(graph, live, canon, constant, carried) if backend == "cpu" else frozenset()
     transposed = transposed_dots(graph, live, canon, consumers) if backend == "cpu" else {}
     inplace = (inplace_operands(graph, live, canon, fused, loop, recompute, transposed, consumers=consumers,
-                                loops=loops) if backend == "cpu" else ())
+                                loops=loops, absorbed=absorbed) if backend == "cpu" else ())
     if loops:
         inplace = _with_loop_inits(graph, canon, fused, loops, inplace)
     nested = nested_loop_buffers(graph, canon, consumers, loops, inplace) if loops else frozenset()
