@@ -714,7 +714,7 @@ class MemoryModel:
             c = self.info.canon[op.inputs[i]]
             s = next((s for k, s, _ in keys if k == c), None)
             if s is not None:
-                start = min(self._copy_start(c), at) if COPIES_EARLY else at
+                start = min(self._copy_start(op.id, c), at) if COPIES_EARLY else at
                 out.append((start, at, int(self.graph.values[c].dtype.itemsize) * math.prod(self.keys.local_shape(c, s))))
         if op.primitive in CUMULATIVE and task.outs:  # (the reduce-window levels it is computed from)
             axis = int(op.params.get("axis", 0))
@@ -813,9 +813,14 @@ class MemoryModel:
         op, canon, idx = self.graph.ops[op_id], self.info.canon, self.info.copies[op_id]
         return frozenset(canon[op.inputs[i]] for i in idx) - {canon[v] for j, v in enumerate(op.inputs) if j not in idx}
 
-    def _copy_start(self, c: int) -> int:
-        """Where the breadth-first schedule makes a dot decomposition's copy of value `c`: as soon as `c` exists,
-        or, when `c` is cheap elementwise work, with `c` itself (the copy is a fusion recomputing it)."""
+    def _copy_start(self, dot: int, c: int) -> int:
+        """Where the breadth-first schedule makes dot `dot`'s copy of value `c`: where the queue runs the copy's
+        instruction (`ProgramInfo.copied_at`: after what was queued before it, not always as soon as `c` exists);
+        else (inside a loop body) as soon as `c` exists, or, when `c` is cheap elementwise work, with `c` itself
+        (the copy is a fusion recomputing it)."""
+        before = self.info.copied_at.get((dot, c)) if self.info.copied_at else None
+        if before is not None:
+            return 2 * before + 1
         p = self.graph.values[c].producer
         if p is not None and self.info.eager and c in self.info.cheap:
             return 2 * self.order[p]
@@ -965,7 +970,7 @@ class MemoryModel:
                     pos = self._position(slot, i, d, read=True, late=late[i])
                     c = self.keys.key_list[d][0]
                     if i == slot.at and c in copied:  # the dot reads its copy
-                        pos = min(pos, self._copy_start(c))
+                        pos = min(pos, self._copy_start(slot.op, c))
                     plain[d] = max(plain.get(d, -1), pos)
                     if fused_in and until.get(c, -1) >= 0:
                         extended.add(d)

@@ -309,6 +309,8 @@ class ProgramInfo:
     # the wider buffer its producer writes (`shardc.cost.wide_results`: XLA:CPU's threefry words)
     read: tuple[bool, ...] = ()  # per canonical value: the compiled program reads it (`read_values`); a result
     # no one reads is not resharded to its planned layout
+    copied_at: Mapping[tuple[int, int], int] = dataclasses.field(default_factory=dict)  # (XLA:CPU) a dot's copy of an
+    # operand (dot, canonical operand: `copies`) -> the position of the op run before it (`_breadth_first`)
     queued_at: Mapping[tuple[int, int], int] = dataclasses.field(default_factory=dict)  # (XLA:CPU) a plan's queued
     # reshard (op, canonical operand: `queued_reshards`) -> the position of the op run before its collective
 
@@ -1156,7 +1158,8 @@ def _is_matmul(graph: Graph, i: int) -> bool:
 def _queued_units(graph: Graph, ops: Sequence[int], depth: int, canon: list[int], constant: list[bool],
                   fused: list[bool], copied: Collection[int], post: Sequence[int],
                   library: Mapping[int, int] | None = None,
-                  recomputed: Recomputations | None = None, chains: Mapping[int, tuple[int, int]] | None = None
+                  recomputed: Recomputations | None = None, chains: Mapping[int, tuple[int, int]] | None = None,
+                  copy_units: dict[int, tuple[int, int]] | None = None
                   ) -> tuple[dict[int, list[int]], list[tuple[list[int], list[int]]]]:
     """The breadth-first schedule of `ops` (live op ids in program order: the whole program at `depth` 1, else
     the body of a region nested at `depth` - 1; see `_breadth_first`): per unit — a region nested at `depth`,
@@ -1166,7 +1169,8 @@ def _queued_units(graph: Graph, ops: Sequence[int], depth: int, canon: list[int]
     recomputing a materialised cheap value waits for what it is computed from (`recomputed.reads`), and a dot's
     copy of an operand (`recomputed.copies`) is a unit of no ops that the dot waits for (`_add_copy_units`), and so
     are the instructions of a plan's reshard an op waits for (`chains`: unit id -> (op, value), filled here from
-    `graph`'s `queued_reshards`; the whole program's level only: `_add_chain_units`)."""
+    `graph`'s `queued_reshards`; the whole program's level only: `_add_chain_units`; `copy_units` likewise gets the
+    copies' units: `_add_copy_units`)."""
     # (a loop's results — its `at="out"` ties — exist once the loop has run: after the rest of its body)
     results = [i for i in ops if depth > 1 and loop_exit(graph.ops[i])]
     if results:
@@ -1217,7 +1221,8 @@ def _queued_units(graph: Graph, ops: Sequence[int], depth: int, canon: list[int]
         elif COPIED_READERS_REVERSED and c in copied and not fused[c]:
             succs[u] = sorted(succs[u], key=lambda w: -post[w])  # (`_breadth_first`: fusions made consumers first)
     if recomputed and recomputed.copies:
-        _add_copy_units(graph, canon, unit, members, preds, succs, recomputed.copies, post)
+        _add_copy_units(graph, canon, unit, members, preds, succs, recomputed.copies, post,
+                        copy_units if depth == 1 else None)
     if chains is not None and depth == 1:
         _add_chain_units(graph, canon, unit, members, preds, succs, chains)
     waiting = {u: len(p) for u, p in preds.items()}
@@ -1298,13 +1303,14 @@ def _recomputations(graph: Graph, canon: Sequence[int], constant: Sequence[bool]
 
 def _add_copy_units(graph: Graph, canon: Sequence[int], unit: Mapping[int, int], members: dict[int, list[int]],
                     preds: dict[int, set[int]], succs: dict[int, list[int]],
-                    copies: Mapping[int, Mapping[int, tuple[int, ...]]], post: Sequence[int]) -> None:
+                    copies: Mapping[int, Mapping[int, tuple[int, ...]]], post: Sequence[int],
+                    copy_units: dict[int, tuple[int, int]] | None = None) -> None:
     """Give each dot of `members` that copies an operand (`copies`: dot -> {operand: what the copy reads}) a unit
     of its own for the copy (an id past the ops'), which the dot waits for: XLA's dot decomposition makes the
     copy an instruction, the dot's operand in place of the value. A copy of a value's buffer takes the dot's
     place among the value's users; a copy of a materialised cheap value recomputes it, so it waits for what it is
     computed from instead, and is queued after their other users (the copies' dots consumers first: reverse post
-    order, as fusion makes them)."""
+    order, as fusion makes them). `copy_units` gets each copy's unit id -> (dot, canonical operand)."""
     n = len(graph.ops)
     made = 0
     for dot in sorted((u for u in members if u in copies and members[u] == [u]), key=lambda u: -post[u]):
@@ -1316,6 +1322,8 @@ def _add_copy_units(graph: Graph, canon: Sequence[int], unit: Mapping[int, int],
                 continue  # (it reads the value's instruction otherwise too)
             copy = n + made
             made += 1
+            if copy_units is not None:
+                copy_units[copy] = (dot, c)
             members[copy] = []
             succs[copy] = [dot]
             at = succs[unit[own]].index(dot)
@@ -1367,7 +1375,7 @@ def _breadth_first(graph: Graph, live: list[bool], canon: list[int], constant: l
                    consumers: list[list[int]], copied: Collection[int] = frozenset(), post: Sequence[int] = (),
                    library: Mapping[int, int] | None = None,
                    recomputed: Recomputations | None = None
-                   ) -> tuple[list[int], list[int], dict[tuple[int, int], int]]:
+                   ) -> tuple[list[int], list[int], dict[tuple[int, int], int], dict[tuple[int, int], int]]:
     """Per op, its position in XLA:CPU's schedule: breadth first (BFSMemoryScheduler, XLA:CPU's default
     since `xla_cpu_enable_concurrency_optimized_scheduler`): an instruction runs as soon as its operands
     exist, in the order they became ready — so what depends only on the arguments (a parameter's
@@ -1394,15 +1402,19 @@ def _breadth_first(graph: Graph, live: list[bool], canon: list[int], constant: l
     17% under before)."""
     no = len(graph.ops)
     chains: dict[int, tuple[int, int]] = {}
+    copy_units: dict[int, tuple[int, int]] = {}
     runs, groups = _queued_units(graph, [op.id for op in graph.ops if live[op.id]], 1, canon, constant, fused,
-                                 copied, post, library, recomputed, chains)
+                                 copied, post, library, recomputed, chains, copy_units)
     order = [-1] * no
     queued_at: dict[tuple[int, int], int] = {}  # (op, operand) of a queued reshard -> the op run before its collective
+    copied_at: dict[tuple[int, int], int] = {}  # (dot, operand) of a dot's copy -> the op run before the copy
     pos = 0
     for ran, _ in groups:
         for u in ran:
             if u in chains:
                 queued_at[chains[u]] = pos - 1
+            if u in copy_units:
+                copied_at[copy_units[u]] = pos - 1
             for i in runs[u]:
                 order[i] = pos
                 pos += 1
@@ -1416,7 +1428,7 @@ def _breadth_first(graph: Graph, live: list[bool], canon: list[int], constant: l
         for u in ran:
             for i in runs[u]:
                 batch[i] = max(batch[i], end)
-    return order, batch, queued_at
+    return order, batch, queued_at, copied_at
 
 
 def _first_readers(graph: Graph, live: Sequence[bool], order: Sequence[int], fused: Sequence[bool],
@@ -2232,10 +2244,11 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                       if loop[u] and RECOMPUTE_IN_LOOPS and not tree_reduced(graph, graph.ops[u]) or into_copy(u)]
             if fusing:
                 dup[c] = fusing
-    order, batch, queued_at = (_breadth_first(graph, live, canon, constant, fused, consumers, copied, post,
-                                              groups if LIBRARY_FUSION_UNITS else None,
-                                              _recomputations(graph, canon, constant, fused, cheap, copies, dup))
-                               if backend == "cpu" else (list(range(no)), [], {}))
+    order, batch, queued_at, copied_at = (_breadth_first(graph, live, canon, constant, fused, consumers, copied, post,
+                                                         groups if LIBRARY_FUSION_UNITS else None,
+                                                         _recomputations(graph, canon, constant, fused, cheap, copies,
+                                                                         dup))
+                                          if backend == "cpu" else (list(range(no)), [], {}, {}))
     fusing = fusing_readers(graph, live, canon, fused, consumers, dup)
     until = _fused_reads(graph, live, canon, fused, fusing, order, dup)
     loops = loop_buffers(graph, live, canon, fused) if backend == "cpu" else {}
@@ -2275,7 +2288,8 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                        recompute=recompute if backend == "cpu" else frozenset(), fusing=fusing, strided=strided,
                        read_fused=reads_fused(graph, canon, fused), batch=tuple(batch),
                        first_reader=_first_readers(graph, live, order, fused, constant, canon, consumers)
-                       if batch else (), wide=wide, read=read_values(graph), queued_at=queued_at)
+                       if batch else (), wide=wide, read=read_values(graph), queued_at=queued_at,
+                       copied_at=copied_at)
 
 
 def reads_fused(graph: Graph, canon: Sequence[int], fused: Sequence[bool]) -> tuple[bool, ...]:
