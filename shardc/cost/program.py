@@ -941,11 +941,28 @@ def _library_fusions(graph: Graph, live: list[bool], canon: list[int], constant:
     outputs = {canon[v] for v in graph.outputs}  # (the program's result reads them too)
     for op in reversed(graph.ops):  # from the last reduction up, as XLA starts from the root
         if (not live[op.id] or op.primitive not in LIBRARY_REDUCTIONS or op.id in members
-                or graph.values[op.outputs[0]].dtype.kind != "f" or not _ynn_sized(graph, op)):
+                or graph.values[op.outputs[0]].dtype.kind != "f" or not _ynn_sized(graph, op)
+                or _with_index_sibling(graph, op, canon, consumers)):
             continue
         group = _library_fusion(graph, op, canon, constant, consumers, members, absorbed, outputs, folded)
         members.update((u, op.id) for u in group)
     return absorbed, members
+
+
+# The index reduction XLA computes a max or min reduction with (its variadic reduce's first result is the extreme).
+_INDEX_SIBLING = {"reduce_max": "argmax", "reduce_min": "argmin"}
+
+
+def _with_index_sibling(graph: Graph, op: Any, canon: Sequence[int], consumers: Sequence[Sequence[int]]) -> bool:
+    """Whether `op` is a max (min) reduction whose operand an argmax (argmin) over the same dims reads too: XLA
+    computes the two in one variadic reduce, a loop fusion of both results (measured: flax lm1b's `log_softmax`
+    max and accuracy argmax over the logits), so the reduction is no library fusion."""
+    sibling = _INDEX_SIBLING.get(op.primitive)
+    if sibling is None or len(op.inputs) != 1:
+        return False
+    c = canon[op.inputs[0]]
+    return any(graph.ops[u].primitive == sibling and tuple(graph.ops[u].params.get("axes", ()))
+               == tuple(op.params.get("axes", ())) for u in consumers[c])
 
 
 def _library_fusion(graph: Graph, start: Any, canon: Sequence[int], constant: Sequence[bool],
@@ -964,7 +981,8 @@ def _library_fusion(graph: Graph, start: Any, canon: Sequence[int], constant: Se
                     or not all(u in group for u in consumers[v])):
                 continue
             o = graph.ops[p]
-            if not (_ynn_op(graph, o, folded) or o.primitive in LIBRARY_REDUCTIONS and _ynn_sized(graph, o)):
+            if not (_ynn_op(graph, o, folded) or o.primitive in LIBRARY_REDUCTIONS and _ynn_sized(graph, o)
+                    and not _with_index_sibling(graph, o, canon, consumers)):
                 continue
             if o.primitive == "dot_general" and o.id > start.id:  # (a dot after the reduction: its own fusion)
                 continue
@@ -2114,7 +2132,8 @@ def _takes_fusion(graph: Graph, u: int, backend: str, library: Collection[int]) 
     dot XLA makes one) outside a library fusion."""
     reader = graph.ops[u]
     return (fusible_on(reader, graph, backend) or reader.primitive in REDUCTIONS
-            or rewritten_dot(reader, graph) == "reduce") and u not in library
+            or rewritten_dot(reader, graph) == "reduce" or backend == "cpu" and reader.primitive == "gather") \
+        and u not in library
 
 
 def _unfusible(graph: Graph, live: Sequence[bool], canon: Sequence[int], constant: Sequence[bool],
