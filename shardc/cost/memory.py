@@ -777,10 +777,11 @@ class MemoryModel:
 
     def _share_pairs(self) -> dict[int, int]:
         """Result key id -> the operand key id whose buffer it is written over (`_shares_of`): the operand's buffer
-        ends where the result's begins, with the same layout and size; each buffer taken once."""
+        ends where the result's begins, with the same layout and size; each buffer taken once. A dot's result XLA
+        computes in another shape (`ProgramInfo.reshaped_dots`) is taken only as a reshard's buffer, not the dot's."""
         out: dict[int, int] = {}
         taken: set[int] = set()
-        keys = self.keys.key_list
+        keys, reshaped = self.keys.key_list, self.info.reshaped_dots
         for pairs in self.shares.values():
             for k, cands in pairs:
                 bk = self.buffers.get(k)
@@ -788,8 +789,9 @@ class MemoryModel:
                     continue
                 for j in sorted(self.ends_at.get(bk[0], ())):
                     bj = self.buffers[j]
-                    if (j != k and j not in taken and bj[2] == bk[2] and keys[j][0] in cands
-                            and keys[j][1] == keys[k][1]):
+                    c = keys[j][0]
+                    if (j != k and j not in taken and bj[2] == bk[2] and c in cands and keys[j][1] == keys[k][1]
+                            and not (c in reshaped and self._made_by_op(j, self.graph.values[c].producer))):
                         taken.add(j)
                         out[k] = j
                         break

@@ -293,6 +293,7 @@ class ProgramInfo:
     copy_owner: frozenset[tuple[int, int]] = frozenset()  # (op, operand) whose copy is counted (`last_copies`)
     cheap: frozenset[int] = frozenset()  # (XLA:CPU) canonical values of cheap elementwise work fusion recomputes
     inplace: tuple[tuple[int, ...], ...] = ()  # per op (XLA:CPU): canonical values it may write its result over
+    reshaped_dots: frozenset[int] = frozenset()  # of those, dot results computed in another shape (`_reshaped_dot`)
     loop_buffer: Mapping[int, int] = dataclasses.field(default_factory=dict)  # loop state/result -> its buffer's value
     nested_buffers: frozenset[int] = frozenset()  # inner loops' body values in their enclosing loop's buffer
     hoisted_work: frozenset[int] = frozenset()  # (XLA:CPU) invariant body values computed before their loop
@@ -696,16 +697,18 @@ def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], f
     cheap work the fusion recomputes (`recompute`) is not one (the fusion does not read its buffer), and the walk
     stops at a value computed inside a library fusion (`absorbed`): what recomputes from it reads that fusion's
     result, not the values the fusion read (a shift `x - max` recomputed from the max a `reduce_max` library
-    fusion made reads x elementwise; the reduction reading x is not the fusion's). A fused
-    value it reads so is one: where the plan reads it in another layout than it is computed in, the fusion reads
-    a reshard's result, a buffer of the result's shape (XLA writes an elementwise result over an all-gather's
-    output); where it does not, the value has no buffer to take. Whether the value dies there, and in one layout,
-    is the plan's (`MemoryModel`). A fused transpose a dot may write (`transposed`: dot result -> transpose) is read
-    as that dot's buffer, the transposed product. A result only dots read, each with some group of its dims
-    collapsed (`_read_collapsed`), is written in the collapsed shape (the dot decomposition's bitcast is the
-    fusion's root): it takes no operand's buffer. A dynamic_update_slice writes its result over its operand (a
-    reshard's result the update reads, say: the program's output then holds it), and a sort its sorted keys over
-    the keys. A loop's result or state it reads is the buffer the loop keeps it in (`loops`: `loop_buffers`)."""
+    fusion made reads x elementwise; the reduction reading x is not the fusion's). A fused value it reads so is one:
+    where the plan reads it in another layout than it is computed in, the fusion reads a reshard's result, a buffer
+    of the result's shape (XLA writes an elementwise result over an all-gather's output); where it does not, the
+    value has no buffer to take. Whether the value dies there, and in one layout, is the plan's (`MemoryModel`); so
+    is whether a dot's result XLA computes in another shape (`_reshaped_dot`, listed in `ProgramInfo.reshaped_dots`)
+    is read through a reshard, whose buffer has the result's shape (the all-reduce of a vocabulary head's partial
+    logits), or is its own. A fused transpose a dot may write (`transposed`: dot result -> transpose) is read as
+    that dot's buffer, the transposed product. A result only dots read, each with some group of its dims collapsed
+    (`_read_collapsed`), is written in the collapsed shape (the dot decomposition's bitcast is the fusion's root):
+    it takes no operand's buffer. A dynamic_update_slice writes its result over its operand (a reshard's result the
+    update reads, say: the program's output then holds it), and a sort its sorted keys over the keys. A loop's
+    result or state it reads is the buffer the loop keeps it in (`loops`: `loop_buffers`)."""
     out: list[tuple[int, ...]] = [()] * len(graph.ops)
     for op in graph.ops:
         if op.primitive == "dynamic_update_slice" and live[op.id] and not fused[canon[op.outputs[0]]]:
@@ -749,7 +752,7 @@ def inplace_operands(graph: Graph, live: Sequence[bool], canon: Sequence[int], f
                         recomputed.add(c)
         if stack:
             continue  # too large a fusion to tell
-        out[op.id] = tuple(sorted(c for c in ok - bad - recomputed if not _reshaped_dot(graph, c)))
+        out[op.id] = tuple(sorted(ok - bad - recomputed))
     return tuple(out)
 
 
@@ -766,7 +769,7 @@ def _read_collapsed(graph: Graph, canon: Sequence[int], consumers: Sequence[Sequ
 def _reshaped_dot(graph: Graph, c: int) -> bool:
     """Whether value `c` is the result of a dot that XLA computes in another shape and bitcasts (the dot
     decomposition's [batch..., rows, columns] when its free dims are several of more than one element): an
-    instruction of `c`'s shape cannot take that buffer in place (the shapes differ)."""
+    instruction of `c`'s shape cannot take that buffer in place (the shapes differ), only a reshard's of it."""
     p = graph.values[c].producer
     if p is None or graph.ops[p].primitive != "dot_general" or rewritten_dot(graph.ops[p], graph):
         return False
@@ -2288,6 +2291,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     transposed = transposed_dots(graph, live, canon, consumers) if backend == "cpu" else {}
     inplace = (inplace_operands(graph, live, canon, fused, loop, recompute, transposed, consumers=consumers,
                                 loops=loops, absorbed=absorbed) if backend == "cpu" else ())
+    reshaped = frozenset(c for cands in inplace for c in cands if _reshaped_dot(graph, c))
     if loops:
         inplace = _with_loop_inits(graph, canon, fused, loops, inplace)
     nested = nested_loop_buffers(graph, canon, consumers, loops, inplace) if loops else frozenset()
@@ -2302,7 +2306,8 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                        through=cse.through,
                        post=tuple(post),
                        copies=copies, copy_owner=last_copies(graph, canon, copies, order), cheap=cheap,
-                       bitcast=bitcast, inplace=inplace, loop_buffer=loops, nested_buffers=nested,
+                       bitcast=bitcast, inplace=inplace, reshaped_dots=reshaped, loop_buffer=loops,
+                       nested_buffers=nested,
                        hoisted_work=hoisted_values, out_alias=output_aliases(graph, live, canon, constant),
                        recompute=recompute if backend == "cpu" else frozenset(), fusing=fusing, strided=strided,
                        read_fused=reads_fused(graph, canon, fused), batch=tuple(batch),
