@@ -582,19 +582,28 @@ class MemoryModel:
 
     def _fused_everywhere(self, kid: int) -> bool:
         """Whether every slot reading key `kid` reads it in a loop fusion: its op's (the op itself, or a local slice
-        fused into it), or a local slice of its own (a dynamic-slice fusion, which reads any layout); a free op
-        reading it (a hint) passes the question on to its result's readers."""
+        fused into it), or a local slice of its own (a dynamic-slice fusion, which reads any layout), or a dot
+        whose decomposition copies it into another order anyway (`ProgramInfo.copies`: the relayout copy fuses into
+        that transposing copy, one loop fusion reading the gathered buffer); a free op reading it (a hint) passes
+        the question on to its result's readers."""
         rs = self.readers.get(kid)
         if not rs or not self.info.loop:
             return False
         for r in rs:
             slot = self._slots[r]
             for i, t in enumerate(slot.tasks):
-                if kid not in t.deps or i == slot.at and self.info.loop[r] or self._local_slice(slot, i):
+                if kid not in t.deps or i == slot.at and (self.info.loop[r] or self._copies_operand(r, kid)) \
+                        or self._local_slice(slot, i):
                     continue
                 if not (self._passes_on(slot, i) and all(self._fused_everywhere(o) for o in t.outs)):
                     return False
         return True
+
+    def _copies_operand(self, op_id: int, kid: int) -> bool:
+        """Whether op `op_id`'s dot decomposition copies the value of key `kid` (an operand it reads transposed)."""
+        copies = self.info.copies[op_id] if self.info.copies else ()
+        op, c = self.graph.ops[op_id], self.keys.key_list[kid][0]
+        return any(self.info.canon[op.inputs[i]] == c for i in copies)
 
     def _set_full(self, kid: int, full: int, start: int, end: int, hi: int) -> int:
         """Record the all-reduced buffer (`full` bytes) that key `kid` is a local slice of (`_reduced_of`): it lives
