@@ -582,9 +582,9 @@ class MemoryModel:
 
     def _fused_everywhere(self, kid: int) -> bool:
         """Whether every slot reading key `kid` reads it in a loop fusion: its op's (the op itself, or a local slice
-        fused into it), or a local slice of its own (a dynamic-slice fusion, which reads any layout), or a dot
-        whose decomposition copies it into another order anyway (`ProgramInfo.copies`: the relayout copy fuses into
-        that transposing copy, one loop fusion reading the gathered buffer); a free op reading it (a hint) passes
+        fused into it), or a local slice of its own (a dynamic-slice fusion, which reads any layout), or a dot or
+        convolution that copies it into another order anyway (`_copies_operand`: the relayout copy fuses into that
+        transposing copy, one loop fusion reading the gathered buffer); a free op reading it (a hint) passes
         the question on to its result's readers."""
         rs = self.readers.get(kid)
         if not rs or not self.info.loop:
@@ -600,7 +600,8 @@ class MemoryModel:
         return True
 
     def _copies_operand(self, op_id: int, kid: int) -> bool:
-        """Whether op `op_id`'s dot decomposition copies the value of key `kid` (an operand it reads transposed)."""
+        """Whether op `op_id` (a dot's decomposition, a convolution) copies the value of key `kid`, an operand it
+        reads in another order (`ProgramInfo.copies`)."""
         copies = self.info.copies[op_id] if self.info.copies else ()
         op, c = self.graph.ops[op_id], self.keys.key_list[kid][0]
         return any(self.info.canon[op.inputs[i]] == c for i in copies)
