@@ -583,28 +583,22 @@ class MemoryModel:
     def _fused_everywhere(self, kid: int) -> bool:
         """Whether every slot reading key `kid` reads it in a loop fusion: its op's (the op itself, or a local slice
         fused into it), or a local slice of its own (a dynamic-slice fusion, which reads any layout), or a dot or
-        convolution that copies it into another order anyway (`_copies_operand`: the relayout copy fuses into that
-        transposing copy, one loop fusion reading the gathered buffer); a free op reading it (a hint) passes
-        the question on to its result's readers."""
+        convolution that reads it only through its copy into another order (`_copied`: the relayout copy fuses into
+        that transposing copy, one loop fusion reading the gathered buffer); a free op reading it (a hint) passes the
+        question on to its result's readers."""
         rs = self.readers.get(kid)
         if not rs or not self.info.loop:
             return False
+        c = self.keys.key_list[kid][0]
         for r in rs:
             slot = self._slots[r]
             for i, t in enumerate(slot.tasks):
-                if kid not in t.deps or i == slot.at and (self.info.loop[r] or self._copies_operand(r, kid)) \
+                if kid not in t.deps or i == slot.at and (self.info.loop[r] or c in self._copied(r)) \
                         or self._local_slice(slot, i):
                     continue
                 if not (self._passes_on(slot, i) and all(self._fused_everywhere(o) for o in t.outs)):
                     return False
         return True
-
-    def _copies_operand(self, op_id: int, kid: int) -> bool:
-        """Whether op `op_id` (a dot's decomposition, a convolution) copies the value of key `kid`, an operand it
-        reads in another order (`ProgramInfo.copies`)."""
-        copies = self.info.copies[op_id] if self.info.copies else ()
-        op, c = self.graph.ops[op_id], self.keys.key_list[kid][0]
-        return any(self.info.canon[op.inputs[i]] == c for i in copies)
 
     def _set_full(self, kid: int, full: int, start: int, end: int, hi: int) -> int:
         """Record the all-reduced buffer (`full` bytes) that key `kid` is a local slice of (`_reduced_of`): it lives
@@ -792,7 +786,7 @@ class MemoryModel:
         out: dict[int, int] = {}
         taken: set[int] = set()
         keys, reshaped = self.keys.key_list, self.info.reshaped_dots
-        for pairs in self.shares.values():
+        for op, pairs in self.shares.items():
             for k, cands in pairs:
                 bk = self.buffers.get(k)
                 if bk is None:
@@ -801,7 +795,7 @@ class MemoryModel:
                     bj = self.buffers[j]
                     c = keys[j][0]
                     if (j != k and j not in taken and bj[2] == bk[2] and c in cands and keys[j][1] == keys[k][1]
-                            and not (c in reshaped and self._made_by_op(j, self.graph.values[c].producer))):
+                            and not ((op, c) in reshaped and self._made_by_op(j, self.graph.values[c].producer))):
                         taken.add(j)
                         out[k] = j
                         break

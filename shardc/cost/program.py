@@ -293,7 +293,8 @@ class ProgramInfo:
     copy_owner: frozenset[tuple[int, int]] = frozenset()  # (op, operand) whose copy is counted (`last_copies`)
     cheap: frozenset[int] = frozenset()  # (XLA:CPU) canonical values of cheap elementwise work fusion recomputes
     inplace: tuple[tuple[int, ...], ...] = ()  # per op (XLA:CPU): canonical values it may write its result over
-    reshaped_dots: frozenset[int] = frozenset()  # of those, dot results computed in another shape (`_reshaped_dot`)
+    # (op, value) of those where the value is a dot result computed in another shape (`_reshaped_dot`)
+    reshaped_dots: frozenset[tuple[int, int]] = frozenset()
     loop_buffer: Mapping[int, int] = dataclasses.field(default_factory=dict)  # loop state/result -> its buffer's value
     nested_buffers: frozenset[int] = frozenset()  # inner loops' body values in their enclosing loop's buffer
     hoisted_work: frozenset[int] = frozenset()  # (XLA:CPU) invariant body values computed before their loop
@@ -2291,7 +2292,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
     transposed = transposed_dots(graph, live, canon, consumers) if backend == "cpu" else {}
     inplace = (inplace_operands(graph, live, canon, fused, loop, recompute, transposed, consumers=consumers,
                                 loops=loops, absorbed=absorbed) if backend == "cpu" else ())
-    reshaped = frozenset(c for cands in inplace for c in cands if _reshaped_dot(graph, c))
+    reshaped = frozenset((o, c) for o, cands in enumerate(inplace) for c in cands if _reshaped_dot(graph, c))
     if loops:
         inplace = _with_loop_inits(graph, canon, fused, loops, inplace)
     nested = nested_loop_buffers(graph, canon, consumers, loops, inplace) if loops else frozenset()
