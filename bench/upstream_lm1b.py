@@ -19,11 +19,11 @@ checkout of google/flax, unmodified. Their `train_step` (TransformerLM, dropout,
 Reported: loss and metrics after 3 steps, the largest parameter difference from `jax.jit` (AdamW turns a
 rounding-level sign flip of a near-zero gradient into a move of up to 2 lr per step), the compiled collectives,
 `shardc.check` of each shardc plan (its simulated collective bytes, FLOPs and memory against the compiled
-program: "exact", "within bounds" or what is out), the simulated step of each shardc plan, and the step times
-measured round-robin in one process (median and fastest; ratio to `jax.jit`). The model is shrunk to run
-here (2 layers, d 256, vocab 2048, 32 x 128 tokens) and computes in float32. Modules the train step does not
-use (the TFDS input pipeline, CLU writers, TensorFlow) are replaced by empty stand-ins so that `train.py`
-imports without them.
+program: "exact", "within bounds" or what is out, then the peak memory predicted / compiled), the simulated step
+of each shardc plan, and the step times measured round-robin in one process (median and fastest; ratio to
+`jax.jit`). The model is shrunk to run here (2 layers, d 256, vocab 2048, 32 x 128 tokens) and computes in
+float32. Modules the train step does not use (the TFDS input pipeline, CLU writers, TensorFlow) are replaced
+by empty stand-ins so that `train.py` imports without them.
 """
 from __future__ import annotations
 
@@ -145,7 +145,9 @@ def run_mesh(mods: tuple, ici: tuple[int, int, int], rounds: int, pcg: bool = Fa
             plan = f.plan(s, *args)
             row["plan mesh"] = dict(plan.mesh_sizes)
             row["simulated"] = shardc.simulate(plan, shardc.Topology.preset("cpu-host")).step_time
-            row["check"] = shardc.check(plan).summary()  # the plan is what runs: compiled vs simulated
+            rep = shardc.check(plan)  # the plan is what runs: compiled vs simulated
+            mem = rep.row("peak memory bytes")
+            row["check"] = f"{rep.summary()} (peak {mem.predicted / 2**20:.2f} / {mem.compiled / 2**20:.2f} MiB)"
             if plan.pcg is not None:  # (what the rewriting chose; its collectives are the compiled ones below)
                 ch = plan.pcg
                 row["check"] = (f"rewritten PCG runs: {len(ch.steps)} rewrites, {ch.gain:.3f}x" if ch.chosen else
