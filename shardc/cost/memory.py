@@ -34,7 +34,7 @@ import numpy as np
 from shardc.cost.first_fit import FirstFit
 from shardc.cost.program import (CUMULATIVE, SAME_OPERAND_RULES, ProgramInfo, conv_output_copied, derived,
                                  descendants, gathered_order, is_loop_region, loop_entry, outer_region, per_info,
-                                 scatter_into_constant, window_levels)
+                                 rewritten_dot, scatter_into_constant, window_levels)
 
 __all__ = ["MemoryModel", "MemoryResult", "gather_copy", "local_slice"]
 
@@ -195,6 +195,8 @@ class MemoryModel:
             or (c in self.info.nested_buffers and self._made_by_op(kid, owner[0])) else self._bytes(kid)
         if b == 0:
             self._set_operand(kid, owner[1])
+            if kid not in self.buffers:
+                self._set_library_slice(kid, owner)
             return
         if c in self.info.wide and self._made_by_op(kid, owner[0]):
             elements = b // self.graph.values[c].dtype.itemsize
@@ -229,6 +231,49 @@ class MemoryModel:
         self.diff[start] += b
         self.diff[end + 1] -= b
         self.ends_at.setdefault(end, set()).add(kid)
+
+    def _set_library_slice(self, kid: int, owner: tuple[int, int, bool]) -> None:
+        """Give fused value key `kid` a buffer where it is a local slice that library ops read (XLA:CPU): a dynamic
+        slice fuses into loop fusions only, so for each dot or library reduction reading it (through hints) XLA makes
+        a dynamic-slice fusion of its own, right where the slice is made (breadth first: after the value it slices),
+        living until that reader runs (measured: a gathered value's slice read by a dot and a `reduce_sum` is two
+        slice-sized buffers beside the gathered one). A reader that copies the operand anyway (`ProgramInfo.copies`)
+        slices it in that copy."""
+        if self.info.backend != "cpu" or not self._slots or self.info.constant[self.keys.key_list[kid][0]]:
+            return
+        slot = self._slots[owner[0]]
+        made = next((i for i, t in enumerate(slot.tasks) if kid in t.outs), None)
+        if made is None or made == slot.at or not self._local_slice(slot, made):
+            return
+        ends = self._library_reads(kid, 0)
+        if not ends:
+            return
+        start, b = owner[1], self._value_bytes(kid) * len(ends)
+        end = max(max(ends), start)
+        self.buffers[kid] = (start, end, b)
+        self.diff[start] += b
+        self.diff[end + 1] -= b
+        self.ends_at.setdefault(end, set()).add(kid)
+
+    def _library_reads(self, kid: int, depth: int) -> list[int]:
+        """The positions at which library ops (a dot XLA does not rewrite, an op of a library fusion) read key `kid`
+        as an operand of their own, directly or through hints (free ops passing it on), each reader once."""
+        out: list[int] = []
+        for r, pos in (self.readers.get(kid) or {}).items():
+            op = self.graph.ops[r]
+            own = self._own_task(r)
+            if own is None or kid not in own.deps:
+                continue
+            if op.primitive in _PASS_THROUGH and depth < 4:
+                for k in own.outs:
+                    if self.keys.is_value_key[k] and self.keys.key_list[k][0] != self.keys.key_list[kid][0]:
+                        out += self._library_reads(k, depth + 1)
+                continue
+            if r in self.info.library or (op.primitive == "dot_general" and rewritten_dot(op, self.graph) is None):
+                copied = self.info.copies[r] if self.info.copies else ()
+                if not any(self.info.canon[op.inputs[i]] == self.keys.key_list[kid][0] for i in copied):
+                    out.append(pos)
+        return out
 
     def _reduced_in_place(self, c: int) -> bool:
         """Whether XLA:CPU's all-reduce of value `c` (a merged all-reduce's member) writes its result into the

@@ -850,19 +850,21 @@ def test_no_relayout_copy_for_an_all_gather_a_dot_copies_transposed():
     assert not sim.memory.relayouts, sim.memory.relayouts
 
 
-@pytest.mark.xfail(strict=True, reason="open: XLA:CPU makes a dynamic-slice fusion per library reader of a local "
-                   "slice of a gathered value; the model counts none (docs/simulator.md, found 2026-12-04)")
-def test_peak_memory_of_a_local_slice_of_a_gathered_value_read_by_library_fusions():
+@pytest.mark.parametrize("readers", ["dot+sum", "dot", "sum", "multiply"])
+def test_peak_memory_of_a_local_slice_of_a_gathered_value_read_by_library_fusions(readers):
     """The tensor-parallel halves of flax lm1b's head gradient: a slice of a gathered value, read by a dot and a
-    `reduce_sum` (each a library fusion), besides the dot that reads the gathered value whole. 16% under."""
+    `reduce_sum` (each a library fusion), besides the dot that reads the gathered value whole. XLA:CPU makes a
+    dynamic-slice fusion per library reader (`MemoryModel._set_library_slice`; 16% under without them, 7-9% with one
+    reader); an elementwise reader fuses the slice (no buffer)."""
     def step(h, w):
         g = shardc.shard(shardc.shard(h * 2.0, (None, "data", "model")), (None, "data", None))
         gs = shardc.shard(g, (None, "data", "model"))
-        return jax.lax.dot_general(g, w, (((0, 1), (0, 1)), ((), ()))), gs @ jnp.ones((512, 64)), jnp.sum(gs, -1)
+        out = {"dot": lambda: gs @ jnp.ones((512, 64)), "sum": lambda: jnp.sum(gs, -1), "multiply": lambda: gs * 3.0}
+        return (jax.lax.dot_general(g, w, (((0, 1), (0, 1)), ((), ()))),) + tuple(out[r]() for r in readers.split("+"))
 
     f = shardc.auto(step, mesh=shardc.make_mesh({"data": 2, "model": 4}), search=False)
     row = shardc.check(f, jnp.ones((16, 128, 512)), jnp.ones((16, 128, 64))).row("peak memory bytes")
-    assert row.ok, f"predicted {row.predicted:,.0f} bytes, XLA {row.compiled:,.0f}"
+    assert row.error <= 0.01, f"predicted {row.predicted:,.0f} bytes, XLA {row.compiled:,.0f}"  # (exact here)
 
 
 def test_a_predicate_read_only_by_a_dropped_select_is_dead():
