@@ -821,9 +821,10 @@ class MemoryModel:
         """Whether XLA:CPU writes dot `op`'s result (what its own `task` makes) over its copy of operand `c` (`n`
         bytes): the copy dies at the dot and has the result's dtype and size, so buffer assignment gives the two one
         buffer (measured: `einsum("bhqk,bkhd->bqhd", s, k)` with k's transposed copy of the result's [b, h, d, q]
-        size, 9-14% over before; not where the result is no buffer of its own)."""
+        size, 9-14% over before; not where the result is no buffer of its own; a convolution's copies not measured)."""
         outs = [k for k in task.outs if self.keys.is_value_key[k]]
-        if len(outs) != 1 or self.graph.values[c].dtype != self.graph.values[op.outputs[0]].dtype:
+        if (op.primitive != "dot_general" or len(outs) != 1
+                or self.graph.values[c].dtype != self.graph.values[op.outputs[0]].dtype):
             return False
         r = self.keys.key_list[outs[0]][0]
         return self._value_bytes(outs[0]) == n and not self.info.fused[r] and not self.info.constant[r]
