@@ -227,6 +227,10 @@ class MemoryModel:
             end = self._set_full(kid, full, start, end, hi)
             if end < 0:
                 return
+        self._add_buffer(kid, start, end, b)
+
+    def _add_buffer(self, kid: int, start: int, end: int, b: int) -> None:
+        """Record key `kid`'s temporary buffer of `b` bytes, live from position `start` to `end`."""
         self.buffers[kid] = (start, end, b)
         self.diff[start] += b
         self.diff[end + 1] -= b
@@ -249,11 +253,7 @@ class MemoryModel:
         if not ends:
             return
         start, b = owner[1], self._value_bytes(kid) * len(ends)
-        end = max(max(ends), start)
-        self.buffers[kid] = (start, end, b)
-        self.diff[start] += b
-        self.diff[end + 1] -= b
-        self.ends_at.setdefault(end, set()).add(kid)
+        self._add_buffer(kid, start, max(max(ends), start), b)
 
     def _library_reads(self, kid: int, depth: int) -> list[int]:
         """The positions at which library ops (a dot XLA does not rewrite, an op of a library fusion) read key `kid`
@@ -377,10 +377,7 @@ class MemoryModel:
         dot = self._transposed_product(kid, self.owner[kid][0])
         if dot is not None:  # (the dot writes it)
             start = min(start, dot)
-        self.buffers[kid] = (start, at, b)
-        self.diff[start] += b
-        self.diff[at + 1] -= b
-        self.ends_at.setdefault(at, set()).add(kid)
+        self._add_buffer(kid, start, at, b)
 
     def _computed(self, kid: int, depth: int = 0) -> bool:
         """Whether fused value key `kid` is computed (an op's fused result, or a local slice) rather than another
