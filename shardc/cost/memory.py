@@ -33,7 +33,8 @@ import numpy as np
 
 from shardc.cost.first_fit import FirstFit
 from shardc.cost.program import (CUMULATIVE, SAME_OPERAND_RULES, ProgramInfo, conv_output_copied, derived,
-                                 descendants, gathered_order, is_loop_region, loop_entry, outer_region, per_info,
+                                 descendants, fusible_on, gathered_order, is_loop_region, loop_entry, outer_region,
+                                 per_info,
                                  rewritten_dot, scatter_into_constant, window_levels)
 
 __all__ = ["MemoryModel", "MemoryResult", "gather_copy", "local_slice"]
@@ -422,12 +423,13 @@ class MemoryModel:
         collective-permute only the local slice it sends where a loop fusion computes it (the slice of its destination
         layout: XLA fuses the value's computation into that dynamic slice; measured on flax lm1b's log-softmax gradient
         moved from [data, -, -] to [fsdp, data, -]: a [8, 64, 2048] `multiply_dynamic-slice_fusion`, not the
-        [16, 128, 2048] product). A library fusion computes it whole."""
+        [16, 128, 2048] product). A library fusion computes it whole — but a library fusion the program analysis
+        grew through the hint of this collective (`_in_loop_fusion_here`) ends at it."""
         full = self._value_bytes(kid)
         p = self.graph.values[self.keys.key_list[kid][0]].producer
         while p is not None and self.graph.ops[p].primitive in _PASS_THROUGH and self.graph.ops[p].inputs:
             p = self.graph.values[self.graph.ops[p].inputs[0]].producer  # (a hint's value is what it names)
-        if p is None or not self.info.loop or not self.info.loop[p] or p in self.info.library:
+        if p is None or not self._in_loop_fusion_here(p):
             return full  # (a library fusion computes it whole)
         out = 0
         owner = self.owner.get(kid)
@@ -443,6 +445,16 @@ class MemoryModel:
                              if self.keys.is_value_key[o]), None)
                 out = max(out, min(full, self._value_bytes(sent)) if sent is not None else full)
         return out or full
+
+    def _in_loop_fusion_here(self, p: int) -> bool:
+        """Whether op `p`'s result, read by a collective, is made in a loop fusion: an op of a loop fusion, or an
+        elementwise op the plan-independent analysis put in a library fusion of a reduction after the collective.
+        XLA:CPU's library rewriter runs after SPMD partitioning, so such a fusion cannot reach across the collective
+        (measured: `sum(reshard(a * b + 1))` makes the product in a loop fusion with the slice a permute sends)."""
+        info = self.info
+        if p not in info.library:
+            return bool(info.loop) and info.loop[p]
+        return fusible_on(self.graph.ops[p], self.graph, info.backend)
 
     def _read_late(self, kid: int) -> bool:
         """Whether a collective that runs late (`_late`: it reads a local slice) reads key `kid`."""
