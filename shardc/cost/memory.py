@@ -548,15 +548,17 @@ class MemoryModel:
 
     def _fused_end(self, op_id: int, c: int, own: bool = True) -> int:
         """The last position where what op `op_id` computes from canonical value `c` is materialised: where the
-        op is when it materialises it itself, else where its fused results are (`_value_end`; `own`: the op's
-        cheap materialised results also recomputed by readers count as fused, as in `ProgramInfo.until`)."""
+        op is when it materialises it itself, else where its fused results are (`_value_end`); a cheap result it
+        materialises that readers recompute too (`ProgramInfo.fusing`) is materialised in both places — for the
+        op's own reads (`own`), and for what it recomputes where a loop fusion makes it — as in `ProgramInfo.until`."""
         info = self.info
         at = 2 * self.order[op_id]
         last = -1
         for w in derived(self.graph.ops[op_id], c, info.canon):
             cw = info.canon[w]
-            e = self._value_end(cw) if cw in info.fusing and (info.fused[cw] or own) else -1
-            last = max(last, e if e >= 0 else at)
+            e = (self._value_end(cw) if cw in info.fusing and (info.fused[cw] or own or op_id not in info.library)
+                 else -1)
+            last = max(last, (e if e >= 0 else at) if info.fused[cw] else max(at, e))
         return last
 
     def _value_end(self, c: int) -> int:
@@ -643,7 +645,7 @@ class MemoryModel:
             o, v, own = stack.pop()
             for w in derived(self.graph.ops[o], v, info.canon):
                 cw = info.canon[w]
-                if cw in info.fusing and (info.fused[cw] or own) and cw not in seen:
+                if cw in info.fusing and (info.fused[cw] or own or o not in info.library) and cw not in seen:
                     seen.add(cw)
                     stack.extend((r, cw, False) for r in info.fusing[cw])
         return seen

@@ -1498,12 +1498,13 @@ def fusing_readers(graph: Graph, live: Sequence[bool], canon: Sequence[int], fus
 
 def _fused_reads(graph: Graph, live: list[bool], canon: list[int], fused: list[bool],
                  fusing: Mapping[int, Sequence[int]], order: list[int],
-                 dup: Mapping[int, list[int]] | None = None) -> tuple[tuple[tuple[int, int], ...], ...]:
+                 dup: Mapping[int, list[int]] | None = None,
+                 library: Collection[int] = frozenset()) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Per op whose results are fused into their readers: for each canonical input, the last op (by `order`)
     that materialises a value computed from it — XLA recomputes a fused value inside each fusion reading it
     (`fusing`), so the operands it is computed from are read there. `dup`: materialised values also recomputed
-    inside these readers of theirs (cheap ones). Independent of the plan: where a plan's collective reads a
-    fused value, it is materialised there instead (`MemoryModel._fused_end`)."""
+    inside these readers of theirs (cheap ones); `library`: the ops in library fusions. Independent of the plan:
+    where a plan's collective reads a fused value, it is materialised there instead (`MemoryModel._fused_end`)."""
     dup = dup or {}
     nv = len(graph.values)
     at = [-1] * nv  # per fused canonical value: the last op materialising something computed from it
@@ -1512,13 +1513,16 @@ def _fused_reads(graph: Graph, live: list[bool], canon: list[int], fused: list[b
         return b if a < 0 or (b >= 0 and order[b] > order[a]) else a
 
     def end(op: Any, c: int, own: bool = False) -> int:
-        """The last op materialising what `op` computes from `c` (`own`: `op` is the producer of a `dup`
-        value, whose recomputations in its fusing readers count too; a reader's materialised result ends
-        the chain)."""
+        """The last op materialising what `op` computes from `c`: a reader's materialised result ends the chain,
+        but a `dup` value's recomputations in its fusing readers count too (`own`: `op` makes the `dup` value),
+        and where a loop fusion makes it, they recompute the fused values it is computed from as well (measured:
+        flax lm1b's `exp(logits + b - max)` fusion reads the logits' dot, though `logits + b - max` and
+        `logits + b` are materialised for library reductions; what a library fusion makes is only read)."""
         last = -1
         for w in derived(op, c, canon):
             cw = canon[w]
-            last = later(last, at[cw] if (fused[cw] or own and cw in dup) and at[cw] >= 0 else op.id)
+            last = later(last, at[cw] if fused[cw] and at[cw] >= 0 else
+                         later(op.id, at[cw]) if cw in dup and (own or op.id not in library) else op.id)
         return last
 
     out: list[tuple[tuple[int, int], ...]] = [()] * len(graph.ops)
@@ -2273,7 +2277,7 @@ def _analyse(graph: Graph, backend: str) -> ProgramInfo:
                                                                          dup))
                                           if backend == "cpu" else (list(range(no)), [], {}, {}))
     fusing = fusing_readers(graph, live, canon, fused, consumers, dup)
-    until = _fused_reads(graph, live, canon, fused, fusing, order, dup)
+    until = _fused_reads(graph, live, canon, fused, fusing, order, dup, library)
     loops = loop_buffers(graph, live, canon, fused) if backend == "cpu" else {}
     if loops:  # (a loop's initial state is read entering it: the loop's buffer holds what is computed from it)
         until = tuple(() if loop_entry(op) and canon[op.outputs[0]] in loops else until[op.id] for op in graph.ops)
