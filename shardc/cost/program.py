@@ -1007,6 +1007,27 @@ def _library_fusion(graph: Graph, start: Any, canon: Sequence[int], constant: Se
         stack = [canon[v] for v in u.inputs] + [canon[v] for m in group for v in graph.ops[m].inputs]
 
 
+RECIPROCAL_INSTRUCTIONS = True  # (switch: `_reciprocal_of_broadcast`)
+
+
+def _reciprocal_of_broadcast(graph: Graph, op: Any, canon: Sequence[int], constant: Sequence[bool]) -> bool:
+    """Whether `op` is `x / broadcast(s)` (a float `s` of fewer elements, not a constant): XLA's simplifier makes it
+    `x * broadcast(1 / s)`, and the reciprocal, an expensive op whose reader reuses its elements, stays an instruction
+    of its own on `s`'s shape (measured: `e / sum(e, -1, keepdims=True)` is a `broadcast_divide_fusion` of the sums'
+    shape run when they exist, its readers' fusion multiplying): in the breadth-first schedule the division's readers
+    wait for it as for any instruction, so a softmax's normalised product queues behind work made ready before it."""
+    if op.primitive != "div" or len(op.inputs) != 2:
+        return False
+    d = canon[op.inputs[1]]
+    p = graph.values[d].producer
+    if p is None or constant[d] or graph.ops[p].primitive != "broadcast_in_dim" or not graph.ops[p].inputs:
+        return False
+    s = graph.values[canon[graph.ops[p].inputs[0]]]
+    out = graph.values[op.outputs[0]]
+    return (out.dtype is not None and out.dtype.kind == "f" and not constant[canon[graph.ops[p].inputs[0]]]
+            and math.prod(s.shape) < math.prod(out.shape))
+
+
 def _divides_by(op: Any, v: int) -> bool:
     """Whether `op` divides by value `v` (and reads it only there): XLA:CPU gives such a divisor a broadcast of its
     own, shared with no other reader (measured: `x / s` and `sum(g / s * x)` with `s` of shape (..., 1), in either
@@ -1230,7 +1251,8 @@ def _queued_units(graph: Graph, ops: Sequence[int], depth: int, canon: list[int]
                 preds[u].add(unit[p])
                 succs[unit[p]].append(u)
     inline = {u for u, body in members.items() if len(body) == 1 and graph.ops[u].outputs
-              and all(fused[canon[v]] or constant[canon[v]] for v in graph.ops[u].outputs)}
+              and all(fused[canon[v]] or constant[canon[v]] for v in graph.ops[u].outputs)
+              and not (RECIPROCAL_INSTRUCTIONS and _reciprocal_of_broadcast(graph, graph.ops[u], canon, constant))}
     for u, body in members.items():
         if len(body) != 1 or len(graph.ops[u].outputs) != 1 or len(succs[u]) < 2:
             continue
