@@ -1061,12 +1061,31 @@ def planned(fun: Callable, mesh: Any, seed: int = 0, search: bool = False) -> An
     return shardc.auto(fun, mesh=mesh, search=False)
 
 
+def _same_plan(fun: Callable, mesh: Any, plan: Any, seed: int, search: bool) -> Any:
+    """`fun` under `plan`, to be traced again in float64: the hints' plan, or a searched `plan` rebuilt from the
+    search's decisions on the new trace (`shardc.auto`'s retrace of a priced plan), since a search of the float64
+    program would price other bytes and may choose another plan."""
+    if not search:
+        return shardc.auto(fun, mesh=mesh, search=False)
+    from shardc.auto import AutoFunction  # (the retrace option is internal: `shardc.pipeline.choose` runs plans so)
+
+    again = AutoFunction(fun, mesh=mesh, search=True, budget_s=SEARCH_BUDGET_S, seed=seed, _resume=plan)
+
+    def run(*args: Any) -> Any:
+        out = again(*args)
+        if list(again.plan(*args).shardings) != list(plan.shardings):
+            raise FuzzFailure("the float64 retrace of the searched plan planned other shardings")
+        return out
+
+    return run
+
+
 def check_program(prog: Program, seed: int = 0, strict_collectives: bool = True, search: bool = False) -> Outcome:
     """Run `prog` unsharded and under shardc and assert the properties in the module docstring
     (a collective difference is raised when `strict_collectives`, else recorded in the outcome). `search`: the
     plan is the strategy search's on the program's mesh (`search=True`, a small budget) instead of the hints'
     — layouts no hint asks for, lowered and compiled; the float64 run of the sharded program that settles
-    ill-conditioned results is not made then (another dtype is another search)."""
+    ill-conditioned results runs that same plan then (`_same_plan`), not a search of its own."""
     fun = program_function(prog)
     reference = program_function(prog, reference=True)
     args = make_args(prog, seed)
@@ -1081,7 +1100,7 @@ def check_program(prog: Program, seed: int = 0, strict_collectives: bool = True,
                           + "; ".join(str(w.message) for w in caught))
     got = auto(*args)
     flat = jax.tree.leaves(args)
-    sharded64 = None if search else shardc.auto(fun, mesh=mesh, search=False)  # (traced afresh for float64)
+    sharded64 = _same_plan(fun, mesh, plan, seed, search)  # (traced afresh for float64)
     rounding, upstream = _compare(reference, args, got, info, "result", sharded64)
     with uncached(), xla_log() as log:  # (its warnings: compiled afresh)
         compiled = info.jitted.lower(*flat).compile()

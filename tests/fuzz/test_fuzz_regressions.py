@@ -1613,6 +1613,26 @@ def test_searched_plans_compiled_collectives_are_the_plans(prog):
     fuzzlib.check_program(prog, search=True)
 
 
+ILL_CONDITIONED_SEARCHED_STEP = Program(mesh=(("x", 8),), steps=(  # seed 169010 (--search), shrunk
+    Step(kind="input", args=(), attrs=(), shape=(4, 16, 8)),
+    Step(kind="cumsum", args=(0,), attrs=(("dim", 1),), shape=(4, 16, 8)),
+    Step(kind="hint", args=(1,), attrs=(("how", "split"), ("dim", 2), ("axes", 8)), shape=(4, 16, 8)),
+    Step(kind="einsum", args=(2, 1), attrs=(("spec", "abc,dbe->d"),), shape=(4,)),
+    Step(kind="remat_chain", args=(3,), attrs=(("inner", None),), shape=(4,)),
+    Step(kind="slice", args=(4,), attrs=(("start", (3,)), ("limit", (4,)), ("strides", (1,))), shape=(1,)),
+    Step(kind="pad", args=(5,), attrs=(("config", ((2, 0, 1),)),), shape=(3,)),
+), outputs=(6,), step_mode=True)
+
+
+def test_an_ill_conditioned_searched_step_is_settled_by_the_same_plan_in_float64():
+    """The second train step's result is 2.5e13 and float32 rounding of the inputs alone moves it by 5e13: the
+    sharded and unsharded float32 runs differ by 9% and only a float64 run of the sharded program can say which
+    is right. With the search's plan none was made (a float64 program is another search), so the fuzzer failed
+    a right plan; the float64 run is now the same plan rebuilt on the float64 trace (`fuzzlib._same_plan`, which
+    checks its shardings are the float32 plan's), and equals the float64 unsharded result."""
+    assert fuzzlib.check_program(ILL_CONDITIONED_SEARCHED_STEP, search=True).rounding
+
+
 def test_a_gather_of_several_out_of_bounds_rows_folds_to_its_fill():
     """What the search's plan above needs, whatever it chooses: a fill-or-drop gather whose constant indices are
     all out of bounds is a constant (its fill), as one out-of-bounds index was."""
