@@ -34,8 +34,7 @@ import numpy as np
 from shardc.cost.first_fit import FirstFit
 from shardc.cost.program import (CUMULATIVE, SAME_OPERAND_RULES, ProgramInfo, conv_output_copied, derived,
                                  descendants, fusible_on, gathered_order, is_loop_region, loop_entry, outer_region,
-                                 per_info,
-                                 rewritten_dot, scatter_into_constant, window_levels)
+                                 per_info, rewritten_dot, scatter_into_constant, window_levels)
 
 __all__ = ["MemoryModel", "MemoryResult", "gather_copy", "local_slice"]
 
