@@ -555,10 +555,17 @@ class MemoryModel:
         last = -1
         for w in derived(self.graph.ops[op_id], c, info.canon):
             cw = info.canon[w]
-            e = (self._value_end(cw) if cw in info.fusing and (info.fused[cw] or own or op_id not in info.library)
-                 else -1)
+            e = self._value_end(cw) if self._walks_into(cw, op_id, own) else -1
             last = max(last, (e if e >= 0 else at) if info.fused[cw] else max(at, e))
         return last
+
+    def _walks_into(self, cw: int, op_id: int, own: bool) -> bool:
+        """Whether the walk of `_fused_end` (and `_fused_tree`, which must visit what it visits) goes on from op
+        `op_id` into the fusing readers of value `cw` it computes: a fused value's; a cheap materialised one's for the
+        op's own reads (`own`), and also where a loop fusion makes it, its readers recomputing what it is computed
+        from (not a library fusion's result, which they read)."""
+        info = self.info
+        return cw in info.fusing and (info.fused[cw] or own or op_id not in info.library)
 
     def _value_end(self, c: int) -> int:
         """The last position where something computed from value `c` is materialised, `c` being recomputed in the
@@ -644,7 +651,7 @@ class MemoryModel:
             o, v, own = stack.pop()
             for w in derived(self.graph.ops[o], v, info.canon):
                 cw = info.canon[w]
-                if cw in info.fusing and (info.fused[cw] or own or o not in info.library) and cw not in seen:
+                if self._walks_into(cw, o, own) and cw not in seen:
                     seen.add(cw)
                     stack.extend((r, cw, False) for r in info.fusing[cw])
         return seen

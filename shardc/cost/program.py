@@ -1022,10 +1022,10 @@ def _reciprocal_of_broadcast(graph: Graph, op: Any, canon: Sequence[int], consta
     p = graph.values[d].producer
     if p is None or constant[d] or graph.ops[p].primitive != "broadcast_in_dim" or not graph.ops[p].inputs:
         return False
-    s = graph.values[canon[graph.ops[p].inputs[0]]]
+    s = canon[graph.ops[p].inputs[0]]
     out = graph.values[op.outputs[0]]
-    return (out.dtype is not None and out.dtype.kind == "f" and not constant[canon[graph.ops[p].inputs[0]]]
-            and math.prod(s.shape) < math.prod(out.shape))
+    return (out.dtype is not None and out.dtype.kind == "f" and not constant[s]
+            and math.prod(graph.values[s].shape) < math.prod(out.shape))
 
 
 def _divides_by(op: Any, v: int) -> bool:
