@@ -146,6 +146,14 @@ def _compute(pcg: PCG, node: Node, name: str) -> Matched | None:
         if tuple(lc) == (ins[0].rank - 1,) and tuple(rc) == (0,) and not lb and not rb:
             return (), list(node.inputs)
         return None
+    if name == "dotc":
+        if p != "dot_general" or len(ins) != 2:
+            return None
+        (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+        plain = tuple(lc) == (ins[0].rank - 1,) and tuple(rc) == (0,)  # (the `dot` rules take `x @ w`)
+        if len(lc) == len(rc) == 1 and not lb and not rb and not plain:
+            return (int(lc[0]), int(rc[0])), list(node.inputs)
+        return None
     if name == "transpose":
         return ((tuple(op.params["permutation"]),), list(node.inputs)) if p == "transpose" else None
     if name == "concat":
@@ -205,7 +213,7 @@ def op_kinds(op: Any) -> set[str]:
     if p in ELEMENTWISE:
         kinds |= {"ew1", "ew2"}
     kinds |= {"add": {"add"}, "add_any": {"add"}, "sub": {"sub"}, "mul": {"mul", "scale"}, "neg": {"neg"},
-              "dot_general": {"dot"}, "transpose": {"transpose"}, "concatenate": {"concat"}, "slice": {"chunk"},
+              "dot_general": {"dot", "dotc"}, "transpose": {"transpose"}, "concatenate": {"concat"}, "slice": {"chunk"},
               "reduce_sum": {"sum"}, "reshape": {"merge", "unmerge"}}.get(p, set())
     return kinds
 
@@ -273,6 +281,12 @@ def _transfer(name: str, params: Sequence[Any], ins: Sequence[Tensor]) -> Shardi
         if x.dims[-1] != w.dims[0]:
             raise RewriteError(f"dot: contracting dims laid out differently ({x}, {w})")
         return Sharding(x.dims[:-1] + w.dims[1:], x.partial | w.partial | set(x.dims[-1]))
+    if name == "dotc":
+        (x, w), (a, b) = ss, params
+        if x.dims[a] != w.dims[b]:
+            raise RewriteError(f"dotc: contracting dims laid out differently ({x}, {w})")
+        return Sharding(x.dims[:a] + x.dims[a + 1:] + w.dims[:b] + w.dims[b + 1:],
+                        x.partial | w.partial | set(x.dims[a]))
     raise RewriteError(f"no layout rule for {name}")  # pragma: no cover
 
 
@@ -307,6 +321,7 @@ def build_compute(b: GraphBuilder, name: str, params: Sequence[Any], args: Seque
         "add": jax.lax.add, "sub": jax.lax.sub, "mul": jax.lax.mul, "neg": jax.lax.neg,
         "scale": lambda x: jax.lax.mul(x, np.asarray(params[0], dtype=x.dtype)),
         "dot": lambda x, w: jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ()))),
+        "dotc": lambda x, w: jax.lax.dot_general(x, w, (((params[0],), (params[1],)), ((), ()))),
         "transpose": lambda x: jax.lax.transpose(x, tuple(params[0])),
         "concat": lambda x, y: jax.lax.concatenate([x, y], params[0]),
         "chunk": lambda x: jax.lax.slice_in_dim(x, params[1] * (x.shape[params[0]] // params[2]),

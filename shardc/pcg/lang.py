@@ -151,6 +151,7 @@ OPS: dict[str, OpSpec] = {s.name: s for s in [
     OpSpec("ew1", 1, ("fn",)),
     OpSpec("ew2", 2, ("fn",)),
     OpSpec("dot", 2, ()),
+    OpSpec("dotc", 2, ("dim", "dim")),  # contract dim a of x with dim b of w (one contracting dim, no batch dims)
     OpSpec("transpose", 1, ("perm",), linear=True),
     OpSpec("concat", 2, ("dim",)),
     OpSpec("chunk", 1, ("dim", "index", "int")),

@@ -169,6 +169,12 @@ def _dot(m: Model, p: tuple, x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return np.tensordot(x, w, axes=1)
 
 
+def _dotc(m: Model, p: tuple, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    a, b = _dim(x, p[0]), _dim(w, p[1])
+    _need(x.shape[a] == w.shape[b], f"dotc[{a}, {b}]: shapes {x.shape} and {w.shape}")
+    return np.tensordot(x, w, axes=([a], [b]))
+
+
 def _binary(fn: Callable[[Any, Any], Any], name: str) -> Callable[..., np.ndarray]:
     def op(m: Model, p: tuple, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         _same(name, x, y)
@@ -197,6 +203,7 @@ COMPUTE: dict[str, Callable[..., np.ndarray]] = {
     "ew1": lambda m, p, x: _elementwise(m.fn(p[0], 1), x),
     "ew2": lambda m, p, x, y: (_same("ew2", x, y), _elementwise(m.fn(p[0], 2), x, y))[1],
     "dot": _dot,
+    "dotc": _dotc,
     "transpose": _transpose,
     "concat": _concat,
     "chunk": _chunk,
