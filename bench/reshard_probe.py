@@ -54,7 +54,8 @@ from shardc.sharding import Sharding  # noqa: E402
 Dims = tuple[tuple[str, ...], ...]
 # A case: (source dims, partial axes of the source (mesh order; empty for none), target dims).
 Case = tuple[Dims, tuple[str, ...], Dims]
-Colls = tuple[tuple[str, int, tuple[str, ...]], ...]  # sorted (kind, bytes, axes) of each collective
+# sorted (kind, bytes, axes, stride: where in its axis a group of part of one axis lies) of each collective
+Colls = tuple[tuple[str, int, tuple[str, ...], int], ...]
 Observed = tuple[Colls, bool]  # the collectives, and whether XLA fell back to full rematerialization
 
 # Combiners off, so that each collective stays with its reshard; LLVM at -O0 (it only changes the machine
@@ -189,7 +190,7 @@ def compile_cases(mesh_sizes: dict[str, int], shape: Sequence[int], cases: Seque
             i = int(c.op_name.split("/rs")[1].split("/")[0]) if "/rs" in c.op_name else -1
             if i < 0:
                 raise AssertionError(f"collective {c.name} ({c.op_name!r}) belongs to no reshard")
-            got[i].append((c.kind, c.bytes, tuple(c.axes or ())))
+            got[i].append((c.kind, c.bytes, tuple(c.axes or ()), c.stride))
         out.extend((tuple(sorted(got[i])), i in remat) for i in range(len(chunk)))
     return out
 
@@ -199,15 +200,16 @@ def predict(mesh_sizes: dict[str, int], shape: Sequence[int], case: Case) -> Obs
     src, k, dst = case
     s, d = Sharding(src, frozenset(k)), Sharding(dst)
     cs = reshard_collectives(s, d, shape, 4, mesh_sizes, reduce_scatter=False)
-    return tuple(sorted((c.kind, c.bytes, tuple(c.axes)) for c in cs)), is_involuntary_remat(s, d, shape, mesh_sizes)
+    return (tuple(sorted((c.kind, c.bytes, tuple(c.axes), 1 if c.kind == "collective-permute" else c.stride)
+                         for c in cs)), is_involuntary_remat(s, d, shape, mesh_sizes))
 
 
 def kinds_bytes(colls: Colls) -> tuple[tuple[str, int], ...]:
-    return tuple(sorted((kind, n) for kind, n, _ in colls))
+    return tuple(sorted((kind, n) for kind, n, *_ in colls))
 
 
 def _same_axes(pred: Colls, obs: Colls) -> bool:
-    """Equal collectives, mesh axes included, where XLA's are known (`shardc.cost.hlo` reads no axes, `()`,
+    """Equal collectives, mesh axes (and where in an axis a group of part of it lies) included, where XLA's are known (`shardc.cost.hlo` reads no axes, `()`,
     from replica groups over sub-axes such as `{'axis_0':(2)2}`)."""
     rest = list(pred)
     unknown = []

@@ -46,6 +46,9 @@ class Collective:
     axes: tuple[str, ...]
     bytes: int
     group: int | None = None
+    # A group of part of one axis: the spacing of its devices along the axis (XLA all-gathers among every 4th
+    # device of a 16-device axis: group 4, stride 4). 1: consecutive devices, the innermost of the axis.
+    stride: int = 1
 
     def group_size(self, mesh: dict[str, int]) -> int:
         return self.group if self.group is not None else math.prod(mesh[a] for a in self.axes)
@@ -107,18 +110,25 @@ def level_fixed(level: Level, kind: str, n: int) -> float:
 def _levels(c: Collective, topo: Topology, mapping: MeshMapping, mesh: dict[str, int]) -> list[tuple[str, int]]:
     groups = list(mapping.group(c.axes, topo.level_names))
     if c.group is not None and groups:
-        # A group smaller than its axes (e.g. half of an axis): shrink from the outermost level inward.
-        want = c.group
         total = math.prod(n for _, n in groups)
-        if want < total:
-            out = []
-            for lv, n in groups:
-                g = math.gcd(want, n)
-                if g > 1:
-                    out.append((lv, g))
-                    want //= g
-            groups = out
+        if c.group < total:
+            return _part_levels(groups, c.group, c.stride)
     return groups
+
+
+def _part_levels(levels: list[tuple[str, int]], group: int, stride: int) -> list[tuple[str, int]]:
+    """The levels (innermost first) a group of `group` devices spaced `stride` apart along an axis spans, the
+    axis's devices filling its levels innermost first (device i of the axis is at position i % n0 of its
+    innermost group): how many distinct positions the group's devices take at each level."""
+    out = []
+    members = [stride * k for k in range(group)]
+    inner = 1
+    for lv, n in levels:
+        distinct = len({(m // inner) % n for m in members})
+        if distinct > 1:
+            out.append((lv, distinct))
+        inner *= n
+    return out
 
 
 def collective_phases(c: Collective, topo: Topology, mapping: MeshMapping, mesh: dict[str, int]) -> tuple[Phase, ...]:

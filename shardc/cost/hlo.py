@@ -15,11 +15,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["HloCollective", "HloModuleText", "parse_hlo", "collectives", "shape_bytes", "COLLECTIVE_KINDS"]
+__all__ = ["HloCollective", "HloModuleText", "parse_hlo", "collectives", "shape_bytes", "COLLECTIVE_KINDS", "even_spacing"]
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _OPCODE_KIND = {
@@ -214,6 +214,7 @@ class HloCollective:
     computation: str
     tensors: int  # how many tensors it moves (more than one when XLA combined several)
     op_name: str = ""  # the metadata's op_name: the jax name stack of the op XLA made it for
+    stride: int = 1  # a group of part of one mesh axis: its devices' spacing along it (`Collective.stride`)
 
     @property
     def total_bytes(self) -> int:
@@ -345,6 +346,30 @@ def _axes_of_groups(groups: Sequence[Sequence[int]], mesh_shape: Sequence[tuple[
     return tuple(names[d] for d in sorted(varying))
 
 
+def even_spacing(positions: Iterable[Iterable[int]]) -> int:
+    """`Collective.stride` of a collective among part of one axis: given each group's devices' positions along the
+    axis, their spacing when every group's are evenly spaced with the same spacing; 1 otherwise."""
+    steps = set()
+    for group in positions:
+        at = sorted(int(p) for p in group)
+        steps.update(b - a for a, b in zip(at, at[1:]))
+    return steps.pop() if len(steps) == 1 else 1
+
+
+def _stride_of_groups(groups: Sequence[Sequence[int]], mesh_shape: Sequence[tuple[str, int]]) -> int:
+    """For groups of part of one mesh axis, their devices' spacing along it (`even_spacing`, as
+    `shardc.cost.reshard` gives it for the collectives it predicts); 1 otherwise."""
+    sizes = [k for _, k in mesh_shape]
+    coords = [[np.unravel_index(i, sizes) for i in g] for g in groups]
+    varying = {d for cs in coords for d in range(len(sizes)) if len({c[d] for c in cs}) > 1}
+    if len(varying) != 1:
+        return 1
+    (d,) = varying
+    if len(groups[0]) >= sizes[d]:
+        return 1
+    return even_spacing([c[d] for c in cs] for cs in coords)
+
+
 def collectives(hlo_text: str | HloModuleText,
                 mesh_shape: Sequence[tuple[str, int]] | None = None) -> list[HloCollective]:
     """Every collective of the module with its payload, group size, mesh axes and execution count.
@@ -377,7 +402,8 @@ def collectives(hlo_text: str | HloModuleText,
             in_bytes = sum(shape_bytes(s) for s in operand_shapes)
             payload = in_bytes * group_size if kind == "all-gather" else in_bytes
             axes = _axes_of_groups(groups, mesh_shape) if mesh_shape else None
+            stride = _stride_of_groups(groups, mesh_shape) if mesh_shape and kind != "collective-permute" else 1
             op_name = _OP_NAME.search(ins.attrs)
             out.append(HloCollective(kind, payload, group_size, axes, count, ins.name, comp, len(operand_shapes),
-                                     op_name.group(1) if op_name else ""))
+                                     op_name.group(1) if op_name else "", stride))
     return out

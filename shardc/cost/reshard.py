@@ -56,6 +56,7 @@ import math
 from typing import Callable, Iterable, Mapping, Sequence
 
 from shardc.cost.collectives import Collective
+from shardc.cost.hlo import even_spacing
 from shardc.sharding import Sharding
 
 __all__ = ["reshard_collectives", "is_involuntary_remat", "crashes_xla", "kept_broadcast", "permute_pairs",
@@ -482,15 +483,16 @@ def _expand_cached(groups: tuple[Devices, ...], inner: tuple[Devices, ...]) -> t
     return tuple(tuple(g[x] for x in dg) for g in groups for dg in inner)
 
 
-# One collective: kind, mesh axes its groups span, group size when not the product of the axes' sizes,
-# elements per device.
-_Emitted = tuple[str, tuple[str, ...], int | None, int]
+# One collective: kind, mesh axes its groups span, group size when not the product of the axes' sizes, the
+# spacing of a partial group's devices along its axis (`Collective.stride`), elements per device.
+_Emitted = tuple[str, tuple[str, ...], int | None, int, int]
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def _span(groups: tuple[Devices, ...], permute: bool, mesh: Mesh) -> tuple[tuple[str, ...], int | None]:
-    """The mesh axes along which the devices of some group differ, and the group size when it is not the
-    product of their sizes (a collective-permute's is 2, as `shardc.cost.hlo` counts it)."""
+def _span(groups: tuple[Devices, ...], permute: bool, mesh: Mesh) -> tuple[tuple[str, ...], int | None, int]:
+    """The mesh axes along which the devices of some group differ, the group size when it is not the product of
+    their sizes (a collective-permute's is 2, as `shardc.cost.hlo` counts it), and for a group of part of one
+    axis whose devices are evenly spaced along it, that spacing (`Collective.stride`; else 1)."""
     coords = _indices(tuple(n for _, n in mesh))
     varying: set[int] = set()
     for grp in groups:
@@ -499,9 +501,20 @@ def _span(groups: tuple[Devices, ...], permute: bool, mesh: Mesh) -> tuple[tuple
             varying.update(k for k, (a, b) in enumerate(zip(first, coords[d])) if a != b)
     axes = tuple(mesh[k][0] for k in sorted(varying))
     if permute:
-        return axes, 2
+        return axes, 2, 1
     size = len(groups[0])
-    return axes, None if size == math.prod(mesh[k][1] for k in varying) else size
+    if size == math.prod(mesh[k][1] for k in varying):
+        return axes, None, 1
+    return axes, size, _stride(groups, coords, varying)
+
+
+def _stride(groups: tuple[Devices, ...], coords: Sequence[tuple[int, ...]], varying: set[int]) -> int:
+    """The spacing of the groups' devices along the one axis they differ on (XLA's all-gather among every 4th device
+    of an axis: 4; `even_spacing`); 1 when they differ on several."""
+    if len(varying) != 1:
+        return 1
+    (k,) = varying
+    return even_spacing([coords[d][k] for d in grp] for grp in groups)
 
 
 class _Partitioner:
@@ -528,7 +541,8 @@ class _Partitioner:
     # -- emitting ------------------------------------------------------------------------------------
     def emit(self, kind: str, v: _Value, in_group: tuple[Devices, ...], elements: int) -> None:
         groups = _expand(v.groups, in_group)
-        self.out.append((kind, *_span(groups, kind == "collective-permute", self.mesh), elements))
+        axes, group, stride = _span(groups, kind == "collective-permute", self.mesh)
+        self.out.append((kind, axes, group, elements, stride))
         if kind == "collective-permute":
             self.pairs.append(tuple((a, b) for a, b in groups))
 
@@ -874,7 +888,7 @@ def reshard_collectives(src: Sharding, dst: Sharding, shape: Sequence[int], item
         else:
             out.append(Collective("all-reduce", _ordered(partial, mesh), payload))
     emitted, *_ = _dims_reshard(cur, target, tuple(shape), mesh_key, frozenset() if partial else bcast)
-    out.extend(Collective(kind, axes, n * itemsize, group) for kind, axes, group, n in emitted)
+    out.extend(Collective(kind, axes, n * itemsize, group, stride) for kind, axes, group, n, stride in emitted)
     return tuple(out)
 
 

@@ -67,6 +67,29 @@ def test_all_gather_outer_first_and_all_to_all_split():
     assert [p.level for p in only] == ["fast"]
 
 
+def test_a_group_of_part_of_an_axis_is_priced_where_its_devices_are():
+    """XLA gathers among part of an axis: every 4th device of a 16-device axis that spans two nodes of 8 is two
+    devices in each node and two nodes (`Collective.stride`, read from the compiled program's replica groups by
+    `shardc.cost.reshard`); the 4 consecutive devices stay in one node. Before the stride, both were priced as
+    the consecutive ones (the 8x8 MLP's search plan 2% under its own collectives' cost)."""
+    topo = two_level(8, 2)
+    mesh = {"model": 4, "data": 16}
+    mapping = topo.map_mesh({"data": 16}, order=["data"])
+    B = 16e6
+    near = collective_phases(Collective("all-gather", ("data",), int(B), 4), topo, mapping, mesh)
+    apart = collective_phases(Collective("all-gather", ("data",), int(B), 4, stride=4), topo, mapping, mesh)
+    assert [(p.level, p.kind) for p in near] == [("fast", "all-gather")]
+    assert near[0].seconds == pytest.approx(3 / 4 * B / (100 * GB) + 3 * US)
+    assert [p.level for p in apart] == ["slow", "fast"]  # (an all-gather: outermost first)
+    assert apart[0].seconds == pytest.approx(1 / 2 * (B / 2) / (10 * GB) + 10 * US)
+    assert apart[1].seconds == pytest.approx(1 / 2 * B / (100 * GB) + 1 * US)
+    # every 8th: one device per node, the two nodes only; every 2nd of 8: inside the node
+    assert [(p.level) for p in collective_phases(Collective("all-gather", ("data",), int(B), 2, stride=8), topo,
+                                                  mapping, mesh)] == ["slow"]
+    assert [(p.level) for p in collective_phases(Collective("all-gather", ("data",), int(B), 4, stride=2), topo,
+                                                  mapping, mesh)] == ["fast"]
+
+
 def test_mesh_mapping_spans_levels():
     topo = two_level(8, 4)
     m = topo.map_mesh({"data": 4, "model": 8})
