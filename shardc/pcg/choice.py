@@ -2,7 +2,8 @@
 competes with the plan itself under the same simulator and memory limit (`shardc.auto(pcg=True)`).
 
 The plan's PCG is built with the one reshard model's collectives (`build_pcg(fuse=True)`: one parallel
-op per collective XLA would emit for the plan), rewritten by `optimize` (each rewrite kept only when the
+op per collective XLA would emit for the plan; on the plan's mesh with each axis XLA's collectives act on part
+of split into sub-axes, `shardc.pcg.refine`, so those are parallel ops too), rewritten by `optimize` (each rewrite kept only when the
 simulated step gets faster, a PCG over the memory limit costing infinity), and chosen only when
 
 * at least one rewrite was kept, and
@@ -23,6 +24,7 @@ from shardc.gc_pause import paused_gc
 from shardc.pcg.build import build_pcg
 from shardc.pcg.graph import PCG
 from shardc.pcg.optimize import Optimized, Step, optimize
+from shardc.pcg.refine import refined_plan
 from shardc.pcg.simcost import SimCost
 
 __all__ = ["PCGChoice", "choose_pcg", "jit_pcg", "DEFAULT_EVALUATIONS"]
@@ -86,7 +88,8 @@ def choose_pcg(plan: Any, closed_jaxpr: Any, topology: Any, *, donated: Sequence
     donated = tuple(donated)
     if plan_time is None:
         plan_time = simulate(plan, topo, donated=donated).step_time
-    pcg = build_pcg(plan, closed_jaxpr, fuse=True, reduce_scatter=topo.reduce_scatter)
+    # (on the plan's mesh with an axis split where XLA's collectives act on part of it: `refine`)
+    pcg = build_pcg(refined_plan(plan), closed_jaxpr, fuse=True, reduce_scatter=topo.reduce_scatter)
     cost = SimCost(topo, donated=donated, memory_limit=limit)
     with paused_gc():  # (many short-lived PCGs over a large live heap: shardc/gc_pause.py; the search pauses it too)
         res: Optimized = optimize(pcg, rules, cost_fn=cost, max_evaluations=max_evaluations)

@@ -23,6 +23,7 @@ from shardc.pcg.choice import jit_pcg
 from shardc.pcg.library import all_rules
 from shardc.pcg.match import RewriteError, apply_match, find_matches
 from shardc.pcg.optimize import usable_rules
+from shardc.pcg.refine import refined_plan
 from shardc.pcg.verify import verify_rule
 
 __all__ = ["PCGOutcome", "check_pcg"]
@@ -94,7 +95,8 @@ def check_pcg(prog: fuzzlib.Program, seed: int = 0, rewrites: int = 3, search: b
     mesh = shardc.make_mesh(dict(prog.mesh))
     info = fuzzlib.planned(fun, mesh, seed, search).compiled_info(*args)
     try:
-        pcg = build_pcg(info.plan, info.closed_jaxpr, fuse=rng.random() < 0.5)
+        # (as `choose_pcg` builds it: on the plan's mesh with axes split where XLA's collectives act on part of one)
+        pcg = build_pcg(refined_plan(info.plan), info.closed_jaxpr, fuse=rng.random() < 0.5)
     except ShardingError as e:
         return PCGOutcome(unsupported=str(e).splitlines()[0])
     applied: list[str] = []

@@ -1,0 +1,99 @@
+"""A plan on a finer mesh: each mesh axis that XLA's collectives for the plan's reshards act on part of, split
+into factors (sub-axes), so that every collective is over whole (sub-)axes and the PCG can name it.
+
+XLA reshards some layouts with collectives inside groups of part of an axis: `[model, data] -> [-, model]` on a
+(model 4, data 16) mesh is a collective-permute that swaps the model coordinate with the major 4 of `data`, then
+an all-gather among the minor 4 of `data` and one among its major 4 (its replica groups, read from the compiled
+program). No parallel op over named axes makes those, so the PCG took the per-axes path, gathering over `model`
+and all of `data` (on two nodes, 45% more step than the plan: docs/pcg.md). On the mesh (model 4, data.0 4,
+data.1 4) — the same devices in the same order, `data` = (data.0, data.1) major to minor — the three are a
+Shuffle and two Combines, as the one reshard model says when given that mesh.
+
+The refined plan has the same graph, values, layouts and strategies (each axis written as its factors), so
+`build_pcg` of it is the plan's PCG on the finer mesh; its `shard_map` lowering runs on the finer mesh inside a
+`jax.jit` whose input and output shardings are the plan's (the same devices and tiling: no collective between).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+import numpy as np
+from jax.sharding import Mesh
+
+from shardc.plan import OpStrategy, Plan, Reshard, abstract_mesh, is_abstract
+from shardc.sharding import Sharding
+
+__all__ = ["axis_factors", "refined_plan", "SEPARATOR"]
+
+SEPARATOR = "."  # a factor of axis `data` is named `data.0` (major), `data.1`, ...
+
+Axes = tuple[str, ...]
+
+
+def axis_factors(plan: Plan) -> dict[str, tuple[int, ...]]:
+    """The mesh axes some collective of the plan's reshards acts on part of, each with its factors (major to
+    minor): the sizes of the groups its partial collectives have, nested (groups of 4 of a 16-device axis: (4, 4);
+    of 2 and of 8: (2, 4, 2))."""
+    sizes = plan.mesh_sizes
+    groups: dict[str, set[int]] = {}
+    for r in plan.reshards:
+        for c in r.collectives:
+            if c.kind == "collective-permute" or c.group is None or len(c.axes) != 1:
+                continue
+            n = sizes[c.axes[0]]
+            if 1 < c.group < n and n % c.group == 0:
+                groups.setdefault(c.axes[0], set()).add(int(c.group))
+    out = {}
+    for axis, gs in groups.items():
+        chain = sorted(gs)
+        if any(b % a for a, b in zip(chain, chain[1:])):
+            continue  # (groups that do not nest: no factoring makes each a whole sub-axis)
+        factors, inner = [], 1
+        for g in chain:
+            factors.append(g // inner)
+            inner = g
+        factors.append(sizes[axis] // inner)
+        out[axis] = tuple(reversed(factors))
+    return out
+
+
+def _names(axis: str, factors: Sequence[int]) -> Axes:
+    return tuple(f"{axis}{SEPARATOR}{i}" for i in range(len(factors)))
+
+
+def _axes(axes: Sequence[str], split: Mapping[str, Axes]) -> Axes:
+    return tuple(b for a in axes for b in split.get(a, (a,)))
+
+
+def _sharding(s: Sharding, split: Mapping[str, Axes]) -> Sharding:
+    return Sharding(tuple(_axes(d, split) for d in s.dims), frozenset(_axes(sorted(s.partial), split)))
+
+
+def refined_plan(plan: Plan, factors: Mapping[str, Sequence[int]] | None = None) -> Plan:
+    """`plan` on the mesh with each axis of `factors` (default: `axis_factors(plan)`) split into its factors; the
+    plan itself when there are none."""
+    factors = axis_factors(plan) if factors is None else dict(factors)
+    if not factors:
+        return plan
+    split = {a: _names(a, f) for a, f in factors.items()}
+    sizes: dict[str, int] = {}
+    for a, n in plan.mesh_sizes.items():
+        if a in factors:
+            sizes.update(zip(split[a], factors[a]))
+        else:
+            sizes[a] = n
+    if is_abstract(plan.mesh):
+        mesh = abstract_mesh(sizes)
+    else:
+        devices = np.asarray(plan.mesh.devices).reshape(tuple(sizes.values()))
+        types = {a: t for a, t in zip(plan.mesh.axis_names, plan.mesh.axis_types)}
+        mesh = Mesh(devices, tuple(sizes), axis_types=tuple(types[a.split(SEPARATOR)[0] if a not in types else a]
+                                                               for a in sizes))
+    reshards = tuple(dataclasses.replace(r, src=_sharding(r.src, split), dst=_sharding(r.dst, split), collectives=())
+                     for r in plan.reshards)
+    return dataclasses.replace(
+        plan, mesh=mesh, shardings=tuple(_sharding(s, split) for s in plan.shardings),
+        strategies=tuple(OpStrategy(tuple(_axes(fa, split) for fa in st.factor_axes)) for st in plan.strategies),
+        reshards=reshards, unrun=tuple(dataclasses.replace(r, src=_sharding(r.src, split), dst=_sharding(r.dst, split),
+                                                            collectives=()) for r in plan.unrun))
