@@ -21,10 +21,9 @@ import time
 from typing import Any, Sequence
 
 from shardc.gc_pause import paused_gc
-from shardc.pcg.build import build_pcg
 from shardc.pcg.graph import PCG
 from shardc.pcg.optimize import Optimized, Step, optimize
-from shardc.pcg.refine import refined_plan
+from shardc.pcg.refine import refined_pcg
 from shardc.pcg.simcost import SimCost
 
 __all__ = ["PCGChoice", "choose_pcg", "jit_pcg", "DEFAULT_EVALUATIONS"]
@@ -89,7 +88,7 @@ def choose_pcg(plan: Any, closed_jaxpr: Any, topology: Any, *, donated: Sequence
     if plan_time is None:
         plan_time = simulate(plan, topo, donated=donated).step_time
     # (on the plan's mesh with an axis split where XLA's collectives act on part of it: `refine`)
-    pcg = build_pcg(refined_plan(plan), closed_jaxpr, fuse=True, reduce_scatter=topo.reduce_scatter)
+    pcg = refined_pcg(plan, closed_jaxpr, fuse=True, reduce_scatter=topo.reduce_scatter)
     cost = SimCost(topo, donated=donated, memory_limit=limit)
     with paused_gc():  # (many short-lived PCGs over a large live heap: shardc/gc_pause.py; the search pauses it too)
         res: Optimized = optimize(pcg, rules, cost_fn=cost, max_evaluations=max_evaluations)

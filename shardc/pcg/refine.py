@@ -16,17 +16,23 @@ The refined plan has the same graph, values, layouts and strategies (each axis w
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 from jax.sharding import Mesh
 
-from shardc.plan import OpStrategy, Plan, Reshard, abstract_mesh, is_abstract
+from shardc.plan import OpStrategy, Plan, abstract_mesh, is_abstract
 from shardc.sharding import Sharding
 
-__all__ = ["axis_factors", "refined_plan", "SEPARATOR"]
+__all__ = ["axis_factors", "refined_plan", "refined_pcg", "SEPARATOR", "REFINED_MAX_RANK", "REFINED_MAX_AXES"]
 
 SEPARATOR = "."  # a factor of axis `data` is named `data.0` (major), `data.1`, ...
+# Where the op searches of a refined plan's PCG stay affordable: each ask for XLA's path on a mesh of sub-axes
+# costs about 6 ms, and a step's search asks once per move (every layout of the value over the mesh's axes): the
+# 8x8 LSTM's (rank 3, three axes) ask 180 times in all, one generated program's (rank 4, three axes) over 6,000
+# (80 s). Plans beyond these get their PCG on their own mesh.
+REFINED_MAX_RANK = 3
+REFINED_MAX_AXES = 3
 
 Axes = tuple[str, ...]
 
@@ -97,3 +103,24 @@ def refined_plan(plan: Plan, factors: Mapping[str, Sequence[int]] | None = None)
         strategies=tuple(OpStrategy(tuple(_axes(fa, split) for fa in st.factor_axes)) for st in plan.strategies),
         reshards=reshards, unrun=tuple(dataclasses.replace(r, src=_sharding(r.src, split), dst=_sharding(r.dst, split),
                                                             collectives=()) for r in plan.unrun))
+
+
+def refined_pcg(plan: Plan, closed_jaxpr: Any = None, **build: Any) -> Any:
+    """`build_pcg` of `refined_plan(plan)` (keyword arguments: `build_pcg`'s), or of the plan itself when it has no
+    axis to refine, or when the refined mesh has more than `REFINED_MAX_AXES` axes of more than one device or a
+    value resharded among part of an axis more than `REFINED_MAX_RANK` dims (the op searches' cost)."""
+    from shardc.pcg.build import build_pcg
+
+    factors = axis_factors(plan)
+    fine = refined_plan(plan, factors)
+    if fine is not plan and _affordable(plan, fine, factors):
+        return build_pcg(fine, closed_jaxpr, **build)
+    return build_pcg(plan, closed_jaxpr, **build)
+
+
+def _affordable(plan: Plan, fine: Plan, factors: Mapping[str, Sequence[int]]) -> bool:
+    if sum(1 for n in fine.mesh_sizes.values() if n > 1) > REFINED_MAX_AXES:
+        return False
+    return all(len(plan.graph.values[r.value].shape) <= REFINED_MAX_RANK for r in plan.reshards
+               if any(c.group is not None and c.kind != "collective-permute" and len(c.axes) == 1
+                      and c.axes[0] in factors for c in r.collectives))

@@ -18,12 +18,12 @@ import jax
 import fuzzlib
 import shardc
 from annotations.errors import ShardingError
-from shardc.pcg import build_pcg, hlo_collectives
+from shardc.pcg import hlo_collectives
 from shardc.pcg.choice import jit_pcg
 from shardc.pcg.library import all_rules
 from shardc.pcg.match import RewriteError, apply_match, find_matches
 from shardc.pcg.optimize import usable_rules
-from shardc.pcg.refine import refined_plan
+from shardc.pcg.refine import refined_pcg
 from shardc.pcg.verify import verify_rule
 
 __all__ = ["PCGOutcome", "check_pcg"]
@@ -96,7 +96,7 @@ def check_pcg(prog: fuzzlib.Program, seed: int = 0, rewrites: int = 3, search: b
     info = fuzzlib.planned(fun, mesh, seed, search).compiled_info(*args)
     try:
         # (as `choose_pcg` builds it: on the plan's mesh with axes split where XLA's collectives act on part of one)
-        pcg = build_pcg(refined_plan(info.plan), info.closed_jaxpr, fuse=rng.random() < 0.5)
+        pcg = refined_pcg(info.plan, info.closed_jaxpr, fuse=rng.random() < 0.5)
     except ShardingError as e:
         return PCGOutcome(unsupported=str(e).splitlines()[0])
     applied: list[str] = []
