@@ -5,7 +5,7 @@ XLA reshards some layouts with collectives inside groups of part of an axis: `[m
 (model 4, data 16) mesh is a collective-permute that swaps the model coordinate with the major 4 of `data`, then
 an all-gather among the minor 4 of `data` and one among its major 4 (its replica groups, read from the compiled
 program). No parallel op over named axes makes those, so the PCG took the per-axes path, gathering over `model`
-and all of `data` (on two nodes, 45% more step than the plan: docs/pcg.md). On the mesh (model 4, data.0 4,
+and all of `data` (other collectives over other links than the plan's: docs/pcg.md). On the mesh (model 4, data.0 4,
 data.1 4) — the same devices in the same order, `data` = (data.0, data.1) major to minor — the three are a
 Shuffle and two Combines, as the one reshard model says when given that mesh.
 
@@ -39,28 +39,25 @@ Axes = tuple[str, ...]
 
 def axis_factors(plan: Plan) -> dict[str, tuple[int, ...]]:
     """The mesh axes some collective of the plan's reshards acts on part of, each with its factors (major to
-    minor): the sizes of the groups its partial collectives have, nested (groups of 4 of a 16-device axis: (4, 4);
-    of 2 and of 8: (2, 4, 2))."""
+    minor): a group of `g` devices `stride` apart is the sub-axis between the cuts `stride` and `stride * g` of
+    the axis (positions counted minor first), so the axis is cut at every such point (groups of 4 consecutive
+    devices and of every 4th on a 16-device axis: (4, 4); of 2 consecutive and of every 2nd 8: (8, 2); of every
+    8th pair: (2, 8))."""
     sizes = plan.mesh_sizes
-    groups: dict[str, set[int]] = {}
+    cuts: dict[str, set[int]] = {}
     for r in plan.reshards:
         for c in r.collectives:
             if c.kind == "collective-permute" or c.group is None or len(c.axes) != 1:
                 continue
             n = sizes[c.axes[0]]
-            if 1 < c.group < n and n % c.group == 0:
-                groups.setdefault(c.axes[0], set()).add(int(c.group))
+            if 1 < c.group < n and n % (c.group * c.stride) == 0:
+                cuts.setdefault(c.axes[0], set()).update((c.stride, c.stride * c.group))
     out = {}
-    for axis, gs in groups.items():
-        chain = sorted(gs)
+    for axis, at in cuts.items():
+        chain = sorted(at | {1, sizes[axis]})
         if any(b % a for a, b in zip(chain, chain[1:])):
-            continue  # (groups that do not nest: no factoring makes each a whole sub-axis)
-        factors, inner = [], 1
-        for g in chain:
-            factors.append(g // inner)
-            inner = g
-        factors.append(sizes[axis] // inner)
-        out[axis] = tuple(reversed(factors))
+            continue  # (cuts that do not nest: no factoring makes each group a whole sub-axis)
+        out[axis] = tuple(b // a for a, b in zip(chain, chain[1:]))[::-1]
     return out
 
 

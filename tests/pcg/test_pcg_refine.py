@@ -71,11 +71,11 @@ def test_axis_factors_nest_the_group_sizes():
                                reshards=[SimpleNamespace(collectives=tuple(colls))])
 
     ag = lambda g, s=1: Collective("all-gather", ("data",), 1024, g, s)  # noqa: E731
-    assert axis_factors(plan_with(ag(4), ag(4, 4))) == {"data": (4, 4)}
-    assert axis_factors(plan_with(ag(2), ag(8, 2))) == {"data": (2, 4, 2)}
-    assert axis_factors(plan_with(ag(4), ag(8))) == {"data": (2, 2, 4)}
-    assert axis_factors(plan_with(ag(4), ag(6), data=24)) == {}  # (groups of 4 and of 6 do not nest)
-    assert axis_factors(plan_with(ag(4), ag(6))) == {"data": (4, 4)}  # (a group of 6 of 16 is none XLA makes)
+    assert axis_factors(plan_with(ag(4), ag(4, 4))) == {"data": (4, 4)}  # (the 8x8 MLP's)
+    assert axis_factors(plan_with(ag(2), ag(8, 2))) == {"data": (8, 2)}
+    assert axis_factors(plan_with(ag(2, 8))) == {"data": (2, 8)}  # every 8th: the major 2
+    assert axis_factors(plan_with(ag(2), ag(4))) == {"data": (4, 2, 2)}
+    assert axis_factors(plan_with(ag(4), ag(6), data=24)) == {}  # (cuts at 4 and at 6 do not nest)
     assert axis_factors(plan_with(Collective("collective-permute", ("model", "data"), 1024, 2), ag(16))) == {}
 
 
