@@ -209,8 +209,8 @@ def kinds_bytes(colls: Colls) -> tuple[tuple[str, int], ...]:
 
 
 def _same_axes(pred: Colls, obs: Colls) -> bool:
-    """Equal collectives, mesh axes (and where in an axis a group of part of it lies) included, where XLA's are known (`shardc.cost.hlo` reads no axes, `()`,
-    from replica groups over sub-axes such as `{'axis_0':(2)2}`)."""
+    """Equal collectives, mesh axes (and where in an axis a group of part of it lies) included, where XLA's are
+    known (`shardc.cost.hlo` reads no axes, `()`, from replica groups over sub-axes such as `{'axis_0':(2)2}`)."""
     rest = list(pred)
     unknown = []
     for c in obs:

@@ -19,7 +19,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["HloCollective", "HloModuleText", "parse_hlo", "collectives", "shape_bytes", "COLLECTIVE_KINDS", "even_spacing"]
+__all__ = ["HloCollective", "HloModuleText", "parse_hlo", "collectives", "shape_bytes", "COLLECTIVE_KINDS",
+           "even_spacing"]
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _OPCODE_KIND = {

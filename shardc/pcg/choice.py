@@ -3,8 +3,9 @@ competes with the plan itself under the same simulator and memory limit (`shardc
 
 The plan's PCG is built with the one reshard model's collectives (`build_pcg(fuse=True)`: one parallel
 op per collective XLA would emit for the plan; on the plan's mesh with each axis XLA's collectives act on part
-of split into sub-axes, `shardc.pcg.refine`, so those are parallel ops too), rewritten by `optimize` (each rewrite kept only when the
-simulated step gets faster, a PCG over the memory limit costing infinity), and chosen only when
+of split into sub-axes, `shardc.pcg.refine`, so those are parallel ops too), rewritten by `optimize` (each
+rewrite kept only when the simulated step gets faster, a PCG over the memory limit costing infinity), and
+chosen only when
 
 * at least one rewrite was kept, and
 * its simulated step is faster than both the plan's (`shardc.sim.simulate(plan)`, what the search
