@@ -183,10 +183,13 @@ _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"
 
 def _loop_invariant_operands(region: "Region", body: int) -> list[tuple[int, int]]:
     """(body input index, region operand index) of the operands a loop's body `body` reads unchanged on every
-    iteration: a scan's constants, a while loop's condition or body constants (a cond: none)."""
+    iteration: a scan's constants, a while loop's condition or body constants (a cond: none); and a scan of one
+    trip's carries too, which its body reads as they entered: XLA's while-loop simplifier inlines a loop of one
+    trip, so a collective of a carry there is the same collective of the value outside (CSE)."""
     p = region.params
     if region.primitive == "scan":
-        return [(i, i) for i in range(p["num_consts"])]
+        reads_as_entered = p["num_consts"] + (p["num_carry"] if p.get("length") == 1 else 0)
+        return [(i, i) for i in range(reads_as_entered)]
     if region.primitive == "while":
         cn, bn = p["cond_nconsts"], p["body_nconsts"]
         return [(i, i) for i in range(cn)] if body == 0 else [(i, cn + i) for i in range(bn)]

@@ -194,7 +194,17 @@ A_SUM_OF_PARTIAL_SUMS = Program(mesh=(("x", 4), ("y", 2)), steps=(  # seed 1610,
 ), outputs=(4, 8))
 
 
+# A fori loop of one trip gathering its carry, and the same gather of that value outside: XLA inlines the loop and
+# its CSE makes them one all-gather; the PCG counted two (seed 173004).
+A_LOOP_OF_ONE_TRIP_GATHERING_ITS_CARRY = Program(mesh=(("x", 2), ("y", 4)), steps=(
+    Step(kind="input", args=(), attrs=(), shape=(4, 12, 8)),
+    Step(kind="input", args=(), attrs=(("meta", (("y", "x"),)),), shape=(8,)),
+    Step(kind="fori", args=(1,), attrs=(("n", 1), ("inner", (("x",),))), shape=(8,)),
+    Step(kind="input", args=(), attrs=(), shape=(1,)),
+    Step(kind="concat", args=(3, 1), attrs=(("dim", 0),), shape=(9,))), outputs=(0, 2, 4))
+
 REGRESSIONS = {
+    "a_loop_of_one_trip_gathering_its_carry": A_LOOP_OF_ONE_TRIP_GATHERING_ITS_CARRY,
     "two_loops_of_one_input": TWO_LOOPS_OF_ONE_INPUT,
     "a_sum_of_partial_sums": A_SUM_OF_PARTIAL_SUMS,
     "sums_of_a_value_and_of_its_reshape": SUMS_OF_A_VALUE_AND_OF_ITS_RESHAPE,
