@@ -200,8 +200,8 @@ def predict(mesh_sizes: dict[str, int], shape: Sequence[int], case: Case) -> Obs
     src, k, dst = case
     s, d = Sharding(src, frozenset(k)), Sharding(dst)
     cs = reshard_collectives(s, d, shape, 4, mesh_sizes, reduce_scatter=False)
-    return (tuple(sorted((c.kind, c.bytes, tuple(c.axes), 1 if c.kind == "collective-permute" else c.stride)
-                         for c in cs)), is_involuntary_remat(s, d, shape, mesh_sizes))
+    return (tuple(sorted((c.kind, c.bytes, tuple(c.axes), c.stride) for c in cs)),
+            is_involuntary_remat(s, d, shape, mesh_sizes))
 
 
 def kinds_bytes(colls: Colls) -> tuple[tuple[str, int], ...]:

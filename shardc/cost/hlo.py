@@ -335,16 +335,19 @@ def _pairs(attrs: str) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)", m.group(0))]
 
 
-def _axes_of_groups(groups: Sequence[Sequence[int]], mesh_shape: Sequence[tuple[str, int]]) -> tuple[str, ...]:
+def _span_of_groups(groups: Sequence[Sequence[int]], mesh_shape: Sequence[tuple[str, int]], permute: bool
+                    ) -> tuple[tuple[str, ...], int]:
+    """The mesh axes along which the devices of some group differ, and for groups of part of one axis their
+    devices' spacing along it (`even_spacing`, as `shardc.cost.reshard` gives it for the collectives it
+    predicts; 1 otherwise, and for a collective-permute's pairs)."""
     names = [a for a, _ in mesh_shape]
     sizes = [k for _, k in mesh_shape]
-    varying: set[int] = set()
-    for g in groups:
-        coords = [np.unravel_index(i, sizes) for i in g]
-        for d in range(len(sizes)):
-            if len({c[d] for c in coords}) > 1:
-                varying.add(d)
-    return tuple(names[d] for d in sorted(varying))
+    coords = [[np.unravel_index(i, sizes) for i in g] for g in groups]
+    varying = sorted({d for cs in coords for d in range(len(sizes)) if len({c[d] for c in cs}) > 1})
+    axes = tuple(names[d] for d in varying)
+    if permute or len(varying) != 1 or len(groups[0]) >= sizes[varying[0]]:
+        return axes, 1
+    return axes, even_spacing([c[varying[0]] for c in cs] for cs in coords)
 
 
 def even_spacing(positions: Iterable[Iterable[int]]) -> int:
@@ -355,20 +358,6 @@ def even_spacing(positions: Iterable[Iterable[int]]) -> int:
         at = sorted(int(p) for p in group)
         steps.update(b - a for a, b in zip(at, at[1:]))
     return steps.pop() if len(steps) == 1 else 1
-
-
-def _stride_of_groups(groups: Sequence[Sequence[int]], mesh_shape: Sequence[tuple[str, int]]) -> int:
-    """For groups of part of one mesh axis, their devices' spacing along it (`even_spacing`, as
-    `shardc.cost.reshard` gives it for the collectives it predicts); 1 otherwise."""
-    sizes = [k for _, k in mesh_shape]
-    coords = [[np.unravel_index(i, sizes) for i in g] for g in groups]
-    varying = {d for cs in coords for d in range(len(sizes)) if len({c[d] for c in cs}) > 1}
-    if len(varying) != 1:
-        return 1
-    (d,) = varying
-    if len(groups[0]) >= sizes[d]:
-        return 1
-    return even_spacing([c[d] for c in cs] for cs in coords)
 
 
 def collectives(hlo_text: str | HloModuleText,
@@ -402,8 +391,8 @@ def collectives(hlo_text: str | HloModuleText,
                 group_size = max(len(g) for g in groups)
             in_bytes = sum(shape_bytes(s) for s in operand_shapes)
             payload = in_bytes * group_size if kind == "all-gather" else in_bytes
-            axes = _axes_of_groups(groups, mesh_shape) if mesh_shape else None
-            stride = _stride_of_groups(groups, mesh_shape) if mesh_shape and kind != "collective-permute" else 1
+            axes, stride = (_span_of_groups(groups, mesh_shape, kind == "collective-permute") if mesh_shape
+                            else (None, 1))
             op_name = _OP_NAME.search(ins.attrs)
             out.append(HloCollective(kind, payload, group_size, axes, count, ins.name, comp, len(operand_shapes),
                                      op_name.group(1) if op_name else "", stride))

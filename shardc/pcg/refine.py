@@ -16,12 +16,13 @@ The refined plan has the same graph, values, layouts and strategies (each axis w
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 from jax.sharding import Mesh
 
-from shardc.plan import OpStrategy, Plan, abstract_mesh, is_abstract
+from shardc.cost.collectives import Collective
+from shardc.plan import OpStrategy, Plan, Reshard, abstract_mesh, is_abstract
 from shardc.sharding import Sharding
 
 __all__ = ["axis_factors", "refined_plan", "refined_pcg", "SEPARATOR", "REFINED_MAX_RANK", "REFINED_MAX_AXES"]
@@ -37,6 +38,16 @@ REFINED_MAX_AXES = 3
 Axes = tuple[str, ...]
 
 
+def _partial_groups(plan: Plan) -> Iterator[tuple[Reshard, Collective]]:
+    """Each collective of the plan's reshards among part of one mesh axis (a collective-permute's pairs aside)."""
+    sizes = plan.mesh_sizes
+    for r in plan.reshards:
+        for c in r.collectives:
+            if (c.kind != "collective-permute" and c.group is not None and len(c.axes) == 1
+                    and 1 < c.group < sizes[c.axes[0]]):
+                yield r, c
+
+
 def axis_factors(plan: Plan) -> dict[str, tuple[int, ...]]:
     """The mesh axes some collective of the plan's reshards acts on part of, each with its factors (major to
     minor): a group of `g` devices `stride` apart is the sub-axis between the cuts `stride` and `stride * g` of
@@ -45,13 +56,9 @@ def axis_factors(plan: Plan) -> dict[str, tuple[int, ...]]:
     8th pair: (2, 8))."""
     sizes = plan.mesh_sizes
     cuts: dict[str, set[int]] = {}
-    for r in plan.reshards:
-        for c in r.collectives:
-            if c.kind == "collective-permute" or c.group is None or len(c.axes) != 1:
-                continue
-            n = sizes[c.axes[0]]
-            if 1 < c.group < n and n % (c.group * c.stride) == 0:
-                cuts.setdefault(c.axes[0], set()).update((c.stride, c.stride * c.group))
+    for _, c in _partial_groups(plan):
+        if sizes[c.axes[0]] % (c.group * c.stride) == 0:
+            cuts.setdefault(c.axes[0], set()).update((c.stride, c.stride * c.group))
     out = {}
     for axis, at in cuts.items():
         chain = sorted(at | {1, sizes[axis]})
@@ -80,26 +87,29 @@ def refined_plan(plan: Plan, factors: Mapping[str, Sequence[int]] | None = None)
     if not factors:
         return plan
     split = {a: _names(a, f) for a, f in factors.items()}
-    sizes: dict[str, int] = {}
-    for a, n in plan.mesh_sizes.items():
-        if a in factors:
-            sizes.update(zip(split[a], factors[a]))
-        else:
-            sizes[a] = n
+    sizes = _refined_sizes(plan.mesh_sizes, factors)
     if is_abstract(plan.mesh):
         mesh = abstract_mesh(sizes)
     else:
-        devices = np.asarray(plan.mesh.devices).reshape(tuple(sizes.values()))
-        types = {a: t for a, t in zip(plan.mesh.axis_names, plan.mesh.axis_types)}
-        mesh = Mesh(devices, tuple(sizes), axis_types=tuple(types[a.split(SEPARATOR)[0] if a not in types else a]
-                                                               for a in sizes))
-    reshards = tuple(dataclasses.replace(r, src=_sharding(r.src, split), dst=_sharding(r.dst, split), collectives=())
-                     for r in plan.reshards)
+        types = dict(zip(plan.mesh.axis_names, plan.mesh.axis_types))  # (a sub-axis has its axis's type)
+        mesh = Mesh(np.asarray(plan.mesh.devices).reshape(tuple(sizes.values())), tuple(sizes),
+                    axis_types=tuple(types[a] for a in plan.mesh.axis_names for _ in split.get(a, (a,))))
+
+    def reshard(r: Reshard) -> Reshard:
+        return dataclasses.replace(r, src=_sharding(r.src, split), dst=_sharding(r.dst, split), collectives=())
+
     return dataclasses.replace(
         plan, mesh=mesh, shardings=tuple(_sharding(s, split) for s in plan.shardings),
         strategies=tuple(OpStrategy(tuple(_axes(fa, split) for fa in st.factor_axes)) for st in plan.strategies),
-        reshards=reshards, unrun=tuple(dataclasses.replace(r, src=_sharding(r.src, split), dst=_sharding(r.dst, split),
-                                                            collectives=()) for r in plan.unrun))
+        reshards=tuple(map(reshard, plan.reshards)), unrun=tuple(map(reshard, plan.unrun)))
+
+
+def _refined_sizes(sizes: Mapping[str, int], factors: Mapping[str, Sequence[int]]) -> dict[str, int]:
+    """The mesh axis sizes with each axis of `factors` replaced by its sub-axes (`_names`), in mesh order."""
+    out: dict[str, int] = {}
+    for a, n in sizes.items():
+        out.update(zip(_names(a, factors[a]), factors[a]) if a in factors else ((a, n),))
+    return out
 
 
 def refined_pcg(plan: Plan, closed_jaxpr: Any = None, **build: Any) -> Any:
@@ -109,15 +119,13 @@ def refined_pcg(plan: Plan, closed_jaxpr: Any = None, **build: Any) -> Any:
     from shardc.pcg.build import build_pcg
 
     factors = axis_factors(plan)
-    fine = refined_plan(plan, factors)
-    if fine is not plan and _affordable(plan, fine, factors):
-        return build_pcg(fine, closed_jaxpr, **build)
+    if factors and _affordable(plan, factors):
+        return build_pcg(refined_plan(plan, factors), closed_jaxpr, **build)
     return build_pcg(plan, closed_jaxpr, **build)
 
 
-def _affordable(plan: Plan, fine: Plan, factors: Mapping[str, Sequence[int]]) -> bool:
-    if sum(1 for n in fine.mesh_sizes.values() if n > 1) > REFINED_MAX_AXES:
+def _affordable(plan: Plan, factors: Mapping[str, Sequence[int]]) -> bool:
+    if sum(1 for n in _refined_sizes(plan.mesh_sizes, factors).values() if n > 1) > REFINED_MAX_AXES:
         return False
-    return all(len(plan.graph.values[r.value].shape) <= REFINED_MAX_RANK for r in plan.reshards
-               if any(c.group is not None and c.kind != "collective-permute" and len(c.axes) == 1
-                      and c.axes[0] in factors for c in r.collectives))
+    return all(len(plan.graph.values[r.value].shape) <= REFINED_MAX_RANK for r, c in _partial_groups(plan)
+               if c.axes[0] in factors)
