@@ -22,6 +22,7 @@ from shardc.pcg import hlo_collectives
 from shardc.pcg.choice import jit_pcg
 from shardc.pcg.library import all_rules
 from shardc.pcg.match import RewriteError, apply_match, find_matches
+from shardc.pcg.carries import partial_carries
 from shardc.pcg.optimize import usable_rules
 from shardc.pcg.refine import refined_pcg
 from shardc.pcg.verify import verify_rule
@@ -100,6 +101,9 @@ def check_pcg(prog: fuzzlib.Program, seed: int = 0, rewrites: int = 3, search: b
     except ShardingError as e:
         return PCGOutcome(unsupported=str(e).splitlines()[0])
     applied: list[str] = []
+    if rng.random() < 0.5:  # (as `choose_pcg` tries first: accumulating scan carries as partial sums)
+        pcg, loops = partial_carries(pcg, reduce_scatter=rng.random() < 0.5)
+        applied += ["partial_sum_carry"] * len(loops)
     rules = usable_rules(all_rules())
     for _ in range(rewrites):
         step = _random_rewrite(pcg, rng, rules, applied[-1] if applied else None)
