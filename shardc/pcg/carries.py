@@ -30,7 +30,7 @@ import numpy as np
 from annotations.errors import ShardingError
 from shardc.pcg.build import reshard_ops
 from shardc.pcg.graph import PCG, Compute, GraphBuilder, Node, Region, Tensor
-from shardc.pcg.ops import Partition, Reduce, ReduceScatter, ReduceScatterDims
+from shardc.pcg.ops import ParallelOp, Partition, Reduce, ReduceScatter, ReduceScatterDims
 from shardc.sharding import Sharding
 
 __all__ = ["CarryRewrite", "partial_carries", "carry_rules_proved", "CARRY_RULES", "REARRANGING"]
@@ -117,8 +117,8 @@ def _zero_broadcast(pcg: PCG, tid: int) -> Node | None:
             continue
         if not isinstance(node.op, Compute) or node.op.primitive != "broadcast_in_dim" or len(node.inputs) != 1:
             return None
-        const = pcg.consts.get(node.inputs[0])
-        return node if const is not None and not np.any(np.asarray(const)) else None
+        const = pcg.consts.get(node.inputs[0])  # (a scalar: broadcast to any piece's shape alike)
+        return node if const is not None and np.ndim(const) == 0 and not np.any(np.asarray(const)) else None
 
 
 def _addend_path(body: PCG, carry_in: int, carry_out: int) -> tuple[Node, int, list[Node]] | None:
@@ -130,7 +130,8 @@ def _addend_path(body: PCG, carry_in: int, carry_out: int) -> tuple[Node, int, l
     if not isinstance(add.op, Compute) or add.op.primitive not in ADDS or add.outputs != (carry_out,):
         return None
     others = [t for t in add.inputs if t != carry_in]
-    if len(others) != 1 or body.tensors[carry_in].sharding.partial:
+    layout = body.tensors[carry_in].sharding
+    if len(others) != 1 or layout.partial or body.tensors[others[0]].sharding != layout:
         return None
     path: list[Node] = []
     tid = others[0]
@@ -141,7 +142,8 @@ def _addend_path(body: PCG, carry_in: int, carry_out: int) -> tuple[Node, int, l
         node = made[0]
         path.append(node)
         if isinstance(node.op, REDUCTIONS):
-            return add, others[0], path[::-1] if body.tensors[node.inputs[0]].reduce_op == "sum" else None
+            sums = body.tensors[node.inputs[0]].reduce_op == "sum" and getattr(node.op, "op", "sum") == "sum"
+            return (add, others[0], path[::-1]) if sums else None
         if isinstance(node.op, Partition) or (isinstance(node.op, Compute) and node.op.primitive in REARRANGING
                                               and len(node.inputs) == 1):
             tid = node.inputs[0]
@@ -219,6 +221,12 @@ def _rewrite_body(body: PCG, nc: int, carries: Sequence[int], paths: dict[int, t
     return b.finish(inputs, outputs), layouts
 
 
+def _applied(ops: Sequence[ParallelOp], s: Sharding) -> Sharding:
+    for op in ops:
+        s = op.apply(s)
+    return s
+
+
 def _rewrite_scan(pcg: PCG, node: Node, reduce_scatter: bool) -> tuple[PCG, CarryRewrite] | None:
     """`pcg` with scan `node`'s convertible carries made partial-sum carries, or None if it has none."""
     region: Region = node.op
@@ -245,8 +253,15 @@ def _rewrite_scan(pcg: PCG, node: Node, reduce_scatter: bool) -> tuple[PCG, Carr
     for i, n in enumerate(pcg.nodes):
         if n.id != node.id:
             b.keep_node(n, float(i))
+    reductions = {}
+    for k, s in layouts.items():  # (the reshard after the loop, to each carry's old layout)
+        old = pcg.tensors[node.outputs[k]]
+        ops = reshard_ops(s, old.sharding, mesh, fuse=True, shape=old.shape, itemsize=old.itemsize,
+                          reduce_scatter=reduce_scatter)
+        if not ops or _applied(ops, s) != old.sharding:
+            return None
+        reductions[k] = ops
     ins, outs = list(node.inputs), list(node.outputs)
-    finals: list[tuple[int, int]] = []
     for k, s in layouts.items():
         old_init = pcg.tensors[node.inputs[nc + k]]
         init = b.add_tensor(old_init.shape, old_init.dtype, s, old_init.name)
@@ -254,17 +269,13 @@ def _rewrite_scan(pcg: PCG, node: Node, reduce_scatter: bool) -> tuple[PCG, Carr
         ins[nc + k] = init
         old_res = pcg.tensors[node.outputs[k]]
         outs[k] = b.add_tensor(old_res.shape, old_res.dtype, s, old_res.name)
-        finals.append((outs[k], node.outputs[k]))
     b.add_node(region.with_bodies([new_body]), ins, outs, order=float(at))
-    for j, (src, dst) in enumerate(finals):
-        t = b.tensors[src]
-        ops = reshard_ops(t.sharding, pcg.tensors[dst].sharding, mesh, fuse=True, shape=t.shape,
-                          itemsize=t.itemsize, reduce_scatter=reduce_scatter)
-        cur = src
+    for j, (k, ops) in enumerate(reductions.items()):
+        cur, t = outs[k], pcg.tensors[node.outputs[k]]
         for i, op in enumerate(ops):
-            last = i == len(ops) - 1
-            out = dst if last else b.add_tensor(t.shape, t.dtype, op.apply(b.tensors[cur].sharding), t.name)
-            b.add_node(op, [cur], [out], cause=f"the loop's partial-sum carry {t.name or dst} reduced once",
+            out = node.outputs[k] if i == len(ops) - 1 else \
+                b.add_tensor(t.shape, t.dtype, op.apply(b.tensors[cur].sharding), t.name)
+            b.add_node(op, [cur], [out], cause=f"the loop's partial-sum carry {t.name or k} reduced once",
                        order=at + 0.5 + 0.001 * j)
             cur = out
     where = str(region.source) if region.source is not None else f"node {node.id}"
@@ -283,8 +294,8 @@ def partial_carries(pcg: PCG, *, reduce_scatter: bool = True, cost_fn: Callable[
     done: list[CarryRewrite] = []
     cost = cost_fn(pcg) if cost_fn is not None else 0.0
     for node_id in [n.id for n in pcg.nodes if n.is_region]:
-        node = next(n for n in pcg.nodes if n.id == node_id)
-        out = _rewrite_scan(pcg, node, reduce_scatter)
+        node = next((n for n in pcg.nodes if n.id == node_id), None)
+        out = _rewrite_scan(pcg, node, reduce_scatter) if node is not None else None
         if out is None:
             continue
         new, step = out

@@ -210,6 +210,14 @@ def apply_step(step: Step, vals: Sequence[Any], mesh: tuple[tuple[str, int], ...
             return c, c
 
         return lax.scan(cell, a[0], a[1])[1]
+    if k == "rnn":  # ys[t] = c_{t+1} = tanh(c_t @ w + xs[t]): its gradient adds c_t^T @ g_t into w's cotangent each trip
+        inner = step.attr("inner")
+
+        def rnn_cell(c: Any, x: Any) -> tuple[Any, Any]:
+            c = _maybe_hint(jnp.tanh(c @ a[2] + x), inner)
+            return c, c
+
+        return lax.scan(rnn_cell, a[0], a[1])[1]
     if k == "cond":  # both branches hint their result alike (differently is a ShardingError: test_bad_inputs)
         inner = step.attr("inner")
         return lax.cond(jnp.sum(a[0]) > 0, lambda v: _maybe_hint(jnp.tanh(v), inner),
@@ -678,6 +686,16 @@ class _Gen:
         w = self.operand_of_shape((sa[-1], sa[-1]))
         return self.add("nested_loop", (a, xs, w), (t,) + sa, n=self.pick([1, 2]), inner=self.inner_spec(sa))
 
+    def rnn(self) -> int | None:
+        a = self.operand(lambda s: 2 <= len(s) < MAX_RANK)
+        sa = self.shape(a)
+        t = self.pick([2, 3])
+        if t * math.prod(sa) > MAX_ELEMS:
+            return None
+        xs = self.operand_of_shape((t,) + sa)
+        w = self.operand_of_shape((sa[-1], sa[-1]))
+        return self.add("rnn", (a, xs, w), (t,) + sa, inner=self.inner_spec(sa))
+
     def jit_chain(self) -> int:
         a = self.operand(lambda s: len(s) >= 1)
         return self.add("jit_chain", (a,), self.shape(a), inner=self.inner_spec(self.shape(a)))
@@ -705,7 +723,7 @@ OPS = ("einsum", "einsum", "unary", "binary", "reshape", "reshape", "transpose",
        "concat", "slice_", "gather", "pad", "rev", "cumsum", "dynamic_slice", "hint", "hint", "hint", "hint")
 # Beyond the list: scatters, selects, sorts, argmax and control flow (regions joined by ties).
 EXTRA_OPS = ("scatter_add", "update_slice", "where", "sort", "argmax", "scan", "fori", "cond", "nested_loop",
-             "jit_chain", "remat_chain", "vmap_hint")
+             "jit_chain", "remat_chain", "vmap_hint", "rnn")
 
 
 @st.composite

@@ -226,6 +226,24 @@ def test_pcg_regressions(prog):
     pcg_check.check_pcg(prog)
 
 
+# An RNN over a batch split 4 ways: the gradient adds c_t^T @ g_t (partial sums over x) into w's cotangent each trip.
+AN_RNN_OVER_A_SPLIT_BATCH = Program(mesh=(("x", 4), ("y", 2)), steps=(
+    Step(kind="input", args=(), attrs=(), shape=(8, 4)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 0), ("axes", ("x",))), shape=(8, 4)),
+    Step(kind="input", args=(), attrs=(), shape=(3, 8, 4)),
+    Step(kind="input", args=(), attrs=(), shape=(4, 4)),
+    Step(kind="rnn", args=(1, 2, 3), attrs=(("inner", None),), shape=(3, 8, 4)),
+), outputs=(4,))
+
+
+def test_an_rnn_gradient_carried_as_partial_sums_equals_the_program():
+    """`check_pcg` (seed 4 draws the partial-sum carries, `shardc.pcg.carries`): w's cotangent is carried unreduced
+    through the backward loop and reduced after it; the lowering equals the unsharded program, with the PCG's
+    collectives."""
+    outcome = pcg_check.check_pcg(AN_RNN_OVER_A_SPLIT_BATCH, seed=4)
+    assert outcome.rewrites[:1] == ("partial_sum_carry",)
+
+
 def test_a_loop_invariant_collective_is_priced_out_of_its_loops():
     """The PCG of `A_LOOP_INVARIANT_GATHERED_IN_TWO_LOOPS` gathers the inner loop's matrix inside both inner
     loops; XLA runs those all-gathers out of the loops, as the plan's simulation prices a reshard of a
