@@ -15,7 +15,7 @@ the add (`reduce_add`, `reduce_scatter_add`) and past each op between the reduct
 rests on is in the library and proved (`carry_rules_proved`).
 
 What it covers: scans at the top level of the PCG; a carry whose body input feeds only one `add`/`add_any` whose
-result is the carry's output, whose initial value is a broadcast of zero, and whose other addend is reached from
+result is the carry's output, which starts as zeros (a constant, or a broadcast of a zero scalar), and whose other addend is reached from
 partial sums through reductions (dropped), slices (kept where the partial axes allow, else dropped: the carry
 is then larger) and the rearranging ops of `REARRANGING`. Not covered: `while` loops (no zero-start proof of
 their trip count is needed, but their carries also feed the condition), nested loops, reductions other than sums.
@@ -23,6 +23,7 @@ their trip count is needed, but their carries also feed the condition), nested l
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Sequence
 
 import numpy as np
@@ -105,12 +106,20 @@ def carry_rules_proved() -> bool:
     return all(n in by_name and verify_rule(by_name[n]).proved for n in CARRY_RULES)
 
 
-def _zero_broadcast(pcg: PCG, tid: int) -> Node | None:
-    """The broadcast of a zero scalar `tid` is made from (through parallel ops: zeros stay zeros), or None."""
+ZerosMaker = Callable[[GraphBuilder, Tensor, Sharding, float], int]
+
+
+def _zeros_maker(pcg: PCG, tid: int) -> ZerosMaker | None:
+    """How to make tensor `tid` again in another layout, when it is zeros: a constant of zeros (a literal `0.0` a
+    loop starts from), or a broadcast of a zero scalar (`jnp.zeros_like`) reached through parallel ops (zeros stay
+    zeros); None for anything else."""
     while True:
         made = pcg.producer(tid)
         if made is None:
-            return None
+            const = pcg.consts.get(tid)
+            if const is None or np.any(np.asarray(const)):
+                return None
+            return lambda b, like, s, order: b.add_const(np.asarray(const, dtype=like.dtype), s, like.name)
         node = made[0]
         if node.is_parallel:
             tid = node.inputs[0]
@@ -118,19 +127,41 @@ def _zero_broadcast(pcg: PCG, tid: int) -> Node | None:
         if not isinstance(node.op, Compute) or node.op.primitive != "broadcast_in_dim" or len(node.inputs) != 1:
             return None
         const = pcg.consts.get(node.inputs[0])  # (a scalar: broadcast to any piece's shape alike)
-        return node if const is not None and np.ndim(const) == 0 and not np.any(np.asarray(const)) else None
+        if const is None or np.ndim(const) != 0 or np.any(np.asarray(const)):
+            return None
+        return lambda b, like, s, order: _broadcast_again(b, node, like, s, order)
 
 
-def _addend_path(body: PCG, carry_in: int, carry_out: int) -> tuple[Node, int, list[Node]] | None:
-    """(the carry's add, its other addend, the nodes from a reduction to that addend) or None."""
-    users = body.users(carry_in)
+def _broadcast_again(b: GraphBuilder, node: Node, like: Tensor, s: Sharding, order: float) -> int:
+    out = b.add_tensor(like.shape, like.dtype, s, like.name)
+    b.add_node(node.op, node.inputs, [out], cause="zeros as partial sums (loop carry)", order=order)
+    return out
+
+
+def _no_op_cast(body: PCG, node: Node) -> bool:
+    """A `convert_element_type` to the dtype it has (a weakly typed `0.0` a loop starts from is cast so)."""
+    if not isinstance(node.op, Compute) or node.op.primitive != "convert_element_type":
+        return False
+    a, r = body.tensors[node.inputs[0]], body.tensors[node.outputs[0]]
+    return a.dtype == r.dtype and a.sharding == r.sharding
+
+
+def _addend_path(body: PCG, carry_in: int, carry_out: int) -> tuple[tuple[Node, ...], int, list[Node]] | None:
+    """(the nodes reading the carry: casts to its own dtype, then its add; the add's other addend; the nodes from a
+    reduction to that addend) or None."""
+    reads: list[Node] = []
+    read = carry_in
+    while len(users := body.users(read)) == 1 and _no_op_cast(body, users[0]):
+        reads.append(users[0])
+        read = users[0].outputs[0]
     if len(users) != 1 or body.outputs.count(carry_out) != 1 or body.users(carry_out):
         return None
     add = users[0]
+    reads.append(add)
     if not isinstance(add.op, Compute) or add.op.primitive not in ADDS or add.outputs != (carry_out,):
         return None
-    others = [t for t in add.inputs if t != carry_in]
-    layout = body.tensors[carry_in].sharding
+    others = [t for t in add.inputs if t != read]
+    layout = body.tensors[read].sharding
     if len(others) != 1 or layout.partial or body.tensors[others[0]].sharding != layout:
         return None
     path: list[Node] = []
@@ -143,7 +174,7 @@ def _addend_path(body: PCG, carry_in: int, carry_out: int) -> tuple[Node, int, l
         path.append(node)
         if isinstance(node.op, REDUCTIONS):
             sums = body.tensors[node.inputs[0]].reduce_op == "sum" and getattr(node.op, "op", "sum") == "sum"
-            return (add, others[0], path[::-1]) if sums else None
+            return (tuple(reads), others[0], path[::-1]) if sums else None
         if isinstance(node.op, Partition) or (isinstance(node.op, Compute) and node.op.primitive in REARRANGING
                                               and len(node.inputs) == 1):
             tid = node.inputs[0]
@@ -193,19 +224,21 @@ class _Replay:
         return outs
 
 
-def _rewrite_body(body: PCG, nc: int, carries: Sequence[int], paths: dict[int, tuple[Node, int, list[Node]]]
+def _rewrite_body(body: PCG, nc: int, carries: Sequence[int],
+                  paths: dict[int, tuple[tuple[Node, ...], int, list[Node]]]
                   ) -> tuple[PCG, dict[int, Sharding]] | None:
     b = GraphBuilder(body.mesh, body.tensors, body.consts, first_node_id=1 + max((n.id for n in body.nodes),
                                                                                  default=0))
-    adds = {paths[k][0].id for k in carries}
+    reads = {n.id for k in carries for n in paths[k][0]}
     for i, n in enumerate(body.nodes):
-        if n.id not in adds:
+        if n.id not in reads:
             b.keep_node(n, float(i))
     replay = _Replay(body, b)
     inputs, outputs = list(body.inputs), list(body.outputs)
     layouts: dict[int, Sharding] = {}
     for k in carries:
-        add, addend, path = paths[k]
+        carry_reads, addend, path = paths[k]
+        add = carry_reads[-1]
         if not replay.run(path):
             return None
         part = replay.new[addend]
@@ -227,22 +260,33 @@ def _applied(ops: Sequence[ParallelOp], s: Sharding) -> Sharding:
     return s
 
 
-def _rewrite_scan(pcg: PCG, node: Node, reduce_scatter: bool) -> tuple[PCG, CarryRewrite] | None:
-    """`pcg` with scan `node`'s convertible carries made partial-sum carries, or None if it has none."""
+Convertible = dict[int, tuple[tuple[tuple[Node, ...], int, list[Node]], ZerosMaker]]
+
+
+def _convertible(pcg: PCG, node: Node) -> Convertible:
+    """The carries of scan `node` that can hold partial sums: carry index -> (its path in the body, its zeros)."""
     region: Region = node.op
     if region.primitive != "scan" or len(region.bodies) != 1:
-        return None
+        return {}
     body = region.bodies[0]
     nc, nk = int(region.params["num_consts"]), int(region.params["num_carry"])
-    paths: dict[int, tuple[Node, int, list[Node]]] = {}
-    zeros: dict[int, Node] = {}
+    out: Convertible = {}
     for k in range(nk):
-        zero = _zero_broadcast(pcg, node.inputs[nc + k])
+        zero = _zeros_maker(pcg, node.inputs[nc + k])
         found = _addend_path(body, body.inputs[nc + k], body.outputs[k]) if zero is not None else None
         if found is not None:
-            paths[k], zeros[k] = found, zero
-    if not paths:
-        return None
+            out[k] = (found, zero)
+    return out
+
+
+def _rewrite_scan(pcg: PCG, node: Node, chosen: Convertible, reduce_scatter: bool
+                  ) -> tuple[PCG, CarryRewrite] | None:
+    """`pcg` with the `chosen` carries of scan `node` made partial-sum carries, or None if that cannot be done."""
+    region: Region = node.op
+    body = region.bodies[0]
+    nc = int(region.params["num_consts"])
+    paths = {k: path for k, (path, _) in chosen.items()}
+    zeros = {k: zero for k, (_, zero) in chosen.items()}
     rewritten = _rewrite_body(body, nc, sorted(paths), paths)
     if rewritten is None:
         return None
@@ -263,10 +307,7 @@ def _rewrite_scan(pcg: PCG, node: Node, reduce_scatter: bool) -> tuple[PCG, Carr
         reductions[k] = ops
     ins, outs = list(node.inputs), list(node.outputs)
     for k, s in layouts.items():
-        old_init = pcg.tensors[node.inputs[nc + k]]
-        init = b.add_tensor(old_init.shape, old_init.dtype, s, old_init.name)
-        b.add_node(zeros[k].op, zeros[k].inputs, [init], cause="zeros as partial sums (loop carry)", order=at - 0.5)
-        ins[nc + k] = init
+        ins[nc + k] = zeros[k](b, pcg.tensors[node.inputs[nc + k]], s, at - 0.5)
         old_res = pcg.tensors[node.outputs[k]]
         outs[k] = b.add_tensor(old_res.shape, old_res.dtype, s, old_res.name)
     b.add_node(region.with_bodies([new_body]), ins, outs, order=float(at))
@@ -295,16 +336,35 @@ def partial_carries(pcg: PCG, *, reduce_scatter: bool = True, cost_fn: Callable[
     cost = cost_fn(pcg) if cost_fn is not None else 0.0
     for node_id in [n.id for n in pcg.nodes if n.is_region]:
         node = next((n for n in pcg.nodes if n.id == node_id), None)
-        out = _rewrite_scan(pcg, node, reduce_scatter) if node is not None else None
-        if out is None:
+        convertible = _convertible(pcg, node) if node is not None else {}
+        if not convertible:
             continue
-        new, step = out
-        if cost_fn is not None:
-            after = cost_fn(new)
-            if not after < cost * (1 - 1e-9):
-                continue
-            step = dataclasses.replace(step, cost_before=cost, cost_after=after)
-            cost = after
-        pcg = new
-        done.append(step)
+        out = _best_subset(pcg, node, convertible, reduce_scatter, cost_fn, cost) if cost_fn is not None else \
+            _rewrite_scan(pcg, node, convertible, reduce_scatter)
+        if out is not None:
+            pcg, step = out
+            cost = step.cost_after
+            done.append(step)
     return pcg, done
+
+
+def _best_subset(pcg: PCG, node: Node, convertible: Convertible, reduce_scatter: bool,
+                 cost_fn: Callable[[PCG], float], cost: float) -> tuple[PCG, CarryRewrite] | None:
+    """The scan rewritten with all its convertible carries, then without the smallest of them one by one while
+    that is faster (a small value's reduction in the loop hides behind the next trip's work; after the loop it may
+    be all that is left to wait for); None when no such rewrite is faster than `cost`."""
+    mesh = pcg.mesh_sizes
+    by_size = sorted(convertible, key=lambda k: pcg.tensors[node.inputs[k + node.op.params["num_consts"]]]
+                     .local_bytes(mesh))
+    best: tuple[PCG, CarryRewrite] | None = None
+    best_cost = cost
+    while by_size:
+        out = _rewrite_scan(pcg, node, {k: convertible[k] for k in by_size}, reduce_scatter)
+        after = cost_fn(out[0]) if out is not None else math.inf
+        if not after < best_cost * (1 - 1e-9):
+            break
+        best, best_cost = out, after
+        by_size = by_size[1:]
+    if best is None:
+        return None
+    return best[0], dataclasses.replace(best[1], cost_before=cost, cost_after=best_cost)

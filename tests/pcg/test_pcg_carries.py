@@ -107,3 +107,73 @@ def test_choose_pcg_keeps_it_when_faster_and_says_so():
     assert "partial_sum_carry" in str(ch) and "reduced once after the loop" in str(ch)
     got = jit_pcg(info.plan, ch.pcg)(*args)
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(jax.jit(step)(*args)), rtol=1e-5, atol=1e-5)
+
+
+def _accumulating_train_step():
+    """Gradient accumulation over microbatches as MaxText's `accumulate_gradient` writes it: a scan whose carry is
+    a dict of the summed loss (starting at a literal 0.0), the summed gradients (`zeros_like`) and the summed
+    weights, the microbatches split over `data` (data parallel), Adam after the loop."""
+    import flax.linen as nn
+    import optax
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(10)(nn.relu(nn.Dense(256)(x)))
+
+    model, tx = MLP(), optax.adam(1e-3)
+
+    def loss_sum(p, x, y):
+        w = (y > 0).astype(jnp.float32)
+        xent = optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y)
+        return jnp.sum(xent * w), jnp.sum(w)
+
+    def train_step(params, opt_state, xs, ys):
+        def micro(acc, xy):
+            (loss, weights), g = jax.value_and_grad(loss_sum, has_aux=True)(params, *xy)
+            return {"loss": acc["loss"] + loss, "grad": jax.tree.map(jnp.add, acc["grad"], g),
+                    "weights": acc["weights"] + weights}, None
+        init = {"loss": 0.0, "grad": jax.tree.map(jnp.zeros_like, params), "weights": 0.0}
+        acc, _ = jax.lax.scan(micro, init, (split(xs, 1, "data"), split(ys, 1, "data")))
+        grads = jax.tree.map(lambda g: g / acc["weights"], acc["grad"])
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, acc["loss"] / acc["weights"]
+
+    params = model.init(jax.random.key(0), jnp.ones((64, 128)))
+    xs = jax.random.normal(jax.random.key(1), (4, 64, 128))
+    ys = jax.random.randint(jax.random.key(2), (4, 64), 0, 10)
+    return train_step, (params, tx.init(params), xs, ys)
+
+
+def test_gradient_accumulation_reduces_its_gradients_once():
+    from bench.pcg_zoo import check_numerics
+
+    step, args = _accumulating_train_step()
+    info = shardc.auto(step, mesh=shardc.make_mesh({"data": 8}), search=False).compiled_info(*args)
+    pcg = build_pcg(info.plan, info.closed_jaxpr, fuse=True)
+    every_pcg, (every,) = partial_carries(pcg)
+    assert every.carries == tuple(range(6))  # the gradients' 4 and the two sums starting at a literal 0.0
+    ch = choose_pcg(info.plan, info.closed_jaxpr, TOPOLOGY, max_evaluations=5)
+    assert ch.chosen and ch.steps[0].rule == "partial_sum_carry"
+    assert ch.time < 0.6 * ch.plan_time  # (4 microbatches: the gradients' all-reduces once, not 4 times)
+    # (the carries kept are the fastest of all of them and all but the smallest few)
+    assert ch.steps[0].cost_after <= simulate_pcg(every_pcg, TOPOLOGY).step_time * (1 + 1e-9)
+    worst, differ = check_numerics(step, args, info.plan, ch.pcg)
+    assert worst < 1e-5 and not differ, (worst, differ)
+
+
+def test_the_smallest_carries_are_left_out_while_that_is_faster():
+    step, args = _accumulating_train_step()
+    info = shardc.auto(step, mesh=shardc.make_mesh({"data": 8}), search=False).compiled_info(*args)
+    pcg = build_pcg(info.plan, info.closed_jaxpr, fuse=True)
+
+    def partial_sizes(p):
+        (loop,) = p.region_nodes()
+        return [p.tensors[t].rank for t in loop.inputs if p.tensors[t].sharding.partial]
+
+    def cost(p):  # (a scalar carried unreduced costs 1, any other saves 10)
+        return 100.0 - sum(10.0 if r else -1.0 for r in partial_sizes(p))
+
+    new, (step_done,) = partial_carries(pcg, cost_fn=cost)
+    assert sorted(partial_sizes(new)) == [1, 1, 2, 2] and step_done.carries == (0, 1, 2, 3)
+    assert (step_done.cost_before, step_done.cost_after) == (100.0, 60.0)
