@@ -256,6 +256,24 @@ def _reduced_root(t: int, primitive: str, rearranged: Mapping[int, int],
         t = p[1]
 
 
+def _trailing_reduction(n: Node, t: int, reshaped: Mapping[int, int], tensors: Sequence[Tensor]
+                        ) -> tuple[int, int] | None:
+    """(root, k) when reduction node `n` reduces every dim of tensor `t` but its first k, and `t` is (through reshapes
+    keeping those k dims) tensor `root`: the same sums of the same elements as reducing `root` over all but its first
+    k dims, to XLA's simplifier; else None."""
+    axes = n.op.params.get("axes")
+    rank = tensors[t].rank
+    if axes is None or rank == 0:
+        return None
+    k = rank - len(axes)
+    if sorted(int(a) for a in axes) != list(range(k, rank)):
+        return None
+    head = tensors[t].shape[:k]
+    while t in reshaped and tensors[reshaped[t]].shape[:k] == head and tensors[reshaped[t]].rank > k:
+        t = reshaped[t]
+    return t, k
+
+
 def _is_identity(op: Compute, a: Tensor, r: Tensor) -> bool:
     """Whether `op` (reading `a` first, making `r`) hands its operand on unchanged."""
     if (a.shape, a.dtype, a.sharding) != (r.shape, r.dtype, r.sharding):
@@ -429,6 +447,7 @@ class PCG:
         first: dict[tuple[Any, ...], Node] = {}
         rearranged: dict[int, int] = {}  # tensor -> what a chain of reshapes/transposes makes it of
         partial: dict[int, tuple[str, int]] = {}  # tensor -> (the reduction over some dims making it, of what)
+        reshaped: dict[int, int] = {}  # tensor -> the tensor a reshape made it of
         m = self.mesh_sizes
         equal: dict[tuple[Any, ...], int] = {}  # (constants of one value and layout are one to XLA's CSE)
         for t, value in self.consts.items():
@@ -441,8 +460,17 @@ class PCG:
             if not n.is_parallel and n.op.primitive in _REARRANGING and len(ins) == 1:
                 rearranged[n.outputs[0]] = rearranged.get(ins[0], ins[0])
             reduction = not n.is_parallel and n.op.primitive in _REDUCTIONS and len(ins) == 1 and len(n.outputs) == 1
+            if not n.is_parallel and n.op.primitive == "reshape" and len(ins) == 1:
+                reshaped[n.outputs[0]] = ins[0]
             if reduction and self.tensors[n.outputs[0]].shape:  # (a reduction over some dims: see below)
                 partial[n.outputs[0]] = (n.op.primitive, _reduced_root(ins[0], n.op.primitive, rearranged, partial))
+                trailing = _trailing_reduction(n, ins[0], reshaped, self.tensors)
+                if trailing is not None:  # (XLA's simplifier: reduce(reshape(x)) -> reduce(x) over the same elements)
+                    key = ((n.op.primitive, "trailing dims"), trailing, _physical(self.tensors[n.outputs[0]].sharding, m))
+                    m1 = first.setdefault(key, n)
+                    if m1.outputs[0] != n.outputs[0]:
+                        same[n.outputs[0]] = same.get(m1.outputs[0], m1.outputs[0])
+                        continue
             if reduction and not self.tensors[n.outputs[0]].shape:
                 # (XLA's simplifier: reduce(reshape(x)) -> reduce(x), and reduce(reduce(x)) -> one reduce of x)
                 key = ((n.op.primitive, "every dim"), (_reduced_root(ins[0], n.op.primitive, rearranged, partial),),

@@ -203,6 +203,16 @@ A_LOOP_OF_ONE_TRIP_GATHERING_ITS_CARRY = Program(mesh=(("x", 2), ("y", 4)), step
     Step(kind="input", args=(), attrs=(), shape=(1,)),
     Step(kind="concat", args=(3, 1), attrs=(("dim", 0),), shape=(9,))), outputs=(0, 2, 4))
 
+# Sums over the trailing dims of x and of a reshape of x merging those dims (seed 175008, shrunk by hand): XLA's
+# simplifier reduces the reshape's operand instead, so the two all-reduces are one (the PCG named two).
+SUMS_OF_A_RESHAPE_AND_OF_ITS_OPERAND = Program(mesh=(("x", 8),), steps=(
+    Step(kind="input", args=(), attrs=(), shape=(8, 8, 2)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 1), ("axes", "x")), shape=(8, 8, 2)),
+    Step(kind="reshape", args=(1,), attrs=(), shape=(8, 16)),
+    Step(kind="einsum", args=(2, 1), attrs=(("spec", "ab,acd->a"),), shape=(8,)),
+), outputs=(3,))
+
+
 REGRESSIONS = {
     "a_loop_of_one_trip_gathering_its_carry": A_LOOP_OF_ONE_TRIP_GATHERING_ITS_CARRY,
     "two_loops_of_one_input": TWO_LOOPS_OF_ONE_INPUT,
@@ -218,6 +228,7 @@ REGRESSIONS = {
     "gather_out_of_bounds_of_a_split_dim": GATHER_OUT_OF_BOUNDS_OF_A_SPLIT_DIM,
     "whole_update_of_a_gathered_value": WHOLE_UPDATE_OF_A_GATHERED_VALUE,
     "slice_of_the_other_concatenated_operand": SLICE_OF_THE_OTHER_CONCATENATED_OPERAND,
+    "sums_of_a_reshape_and_of_its_operand": SUMS_OF_A_RESHAPE_AND_OF_ITS_OPERAND,
 }
 
 
