@@ -274,6 +274,21 @@ def _trailing_reduction(n: Node, t: int, reshaped: Mapping[int, int], tensors: S
     return t, k
 
 
+def _dot_of_broadcast_key(op: Compute, operands: Sequence[Tensor], constant: Sequence[frozenset[int] | None]
+                          ) -> tuple[Any, ...]:
+    """A `dot_general`'s key to XLA's simplifier when an operand is a broadcast: along a dim it was broadcast on, that
+    operand is constant, so which of its broadcast dims of one size is contracted, and which is kept, makes the same
+    values (XLA rewrites such a dot as a product and a sum, where the broadcast dims are gone)."""
+    (contracting, batch) = op.params["dimension_numbers"]
+    out: list[Any] = ["dot_general", tuple(map(tuple, batch)), str(op.params.get("preferred_element_type")),
+                      str(op.params.get("precision"))]
+    for x, dims, batched, const in zip(operands, contracting, batch, constant):
+        name = lambda d: ("broadcast", x.shape[d]) if const is not None and d in const else d  # noqa: E731
+        free = [d for d in range(x.rank) if d not in dims and d not in batched]
+        out += [tuple(name(int(d)) for d in dims), tuple(name(d) for d in free)]
+    return tuple(out)
+
+
 def _is_identity(op: Compute, a: Tensor, r: Tensor) -> bool:
     """Whether `op` (reading `a` first, making `r`) hands its operand on unchanged."""
     if (a.shape, a.dtype, a.sharding) != (r.shape, r.dtype, r.sharding):
@@ -448,6 +463,7 @@ class PCG:
         rearranged: dict[int, int] = {}  # tensor -> what a chain of reshapes/transposes makes it of
         partial: dict[int, tuple[str, int]] = {}  # tensor -> (the reduction over some dims making it, of what)
         reshaped: dict[int, int] = {}  # tensor -> the tensor a reshape made it of
+        broadcast: dict[int, frozenset[int]] = {}  # tensor -> the dims a broadcast made it constant along
         m = self.mesh_sizes
         equal: dict[tuple[Any, ...], int] = {}  # (constants of one value and layout are one to XLA's CSE)
         for t, value in self.consts.items():
@@ -462,6 +478,9 @@ class PCG:
             reduction = not n.is_parallel and n.op.primitive in _REDUCTIONS and len(ins) == 1 and len(n.outputs) == 1
             if not n.is_parallel and n.op.primitive == "reshape" and len(ins) == 1:
                 reshaped[n.outputs[0]] = ins[0]
+            if not n.is_parallel and n.op.primitive == "broadcast_in_dim" and len(n.outputs) == 1:
+                kept_dims = {int(d) for d in n.op.params.get("broadcast_dimensions", ())}
+                broadcast[n.outputs[0]] = frozenset(range(self.tensors[n.outputs[0]].rank)) - kept_dims
             if reduction and self.tensors[n.outputs[0]].shape:  # (a reduction over some dims: see below)
                 partial[n.outputs[0]] = (n.op.primitive, _reduced_root(ins[0], n.op.primitive, rearranged, partial))
                 trailing = _trailing_reduction(n, ins[0], reshaped, self.tensors)
@@ -492,6 +511,9 @@ class PCG:
             op = _without_unit_axes(n.op, m) if n.is_parallel else n.op
             if n.is_region:  # (two loops of the same bodies on the same values: XLA's CSE keeps one)
                 op = (n.op.primitive, n.op.bkey, tuple(b.structure for b in n.op.bodies))
+            if not n.is_parallel and n.op.primitive == "dot_general" and len(ins) == 2 \
+                    and (ins[0] in broadcast or ins[1] in broadcast):
+                op = _dot_of_broadcast_key(n.op, [self.tensors[t] for t in ins], [broadcast.get(t) for t in ins])
             if not n.is_parallel and n.op.primitive in _COMMUTATIVE:
                 ins = tuple(sorted(ins))  # (XLA's CSE takes b * a for a * b)
             m1 = first.setdefault((op, ins, made), n)

@@ -237,6 +237,22 @@ def test_pcg_regressions(prog):
     pcg_check.check_pcg(prog)
 
 
+# x contracted with itself, and the gradient of a product with it (seed 175014, shrunk by hand): two dots of one
+# broadcast operand that contract different dims it was broadcast along make the same values; XLA's simplifier makes
+# them one, and the shuffle after each is one (the fused PCG named four collective-permutes, XLA compiled three).
+DOTS_OF_A_BROADCAST_ALONG_EITHER_DIM = Program(mesh=(("x", 2), ("y", 2), ("z", 2)), steps=(
+    Step(kind="input", args=(), attrs=(("meta", (("y", "z"), None, None)),), shape=(4, 2, 2)),
+    Step(kind="hint", args=(0,), attrs=(("how", "split"), ("dim", 0), ("axes", ("z", "x"))), shape=(4, 2, 2)),
+    Step(kind="einsum", args=(0, 0), attrs=(("spec", "abc,abd->bacd"),), shape=(2, 4, 2, 2)),
+    Step(kind="einsum", args=(2, 0), attrs=(("spec", "abcd,bea->a"),), shape=(2,)),
+), outputs=(1, 3))
+
+
+def test_dots_of_a_broadcast_along_either_dim_are_one_value():
+    """`check_pcg` with seed 1 builds the fused PCG (as `choose_pcg` does) and rewrites nothing: exact collectives."""
+    pcg_check.check_pcg(DOTS_OF_A_BROADCAST_ALONG_EITHER_DIM, seed=1, rewrites=0)
+
+
 # An RNN over a batch split 4 ways: the gradient adds c_t^T @ g_t (partial sums over x) into w's cotangent each trip.
 AN_RNN_OVER_A_SPLIT_BATCH = Program(mesh=(("x", 4), ("y", 2)), steps=(
     Step(kind="input", args=(), attrs=(), shape=(8, 4)),
