@@ -129,6 +129,21 @@ def primitives_and_params(program: Any) -> list[Any]:
     return out
 
 
+def _device_id(o: Any) -> tuple[str, str, int] | None:
+    """A JAX device as a reference (a mesh a PCG is built on, e.g. one of sub-axes, holds its devices, which do not
+    pickle; both processes have them since the fork)."""
+    import jax
+
+    return ("device", o.platform, int(o.id)) if isinstance(o, jax.Device) else None
+
+
+def _device(pid: tuple[str, str, int]) -> Any:
+    import jax
+
+    _, platform, i = pid
+    return next(d for d in jax.devices(platform) if d.id == i)
+
+
 class _Channel:
     """Pickled messages over a pair of pipes; objects that both processes hold since the fork (the graph, the
     traced program, the meshes) travel as references to themselves."""
@@ -141,7 +156,8 @@ class _Channel:
         buf = io.BytesIO()
         p = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
         shared = self._shared
-        p.persistent_id = lambda o: id(o) if shared.get(id(o), _MISSING) is o else None  # type: ignore[method-assign]
+        p.persistent_id = (  # type: ignore[method-assign]
+            lambda o: id(o) if shared.get(id(o), _MISSING) is o else _device_id(o))
         try:
             p.dump(obj)
         except (pickle.PicklingError, AttributeError, TypeError) as e:  # (a shardc bug: said, then searched alone)
@@ -161,7 +177,7 @@ class _Channel:
     def recv(self) -> Any:
         data = self._read(int.from_bytes(self._read(8), "little"))
         u = pickle.Unpickler(io.BytesIO(data))
-        u.persistent_load = self._shared.__getitem__  # type: ignore[method-assign]
+        u.persistent_load = lambda pid: _device(pid) if isinstance(pid, tuple) else self._shared[pid]  # type: ignore
         return u.load()
 
     def ready(self) -> bool:

@@ -194,3 +194,18 @@ def test_a_plan_made_with_workers_runs_as_jax_jit(forks, monkeypatch, pcg):
     assert (f.plan(*args).search.chosen.name == "search+pcg") == pcg  # (this MLP's PCG rewrite pays on h100)
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(jnp.asarray(b)), rtol=1e-6, atol=1e-6)
+
+
+def test_a_mesh_of_devices_crosses_between_workers():
+    """A rewritten PCG on a mesh made in the worker (`shardc.pcg.refine`: an axis split into sub-axes) holds that
+    mesh's devices, which do not pickle: they travel as references (a worker was lost and the search ran again
+    alone before)."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    read, write = os.pipe()
+    channel = workers._Channel(read, write, [])
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("model", "data.0", "data.1"))
+    channel.send(("reply", {"mesh": mesh}))
+    kind, got = channel.recv()
+    assert kind == "reply" and got["mesh"] == mesh and list(got["mesh"].devices.flat) == list(mesh.devices.flat)
