@@ -14,11 +14,12 @@ the add (`reduce_add`, `reduce_scatter_add`) and past each op between the reduct
 `reduce_chunk`, `reduce_merge`/`reduce_unmerge`, `reduce_slice_other`). The rewrite runs only when every rule it
 rests on is in the library and proved (`carry_rules_proved`).
 
-What it covers: scans at the top level of the PCG; a carry whose body input feeds only one `add`/`add_any` whose
-result is the carry's output, which starts as zeros (a constant, or a broadcast of a zero scalar), and whose other addend is reached from
-partial sums through reductions (dropped), slices (kept where the partial axes allow, else dropped: the carry
-is then larger) and the rearranging ops of `REARRANGING`. Not covered: `while` loops (no zero-start proof of
-their trip count is needed, but their carries also feed the condition), nested loops, reductions other than sums.
+What it covers: scans at the top level of the PCG; a carry that starts as zeros (a constant, or a broadcast of a
+zero scalar), whose body input feeds only one `add`/`add_any` (through casts to its own dtype) whose result is the
+carry's output, and whose other addend is reached from partial sums through reductions (dropped), slices (kept where
+the partial axes allow, else dropped: the carry is then larger) and the rearranging ops of `REARRANGING`. With a
+cost, a scan's carries are kept all but the smallest while leaving those out is cheaper (`_best_subset`). Not
+covered: `while` loops (`fori_loop`), scans inside loop bodies, reductions other than sums.
 """
 from __future__ import annotations
 

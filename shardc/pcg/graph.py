@@ -456,8 +456,10 @@ class PCG:
         a commutative op in any order; and through what its simplifier removes: a pad of nothing, a reshape,
         convert or copy changing neither shape nor dtype, a select of one value, a collective over axes of size
         1); a reduction over every dim of a reshape or transpose of x, or of the same reduction of x over some
-        dims, is that reduction of x); a constant of the value and layout of an earlier one; and a loop or branch
-        with the same bodies (`structure`) as an earlier one, on the same values."""
+        dims, is that reduction of x; one over all but the first k dims of a reshape of x keeping those is that
+        reduction of x; dots of a broadcast operand contracting or keeping different dims it was broadcast along
+        are one); a constant of the value and layout of an earlier one; and a loop or branch with the same bodies
+        (`structure`) as an earlier one, on the same values."""
         same: dict[int, int] = {}
         first: dict[tuple[Any, ...], Node] = {}
         rearranged: dict[int, int] = {}  # tensor -> what a chain of reshapes/transposes makes it of
@@ -485,7 +487,8 @@ class PCG:
                 partial[n.outputs[0]] = (n.op.primitive, _reduced_root(ins[0], n.op.primitive, rearranged, partial))
                 trailing = _trailing_reduction(n, ins[0], reshaped, self.tensors)
                 if trailing is not None:  # (XLA's simplifier: reduce(reshape(x)) -> reduce(x) over the same elements)
-                    key = ((n.op.primitive, "trailing dims"), trailing, _physical(self.tensors[n.outputs[0]].sharding, m))
+                    key = ((n.op.primitive, "trailing dims"), trailing,
+                           _physical(self.tensors[n.outputs[0]].sharding, m))
                     m1 = first.setdefault(key, n)
                     if m1.outputs[0] != n.outputs[0]:
                         same[n.outputs[0]] = same.get(m1.outputs[0], m1.outputs[0])
