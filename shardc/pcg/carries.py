@@ -94,8 +94,22 @@ class CarryRewrite:
     cost_after: float = 0.0
 
     def __str__(self) -> str:
-        lays = ", ".join(f"carry {k} as {s}" for k, s in zip(self.carries, self.layouts))
-        return f"partial-sum carries of the scan {self.where}: {lays}, reduced once after the loop"
+        by_layout: dict[str, list[int]] = {}
+        for k, s in zip(self.carries, self.layouts):
+            by_layout.setdefault(str(s), []).append(k)
+        lays = "; ".join(f"{'carry' if len(ks) == 1 else 'carries'} {_ranges(ks)} as {s}" for s, ks in by_layout.items())
+        return f"partial-sum carries of the scan {self.where}: {lays}; reduced once after the loop"
+
+
+def _ranges(ks: Sequence[int]) -> str:
+    """`[0, 1, 2, 5]` as "0-2, 5"."""
+    runs: list[list[int]] = []
+    for k in ks:
+        if runs and k == runs[-1][-1] + 1:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
 
 
 def carry_rules_proved() -> bool:

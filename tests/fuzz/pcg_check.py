@@ -19,10 +19,10 @@ import fuzzlib
 import shardc
 from annotations.errors import ShardingError
 from shardc.pcg import hlo_collectives
+from shardc.pcg.carries import partial_carries
 from shardc.pcg.choice import jit_pcg
 from shardc.pcg.library import all_rules
 from shardc.pcg.match import RewriteError, apply_match, find_matches
-from shardc.pcg.carries import partial_carries
 from shardc.pcg.optimize import usable_rules
 from shardc.pcg.refine import refined_pcg
 from shardc.pcg.verify import verify_rule
