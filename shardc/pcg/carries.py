@@ -44,6 +44,8 @@ REDUCTIONS = (Reduce, ReduceScatter, ReduceScatterDims)
 CARRY_RULES = ("reduce_add", "reduce_scatter_add", "reduce_transpose", "reduce_chunk", "reduce_merge",
                "reduce_unmerge", "reduce_slice_other")
 
+MAX_LEFT_OUT = 8  # (carries `_best_subset` may leave out of a scan's rewrite, smallest first)
+
 Transfer = Callable[[Compute, Sharding, Tensor, Sequence[Tensor]], "list[Sharding] | None"]
 
 
@@ -365,20 +367,22 @@ def partial_carries(pcg: PCG, *, reduce_scatter: bool = True, cost_fn: Callable[
 
 def _best_subset(pcg: PCG, node: Node, convertible: Convertible, reduce_scatter: bool,
                  cost_fn: Callable[[PCG], float], cost: float) -> tuple[PCG, CarryRewrite] | None:
-    """The scan rewritten with all its convertible carries, then without the smallest of them one by one while
-    that is faster (a small value's reduction in the loop hides behind the next trip's work; after the loop it may
-    be all that is left to wait for); None when no such rewrite is faster than `cost`."""
+    """The fastest of the scan rewritten with all its convertible carries and without the smallest of them, one
+    more left out at a time (at most `MAX_LEFT_OUT`), until leaving one more out stops paying (a small value's
+    reduction in the loop hides behind the next trip's work; after the loop it may be all that is left to wait
+    for); None when no such rewrite is faster than `cost`."""
     mesh = pcg.mesh_sizes
     by_size = sorted(convertible, key=lambda k: pcg.tensors[node.inputs[k + node.op.params["num_consts"]]]
                      .local_bytes(mesh))
     best: tuple[PCG, CarryRewrite] | None = None
     best_cost = cost
-    while by_size:
+    for _ in range(min(len(by_size), 1 + MAX_LEFT_OUT)):  # (simulations: at most 1 + MAX_LEFT_OUT per scan)
         out = _rewrite_scan(pcg, node, {k: convertible[k] for k in by_size}, reduce_scatter)
         after = cost_fn(out[0]) if out is not None else math.inf
-        if not after < best_cost * (1 - 1e-9):
+        if after < best_cost * (1 - 1e-9):
+            best, best_cost = out, after
+        elif best is not None:  # (leaving the next one out too stopped paying)
             break
-        best, best_cost = out, after
         by_size = by_size[1:]
     if best is None:
         return None
