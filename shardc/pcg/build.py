@@ -67,14 +67,16 @@ def _lcp(a: Sequence[str], b: Sequence[str]) -> int:
 
 
 def reshard_ops(src: Sharding, dst: Sharding, mesh: Mapping[str, int], *, fuse: bool = False,
-                shape: Sequence[int] | None = None, itemsize: int = 4, reduce_scatter: bool = True) -> list[ParallelOp]:
+                shape: Sequence[int] | None = None, itemsize: int = 4, reduce_scatter: bool = True,
+                groups: Sequence[Sequence[str]] = ()) -> list[ParallelOp]:
     """Parallel ops taking a tensor of `shape` from `src` to `dst`.
 
     Without `fuse`: Unity's primitive ops, each on one axes group — Combine the dims' extra minor axes,
     Reduce the partial axes, Partition the missing ones, ordered so that a Combine/Reduce sits right
     before the Partition it could fuse with. With `fuse`: the one reshard model's collectives
     (`shardc.pcg.reshard.xla_ops`: one op per collective XLA emits for the change, `reduce_scatter`:
-    whether the backend has reduce-scatters), which needs the value's `shape` and `itemsize`.
+    whether the backend has reduce-scatters), which needs the value's `shape` and `itemsize`; `groups`: when `src`'s
+    partial sums come from an op reducing several sharded dims, the axes of each (`OpStrategy.partial_groups`).
     """
     if dst.partial - src.partial:
         raise ShardingError(f"cannot reshard {src} to {dst}: partial sums cannot be created")
@@ -85,7 +87,7 @@ def reshard_ops(src: Sharding, dst: Sharding, mesh: Mapping[str, int], *, fuse: 
     if shape is None:
         raise ShardingError("reshard_ops(fuse=True) needs the value's shape (the collectives depend on it)")
     return xla_ops(src, dst, shape, itemsize, mesh, lambda a, b: _group_ops(a, b, mesh, fuse=False),
-                   reduce_scatter=reduce_scatter)
+                   reduce_scatter=reduce_scatter, groups=groups)
 
 
 def _combining_with(ops: Sequence[ParallelOp], reduce_op: str) -> list[ParallelOp]:
@@ -249,7 +251,7 @@ class Scope:
         val = self.ctx.graph.values[v]
         return self.b.add_tensor(val.shape, val.dtype, layout, val.name)
 
-    def reshard(self, t: int, want: Sharding, cause: str) -> int:
+    def reshard(self, t: int, want: Sharding, cause: str, groups: Sequence[Sequence[str]] = ()) -> int:
         b = self.b
         have = b.tensors[t].sharding
         if have == want:
@@ -266,7 +268,7 @@ class Scope:
         cur = t
         tensor = b.tensors[t]
         pops = reshard_ops(have, want, self.ctx.sizes, fuse=self.ctx.fuse, shape=tensor.shape,
-                           itemsize=tensor.itemsize, reduce_scatter=self.ctx.reduce_scatter)
+                           itemsize=tensor.itemsize, reduce_scatter=self.ctx.reduce_scatter, groups=groups)
         for pop in _combining_with(pops, tensor.reduce_op):
             key = (cur, pop)
             if key not in self.steps:  # a step shared with another chain from the same tensor is made once
@@ -320,9 +322,10 @@ class Scope:
             outs = [split_index_reduction(self, op, eqn, args[0], pieces)]
         else:
             outs = self._compute(op, eqn, args, strat, partial, local)
+        groups = strat.partial_groups(rule) if partial and local else ()  # (XLA reduces them one dim at a time)
         for v, t in zip(op.outputs, outs):
             cause = ctx.causes.get((v, None)) or f"{graph.values[v].name} is {plan.shardings[v]}"
-            self.vmap[v] = self.reshard(t, plan.shardings[v], cause)
+            self.vmap[v] = self.reshard(t, plan.shardings[v], cause, groups)
 
     def _compute(self, op: Any, eqn: Any, args: list[int], strat: Any, partial: frozenset[str], local: bool
                  ) -> list[int]:

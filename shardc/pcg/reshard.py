@@ -186,12 +186,12 @@ def _cheapest_ops(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize
 
 @functools.lru_cache(maxsize=1 << 14)
 def _xla_ops(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int,
-             mesh_items: tuple[tuple[str, int], ...], reduce_scatter: bool
+             mesh_items: tuple[tuple[str, int], ...], reduce_scatter: bool, groups: tuple[tuple[str, ...], ...] = ()
              ) -> tuple[tuple[Sharding, Sharding, tuple[ParallelOp, ...] | None], ...]:
     mesh = dict(mesh_items)
     out = []
     cur = src
-    for layout, colls in reshard_steps(src, dst, shape, itemsize, mesh, reduce_scatter):
+    for layout, colls in reshard_steps(src, dst, shape, itemsize, mesh, reduce_scatter, groups):
         ops = None
         for exact, ordered in ((True, True), (True, False), (False, True), (False, False)):
             ops = _step_ops(cur, layout, colls, shape, itemsize, mesh, reduce_scatter, ordered, exact)
@@ -205,12 +205,13 @@ def _xla_ops(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int
 
 
 def xla_ops(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int, mesh: Mapping[str, int],
-            naive: Naive, *, reduce_scatter: bool = True) -> list[ParallelOp]:
+            naive: Naive, *, reduce_scatter: bool = True, groups: Sequence[Sequence[str]] = ()) -> list[ParallelOp]:
     """Parallel ops taking a value of `shape` from `src` to `dst` as XLA does it (`reshard_steps`): one op per
-    collective, Partitions for local slices; a step no ops make exactly is decomposed by `naive`."""
+    collective, Partitions for local slices; a step no ops make exactly is decomposed by `naive`. `groups`: the
+    axes of each sharded dim an op reduced to make `src`'s partial sums (XLA all-reduces them one dim at a time)."""
     mesh = {a: int(n) for a, n in mesh.items()}
     ops: list[ParallelOp] = []
     for cur, layout, step in _xla_ops(src, dst, tuple(int(n) for n in shape), int(itemsize), tuple(mesh.items()),
-                                      reduce_scatter):
+                                      reduce_scatter, tuple(tuple(g) for g in groups)):
         ops.extend(step if step is not None else naive(cur, layout))
     return ops

@@ -183,3 +183,32 @@ def test_an_exchange_xla_makes_among_part_of_an_axis_is_not_a_gather():
     (out,) = f(arg)
     np.testing.assert_array_equal(np.asarray(out), x)
     assert out.sharding.is_equivalent_to(dst.named(mesh), 3)
+
+
+def test_partial_sums_of_several_split_dims_are_reduced_a_dim_at_a_time():
+    """A reduction over dims split over `data` and over `model` leaves partial sums XLA all-reduces one dim at a time
+    (`OpStrategy.partial_groups`: over `model`, then over `data`), as the plan lists and prices them; the PCG made one
+    all-reduce over both (a GPT summing 4 microbatches' gradients: its PCG 52.39 ms against its plan's 48.32, 47.47
+    since). Now the PCG has the plan's two, its lowering compiles to them, and it simulates at the plan's step."""
+    import jax.numpy as jnp
+
+    from shardc import split
+    from shardc.pcg import build_pcg, hlo_collectives
+    from shardc.pcg.ops import Reduce
+    from shardc.pcg.simcost import simulate_pcg
+    from shardc.sim import simulate
+
+    def f(x, w):
+        y = jnp.sum(split(split(x, 0, "data"), 1, "model"), axis=(0, 1))
+        return jnp.tanh(y) * w
+
+    x, w = jnp.ones((64, 64, 16)), jnp.ones((16,))
+    info = shardc.auto(f, mesh=shardc.make_mesh({"data": 4, "model": 2}), search=False).compiled_info(x, w)
+    assert [[(c.kind, c.axes) for c in r.collectives] for r in info.plan.reshards] == \
+        [[("all-reduce", ("model",)), ("all-reduce", ("data",))]]
+    pcg = build_pcg(info.plan, info.closed_jaxpr, fuse=True)
+    assert [n.op for n in pcg.parallel_nodes()] == [Reduce(("model",)), Reduce(("data",))]
+    hlo = lower_pcg(pcg).lower(x, w).compile().as_text()
+    assert hlo_collectives(hlo) == pcg.collectives() == {"all-reduce": 2}
+    assert simulate_pcg(pcg, "h100-sxm-8").step_time == pytest.approx(simulate(info.plan, "h100-sxm-8").step_time,
+                                                                       rel=1e-9)
