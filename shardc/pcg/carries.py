@@ -328,14 +328,12 @@ def _rewrite_scan(pcg: PCG, node: Node, chosen: Convertible, reduce_scatter: boo
         old_res = pcg.tensors[node.outputs[k]]
         outs[k] = b.add_tensor(old_res.shape, old_res.dtype, s, old_res.name)
     b.add_node(region.with_bodies([new_body]), ins, outs, order=float(at))
-    for j, (k, ops) in enumerate(reductions.items()):
-        cur, t = outs[k], pcg.tensors[node.outputs[k]]
-        for i, op in enumerate(ops):
-            out = node.outputs[k] if i == len(ops) - 1 else \
-                b.add_tensor(t.shape, t.dtype, op.apply(b.tensors[cur].sharding), t.name)
-            b.add_node(op, [cur], [out], cause=f"the loop's partial-sum carry {t.name or k} reduced once",
-                       order=at + 0.5 + 0.001 * j)
-            cur = out
+    for j, (k, ops) in enumerate(reductions.items()):  # (the last op makes the loop's old result tensor)
+        cause = f"the loop's partial-sum carry {pcg.tensors[node.outputs[k]].name or k} reduced once"
+        cur, order = outs[k], at + 0.5 + 0.001 * j
+        for op in ops[:-1]:
+            cur = b.parallel(op, cur, cause=cause, order=order)
+        b.add_node(ops[-1], [cur], [node.outputs[k]], cause=cause, order=order)
     where = str(region.source) if region.source is not None else f"node {node.id}"
     done = CarryRewrite(node.id, where, tuple(layouts), tuple(layouts.values()))
     return b.finish(pcg.inputs, pcg.outputs), done

@@ -33,6 +33,8 @@ import warnings
 from collections import deque
 from typing import Any, Callable, Mapping, Sequence
 
+import jax
+
 from shardc.search import idle
 from shardc.search.mesh_work import MeshScored, MeshSearched, MeshWork
 
@@ -131,15 +133,11 @@ def primitives_and_params(program: Any) -> list[Any]:
 
 def _device_id(o: Any) -> tuple[str, str, int] | None:
     """A JAX device as a reference (a mesh a PCG is built on, e.g. one of sub-axes, holds its devices, which do not
-    pickle; both processes have them since the fork)."""
-    import jax
-
+    pickle; both processes have them since the fork). (Asked of every object a message pickles.)"""
     return ("device", o.platform, int(o.id)) if isinstance(o, jax.Device) else None
 
 
 def _device(pid: tuple[str, str, int]) -> Any:
-    import jax
-
     _, platform, i = pid
     return next(d for d in jax.devices(platform) if d.id == i)
 

@@ -676,25 +676,29 @@ class _Gen:
         sa = self.shape(a)
         return self.add("fori", (a,), sa, n=self.pick([1, 2, 3]), inner=self.inner_spec(sa))
 
-    def nested_loop(self) -> int | None:
-        a = self.operand(lambda s: 1 <= len(s) < MAX_RANK)
+    def _loop_with_weight(self, min_rank: int) -> tuple[tuple[int, int, int], tuple[int, ...]] | None:
+        """(carry, stacked inputs over 2 or 3 trips, a square matrix on the carry's last dim) and the stacked
+        shape, for a loop whose body multiplies its carry by that matrix; None when it would be too large."""
+        a = self.operand(lambda s: min_rank <= len(s) < MAX_RANK)
         sa = self.shape(a)
         t = self.pick([2, 3])
         if t * math.prod(sa) > MAX_ELEMS:
             return None
-        xs = self.operand_of_shape((t,) + sa)
-        w = self.operand_of_shape((sa[-1], sa[-1]))
-        return self.add("nested_loop", (a, xs, w), (t,) + sa, n=self.pick([1, 2]), inner=self.inner_spec(sa))
+        return (a, self.operand_of_shape((t,) + sa), self.operand_of_shape((sa[-1], sa[-1]))), (t,) + sa
+
+    def nested_loop(self) -> int | None:
+        drawn = self._loop_with_weight(1)
+        if drawn is None:
+            return None
+        args, shape = drawn
+        return self.add("nested_loop", args, shape, n=self.pick([1, 2]), inner=self.inner_spec(shape[1:]))
 
     def rnn(self) -> int | None:
-        a = self.operand(lambda s: 2 <= len(s) < MAX_RANK)
-        sa = self.shape(a)
-        t = self.pick([2, 3])
-        if t * math.prod(sa) > MAX_ELEMS:
+        drawn = self._loop_with_weight(2)
+        if drawn is None:
             return None
-        xs = self.operand_of_shape((t,) + sa)
-        w = self.operand_of_shape((sa[-1], sa[-1]))
-        return self.add("rnn", (a, xs, w), (t,) + sa, inner=self.inner_spec(sa))
+        args, shape = drawn
+        return self.add("rnn", args, shape, inner=self.inner_spec(shape[1:]))
 
     def jit_chain(self) -> int:
         a = self.operand(lambda s: len(s) >= 1)
