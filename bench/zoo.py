@@ -150,6 +150,8 @@ def pcg_row(zm, step, args, topology: str, budget: float, n: int, ideal, remat: 
     ch_pcg = plan.pcg
     note = ("the rewritten PCG runs: " + ", ".join(sorted({s.rule for s in ch_pcg.steps}))
             if ch_pcg is not None and ch_pcg.chosen else "no rewrite paid")
+    if plan.loops is not None and plan.loops.chosen:  # (shardc/loops.py)
+        note = f"loops restructured ({plan.loops.base_time / plan.loops.time:.2f}x); " + note
     return Row(zm.name, topology, "search+pcg", _mesh_str(ch.mesh), ch.score.time, ch.score.peak, ch.score.comm,
                time.perf_counter() - t0, ch.score.feasible, ideal(ch.score.time), note, remat)
 

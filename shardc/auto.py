@@ -51,6 +51,8 @@ from shardc.waste import IdleDevicesWarning, user_stacklevel, waste_warning
 import shardc.search.integrate as _search
 from shardc.ties import check_ties
 from shardc.remat import without_own_remat
+from shardc.loops import restructure_loops
+from shardc.search.loop_choice import choose_loops
 from shardc.search.remat_choice import apply_choice, choose_remat
 from shardc.pipeline.jit import check_mesh, pipeline_meshes
 from shardc.pipeline.stacks import find_stacks, largest, pipelining
@@ -122,6 +124,7 @@ class AutoFunction:
         self.remat = remat
         self.memory_limit = memory_limit  # bytes per device the plan must fit (default: the topology's memory)
         self._remat_resume: Any = None  # the RematChoice while retracing under the mesh the search chose
+        self._loops_resume: Any = None  # and the LoopChoice (pcg=True: shardc/search/loop_choice.py)
         self.seed = seed
         self._cache: dict[Any, Compiled] = {}
         self._carried = CarriedShapes()
@@ -168,7 +171,7 @@ class AutoFunction:
         self._on_graph = _on_graph
         if _resume is not None:  # a priced plan of this step made to run: retraced under its mesh, not searched
             self.mesh, self._search_resume, self._remat_resume = _resume.mesh, _resume.search, _resume.remat
-            self._pcg_resume = _resume.pcg
+            self._pcg_resume, self._loops_resume = _resume.pcg, getattr(_resume, "loops", None)
         self._options = dict(mesh=mesh, rules=rules, donate_argnums=donate_argnums, donate_argnames=donate_argnames,
                              topology=topology, search=search,
                              budget_s=budget_s, seed=seed, devices=devices, static_argnums=static_argnums,
@@ -529,6 +532,10 @@ class AutoFunction:
             with _internal_errors("removing the program's own remat from", self.fun):
                 unrematted = without_own_remat(closed)
             own_remat_removed, closed = unrematted is not closed, unrematted
+        loops_choice, self._loops_resume = self._loops_resume, None
+        if loops_choice is not None and loops_choice.chosen:  # retraced under the mesh the search chose
+            with _internal_errors("restructuring the loops of", self.fun):
+                closed = restructure_loops(closed)[0]
         remat_choice, self._remat_resume = self._remat_resume, None
         if remat_choice is not None:  # retraced under the mesh the search chose: the same rewrite
             with _internal_errors("rematerializing", self.fun):
@@ -561,21 +568,27 @@ class AutoFunction:
                     lambda m: self._input_seeds(graph, args, kwargs, out_tree, m) + program_seeds(graph, m), in_paths,
                     out_paths, notes, program, donate, self._mesh_given, meta_axes)
 
-            with _internal_errors("searching a plan for", self.fun):
+            def plan_program(program: Any) -> tuple[Any, Plan, Any]:
                 if remat_choice is not None or not self.remat or self._search_resume is not None:
-                    the_plan = plan_of(closed, graph)
-                else:  # the remat policy is a decision of the search too (shardc/search/remat_choice.py)
-                    closed, the_plan, remat_choice = choose_remat(
-                        closed, lambda program: plan_of(program, graph if program is closed else None))
-                    graph = the_plan.graph
+                    return program, plan_of(program, graph if program is closed else None), remat_choice
+                # the remat policy is a decision of the search too (shardc/search/remat_choice.py)
+                return choose_remat(program, lambda p: plan_of(p, graph if p is closed else None))
+
+            with _internal_errors("searching a plan for", self.fun):
+                if self.pcg and self._search_resume is None and loops_choice is None:
+                    # (pcg=True: the program with its loops restructured is searched too: loop_choice.py)
+                    closed, the_plan, remat_choice, loops_choice = choose_loops(closed, plan_program)
+                else:
+                    closed, the_plan, remat_choice = plan_program(closed)
+                graph = the_plan.graph
             # (the axis order counts: {data: 4, expert: 2} and {expert: 2, data: 4} lay devices out differently)
             if list(the_plan.mesh_sizes.items()) != list(mesh.shape.items()) and not is_abstract(the_plan.mesh) \
                     and not self._priced_only:
                 # retrace under the chosen mesh, keeping the decisions
                 self.mesh, self._search_resume, self._remat_resume = the_plan.mesh, the_plan.search, remat_choice
-                self._pcg_resume = the_plan.pcg
+                self._pcg_resume, self._loops_resume = the_plan.pcg, loops_choice
                 return self._build(args, kwargs)
-            the_plan = dataclasses.replace(the_plan, remat=remat_choice)
+            the_plan = dataclasses.replace(the_plan, remat=remat_choice, loops=loops_choice)
         else:
             with _internal_errors("propagating shardings in", self.fun):
                 prop = propagate(graph, dict(mesh.shape), seeds)

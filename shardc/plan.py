@@ -145,6 +145,7 @@ class Plan:
     cost: Any = None
     search: Any = None  # set by the strategy search: its SearchReport (baselines beside the chosen plan)
     remat: Any = None  # set by the search when it rematerializes repeated layers: its RematChoice
+    loops: Any = None  # with pcg=True, when a scan had matmuls to move out of it: the LoopChoice
     pipeline: Any = None  # a shardc.pipeline.Pipeline (bound to its layer stack) when the step is pipelined
     pcg: Any = None  # with shardc.auto(pcg=True): the PCG rewriting's PCGChoice (shardc.pcg.choice)
     pipeline_choice: Any = None  # set by choose_pipeline: the PipelineChoice (every plan it scored)

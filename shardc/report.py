@@ -300,9 +300,9 @@ def explain(plan: "Plan", *, max_rows: int = 60, width: int = 120) -> str:
     search = getattr(plan, "search", None)
     if search is not None:
         lines += [""] + [w for line in search.summary().splitlines() for w in _wrap(line, width)]
-    remat = getattr(plan, "remat", None)
-    if remat is not None:
-        lines += [""] + [w for line in remat.summary().splitlines() for w in _wrap(line, width)]
+    for choice in (getattr(plan, "remat", None), getattr(plan, "loops", None)):
+        if choice is not None:
+            lines += [""] + [w for line in choice.summary().splitlines() for w in _wrap(line, width)]
     rewrites = getattr(plan, "pcg", None)
     if rewrites is not None:
         lines += [""] + [w for line in rewrites.summary().splitlines() for w in _wrap(line, width)]
