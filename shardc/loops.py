@@ -19,7 +19,12 @@ top-level scan into up to three parts:
 
 Each part computes, per element, the same sums of the same products as the loop did; what changes is the
 order of the additions of accumulated sums (one matmul over all trips instead of a running sum), so the
-results equal the program's up to float rounding. The program is the traced train step (after
+results equal the program's up to float rounding. The steps rest on rules of the PCG library, proved by Z3 like
+the others (`shardc.pcg.library.LOOP_RULES`: a trip's value is chunk t of all trips' values, and a product or
+elementwise op commutes with that chunk; per-trip products or sums added up are one over the trips laid side
+by side); the rewrite runs only while all of them are in the library and proved. Beyond what those rules
+state, it relies on JAX's batching of the other per-trip primitives it moves (vmap) and on rearrangements
+(transpose, split, reshape) moving the elements of a sum as they move the elements of each addend. The program is the traced train step (after
 differentiation); its own loops are rewritten, nested ones are left as they are. The search plans the
 rewritten program next to the traced one and keeps the faster (`choose_loops`, under `pcg=True`).
 """
@@ -218,6 +223,10 @@ def _split_scan(eqn: Any) -> _Split | None:
     if not (n_hoisted or n_sunk or accumulators):
         return None
     loop = [i for i in range(len(eqns)) if i not in hoisted and i not in sunk]
+    if not any(eqns[i].primitive.name == "dot_general" for i in loop):
+        # no recurrent matmul: the loop is not a recurrence (microbatches of a gradient accumulation, whose
+        # author loops to bound memory), left as written
+        return None
     return _Split(sorted(hoisted), loop, sorted(sunk), roots, accumulators,
                   LoopRewrite(_source(eqn), n_hoisted, n_sunk, len(accumulators)))
 
@@ -326,6 +335,10 @@ def restructure_loops(closed: jcore.ClosedJaxpr) -> tuple[jcore.ClosedJaxpr, lis
     was done; None when no scan has a matmul to move. Call-like eqns are inlined first."""
     if not any(e.primitive.name == "scan" for e in closed.jaxpr.eqns) and not _has_calls(closed):
         return None
+    from shardc.pcg.library import loop_rules_proved
+
+    if not loop_rules_proved():
+        return None  # (a rule it rests on is missing from the library or not proved: the loops stay as traced)
     flat = inline_calls(closed) if _has_calls(closed) else closed
     splits = {id(e): s for e in flat.jaxpr.eqns if e.primitive.name == "scan" and (s := _split_scan(e)) is not None}
     if not splits:

@@ -132,3 +132,38 @@ def test_under_pcg_the_search_runs_the_restructured_lstm_when_it_is_faster(pcg):
         assert np.allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
     report = shardc.check(plan)
     assert report.ok, str(report)
+
+
+def test_without_its_proved_rules_the_loops_stay_as_traced(monkeypatch):
+    """A rule the restructuring rests on missing from the library (or refuted): nothing is rewritten."""
+    import shardc.pcg.library as library
+
+    step, args = _lstm()
+    closed = jax.make_jaxpr(step)(*args)
+    monkeypatch.setattr(library, "LOOP_RULES", library.LOOP_RULES + ("no_such_rule",))
+    assert restructure_loops(closed) is None
+
+
+def test_the_optimizer_does_not_try_the_loop_rules():
+    from shardc.pcg.library import LOOP_RULES, all_rules, loop_rules_proved
+    from shardc.pcg.optimize import usable_rules
+
+    assert loop_rules_proved()
+    names = {r.name.split("~")[0] for r in usable_rules(all_rules())}
+    assert names and not names & set(LOOP_RULES)
+
+
+def test_a_gradient_accumulation_loop_is_left_as_written():
+    """Microbatches looped to bound memory: every matmul of the body needs no carry, and the gradients are
+    accumulated; running them all at once is not what the author asked for (and no recurrence would stay)."""
+    w, u, xs, b = _weights(3)
+
+    def step(w, xs):
+        def body(carry, x):
+            g, loss = carry
+            lv, gw = jax.value_and_grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+            return (g + gw, loss + lv), None
+        return jax.lax.scan(body, (jnp.zeros_like(w), 0.0), xs)[0]
+
+    closed = jax.make_jaxpr(step)(w, xs)
+    assert restructure_loops(closed) is None

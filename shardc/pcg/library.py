@@ -8,10 +8,14 @@ from pathlib import Path
 
 from shardc.pcg.lang import Rule, parse_rules
 
-__all__ = ["library_rules", "generated_rules", "all_rules", "data_path", "LIBRARY_FILE", "GENERATED_FILE"]
+__all__ = ["library_rules", "generated_rules", "all_rules", "data_path", "LIBRARY_FILE", "GENERATED_FILE", "LOOP_RULES",
+           "loop_rules_proved"]
 
 LIBRARY_FILE = "library.rules"
 GENERATED_FILE = "generated.rules"
+# The rules `shardc.loops` rests on (a loop's trips as one tensor), both directions: proved like the others but
+# not PCG rewrites (the optimizer does not try them; `usable_rules`).
+LOOP_RULES = ("chunk_dot", "chunk_dotc", "chunk_ew1", "chunk_ew2", "dotc_concat", "sum_concat")
 
 
 def data_path(name: str) -> Path:
@@ -38,3 +42,11 @@ def generated_rules() -> list[Rule]:
 
 def all_rules() -> list[Rule]:
     return library_rules() + generated_rules()
+
+
+def loop_rules_proved() -> bool:
+    """Whether every rule of `LOOP_RULES` is in the library and proved (the proof record)."""
+    from shardc.pcg.verify import verify_rule
+
+    by_name = {r.name: r for r in library_rules()}
+    return all(n in by_name and verify_rule(by_name[n]).proved for n in LOOP_RULES)

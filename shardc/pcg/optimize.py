@@ -25,7 +25,7 @@ from shardc.pcg.costs import CostFn
 from shardc.pcg.generate import ac_form
 from shardc.pcg.graph import PCG, Compute, Region
 from shardc.pcg.lang import OPS, Rule, term_ops
-from shardc.pcg.library import all_rules
+from shardc.pcg.library import LOOP_RULES, all_rules
 from shardc.pcg.local_screen import rewired
 from shardc.pcg.match import (Match, RewriteError, apply_match, apply_matches, find_matches, independent, lhs_ops,
                               node_kinds, roots_near, term_depth)
@@ -92,6 +92,8 @@ def usable_rules(rules: Sequence[Rule]) -> list[Rule]:
     than reorder adds/muls. (Whether they are proved is checked when they first match.)"""
     out = []
     for r in rules:
+        if r.name.split("~")[0] in LOOP_RULES:
+            continue  # (shardc.loops' justification, not a PCG rewrite)
         lhs_par = any(OPS[a.op].parallel for t in r.lhs for a in term_ops(t))
         rhs_ops = [a.op for t in r.rhs for a in term_ops(t)]
         if any(OPS[o].parallel for o in rhs_ops) and not lhs_par:
