@@ -1,7 +1,8 @@
 """Fuzz soak: many more generated programs than CI runs, failures recorded and shrunk.
 
     python bench/fuzz.py [--minutes 30] [--seed 0] [--jobs 1] [--chunk 100] [--max-ops 12]
-                         [--const-cotangents] [--pcg] [--search] [--out bench/fuzz_failures.jsonl] [--write]
+                         [--const-cotangents] [--pcg] [--loops] [--search] [--out bench/fuzz_failures.jsonl]
+                         [--write]
 
 Programs come from `tests/fuzz/fuzzlib.programs` (hypothesis) and are checked by
 `fuzzlib.check_program` (sharded == unsharded forward and gradients, compiled shardings == plan,
@@ -11,7 +12,8 @@ there counts as "collectives", not "fail"). With `--pcg` they are checked by `pc
 the plan's PCG, random proved rewrites applied, run through its `shard_map` lowering, must equal the unsharded
 program with the collectives the PCG names (the substitution engine under the fuzzer). With `--search` the plan
 checked is the strategy search's on the program's mesh (`check_program(search=True)`), not the hints' (with
-`--pcg` too: the searched plan's PCG). Work runs in child processes of `--chunk` programs
+`--pcg` too: the searched plan's PCG). With `--loops` the programs are drawn with more loops and shardc plans and
+runs them with their loops restructured (`shardc/loops.py`), checked as above against the program as written. Work runs in child processes of `--chunk` programs
 each (seeds `--seed`, `--seed`+1, ...; `--jobs` of them at once), so a crash inside XLA ends one chunk, not
 the soak: the program that was running is recorded as a crash and re-run alone to see whether it
 reproduces. No chunk starts after `--minutes`; the ones running then finish. A chunk that runs past
@@ -67,10 +69,19 @@ def _check(prog: object, mode: str, strict: bool) -> dict:
         o = pcg_check.check_pcg(prog, seed=zlib.crc32(repr(prog).encode()), search=mode == "pcg+search")
         return dict(kind="ok", error=None, rewrites=list(o.rewrites), unsupported=o.unsupported,
                     collectives=o.collectives, merged=o.merged, rounding=o.rounding)
-    o = fuzzlib.check_program(prog, strict_collectives=strict, search=mode == "search")
+    loops = mode.startswith("loops")
+    o = fuzzlib.check_program(prog, strict_collectives=strict, search=mode in ("search", "loops+search"), loops=loops)
     kind = "upstream" if o.upstream_bug else "collectives" if o.collectives_differ else "ok"
-    return dict(kind=kind, error=o.upstream_bug or o.collectives_differ, hints=o.hints_checked, reshards=o.reshards,
-                sharded=o.sharded_values, values=o.values, rounding=o.rounding)
+    rec = dict(kind=kind, error=o.upstream_bug or o.collectives_differ, hints=o.hints_checked, reshards=o.reshards,
+               sharded=o.sharded_values, values=o.values, rounding=o.rounding)
+    if loops:  # (how many of the program's loops were restructured)
+        import jax
+
+        from shardc.loops import loop_rewrites
+
+        args = fuzzlib.make_args(prog, 0)
+        rec["restructured"] = len(loop_rewrites(jax.make_jaxpr(fuzzlib.program_function(prog))(*args)))
+    return rec
 
 
 def child_chunk(seed: int, count: int, max_ops: int, const_cotangents: bool, mode: str, progress: str,
@@ -86,11 +97,12 @@ def child_chunk(seed: int, count: int, max_ops: int, const_cotangents: bool, mod
 
     warnings.simplefilter("ignore")
     out = open(results, "a")
+    ops = fuzzlib.LOOP_OPS if mode.startswith("loops") else fuzzlib.OPS + fuzzlib.EXTRA_OPS
 
     @hseed(seed)
     @settings(max_examples=count, deadline=None, database=None, phases=(Phase.generate,),
               suppress_health_check=list(HealthCheck))
-    @given(fuzzlib.programs(max_ops=max_ops, const_cotangents=const_cotangents))
+    @given(fuzzlib.programs(max_ops=max_ops, const_cotangents=const_cotangents, ops=ops))
     def run(prog: fuzzlib.Program) -> None:
         with open(progress, "w") as f:
             f.write(repr(prog))
@@ -213,6 +225,8 @@ def _run_chunks(args: argparse.Namespace, work: str) -> tuple[list[str], list[di
 
 
 def _mode(args: argparse.Namespace) -> str:
+    if args.loops:
+        return "loops+search" if args.search else "loops"
     return ("pcg+search" if args.search else "pcg") if args.pcg else "search" if args.search else "plan"
 
 
@@ -255,6 +269,9 @@ def soak(args: argparse.Namespace) -> None:
         f"{sum(r.get('reshards', 0) for r in recs)} | {sum(r.get('sharded', 0) for r in recs)} / "
         f"{sum(r.get('values', 0) for r in recs)} |",
     ]
+    if args.loops:
+        summary.append(f"\n{sum(1 for r in recs if r.get('restructured'))} of the {len(recs)} programs had loops "
+                       f"restructured ({sum(r.get('restructured', 0) for r in recs)} loops).")
     print("\n".join(summary))
     for e, n in errors.most_common():
         print(f"  {n} x {e}")
@@ -267,7 +284,8 @@ def soak(args: argparse.Namespace) -> None:
         lines = "\n".join(f"- {n} x {e}" for e, n in errors.most_common()) or "- none"
         write_section("fuzz", f"`python bench/fuzz.py --minutes {args.minutes} --seed {args.seed} --jobs {args.jobs} --max-ops "
                       f"{args.max_ops}{' --const-cotangents' if args.const_cotangents else ''}"
-                      f"{' --pcg' if args.pcg else ''}{' --search' if args.search else ''}` "
+                      f"{' --pcg' if args.pcg else ''}{' --loops' if args.loops else ''}"
+                      f"{' --search' if args.search else ''}` "
                       f"({os.cpu_count()} cores; each program checked sharded vs unsharded, forward and "
                       f"gradients, compiled shardings vs plan, hints, compiled collectives vs plan).\n\n" + "\n".join(summary)
                       + "\n\nFailures (shrunk programs in `bench/fuzz_failures.jsonl`):\n\n" + lines + "\n")
@@ -295,6 +313,9 @@ def main() -> None:
     ap.add_argument("--search", action="store_true",
                     help="the plan checked (or made a PCG, with --pcg) is the strategy search's (search=True on the "
                          "program's mesh, a small budget), not its hints'")
+    ap.add_argument("--loops", action="store_true",
+                    help="programs with loops (more rnn/scan/fori draws), planned and run with their loops "
+                         "restructured (shardc/loops.py), against the program as written")
     ap.add_argument("--out", default=os.path.join(HERE, "fuzz_failures.jsonl"))
     ap.add_argument("--write", action="store_true")
     soak(ap.parse_args())

@@ -218,6 +218,14 @@ def apply_step(step: Step, vals: Sequence[Any], mesh: tuple[tuple[str, int], ...
             return c, c
 
         return lax.scan(rnn_cell, a[0], a[1])[1]
+    if k == "rnn_proj":  # ys[t] = c_{t+1} = tanh(c_t @ w + xs[t] @ v): an input projection no carry needs (an LSTM's)
+        inner = step.attr("inner")
+
+        def proj_cell(c: Any, x: Any) -> tuple[Any, Any]:
+            c = _maybe_hint(jnp.tanh(c @ a[2] + x @ a[3]), inner)
+            return c, c
+
+        return lax.scan(proj_cell, a[0], a[1])[1]
     if k == "cond":  # both branches hint their result alike (differently is a ShardingError: test_bad_inputs)
         inner = step.attr("inner")
         return lax.cond(jnp.sum(a[0]) > 0, lambda v: _maybe_hint(jnp.tanh(v), inner),
@@ -700,6 +708,14 @@ class _Gen:
         args, shape = drawn
         return self.add("rnn", args, shape, inner=self.inner_spec(shape[1:]))
 
+    def rnn_proj(self) -> int | None:
+        drawn = self._loop_with_weight(2)
+        if drawn is None:
+            return None
+        args, shape = drawn
+        v = self.operand_of_shape((shape[-1], shape[-1]))
+        return self.add("rnn_proj", args + (v,), shape, inner=self.inner_spec(shape[1:]))
+
     def jit_chain(self) -> int:
         a = self.operand(lambda s: len(s) >= 1)
         return self.add("jit_chain", (a,), self.shape(a), inner=self.inner_spec(self.shape(a)))
@@ -728,6 +744,12 @@ OPS = ("einsum", "einsum", "unary", "binary", "reshape", "reshape", "transpose",
 # Beyond the issue's list: scatters, selects, sorts, argmax and control flow (regions joined by ties).
 EXTRA_OPS = ("scatter_add", "update_slice", "where", "sort", "argmax", "scan", "fori", "cond", "nested_loop",
              "jit_chain", "remat_chain", "vmap_hint", "rnn")
+
+
+# Programs with loops, for the loop restructuring's checks (shardc/loops.py): recurrences (`rnn`, and `rnn_proj`
+# with an input projection to hoist and whose input gradient sinks) drawn often. (Not in EXTRA_OPS: the other soaks'
+# seeds draw the programs they drew.)
+LOOP_OPS = OPS + ("rnn", "rnn", "rnn_proj", "rnn_proj", "rnn_proj", "scan", "nested_loop", "fori", "einsum")
 
 
 @st.composite
@@ -1102,13 +1124,33 @@ def _same_plan(fun: Callable, mesh: Any, plan: Any, seed: int, search: bool) -> 
     return run
 
 
-def check_program(prog: Program, seed: int = 0, strict_collectives: bool = True, search: bool = False) -> Outcome:
+def with_loops_restructured(fun: Callable) -> Callable:
+    """`fun` as `shardc.loops.restructure_loops` rewrites its traced program (traced again for each call's
+    argument types: the float64 adjudication traces it in float64)."""
+    from shardc.loops import restructure_loops
+
+    def run(*args: Any) -> Any:
+        closed, shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+        out = restructure_loops(closed)
+        program = closed if out is None else out[0]
+        flat = jax.core.eval_jaxpr(program.jaxpr, program.consts, *jax.tree.leaves(args))
+        return jax.tree.unflatten(jax.tree.structure(shape), flat)
+
+    return run
+
+
+def check_program(prog: Program, seed: int = 0, strict_collectives: bool = True, search: bool = False,
+                  loops: bool = False) -> Outcome:
     """Run `prog` unsharded and under shardc and assert the properties in the module docstring
     (a collective difference is raised when `strict_collectives`, else recorded in the outcome). `search`: the
     plan is the strategy search's on the program's mesh (`search=True`, a small budget) instead of the hints'
     — layouts no hint asks for, lowered and compiled; the float64 run of the sharded program that settles
-    ill-conditioned results runs that same plan then (`_same_plan`), not a search of its own."""
+    ill-conditioned results runs that same plan then (`_same_plan`), not a search of its own. `loops`: the program
+    shardc plans and runs is the one with its loops restructured (`with_loops_restructured`); the reference is
+    the program as written."""
     fun = program_function(prog)
+    if loops:
+        fun = with_loops_restructured(fun)
     reference = program_function(prog, reference=True)
     args = make_args(prog, seed)
     mesh = shardc.make_mesh(dict(prog.mesh))

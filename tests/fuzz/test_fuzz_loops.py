@@ -6,7 +6,6 @@ import numpy as np
 import fuzzlib
 from shardc.loops import restructure_loops
 
-LOOPY = fuzzlib.OPS + ("rnn", "rnn", "rnn", "scan", "nested_loop", "fori", "einsum", "einsum")
 
 
 def _check(prog: fuzzlib.Program) -> int:
@@ -30,5 +29,20 @@ def _check(prog: fuzzlib.Program) -> int:
 
 
 def test_restructured_loops_compute_what_the_program_computes():
-    seen = fuzzlib.check_seeded(41000, 40, _check, max_ops=8, ops=LOOPY)
+    seen = fuzzlib.check_seeded(41000, 40, _check, max_ops=8, ops=fuzzlib.LOOP_OPS)
     assert len(seen) >= 40 and sum(1 for n in seen if n) >= 5, seen
+
+
+def test_programs_with_their_loops_restructured_run_sharded_as_the_programs_compute():
+    """The restructured programs through the whole oracle (`check_program(loops=True)`: planned with their hints,
+    sharded results equal to the program as written, compiled collectives the plan's). `python bench/fuzz.py
+    --loops` is the long soak."""
+    from shardc.loops import loop_rewrites
+
+    def check(prog: fuzzlib.Program) -> int:
+        fuzzlib.check_program(prog, loops=True)
+        closed = jax.make_jaxpr(fuzzlib.program_function(prog))(*fuzzlib.make_args(prog, 0))
+        return len(loop_rewrites(closed))
+
+    seen = fuzzlib.check_seeded(45000, 16, check, max_ops=8, ops=fuzzlib.LOOP_OPS)
+    assert len(seen) >= 16 and sum(1 for n in seen if n) >= 4, seen
