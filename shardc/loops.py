@@ -24,9 +24,12 @@ the others (`shardc.pcg.library.LOOP_RULES`: a trip's value is chunk t of all tr
 elementwise op commutes with that chunk; per-trip products or sums added up are one over the trips laid side
 by side); the rewrite runs only while all of them are in the library and proved. Beyond what those rules
 state, it relies on JAX's batching of the other per-trip primitives it moves (vmap) and on rearrangements
-(transpose, split, reshape) moving the elements of a sum as they move the elements of each addend. The program is the traced train step (after
-differentiation); its own loops are rewritten, nested ones are left as they are. The search plans the
-rewritten program next to the traced one and keeps the faster (`choose_loops`, under `pcg=True`).
+(transpose, split, reshape) moving the elements of a sum as they move the elements of each addend.
+
+The program is the traced train step (after differentiation); its top-level loops are rewritten (calls
+inlined first), loops nested in them are left as they are, and so is a loop that would keep no matmul (no
+recurrence: microbatches of a gradient accumulation, looped by their author to bound memory). The search plans
+the rewritten program next to the traced one and keeps the faster (`choose_loops`, under `pcg=True`).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ import jax
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
+from shardc.ir.build import call_jaxpr
 from shardc.ir.jaxpr_env import JaxprEnv
 from shardc.remat import _bind, inline_calls
 
@@ -333,7 +337,7 @@ def loop_rewrites(closed: jcore.ClosedJaxpr) -> list[LoopRewrite]:
 def restructure_loops(closed: jcore.ClosedJaxpr) -> tuple[jcore.ClosedJaxpr, list[LoopRewrite]] | None:
     """`closed` with its top-level scans split into hoisted, loop and sunk parts (module docstring), and what
     was done; None when no scan has a matmul to move. Call-like eqns are inlined first."""
-    if not any(e.primitive.name == "scan" for e in closed.jaxpr.eqns) and not _has_calls(closed):
+    if not _has_scan(closed.jaxpr):
         return None
     from shardc.pcg.library import loop_rules_proved
 
@@ -356,6 +360,15 @@ def restructure_loops(closed: jcore.ClosedJaxpr) -> tuple[jcore.ClosedJaxpr, lis
 
 
 def _has_calls(closed: jcore.ClosedJaxpr) -> bool:
-    from shardc.ir.build import call_jaxpr
-
     return any(call_jaxpr(e) is not None for e in closed.jaxpr.eqns)
+
+
+def _has_scan(jaxpr: Any) -> bool:
+    """Whether a scan is at the top level of `jaxpr` once its calls are inlined."""
+    for e in jaxpr.eqns:
+        if e.primitive.name == "scan":
+            return True
+        sub = call_jaxpr(e)
+        if sub is not None and _has_scan(sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub):
+            return True
+    return False
