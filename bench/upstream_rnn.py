@@ -3,6 +3,7 @@ search may restructure their loops (`shardc/loops.py`), against `jax.jit` as the
 
     git clone https://github.com/google/flax /path/to/flax
     python -m bench.upstream_rnn --flax /path/to/flax [--examples seq2seq,sst2] [--topology h100-sxm-8] [--write]
+    python -m bench.upstream_rnn --flax /path/to/flax --measure 8
 
 Code nobody here wrote: `examples/seq2seq/{train,models,input_pipeline}.py` (an encoder `nn.LSTMCell` under
 `nn.RNN` with sequence lengths, a teacher-forced decoder that samples a token each step, Adam) and
@@ -15,7 +16,9 @@ the largest difference from `jax.jit` over the new parameters and metrics (relat
 and `shardc.check` (the compiled program's collectives, FLOPs and memory against the plan's). The batch is
 built here (seq2seq: the example's own `CharacterTable.get_batch`; SST-2: random token ids and lengths, its
 TFDS pipeline not used); modules the steps do not use (CLU, TensorFlow, the SST-2 input pipeline) are stand-ins.
-Each example runs in a process of its own (both name their modules `train` and `models`).
+Each example runs in a process of its own (both name their modules `train` and `models`). `--measure ROUNDS`
+times the steps instead, on this host's devices with plans priced on them (`cpu-host`): `jax.jit`,
+`shardc.auto(pcg=False)` and `shardc.auto(pcg=True)`, round robin in one process (medians).
 """
 from __future__ import annotations
 
@@ -134,6 +137,49 @@ def _signed(row: Any) -> float:
     return (row.predicted - row.compiled) / row.compiled if row.compiled else 0.0
 
 
+def measure_example(flax_root: str, name: str, budget: float, rounds: int) -> dict[str, Any]:
+    """Measured on this host's devices (plans priced on them: `cpu-host`): the step under `jax.jit`, and under
+    `shardc.auto` without and with `pcg=True`, round robin; the median of `rounds` steps each."""
+    import statistics
+
+    import jax
+
+    import shardc
+
+    _stand_ins()
+    step, args, static = (_seq2seq if name == "seq2seq" else _sst2)(os.path.join(flax_root, "examples", name))
+    runs: dict[str, Any] = {"jax.jit": jax.jit(step, static_argnums=static)}
+    chosen = {}
+    for pcg in (False, True):
+        af = shardc.auto(step, search=True, pcg=pcg, budget_s=budget, static_argnums=static)
+        plan = af.plan(*args)
+        runs[f"shardc.auto(pcg={pcg})"] = af
+        chosen[pcg] = (plan.loops.chosen, plan.loops.base_time / plan.loops.time) if plan.loops else (False, None)
+    for f in runs.values():  # (compiled, and once more warm)
+        jax.block_until_ready(f(*args))
+        jax.block_until_ready(f(*args))
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(rounds):
+        for k, f in runs.items():
+            t = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            times[k].append(time.perf_counter() - t)
+    return {"example": name, "medians": {k: statistics.median(v) for k, v in times.items()},
+            "restructured": chosen[True][0], "simulated_gain": chosen[True][1]}
+
+
+def measured_table(rows: list[dict[str, Any]]) -> str:
+    out = ["| example | jax.jit | shardc.auto | shardc.auto(pcg=True) | pcg=True over pcg=False measured "
+           "(simulated) |", "|---|---|---|---|---|"]
+    for r in rows:
+        m = r["medians"]
+        base, new = m["shardc.auto(pcg=False)"], m["shardc.auto(pcg=True)"]
+        sim = f"{r['simulated_gain']:.2f}x" if r["simulated_gain"] else "-"
+        out.append(f"| {r['example']} | {m['jax.jit'] * 1e3:.1f} ms | {base * 1e3:.1f} ms | {new * 1e3:.1f} ms"
+                   f"{' (restructured)' if r['restructured'] else ''} | {base / new:.2f}x ({sim}) |")
+    return "\n".join(out)
+
+
 def table(rows: list[dict[str, Any]], topology: str) -> str:
     ms = lambda t: f"{t * 1e3:.3f} ms" if t is not None else "-"  # noqa: E731
     out = ["| example | mesh | loops | step restructured | step as traced | largest difference to jax.jit "
@@ -156,23 +202,32 @@ def main() -> None:
     ap.add_argument("--topology", default="h100-sxm-8", help="what the plans are priced on (8 devices)")
     ap.add_argument("--budget", type=float, default=10.0, help="the search's budget_s")
     ap.add_argument("--write", action="store_true", help="record the table in docs/benchmarks.md")
+    ap.add_argument("--measure", type=int, default=0, metavar="ROUNDS",
+                    help="instead: measure each step on this host's devices (plans priced on them), ROUNDS steps "
+                         "per variant round robin")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print("ROW " + json.dumps(run_example(a.flax, a.child, a.topology, a.budget)), flush=True)
+        row = measure_example(a.flax, a.child, a.budget, a.measure) if a.measure else \
+            run_example(a.flax, a.child, a.topology, a.budget)
+        print("ROW " + json.dumps(row), flush=True)
         return
     rows = []
     for name in a.examples.split(","):
         if name not in EXAMPLES:
             raise SystemExit(f"unknown example {name!r}; the examples are {EXAMPLES}")
         proc = subprocess.run([sys.executable, "-m", "bench.upstream_rnn", "--flax", a.flax, "--child", name,
-                               "--topology", a.topology, "--budget", str(a.budget)], capture_output=True, text=True,
+                               "--topology", a.topology, "--budget", str(a.budget), "--measure", str(a.measure)],
+                              capture_output=True, text=True,
                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ROW ")), None)
         if line is None:
             raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
         rows.append(json.loads(line[4:]))
         print(f"{name}: done", flush=True)
+    if a.measure:
+        print(measured_table(rows))
+        return
     text = table(rows, a.topology)
     print(text)
     if a.write:
