@@ -167,3 +167,43 @@ def test_a_gradient_accumulation_loop_is_left_as_written():
 
     closed = jax.make_jaxpr(step)(w, xs)
     assert restructure_loops(closed) is None
+
+
+def test_flax_recurrent_layers_with_lengths_and_both_directions_compute_the_same_step():
+    """Flax's own recurrent building blocks as a user writes them: `nn.Bidirectional` of `nn.RNN(nn.LSTMCell)`
+    (four Dense gates per input) and an `nn.GRUCell`, with per-sequence lengths (the carry kept past a sequence's
+    end), dropout between; a train step with Adam. Every loop has something to move, and the step is unchanged."""
+    import flax.linen as nn
+    import optax
+
+    class Tagger(nn.Module):
+        @nn.compact
+        def __call__(self, x, lengths, train):
+            x = nn.Bidirectional(nn.RNN(nn.LSTMCell(16)), nn.RNN(nn.LSTMCell(16)))(x, seq_lengths=lengths)
+            x = nn.Dropout(0.2, deterministic=not train)(x)
+            x = nn.RNN(nn.GRUCell(12))(x, seq_lengths=lengths)
+            return nn.Dense(3)(x)
+
+    model, tx = Tagger(), optax.adam(1e-2)
+    r = np.random.default_rng(0)
+    x = jnp.asarray(r.normal(size=(4, 7, 5)), jnp.float32)
+    lengths = jnp.asarray([7, 3, 5, 1], jnp.int32)
+    labels = jnp.asarray(r.integers(0, 3, (4, 7)), jnp.int32)
+    params = model.init(jax.random.key(0), x, lengths, False)["params"]
+
+    def step(params, opt, x, lengths, labels, key):
+        def loss_fn(p):
+            logits = model.apply({"params": p}, x, lengths, True, rngs={"dropout": key})
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt, loss
+
+    args = (params, tx.init(params), x, lengths, labels, jax.random.key(1))
+    closed = jax.make_jaxpr(step)(*args)
+    new, reports = restructure_loops(closed)
+    # three forward loops (the LSTMs' four input gates hoisted, the GRU's three) and their backward loops (the
+    # gradients summed once; the GRU's input gradient sunk: the LSTMs read the data, which needs none)
+    assert sorted((r.hoisted, r.sunk, r.summed) for r in reports) == [(0, 0, 12), (0, 0, 12), (0, 3, 10), (3, 0, 0),
+                                                                      (4, 0, 0), (4, 0, 0)]
+    _assert_same(closed, new, jax.tree.leaves(args))
