@@ -575,8 +575,10 @@ class AutoFunction:
                 return choose_remat(program, lambda p: plan_of(p, graph if p is closed else None))
 
             with _internal_errors("searching a plan for", self.fun):
-                if self.pcg and self._search_resume is None and loops_choice is None:
-                    # (pcg=True: the program with its loops restructured is searched too: loop_choice.py)
+                if self.pcg and self._search_resume is None and loops_choice is None \
+                        and _search.plan_file(self.search) is None:
+                    # (pcg=True: the program with its loops restructured is searched too: loop_choice.py; not
+                    # with a plan file, which pins the program's decisions)
                     program, the_plan, remat_choice, loops_choice = choose_loops(closed, plan_program)
                     if program is not closed:  # (restructured or rematerialized: the plan's own graph)
                         closed, graph = program, the_plan.graph

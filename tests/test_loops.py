@@ -207,3 +207,40 @@ def test_flax_recurrent_layers_with_lengths_and_both_directions_compute_the_same
     assert sorted((r.hoisted, r.sunk, r.summed) for r in reports) == [(0, 0, 12), (0, 0, 12), (0, 3, 10), (3, 0, 0),
                                                                       (4, 0, 0), (4, 0, 0)]
     _assert_same(closed, new, jax.tree.leaves(args))
+
+
+def _fake_plan(t: float):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(search=SimpleNamespace(chosen=SimpleNamespace(score=SimpleNamespace(time=t, feasible=True))))
+
+
+def test_choose_loops_runs_the_faster_program_and_survives_a_restructured_one_it_cannot_plan():
+    from annotations.errors import ShardingError
+    from shardc.search.loop_choice import choose_loops
+
+    step, args = _lstm()
+    closed = jax.make_jaxpr(step)(*args)
+    times = {True: 1.0, False: 2.0}  # traced: 1 s; restructured: 2 s
+    program, plan, _, choice = choose_loops(closed, lambda p: (p, _fake_plan(times[p is closed]), None))
+    assert program is closed and not choice.chosen and "slower, not run" in choice.summary()
+    times = {True: 2.0, False: 1.0}
+    program, plan, _, choice = choose_loops(closed, lambda p: (p, _fake_plan(times[p is closed]), None))
+    assert program is not closed and choice.chosen and (choice.time, choice.base_time) == (1.0, 2.0)
+
+    def planner(p):
+        if p is not closed:
+            raise ShardingError("cannot plan this")
+        return p, _fake_plan(1.5), None
+
+    program, plan, _, choice = choose_loops(closed, planner)
+    assert program is closed and not choice.chosen and "cannot plan this" in choice.summary()
+
+
+def test_with_a_plan_file_the_loops_stay_as_traced(tmp_path):
+    """A plan file pins the program's decisions: pcg=True does not search a restructured program beside it."""
+    step, args = _lstm()
+    path = str(tmp_path / "plans.json")
+    af = shardc.auto(step, search=path, pcg=True, topology="tpu-v5e-8", budget_s=1, devices=8)
+    plan = af.plan(*args)
+    assert plan.loops is None and sorted(_scan_dots(plan.program)) == [2, 2, 4, 4]

@@ -35,6 +35,11 @@ def enabled(search: Any) -> bool:
     return search not in (False, None)
 
 
+def plan_file(search: Any) -> str | None:
+    """The plan file `search=` names (decisions saved and reloaded: `save_plan`), or None."""
+    return search if isinstance(search, str) and search.endswith(".json") else None
+
+
 # Default search budgets (seconds of search after tracing, turned into a number of simulated plans by
 # `shardc.search.budget`), chosen so that planning a ~6,000-eqn train step takes <= 10 s on 8 devices and
 # about 20 s on 64 on a quiet 2-core machine (bench/search_speed.py); a busy machine takes longer to reach
@@ -182,7 +187,7 @@ def plan_by_search(af: Any, graph: Any, user_seeds: Callable, in_paths: Sequence
         user = list(user_seeds(af.mesh))
         plan = plan_from_seeds(problem, af.mesh, user + list(resume.seeds), layout_cost=resume.layout_cost)
         return dataclasses.replace(plan, search=resume)
-    path = af.search if isinstance(af.search, str) and af.search.endswith(".json") else None
+    path = plan_file(af.search)
     topology_name = as_topology(topology).name
     if path is not None and os.path.exists(path):  # (a program or hints not in the file: searched and added)
         saved = load_plan(path, problem, mesh=mesh_shape(af.mesh) if mesh_given else None, topology=topology_name,

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from jax.extend import core as jcore
 
+from annotations.errors import ShardingError
 from shardc.loops import LoopRewrite, restructure_loops
 from shardc.search.driver import NoPlanFits
 
@@ -26,6 +27,7 @@ class LoopChoice:
     chosen: bool  # the restructured program runs
     time: float  # simulated step seconds of the restructured program's plan (inf: none fits)
     base_time: float  # ... and of the program as traced (inf: none fits)
+    failed: str = ""  # why the restructured program could not be planned (it is then not run)
 
     def summary(self) -> str:
         from shardc.sim.result import _fmt_time
@@ -34,6 +36,8 @@ class LoopChoice:
         if self.chosen:
             head = (f"loops restructured (shardc.loops): step {fmt(self.time)}, as traced {fmt(self.base_time)}"
                     + (f" ({self.base_time / self.time:.2f}x)" if self.base_time != float("inf") else ""))
+        elif self.failed:
+            head = f"loops as traced: step {fmt(self.base_time)}; restructured not planned ({self.failed})"
         else:
             head = (f"loops as traced: step {fmt(self.base_time)}; restructured {fmt(self.time)} "
                     "(slower, not run)")
@@ -61,14 +65,17 @@ def choose_loops(closed: jcore.ClosedJaxpr, plan_program: PlanProgram
             raise base_error
         return (*base, None)
     program, rewrites = rewritten
+    failed = ""
     try:
         other = plan_program(program)
     except NoPlanFits:
         other = None
+    except ShardingError as e:  # (a rewrite the planner cannot take: the program as traced runs, and says why)
+        other, failed = None, str(e).splitlines()[0][:200]
     base_t = _time(base[1]) if base is not None else float("inf")
     other_t = _time(other[1]) if other is not None else float("inf")
     if other is None and base is None:
         raise base_error
     chosen = other_t < base_t
-    choice = LoopChoice(tuple(rewrites), chosen, other_t, base_t)
+    choice = LoopChoice(tuple(rewrites), chosen, other_t, base_t, failed)
     return (*(other if chosen else base), choice)
