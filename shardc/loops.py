@@ -8,10 +8,11 @@ collectives once per trip on the recurrence's critical path. `restructure_loops(
 top-level scan into up to three parts:
 
 * **hoisted**: the ops that read no carry (only the scan's constants, its scanned inputs and each other) and
-  lead to a matmul run before the loop for all trips at once (each op vmapped over the trip axis; ops of the
-  constants alone once), their per-trip results scanned in as new inputs;
+  lead to a matmul of a weight (an operand the same every trip) run before the loop for all trips at once (each
+  op vmapped over the trip axis; ops of the constants alone once), their per-trip results scanned in as new
+  inputs;
 * **the loop**: what the carries need, trip by trip;
-* **sunk**: the matmuls whose results no carry needs, and the ops after them, run after the loop on the
+* **sunk**: the matmuls of a weight whose results no carry needs, and the ops after them, run after the loop on the
   per-trip values the loop now stacks as outputs; a matmul or sum whose result is only added into a
   carry that starts the loop and is read by nothing else (an accumulated weight gradient, through splits,
   transposes and reshapes) is summed over the trips inside the matmul (the trip axis contracted with the
@@ -28,7 +29,8 @@ state, it relies on JAX's batching of the other per-trip primitives it moves (vm
 
 The program is the traced train step (after differentiation); its top-level loops are rewritten (calls
 inlined first), loops nested in them are left as they are, and so is a loop that would keep no matmul (no
-recurrence: microbatches of a gradient accumulation, looped by their author to bound memory). The search plans
+recurrence: microbatches of a gradient accumulation, looped by their author to bound memory), and a scan whose
+matmuls read a different weight every trip (a layer scan: run at once they would read as many bytes). The search plans
 the rewritten program next to the traced one and keeps the faster (`choose_loops`, under `pcg=True`).
 """
 from __future__ import annotations
@@ -182,6 +184,9 @@ def _split_scan(eqn: Any) -> _Split | None:
             free.add(i)
             if any(v in per_trip for v in _names(e.invars)):
                 per_trip.update(e.outvars)
+    def same_every_trip(v: Any) -> bool:
+        return v in b.consts or (b.producer.get(v) in free and v not in per_trip)
+
     # Accumulators: carry k's output = add(carry k's input, a), its input read by that add alone, `a` a sum
     # over per-trip values through rearranging ops that nothing else reads.
     accumulators: dict[int, int] = {}
@@ -203,7 +208,7 @@ def _split_scan(eqn: Any) -> _Split | None:
         if chain is None:
             continue
         root, between = chain
-        if any(v in b.consts or (b.producer.get(v) in free and v not in per_trip) for v in _names(eqns[root].invars)):
+        if any(same_every_trip(v) for v in _names(eqns[root].invars)):
             continue  # a sum of something the same every trip: left in the loop
         accumulators[k] = i
         roots.add(root)
@@ -213,12 +218,17 @@ def _split_scan(eqn: Any) -> _Split | None:
         accumulators, roots, chained, adds = {}, set(), set(), set()  # a rearranged sum read elsewhere too
     kept = [k for k in range(b.nk) if k not in accumulators]
     needed = b.ancestors([b.producer[b.outs[k]] for k in kept if b.outs[k] in b.producer])
-    # Hoisted: the per-trip matmuls that read no carry, and what they read.
-    hoisted = b.ancestors([i for i in free if eqns[i].primitive.name == "dot_general" and i not in roots
+    def weight_matmul(i: int) -> bool:
+        """A matmul with an operand the same every trip (a weight): run per trip, each re-reads it (a layer scan's
+        matmuls read a different weight each trip, and gain nothing from running them all at once)."""
+        return eqns[i].primitive.name == "dot_general" and any(same_every_trip(v) for v in _names(eqns[i].invars))
+
+    # Hoisted: the per-trip matmuls of a weight that read no carry, and what they read.
+    hoisted = b.ancestors([i for i in free if weight_matmul(i) and i not in roots
                            and any(v in per_trip for v in _names(eqns[i].invars))], within=free)
-    # Sunk: what no kept carry needs, from its matmuls and the accumulated sums on.
+    # Sunk: what no kept carry needs, from its matmuls of a weight and the accumulated sums on.
     start = [i for i, e in enumerate(eqns) if i not in needed and i not in free and _simple(e)
-             and e.primitive.name == "dot_general"] + sorted(roots | chained | adds)
+             and weight_matmul(i)] + sorted(roots | chained | adds)
     sunk = b.descendants(start)
     if sunk & needed or not all(_simple(eqns[i]) for i in sunk):
         return None  # (a value no kept carry needs is upstream of none that one does: cannot happen)

@@ -244,3 +244,16 @@ def test_with_a_plan_file_the_loops_stay_as_traced(tmp_path):
     af = shardc.auto(step, search=path, pcg=True, topology="tpu-v5e-8", budget_s=1, devices=8)
     plan = af.plan(*args)
     assert plan.loops is None and sorted(_scan_dots(plan.program)) == [2, 2, 4, 4]
+
+
+def test_a_layer_scan_whose_weights_differ_every_trip_is_left_as_written():
+    """An LM's blocks as one nn.scan: each trip's matmuls read that layer's weights (scanned in), so running them
+    all at once would read as many bytes; its backward loop's weight gradients are outputs, not sums."""
+    from bench.gpt import make_train_step, setup
+
+    model, tx, params, opt, ids = setup(layers=2, scan=True, batch=4, seq=16)
+    closed = jax.make_jaxpr(make_train_step(model, tx))(params, opt, ids)
+    from shardc.loops import _has_scan
+
+    assert _has_scan(closed.jaxpr)  # (the scans are there, inside the step's calls)
+    assert restructure_loops(closed) is None
