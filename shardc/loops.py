@@ -305,10 +305,8 @@ def _run_scan(eqn: Any, split: _Split, invals: Sequence[Any]) -> list[Any]:
     sunk_made = {v for i in split.sunk for v in eqns[i].outvars}
     scanned = [v for v in dict.fromkeys(v for i in split.loop for v in _names(eqns[i].invars)) if v in stacked]
     ys = b.outs[nk:]
+    # (an output that is a scanned input or a hoisted per-trip value is that stacked value: not through the loop)
     ys_loop = [j for j, v in enumerate(ys) if isinstance(v, jcore.Literal) or (v not in stacked and v not in sunk_made)]
-    for j in ys_loop:  # (a scanned input or hoisted value the loop passes out as it is)
-        if not isinstance(ys[j], jcore.Literal) and ys[j] in stacked and ys[j] not in scanned:
-            scanned.append(ys[j])
     to_stack = [v for v in dict.fromkeys(v for i in split.sunk for v in _names(eqns[i].invars)) if v in loop_made]
     outer = {v: x for v, x in env.items() if v not in stacked}
 
@@ -339,9 +337,18 @@ def _run_scan(eqn: Any, split: _Split, invals: Sequence[Any]) -> list[Any]:
         [by_loop[j] if j in by_loop else env[v] for j, v in enumerate(ys)]
 
 
+def _splits(closed: jcore.ClosedJaxpr) -> tuple[jcore.ClosedJaxpr, dict[int, _Split]]:
+    """`closed` with its calls inlined (when a scan is inside one), and the split of each top-level scan that has
+    something to move (by the scan eqn's id)."""
+    flat = inline_calls(closed) if _has_calls(closed) else closed
+    return flat, {id(e): s for e in flat.jaxpr.eqns if e.primitive.name == "scan" and (s := _split_scan(e)) is not None}
+
+
 def loop_rewrites(closed: jcore.ClosedJaxpr) -> list[LoopRewrite]:
     """What `restructure_loops` would do to each top-level scan of `closed` (empty: nothing)."""
-    return [s.report for e in closed.jaxpr.eqns if e.primitive.name == "scan" and (s := _split_scan(e)) is not None]
+    if not _has_scan(closed.jaxpr):
+        return []
+    return [s.report for s in _splits(closed)[1].values()]
 
 
 def restructure_loops(closed: jcore.ClosedJaxpr) -> tuple[jcore.ClosedJaxpr, list[LoopRewrite]] | None:
@@ -353,8 +360,7 @@ def restructure_loops(closed: jcore.ClosedJaxpr) -> tuple[jcore.ClosedJaxpr, lis
 
     if not loop_rules_proved():
         return None  # (a rule it rests on is missing from the library or not proved: the loops stay as traced)
-    flat = inline_calls(closed) if _has_calls(closed) else closed
-    splits = {id(e): s for e in flat.jaxpr.eqns if e.primitive.name == "scan" and (s := _split_scan(e)) is not None}
+    flat, splits = _splits(closed)
     if not splits:
         return None
 

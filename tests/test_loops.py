@@ -257,3 +257,14 @@ def test_a_layer_scan_whose_weights_differ_every_trip_is_left_as_written():
 
     assert _has_scan(closed.jaxpr)  # (the scans are there, inside the step's calls)
     assert restructure_loops(closed) is None
+
+
+def test_a_scan_inside_a_jitted_function_is_found_and_reported():
+    """The step's scans inside a nested jax.jit (a call): inlined first, restructured, and `loop_rewrites` reports
+    the same."""
+    step, args = _lstm()
+    closed = jax.make_jaxpr(jax.jit(step))(*args)
+    assert not any(e.primitive.name == "scan" for e in closed.jaxpr.eqns)  # (all inside the call)
+    new, reports = restructure_loops(closed)
+    assert len(reports) == 4 and [r.describe() for r in loop_rewrites(closed)] == [r.describe() for r in reports]
+    _assert_same(closed, new, jax.tree.leaves(args))
