@@ -15,8 +15,8 @@ checked is the strategy search's on the program's mesh (`check_program(search=Tr
 `--pcg` too: the searched plan's PCG). With `--loops` the programs are drawn with more loops and shardc plans and
 runs them with their loops restructured (`shardc/loops.py`), checked as above against the program as written.
 Work runs in child processes of `--chunk` programs each (seeds `--seed`, `--seed`+1, ...; `--jobs` of them at
-once), so a crash inside XLA ends one chunk, not the soak: the program that was running is recorded as a crash and re-run alone to see whether it
-reproduces. No chunk starts after `--minutes`; the ones running then finish. A chunk that runs past
+once), so a crash inside XLA ends one chunk, not the soak: the program that was running is recorded as a crash
+and re-run alone to see whether it reproduces. No chunk starts after `--minutes`; the ones running then finish. A chunk that runs past
 CHUNK_TIMEOUT_S is a hang (recorded like a crash) — not the deadline's doing.
 
 Every failure is shrunk (fuzzlib.shrink_program) and appended to `--out` as one JSON line: kind

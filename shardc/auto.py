@@ -580,13 +580,10 @@ class AutoFunction:
                     # (pcg=True: the program with its loops restructured is searched too: loop_choice.py; not
                     # with a plan file, which pins the program's decisions)
                     program, the_plan, remat_choice, loops_choice = choose_loops(closed, plan_program)
-                    if program is not closed:  # (restructured or rematerialized: the plan's own graph)
-                        closed, graph = program, the_plan.graph
-                elif remat_choice is not None or not self.remat or self._search_resume is not None:
-                    the_plan = plan_of(closed, graph)
                 else:
-                    closed, the_plan, remat_choice = plan_program(closed)
-                    graph = the_plan.graph
+                    program, the_plan, remat_choice = plan_program(closed)
+                if program is not closed:  # (restructured or rematerialized: the plan's own graph)
+                    closed, graph = program, the_plan.graph
             # (the axis order counts: {data: 4, expert: 2} and {expert: 2, data: 4} lay devices out differently)
             if list(the_plan.mesh_sizes.items()) != list(mesh.shape.items()) and not is_abstract(the_plan.mesh) \
                     and not self._priced_only:

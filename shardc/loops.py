@@ -43,7 +43,7 @@ from jax._src import source_info_util
 from jax.extend import core as jcore
 
 from shardc.ir.build import call_jaxpr
-from shardc.ir.jaxpr_env import JaxprEnv
+from shardc.ir.jaxpr_env import JaxprEnv, open_jaxpr, retraced
 from shardc.remat import _bind, inline_calls
 
 __all__ = ["LoopRewrite", "restructure_loops", "loop_rewrites"]
@@ -82,6 +82,7 @@ class _Split:
     roots: set[int]  # sunk eqns summed over the trips (the trip axis added to their reduced dims)
     accumulators: dict[int, int]  # carry index -> the (sunk) eqn adding into it
     report: LoopRewrite
+    body: "_Body"
 
 
 def _source(eqn: Any) -> str:
@@ -242,7 +243,7 @@ def _split_scan(eqn: Any) -> _Split | None:
         # author loops to bound memory), left as written
         return None
     return _Split(sorted(hoisted), loop, sorted(sunk), roots, accumulators,
-                  LoopRewrite(_source(eqn), n_hoisted, n_sunk, len(accumulators)))
+                  LoopRewrite(_source(eqn), n_hoisted, n_sunk, len(accumulators)), b)
 
 
 def _summed_bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
@@ -277,7 +278,7 @@ def _run_scan(eqn: Any, split: _Split, invals: Sequence[Any]) -> list[Any]:
     """Scan `eqn` as its three parts, on its operands' values; its results in its order."""
     p = eqn.params
     closed = p["jaxpr"]
-    b = _Body(eqn)
+    b = split.body
     eqns = b.eqns
     nc, nk = p["num_consts"], p["num_carry"]
     xs_vars = closed.jaxpr.invars[nc + nk:]
@@ -371,8 +372,7 @@ def restructure_loops(closed: jcore.ClosedJaxpr) -> tuple[jcore.ClosedJaxpr, lis
             env.write(e.outvars, _run_scan(e, splits[id(e)], invals) if id(e) in splits else _bind(e, invals))
         return env.reads(flat.jaxpr.outvars)
 
-    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in flat.in_avals]
-    return jax.make_jaxpr(run)(*avals), [s.report for s in splits.values()]
+    return retraced(flat, run), [s.report for s in splits.values()]
 
 
 def _has_calls(closed: jcore.ClosedJaxpr) -> bool:
@@ -385,6 +385,6 @@ def _has_scan(jaxpr: Any) -> bool:
         if e.primitive.name == "scan":
             return True
         sub = call_jaxpr(e)
-        if sub is not None and _has_scan(sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub):
+        if sub is not None and _has_scan(open_jaxpr(sub)[0]):
             return True
     return False

@@ -35,7 +35,7 @@ from jax._src import source_info_util
 from jax.extend import core as jcore
 
 from shardc.ir.build import call_jaxpr
-from shardc.ir.jaxpr_env import JaxprEnv, open_jaxpr
+from shardc.ir.jaxpr_env import JaxprEnv, open_jaxpr, retraced
 
 __all__ = ["inlined_layer_groups", "POLICIES", "Layer", "layer_groups", "rematerialize", "inline_calls", "uses_own_remat",
            "without_own_remat"]
@@ -64,8 +64,7 @@ def inline_calls(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
     def run(*args: Any) -> list[Any]:
         return _eval(closed.jaxpr, closed.consts, args, source_info_util.NameStack())
 
-    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in closed.in_avals]
-    return jax.make_jaxpr(run)(*avals)
+    return retraced(closed, run)
 
 
 def _bind(eqn: Any, invals: Sequence[Any], prefix: Any = None) -> list[Any]:
@@ -372,5 +371,4 @@ def rematerialize(closed: jcore.ClosedJaxpr, policies: Mapping[str, str]) -> jco
                 env[var] = val
         return [read(v, True, None) for v in closed.jaxpr.outvars]
 
-    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in closed.in_avals]
-    return jax.make_jaxpr(run)(*avals)
+    return retraced(closed, run)

@@ -212,7 +212,8 @@ def test_flax_recurrent_layers_with_lengths_and_both_directions_compute_the_same
 def _fake_plan(t: float):
     from types import SimpleNamespace
 
-    return SimpleNamespace(search=SimpleNamespace(chosen=SimpleNamespace(score=SimpleNamespace(time=t, feasible=True))))
+    score = SimpleNamespace(time=t, peak=0.0, feasible=True)
+    return SimpleNamespace(search=SimpleNamespace(chosen=SimpleNamespace(score=score)))
 
 
 def test_choose_loops_runs_the_faster_program_and_survives_a_restructured_one_it_cannot_plan():

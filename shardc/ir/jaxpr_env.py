@@ -2,11 +2,13 @@
 plan's lowering, the search's remat, explicit-sharding rewriting, deferred weight gradients)."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+import jax
 
 from jax.extend import core as jcore
 
-__all__ = ["JaxprEnv", "open_jaxpr"]
+__all__ = ["JaxprEnv", "open_jaxpr", "retraced"]
 
 
 class JaxprEnv:
@@ -32,3 +34,10 @@ class JaxprEnv:
 def open_jaxpr(sub: Any) -> tuple[Any, Sequence[Any]]:
     """(jaxpr, consts) of a closed or open jaxpr."""
     return (sub.jaxpr, sub.consts) if isinstance(sub, jcore.ClosedJaxpr) else (sub, ())
+
+
+def retraced(closed: jcore.ClosedJaxpr, run: Callable[..., Any]) -> jcore.ClosedJaxpr:
+    """`run` (an interpreter of `closed`: its flat inputs in, its flat outputs out) traced on `closed`'s input
+    types, weak types kept."""
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in closed.in_avals]
+    return jax.make_jaxpr(run)(*avals)

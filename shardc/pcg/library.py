@@ -5,11 +5,12 @@ from __future__ import annotations
 import functools
 from importlib import resources
 from pathlib import Path
+from typing import Sequence
 
 from shardc.pcg.lang import Rule, parse_rules
 
 __all__ = ["library_rules", "generated_rules", "all_rules", "data_path", "LIBRARY_FILE", "GENERATED_FILE", "LOOP_RULES",
-           "loop_rules_proved"]
+           "loop_rules_proved", "rules_proved"]
 
 LIBRARY_FILE = "library.rules"
 GENERATED_FILE = "generated.rules"
@@ -44,9 +45,15 @@ def all_rules() -> list[Rule]:
     return library_rules() + generated_rules()
 
 
-def loop_rules_proved() -> bool:
-    """Whether every rule of `LOOP_RULES` is in the library and proved (the proof record)."""
+def rules_proved(names: Sequence[str]) -> bool:
+    """Whether every rule named is in the library and proved (the proof record): what a rewrite resting on them
+    asks before it runs."""
     from shardc.pcg.verify import verify_rule
 
     by_name = {r.name: r for r in library_rules()}
-    return all(n in by_name and verify_rule(by_name[n]).proved for n in LOOP_RULES)
+    return all(n in by_name and verify_rule(by_name[n]).proved for n in names)
+
+
+def loop_rules_proved() -> bool:
+    """Whether every rule of `LOOP_RULES` (`shardc.loops`) is in the library and proved."""
+    return rules_proved(LOOP_RULES)

@@ -12,6 +12,7 @@ from jax.extend import core as jcore
 from annotations.errors import ShardingError
 from shardc.loops import LoopRewrite, restructure_loops
 from shardc.search.driver import NoPlanFits
+from shardc.search.remat_choice import _score
 
 __all__ = ["LoopChoice", "choose_loops"]
 
@@ -45,8 +46,9 @@ class LoopChoice:
 
 
 def _time(plan: Any) -> float:
-    score = plan.search.chosen.score
-    return score.time if score.feasible else float("inf")
+    """The searched plan's simulated step, inf when it does not fit."""
+    t, _, fits = _score(plan)
+    return t if fits else float("inf")
 
 
 def choose_loops(closed: jcore.ClosedJaxpr, plan_program: PlanProgram
